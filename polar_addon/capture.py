@@ -1,0 +1,162 @@
+"""Capture records: one per model call, the unit everything downstream reads.
+
+A record holds the full (expanded) token arrays. The trace store may write prompts compactly
+(a reference to the previous call plus a tail), but every reader hands back records with full
+arrays, so nothing downstream ever sees the compact form.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from polar_addon.canonical import CanonicalRequest, Completion
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a call belongs to. ``session_id`` is always set (generated when the client gave none)."""
+
+    session_id: str
+    task_id: str | None = None
+    group_id: str | None = None
+    sample_index: int | None = None
+    # Where session_id came from: proxy_auth, header, api_key, generated.
+    source: str = "generated"
+
+
+@dataclass
+class CaptureRecord:
+    record_id: str
+    session_id: str
+    seq: int  # 0-based call number within the session, in the order the proxy received calls
+    api: str  # openai_chat | anthropic_messages | openai_responses | gemini
+    status: str  # "ok" or "failed"
+    task_id: str | None = None
+    group_id: str | None = None
+    sample_index: int | None = None
+    harness: str | None = None  # the client's User-Agent
+    requested_model: str | None = None
+    served_model: str | None = None
+    engine: str | None = None
+    started_at: float = 0.0  # unix seconds: request received by the proxy
+    engine_latency_s: float | None = None
+    finished_at: float = 0.0  # unix seconds: record made (before the response leaves the proxy)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | None = None
+    weight_version: str | None = None
+    # JSON text of the canonical request's messages / tools / tool_choice, and of the response message.
+    messages_json: str = "[]"
+    tools_json: str = "[]"
+    tool_choice_json: str = "null"
+    response_json: str = "null"
+    error: str | None = None  # why a failed call failed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return orjson.loads(self.messages_json)
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return orjson.loads(self.tools_json)
+
+    @property
+    def response_message(self) -> dict[str, Any] | None:
+        return orjson.loads(self.response_json)
+
+
+def new_record_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _request_fields(request: CanonicalRequest) -> dict[str, Any]:
+    s = request.sampling
+    return dict(
+        requested_model=request.model,
+        temperature=s.effective_temperature(),
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        messages_json=orjson.dumps(request.messages).decode(),
+        tools_json=orjson.dumps(request.tools).decode(),
+        tool_choice_json=orjson.dumps(request.tool_choice).decode(),
+    )
+
+
+def record_ok(
+    *,
+    identity: Identity,
+    seq: int,
+    request: CanonicalRequest,
+    completion: Completion,
+    harness: str | None,
+    started_at: float,
+    engine_latency_s: float,
+) -> CaptureRecord:
+    return CaptureRecord(
+        record_id=new_record_id(),
+        session_id=identity.session_id,
+        task_id=identity.task_id,
+        group_id=identity.group_id,
+        sample_index=identity.sample_index,
+        seq=seq,
+        api=request.api,
+        status="ok",
+        harness=harness,
+        served_model=completion.served_model,
+        engine=completion.engine,
+        started_at=started_at,
+        engine_latency_s=engine_latency_s,
+        finished_at=time.time(),
+        prompt_ids=list(completion.prompt_ids),
+        response_ids=list(completion.response_ids),
+        logprobs=list(completion.logprobs),
+        finish_reason=completion.finish_reason,
+        matched_stop=completion.matched_stop,
+        weight_version=completion.weight_version,
+        response_json=orjson.dumps(asdict(completion.message)).decode(),
+        **_request_fields(request),
+    )
+
+
+def record_failed(
+    *,
+    identity: Identity,
+    seq: int,
+    api: str,
+    request: CanonicalRequest | None,
+    error: str,
+    harness: str | None,
+    started_at: float,
+) -> CaptureRecord:
+    """A failed call is recorded (so no call disappears) but never becomes training data."""
+    fields = _request_fields(request) if request is not None else {}
+    return CaptureRecord(
+        record_id=new_record_id(),
+        session_id=identity.session_id,
+        task_id=identity.task_id,
+        group_id=identity.group_id,
+        sample_index=identity.sample_index,
+        seq=seq,
+        api=api,
+        status="failed",
+        harness=harness,
+        started_at=started_at,
+        finished_at=time.time(),
+        error=error,
+        **fields,
+    )
