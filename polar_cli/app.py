@@ -1,0 +1,41 @@
+"""The `polar` command line: a thin Typer shell over polar_addon and polar_cli's pure modules.
+
+Each command group lives in its own module; this file only assembles them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(
+    name="polar",
+    help="Train unmodified coding agents with RL: capture token-exact model calls through the polar "
+    "mitmproxy addon, build trajectories from the Parquet shards, and train with TRL's GRPOTrainer.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer into."),
+    seed: int = typer.Option(0, help="Weight-init seed; the same seed gives the same files."),
+) -> None:
+    """Build a tiny random-init Qwen3 model with a local BPE tokenizer and ChatML tool template (offline)."""
+    from polar_cli.tiny_model import build_tiny_model
+
+    path = build_tiny_model(out_dir, seed=seed)
+    typer.echo(f"tiny model written to {path}")
+
+
+# Command groups register below (one line each).
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
