@@ -18,6 +18,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _root() -> None:
+    """polar: capture, build, train."""
+
+
 @app.command("tiny-model")
 def tiny_model(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer into."),
