@@ -78,3 +78,11 @@ def encode_sse(event: StreamEvent) -> bytes:
     data = event.data if isinstance(event.data, str) else orjson.dumps(event.data).decode()
     head = f"event: {event.event}\n" if event.event else ""
     return f"{head}data: {data}\n\n".encode()
+
+
+def all_providers() -> list[Provider]:
+    """Every provider, in routing order (a request goes to the first whose ``route`` matches)."""
+    # Imported here: the provider modules import this package's types.
+    from polar_addon.providers import anthropic_messages, openai_chat
+
+    return [openai_chat.PROVIDER, anthropic_messages.PROVIDER]

@@ -1,0 +1,108 @@
+"""Helpers shared by the provider translators: validation, system-prompt hygiene, stream chunking."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterator
+
+import orjson
+
+from polar_addon.canonical import CanonicalRequest, PolarError
+
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+
+# Streamed text and JSON are cut into pieces of this many characters so a client sees a real
+# stream; fixed so the same completion always yields the same events.
+STREAM_PIECE_CHARS = 16
+
+
+def invalid(message: str) -> PolarError:
+    return PolarError(400, "invalid_request", message)
+
+
+def require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    return body
+
+
+def require_str(body: dict[str, Any], key: str) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not value:
+        raise invalid(f"'{key}' is required and must be a non-empty string")
+    return value
+
+
+def opt_number(body: dict[str, Any], key: str) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(f"'{key}' must be a number")
+    return float(value)
+
+
+def opt_int(body: dict[str, Any], key: str, minimum: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"'{key}' must be an integer")
+    if minimum is not None and value < minimum:
+        raise invalid(f"'{key}' must be >= {minimum}")
+    return value
+
+
+def opt_bool(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise invalid(f"'{key}' must be a boolean")
+    return value
+
+
+def stop_list(value: Any, key: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise invalid(f"'{key}' must be a string or a list of strings")
+
+
+def strip_billing_header(text: str) -> str:
+    """Drop Claude Code's per-request attribution line: its hash changes every call and would
+    break the token-prefix relation that prefix merging relies on."""
+    if BILLING_HEADER_PREFIX not in text:
+        return text
+    lines = text.split("\n")
+    return "\n".join(line for line in lines if not line.lstrip().startswith(BILLING_HEADER_PREFIX))
+
+
+def system_message(parts: list[str]) -> list[dict[str, Any]]:
+    """The single leading system message (or none) built from the request's system texts."""
+    parts = [p for p in (strip_billing_header(p).strip("\n") for p in parts) if p.strip()]
+    return [{"role": "system", "content": "\n\n".join(parts)}] if parts else []
+
+
+def drop_tool_choice_without_tools(request: CanonicalRequest) -> CanonicalRequest:
+    # Engines reject tool_choice with no tools (Claude Code sends tools=[] on compaction turns).
+    if not request.tools:
+        request.tool_choice = None
+    return request
+
+
+def pieces(text: str, size: int = STREAM_PIECE_CHARS) -> Iterator[str]:
+    for start in range(0, len(text), size):
+        yield text[start : start + size]
+
+
+def compact_json(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def thinking_signature(thinking: str) -> str:
+    """A stable stand-in for Anthropic's opaque thinking signature (clients echo it back; we ignore it)."""
+    return "polar-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
