@@ -1,0 +1,44 @@
+import base64
+
+import pytest
+
+from polar_addon import identity
+from polar_addon.canonical import PolarError
+
+
+def basic(user: str, password: str | None = None) -> str:
+    raw = user if password is None else f"{user}:{password}"
+    return "Basic " + base64.b64encode(raw.encode()).decode()
+
+
+def test_proxy_credentials_win_over_headers_and_keys():
+    ident = identity.resolve(basic("sess-1", "task=t1;group=g1;sample=3"),
+                             {"x-polar-session": "hdr", "authorization": "Bearer polar:key"}, "conn")
+    assert (ident.session_id, ident.task_id, ident.group_id, ident.sample_index, ident.source) == ("sess-1", "t1", "g1", 3, "proxy_auth")
+
+
+def test_proxy_user_alone_and_percent_encoding():
+    ident = identity.resolve(basic("my%20session"), {}, "conn")
+    assert ident.session_id == "my session" and ident.task_id is None
+
+
+def test_headers_then_api_key():
+    ident = identity.resolve(None, {"x-polar-session": "h", "x-polar-group": "g", "x-polar-sample": "0"}, "c")
+    assert (ident.session_id, ident.group_id, ident.sample_index, ident.source) == ("h", "g", 0, "header")
+    ident = identity.resolve(None, {"x-api-key": "polar:session=s9;task=t"}, "c")
+    assert (ident.session_id, ident.task_id, ident.source) == ("s9", "t", "api_key")
+    ident = identity.resolve(None, {"authorization": "Bearer polar:plain"}, "c")
+    assert ident.session_id == "plain"
+
+
+def test_ordinary_api_keys_are_never_an_identity():
+    ident = identity.resolve(None, {"authorization": "Bearer sk-secret", "x-api-key": "sk-ant-secret"}, "0123456789abcdef")
+    assert ident.source == "generated" and ident.session_id == "anon-0123456789ab"
+    assert "secret" not in ident.session_id
+
+
+@pytest.mark.parametrize("bad", ["session=s;colour=red", "session=s;sample=x"])
+def test_bad_fields_are_a_clear_400(bad):
+    with pytest.raises(PolarError) as info:
+        identity.resolve(None, {"authorization": f"Bearer polar:{bad}"}, "c")
+    assert info.value.status == 400 and "polar identity" in info.value.message
