@@ -1,0 +1,399 @@
+"""OpenAI Chat Completions translator: request normalization, renders checked by the official SDK."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletion
+
+from polar_addon.canonical import AssistantMessage, Completion, PolarError, ToolCall
+from polar_addon.providers import ResponseContext, Route, encode_sse
+from polar_addon.providers.openai_chat import PROVIDER
+
+GENERATE = Route(kind="generate")
+CTX = ResponseContext(response_id="chatcmpl-test1", created=1_700_000_000, model="qwen-test")
+ERROR_KINDS = [
+    "invalid_request",
+    "authentication",
+    "not_found",
+    "context_length_exceeded",
+    "overloaded",
+    "timeout",
+    "api_error",
+    "storage_unavailable",
+]
+
+
+def parse(**body: Any):
+    body.setdefault("model", "qwen-test")
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return PROVIDER.parse_request(body, GENERATE)
+
+
+def completion(
+    content: str | None = "Hello! How can I help you today?",
+    reasoning: str | None = None,
+    tool_calls: list[ToolCall] | None = None,
+    finish_reason: str = "stop",
+    cached_tokens: int | None = None,
+) -> Completion:
+    return Completion(
+        message=AssistantMessage(content=content, reasoning=reasoning, tool_calls=tool_calls or []),
+        finish_reason=finish_reason,  # type: ignore[arg-type]
+        prompt_ids=list(range(11)),
+        response_ids=list(range(7)),
+        logprobs=[-0.5] * 7,
+        served_model="qwen-test",
+        engine="test",
+        cached_tokens=cached_tokens,
+    )
+
+
+def client_for(status: int, body: bytes, content_type: str) -> openai.OpenAI:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=body, headers={"content-type": content_type})
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    return openai.OpenAI(api_key="x", base_url="http://polar.test/v1", http_client=http, max_retries=0)
+
+
+def sse_bytes(events, prefix: bytes = b"") -> bytes:
+    return prefix + b"".join(encode_sse(e) for e in events)
+
+
+def sdk_stream_final(request, comp: Completion, prefix: bytes = b"") -> dict[str, Any]:
+    """What the SDK accumulates from our SSE bytes: openai.Stream decodes them, the SDK's own
+    ChatCompletionStreamState merges the chunks (its parse step is skipped: it refuses length stops)."""
+    client = client_for(200, sse_bytes(PROVIDER.render_stream(request, comp, CTX), prefix), "text/event-stream")
+    stream = client.chat.completions.create(model="qwen-test", messages=[{"role": "user", "content": "hi"}], stream=True)
+    state = ChatCompletionStreamState()
+    for chunk in stream:
+        state.handle_chunk(chunk)
+    snapshot = state.current_completion_snapshot.model_dump(exclude_unset=True)
+    snapshot["choices"][0]["message"].pop("parsed", None)
+    for call in snapshot["choices"][0]["message"].get("tool_calls") or []:
+        # Fields of the accumulator's own (delta index, parse result), not of a message.
+        del call["index"], call["function"]["parsed_arguments"]
+    return ChatCompletion.model_validate(snapshot).model_dump()
+
+
+# ---------------------------------------------------------------- routes
+
+
+@pytest.mark.parametrize(
+    "method,path,expected",
+    [
+        ("POST", "/v1/chat/completions", "generate"),
+        ("POST", "/openai/v1/chat/completions?api-version=1", "generate"),
+        ("post", "/chat/completions", "generate"),
+        ("GET", "/v1/chat/completions", None),
+        ("POST", "/v1/responses", None),
+        ("POST", "/v1/messages", None),
+        ("POST", "/v1/chat/completions/extra", None),
+    ],
+)
+def test_route(method: str, path: str, expected: str | None) -> None:
+    route = PROVIDER.route(method, path)
+    assert (route.kind if route else None) == expected
+
+
+# ---------------------------------------------------------------- parse_request
+
+
+def test_system_and_developer_merge_into_one_leading_system_message() -> None:
+    req = parse(
+        messages=[
+            {"role": "system", "content": "You are a coder."},
+            {"role": "user", "content": "hi"},
+            {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "assistant", "content": "ok"},
+        ]
+    )
+    assert req.messages == [
+        {"role": "system", "content": "You are a coder.\n\nBe brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    assert req.api == "openai_chat" and req.model == "qwen-test"
+
+
+def test_no_system_message_when_none_given() -> None:
+    assert parse().messages == [{"role": "user", "content": "hi"}]
+
+
+def test_billing_header_line_is_stripped_from_system() -> None:
+    system = "x-anthropic-billing-header: cc_version=2.1.197; cc_entrypoint=cli; cch=ab12;\nYou are a coder."
+    assert parse(messages=[{"role": "system", "content": system}, {"role": "user", "content": "q"}]).messages[0] == {
+        "role": "system",
+        "content": "You are a coder.",
+    }
+
+
+def test_text_parts_joined_and_images_rejected() -> None:
+    req = parse(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert req.messages == [{"role": "user", "content": "a\nb"}]
+    with pytest.raises(PolarError) as err:
+        parse(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}])
+    assert err.value.status == 400 and err.value.kind == "invalid_request" and "image_url" in err.value.message
+
+
+def test_multi_turn_with_tool_calls_and_results() -> None:
+    req = parse(
+        messages=[
+            {"role": "user", "content": "list files"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "use ls",
+                "tool_calls": [
+                    {"id": "call_a", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}},
+                    # Some clients echo arguments back as an object.
+                    {"id": "call_b", "type": "function", "function": {"name": "read", "arguments": {"path": "x"}}},
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_a", "content": "a.txt"},
+            {"role": "tool", "tool_call_id": "call_b", "content": [{"type": "text", "text": "X"}]},
+        ]
+    )
+    assert req.messages[1] == {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "use ls",
+        "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "read", "arguments": '{"path":"x"}'}},
+        ],
+    }
+    assert req.messages[2:] == [
+        {"role": "tool", "tool_call_id": "call_a", "content": "a.txt"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "X"},
+    ]
+
+
+def test_tools_and_tool_choice() -> None:
+    tool = {"type": "function", "function": {"name": "bash", "description": "run", "parameters": {"type": "object"}}}
+    req = parse(tools=[tool], tool_choice="required")
+    assert req.tools == [tool] and req.tool_choice == "required"
+    named = parse(tools=[tool], tool_choice={"type": "function", "function": {"name": "bash"}})
+    assert named.tool_choice == {"type": "function", "function": {"name": "bash"}}
+    assert parse(tools=[], tool_choice="auto").tool_choice is None
+    assert parse(tool_choice="auto").tool_choice is None
+    with pytest.raises(PolarError):
+        parse(tools=[{"type": "custom", "custom": {"name": "x"}}])
+
+
+def test_sampling_stream_and_extras() -> None:
+    req = parse(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        max_tokens=50,
+        max_completion_tokens=64,
+        stop="END",
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        reasoning_effort="low",
+    )
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.seed) == (0.7, 0.9, 20, 64, ["END"], 3)
+    assert req.stream is True and req.extra == {"include_usage": True, "reasoning_effort": "low"}
+    assert parse(max_tokens=50, stop=["a", "b"]).sampling.max_tokens == 50
+    assert parse(stop=["a", "b"]).sampling.stop == ["a", "b"]
+    assert parse().extra["include_usage"] is False and parse().stream is False
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [1, 2],
+        {"model": "m"},
+        {"model": "m", "messages": []},
+        {"model": "m", "messages": "hi"},
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"model": "m", "messages": [{"role": "wizard", "content": "hi"}]},
+        {"model": "m", "messages": [{"role": "tool", "content": "x"}]},
+        {"model": "m", "messages": [{"role": "user", "content": 5}]},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": [1]},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"},
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"},
+    ],
+)
+def test_invalid_requests_are_400(body: Any) -> None:
+    with pytest.raises(PolarError) as err:
+        PROVIDER.parse_request(body, GENERATE)
+    assert err.value.status == 400 and err.value.kind == "invalid_request" and err.value.message
+
+
+# ---------------------------------------------------------------- render_response
+
+
+@pytest.mark.parametrize(
+    "finish,has_tools,expected",
+    [
+        ("stop", False, "stop"),
+        ("length", False, "length"),
+        ("tool_calls", True, "tool_calls"),
+        ("stop", True, "tool_calls"),
+        ("content_filter", False, "content_filter"),
+        ("abort", False, "length"),
+        ("length", True, "length"),
+    ],
+)
+def test_finish_reason_mapping(finish: str, has_tools: bool, expected: str) -> None:
+    calls = [ToolCall("call_1", "bash", "{}")] if has_tools else None
+    body = PROVIDER.render_response(parse(), completion(tool_calls=calls, finish_reason=finish), CTX)
+    assert ChatCompletion.model_validate(body).choices[0].finish_reason == expected
+
+
+def test_non_stream_render_is_a_valid_chat_completion() -> None:
+    calls = [ToolCall("call_1", "bash", '{"cmd": "ls"}'), ToolCall("call_2", "read", '{"path": "a"}')]
+    comp = completion(content=None, reasoning="think", tool_calls=calls, finish_reason="tool_calls", cached_tokens=4)
+    parsed = ChatCompletion.model_validate(PROVIDER.render_response(parse(), comp, CTX))
+    assert (parsed.id, parsed.created, parsed.model, parsed.object) == (
+        "chatcmpl-test1",
+        1_700_000_000,
+        "qwen-test",
+        "chat.completion",
+    )
+    msg = parsed.choices[0].message
+    assert msg.content is None and msg.role == "assistant"
+    assert [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls] == [
+        ("call_1", "bash", '{"cmd": "ls"}'),
+        ("call_2", "read", '{"path": "a"}'),
+    ]
+    assert msg.model_extra["reasoning_content"] == "think"
+    assert parsed.usage.prompt_tokens == 11 and parsed.usage.completion_tokens == 7 and parsed.usage.total_tokens == 18
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 4
+
+
+def test_text_turn_without_content_has_empty_string() -> None:
+    body = PROVIDER.render_response(parse(), completion(content=None, finish_reason="length"), CTX)
+    assert body["choices"][0]["message"]["content"] == ""
+
+
+# ---------------------------------------------------------------- streaming through the SDK
+
+
+STREAM_CASES = {
+    "text": completion(content="The quick brown fox jumps over the lazy dog. " * 3),
+    "reasoning_text": completion(content="Answer: 42.", reasoning="Six times seven is forty-two, so the answer is 42."),
+    "parallel_tools": completion(
+        content="Let me look.",
+        tool_calls=[
+            ToolCall("call_1", "bash", '{"command": "ls -la /tmp && cat /etc/hostname"}'),
+            ToolCall("call_2", "read_file", '{"path": "src/main.py", "limit": 200}'),
+        ],
+        finish_reason="tool_calls",
+        cached_tokens=8,
+    ),
+    "tool_only": completion(content=None, tool_calls=[ToolCall("call_9", "noop", "")], finish_reason="tool_calls"),
+    "empty": completion(content="", finish_reason="length"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_CASES))
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_sdk_accumulated_stream_equals_non_stream(name: str, include_usage: bool) -> None:
+    comp = STREAM_CASES[name]
+    request = parse(stream=True, stream_options={"include_usage": include_usage})
+    expected = ChatCompletion.model_validate(PROVIDER.render_response(request, comp, CTX)).model_dump()
+    if not include_usage:
+        expected["usage"] = None
+    assert sdk_stream_final(request, comp) == expected
+
+
+def test_stream_shape() -> None:
+    comp = STREAM_CASES["parallel_tools"]
+    request = parse(stream=True, stream_options={"include_usage": True})
+    events = list(PROVIDER.render_stream(request, comp, CTX))
+    assert all(e.event is None for e in events)
+    assert events[-1].data == "[DONE]"
+    chunks = [e.data for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 18
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+    deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]
+    tool_deltas = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    heads = [d for d in tool_deltas if "id" in d]
+    assert [(h["index"], h["id"], h["function"]) for h in heads] == [
+        (0, "call_1", {"name": "bash", "arguments": ""}),
+        (1, "call_2", {"name": "read_file", "arguments": ""}),
+    ]
+    # Arguments arrive in several fragments that concatenate back to the exact text.
+    fragments = [d["function"]["arguments"] for d in tool_deltas if d["index"] == 0 and "id" not in d]
+    assert len(fragments) > 1 and "".join(fragments) == '{"command": "ls -la /tmp && cat /etc/hostname"}'
+    # Deterministic: the same completion renders the same events.
+    assert [e.data for e in PROVIDER.render_stream(request, comp, CTX)] == [e.data for e in events]
+
+
+def test_text_is_streamed_in_several_pieces() -> None:
+    events = list(PROVIDER.render_stream(parse(stream=True), STREAM_CASES["text"], CTX))
+    contents = [e.data["choices"][0]["delta"].get("content") for e in events[1:-2]]
+    assert len(contents) > 3 and "".join(contents) == STREAM_CASES["text"].message.content
+    assert "usage" not in events[0].data
+
+
+def test_keepalive_is_ignored_by_the_sdk() -> None:
+    keep = PROVIDER.keepalive()
+    assert keep.startswith(b":") and keep.endswith(b"\n\n")
+    request = parse(stream=True)
+    comp = STREAM_CASES["reasoning_text"]
+    assert sdk_stream_final(request, comp, prefix=keep * 3) == sdk_stream_final(request, comp)
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("kind", ERROR_KINDS)
+def test_every_error_kind_has_an_openai_type(kind: str) -> None:
+    body = PROVIDER.render_error(PolarError(500, kind, "boom"))
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] == "boom"
+    assert err["type"] in {"invalid_request_error", "authentication_error", "server_error"}
+
+
+def test_context_length_error_code() -> None:
+    err = PROVIDER.render_error(PolarError(400, "context_length_exceeded", "too long"))["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "context_length_exceeded")
+
+
+@pytest.mark.parametrize(
+    "status,kind,exc",
+    [
+        (400, "invalid_request", openai.BadRequestError),
+        (401, "authentication", openai.AuthenticationError),
+        (404, "not_found", openai.NotFoundError),
+        (503, "overloaded", openai.InternalServerError),
+    ],
+)
+def test_sdk_reads_error_bodies(status: int, kind: str, exc: type[Exception]) -> None:
+    error = PolarError(status, kind, f"{kind} happened")
+    client = client_for(status, orjson.dumps(PROVIDER.render_error(error)), "application/json")
+    with pytest.raises(exc) as raised:
+        client.chat.completions.create(model="qwen-test", messages=[{"role": "user", "content": "hi"}])
+    assert raised.value.body == PROVIDER.render_error(error)["error"]
+    assert raised.value.code == raised.value.body["code"] and raised.value.type == raised.value.body["type"]
+
+
+def test_sdk_raises_on_stream_error_event() -> None:
+    head = list(PROVIDER.render_stream(parse(stream=True), completion(), CTX))[:2]
+    error = PolarError(503, "overloaded", "engine unavailable")
+    body = sse_bytes(head + list(PROVIDER.render_stream_error(error, CTX)))
+    client = client_for(200, body, "text/event-stream")
+    with pytest.raises(openai.APIError, match="engine unavailable"):
+        with client.chat.completions.stream(model="qwen-test", messages=[{"role": "user", "content": "hi"}]) as stream:
+            stream.get_final_completion()
+
+
+def test_no_count_tokens_route() -> None:
+    with pytest.raises(NotImplementedError):
+        PROVIDER.render_count_tokens(3)
