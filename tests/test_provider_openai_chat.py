@@ -70,7 +70,9 @@ def sdk_stream_final(request, comp: Completion, prefix: bytes = b"") -> dict[str
     """What the SDK accumulates from our SSE bytes: openai.Stream decodes them, the SDK's own
     ChatCompletionStreamState merges the chunks (its parse step is skipped: it refuses length stops)."""
     client = client_for(200, sse_bytes(PROVIDER.render_stream(request, comp, CTX), prefix), "text/event-stream")
-    stream = client.chat.completions.create(model="qwen-test", messages=[{"role": "user", "content": "hi"}], stream=True)
+    stream = client.chat.completions.create(
+        model="qwen-test", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
     state = ChatCompletionStreamState()
     for chunk in stream:
         state.handle_chunk(chunk)

@@ -10,7 +10,12 @@ from typing import Any, Iterator
 
 import orjson
 
-from polar_addon.canonical import CanonicalRequest, Completion, PolarError, SamplingParams
+from polar_addon.canonical import (
+    CanonicalRequest,
+    Completion,
+    PolarError,
+    SamplingParams,
+)
 from polar_addon.providers import ResponseContext, Route, StreamEvent
 from polar_addon.providers.common import (
     compact_json,
@@ -37,7 +42,12 @@ PROMPT_TOO_LONG = "prompt is too long"
 # Claude Code 2.1.x validates GET /api/claude_code/policy_limits against
 # {restrictions: record<{allowed}>, compliance_taints[], monitoring_notice|null, defaults{}} and uses
 # exactly this value as its built-in "no restrictions" answer.
-POLICY_LIMITS_BODY: dict[str, Any] = {"restrictions": {}, "compliance_taints": [], "monitoring_notice": None, "defaults": {}}
+POLICY_LIMITS_BODY: dict[str, Any] = {
+    "restrictions": {},
+    "compliance_taints": [],
+    "monitoring_notice": None,
+    "defaults": {},
+}
 # GET /api/claude_code/settings is parsed as {uuid, checksum, settings: record}; empty settings
 # means "no managed settings" and is applied as such.
 REMOTE_SETTINGS_BODY: dict[str, Any] = {
@@ -132,7 +142,9 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
             args = block.get("input", {})
             if not isinstance(args, dict):
                 raise invalid(f"{where}: tool_use input must be an object")
-            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": compact_json(args)}})
+            calls.append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": compact_json(args)}}
+            )
         else:
             raise _unsupported(kind, where)
     msg: dict[str, Any] = {"role": "assistant", "content": BLOCK_SEPARATOR.join(texts) if texts else None}
@@ -219,6 +231,12 @@ def _thinking(raw: Any) -> bool | None:
     raise invalid("'thinking.type' must be 'enabled', 'adaptive' or 'disabled'")
 
 
+def _stop_sequences(raw: Any) -> list[str]:
+    if isinstance(raw, str):
+        raise invalid("'stop_sequences' must be a list of strings")
+    return stop_list(raw, "stop_sequences")
+
+
 def tool_use_id(call_id: str) -> str:
     return call_id if call_id.startswith(TOOL_ID_PREFIX) else TOOL_ID_PREFIX + call_id
 
@@ -276,7 +294,9 @@ def _content_blocks(completion: Completion) -> list[dict[str, Any]]:
     if msg.content:
         blocks.append({"type": "text", "text": msg.content})
     for call in msg.tool_calls:
-        blocks.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": tool_input(call.arguments)})
+        blocks.append(
+            {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": tool_input(call.arguments)}
+        )
     return blocks
 
 
@@ -310,14 +330,16 @@ class AnthropicMessagesProvider:
                 top_p=opt_number(body, "top_p"),
                 top_k=opt_int(body, "top_k"),
                 max_tokens=max_tokens,
-                stop=stop_list(body.get("stop_sequences"), "stop_sequences"),
+                stop=_stop_sequences(body.get("stop_sequences")),
             ),
             stream=opt_bool(body, "stream"),
             enable_thinking=_thinking(body.get("thinking")),
         )
         return drop_tool_choice_without_tools(request)
 
-    def render_response(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> dict[str, Any]:
+    def render_response(
+        self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext
+    ) -> dict[str, Any]:
         reason, sequence = stop_reason(request, completion)
         return {
             "id": ctx.response_id,
@@ -330,7 +352,9 @@ class AnthropicMessagesProvider:
             "usage": _usage(completion, completion.completion_tokens),
         }
 
-    def render_stream(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> Iterator[StreamEvent]:
+    def render_stream(
+        self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext
+    ) -> Iterator[StreamEvent]:
         def event(kind: str, **fields: Any) -> StreamEvent:
             return StreamEvent({"type": kind, **fields}, event=kind)
 
@@ -348,10 +372,18 @@ class AnthropicMessagesProvider:
         for index, block in enumerate(_content_blocks(completion)):
             kind = block["type"]
             if kind == "thinking":
-                yield event("content_block_start", index=index, content_block={"type": "thinking", "thinking": "", "signature": ""})
+                yield event(
+                    "content_block_start",
+                    index=index,
+                    content_block={"type": "thinking", "thinking": "", "signature": ""},
+                )
                 for piece in pieces(block["thinking"]):
                     yield event("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": piece})
-                yield event("content_block_delta", index=index, delta={"type": "signature_delta", "signature": block["signature"]})
+                yield event(
+                    "content_block_delta",
+                    index=index,
+                    delta={"type": "signature_delta", "signature": block["signature"]},
+                )
             elif kind == "text":
                 yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
                 for piece in pieces(block["text"]):
@@ -360,7 +392,9 @@ class AnthropicMessagesProvider:
                 head = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
                 yield event("content_block_start", index=index, content_block=head)
                 for piece in pieces(compact_json(block["input"])):
-                    yield event("content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": piece})
+                    yield event(
+                        "content_block_delta", index=index, delta={"type": "input_json_delta", "partial_json": piece}
+                    )
             yield event("content_block_stop", index=index)
         reason, sequence = stop_reason(request, completion)
         yield event(

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from polar_addon.canonical import CanonicalRequest, Completion, PolarError, SamplingParams
+from polar_addon.canonical import (
+    CanonicalRequest,
+    Completion,
+    PolarError,
+    SamplingParams,
+)
 from polar_addon.providers import ResponseContext, Route, StreamEvent
 from polar_addon.providers.common import (
     compact_json,
@@ -181,7 +186,9 @@ class OpenAIChatProvider:
         )
         return drop_tool_choice_without_tools(request)
 
-    def render_response(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> dict[str, Any]:
+    def render_response(
+        self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext
+    ) -> dict[str, Any]:
         msg = completion.message
         message: dict[str, Any] = {"role": "assistant", "content": _content(completion)}
         if msg.reasoning:
@@ -200,7 +207,9 @@ class OpenAIChatProvider:
             "usage": _usage(completion),
         }
 
-    def render_stream(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> Iterator[StreamEvent]:
+    def render_stream(
+        self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext
+    ) -> Iterator[StreamEvent]:
         include_usage = bool(request.extra.get("include_usage"))
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> StreamEvent:
