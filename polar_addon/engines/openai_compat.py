@@ -1,0 +1,347 @@
+"""HTTP plumbing shared by the SGLang and vLLM engines: both speak OpenAI Chat Completions with
+token-id extras, so the request body, the error mapping and the response parsing live here.
+
+``parse_chat_response`` is a pure function over the engine's JSON: it accepts every shape SGLang
+(0.5.x releases and main-branch naming) and vLLM (>= 0.10.2) use for token ids and logprobs, and
+refuses (502 api_error) any answer whose ids and logprobs do not line up, because a Completion
+with misaligned arrays would silently poison training data.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
+from polar_addon.tool_parsing import new_call_id
+
+_CONTEXT_LENGTH_RE = re.compile(
+    r"context length|context window|maximum model length|max_model_len|prompt is too long|too many tokens",
+    re.IGNORECASE,
+)
+_FINISH_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "function_call": "tool_calls",
+    "content_filter": "content_filter",
+    "abort": "abort",
+}
+
+
+def chat_body(request: CanonicalRequest, model: str) -> dict[str, Any]:
+    """The engine-neutral part of the /v1/chat/completions body (non-streaming, logprobs on)."""
+    sampling = request.sampling
+    body: dict[str, Any] = {"model": model, "messages": request.messages}
+    if request.tools:
+        body["tools"] = request.tools
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
+    for key in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+        value = getattr(sampling, key)
+        if value is not None:
+            body[key] = value
+    if sampling.stop:
+        body["stop"] = list(sampling.stop)
+    if request.enable_thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": request.enable_thinking}
+    body["logprobs"] = True
+    body["stream"] = False
+    return body
+
+
+def engine_error(status: int, content: bytes) -> PolarError:
+    """Map an engine's HTTP error answer to a PolarError, keeping the engine's message."""
+    message = error_message(content) or f"engine answered HTTP {status}"
+    if status == 503:
+        return PolarError(503, "overloaded", f"engine busy: {message}")
+    if status >= 500:
+        return PolarError(502, "api_error", f"engine error {status}: {message}")
+    if _CONTEXT_LENGTH_RE.search(message):
+        return PolarError(400, "context_length_exceeded", message)
+    return PolarError(400, "invalid_request", message)
+
+
+def error_message(content: bytes) -> str:
+    """The message of an error body: vLLM ``{"error": {...}}``, SGLang ``ErrorResponse``, FastAPI ``detail``."""
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content.decode("utf-8", "replace").strip()[:2000]
+    if isinstance(data, dict):
+        inner = data.get("error")
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+        if isinstance(inner, str):
+            return inner
+        if data.get("message"):
+            return str(data["message"])
+        if "detail" in data:
+            detail = data["detail"]
+            return detail if isinstance(detail, str) else orjson.dumps(detail).decode()
+    return orjson.dumps(data).decode()[:2000]
+
+
+class HTTPEngine:
+    """An OpenAI-compatible engine server reached over HTTP with one pooled client."""
+
+    kind = "http"
+
+    def __init__(self, url: str, timeout_s: float = 900.0) -> None:
+        self.url = url.rstrip("/")
+        self.name = f"{self.kind}:{self.url}"
+        self.timeout_s = timeout_s
+        self._client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+        self._model: str | None = None
+
+    async def request_json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        try:
+            if body is None:
+                response = await self._client.request(method, path)
+            else:
+                response = await self._client.request(
+                    method, path, content=orjson.dumps(body), headers={"content-type": "application/json"}
+                )
+        except httpx.ConnectTimeout as exc:
+            raise PolarError(503, "overloaded", f"engine {self.url} unreachable: connect timeout") from exc
+        except httpx.TimeoutException as exc:
+            raise PolarError(504, "timeout", f"engine {self.url} did not answer within {self.timeout_s:g} s") from exc
+        except httpx.TransportError as exc:
+            raise PolarError(503, "overloaded", f"engine {self.url} unreachable: {exc!r}") from exc
+        if response.status_code >= 400:
+            raise engine_error(response.status_code, response.content)
+        try:
+            return orjson.loads(response.content)
+        except orjson.JSONDecodeError as exc:
+            raise PolarError(502, "api_error", f"engine {self.url} answered non-JSON: {response.content[:200]!r}") from exc
+
+    async def served_model(self) -> str:
+        """The engine's served model name (vLLM rejects any other), read once from /v1/models."""
+        if self._model is None:
+            data = await self.request_json("GET", "/v1/models")
+            try:
+                self._model = str(data["data"][0]["id"])
+            except (KeyError, IndexError, TypeError) as exc:
+                raise PolarError(502, "api_error", f"engine {self.url} /v1/models lists no model") from exc
+        return self._model
+
+    def extra_body(self) -> dict[str, Any]:
+        """Engine-specific request fields asking for token ids."""
+        return {}
+
+    async def complete(self, request: CanonicalRequest) -> Completion:
+        body = chat_body(request, await self.served_model())
+        body.update(self.extra_body())
+        data = await self.request_json("POST", "/v1/chat/completions", body)
+        parsed = parse_chat_response(data)
+        return parsed.to_completion(engine=self.name, default_model=self._model or request.model)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+@dataclass
+class ParsedChat:
+    message: AssistantMessage
+    finish_reason: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    served_model: str | None
+    matched_stop: str | None
+    weight_version: str | None
+    cached_tokens: int | None
+
+    def to_completion(self, *, engine: str, default_model: str) -> Completion:
+        return Completion(
+            message=self.message,
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            logprobs=self.logprobs,
+            served_model=self.served_model or default_model,
+            engine=engine,
+            matched_stop=self.matched_stop,
+            weight_version=self.weight_version,
+            cached_tokens=self.cached_tokens,
+        )
+
+
+def _bad(message: str) -> PolarError:
+    return PolarError(502, "api_error", f"malformed engine answer: {message}")
+
+
+def _int_list(value: Any, what: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise _bad(f"{what} is not a list of token ids")
+    return value
+
+
+def _float_list(values: list[Any], what: str) -> list[float]:
+    out: list[float] = []
+    for v in values:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise _bad(f"{what} holds a non-number logprob {v!r}")
+        out.append(float(v))
+    return out
+
+
+def _first_of_nested(value: Any, what: str) -> list[int] | None:
+    """sglext ids: a flat list (one prompt) or a list per choice; take choice 0."""
+    if value is None:
+        return None
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        value = value[0]
+    return _int_list(value, what)
+
+
+def _tool_calls(raw: Any) -> list[ToolCall]:
+    if not raw:
+        return []
+    if not isinstance(raw, list):
+        raise _bad("message.tool_calls is not a list")
+    calls: list[ToolCall] = []
+    for item in raw:
+        fn = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"tool call without a function name: {item!r}")
+        arguments = fn.get("arguments")
+        if arguments is None:
+            arguments = "{}"
+        elif not isinstance(arguments, str):
+            # SGLang's FunctionResponse allows an object; the canonical form is JSON text.
+            arguments = orjson.dumps(arguments).decode()
+        calls.append(ToolCall(id=item.get("id") or new_call_id(), name=fn["name"], arguments=arguments))
+    return calls
+
+
+def parse_chat_response(data: Any) -> ParsedChat:
+    """Read a non-streaming chat completion with token ids from SGLang or vLLM.
+
+    Prompt ids: ``choices[0].prompt_token_ids`` (SGLang), ``choices[0].input_token_ids``,
+    top-level ``prompt_token_ids`` (vLLM), ``sglext.input_ids``.
+    Response ids: ``choices[0].response_token_ids`` (SGLang 0.5.23), ``choices[0].token_ids``
+    (vLLM, SGLang main), ``sglext.output_ids[0]``, else the ids inside
+    ``choices[0].meta_info.output_token_logprobs`` ``[logprob, id, text]`` triples.
+    Logprobs: the triples when present (they carry their own ids, which must equal the response
+    ids), else ``choices[0].logprobs.content[].logprob`` (must have one entry per id).
+    """
+    if not isinstance(data, dict):
+        raise _bad("not a JSON object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise _bad("no choices")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise _bad("choices[0].message missing")
+    meta = choice.get("meta_info") if isinstance(choice.get("meta_info"), dict) else {}
+    sglext = data.get("sglext") if isinstance(data.get("sglext"), dict) else {}
+
+    prompt_ids = (
+        _int_list(choice.get("prompt_token_ids"), "choices[0].prompt_token_ids")
+        or _int_list(choice.get("input_token_ids"), "choices[0].input_token_ids")
+        or _int_list(data.get("prompt_token_ids"), "prompt_token_ids")
+        or _first_of_nested(sglext.get("input_ids"), "sglext.input_ids")
+    )
+    if not prompt_ids:
+        raise _bad("no prompt token ids (is the engine new enough to return them?)")
+
+    explicit_ids = None
+    for key in ("response_token_ids", "token_ids"):
+        if choice.get(key) is not None:
+            explicit_ids = _int_list(choice[key], f"choices[0].{key}")
+            break
+    if explicit_ids is None:
+        explicit_ids = _first_of_nested(sglext.get("output_ids"), "sglext.output_ids")
+
+    triples = meta.get("output_token_logprobs")
+    meta_ids: list[int] | None = None
+    meta_logprobs: list[float] | None = None
+    if triples is not None:
+        if not isinstance(triples, list) or not all(isinstance(t, list) and len(t) >= 2 for t in triples):
+            raise _bad("meta_info.output_token_logprobs is not a list of [logprob, id, text]")
+        meta_ids = _int_list([t[1] for t in triples], "meta_info.output_token_logprobs ids")
+        meta_logprobs = _float_list([t[0] for t in triples], "meta_info.output_token_logprobs")
+
+    content_logprobs: list[float] | None = None
+    lp_block = choice.get("logprobs")
+    if isinstance(lp_block, dict) and isinstance(lp_block.get("content"), list):
+        entries = lp_block["content"]
+        if not all(isinstance(e, dict) and "logprob" in e for e in entries):
+            raise _bad("choices[0].logprobs.content entries without logprob")
+        content_logprobs = _float_list([e["logprob"] for e in entries], "choices[0].logprobs.content")
+
+    if explicit_ids is not None:
+        response_ids = explicit_ids
+        if meta_ids is not None:
+            if meta_ids != explicit_ids:
+                raise _bad("meta_info.output_token_logprobs ids differ from the response token ids")
+            logprobs = meta_logprobs
+        elif content_logprobs is not None:
+            logprobs = content_logprobs
+        else:
+            raise _bad("no logprobs (was logprobs=true honoured?)")
+    elif meta_ids is not None:
+        response_ids, logprobs = meta_ids, meta_logprobs
+    else:
+        raise _bad("no response token ids")
+    assert logprobs is not None
+    if len(logprobs) != len(response_ids):
+        raise _bad(f"{len(logprobs)} logprobs for {len(response_ids)} response tokens")
+
+    raw_finish = choice.get("finish_reason")
+    if raw_finish is None and isinstance(meta.get("finish_reason"), dict):
+        raw_finish = meta["finish_reason"].get("type")
+    finish = _FINISH_REASONS.get(str(raw_finish))
+    if finish is None:
+        raise _bad(f"unknown finish_reason {raw_finish!r}")
+    calls = _tool_calls(message.get("tool_calls"))
+    if calls and finish == "stop":
+        # vLLM reports "stop" for a named tool_choice; the call is what the client must act on.
+        finish = "tool_calls"
+
+    matched = choice.get("matched_stop", choice.get("stop_reason"))
+    if matched is None and isinstance(meta.get("finish_reason"), dict):
+        matched = meta["finish_reason"].get("matched")
+    # An int is a stop token id (EOS or stop_token_ids), not a stop string.
+    matched_stop = matched if isinstance(matched, str) else None
+
+    weight_version = meta.get("weight_version")
+    metadata = data.get("metadata")
+    if weight_version is None and isinstance(metadata, dict):
+        weight_version = metadata.get("weight_version")
+    cached = meta.get("cached_tokens")
+    usage = data.get("usage")
+    if cached is None and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens_details"), dict):
+        cached = usage["prompt_tokens_details"].get("cached_tokens")
+
+    reasoning = message.get("reasoning_content")
+    if reasoning is None:
+        reasoning = message.get("reasoning")
+    content = message.get("content")
+    return ParsedChat(
+        message=AssistantMessage(
+            content=content if isinstance(content, str) else None,
+            reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
+            tool_calls=calls,
+        ),
+        finish_reason=finish,
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        logprobs=logprobs,
+        served_model=data.get("model") if isinstance(data.get("model"), str) else None,
+        matched_stop=matched_stop,
+        weight_version=str(weight_version) if weight_version is not None else None,
+        cached_tokens=int(cached) if isinstance(cached, int) else None,
+    )

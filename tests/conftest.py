@@ -1,0 +1,93 @@
+"""Session-wide fixtures shared by every test module.
+
+- ``tiny_model_dir`` (session): a directory holding the tiny random Qwen3 model and its tokenizer
+  (``polar_cli.tiny_model.build_tiny_model``), built once per test session (~7 s) into a temp dir.
+- ``vllm_server`` (session, tests using it must be marked ``@pytest.mark.vllm``): a real vLLM CPU
+  server (``.venv-vllm``) serving that model as ``VLLM_MODEL_NAME``; yields its base URL
+  ``http://127.0.0.1:PORT`` (append ``/v1`` for OpenAI clients). Started on first use (~60-75 s),
+  stopped at session end. It runs with ``--enable-auto-tool-choice --tool-call-parser hermes`` and
+  ``--logprobs-mode processed_logprobs``, so reported logprobs are log_softmax(logits / T).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+VLLM_MODEL_NAME = "tiny"
+VLLM_START_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from polar_cli.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"vLLM CPU venv missing ({VLLM_PYTHON}); run `make engine`")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+    cmd = [
+        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(tiny_model_dir), "--served-model-name", VLLM_MODEL_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--gpu-memory-utilization", "0.2", "--dtype", "float32", "--max-model-len", "100000",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--logprobs-mode", "processed_logprobs",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        # Own process group: vLLM forks an engine-core process that must stop with it.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + VLLM_START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM not ready after {VLLM_START_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    # Whatever of the group is still alive (the engine-core child, a hung server) goes now.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
