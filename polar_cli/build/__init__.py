@@ -1,0 +1,153 @@
+"""Trajectory reconstruction: captured calls -> training traces (pure; no store, no I/O).
+
+``build_traces(records, sessions, strategy)`` takes ``CaptureRecord``s (any order) and
+``SessionInfo``s and returns ``Trace`` rows plus reconstruction stats. ``prefix_merging``
+(default) merges each session's calls into chains (``prefix_merging.py``); ``per_request`` makes
+one trace per call. Stats always come from the chain analysis, so a per_request build still says
+how well the same calls would merge.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Iterable, Mapping
+
+from polar_addon.capture import CaptureRecord
+from polar_cli.build.breaks import Break, BreakCause, Decode
+from polar_cli.build.per_request import per_request_trace
+from polar_cli.build.prefix_merging import Chain, detect_eot, reconstruct_session, unusable_reason
+from polar_cli.build.rewards import RewardDecision, SessionInfo, decide_reward
+from polar_cli.build.stats import BuildReport, BuildStats, harness_name
+from polar_cli.build.traces import make_trace
+from polar_cli.trace import Trace
+
+STRATEGIES = ("prefix_merging", "per_request")
+
+__all__ = [
+    "STRATEGIES",
+    "Break",
+    "BreakCause",
+    "BuildReport",
+    "BuildResult",
+    "BuildStats",
+    "Chain",
+    "SessionBuild",
+    "SessionInfo",
+    "build_session",
+    "build_traces",
+    "detect_eot",
+]
+
+
+@dataclass
+class SessionBuild:
+    session_id: str
+    harness: str
+    chains: list[Chain]
+    traces: list[Trace]
+    stats: BuildStats
+
+
+@dataclass
+class BuildResult:
+    traces: list[Trace]
+    report: BuildReport
+    eot_token_id: int | None
+
+
+def chain_trace(chain: Chain, session: SessionInfo | None, harness: str, decision: RewardDecision) -> Trace:
+    merged = chain.merge()
+    first = chain.records[0]
+    return make_trace(
+        trace_id=f"{first.session_id}:c{chain.index}",
+        session_id=first.session_id,
+        session=session,
+        harness=harness,
+        chain_index=chain.index,
+        records=chain.records,
+        completion_ids=merged.completion_ids,
+        loss_mask=merged.loss_mask,
+        logprobs=merged.logprobs,
+        decision=decision,
+        break_cause=chain.end.cause.value if chain.end else None,
+    )
+
+
+def build_session(
+    session_id: str,
+    records: list[CaptureRecord],
+    session: SessionInfo | None,
+    *,
+    strategy: str = "prefix_merging",
+    eot_token_id: int | None,
+    decode: Decode | None = None,
+    broadcast_rewards: bool = False,
+) -> SessionBuild:
+    """One session's records (sorted by seq) -> its chains, traces and stats."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+    unusable = Counter(reason for r in records if (reason := unusable_reason(r)) is not None)
+    usable = [r for r in records if unusable_reason(r) is None]
+    harness = harness_name(session.harness if session else None, next((r.harness for r in records if r.harness), None))
+    chains = reconstruct_session(usable, eot=eot_token_id, decode=decode)
+    if strategy == "prefix_merging":
+        decisions = [decide_reward(session, c.records, per_request=False, broadcast=False) for c in chains]
+        traces = [chain_trace(c, session, harness, d) for c, d in zip(chains, decisions)]
+    else:
+        decisions = [decide_reward(session, [r], per_request=True, broadcast=broadcast_rewards) for r in usable]
+        traces = [per_request_trace(r, session, harness, d) for r, d in zip(usable, decisions)]
+    stats = BuildStats(
+        sessions=1,
+        calls=len(usable),
+        calls_unusable=dict(unusable),
+        chains_total=len(chains),
+        chains_full=sum(c.end is None for c in chains),
+        chains_truncated=sum(c.end is not None for c in chains),
+        calls_merged=len(usable) - len(chains),
+        retokenized_merges=sum(c.retokenized for c in chains),
+        breaks=dict(Counter(c.start.cause.value for c in chains if c.start is not None)),
+        traces=len(traces),
+        traces_trainable=sum(t.trainable for t in traces),
+        reward_reasons=dict(Counter(d.reason for d in decisions)),
+        prompt_tokens=sum(len(t.prompt_ids) for t in traces),
+        completion_tokens=sum(len(t.completion_ids) for t in traces),
+        trainable_tokens=sum(sum(t.loss_mask) for t in traces),
+    )
+    return SessionBuild(session_id, harness, chains, traces, stats)
+
+
+def build_traces(
+    records: Iterable[CaptureRecord],
+    sessions: Mapping[str, SessionInfo] | Iterable[SessionInfo],
+    strategy: str = "prefix_merging",
+    *,
+    eot_token_id: int | None = None,
+    decode: Decode | None = None,
+    broadcast_rewards: bool = False,
+) -> BuildResult:
+    """Build every session's traces. ``eot_token_id`` None: detected from the records.
+
+    ``decode`` (token ids -> text, e.g. a tokenizer's ``decode``) lets break classification tell
+    a re-tokenization (merged) from a template re-render (a break); without it such mismatches
+    break the chain with cause ``other``.
+    """
+    by_id = sessions if isinstance(sessions, Mapping) else {s.session_id: s for s in sessions}
+    ordered = sorted(records, key=lambda r: (r.session_id, r.seq))
+    eot = eot_token_id if eot_token_id is not None else detect_eot(ordered)
+    traces: list[Trace] = []
+    report = BuildReport()
+    for session_id, group in groupby(ordered, key=lambda r: r.session_id):
+        built = build_session(
+            session_id,
+            list(group),
+            by_id.get(session_id),
+            strategy=strategy,
+            eot_token_id=eot,
+            decode=decode,
+            broadcast_rewards=broadcast_rewards,
+        )
+        traces.extend(built.traces)
+        report.add(built.harness, built.stats)
+    return BuildResult(traces, report, eot)

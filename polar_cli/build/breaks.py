@@ -1,0 +1,236 @@
+"""Why a session's calls do not form one token stream: every chain boundary gets a cause.
+
+A session would ideally be one chain: each call's prompt extends the previous call's prompt by
+the sampled turn and what came back (tool results, template glue). Every extra chain is a break
+of that ideal, and each gets one cause:
+
+- ``template_rerender``: the messages carry the same conversation, but the chat template rendered
+  tokens differently from what the model saw or sampled (Qwen3 drops earlier ``<think>`` blocks
+  once a new user turn arrives; some templates drop them from every history turn).
+- ``retokenized``: the same text came back as different token ids (BPE merges the sampled
+  ``[fish, ing]`` into ``[fishing]``). Inside a chain this is merged (the paper's rule) and only
+  counted; it breaks a chain only when it changed the previous *prompt*.
+- ``rewritten_history``: the harness changed the conversation: compaction, a dropped or edited
+  turn, a re-serialized tool call, reasoning not sent back, changed tool definitions.
+- ``sub_agent``: a different conversation in the same session (another system prompt, or another
+  first user message while the parent conversation carries on). It starts a chain but cuts none.
+- ``other``: a repeated prompt (retry, parallel sample), a changed sampling temperature, no
+  end-of-turn token to split at, or a token mismatch that cannot be told apart without a tokenizer.
+
+Classification reads the canonical messages only when tokens disagree, so clean merges never
+parse JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Callable, Sequence
+
+from polar_addon.capture import CaptureRecord
+
+Decode = Callable[[Sequence[int]], str]
+
+
+class BreakCause(StrEnum):
+    TEMPLATE_RERENDER = "template_rerender"
+    RETOKENIZED = "retokenized"
+    REWRITTEN_HISTORY = "rewritten_history"
+    SUB_AGENT = "sub_agent"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Break:
+    cause: BreakCause
+    detail: str
+
+
+def _text(content: Any) -> str:
+    """Message content as plain text (canonical content is a string; tolerate part lists)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _history_calls(message: dict[str, Any]) -> list[tuple[str, str]]:
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or call
+        calls.append((fn.get("name", ""), fn.get("arguments", "")))
+    return calls
+
+
+def turn_rewrites(sampled: dict[str, Any] | None, history: dict[str, Any] | None) -> list[str]:
+    """How the assistant turn the harness sent back differs from the one the model produced.
+
+    ``sampled`` is the record's response message (``AssistantMessage`` as a dict); ``history`` is
+    the OpenAI-style assistant message at the same place in the next call's messages. Tool-call
+    ids are ignored: harnesses and providers legitimately re-key them.
+    """
+    if sampled is None:
+        return []
+    if history is None:
+        return ["the sampled assistant turn is missing from the next call's messages"]
+    if history.get("role") != "assistant":
+        return [f"the next call has a {history.get('role')!r} message where the sampled assistant turn belongs"]
+    changes = []
+    reasoning = sampled.get("reasoning") or ""
+    sent_reasoning = history.get("reasoning_content") or history.get("reasoning") or ""
+    if reasoning and not sent_reasoning:
+        changes.append("the harness did not send the sampled reasoning back")
+    elif reasoning != sent_reasoning:
+        changes.append("reasoning text changed")
+    if _text(sampled.get("content")) != _text(history.get("content")):
+        changes.append("content text changed")
+    sampled_calls = [(c.get("name", ""), c.get("arguments", "")) for c in sampled.get("tool_calls") or []]
+    sent_calls = _history_calls(history)
+    if [n for n, _ in sampled_calls] != [n for n, _ in sent_calls]:
+        changes.append("tool calls changed")
+    elif [a for _, a in sampled_calls] != [a for _, a in sent_calls]:
+        changes.append("tool-call arguments re-serialized")
+    return changes
+
+
+def _first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def classify_rerendered_turn(
+    prev: CaptureRecord,
+    nxt: CaptureRecord,
+    copy: Sequence[int],
+    decode: Decode | None,
+) -> Break | None:
+    """The next prompt re-rendered ``prev``'s sampled turn as ``copy`` != ``prev.response_ids``.
+
+    Returns None when only the tokenization differs (same text): the chain merges, as in the
+    paper. Otherwise the break that stops the merge.
+    """
+    sampled = prev.response_ids
+    prev_messages = prev.messages
+    next_messages = nxt.messages
+    history = next_messages[len(prev_messages)] if len(next_messages) > len(prev_messages) else None
+    changes = turn_rewrites(prev.response_message, history)
+    where = (
+        f"call {nxt.seq} re-rendered call {prev.seq}'s turn as {len(copy)} tokens "
+        f"(sampled {len(sampled)}; first difference at token {_first_difference(copy, sampled)})"
+    )
+    if changes:
+        return Break(BreakCause.REWRITTEN_HISTORY, f"{'; '.join(changes)}: {where}")
+    if decode is None:
+        return Break(
+            BreakCause.OTHER,
+            f"{where}; without a tokenizer a re-tokenization cannot be told from a template re-render",
+        )
+    if decode(copy) == decode(sampled):
+        return None
+    return Break(BreakCause.TEMPLATE_RERENDER, f"the template rendered the same message differently: {where}")
+
+
+@dataclass
+class _Conversation:
+    """The parts of a call's request that identify which conversation it belongs to."""
+
+    messages: list[dict[str, Any]]
+    tools_json: str
+
+    @property
+    def system(self) -> str | None:
+        if self.messages and self.messages[0].get("role") in ("system", "developer"):
+            return _text(self.messages[0].get("content"))
+        return None
+
+    @property
+    def first_user(self) -> str | None:
+        for message in self.messages:
+            if message.get("role") == "user":
+                return _text(message.get("content"))
+        return None
+
+
+def conversation(record: CaptureRecord) -> _Conversation:
+    return _Conversation(record.messages, record.tools_json)
+
+
+@dataclass(frozen=True)
+class Relation:
+    """How a call that extends no chain relates to an earlier chain of its session."""
+
+    brk: Break
+    related: int | None  # index of the related chain (None: unrelated)
+    # sub-agent vs compaction when only the first user message differs: decided by whether the
+    # related chain carries on after this call (a parent does; a compacted conversation does not).
+    decide_by_continuation: bool = False
+
+
+def relate_new_chain(
+    record: CaptureRecord,
+    tips: list[CaptureRecord],
+    decode: Decode | None,
+) -> Relation:
+    """Classify why ``record`` extends none of the chains whose last calls are ``tips``."""
+    new = conversation(record)
+    if not new.messages:
+        return Relation(Break(BreakCause.OTHER, f"call {record.seq} has no captured messages"), None)
+    olds = [conversation(tip) for tip in tips]
+
+    # Same messages up to the tip's, same tools: the tokens changed under an unchanged history.
+    continuing = [
+        i for i, old in enumerate(olds)
+        if old.tools_json == new.tools_json and new.messages[: len(old.messages)] == old.messages
+    ]
+    if continuing:
+        i = max(continuing, key=lambda j: (len(olds[j].messages), j))
+        tip = tips[i]
+        at = _first_difference(tip.prompt_ids, record.prompt_ids)
+        where = f"call {record.seq} changes call {tip.seq}'s prompt at token {at} of {len(tip.prompt_ids)}"
+        if decode is not None and decode(record.prompt_ids).startswith(decode(tip.prompt_ids)):
+            return Relation(Break(BreakCause.RETOKENIZED, f"same text, new token ids: {where}"), i)
+        return Relation(
+            Break(BreakCause.TEMPLATE_RERENDER, f"same messages rendered into different tokens: {where}"), i
+        )
+
+    same_root = [
+        i for i, old in enumerate(olds)
+        if old.system == new.system and old.first_user == new.first_user
+    ]
+    if same_root:
+        def common(j: int) -> int:
+            return _first_difference(olds[j].messages, new.messages)
+
+        i = max(same_root, key=lambda j: (common(j), j))
+        old = olds[i]
+        if old.tools_json != new.tools_json and new.messages[: len(old.messages)] == old.messages:
+            detail = "tool definitions changed"
+        else:
+            k = common(i)
+            detail = (
+                f"messages differ from call {tips[i].seq}'s at message {k} "
+                f"({len(old.messages)} messages before, {len(new.messages)} now)"
+            )
+        return Relation(Break(BreakCause.REWRITTEN_HISTORY, detail), i)
+
+    same_system = [i for i, old in enumerate(olds) if old.system == new.system]
+    if same_system:
+        i = same_system[-1]
+        return Relation(
+            Break(BreakCause.REWRITTEN_HISTORY, f"first user message replaced (compaction) after call {tips[i].seq}"),
+            i,
+            decide_by_continuation=True,
+        )
+    return Relation(Break(BreakCause.SUB_AGENT, "a different system prompt"), None)
+
+
+def sub_agent_break(parent_seq: int) -> Break:
+    return Break(
+        BreakCause.SUB_AGENT,
+        f"same system prompt, another first user message; the parent conversation continues at call {parent_seq}",
+    )

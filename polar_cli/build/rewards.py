@@ -1,0 +1,86 @@
+"""Which reward each trace carries and whether it may be trained on (the paper's rules, §1.5/§2.5).
+
+- A completed session's outcome reward (``rewards["reward"]``) goes to each of its traces.
+- An agent timeout (session status ``timeout``) or an agent that exited with an error
+  (``agent_error``) is the policy's failure: reward 0, still trainable.
+- A trace containing a tool call the parser could not read is the policy's failure too:
+  reward 0, still trainable, whatever the session scored.
+- An infrastructure failure (status ``error``), a session still ``running``, a session with no
+  outcome reward yet, and a call with no session row are not training data: ``trainable`` is
+  False and the trace's loss mask is all 0 (the trainer never sees a token of it).
+- ``per_request`` traces get the session reward only with ``broadcast`` (``--broadcast-rewards``):
+  the paper saw reward hacking when one outcome credits every request. Without it they carry
+  reward 0.0 and ``trainable`` False: there is no per-call reward to give them, and NaN or a
+  made-up value must never reach a trainer. Such builds serve inspection and SFT-style use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from polar_addon.capture import CaptureRecord
+
+# Literal tool-call markup left in content means the engine's parser did not recognize the call.
+_UNPARSED_MARKERS = ("<tool_call>", "<function=")
+
+AGENT_FAILURES = {"timeout": "agent timeout", "agent_error": "agent error"}
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What reconstruction needs to know about a session (built from the store's session rows)."""
+
+    session_id: str
+    task_id: str | None = None
+    group_id: str | None = None
+    sample_index: int | None = None
+    harness: str | None = None
+    status: str = "completed"  # completed | timeout | error | agent_error | running
+    reward: float | None = None  # the outcome reward; None until an evaluator posted one
+
+
+@dataclass(frozen=True)
+class RewardDecision:
+    reward: float
+    trainable: bool
+    reason: str  # why, in words (counted in the build stats)
+
+
+def invalid_tool_call(record: CaptureRecord) -> bool:
+    """Polar's training_filter: a tool_calls finish with no parsed call, or call markup left in text."""
+    message = record.response_message or {}
+    calls = message.get("tool_calls") or []
+    if record.finish_reason == "tool_calls" and not calls:
+        return True
+    content = message.get("content") or ""
+    return isinstance(content, str) and any(marker in content for marker in _UNPARSED_MARKERS)
+
+
+def decide_reward(
+    session: SessionInfo | None,
+    records: list[CaptureRecord],
+    *,
+    per_request: bool,
+    broadcast: bool,
+) -> RewardDecision:
+    """The reward and trainability of one trace built from ``records`` of ``session``."""
+    if session is None:
+        return RewardDecision(0.0, False, "no session row")
+    if session.status == "error":
+        return RewardDecision(0.0, False, "infrastructure failure")
+    if session.status == "running":
+        return RewardDecision(0.0, False, "session still running")
+    if per_request and not broadcast:
+        return RewardDecision(0.0, False, "per-request trace without --broadcast-rewards")
+    if session.status in AGENT_FAILURES:
+        return RewardDecision(0.0, True, AGENT_FAILURES[session.status])
+    if session.status != "completed":
+        return RewardDecision(0.0, False, f"unknown session status {session.status!r}")
+    if session.reward is None:
+        return RewardDecision(0.0, False, "no outcome reward")
+    if not math.isfinite(session.reward):
+        return RewardDecision(0.0, False, "non-finite outcome reward")
+    if any(invalid_tool_call(r) for r in records):
+        return RewardDecision(0.0, True, "parser-invalid tool call")
+    return RewardDecision(float(session.reward), True, "outcome reward")
