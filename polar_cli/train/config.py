@@ -1,0 +1,73 @@
+"""Options of `polar train`, one dataclass (TRL's style); the Typer command only fills it in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class TrainConfig:
+    inputs: list[Path]  # raw capture shards or a built trace dataset (files or directories)
+    model: str  # HF model directory to start from
+    output: Path  # checkpoint directory written at the end (plus metrics.jsonl and the curves PNG)
+    strategy: str = "prefix_merging"  # trajectory builder when `inputs` are raw capture shards
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+    lr_scheduler: str = "constant"
+    warmup_ratio: float = 0.0
+    epochs: float = 1.0
+    max_steps: int = -1  # > 0 overrides epochs
+    groups_per_step: int = 4  # GRPO groups (tasks) whose traces make one optimizer step
+    grad_accum: int = 1  # micro-batches per optimizer step and process
+    num_iterations: int = 1  # optimizer steps taken on each step's batch (TRL's mu)
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.28
+    tis_cap: float = 2.0  # truncation of pi_theta / pi_behavior in the unclipped PPO branch
+    beta: float = 0.0  # KL coefficient against the starting model
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"  # "group": divide by the group's std; "none": raw LOO differences
+    drop_zero_advantage: bool = True  # skip traces whose advantage is exactly 0 (DAPO dynamic sampling)
+    max_length: int = 32768  # prompt + completion tokens; longer completions are clipped as a causal prefix
+    temperature: float | None = None  # must equal the capture temperature when given
+    lora_r: int = 0  # 0: full fine-tuning
+    lora_alpha: int = 0  # 0: 2 * lora_r
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    dtype: str = "auto"  # auto: bfloat16 on a GPU that supports it, float32 otherwise
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    resume: Path | None = None  # a checkpoint-N directory written by an earlier run
+    save_steps: int = 0  # > 0: write output/checkpoint-N every N steps (what --resume reads)
+    save_total_limit: int = 2
+    logging_steps: int = 1
+    plot: bool = True
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, not {self.loss_type!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.scale_rewards not in ("group", "none"):
+            raise ValueError(f"--scale-rewards must be 'group' or 'none', not {self.scale_rewards!r}")
+        if self.strategy not in ("per_request", "prefix_merging"):
+            raise ValueError(f"--strategy must be per_request or prefix_merging, not {self.strategy!r}")
+        for name in ("groups_per_step", "grad_accum", "num_iterations", "max_length", "logging_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0.0 <= self.epsilon_low < 1.0 or self.epsilon_high < 0.0:
+            raise ValueError("clip epsilons must satisfy 0 <= epsilon_low < 1 and epsilon_high >= 0")
+        if self.tis_cap <= 1.0 + self.epsilon_high:
+            raise ValueError(
+                f"--tis-cap ({self.tis_cap}) must exceed 1 + epsilon_high ({1 + self.epsilon_high}): "
+                "below that it would clip tokens the PPO clip already keeps"
+            )
+        if self.temperature is not None and self.temperature <= 0:
+            raise ValueError("--temperature must be > 0")
+        if self.lora_r < 0:
+            raise ValueError("--lora-r must be >= 0")

@@ -1,0 +1,249 @@
+"""Stored traces -> training rows: advantages, temperature check, length clipping, step partitions.
+
+Everything here is plain Python over ``Trace`` records; the trainer only pads what it gets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from polar_cli.train.advantages import group_key, session_advantages
+from polar_cli.trace import TRACE_SCHEMA, Trace, table_to_traces
+
+# A captured logprob is log p <= 0; engines round, so allow a hair above zero.
+_LOGPROB_SLACK = 1e-4
+
+
+@dataclass
+class TrainRow:
+    trace_id: str
+    session_id: str
+    group_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    advantage: float
+    session_reward: float
+    # 1 / (trainable rows of the session): summing it over a step's rows counts each session once.
+    session_weight: float
+    clipped: bool = False  # the completion was cut to fit max_length
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class TrainData:
+    rows: list[TrainRow]
+    groups: list[list[int]]  # row indices of each GRPO group, groups in sorted key order
+    group_keys: list[str]
+    temperature: float
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def max_completion_length(self) -> int:
+        return max((len(r.completion_ids) for r in self.rows), default=1)
+
+
+class TemperatureMismatch(ValueError):
+    """Training at another temperature than the capture would make every importance ratio wrong."""
+
+
+def resolve_temperature(traces: Sequence[Trace], requested: float | None) -> float:
+    """The one sampling temperature of the trainable traces; refuse mixtures and mismatches."""
+    seen = sorted({float(t.temperature) for t in traces if t.trainable})
+    if not seen:
+        raise ValueError("no trainable traces: nothing to train on")
+    if len(seen) > 1:
+        raise TemperatureMismatch(
+            f"traces were sampled at several temperatures {seen}; the trainer scales logits by one "
+            "temperature, so train each temperature's traces separately"
+        )
+    captured = seen[0]
+    if captured <= 0:
+        raise TemperatureMismatch(
+            f"traces were sampled greedily (temperature {captured}); greedy samples have no usable "
+            "behaviour logprobs for importance sampling"
+        )
+    if requested is not None and not math.isclose(requested, captured, rel_tol=0, abs_tol=1e-9):
+        raise TemperatureMismatch(
+            f"--temperature {requested} differs from the capture temperature {captured}: the importance "
+            "ratios would compare log-softmax at two temperatures. Drop --temperature or pass the capture value."
+        )
+    return captured
+
+
+def _check_logprobs(trace: Trace) -> None:
+    for i, (m, lp) in enumerate(zip(trace.loss_mask, trace.behavior_logprobs, strict=True)):
+        if m and (lp is None or not math.isfinite(lp) or lp > _LOGPROB_SLACK):
+            raise ValueError(
+                f"trace {trace.trace_id}: trainable token {i} has behaviour logprob {lp!r}; "
+                "every loss-mask-1 token needs the engine's finite logprob"
+            )
+
+
+def clip_to_length(trace: Trace, max_length: int) -> tuple[list[int], list[int], list[float], bool] | None:
+    """Cut the completion to a causal prefix so prompt + completion <= max_length.
+
+    The prompt is never left-trimmed: that would change every later token's context and so
+    invalidate the behaviour logprobs. A prompt that alone reaches max_length cannot be trained.
+    """
+    budget = max_length - len(trace.prompt_ids)
+    if budget <= 0:
+        return None
+    n = len(trace.completion_ids)
+    if n <= budget:
+        return list(trace.completion_ids), list(trace.loss_mask), list(trace.behavior_logprobs), False
+    return (
+        list(trace.completion_ids[:budget]),
+        list(trace.loss_mask[:budget]),
+        list(trace.behavior_logprobs[:budget]),
+        True,
+    )
+
+
+def prepare_rows(
+    traces: Iterable[Trace],
+    *,
+    max_length: int,
+    scale_rewards: str = "group",
+    drop_zero_advantage: bool = True,
+    temperature: float | None = None,
+) -> TrainData:
+    traces = list(traces)
+    temp = resolve_temperature(traces, temperature)
+    advantages = session_advantages(traces, scale_rewards)
+    stats = dict(
+        traces=len(traces),
+        untrainable=0,
+        overlong_prompt=0,
+        no_trainable_tokens=0,
+        zero_advantage=0,
+        clipped=0,
+        rows=0,
+    )
+    kept: list[tuple[Trace, tuple[list[int], list[int], list[float], bool]]] = []
+    for trace in sorted(traces, key=lambda t: (group_key(t), t.session_id, t.chain_index, t.trace_id)):
+        if not trace.trainable:
+            stats["untrainable"] += 1
+            continue
+        _check_logprobs(trace)
+        clipped = clip_to_length(trace, max_length)
+        if clipped is None:
+            stats["overlong_prompt"] += 1
+            continue
+        if not any(clipped[1]):
+            stats["no_trainable_tokens"] += 1
+            continue
+        if drop_zero_advantage and advantages[trace.session_id].advantage == 0.0:
+            stats["zero_advantage"] += 1
+            continue
+        kept.append((trace, clipped))
+
+    rows_per_session: dict[str, int] = {}
+    for trace, _ in kept:
+        rows_per_session[trace.session_id] = rows_per_session.get(trace.session_id, 0) + 1
+
+    rows: list[TrainRow] = []
+    group_index: dict[str, int] = {}
+    groups: list[list[int]] = []
+    for trace, (ids, mask, logprobs, was_clipped) in kept:
+        sa = advantages[trace.session_id]
+        rows.append(
+            TrainRow(
+                trace_id=trace.trace_id,
+                session_id=trace.session_id,
+                group_id=sa.group_id,
+                prompt_ids=list(trace.prompt_ids),
+                completion_ids=ids,
+                loss_mask=[int(m) for m in mask],
+                behavior_logprobs=[float(x) for x in logprobs],
+                advantage=sa.advantage,
+                session_reward=sa.reward,
+                session_weight=1.0 / rows_per_session[trace.session_id],
+                clipped=was_clipped,
+            )
+        )
+        stats["clipped"] += int(was_clipped)
+        if sa.group_id not in group_index:
+            group_index[sa.group_id] = len(groups)
+            groups.append([])
+        groups[group_index[sa.group_id]].append(len(rows) - 1)
+    stats["rows"] = len(rows)
+    stats["groups"] = len(groups)
+    stats["sessions"] = len(rows_per_session)
+    return TrainData(rows=rows, groups=groups, group_keys=list(group_index), temperature=temp, stats=stats)
+
+
+def partition_rows(lengths: Sequence[int], bins: int) -> list[list[int]]:
+    """Split row indices into ``bins`` lists of near-equal token totals (longest first, greedy).
+
+    Deterministic, so every process computes the same split of a step and takes its own share.
+    """
+    loads = [0] * bins
+    out: list[list[int]] = [[] for _ in range(bins)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        b = min(range(bins), key=lambda k: (loads[k], k))
+        out[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(b) for b in out]
+
+
+# --- input detection ------------------------------------------------------------------------------
+
+_TRACE_COLUMNS = {"trace_id", "prompt_ids", "completion_ids", "loss_mask", "behavior_logprobs"}
+
+
+def parquet_files(paths: Sequence[Path]) -> list[Path]:
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            files.extend(sorted(p.rglob("*.parquet")))
+        elif p.exists():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"{p} does not exist")
+    return files
+
+
+def is_trace_dataset(paths: Sequence[Path]) -> bool:
+    """True when the Parquet files hold built traces (TRACE_SCHEMA), False for raw capture shards."""
+    files = parquet_files(paths)
+    if not files:
+        return False
+    kinds = {_TRACE_COLUMNS <= set(pq.read_schema(f).names) for f in files}
+    if len(kinds) > 1:
+        raise ValueError("inputs mix built traces and raw capture shards; pass one kind")
+    return kinds.pop()
+
+
+def read_trace_dataset(paths: Sequence[Path]) -> list[Trace]:
+    files = parquet_files(paths)
+    traces: list[Trace] = []
+    for f in files:
+        table = pq.read_table(f)
+        missing = [n for n in TRACE_SCHEMA.names if n not in table.column_names]
+        if missing:
+            raise ValueError(f"{f}: trace dataset lacks columns {missing}")
+        traces.extend(table_to_traces(table.select(TRACE_SCHEMA.names)))
+    return traces
+
+
+def load_traces(paths: Sequence[Path], strategy: str) -> list[Trace]:
+    """Traces from a built dataset, or built on the fly from raw shards with ``polar build``'s code."""
+    if is_trace_dataset(paths):
+        return read_trace_dataset(paths)
+    from polar_cli.build import build_from_shards
+
+    return build_from_shards(paths, strategy).traces

@@ -1,0 +1,181 @@
+"""`polar train` end to end: traces -> rows -> TraceGRPOTrainer -> HF checkpoint, metrics, curves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from transformers import TrainerCallback
+
+from polar_cli.train.config import TrainConfig
+
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "training_curves.png"
+
+
+@dataclass
+class TrainResult:
+    output: Path
+    steps: int
+    stats: dict[str, int]
+    temperature: float
+    metrics_path: Path
+    plot_path: Path | None
+    train_seconds: float = 0.0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class MetricsFile(TrainerCallback):
+    """Appends every log (one per logging step) to metrics.jsonl, main process only."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        record = {"step": state.global_step, "epoch": state.epoch, **logs}
+        with self.path.open("ab") as f:
+            f.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+
+
+class RichProgress(TrainerCallback):
+    """One progress bar with the latest reward, loss, clip fraction and IS ratio."""
+
+    def __init__(self) -> None:
+        self.progress = None
+        self.task = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("[bold blue]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=state.max_steps, status="", completed=state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.update(self.task, completed=state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.progress is None or not logs or "loss" not in logs:
+            return
+        parts = [
+            f"{label} {logs[key]:.4g}"
+            for label, key in (
+                ("reward", "reward"),
+                ("loss", "loss"),
+                ("clip", "clip_ratio/region_mean"),
+                ("is", "is_ratio/mean"),
+            )
+            if logs.get(key) is not None
+        ]
+        self.progress.update(self.task, status="  ".join(parts))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
+    """Train from ``cfg.inputs`` (or from ``traces`` already in memory) and write ``cfg.output``."""
+    import time
+
+    from transformers import AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
+
+    from polar_cli.train.dataset import load_traces, prepare_rows
+    from polar_cli.train.trainer import TraceGRPOTrainer, build_grpo_config
+
+    cfg.validate()
+    if traces is None:
+        traces = load_traces(cfg.inputs, cfg.strategy)
+    data = prepare_rows(
+        traces,
+        max_length=cfg.max_length,
+        scale_rewards=cfg.scale_rewards,
+        drop_zero_advantage=cfg.drop_zero_advantage,
+        temperature=cfg.temperature,
+    )
+    cfg.output.mkdir(parents=True, exist_ok=True)
+    metrics_path = cfg.output / METRICS_FILE
+    if cfg.resume is None and metrics_path.exists():
+        metrics_path.unlink()
+
+    args = build_grpo_config(cfg, temperature=data.temperature, max_completion_length=data.max_completion_length)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    callbacks: list[TrainerCallback] = [MetricsFile(metrics_path)]
+    if cfg.progress:
+        callbacks.append(RichProgress())
+    trainer = TraceGRPOTrainer(
+        model=cfg.model,
+        args=args,
+        data=data,
+        groups_per_step=cfg.groups_per_step,
+        processing_class=tokenizer,
+        peft_config=_lora_config(cfg),
+        callbacks=callbacks,
+    )
+    trainer.remove_callback(PrinterCallback)
+    start = time.perf_counter()
+    output = trainer.train(resume_from_checkpoint=str(cfg.resume) if cfg.resume else None)
+    seconds = time.perf_counter() - start
+    save_checkpoint(trainer, tokenizer, cfg.output)
+
+    plot_path = None
+    if cfg.plot and trainer.accelerator.is_main_process and metrics_path.exists():
+        from polar_cli.train.plots import plot_curves
+
+        plot_path = plot_curves(metrics_path, cfg.output / CURVES_FILE)
+    return TrainResult(
+        output=cfg.output,
+        steps=trainer.state.global_step,
+        stats=data.stats,
+        temperature=data.temperature,
+        metrics_path=metrics_path,
+        plot_path=plot_path,
+        train_seconds=seconds,
+        summary=dict(output.metrics),
+    )
+
+
+def _lora_config(cfg: TrainConfig):
+    if cfg.lora_r == 0:
+        return None
+    from peft import LoraConfig
+
+    targets = cfg.lora_target_modules
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+        task_type="CAUSAL_LM",
+    )
+
+
+def save_checkpoint(trainer, tokenizer, out_dir: Path) -> None:
+    """Write a plain HF checkpoint (LoRA merged) that vLLM and SGLang load as is."""
+    from accelerate.utils import is_peft_model
+
+    trainer.accelerator.wait_for_everyone()
+    if not trainer.accelerator.is_main_process:
+        return
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if is_peft_model(model):
+        model = model.merge_and_unload()
+    # Training turns the KV cache off; the checkpoint is for inference.
+    model.config.use_cache = True
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
