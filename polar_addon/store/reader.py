@@ -1,0 +1,80 @@
+"""The one reader API: full records, sessions and rewards from a store's shards.
+
+Only complete shards are read (hidden temporary names are skipped). Records still in a running writer's
+journal become visible when their segment is sealed (at most ``shard_max_seconds`` later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from polar_addon.capture import CaptureRecord
+from polar_addon.store.compaction import expand_session
+from polar_addon.store.rewards import RewardRecord
+from polar_addon.store.sessions import SessionRecord, merge_sessions
+from polar_addon.store.shards import CALLS, REWARDS, SCHEMAS, SESSIONS, Output
+
+
+def shard_dataset(uri: str, kind: str = CALLS) -> ds.Dataset:
+    """A pyarrow dataset over one kind of shard (rows in stored, compact form)."""
+    out = Output.from_uri(uri)
+    return ds.dataset(out.list_shards(kind), schema=SCHEMAS[kind], format="parquet", filesystem=out.fs)
+
+
+def read_table(uri: str, kind: str = CALLS, columns: list[str] | None = None,
+               session_ids: Iterable[str] | None = None) -> pa.Table:
+    """Stored rows of one kind, in shard order (oldest first) then row order."""
+    dataset = shard_dataset(uri, kind)
+    where = None
+    if session_ids is not None:
+        where = pc.field("session_id").isin(pa.array(sorted(set(session_ids)), pa.string()))
+    return dataset.to_table(columns=columns, filter=where)
+
+
+def iter_records(uri: str, session_ids: Iterable[str] | None = None,
+                 include_failed: bool = True) -> Iterator[CaptureRecord]:
+    """Full records, one session at a time, sorted by (session_id, seq); memory stays per session."""
+    table = read_table(uri, CALLS, session_ids=session_ids)
+    if table.num_rows == 0:
+        return
+    table = table.sort_by([("session_id", "ascending"), ("seq", "ascending")])
+    sids = table.column("session_id").to_pylist()
+    start = 0
+    for end in range(1, len(sids) + 1):
+        if end < len(sids) and sids[end] == sids[start]:
+            continue
+        for record in expand_session(table.slice(start, end - start).to_pylist()):
+            if include_failed or record.status == "ok":
+                yield record
+        start = end
+
+
+def read_records(uri: str, session_ids: Iterable[str] | None = None,
+                 include_failed: bool = True) -> list[CaptureRecord]:
+    """Every record with full prompt_ids / messages_json, sorted by (session_id, seq)."""
+    return list(iter_records(uri, session_ids, include_failed))
+
+
+def read_rewards(uri: str) -> list[RewardRecord]:
+    """Reward events, oldest first."""
+    rows = read_table(uri, REWARDS).to_pylist()
+    rows.sort(key=lambda r: r["created_at"] or 0.0)
+    return [RewardRecord(**r) for r in rows]
+
+
+def read_sessions(uri: str) -> list[SessionRecord]:
+    """One record per session seen in sessions, rewards or calls shards, rewards merged in."""
+    updates = read_table(uri, SESSIONS).to_pylist()
+    updates.sort(key=lambda r: r["updated_at"] or 0.0)  # stable: ties keep shard and row order
+    calls = read_table(
+        uri, CALLS,
+        columns=["session_id", "seq", "status", "task_id", "group_id", "sample_index", "harness",
+                 "started_at", "prompt_len", "response_ids"],
+    )
+    calls = calls.append_column("response_len", pc.list_value_length(calls.column("response_ids")))
+    calls = calls.drop_columns(["response_ids"])
+    return merge_sessions(updates, read_rewards(uri), calls.to_pylist())

@@ -1,0 +1,84 @@
+"""The sessions view: session_update events, rewards and call counts merged into one record per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from polar_addon.store.rewards import RewardRecord
+
+_MERGED = ("task_id", "group_id", "sample_index", "harness", "status", "started_at", "ended_at")
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    task_id: str | None = None
+    group_id: str | None = None
+    sample_index: int | None = None
+    harness: str | None = None
+    status: str | None = None  # running | completed | timeout | error | agent_error; None: never reported
+    started_at: float | None = None
+    ended_at: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    rewards: dict[str, float] = field(default_factory=dict)  # latest value per reward name
+    reward_history: list[RewardRecord] = field(default_factory=list)  # every reward event, oldest first
+    calls: int = 0
+    failed_calls: int = 0
+    prompt_tokens: int = 0  # summed over the session's ok calls
+    response_tokens: int = 0
+
+    @property
+    def reward(self) -> float | None:
+        return self.rewards.get("reward")
+
+
+def merge_sessions(
+    updates: Iterable[dict[str, Any]],
+    rewards: Iterable[RewardRecord],
+    calls: Iterable[dict[str, Any]],
+) -> list[SessionRecord]:
+    """``updates`` are sessions-shard rows oldest first, ``rewards`` oldest first, ``calls`` rows with
+    session_id, seq, status, task_id, group_id, sample_index, harness, started_at, prompt_len, response_len.
+    An explicit update wins over what the calls imply."""
+    sessions: dict[str, SessionRecord] = {}
+
+    def get(sid: str) -> SessionRecord:
+        record = sessions.get(sid)
+        if record is None:
+            record = sessions[sid] = SessionRecord(sid)
+        return record
+
+    for update in updates:
+        record = get(update["session_id"])
+        for name in _MERGED:
+            if update.get(name) is not None:
+                setattr(record, name, update[name])
+        if update.get("metadata_json"):
+            record.metadata.update(orjson.loads(update["metadata_json"]))
+    explicit = {sid: (r.task_id, r.group_id, r.sample_index, r.harness, r.started_at) for sid, r in sessions.items()}
+
+    for call in sorted(calls, key=lambda c: (c["session_id"], c["seq"])):
+        sid = call["session_id"]
+        record = get(sid)
+        record.calls += 1
+        if call["status"] != "ok":
+            record.failed_calls += 1
+        else:
+            record.prompt_tokens += call["prompt_len"] or 0
+            record.response_tokens += call["response_len"] or 0
+        given = explicit.get(sid, (None,) * 5)
+        for i, name in enumerate(("task_id", "group_id", "sample_index", "harness")):
+            if given[i] is None and getattr(record, name) is None and call.get(name) is not None:
+                setattr(record, name, call[name])
+        if given[4] is None and call.get("started_at"):
+            record.started_at = min(record.started_at or call["started_at"], call["started_at"])
+
+    for reward in rewards:
+        record = get(reward.session_id)
+        record.reward_history.append(reward)
+        record.rewards[reward.name] = reward.value
+    return sorted(sessions.values(), key=lambda s: s.session_id)

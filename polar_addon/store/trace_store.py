@@ -1,0 +1,510 @@
+"""TraceStore: the writer. Appends go to the local journal (durable when acknowledged), shards follow.
+
+Two threads do the work so the event loop never blocks on a disk:
+- the journal writer takes every queued append, encodes them (prefix references), writes them with one
+  write() + fdatasync() (group commit) and only then resolves the callers' futures; it seals the current
+  segment when it holds ``shard_max_records`` entries or is ``shard_max_seconds`` old;
+- the shard writer turns each sealed segment into one shard per kind, named after the segment (so a replay
+  after a crash rewrites the same names and never duplicates), then deletes the segment.
+When the output or the journal fails, the store says so (StorageUnavailable) instead of acknowledging, and
+keeps probing until it works again.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import hashlib
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+from polar_addon.capture import CaptureRecord
+from polar_addon.store import journal
+from polar_addon.store.compaction import TIPS_PER_SESSION, Tip, encode_call
+from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
+
+log = logging.getLogger("polar.store")
+
+SESSION_STATUSES = ("running", "completed", "timeout", "error", "agent_error")
+_SESSION_FIELDS = ("task_id", "group_id", "sample_index", "harness", "status", "started_at", "ended_at", "metadata")
+_RETRY_INTERVAL_S = 0.5
+
+
+class StorageUnavailable(Exception):
+    """The store cannot persist right now; ``reason`` says why. Callers answer 503 and retry later."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def default_journal_dir(out: Output) -> str:
+    """Next to the shards for a local store (same disk, same fate); a local cache dir for a remote one."""
+    if out.local:
+        return os.path.join(out.root, "_journal")
+    base = os.environ.get("POLAR_JOURNAL_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "polar", "journal"
+    )
+    return os.path.join(base, hashlib.sha256(out.uri.encode()).hexdigest()[:16])
+
+
+# ---- journal entries ---------------------------------------------------------------------------------------
+
+
+def encode_entry(kind: str, row: dict[str, Any]) -> bytes:
+    if kind == CALLS:
+        # JSON has no NaN/inf and rounds nothing only if we let it; raw float64 bytes are exact.
+        row = dict(row)
+        row["logprobs"] = base64.b64encode(array.array("d", row["logprobs"]).tobytes()).decode()
+    return orjson.dumps({"k": kind, "r": row})
+
+
+def decode_entry(payload: bytes) -> tuple[str, dict[str, Any]]:
+    entry = orjson.loads(payload)
+    kind, row = entry["k"], entry["r"]
+    if kind == CALLS:
+        row["logprobs"] = array.array("d", base64.b64decode(row["logprobs"])).tolist()
+    return kind, row
+
+
+def segment_tables(payloads: list[bytes]) -> dict[str, pa.Table]:
+    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
+    for payload in payloads:
+        kind, row = decode_entry(payload)
+        rows[kind].append(row)
+    return {k: pa.Table.from_pylist(r, schema=SCHEMAS[k]) for k, r in rows.items() if r}
+
+
+def _coerce_scalars(kind: str, row: dict[str, Any]) -> None:
+    """Fail at append time, not at shard time, when a field has the wrong type."""
+    for f in SCHEMAS[kind]:
+        value = row.get(f.name)
+        if value is None or pa.types.is_list(f.type):
+            continue
+        if pa.types.is_integer(f.type):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+                raise TypeError(f"{f.name} must be an integer, got {value!r}")
+            row[f.name] = int(value)
+        elif pa.types.is_floating(f.type):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{f.name} must be a number, got {value!r}")
+            row[f.name] = float(value)
+        elif not isinstance(value, str):
+            raise TypeError(f"{f.name} must be a string, got {type(value).__name__}")
+
+
+# ---- the store ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    kind: str
+    payload: Any  # CaptureRecord for calls, a row dict otherwise
+    loop: asyncio.AbstractEventLoop | None
+    future: asyncio.Future | None
+
+
+_STOP = object()
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+class TraceStore:
+    """Durable, compact capture store. See polar_addon.store for the layout and the guarantees."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        shard_max_records: int = 512,
+        shard_max_seconds: float = 30.0,
+        journal_dir: str | None = None,
+        max_cached_sessions: int = 1024,
+    ) -> None:
+        self.output = Output.from_uri(uri)
+        self.uri = uri
+        self.journal_root = os.path.abspath(os.path.expanduser(journal_dir or default_journal_dir(self.output)))
+        self.shard_max_records = shard_max_records
+        self.shard_max_seconds = shard_max_seconds
+        self.max_cached_sessions = max_cached_sessions
+
+        self._closed = False
+        self._output_error: str | None = None
+        self._journal_error: str | None = None
+        # Writer-thread state.
+        self._segment: journal.Segment | None = None
+        self._segment_counter = 0
+        self._next_seq: dict[str, int] | None = None  # built from what is persisted on the first call
+        self._tips: OrderedDict[str, list[Tip]] = OrderedDict()
+        # Shared with the shard writer: segments sealed but not yet in shards (guarded by _pending_lock);
+        # _convert_lock keeps the one-time seq scan from racing a conversion.
+        self._pending_lock = threading.Lock()
+        self._convert_lock = threading.Lock()
+        self._unconverted: dict[str, journal.WriterDir | None] = {}
+
+        self.writer_id, self._own_dir = journal.create_writer_dir(self.journal_root)
+        self._adopted = journal.adopt_orphans(self.journal_root, self._own_dir.path)
+        for wd in self._adopted:
+            for path in wd.segments:
+                self._unconverted[path] = wd
+            if not wd.segments:
+                wd.release(remove=True)
+        self._replay()
+
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._flush_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._writer_loop, name="polar-journal", daemon=True)
+        self._flusher = threading.Thread(target=self._flusher_loop, name="polar-shards", daemon=True)
+        self._writer.start()
+        self._flusher.start()
+
+    # -- public API ------------------------------------------------------------------------------------------
+
+    async def append(self, record: CaptureRecord) -> None:
+        """Assign ``record.seq`` and return once the record is durable; StorageUnavailable if it cannot be."""
+        self.check_writable(journal_too=False)
+        await self._submit(CALLS, record)
+
+    def check_writable(self, journal_too: bool = True) -> None:
+        """Raise StorageUnavailable when the store currently cannot persist (a flag read, no I/O)."""
+        if self._closed:
+            raise StorageUnavailable("the trace store is closed")
+        if self._output_error:
+            raise StorageUnavailable(self._output_error)
+        if journal_too and self._journal_error:
+            raise StorageUnavailable(self._journal_error)
+
+    async def session_update(self, session_id: str, **fields: Any) -> None:
+        """Record session fields (task_id, group_id, sample_index, harness, status, started_at, ended_at,
+        metadata); later updates win field by field, metadata dicts are merged."""
+        unknown = set(fields) - set(_SESSION_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown session fields: {sorted(unknown)}")
+        status = fields.get("status")
+        if status is not None and status not in SESSION_STATUSES:
+            raise ValueError(f"status must be one of {SESSION_STATUSES}, got {status!r}")
+        row: dict[str, Any] = {"session_id": session_id, "updated_at": time.time()}
+        for name in _SESSION_FIELDS:
+            if name == "metadata":
+                metadata = fields.get("metadata")
+                row["metadata_json"] = None if metadata is None else orjson.dumps(metadata).decode()
+            else:
+                row[name] = fields.get(name)
+        self.check_writable(journal_too=False)
+        await self._submit(SESSIONS, row)
+
+    async def add_reward(self, session_id: str, value: float, name: str = "reward", source: str = "api") -> None:
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"reward must be a finite number, got {value}")
+        row = {
+            "reward_id": os.urandom(16).hex(),
+            "session_id": session_id,
+            "name": name,
+            "value": value,
+            "source": source,
+            "created_at": time.time(),
+        }
+        self.check_writable(journal_too=False)
+        await self._submit(REWARDS, row)
+
+    def close(self) -> None:
+        """Seal the journal and write every pending segment into shards (what cannot be written now stays in
+        the journal and is replayed by the next store opened on it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._writer.join()
+        self._flush_queue.put(_STOP)
+        self._flusher.join()
+        with self._pending_lock:
+            left = list(self._unconverted)
+        if left:
+            log.warning("trace store closed with %d journal segments not in shards yet (%s): %s",
+                        len(left), self._output_error, self.journal_root)
+        self._own_dir.release(remove=True)
+        for wd in self._adopted:
+            wd.release(remove=not wd.segments)
+
+    async def aclose(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def __enter__(self) -> "TraceStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "TraceStore":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def pending_segments(self) -> int:
+        with self._pending_lock:
+            return len(self._unconverted)
+
+    # -- submission ------------------------------------------------------------------------------------------
+
+    async def _submit(self, kind: str, payload: Any) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.put(_Item(kind, payload, loop, future))
+        await future
+
+    @staticmethod
+    def _resolve(item: _Item, error: BaseException | None) -> None:
+        if item.loop is None or item.future is None:
+            return
+        try:
+            item.loop.call_soon_threadsafe(_settle, item.future, error)
+        except RuntimeError:
+            pass  # the caller's loop is gone; nobody is waiting
+
+    # -- journal writer thread -------------------------------------------------------------------------------
+
+    def _writer_loop(self) -> None:
+        while True:
+            timeout = None
+            if self._segment is not None and self._segment.count:
+                timeout = max(0.0, self.shard_max_seconds - (time.monotonic() - self._segment.opened_at))
+            try:
+                first = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                self._seal()
+                continue
+            items = [first]
+            while len(items) < 4096:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(i is _STOP for i in items)
+            items = [i for i in items if i is not _STOP]
+            if items:
+                try:
+                    self._write_batch(items)
+                except BaseException as exc:  # never leave a caller waiting forever
+                    for item in items:
+                        self._resolve(item, exc)
+                    log.exception("journal batch failed")
+            if self._segment is not None and (
+                self._segment.count >= self.shard_max_records
+                or time.monotonic() - self._segment.opened_at >= self.shard_max_seconds
+            ):
+                self._seal()
+            if stop:
+                self._seal()
+                return
+
+    def _write_batch(self, items: list[_Item]) -> None:
+        payloads: list[bytes] = []
+        accepted: list[tuple[_Item, int | None]] = []
+        seq_overlay: dict[str, int] = {}
+        tips_overlay: dict[str, list[Tip]] = {}
+        ended: list[str] = []
+        for item in items:
+            seq = None
+            try:
+                if item.kind == CALLS:
+                    self._ensure_seq_index()
+                    assert self._next_seq is not None
+                    record: CaptureRecord = item.payload
+                    sid = record.session_id
+                    seq = seq_overlay.get(sid, self._next_seq.get(sid, 0))
+                    tips = tips_overlay.get(sid, self._tips.get(sid, []))
+                    row, tip = encode_call(record, tips)
+                    row["seq"] = seq
+                    _coerce_scalars(CALLS, row)
+                    payload = encode_entry(CALLS, row)
+                    seq_overlay[sid] = seq + 1
+                    if tip is not None:
+                        tips_overlay[sid] = [*tips[-(TIPS_PER_SESSION - 1):], tip]
+                else:
+                    _coerce_scalars(item.kind, item.payload)
+                    payload = encode_entry(item.kind, item.payload)
+                    if item.kind == SESSIONS and item.payload.get("status") not in (None, "running"):
+                        ended.append(item.payload["session_id"])
+            except Exception as exc:
+                self._resolve(item, exc)
+                continue
+            payloads.append(payload)
+            accepted.append((item, seq))
+        if not payloads:
+            return
+        try:
+            if self._segment is None:
+                self._segment_counter += 1
+                name = journal.new_segment_name(self.writer_id, self._segment_counter)
+                self._segment = journal.Segment(self._own_dir.path, name)
+            self._segment.append(payloads)
+        except OSError as exc:
+            self._journal_error = f"cannot write the trace journal in {self.journal_root}: {exc}"
+            log.error("%s", self._journal_error)
+            self._flush_queue.put(None)  # wake the shard writer: it probes until the journal works again
+            self._seal()  # never append after a failed write: nothing valid may follow a torn entry
+            error = StorageUnavailable(self._journal_error)
+            for item, _ in accepted:
+                self._resolve(item, error)
+            return
+        self._journal_error = None
+        assert self._next_seq is not None or not seq_overlay
+        if seq_overlay:
+            self._next_seq.update(seq_overlay)  # type: ignore[union-attr]
+        for sid, tips in tips_overlay.items():
+            self._tips[sid] = tips
+            self._tips.move_to_end(sid)
+        for sid in ended:
+            self._tips.pop(sid, None)
+        while len(self._tips) > self.max_cached_sessions:
+            self._tips.popitem(last=False)
+        for item, seq in accepted:
+            if seq is not None:
+                item.payload.seq = seq
+            self._resolve(item, None)
+
+    def _seal(self) -> None:
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return
+        segment.close()
+        if segment.count == 0:
+            try:
+                os.unlink(segment.path)
+            except OSError:
+                pass
+            return
+        with self._pending_lock:
+            self._unconverted[segment.path] = None
+        self._flush_queue.put(segment.path)
+
+    def _ensure_seq_index(self) -> None:
+        """Sequence numbers continue from what earlier runs persisted (shards and unreplayed segments)."""
+        if self._next_seq is not None:
+            return
+        try:
+            with self._convert_lock:
+                next_seq: dict[str, int] = {}
+                paths = self.output.list_shards(CALLS)
+                if paths:
+                    table = ds.dataset(paths, format="parquet", filesystem=self.output.fs).to_table(
+                        columns=["session_id", "seq"]
+                    )
+                    grouped = table.group_by("session_id").aggregate([("seq", "max")])
+                    for sid, top in zip(grouped["session_id"].to_pylist(), grouped["seq_max"].to_pylist()):
+                        next_seq[sid] = top + 1
+                with self._pending_lock:
+                    pending = list(self._unconverted)
+                for path in pending:
+                    for payload in journal.read_segment(path):
+                        kind, row = decode_entry(payload)
+                        if kind == CALLS:
+                            sid = row["session_id"]
+                            next_seq[sid] = max(next_seq.get(sid, 0), row["seq"] + 1)
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot read existing shards in {self.uri}: {exc}") from exc
+        self._next_seq = next_seq
+
+    # -- shard writer thread ---------------------------------------------------------------------------------
+
+    def _convert(self, path: str) -> None:
+        """One sealed segment -> one shard per kind it holds, then the segment is deleted. Idempotent."""
+        name = journal.segment_name(path)
+        with self._convert_lock:
+            for kind, table in segment_tables(journal.read_segment(path)).items():
+                if not self.output.exists(self.output.shard_path(kind, name)):
+                    self.output.write_shard(kind, name, table)
+                self.output.remove_stale_tmp(kind, name)
+            with self._pending_lock:
+                owner = self._unconverted.pop(path, None)
+            os.unlink(path)
+        if owner is not None:
+            owner.segments.remove(path)
+            if not owner.segments:
+                owner.release(remove=True)
+
+    def _replay(self) -> None:
+        """Segments left by dead writers go into shards before this store accepts anything."""
+        for path in sorted(self._unconverted):
+            try:
+                self._convert(path)
+            except Exception as exc:
+                self._output_error = f"cannot write shards to {self.uri}: {exc}"
+                log.error("replay of %s failed: %s", path, exc)
+                break
+        if self._unconverted:
+            log.info("%d journal segments wait for the output", len(self._unconverted))
+
+    def _flusher_loop(self) -> None:
+        stopping = False
+        while True:
+            with self._pending_lock:
+                backlog = sorted(self._unconverted)
+            trouble = self._output_error or self._journal_error
+            try:
+                item = self._flush_queue.get(timeout=_RETRY_INTERVAL_S if (trouble or backlog) else None)
+                stopping = stopping or item is _STOP
+            except queue.Empty:
+                pass
+            with self._pending_lock:
+                backlog = sorted(self._unconverted)
+            for path in backlog:
+                try:
+                    self._convert(path)
+                except Exception as exc:
+                    self._output_error = f"cannot write shards to {self.uri}: {exc}"
+                    log.error("%s", self._output_error)
+                    break
+            else:
+                if self._output_error:
+                    self._probe_output()
+            if self._journal_error:
+                self._probe_journal()
+            if stopping:
+                return
+
+    def _probe_output(self) -> None:
+        try:
+            self.output.probe()
+        except Exception as exc:
+            self._output_error = f"cannot write shards to {self.uri}: {exc}"
+            return
+        log.info("output %s is writable again", self.uri)
+        self._output_error = None
+
+    def _probe_journal(self) -> None:
+        path = os.path.join(self._own_dir.path, ".probe")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, b"\0" * 65536)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(path)
+        except OSError as exc:
+            self._journal_error = f"cannot write the trace journal in {self.journal_root}: {exc}"
+            return
+        self._journal_error = None

@@ -1,0 +1,144 @@
+"""Checks that a store's shards are what the writer promises; ``polar shards validate`` prints the result."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from polar_addon.store.compaction import ShardIntegrityError, expand_session
+from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
+from polar_addon.store.trace_store import SESSION_STATUSES
+
+
+def _check_schemas(out: Output) -> tuple[list[str], dict[str, list[str]]]:
+    problems: list[str] = []
+    readable: dict[str, list[str]] = {}
+    for kind in KINDS:
+        readable[kind] = []
+        for path in out.list_shards(kind):
+            name = path[len(out.root) + 1:]
+            try:
+                schema = pq.read_schema(path, filesystem=out.fs)
+            except Exception as exc:  # a truncated or foreign file
+                problems.append(f"{name}: unreadable Parquet ({exc})")
+                continue
+            bad = False
+            for f in SCHEMAS[kind]:
+                if f.name not in schema.names:
+                    problems.append(f"{name}: missing column {f.name}")
+                    bad = True
+                elif not schema.field(f.name).type.equals(f.type):
+                    problems.append(f"{name}: column {f.name} is {schema.field(f.name).type}, expected {f.type}")
+                    bad = True
+            if not bad:
+                readable[kind].append(path)
+    return problems, readable
+
+
+def _read(out: Output, kind: str, paths: list[str]) -> list[dict[str, Any]]:
+    if not paths:
+        return []
+    tables = [pq.read_table(p, filesystem=out.fs, columns=SCHEMAS[kind].names) for p in paths]
+    return pa.concat_tables(tables).to_pylist()
+
+
+def _check_call_row(row: dict[str, Any]) -> list[str]:
+    problems = []
+    where = f"call {row['record_id']} (session {row['session_id']}, seq {row['seq']})"
+    tail = row["prompt_tail"] or []
+    response = row["response_ids"] or []
+    logprobs = row["logprobs"] or []
+    if row["status"] not in ("ok", "failed"):
+        problems.append(f"{where}: status {row['status']!r} is neither ok nor failed")
+    if row["status"] == "failed":
+        if row["prompt_len"] or response or logprobs:
+            problems.append(f"{where}: a failed call has tokens")
+        if not row["error"]:
+            problems.append(f"{where}: a failed call has no error")
+    elif len(logprobs) != len(response):
+        problems.append(f"{where}: {len(logprobs)} logprobs for {len(response)} response tokens")
+    if row["prompt_len"] != (row["prompt_prefix_len"] or 0) + len(tail):
+        problems.append(f"{where}: prompt_len {row['prompt_len']} != prefix {row['prompt_prefix_len']} + tail {len(tail)}")
+    if (row["prompt_ref"] is None) != (not row["prompt_prefix_len"]):
+        problems.append(f"{where}: prompt_ref and prompt_prefix_len disagree")
+    if (row["messages_ref"] is None) != (not row["messages_prefix_len"]):
+        problems.append(f"{where}: messages_ref and messages_prefix_len disagree")
+    return problems
+
+
+def _check_calls(rows: list[dict[str, Any]]) -> tuple[list[str], set[str]]:
+    problems: list[str] = []
+    ids = Counter(r["record_id"] for r in rows)
+    problems += [f"record_id {rid} appears {n} times" for rid, n in ids.items() if n > 1]
+    by_session: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        by_session[row["session_id"]].append(row)
+        problems += _check_call_row(row)
+    for sid, session_rows in sorted(by_session.items()):
+        session_rows.sort(key=lambda r: r["seq"])
+        seqs = [r["seq"] for r in session_rows]
+        if seqs != list(range(len(seqs))):
+            dup = sorted(s for s, n in Counter(seqs).items() if n > 1)
+            missing = sorted(set(range(max(seqs) + 1)) - set(seqs))
+            problems.append(f"session {sid}: seq not contiguous from 0 (duplicated {dup[:10]}, missing {missing[:10]})")
+        problems += _check_references(sid, session_rows)
+        if ids and any(ids[r["record_id"]] > 1 for r in session_rows):
+            continue  # expanding would only repeat the duplicate-id finding
+        try:
+            for record, row in zip(expand_session(session_rows), session_rows):
+                if row["messages_count"] is not None and len(orjson.loads(record.messages_json)) != row["messages_count"]:
+                    problems.append(f"call {record.record_id}: rebuilt messages count differs from messages_count")
+        except (ShardIntegrityError, orjson.JSONDecodeError, KeyError) as exc:
+            problems.append(f"session {sid}: cannot rebuild records ({exc})")
+    return problems, set(by_session)
+
+
+def _check_references(sid: str, rows: list[dict[str, Any]]) -> list[str]:
+    problems = []
+    seen: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        where = f"call {row['record_id']} (session {sid}, seq {row['seq']})"
+        for ref_col, len_col in (("prompt_ref", "prompt_prefix_len"), ("messages_ref", "messages_prefix_len")):
+            ref = row[ref_col]
+            if ref is None:
+                continue
+            base = seen.get(ref)
+            if base is None:
+                problems.append(f"{where}: {ref_col} {ref} does not resolve to an earlier call of the session")
+                continue
+            if ref_col == "prompt_ref":
+                limit = base["prompt_len"] + len(base["response_ids"] or [])
+            else:
+                limit = (base["messages_count"] or 0) + 1
+            if row[len_col] > limit:
+                problems.append(f"{where}: {len_col} {row[len_col]} exceeds what {ref} holds ({limit})")
+        seen[row["record_id"]] = row
+    return problems
+
+
+def validate_store(uri: str) -> list[str]:
+    """Every violation found, as readable lines; an empty list means the store is valid."""
+    out = Output.from_uri(uri)
+    problems, readable = _check_schemas(out)
+    calls = _read(out, CALLS, readable[CALLS])
+    call_problems, call_sessions = _check_calls(calls)
+    problems += call_problems
+    sessions = _read(out, SESSIONS, readable[SESSIONS])
+    known = call_sessions | {s["session_id"] for s in sessions}
+    for row in sessions:
+        if row["status"] is not None and row["status"] not in SESSION_STATUSES:
+            problems.append(f"session {row['session_id']}: status {row['status']!r} not in {SESSION_STATUSES}")
+    rewards = _read(out, REWARDS, readable[REWARDS])
+    reward_ids = Counter(r["reward_id"] for r in rewards)
+    problems += [f"reward_id {rid} appears {n} times" for rid, n in reward_ids.items() if n > 1]
+    for row in rewards:
+        if row["value"] is None or not math.isfinite(row["value"]):
+            problems.append(f"reward {row['reward_id']} (session {row['session_id']}): value {row['value']} not finite")
+        if row["session_id"] not in known:
+            problems.append(f"reward {row['reward_id']}: unknown session {row['session_id']}")
+    return problems
