@@ -16,6 +16,7 @@ class TrainConfig:
     output: Path  # checkpoint directory written at the end (plus metrics.jsonl and the curves PNG)
     strategy: str = "prefix_merging"  # trajectory builder when `inputs` are raw capture shards
     learning_rate: float = 1e-6
+    optim: str = "adamw_torch"  # any TrainingArguments optimizer name (e.g. sgd)
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
     lr_scheduler: str = "constant"

@@ -92,11 +92,7 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     """Train from ``cfg.inputs`` (or from ``traces`` already in memory) and write ``cfg.output``."""
     import time
 
-    from transformers import AutoTokenizer
-    from transformers.trainer_callback import PrinterCallback
-
     from polar_cli.train.dataset import load_traces, prepare_rows
-    from polar_cli.train.trainer import TraceGRPOTrainer, build_grpo_config
 
     cfg.validate()
     if traces is None:
@@ -113,25 +109,14 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     if cfg.resume is None and metrics_path.exists():
         metrics_path.unlink()
 
-    args = build_grpo_config(cfg, temperature=data.temperature, max_completion_length=data.max_completion_length)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     callbacks: list[TrainerCallback] = [MetricsFile(metrics_path)]
     if cfg.progress:
         callbacks.append(RichProgress())
-    trainer = TraceGRPOTrainer(
-        model=cfg.model,
-        args=args,
-        data=data,
-        groups_per_step=cfg.groups_per_step,
-        processing_class=tokenizer,
-        peft_config=_lora_config(cfg),
-        callbacks=callbacks,
-    )
-    trainer.remove_callback(PrinterCallback)
+    trainer = build_trainer(cfg, data, callbacks)
     start = time.perf_counter()
     output = trainer.train(resume_from_checkpoint=str(cfg.resume) if cfg.resume else None)
     seconds = time.perf_counter() - start
-    save_checkpoint(trainer, tokenizer, cfg.output)
+    save_checkpoint(trainer, cfg.output)
 
     plot_path = None
     if cfg.plot and trainer.accelerator.is_main_process and metrics_path.exists():
@@ -150,6 +135,28 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     )
 
 
+def build_trainer(cfg: TrainConfig, data, callbacks: list[TrainerCallback] | None = None):
+    """A TraceGRPOTrainer for prepared rows (``TrainData``), configured from ``cfg``."""
+    from transformers import AutoTokenizer
+    from transformers.trainer_callback import PrinterCallback
+
+    from polar_cli.train.trainer import TraceGRPOTrainer, build_grpo_config
+
+    args = build_grpo_config(cfg, temperature=data.temperature, max_completion_length=data.max_completion_length)
+    trainer = TraceGRPOTrainer(
+        model=cfg.model,
+        args=args,
+        data=data,
+        groups_per_step=cfg.groups_per_step,
+        processing_class=AutoTokenizer.from_pretrained(cfg.model),
+        peft_config=_lora_config(cfg),
+        callbacks=callbacks,
+    )
+    # Logs go to metrics.jsonl and the progress bar, not to stdout as dicts.
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
 def _lora_config(cfg: TrainConfig):
     if cfg.lora_r == 0:
         return None
@@ -165,7 +172,7 @@ def _lora_config(cfg: TrainConfig):
     )
 
 
-def save_checkpoint(trainer, tokenizer, out_dir: Path) -> None:
+def save_checkpoint(trainer, out_dir: Path) -> None:
     """Write a plain HF checkpoint (LoRA merged) that vLLM and SGLang load as is."""
     from accelerate.utils import is_peft_model
 
@@ -178,4 +185,4 @@ def save_checkpoint(trainer, tokenizer, out_dir: Path) -> None:
     # Training turns the KV cache off; the checkpoint is for inference.
     model.config.use_cache = True
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    trainer.processing_class.save_pretrained(out_dir)

@@ -1,0 +1,110 @@
+"""Trajectory-level advantages: hand-computed cases (pure, no torch)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from polar_cli.trace import Trace
+from polar_cli.train.advantages import SCALE_EPS, loo_advantages, session_advantages
+
+
+def trace(session: str, group: str | None, reward: float, idx: int = 0, trainable: bool = True, task=None) -> Trace:
+    return Trace(
+        trace_id=f"{session}-{idx}",
+        session_id=session,
+        group_id=group,
+        task_id=task,
+        prompt_ids=[1, 2],
+        completion_ids=[3],
+        loss_mask=[1],
+        behavior_logprobs=[-0.5],
+        reward=reward,
+        trainable=trainable,
+        chain_index=idx,
+    )
+
+
+def test_loo_binary_group_by_hand() -> None:
+    # rewards 1,0,0,0: baselines 0, 1/3, 1/3, 1/3; sample std of [1,0,0,0] = 0.5
+    adv = loo_advantages([1.0, 0.0, 0.0, 0.0])
+    s = 0.5 + SCALE_EPS
+    assert adv == pytest.approx([1.0 / s, (0 - 1 / 3) / s, (0 - 1 / 3) / s, (0 - 1 / 3) / s], rel=1e-12)
+
+
+def test_loo_graded_group_by_hand() -> None:
+    rewards = [0.5, 0.0, 1.0, 0.25]
+    s = statistics.stdev(rewards) + SCALE_EPS  # 0.4269...
+    expected = [
+        (0.5 - (0.0 + 1.0 + 0.25) / 3) / s,
+        (0.0 - (0.5 + 1.0 + 0.25) / 3) / s,
+        (1.0 - (0.5 + 0.0 + 0.25) / 3) / s,
+        (0.25 - (0.5 + 0.0 + 1.0) / 3) / s,
+    ]
+    assert loo_advantages(rewards) == pytest.approx(expected, rel=1e-12)
+    assert loo_advantages(rewards, "none") == pytest.approx([e * s for e in expected], rel=1e-12)
+    # LOO advantages of a group always sum to zero: the baseline is unbiased within the group.
+    assert math.fsum(loo_advantages(rewards)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_identical_rewards_and_singletons_give_zero() -> None:
+    assert loo_advantages([1.0, 1.0, 1.0]) == [0.0, 0.0, 0.0]
+    assert loo_advantages([0.0, 0.0]) == [0.0, 0.0]
+    assert loo_advantages([1.0]) == [0.0]
+    assert loo_advantages([]) == []
+    with pytest.raises(ValueError):
+        loo_advantages([1.0, 0.0], "batch")
+
+
+def test_session_with_two_traces_counts_once() -> None:
+    # Session a fans out into two traces; counted per trace, the group mean would be 2/3 and the
+    # std different. Counted per session: rewards [1, 0] -> advantages +-1/(std + eps).
+    traces = [trace("a", "g", 1.0, 0), trace("a", "g", 1.0, 1), trace("b", "g", 0.0)]
+    adv = session_advantages(traces)
+    s = statistics.stdev([1.0, 0.0]) + SCALE_EPS
+    assert adv["a"].advantage == pytest.approx(1.0 / s)
+    assert adv["b"].advantage == pytest.approx(-1.0 / s)
+    assert adv["a"].num_traces == 2 and adv["b"].num_traces == 1
+    # the per-trace view would have been biased: baseline for b = mean(1, 1) = 1 with std of [1,1,0]
+    per_trace = loo_advantages([1.0, 1.0, 0.0])
+    assert per_trace[2] != pytest.approx(adv["b"].advantage)
+
+
+def test_session_reward_is_mean_of_its_trainable_traces() -> None:
+    traces = [
+        trace("a", "g", 1.0, 0),
+        trace("a", "g", 0.0, 1),  # e.g. a parser-invalid sub-agent trace forced to 0
+        trace("a", "g", 1.0, 2, trainable=False),  # infrastructure failure: does not vote
+        trace("b", "g", 0.0),
+        trace("c", "g", 1.0),
+    ]
+    adv = session_advantages(traces)
+    assert adv["a"].reward == pytest.approx(0.5)
+    rewards = [0.5, 0.0, 1.0]
+    assert [adv[s].advantage for s in "abc"] == pytest.approx(loo_advantages(rewards))
+
+
+def test_untrainable_sessions_leave_the_baseline() -> None:
+    traces = [trace("a", "g", 1.0), trace("b", "g", 0.0), trace("c", "g", 0.0, trainable=False)]
+    adv = session_advantages(traces)
+    assert set(adv) == {"a", "b"}
+    assert adv["a"].advantage == pytest.approx(loo_advantages([1.0, 0.0])[0])
+
+
+def test_groups_fall_back_to_task_then_session() -> None:
+    traces = [
+        trace("a", None, 1.0, task="t1"),
+        trace("b", None, 0.0, task="t1"),
+        trace("c", None, 1.0),  # no group, no task: its own group, so no signal
+    ]
+    adv = session_advantages(traces)
+    assert adv["a"].group_id == adv["b"].group_id == "t1"
+    assert adv["a"].advantage > 0 > adv["b"].advantage
+    assert adv["c"].advantage == 0.0
+
+
+def test_session_in_two_groups_is_refused() -> None:
+    with pytest.raises(ValueError, match="two groups"):
+        session_advantages([trace("a", "g1", 1.0, 0), trace("a", "g2", 1.0, 1)])
