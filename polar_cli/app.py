@@ -36,6 +36,8 @@ def tiny_model(
 
 
 # Command groups register below (one line each).
+from polar_cli.build_cmd import register as register_build  # noqa: E402  (build, stats, view)
+register_build(app)
 
 
 def main() -> None:

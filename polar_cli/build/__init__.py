@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 from polar_addon.capture import CaptureRecord
 from polar_cli.build.breaks import Break, BreakCause, Decode
@@ -38,6 +38,7 @@ __all__ = [
     "build_session",
     "build_traces",
     "detect_eot",
+    "iter_session_builds",
 ]
 
 
@@ -48,6 +49,7 @@ class SessionBuild:
     chains: list[Chain]
     traces: list[Trace]
     stats: BuildStats
+    eot_token_id: int | None
 
 
 @dataclass
@@ -115,7 +117,50 @@ def build_session(
         completion_tokens=sum(len(t.completion_ids) for t in traces),
         trainable_tokens=sum(sum(t.loss_mask) for t in traces),
     )
-    return SessionBuild(session_id, harness, chains, traces, stats)
+    return SessionBuild(session_id, harness, chains, traces, stats, eot_token_id)
+
+
+def iter_session_builds(
+    records: Iterable[CaptureRecord],
+    sessions: Mapping[str, SessionInfo],
+    strategy: str = "prefix_merging",
+    *,
+    eot_token_id: int | None = None,
+    decode: Decode | None = None,
+    broadcast_rewards: bool = False,
+) -> Iterator[SessionBuild]:
+    """Build sessions from records sorted by (session_id, seq), one session in memory at a time.
+
+    With ``eot_token_id`` None the end-of-turn token is the last sampled token of the first
+    naturally stopped call in that order; sessions read before it is known wait for it.
+    """
+    eot = eot_token_id
+    waiting: list[tuple[str, list[CaptureRecord]]] = []
+
+    def built(session_id: str, group: list[CaptureRecord]) -> SessionBuild:
+        return build_session(
+            session_id,
+            group,
+            sessions.get(session_id),
+            strategy=strategy,
+            eot_token_id=eot,
+            decode=decode,
+            broadcast_rewards=broadcast_rewards,
+        )
+
+    for session_id, records_of in groupby(records, key=lambda r: r.session_id):
+        group = list(records_of)
+        if eot is None:
+            eot = detect_eot(group)
+            if eot is None:
+                waiting.append((session_id, group))
+                continue
+        for waiting_id, waiting_group in waiting:
+            yield built(waiting_id, waiting_group)
+        waiting = []
+        yield built(session_id, group)
+    for waiting_id, waiting_group in waiting:
+        yield built(waiting_id, waiting_group)
 
 
 def build_traces(
@@ -127,7 +172,7 @@ def build_traces(
     decode: Decode | None = None,
     broadcast_rewards: bool = False,
 ) -> BuildResult:
-    """Build every session's traces. ``eot_token_id`` None: detected from the records.
+    """Build every session's traces from records in any order. ``eot_token_id`` None: detected.
 
     ``decode`` (token ids -> text, e.g. a tokenizer's ``decode``) lets break classification tell
     a re-tokenization (merged) from a template re-render (a break); without it such mismatches
@@ -138,16 +183,9 @@ def build_traces(
     eot = eot_token_id if eot_token_id is not None else detect_eot(ordered)
     traces: list[Trace] = []
     report = BuildReport()
-    for session_id, group in groupby(ordered, key=lambda r: r.session_id):
-        built = build_session(
-            session_id,
-            list(group),
-            by_id.get(session_id),
-            strategy=strategy,
-            eot_token_id=eot,
-            decode=decode,
-            broadcast_rewards=broadcast_rewards,
-        )
+    for built in iter_session_builds(
+        ordered, by_id, strategy, eot_token_id=eot, decode=decode, broadcast_rewards=broadcast_rewards
+    ):
         traces.extend(built.traces)
         report.add(built.harness, built.stats)
     return BuildResult(traces, report, eot)

@@ -92,45 +92,40 @@ class BuildReport:
 
 
 def harness_name(session_harness: str | None, user_agent: str | None) -> str:
-    """A short harness label: the session row's harness, else the User-Agent's product token."""
-    if session_harness:
-        return session_harness
-    if user_agent:
-        return user_agent.split()[0].split("/")[0] or "unknown"
-    return "unknown"
+    """A short harness label: the product token of the session's harness or the User-Agent
+    ("claude-cli/2.1.197 (external, cli)" -> "claude-cli"; a preset name stays as it is)."""
+    label = session_harness or user_agent
+    if not label or not label.strip():
+        return "unknown"
+    return label.split()[0].split("/")[0] or "unknown"
 
 
 def report_table(report: BuildReport, title: str = "Reconstruction") -> "Any":
-    """A rich Table: one row per harness plus the total, break causes as columns."""
+    """A rich Table: one column per harness plus the total, one row per figure."""
     from rich.table import Table
 
+    columns = sorted(report.by_harness.items())
+    if len(columns) != 1:
+        columns.append(("total", report.total))
     table = Table(title=title)
-    for column in ("harness", "sessions", "calls", "chains", "full", "truncated", "merge rate", "retokenized"):
-        table.add_column(column, justify="left" if column == "harness" else "right")
-    causes = [c.value for c in BreakCause]
-    for cause in causes:
-        table.add_column(f"break: {cause}", justify="right")
-    table.add_column("traces (trainable)", justify="right")
-    table.add_column("tokens processed / trained", justify="right")
+    table.add_column("")
+    for name, _ in columns:
+        table.add_column(name, justify="right", style="bold" if name == "total" else None)
 
-    def row(name: str, s: BuildStats, style: str | None = None) -> None:
-        table.add_row(
-            name,
-            str(s.sessions),
-            str(s.calls),
-            str(s.chains_total),
-            str(s.chains_full),
-            str(s.chains_truncated),
-            f"{s.merge_rate:.1%}",
-            str(s.retokenized_merges),
-            *(str(s.breaks.get(c, 0)) for c in causes),
-            f"{s.traces} ({s.traces_trainable})",
-            f"{s.processed_tokens:,} / {s.trainable_tokens:,}",
-            style=style,
-        )
+    def row(label: str, value: "Any") -> None:
+        table.add_row(label, *(value(s) for _, s in columns))
 
-    for name, stats in sorted(report.by_harness.items()):
-        row(name, stats)
-    if len(report.by_harness) != 1:
-        row("total", report.total, style="bold")
+    row("sessions", lambda s: str(s.sessions))
+    row("calls", lambda s: str(s.calls))
+    row("unusable calls", lambda s: str(sum(s.calls_unusable.values())))
+    row("chains", lambda s: str(s.chains_total))
+    row("  fully merged", lambda s: str(s.chains_full))
+    row("  truncated", lambda s: str(s.chains_truncated))
+    row("merge rate", lambda s: f"{s.merge_rate:.1%}")
+    row("re-tokenized merges", lambda s: str(s.retokenized_merges))
+    for cause in BreakCause:
+        row(f"break: {cause.value}", lambda s, c=cause.value: str(s.breaks.get(c, 0)))
+    row("traces (trainable)", lambda s: f"{s.traces} ({s.traces_trainable})")
+    row("tokens processed", lambda s: f"{s.processed_tokens:,}")
+    row("tokens trained", lambda s: f"{s.trainable_tokens:,}")
     return table

@@ -1,0 +1,213 @@
+"""`polar build`, `polar stats`, `polar view`: the store-facing shell over polar_cli.build.
+
+Reads shards with polar_addon.store's reader API, turns its session rows into
+``build.SessionInfo`` and hands everything to the pure builder.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import typer
+
+if TYPE_CHECKING:
+    from polar_addon.store import SessionRecord
+    from polar_cli.build import Decode, SessionInfo
+
+STRATEGY_HELP = "prefix_merging (one trace per chain of prefix-extending calls) or per_request (one per call)."
+TOKENIZER_HELP = (
+    "Tokenizer directory (e.g. the served model). Lets the build tell a re-tokenized sampled turn (merged) "
+    "from a template re-render (a break); default: the records' served model or local engine directory, if "
+    "it is a directory here."
+)
+EOT_HELP = "End-of-turn token id; default: the last token of the first call that stopped by itself."
+
+
+def session_info(row: "SessionRecord") -> "SessionInfo":
+    """A store session row as the builder sees it. A session nobody reported a status for is
+    treated as completed: its outcome reward, if one was posted, decides."""
+    from polar_cli.build import SessionInfo
+
+    return SessionInfo(
+        session_id=row.session_id,
+        task_id=row.task_id,
+        group_id=row.group_id,
+        sample_index=row.sample_index,
+        harness=row.harness,
+        status=row.status or "completed",
+        reward=row.reward,
+    )
+
+
+def _tokenizer_candidates(shards: str) -> list[str]:
+    from polar_addon.store import CALLS, read_table
+
+    table = read_table(shards, CALLS, columns=["status", "served_model", "engine"])
+    for row in table.slice(0, 64).to_pylist():
+        if row["status"] == "ok":
+            engine_target = (row["engine"] or "").partition(":")[2]
+            return [c for c in (row["served_model"], engine_target) if c]
+    return []
+
+
+def load_tokenizer(tokenizer: Optional[Path], shards: str) -> tuple[Optional[Any], str]:
+    """A Hugging Face tokenizer and a line saying where it came from (or why there is none)."""
+    candidates = [str(tokenizer)] if tokenizer else _tokenizer_candidates(shards)
+    for candidate in candidates:
+        if (Path(candidate) / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(candidate), f"tokenizer: {candidate}"
+    if tokenizer:
+        raise typer.BadParameter(f"{tokenizer} holds no tokenizer (tokenizer_config.json)", param_hint="--tokenizer")
+    return None, (
+        "no tokenizer: a re-tokenized sampled turn cannot be told from a template re-render, so both break "
+        "their chain as 'other' (pass --tokenizer DIR)"
+    )
+
+
+def _decode(tok: Optional[Any]) -> Optional["Decode"]:
+    return None if tok is None else tok.decode
+
+
+def _sessions(shards: str) -> dict[str, "SessionInfo"]:
+    from polar_addon.store import read_sessions
+
+    return {row.session_id: session_info(row) for row in read_sessions(shards)}
+
+
+def _check_strategy(strategy: str) -> None:
+    from polar_cli.build import STRATEGIES
+
+    if strategy not in STRATEGIES:
+        raise typer.BadParameter(f"use one of {', '.join(STRATEGIES)}", param_hint="--strategy")
+
+
+def build(
+    shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output directory for the trace dataset (Parquet)."),
+    strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP),
+    tokenizer: Optional[Path] = typer.Option(None, help=TOKENIZER_HELP),
+    eot_token_id: Optional[int] = typer.Option(None, help=EOT_HELP),
+    broadcast_rewards: bool = typer.Option(
+        False,
+        "--broadcast-rewards",
+        help="per_request only: give every call its session's outcome reward (the paper saw reward hacking "
+        "from this). Without it per_request traces are not trainable.",
+    ),
+    session: list[str] = typer.Option([], "--session", help="Only these sessions (repeatable)."),
+    overwrite: bool = typer.Option(False, help="Replace OUT if it exists."),
+    rows_per_file: int = typer.Option(1024, help="Traces per Parquet file."),
+) -> None:
+    """Reconstruct training traces from captured calls into a Parquet dataset (TRL / datasets ready)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from polar_addon.store import iter_records
+    from polar_cli.build import BuildReport, iter_session_builds
+    from polar_cli.build.output import STATS_FILE, TraceWriter
+    from polar_cli.build.stats import report_table
+
+    _check_strategy(strategy)
+    console = Console(stderr=True)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise typer.BadParameter(f"{out} exists and is not empty (use --overwrite)", param_hint="--out")
+        shutil.rmtree(out)
+    tok, source = load_tokenizer(tokenizer, shards)
+    console.print(source)
+    sessions = _sessions(shards)
+    wanted = set(session) or None
+    total = len(wanted) if wanted else len(sessions)
+    writer = TraceWriter(out, rows_per_file=rows_per_file)
+    report = BuildReport()
+    eot: Optional[int] = eot_token_id
+    started = time.perf_counter()
+    with Progress(
+        TextColumn("building"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        task = progress.add_task("sessions", total=total)
+        records = iter_records(shards, session_ids=wanted)
+        for built in iter_session_builds(
+            records, sessions, strategy, eot_token_id=eot_token_id, decode=_decode(tok), broadcast_rewards=broadcast_rewards
+        ):
+            writer.write(built.traces)
+            report.add(built.harness, built.stats)
+            eot = built.eot_token_id
+            progress.advance(task)
+    elapsed = time.perf_counter() - started
+    writer.close(
+        report,
+        {"strategy": strategy, "eot_token_id": eot, "tokenizer": source, "shards": shards,
+         "broadcast_rewards": broadcast_rewards, "seconds": round(elapsed, 3)},
+    )  # fmt: skip
+    console.print(report_table(report, title=f"polar build ({strategy})"))
+    if strategy == "per_request" and not broadcast_rewards and report.total.traces:
+        console.print("[yellow]per_request traces carry no reward without --broadcast-rewards: none is trainable")
+    typer.echo(
+        f"{report.total.traces} traces ({report.total.traces_trainable} trainable) from "
+        f"{report.total.sessions} sessions in {len(writer.files)} files under {out} "
+        f"({elapsed:.1f} s; stats in {out / STATS_FILE})"
+    )
+
+
+def stats(
+    shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
+    strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP + " Token counts follow it."),
+    tokenizer: Optional[Path] = typer.Option(None, help=TOKENIZER_HELP),
+    eot_token_id: Optional[int] = typer.Option(None, help=EOT_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the stats as JSON instead of a table."),
+) -> None:
+    """How well the captured sessions merge, per harness: chains, merge rate and every break's cause."""
+    import orjson
+    from rich.console import Console
+
+    from polar_addon.store import iter_records
+    from polar_cli.build import BuildReport, iter_session_builds
+    from polar_cli.build.stats import report_table
+
+    _check_strategy(strategy)
+    console = Console()
+    tok, source = load_tokenizer(tokenizer, shards)
+    report = BuildReport()
+    for built in iter_session_builds(
+        iter_records(shards), _sessions(shards), strategy, eot_token_id=eot_token_id, decode=_decode(tok)
+    ):
+        report.add(built.harness, built.stats)
+    if as_json:
+        typer.echo(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode())
+        return
+    Console(stderr=True).print(source)
+    console.print(report_table(report, title=f"polar stats: {shards}"))
+
+
+def view(
+    shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
+    session: str = typer.Option(..., "--session", help="The session to show."),
+    out: Path = typer.Option(Path("trace.html"), "--out", "-o", help="HTML file to write."),
+    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory, to show token text (else ids). " + TOKENIZER_HELP),
+    eot_token_id: Optional[int] = typer.Option(None, help=EOT_HELP),
+) -> None:
+    """Write one session's merged traces as a self-contained HTML page (open it in any browser)."""
+    from polar_addon.store import read_records
+    from polar_cli.build import build_session, detect_eot
+    from polar_cli.view import render_session
+
+    records = read_records(shards, session_ids=[session])
+    if not records:
+        raise typer.BadParameter(f"no calls captured for session {session!r}", param_hint="--session")
+    tok, source = load_tokenizer(tokenizer, shards)
+    eot = eot_token_id if eot_token_id is not None else detect_eot(records)
+    info = _sessions(shards).get(session)
+    built = build_session(session, records, info, eot_token_id=eot, decode=_decode(tok))
+    out.write_text(render_session(built, records, info, tokenizer=tok), encoding="utf-8")
+    typer.echo(f"{out}: {len(built.traces)} traces from {len(records)} calls ({source})")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("build")(build)
+    app.command("stats")(stats)
+    app.command("view")(view)
