@@ -1,0 +1,161 @@
+"""polar's mitmproxy addon: ``mitmdump -s polar_addon/addon.py --set polar_engine=... --set polar_out=DIR``.
+
+mitmproxy glue only: options, which flows are ours, identity from proxy credentials, and how a
+reply goes back (``Response.make`` for a finished body, a loopback relay for a live stream).
+Everything else lives in :mod:`polar_addon.gateway`.
+
+Regular mode: the harness sets ``HTTPS_PROXY=http://SESSION@127.0.0.1:8080`` and trusts
+mitmproxy's CA. Reverse mode (``--mode reverse:https://api.anthropic.com``): the harness's base URL
+points at mitmdump; every request on a model route is ours whatever the reverse target.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from mitmproxy import ctx, exceptions, http
+from mitmproxy.connection import Client
+from mitmproxy.proxy.mode_specs import ReverseMode
+
+from polar_addon import identity
+from polar_addon.canonical import PolarError
+from polar_addon.engines import EnginePool
+from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
+from polar_addon.relay import STREAM_PREFIX, StreamRelay
+from polar_addon.store import TraceStore
+
+log = logging.getLogger("polar")
+
+PROVIDER_HOSTS = frozenset({"api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com"})
+# Reward/status posts from sandboxed verifiers go to this pseudo-host through the proxy.
+CONTROL_HOST = "polar.local"
+# Headers never forwarded into the gateway's view of a call (secrets stay out of records).
+SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "proxy-authorization", "cookie")
+
+
+def _seconds(name: str) -> float:
+    # mitmproxy options have no float type: durations are strings parsed here.
+    raw = getattr(ctx.options, name)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise exceptions.OptionsError(f"polar: {name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise exceptions.OptionsError(f"polar: {name} must be positive, got {raw!r}")
+    return value
+
+
+class Polar:
+    def __init__(self) -> None:
+        self.gateway: Gateway | None = None
+        self.relay = StreamRelay()
+        self._proxy_auth: dict[str, str] = {}  # client connection id -> Proxy-Authorization from CONNECT
+
+    def load(self, loader) -> None:
+        loader.add_option("polar_engine", str, "", "Inference engine spec(s), comma-separated: sglang:URL, vllm:URL, local:MODEL_DIR.")
+        loader.add_option("polar_out", str, "shards", "Where trace shards go: a directory or a pyarrow filesystem URI (s3://bucket/prefix).")
+        loader.add_option("polar_hosts", Sequence[str], [], "Extra HOST or HOST:PORT whose model API calls are captured (besides the provider hosts).")
+        loader.add_option("polar_block_other", bool, False, "Answer 403 to all non-model traffic instead of passing it through (sandboxes).")
+        loader.add_option("polar_keepalive", str, "5", "Seconds between keep-alive events sent to a streaming client while the engine works.")
+        loader.add_option("polar_engine_timeout", str, "900", "Seconds to wait for one engine completion.")
+        loader.add_option("polar_max_tokens", int, 0, "Clamp (and fill in) max_tokens of every call; 0 leaves it to the client.")
+        loader.add_option("polar_served_model", str, "", "Model name sent to the engine; default: the name the client asked for.")
+        loader.add_option("polar_max_body_mb", int, 32, "Largest request body accepted, in MiB.")
+        loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
+        loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
+
+    def configure(self, updated: set[str]) -> None:
+        if not any(name.startswith("polar_") for name in updated):
+            return
+        opts = ctx.options
+        if not opts.polar_engine:
+            raise exceptions.OptionsError("polar: set --set polar_engine=sglang:URL|vllm:URL|local:MODEL_DIR")
+        if self.gateway is not None and not updated & {"polar_engine", "polar_out", "polar_shard_records", "polar_shard_seconds", "polar_engine_timeout"}:
+            self.gateway.config = self._gateway_config()
+            return
+        if self.gateway is not None:
+            raise exceptions.OptionsError("polar: engine and output options cannot change while running; restart mitmdump")
+        try:
+            pool = EnginePool.from_spec(opts.polar_engine, timeout_s=_seconds("polar_engine_timeout"))
+        except ValueError as exc:
+            raise exceptions.OptionsError(f"polar: {exc}") from exc
+        store = TraceStore(opts.polar_out, shard_max_records=opts.polar_shard_records, shard_max_seconds=_seconds("polar_shard_seconds"))
+        self.gateway = Gateway(pool, store, self._gateway_config())
+
+    def _gateway_config(self) -> GatewayConfig:
+        opts = ctx.options
+        return GatewayConfig(
+            keepalive_s=_seconds("polar_keepalive"),
+            max_body_bytes=opts.polar_max_body_mb * 1024 * 1024,
+            max_tokens_cap=opts.polar_max_tokens,
+            served_model=opts.polar_served_model,
+        )
+
+    async def running(self) -> None:
+        # Eager upstream connects would fail (or leak) for hosts we answer ourselves.
+        ctx.options.connection_strategy = "lazy"
+        await self.relay.start()
+
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        auth = flow.request.headers.get("proxy-authorization")
+        if auth:
+            self._proxy_auth[flow.client_conn.id] = auth
+
+    def client_disconnected(self, client: Client) -> None:
+        self._proxy_auth.pop(client.id, None)
+
+    def _is_ours(self, flow: http.HTTPFlow) -> bool:
+        host = flow.request.pretty_host
+        if host in PROVIDER_HOSTS or host == CONTROL_HOST:
+            return True
+        if isinstance(flow.client_conn.proxy_mode, ReverseMode):
+            return True
+        extra = set(ctx.options.polar_hosts)
+        return host in extra or f"{host}:{flow.request.port}" in extra
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        if self.gateway is None or flow.response is not None:
+            return
+        is_control = flow.request.pretty_host == CONTROL_HOST
+        ours = self._is_ours(flow) and (is_control or self.gateway.match(flow.request.method, flow.request.path) is not None)
+        if not ours:
+            if ctx.options.polar_block_other:
+                flow.response = http.Response.make(403, b"polar: non-model traffic is blocked (polar_block_other)", {"content-type": "text/plain"})
+            return
+        headers = {k.lower(): v for k, v in flow.request.headers.items()}
+        proxy_auth = headers.get("proxy-authorization") or self._proxy_auth.get(flow.client_conn.id)
+        try:
+            ident = identity.resolve(proxy_auth, headers, flow.client_conn.id)
+        except PolarError as err:
+            flow.response = http.Response.make(err.status, err.message.encode(), {"content-type": "text/plain"})
+            return
+        for name in SECRET_HEADERS:
+            headers.pop(name, None)
+        call = IncomingCall(method=flow.request.method, path=flow.request.path, headers=headers,
+                            body=flow.request.raw_content or b"", identity=ident, host=flow.request.pretty_host,
+                            started_at=flow.request.timestamp_start)
+        reply = await self.gateway.handle(call)
+        if isinstance(reply, FullReply):
+            flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
+            return
+        token = self.relay.park(reply.status, reply.content_type, reply.chunks)
+        flow.metadata["polar_stream"] = True
+        flow.request.scheme = "http"
+        flow.request.host = "127.0.0.1"
+        flow.request.port = self.relay.port
+        flow.request.method = "GET"
+        flow.request.path = STREAM_PREFIX + token
+        flow.request.content = b""
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get("polar_stream"):
+            flow.response.stream = True
+
+    async def done(self) -> None:
+        await self.relay.stop()
+        if self.gateway is not None:
+            await self.gateway.close()
+
+
+addons = [Polar()]

@@ -1,0 +1,258 @@
+"""The capture gateway: one intercepted provider call in, one provider-shaped reply out.
+
+No mitmproxy here: the addon hands over method, path, headers, body and identity, and sends back
+what :meth:`Gateway.handle` returns. A reply is either complete (:class:`FullReply`, sent with
+``Response.make``) or a live stream (:class:`StreamReply`) that the addon relays through a small
+loopback server, so a slow engine can keep the client's idle timer alive with the provider's own
+keep-alive events while it works.
+
+Every model call is recorded: the record is durable (journal fsync) before the first byte of the
+answer leaves; a call whose record cannot be persisted is answered with a 503 instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import orjson
+
+from polar_addon.canonical import CanonicalRequest, Completion, PolarError
+from polar_addon.capture import Identity, record_failed, record_ok
+from polar_addon.engines import EnginePool
+from polar_addon.providers import Provider, ResponseContext, Route, all_providers, encode_sse
+from polar_addon.store import StorageUnavailable, TraceStore
+
+log = logging.getLogger("polar")
+
+REWARD_PATH = re.compile(r"^/sessions/([^/]+)/(reward|status)$")
+SESSION_STATUSES = {"running", "completed", "timeout", "error", "agent_error"}
+
+
+@dataclass
+class GatewayConfig:
+    keepalive_s: float = 5.0  # first keep-alive after this long without an answer, then every keepalive_s
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_tokens_cap: int = 0  # 0: no cap; else clamp (and fill in) max_tokens
+    served_model: str = ""  # when set, the model name sent to the engine (the client's name is echoed back)
+
+
+@dataclass
+class FullReply:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+@dataclass
+class StreamReply:
+    status: int
+    chunks: AsyncIterator[bytes]
+    content_type: str = "text/event-stream"
+
+
+@dataclass
+class IncomingCall:
+    method: str
+    path: str  # with query string
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+    identity: Identity
+    host: str = ""
+    started_at: float = field(default_factory=time.time)
+
+
+def _json(status: int, payload: Any) -> FullReply:
+    return FullReply(status, orjson.dumps(payload))
+
+
+def _response_id(provider: Provider) -> str:
+    prefix = {"anthropic_messages": "msg_", "openai_responses": "resp_", "gemini": ""}.get(provider.name, "chatcmpl-")
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class Gateway:
+    def __init__(self, pool: EnginePool, store: TraceStore, config: GatewayConfig | None = None,
+                 providers: list[Provider] | None = None) -> None:
+        self.pool = pool
+        self.store = store
+        self.config = config or GatewayConfig()
+        self.providers = providers if providers is not None else all_providers()
+        self._seen_sessions: set[str] = set()
+
+    def match(self, method: str, path: str) -> tuple[Provider, Route] | None:
+        for provider in self.providers:
+            route = provider.route(method, path)
+            if route is not None:
+                return provider, route
+        return None
+
+    async def handle(self, call: IncomingCall) -> FullReply | StreamReply:
+        if REWARD_PATH.match(call.path.split("?", 1)[0]):
+            return await self._session_post(call)
+        matched = self.match(call.method, call.path)
+        if matched is None:
+            return _json(404, {"error": {"type": "not_found", "message": f"polar: no provider route for {call.method} {call.path}"}})
+        provider, route = matched
+        if route.kind == "local":
+            return _json(route.params.get("status", 200), route.params.get("body", {}))
+        try:
+            request = self._parse(provider, route, call)
+        except PolarError as err:
+            # Unparseable input is still a call the harness made: record it as failed.
+            await self._record_failure(call, provider.name, None, err)
+            return _json(err.status, provider.render_error(err))
+        if route.kind == "count_tokens":
+            try:
+                count = await self.pool.for_session(call.identity.session_id).count_tokens(request)
+            except PolarError as err:
+                return _json(err.status, provider.render_error(err))
+            return _json(200, provider.render_count_tokens(count))
+        return await self._generate(provider, request, call)
+
+    def _parse(self, provider: Provider, route: Route, call: IncomingCall) -> CanonicalRequest:
+        if len(call.body) > self.config.max_body_bytes:
+            raise PolarError(413, "invalid_request", f"request body of {len(call.body)} bytes exceeds the proxy limit of {self.config.max_body_bytes}")
+        try:
+            body = orjson.loads(call.body) if call.body else None
+        except orjson.JSONDecodeError as exc:
+            raise PolarError(400, "invalid_request", f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise PolarError(400, "invalid_request", "request body must be a JSON object")
+        request = provider.parse_request(body, route)
+        cap = self.config.max_tokens_cap
+        if cap > 0:
+            current = request.sampling.max_tokens
+            request.sampling.max_tokens = cap if current is None else min(current, cap)
+        return request
+
+    async def _generate(self, provider: Provider, request: CanonicalRequest, call: IncomingCall) -> FullReply | StreamReply:
+        ctx = ResponseContext(response_id=_response_id(provider), created=int(call.started_at), model=request.model)
+        try:
+            self.store.check_writable()
+        except StorageUnavailable as exc:
+            err = PolarError(503, "storage_unavailable", f"polar cannot persist captured calls right now ({exc}); retry later")
+            return _json(err.status, provider.render_error(err))
+        task = asyncio.ensure_future(self._complete_and_record(provider, request, call))
+        if not request.stream:
+            try:
+                completion = await task
+            except PolarError as err:
+                return _json(err.status, provider.render_error(err))
+            return _json(200, provider.render_response(request, completion, ctx))
+        done, _ = await asyncio.wait({task}, timeout=self.config.keepalive_s)
+        if done:
+            try:
+                completion = task.result()
+            except PolarError as err:
+                return _json(err.status, provider.render_error(err))
+            body = b"".join(encode_sse(e) for e in provider.render_stream(request, completion, ctx))
+            return FullReply(200, body, "text/event-stream")
+        return StreamReply(200, self._stream(provider, request, ctx, task))
+
+    async def _stream(self, provider: Provider, request: CanonicalRequest, ctx: ResponseContext,
+                      task: asyncio.Future[Completion]) -> AsyncIterator[bytes]:
+        # Headers are already out: keep the client alive until the (persisted) answer is ready.
+        yield provider.keepalive()
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self.config.keepalive_s)
+            if done:
+                break
+            yield provider.keepalive()
+        try:
+            completion = task.result()
+        except PolarError as err:
+            for event in provider.render_stream_error(err, ctx):
+                yield encode_sse(event)
+            return
+        for event in provider.render_stream(request, completion, ctx):
+            yield encode_sse(event)
+
+    async def _complete_and_record(self, provider: Provider, request: CanonicalRequest, call: IncomingCall) -> Completion:
+        session = call.identity.session_id
+        await self._note_session(call)
+        engine = self.pool.for_session(session)
+        engine_request = request
+        if self.config.served_model:
+            engine_request = CanonicalRequest(**{**request.__dict__, "model": self.config.served_model})
+        t0 = time.monotonic()
+        try:
+            completion = await engine.complete(engine_request)
+        except PolarError as err:
+            await self._record_failure(call, provider.name, request, err)
+            raise
+        except Exception as exc:  # an engine bug must not take the proxy down with it
+            log.exception("polar: engine %s failed", engine.name)
+            err = PolarError(502, "api_error", f"engine error: {type(exc).__name__}: {exc}")
+            await self._record_failure(call, provider.name, request, err)
+            raise err from exc
+        record = record_ok(identity=call.identity, seq=-1, request=request, completion=completion,
+                           harness=call.headers.get("user-agent"), started_at=call.started_at,
+                           engine_latency_s=time.monotonic() - t0)
+        try:
+            await self.store.append(record)
+        except StorageUnavailable as exc:
+            # Answering without persisting would silently lose training data.
+            raise PolarError(503, "storage_unavailable", f"polar could not persist this call ({exc}); retry later") from exc
+        return completion
+
+    async def _record_failure(self, call: IncomingCall, api: str, request: CanonicalRequest | None, err: PolarError) -> None:
+        record = record_failed(identity=call.identity, seq=-1, api=api, request=request,
+                               error=f"{err.status} {err.kind}: {err.message}",
+                               harness=call.headers.get("user-agent"), started_at=call.started_at)
+        try:
+            await self._note_session(call)
+            await self.store.append(record)
+        except StorageUnavailable as exc:
+            log.warning("polar: could not record failed call for session %s: %s", call.identity.session_id, exc)
+
+    async def _note_session(self, call: IncomingCall) -> None:
+        ident = call.identity
+        if ident.session_id in self._seen_sessions:
+            return
+        self._seen_sessions.add(ident.session_id)
+        await self.store.session_update(
+            ident.session_id, task_id=ident.task_id, group_id=ident.group_id, sample_index=ident.sample_index,
+            harness=call.headers.get("user-agent"), status="running", started_at=call.started_at,
+        )
+
+    async def _session_post(self, call: IncomingCall) -> FullReply:
+        """``POST /sessions/ID/reward`` and ``/sessions/ID/status`` on the polar.local pseudo-host.
+
+        Allowed only with the session's own credentials, so a sandboxed verifier can post the reward
+        of its own session and nothing else.
+        """
+        match = REWARD_PATH.match(call.path.split("?", 1)[0])
+        assert match is not None
+        session_id, what = match.group(1), match.group(2)
+        if call.method != "POST":
+            return _json(405, {"error": {"type": "invalid_request", "message": "use POST"}})
+        if call.identity.source == "generated" or call.identity.session_id != session_id:
+            return _json(403, {"error": {"type": "permission_denied", "message": f"only session {session_id}'s own credentials may post to it"}})
+        try:
+            body = orjson.loads(call.body or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("body must be a JSON object")
+            if what == "reward":
+                value = float(body["value"])
+                await self.store.add_reward(session_id, value, name=str(body.get("name", "reward")), source="proxy")
+            else:
+                status = str(body["status"])
+                if status not in SESSION_STATUSES:
+                    raise ValueError(f"status must be one of {sorted(SESSION_STATUSES)}")
+                await self.store.session_update(session_id, status=status, ended_at=time.time(),
+                                                metadata=body.get("metadata"))
+        except (KeyError, ValueError, TypeError, orjson.JSONDecodeError) as exc:
+            return _json(400, {"error": {"type": "invalid_request", "message": f"bad {what} body: {exc}"}})
+        except StorageUnavailable as exc:
+            return _json(503, {"error": {"type": "storage_unavailable", "message": str(exc)}})
+        return _json(200, {"ok": True, "session_id": session_id})
+
+    async def close(self) -> None:
+        await self.pool.close()
+        await self.store.aclose()
