@@ -361,11 +361,12 @@ class TraceStore:
                 self._segment = journal.Segment(self._own_dir.path, name)
             self._segment.append(payloads)
         except OSError as exc:
-            self._journal_error = f"cannot write the trace journal in {self.journal_root}: {exc}"
-            log.error("%s", self._journal_error)
-            self._flush_queue.put(None)  # wake the shard writer: it probes until the journal works again
+            reason = f"cannot write the trace journal in {self.journal_root}: {exc}"
+            self._journal_error = reason
+            log.error("%s", reason)
             self._seal()  # never append after a failed write: nothing valid may follow a torn entry
-            error = StorageUnavailable(self._journal_error)
+            self._flush_queue.put(None)  # wake the shard writer: it probes until the journal works again
+            error = StorageUnavailable(reason)
             for item, _ in accepted:
                 self._resolve(item, error)
             return
