@@ -91,3 +91,24 @@ def _stop_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+@pytest.fixture(scope="session")
+def reference_logprobs(tiny_model_dir: Path):
+    """``fn(prompt_ids, response_ids, temperature) -> list[float]``: log_softmax(logits / T) of
+    ``response_ids`` from one plain transformers forward pass over prompt + response (fp32), the
+    value a trainer recomputes. Independent of the engines' own code."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def compute(prompt_ids: list[int], response_ids: list[int], temperature: float) -> list[float]:
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+        with torch.inference_mode():
+            logits = model(input_ids=ids).logits[0].float()
+        scale = temperature if temperature > 0 else 1.0
+        logprobs = torch.log_softmax(logits[len(prompt_ids) - 1 : -1] / scale, dim=-1)
+        return logprobs.gather(1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
+
+    return compute
