@@ -36,6 +36,8 @@ def tiny_model(
 
 
 # Command groups register below (one line each).
+from polar_cli.train_cmd import register as register_train  # noqa: E402  (train, engine serve|reload|stop)
+register_train(app)
 from polar_cli.build_cmd import register as register_build  # noqa: E402  (build, stats, view)
 register_build(app)
 

@@ -240,10 +240,30 @@ def read_trace_dataset(paths: Sequence[Path]) -> list[Trace]:
     return traces
 
 
-def load_traces(paths: Sequence[Path], strategy: str) -> list[Trace]:
-    """Traces from a built dataset, or built on the fly from raw shards with ``polar build``'s code."""
+def load_traces(
+    paths: Sequence[Path], strategy: str, *, tokenizer: Path | str | None = None, broadcast_rewards: bool = False
+) -> list[Trace]:
+    """Traces from a built dataset, or built on the fly from a raw trace store with `polar build`'s code.
+
+    ``tokenizer`` (the model being trained) lets the build tell a re-tokenized turn from a
+    template re-render; ``broadcast_rewards`` is `polar build --broadcast-rewards` (per_request).
+    """
     if is_trace_dataset(paths):
         return read_trace_dataset(paths)
-    from polar_cli.build import build_from_shards
+    if len(paths) != 1 or not paths[0].is_dir():
+        raise ValueError("raw capture shards are read from one trace-store directory (the proxy's polar_out)")
+    from polar_addon.store import read_records, read_sessions
+    from polar_cli.build import build_traces
+    from polar_cli.build_cmd import load_tokenizer, session_info
 
-    return build_from_shards(paths, strategy).traces
+    store = str(paths[0])
+    tok, _ = load_tokenizer(Path(tokenizer) if tokenizer else None, store)
+    sessions = {row.session_id: session_info(row) for row in read_sessions(store)}
+    built = build_traces(
+        read_records(store),
+        sessions,
+        strategy,
+        decode=None if tok is None else tok.decode,
+        broadcast_rewards=broadcast_rewards,
+    )
+    return built.traces

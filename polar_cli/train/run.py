@@ -96,7 +96,9 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
 
     cfg.validate()
     if traces is None:
-        traces = load_traces(cfg.inputs, cfg.strategy)
+        # The model being trained carries the tokenizer the traces were sampled with.
+        tokenizer = cfg.model if (Path(cfg.model) / "tokenizer_config.json").is_file() else None
+        traces = load_traces(cfg.inputs, cfg.strategy, tokenizer=tokenizer, broadcast_rewards=cfg.broadcast_rewards)
     data = prepare_rows(
         traces,
         max_length=cfg.max_length,

@@ -1,0 +1,188 @@
+"""`polar train` and `polar engine serve|reload|stop`: thin Typer shells over polar_cli.train.
+
+Heavy imports (torch, TRL) happen inside the commands so `polar --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from polar_cli.train.config import DTYPES, LOSS_TYPES, TrainConfig
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(TrainConfig)}
+
+
+def _d(name: str) -> Any:
+    return _DEFAULTS[name]
+
+
+def train(
+    inputs: list[Path] = typer.Argument(
+        ..., help="A trace store (the proxy's polar_out: built on the fly) or a built trace dataset (`polar build`)."
+    ),
+    model: str = typer.Option(..., "--model", "-m", help="Model directory to start from (the policy that sampled)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to write (HF format, vLLM-ready)."),
+    strategy: str = typer.Option(_d("strategy"), help="Builder for raw shards: prefix_merging or per_request."),
+    broadcast_rewards: bool = typer.Option(
+        _d("broadcast_rewards"), "--broadcast-rewards", help="per_request: every call gets its session's reward."
+    ),
+    learning_rate: float = typer.Option(_d("learning_rate"), "--lr", "--learning-rate", help="Peak learning rate."),
+    optim: str = typer.Option(_d("optim"), help="Optimizer (TrainingArguments name: adamw_torch, sgd, ...)."),
+    weight_decay: float = typer.Option(_d("weight_decay")),
+    max_grad_norm: float = typer.Option(_d("max_grad_norm")),
+    lr_scheduler: str = typer.Option(_d("lr_scheduler"), help="constant, linear, cosine, ..."),
+    epochs: float = typer.Option(_d("epochs"), help="Passes over the traces."),
+    max_steps: int = typer.Option(_d("max_steps"), help="Optimizer steps; > 0 overrides --epochs."),
+    groups_per_step: int = typer.Option(_d("groups_per_step"), help="GRPO groups (tasks) per optimizer step."),
+    grad_accum: int = typer.Option(_d("grad_accum"), help="Micro-batches per step and process (memory)."),
+    num_iterations: int = typer.Option(_d("num_iterations"), help="Optimizer steps on each step's batch (PPO mu)."),
+    epsilon_low: float = typer.Option(_d("epsilon_low"), help="PPO clip: ratio >= 1 - eps_low."),
+    epsilon_high: float = typer.Option(_d("epsilon_high"), help="PPO clip: ratio <= 1 + eps_high (DAPO clip-higher)."),
+    tis_cap: float = typer.Option(_d("tis_cap"), help="Truncated importance sampling: cap on pi_theta/pi_behavior."),
+    beta: float = typer.Option(_d("beta"), help="KL coefficient to the starting model (0: no reference model)."),
+    loss_type: str = typer.Option(_d("loss_type"), help=f"TRL loss: {', '.join(LOSS_TYPES)}."),
+    scale_rewards: str = typer.Option(_d("scale_rewards"), help="group: divide advantages by the group std; none."),
+    keep_zero_advantage: bool = typer.Option(
+        False, "--keep-zero-advantage", help="Also forward traces whose advantage is 0 (they add no gradient)."
+    ),
+    max_length: int = typer.Option(_d("max_length"), help="Prompt + completion tokens; completions are clipped."),
+    temperature: Optional[float] = typer.Option(None, help="Must equal the capture temperature (read from traces)."),
+    lora_r: int = typer.Option(_d("lora_r"), help="LoRA rank; 0 trains every weight. Merged into the checkpoint."),
+    lora_alpha: int = typer.Option(_d("lora_alpha"), help="LoRA alpha (0: 2 x rank)."),
+    lora_dropout: float = typer.Option(_d("lora_dropout")),
+    dtype: str = typer.Option(_d("dtype"), help=f"{', '.join(DTYPES)} (auto: bf16 on a capable GPU, else fp32)."),
+    gradient_checkpointing: bool = typer.Option(_d("gradient_checkpointing"), help="Trade compute for memory."),
+    seed: int = typer.Option(_d("seed")),
+    resume: Optional[Path] = typer.Option(None, help="Resume from OUTPUT/checkpoint-N of an earlier run."),
+    save_steps: int = typer.Option(_d("save_steps"), help="Write OUTPUT/checkpoint-N every N steps (0: only the end)."),
+    plot: bool = typer.Option(_d("plot"), help="Write training_curves.png."),
+    progress: bool = typer.Option(_d("progress"), help="Rich progress bar."),
+) -> None:
+    """Train the policy with GRPO (TRL) on captured traces; write a checkpoint, metrics.jsonl and curves."""
+    from rich.console import Console
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from polar_cli.train.dataset import TemperatureMismatch
+    from polar_cli.train.run import run_training
+
+    cfg = TrainConfig(
+        inputs=inputs, model=model, output=output, strategy=strategy, broadcast_rewards=broadcast_rewards,
+        learning_rate=learning_rate, optim=optim, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+        lr_scheduler=lr_scheduler, epochs=epochs, max_steps=max_steps, groups_per_step=groups_per_step,
+        grad_accum=grad_accum, num_iterations=num_iterations, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        tis_cap=tis_cap, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
+        drop_zero_advantage=not keep_zero_advantage, max_length=max_length, temperature=temperature,
+        lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, dtype=dtype,
+        gradient_checkpointing=gradient_checkpointing, seed=seed, resume=resume, save_steps=save_steps,
+        plot=plot, progress=progress,
+    )  # fmt: skip
+    console = Console(stderr=True)
+    try:
+        result = run_training(cfg)
+    except TemperatureMismatch as exc:
+        console.print(f"[bold red]temperature mismatch:[/] {exc}")
+        raise typer.Exit(2) from exc
+    except (ValueError, FileNotFoundError) as exc:
+        console.print(f"[bold red]cannot train:[/] {exc}")
+        raise typer.Exit(2) from exc
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    s = result.stats
+    console.print(
+        f"traces {s['traces']} -> rows {s['rows']} in {s['groups']} groups / {s['sessions']} sessions "
+        f"(dropped: untrainable {s['untrainable']}, zero advantage {s['zero_advantage']}, "
+        f"overlong prompt {s['overlong_prompt']}, no trainable token {s['no_trainable_tokens']}; "
+        f"clipped {s['clipped']}); temperature {result.temperature:g}"
+    )
+    console.print(f"{result.steps} steps in {result.train_seconds:.1f} s")
+    typer.echo(f"checkpoint: {result.output}")
+    typer.echo(f"metrics: {result.metrics_path}")
+    if result.plot_path:
+        typer.echo(f"curves: {result.plot_path}")
+
+
+engine_app = typer.Typer(help="Serve, reload and stop inference engines for the train -> rollout loop.", no_args_is_help=True)
+
+STATE_DIR_HELP = "Where polar remembers the engines it started (env POLAR_STATE_DIR)."
+
+
+def _state_dir(value: Optional[Path]) -> Path:
+    from polar_cli.train.reload import DEFAULT_STATE_DIR
+
+    return value or DEFAULT_STATE_DIR
+
+
+@engine_app.command("serve")
+def engine_serve(
+    model: str = typer.Argument(..., help="Model directory to serve."),
+    port: int = typer.Option(8000, help="Port on 127.0.0.1."),
+    served_model_name: Optional[str] = typer.Option(None, help="Name clients ask for; kept across reloads."),
+    dtype: str = typer.Option("auto", help="vLLM --dtype (float32 on CPU)."),
+    max_model_len: Optional[int] = typer.Option(None, help="vLLM --max-model-len."),
+    python: Optional[str] = typer.Option(None, help="Interpreter with vLLM (default: .venv-vllm if present)."),
+    vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM flag (repeatable), e.g. --vllm-arg=--enforce-eager."),
+    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
+    timeout: float = typer.Option(600.0, help="Seconds to wait until it answers."),
+) -> None:
+    """Start a vLLM server in the background that `polar engine reload` can restart with new weights."""
+    from polar_cli.train.reload import EngineError, serve_vllm
+
+    try:
+        server = serve_vllm(
+            model, port=port, served_model_name=served_model_name, state_dir=_state_dir(state_dir), python=python,
+            dtype=dtype, max_model_len=max_model_len, extra_args=vllm_arg, ready_timeout_s=timeout,
+        )  # fmt: skip
+    except EngineError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"serving {server.served_model_name!r} (pid {server.pid}, log {server.log})")
+    typer.echo(server.spec)
+
+
+@engine_app.command("reload")
+def engine_reload(
+    checkpoint: Path = typer.Argument(..., help="Checkpoint directory written by `polar train`."),
+    engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL (started by `polar engine serve`)."),
+    weight_version: Optional[str] = typer.Option(None, help="Policy version tag later captures will carry."),
+    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
+    timeout: float = typer.Option(600.0, help="Seconds to wait for the engine."),
+) -> None:
+    """Point a running engine at new weights: SGLang loads them in place, vLLM is restarted."""
+    from polar_addon.canonical import PolarError
+    from polar_cli.train.reload import EngineError, reload_engine
+
+    try:
+        line = reload_engine(
+            engine, checkpoint, state_dir=_state_dir(state_dir), weight_version=weight_version, timeout_s=timeout
+        )
+    except (EngineError, PolarError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(line)
+
+
+@engine_app.command("stop")
+def engine_stop(
+    engine: str = typer.Option(..., "--engine", "-e", help="vllm:URL of an engine started by `polar engine serve`."),
+    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
+) -> None:
+    """Stop an engine started by `polar engine serve`."""
+    from polar_cli.train.reload import EngineError, stop_engine
+
+    kind, _, target = engine.partition(":")
+    try:
+        server = stop_engine(target, state_dir=_state_dir(state_dir))
+    except EngineError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"stopped {kind} on port {server.port} (pid {server.pid})")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train)
+    app.add_typer(engine_app, name="engine")
