@@ -1,0 +1,81 @@
+"""Hermes tool-call and <think> parsing used by the local and scripted engines."""
+
+from __future__ import annotations
+
+import orjson
+
+from polar_addon.tool_parsing import parse_assistant_text, parse_tool_calls, split_reasoning
+
+
+def test_plain_text_is_content_untouched():
+    msg = parse_assistant_text("  Hello, world.\n")
+    assert msg.content == "  Hello, world.\n"
+    assert msg.reasoning is None and msg.tool_calls == []
+
+
+def test_single_call_with_leading_text():
+    msg = parse_assistant_text('Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>')
+    assert msg.content == "Let me look."
+    [call] = msg.tool_calls
+    assert call.name == "read_file"
+    assert call.arguments == '{"path":"a.py"}'
+    assert call.id.startswith("call_") and len(call.id) > 10
+
+
+def test_parallel_calls_keep_order_and_get_distinct_ids():
+    text = (
+        '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {"y": [1, 2], "z": "ü"}}\n</tool_call>'
+    )
+    content, calls = parse_tool_calls(text)
+    assert content is None
+    assert [c.name for c in calls] == ["a", "b"]
+    assert orjson.loads(calls[1].arguments) == {"y": [1, 2], "z": "ü"}
+    assert calls[0].id != calls[1].id
+
+
+def test_arguments_given_as_json_text_are_normalised():
+    _, [call] = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"k\\": 2}"}</tool_call>')
+    assert call.arguments == '{"k":2}'
+
+
+def test_malformed_block_stays_in_content_while_good_ones_parse():
+    bad = '<tool_call>{"name": "f", "arguments": {oops}</tool_call>'
+    good = '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    content, calls = parse_tool_calls(f"{bad}\n{good}")
+    assert [c.name for c in calls] == ["g"]
+    assert calls[0].arguments == "{}"
+    assert content == bad
+    # No name, or arguments that are not an object: not a call either.
+    for text in ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'):
+        assert parse_tool_calls(text) == (text, [])
+
+
+def test_unclosed_tool_call_is_text():
+    text = '<tool_call>{"name": "f", "arguments": {}}'
+    assert parse_tool_calls(text) == (text, [])
+
+
+def test_think_block_becomes_reasoning():
+    msg = parse_assistant_text("<think>\nstep 1\nstep 2\n</think>\n\nThe answer is 4.")
+    assert msg.reasoning == "step 1\nstep 2"
+    assert msg.content == "The answer is 4."
+
+
+def test_think_without_opening_tag_and_with_calls():
+    msg = parse_assistant_text('plan it\n</think>\n\n<tool_call>{"name": "ls", "arguments": {}}</tool_call>')
+    assert msg.reasoning == "plan it"
+    assert msg.content is None
+    assert [c.name for c in msg.tool_calls] == ["ls"]
+
+
+def test_unclosed_think_is_all_reasoning():
+    assert split_reasoning("<think>\nstill thinking") == ("still thinking", "")
+    # A <think> that is not at the start is ordinary text.
+    assert split_reasoning("x <think> y") == (None, "x <think> y")
+
+
+def test_tool_call_inside_reasoning_is_not_a_call():
+    msg = parse_assistant_text('<think><tool_call>{"name": "f", "arguments": {}}</tool_call></think>done')
+    assert msg.tool_calls == []
+    assert msg.content == "done"
