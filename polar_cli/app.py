@@ -40,6 +40,9 @@ from polar_cli.train_cmd import register as register_train  # noqa: E402  (train
 register_train(app)
 from polar_cli.build_cmd import register as register_build  # noqa: E402  (build, stats, view)
 register_build(app)
+from polar_cli.shards_cmd import reward, shards_app  # noqa: E402  (shards inspect|validate, reward)
+app.add_typer(shards_app, name="shards")
+app.command("reward")(reward)
 
 
 def main() -> None:

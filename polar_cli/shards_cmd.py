@@ -1,0 +1,153 @@
+"""`polar shards inspect|validate` and `polar reward`: the store-facing commands over polar_addon.store."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+shards_app = typer.Typer(help="Look into and check a trace store (a directory or a pyarrow URI such as s3://...).",
+                         no_args_is_help=True)
+
+STORE_HELP = "The trace store: the proxy's polar_out (a directory or a URI such as s3://bucket/prefix)."
+
+
+@shards_app.command("inspect")
+def inspect(
+    store: str = typer.Argument(..., help=STORE_HELP),
+    limit: int = typer.Option(20, help="Sessions to list (0: none, -1: all)."),
+) -> None:
+    """Sessions, calls, tokens, harnesses, rewards and failures in a store."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from polar_addon.store.summary import summarize
+
+    s = summarize(store)
+    console = Console()
+    overview = Table(title=f"polar store {store}", show_header=False)
+    overview.add_column(style="bold")
+    overview.add_column(justify="right")
+    overview.add_row("sessions", str(len(s.sessions)))
+    overview.add_row("calls ok", str(s.calls_ok))
+    overview.add_row("calls failed", str(s.calls_failed))
+    overview.add_row("prompt tokens", f"{s.prompt_tokens:,}")
+    overview.add_row("  stored (prefix references)", f"{s.stored_prompt_tokens:,}")
+    overview.add_row("response tokens", f"{s.response_tokens:,}")
+    overview.add_row("shards (calls/sessions/rewards)", "/".join(str(s.shards[k]) for k in ("calls", "sessions", "rewards")))
+    overview.add_row("shard bytes", f"{s.shard_bytes:,}")
+    if s.journal_segments:
+        overview.add_row("journal segments not in shards yet", f"[yellow]{s.journal_segments}[/]")
+    console.print(overview)
+
+    if s.harnesses:
+        table = Table(title="harnesses")
+        table.add_column("harness")
+        table.add_column("calls", justify="right")
+        for harness, n in s.harnesses.most_common():
+            table.add_row(harness, str(n))
+        console.print(table)
+    if s.statuses:
+        table = Table(title="session status")
+        table.add_column("status")
+        table.add_column("sessions", justify="right")
+        for status, n in s.statuses.most_common():
+            table.add_row(status, str(n))
+        console.print(table)
+    if s.rewards:
+        table = Table(title="rewards (latest per session)")
+        for col in ("name", "sessions", "mean", "min", "max"):
+            table.add_column(col, justify="left" if col == "name" else "right")
+        for r in s.rewards:
+            table.add_row(r.name, str(r.sessions), f"{r.mean:.4g}", f"{r.minimum:.4g}", f"{r.maximum:.4g}")
+        console.print(table)
+    if s.failures:
+        table = Table(title="failed calls")
+        table.add_column("error")
+        table.add_column("calls", justify="right")
+        for error, n in s.failures.most_common(15):
+            table.add_row(error, str(n))
+        console.print(table)
+    shown = s.sessions if limit < 0 else s.sessions[:limit]
+    if shown:
+        table = Table(title=f"sessions ({len(shown)} of {len(s.sessions)})")
+        table.add_column("session", overflow="fold")
+        table.add_column("task/group/sample", overflow="fold")
+        table.add_column("harness", overflow="fold")
+        table.add_column("status", no_wrap=True)
+        table.add_column("ok/failed", justify="right", no_wrap=True)
+        table.add_column("tokens", justify="right", no_wrap=True)
+        table.add_column("reward", justify="right", no_wrap=True)
+        for x in shown:
+            sample = "-" if x.sample_index is None else str(x.sample_index)
+            table.add_row(
+                x.session_id, f"{x.task_id or '-'}/{x.group_id or '-'}/{sample}", x.harness or "-",
+                x.status or "-", f"{x.calls - x.failed_calls}/{x.failed_calls}",
+                f"{x.prompt_tokens + x.response_tokens:,}", "-" if x.reward is None else f"{x.reward:.4g}",
+            )
+        console.print(table)
+
+
+@shards_app.command("validate")
+def validate(store: str = typer.Argument(..., help=STORE_HELP)) -> None:
+    """Check schemas, one logprob per response token, contiguous seq per session, unique record ids,
+    resolvable prefix references, token-free failed calls; exit 1 listing every violation."""
+    from polar_addon.store.summary import summarize
+    from polar_addon.store.validate import validate_store
+
+    problems = validate_store(store)
+    if problems:
+        typer.echo(f"{len(problems)} violation(s) in {store}:", err=True)
+        for problem in problems:
+            typer.echo(f"  - {problem}", err=True)
+        raise typer.Exit(1)
+    s = summarize(store)
+    typer.echo(f"valid: {s.calls_ok + s.calls_failed} calls ({s.calls_failed} failed) in {len(s.sessions)} sessions")
+
+
+def reward(
+    store: str = typer.Argument(..., help=STORE_HELP),
+    session: Optional[str] = typer.Option(None, "--session", help="Session id to reward."),
+    value: Optional[float] = typer.Option(None, "--value", help="The reward value."),
+    name: str = typer.Option("reward", "--name", help="Reward name (several named rewards may coexist)."),
+    file: Optional[Path] = typer.Option(None, "--file", help='JSONL lines {"session_id", "value", "name"?}.'),
+    source: str = typer.Option("cli", help="Recorded as the reward's source."),
+    allow_unknown: bool = typer.Option(False, "--allow-unknown", help="Accept session ids the store has not seen."),
+    journal_dir: Optional[Path] = typer.Option(None, help="Journal directory (default: the store's)."),
+) -> None:
+    """Record rewards for sessions: one with --session/--value, or many with --file."""
+    from polar_addon.store import TraceStore, read_sessions
+    from polar_addon.store.rewards import RewardInput, parse_rewards_jsonl
+    from polar_addon.store.shards import Output
+    from polar_addon.store.summary import journal_session_ids
+    from polar_addon.store.trace_store import default_journal_dir
+
+    if file is not None and (session is not None or value is not None):
+        raise typer.BadParameter("give either --file or --session with --value")
+    if file is None and (session is None or value is None):
+        raise typer.BadParameter("give --session and --value (or --file)")
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter("--value must be a finite number")
+    try:
+        rewards = parse_rewards_jsonl(file) if file is not None else [RewardInput(session, value, name)]  # type: ignore[arg-type]
+    except (OSError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    journal_root = str(journal_dir) if journal_dir else default_journal_dir(Output.from_uri(store))
+    if not allow_unknown:
+        known = {s.session_id for s in read_sessions(store)} | journal_session_ids(journal_root)
+        unknown = sorted({r.session_id for r in rewards} - known)
+        if unknown:
+            typer.echo(f"error: unknown session(s) in {store}: {', '.join(unknown[:10])}"
+                       f"{' ...' if len(unknown) > 10 else ''} (--allow-unknown to record anyway)", err=True)
+            raise typer.Exit(2)
+
+    async def record() -> None:
+        async with TraceStore(store, journal_dir=journal_root) as trace_store:
+            await asyncio.gather(*(trace_store.add_reward(r.session_id, r.value, r.name, source) for r in rewards))
+
+    asyncio.run(record())
+    typer.echo(f"recorded {len(rewards)} reward(s) in {store}")
