@@ -31,7 +31,7 @@ header h1 { font-size: 1.1rem; margin: 0 0 .3rem; }
 main { padding: 0 1rem; }
 section.chain { border: 1px solid #ccc; border-radius: 6px; margin: 1rem 0; padding: .5rem .8rem; }
 section.chain h2 { font-size: 1rem; margin: .2rem 0 .4rem; }
-.summary { color: var(--muted); font-size: 12px; }
+.chain-summary, .call-id { color: var(--muted); font-size: 12px; }
 .start { background: #fff6e0; border-left: 4px solid #e0a800; padding: .3rem .6rem; margin: .3rem 0; }
 .break { background: #fdecea; border-left: 4px solid var(--break); padding: .3rem .6rem; margin: .5rem 0 .2rem; }
 .break b, .start b { font-family: ui-monospace, Menlo, monospace; }
@@ -67,7 +67,7 @@ _JS = """
   document.querySelectorAll('section.chain').forEach(function (sec) {
     var sampled = sec.querySelectorAll('.t.s'), masked = sec.querySelectorAll('.t.m'), sum = 0;
     sampled.forEach(function (t) { sum += parseFloat(t.dataset.lp); });
-    var out = sec.querySelector('.summary');
+    var out = sec.querySelector('.chain-summary');
     out.dataset.sampled = sampled.length;
     out.dataset.masked = masked.length;
     out.textContent = sampled.length + ' sampled tokens (mean logprob ' +
@@ -158,7 +158,7 @@ def _sampled_message(record: CaptureRecord) -> str:
     for call in message.get("tool_calls") or []:
         parts.append(
             f'<div class="tool-call"><span class="role">tool call</span> <span class="name">{_esc(call.get("name"))}</span>'
-            f' <span class="summary">{_esc(call.get("id", ""))}</span><pre>{_esc(_pretty_json(call.get("arguments", "")))}</pre></div>'
+            f' <span class="call-id">{_esc(call.get("id", ""))}</span><pre>{_esc(_pretty_json(call.get("arguments", "")))}</pre></div>'
         )
     return f'<div class="msg">{"".join(parts)}</div>' if parts else ""
 
@@ -185,7 +185,7 @@ def _chain_section(chain: Chain, session: SessionInfo | None, pieces: _Pieces) -
         f'<section class="chain" id="chain-{chain.index}" data-chain="{chain.index}" data-calls="{len(records)}"{cut}>',
         f"<h2>Chain {chain.index} · {len(records)} call{'s' * (len(records) != 1)} merged "
         f"(calls {', '.join(str(r.seq) for r in records)}) · reward {decision.reward:g} · {trainable}</h2>",
-        '<div class="summary"></div>',
+        '<div class="chain-summary"></div>',
     ]
     if chain.start is not None:
         related = f" (from chain {chain.related})" if chain.related is not None else ""
