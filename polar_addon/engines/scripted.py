@@ -1,0 +1,142 @@
+"""A scripted test engine (``scripted:SCRIPT.json``) for multi-turn, tool-using sessions.
+
+A tiny random model never decides to call a tool, so tests that need an agent loop replay a
+script of assistant turns instead, with genuine tokens and logprobs:
+
+    {"model_dir": "models/tiny",            # relative paths are relative to the script
+     "turns": [{"content": "...", "reasoning_content": "...",
+                "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": {...}}}]},
+               ...],
+     "cycle": true}
+
+The turn answered is chosen by the number of assistant messages already in the request, so
+parallel sessions replaying the same script stay deterministic (with ``cycle`` the script wraps
+around; without it a request past the last turn is refused).
+
+Tokens go through the real tokenizer and chat template: prompt ids are the templated request;
+response ids are what the template renders for the scripted turn after the generation prompt, up
+to and including the end-of-turn token; logprobs are the model's log_softmax(logits / T) of those
+tokens in one teacher-forced pass, i.e. the behaviour logprobs a trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
+from polar_addon.engines.local import LocalEngine
+from polar_addon.tool_parsing import new_call_id, parse_assistant_text
+
+
+def _normalise_turn(turn: Any, index: int) -> dict[str, Any]:
+    """An assistant message in OpenAI form with arguments as JSON text."""
+    if not isinstance(turn, dict):
+        raise ValueError(f"turn {index} is not an object")
+    message: dict[str, Any] = {"role": "assistant", "content": turn.get("content")}
+    reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    calls = []
+    for call in turn.get("tool_calls") or []:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"turn {index}: tool call without a function name: {call!r}")
+        arguments = fn.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = orjson.dumps(arguments).decode()
+        calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+    if calls:
+        message["tool_calls"] = calls
+    if not message["content"] and not calls and not reasoning:
+        raise ValueError(f"turn {index} is empty")
+    return message
+
+
+class ScriptedEngine:
+    kind = "scripted"
+
+    def __init__(self, script: str | Path) -> None:
+        path = Path(script)
+        data = orjson.loads(path.read_bytes())
+        turns = data.get("turns")
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"{path}: 'turns' must be a non-empty list")
+        model_dir = Path(data["model_dir"])
+        if not model_dir.is_absolute():
+            model_dir = path.parent / model_dir
+        self.name = f"{self.kind}:{script}"
+        self.turns = [_normalise_turn(t, i) for i, t in enumerate(turns)]
+        self.cycle = bool(data.get("cycle", True))
+        self.local = LocalEngine(model_dir)
+
+    def turn_for(self, request: CanonicalRequest) -> dict[str, Any]:
+        index = sum(1 for m in request.messages if m.get("role") == "assistant")
+        if index >= len(self.turns):
+            if not self.cycle:
+                raise PolarError(
+                    400, "invalid_request", f"script has {len(self.turns)} turns; the request already holds {index}"
+                )
+            index %= len(self.turns)
+        return self.turns[index]
+
+    def _complete_sync(self, request: CanonicalRequest) -> Completion:
+        turn = self.turn_for(request)
+        local = self.local
+        temperature = request.sampling.effective_temperature()
+        with local.lock:
+            prompt = local.prompt_ids(request)
+            local.check_context(len(prompt))
+            full = local.render_ids(
+                request.messages + [turn], request.tools, add_generation_prompt=False, enable_thinking=request.enable_thinking
+            )
+            if full[: len(prompt)] != prompt:
+                raise PolarError(
+                    502, "api_error", "scripted turn: the chat template does not render it as a continuation of the prompt"
+                )
+            tail = full[len(prompt) :]
+            end = next((i for i, token in enumerate(tail) if token in local.eos_ids), None)
+            if end is None:
+                raise PolarError(502, "api_error", "scripted turn: the chat template rendered no end-of-turn token")
+            response = tail[: end + 1]
+            max_tokens = request.sampling.max_tokens
+            truncated = max_tokens is not None and len(response) > max_tokens
+            if truncated:
+                response = response[:max_tokens]
+            logprobs = local.score(prompt, response, temperature)
+            text = local.decode(response) if truncated else ""
+            weight_version = local.weight_version
+        if truncated:
+            message, finish = parse_assistant_text(text), "length"
+        else:
+            message = AssistantMessage(
+                content=turn.get("content"),
+                reasoning=turn.get("reasoning_content"),
+                tool_calls=[
+                    ToolCall(id=c["id"] or new_call_id(), name=c["function"]["name"], arguments=c["function"]["arguments"])
+                    for c in turn.get("tool_calls", [])
+                ],
+            )
+            finish = "tool_calls" if message.tool_calls else "stop"
+        return Completion(
+            message=message,
+            finish_reason=finish,  # type: ignore[arg-type]
+            prompt_ids=prompt,
+            response_ids=response,
+            logprobs=logprobs,
+            served_model=local.served_model,
+            engine=self.name,
+            weight_version=weight_version,
+        )
+
+    async def complete(self, request: CanonicalRequest) -> Completion:
+        return await asyncio.to_thread(self._complete_sync, request)
+
+    async def count_tokens(self, request: CanonicalRequest) -> int:
+        return await self.local.count_tokens(request)
+
+    async def close(self) -> None:
+        await self.local.close()
