@@ -1,0 +1,89 @@
+"""Real harness CLIs (npm) finish a non-interactive prompt through the proxy against the tiny model.
+
+Claude Code through a forward proxy (HTTPS_PROXY + NODE_EXTRA_CA_CERTS, no base URL) and through
+ANTHROPIC_BASE_URL (reverse mode); Qwen Code through OPENAI_BASE_URL. The engine is real vLLM CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from polar_addon.store import read_records
+from tests.support.proxy import REPO, run_mitmdump
+
+pytestmark = [pytest.mark.vllm, pytest.mark.harness]
+
+BIN = REPO / ".harness" / "node_modules" / ".bin"
+MODEL_ENV = {k: "tiny" for k in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
+                                 "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")}
+PROXY_OPTIONS = {"polar_max_tokens": "16", "polar_shard_seconds": "0.5"}
+
+
+def harness(name: str) -> Path:
+    path = BIN / name
+    if not path.exists():
+        pytest.skip(f"{path} missing: run `make harnesses`")
+    return path
+
+
+def run(cmd: list[str], env: dict[str, str], home: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    home.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
+    full = {**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **env}
+    return subprocess.run(cmd, env=full, cwd=home, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def calls(out: Path, session: str) -> list:
+    time.sleep(1.0)
+    return [r for r in read_records(str(out)) if r.session_id == session]
+
+
+def claude_env(**extra: str) -> dict[str, str]:
+    return {**MODEL_ENV, "ANTHROPIC_API_KEY": "sk-ant-not-real", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "CLAUDE_CODE_MAX_RETRIES": "1", "DISABLE_AUTOUPDATER": "1", **extra}
+
+
+def test_claude_code_through_https_proxy(vllm_server, tmp_path):
+    claude = harness("claude")
+    out = tmp_path / "shards"
+    with run_mitmdump(f"vllm:{vllm_server}", out, options=PROXY_OPTIONS) as proxy:
+        env = claude_env(HTTPS_PROXY=proxy.proxy_url("cc-proxy"), NODE_EXTRA_CA_CERTS=str(proxy.ca))
+        result = run([str(claude), "-p", "Say hello.", "--output-format", "json"], env, tmp_path / "home")
+        assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
+        assert json.loads(result.stdout)["is_error"] is False
+        records = calls(out, "cc-proxy")
+    assert records and all(r.status == "ok" for r in records), [r.error for r in records]
+    assert {r.api for r in records} == {"anthropic_messages"}
+    assert all(r.harness and "claude" in r.harness.lower() for r in records)
+    # Claude Code's per-request billing line never reaches the engine or the record.
+    assert all("x-anthropic-billing-header" not in r.messages_json for r in records)
+
+
+def test_claude_code_with_base_url(vllm_server, tmp_path):
+    claude = harness("claude")
+    out = tmp_path / "shards"
+    with run_mitmdump(f"vllm:{vllm_server}", out, mode="reverse:https://api.anthropic.com", options=PROXY_OPTIONS) as proxy:
+        env = claude_env(ANTHROPIC_BASE_URL=proxy.url, ANTHROPIC_API_KEY="polar:session=cc-base;task=hello")
+        result = run([str(claude), "-p", "Say hello.", "--output-format", "json"], env, tmp_path / "home")
+        assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
+        records = calls(out, "cc-base")
+    assert records and all(r.status == "ok" and r.task_id == "hello" for r in records)
+
+
+def test_qwen_code_with_base_url(vllm_server, tmp_path):
+    qwen = harness("qwen")
+    out = tmp_path / "shards"
+    with run_mitmdump(f"vllm:{vllm_server}", out, mode="reverse:https://api.openai.com", options=PROXY_OPTIONS) as proxy:
+        env = {"OPENAI_BASE_URL": proxy.url + "/v1", "OPENAI_API_KEY": "polar:qwen-1", "OPENAI_MODEL": "tiny"}
+        result = run([str(qwen), "-p", "Say hello.", "--auth-type", "openai"], env, tmp_path / "home")
+        assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
+        records = calls(out, "qwen-1")
+    assert records and all(r.status == "ok" for r in records), [r.error for r in records]
+    assert {r.api for r in records} == {"openai_chat"}
+    assert all(len(r.logprobs) == len(r.response_ids) > 0 for r in records)
