@@ -100,7 +100,7 @@ class LocalEngine:
             )
         except Exception as exc:  # jinja raises its own errors for messages the template rejects
             raise PolarError(400, "invalid_request", f"chat template failed: {exc}") from exc
-        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.encode(text)
 
     def prompt_ids(self, request: CanonicalRequest) -> list[int]:
         return self.render_ids(
@@ -109,6 +109,15 @@ class LocalEngine:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        self._ensure_loaded()
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each id decoded on its own, special tokens included (SGLang's logprob token texts)."""
+        self._ensure_loaded()
+        return self._tokenizer.batch_decode([[i] for i in ids])
 
     @property
     def eos_ids(self) -> set[int]:

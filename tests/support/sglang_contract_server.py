@@ -1,0 +1,471 @@
+"""A loopback server that answers like SGLang 0.5.23's OpenAI-compatible endpoints.
+
+SGLang needs a GPU, so the SGLang engine is tested against this double. It does not guess the
+wire format: it loads SGLang's own pydantic classes (``sglang/srt/entrypoints/openai/protocol.py``
+from the released 0.5.23 wheel, fetched with pip into ``.cache/sglang-0.5.23/`` on first use,
+never committed) and fills them the way ``serving_chat.py``'s ``_build_chat_response`` does,
+with real tokens and logprobs from the in-process ``LocalEngine`` underneath:
+
+- ``meta_info`` as ``TokenizerManager._handle_batch_output`` builds it (finish_reason dict with
+  ``matched``, ``output_token_logprobs`` ``[logprob, id, text]`` triples, ``weight_version``,
+  ``cached_tokens``), mutated to ``tool_calls`` when the tool parser finds calls, as SGLang does;
+- ``prompt_token_ids`` / ``response_token_ids`` / ``meta_info`` / ``sglext`` per request flag
+  (and the ``x-sglext-return-*-ids: 1`` headers);
+- errors as ``ErrorResponse`` with SGLang's messages (context length, streaming + token ids,
+  validation), ``/v1/tokenize``, ``/update_weights_from_disk``, ``/v1/models``, ``/health``.
+
+``server.configured(variant=...)`` picks the shape of another SGLang build for the same request:
+``release`` (0.5.23, default), ``token_ids`` (main-branch naming of mid-2026: ``token_ids`` instead
+of ``response_token_ids``), ``sglext`` (ids only through ``sglext``, no per-choice extras),
+``meta_info_only`` (before ``return_token_ids`` existed: prompt ids + meta_info triples).
+Fault injection for error paths: ``fail="internal"`` (500 ErrorResponse), ``"misaligned"``
+(triples for one token fewer than the ids), ``"no_ids"`` (no token ids at all), ``"not_json"``;
+``delay_s=N`` answers N seconds late.
+
+The engine underneath is a ``LocalEngine`` or a ``ScriptedEngine`` (for tool calls).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import importlib.util
+import subprocess
+import sys
+import threading
+import time
+import types
+import uuid
+import zipfile
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from polar_addon.canonical import CanonicalRequest, PolarError, SamplingParams
+from polar_addon.engines.local import LocalEngine
+from polar_addon.engines.scripted import ScriptedEngine
+
+SGLANG_VERSION = "0.5.23"
+MSGSPEC_VERSION = "0.23.0"  # protocol.py imports msgspec; the main venv does not ship it
+REPO = Path(__file__).resolve().parents[2]
+CACHE_DIR = REPO / ".cache" / f"sglang-{SGLANG_VERSION}"
+PROTOCOL_IN_WHEEL = "sglang/srt/entrypoints/openai/protocol.py"
+UTILS_IN_WHEEL = "sglang/utils.py"
+MODULE_NAME = "sglang.srt.entrypoints.openai.protocol"
+VARIANTS = ("release", "token_ids", "sglext", "meta_info_only")
+FAULTS = ("", "internal", "misaligned", "no_ids", "not_json")
+STREAM_REFUSALS = {  # serving_chat._convert_to_internal_request
+    "return_prompt_token_ids": "return_prompt_token_ids is not supported with streaming. "
+    "Please set stream=false when using return_prompt_token_ids=true.",
+    "return_token_ids": "return_token_ids is not supported with streaming on /v1/chat/completions. "
+    "Please set stream=false when using return_token_ids=true.",
+    "return_meta_info": "return_meta_info is not supported with streaming. "
+    "Please set stream=false when using return_meta_info=true.",
+}
+
+
+class ContractUnavailable(RuntimeError):
+    """SGLang's wheel could not be fetched (no registry access); tests skip with this reason."""
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest), requirement]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    name = requirement.split("==")[0].replace("-", "_")
+    wheels = sorted(dest.glob(f"{name}-*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise ContractUnavailable(f"pip download {requirement} failed: {result.stderr.strip()[-500:]}")
+    return wheels[-1]
+
+
+def _prepare(cache_dir: Path) -> tuple[Path, Path]:
+    """Extract protocol.py and sglang/utils.py from the wheel (once); make msgspec importable."""
+    protocol = cache_dir / PROTOCOL_IN_WHEEL
+    utils = cache_dir / UTILS_IN_WHEEL
+    if not protocol.exists() or not utils.exists():
+        wheel = _pip_download(f"sglang=={SGLANG_VERSION}", cache_dir / "wheels")
+        with zipfile.ZipFile(wheel) as zf:
+            for member in (PROTOCOL_IN_WHEEL, UTILS_IN_WHEEL):
+                zf.extract(member, cache_dir)
+    try:
+        import msgspec  # noqa: F401
+    except ImportError:
+        deps = cache_dir / "deps"
+        if not (deps / "msgspec").is_dir():
+            wheel = _pip_download(f"msgspec=={MSGSPEC_VERSION}", cache_dir / "wheels")
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extractall(deps)
+        sys.path.insert(0, str(deps))
+    return protocol, utils
+
+
+def load_protocol(cache_dir: Path = CACHE_DIR) -> types.ModuleType:
+    """SGLang 0.5.23's ``protocol`` module, loaded without the rest of SGLang.
+
+    It imports only ``convert_json_schema_to_str`` from ``sglang.utils``, whose module pulls in
+    much of SGLang; a stand-in module holds that one function, taken verbatim from the wheel.
+    """
+    if MODULE_NAME in sys.modules:
+        return sys.modules[MODULE_NAME]
+    protocol_path, utils_path = _prepare(cache_dir)
+    source = utils_path.read_text()
+    [func] = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "convert_json_schema_to_str"]
+    utils = types.ModuleType("sglang.utils")
+    exec("import json\nfrom typing import Type, Union\nfrom pydantic import BaseModel\n", utils.__dict__)
+    exec(ast.get_source_segment(source, func), utils.__dict__)
+    package = types.ModuleType("sglang")
+    package.__path__ = []  # a namespace stand-in: nothing else of sglang is importable
+    package.utils = utils  # type: ignore[attr-defined]
+    sys.modules.setdefault("sglang", package)
+    sys.modules["sglang.utils"] = utils
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, protocol_path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    # pydantic resolves the postponed annotations through sys.modules[MODULE_NAME].
+    sys.modules[MODULE_NAME] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules[MODULE_NAME]
+        raise
+    return module
+
+
+class SGLangContractServer:
+    """``with SGLangContractServer(engine) as server: server.url`` -> ``http://127.0.0.1:PORT``."""
+
+    def __init__(
+        self,
+        engine: LocalEngine | ScriptedEngine,
+        *,
+        protocol: types.ModuleType | None = None,
+        served_model: str = "tiny",
+        context_len: int = 4096,
+        weight_version: str = "default",
+    ) -> None:
+        self.p = protocol or load_protocol()
+        self.engine = engine
+        self.local = engine.local if isinstance(engine, ScriptedEngine) else engine
+        self.variant = "release"
+        self.fail = ""
+        self.delay_s = 0.0
+        self.served_model = served_model
+        self.context_len = context_len
+        self.weight_version = weight_version
+        self.requests: list[dict[str, Any]] = []  # raw bodies received, for assertions
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    # --- lifecycle (the server runs in its own thread and loop, so tests may use asyncio.run) ---
+
+    def __enter__(self) -> "SGLangContractServer":
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._start())
+            except BaseException as exc:  # surfaced to the caller below
+                errors.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup())  # type: ignore[union-attr]
+            loop.close()
+
+        self._thread = threading.Thread(target=serve, name="sglang-contract", daemon=True)
+        self._thread.start()
+        ready.wait(60)
+        if errors:
+            raise errors[0]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(30)
+
+    async def _start(self) -> None:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/tokenize", self.tokenize)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_get("/health", self.health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    @contextlib.contextmanager
+    def configured(self, *, variant: str = "release", fail: str = "", delay_s: float = 0.0) -> Iterator[None]:
+        """Answer as another SGLang build, or inject a fault, inside the ``with`` block."""
+        if variant not in VARIANTS or fail not in FAULTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, fail one of {FAULTS}")
+        self.variant, self.fail, self.delay_s = variant, fail, delay_s
+        try:
+            yield
+        finally:
+            self.variant, self.fail, self.delay_s = "release", "", 0.0
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _json(content: Any, status: int = 200) -> web.Response:
+        return web.Response(body=orjson.dumps(content), status=status, content_type="application/json")
+
+    def _error(self, message: str, err_type: str = "BadRequestError", status: int = 400) -> web.Response:
+        """``OpenAIServingBase.create_error_response``."""
+        error = self.p.ErrorResponse(object="error", message=message, type=err_type, param=None, code=status)
+        return self._json(error.model_dump(), status)
+
+    async def _read(self, request: web.Request, model: Any) -> Any:
+        """Body -> pydantic request, or the 400 SGLang's RequestValidationError handler sends."""
+        if request.content_type != "application/json":
+            raise _Reply(self._error("Unsupported Media Type: Only 'application/json' is allowed", "Bad Request"))
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+            self.requests.append(body)
+            return body, model.model_validate(body)
+        except orjson.JSONDecodeError as exc:
+            raise _Reply(self._error(f"JSON decode error: {exc}", "Bad Request")) from exc
+        except Exception as exc:  # pydantic.ValidationError
+            errors = exc.errors() if hasattr(exc, "errors") else []
+            raise _Reply(self._error(f"{exc} {errors}", "Bad Request")) from exc
+
+    def _canonical(self, body: dict[str, Any], req: Any) -> CanonicalRequest:
+        stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
+        kwargs = req.chat_template_kwargs or {}
+        return CanonicalRequest(
+            api="sglang",
+            model=req.model,
+            messages=body["messages"],
+            tools=body.get("tools") or [],
+            sampling=SamplingParams(
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
+                stop=stop,
+                seed=req.seed,
+            ),
+            enable_thinking=kwargs.get("enable_thinking"),
+        )
+
+    # --- routes --------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        try:
+            body, req = await self._read(request, self.p.ChatCompletionRequest)
+        except _Reply as reply:
+            return reply.response
+        fail, variant = self.fail, self.variant
+        await asyncio.sleep(self.delay_s)
+        if fail == "internal":
+            return self._error("Internal server error: CUDA error: an illegal memory access", "InternalServerError", 500)
+        if fail == "not_json":
+            return web.Response(text="<html>502 Bad Gateway</html>", status=200, content_type="text/html")
+
+        if request.headers.get("x-sglext-return-input-ids") == "1":
+            req.return_input_ids_in_sglext = True
+        if request.headers.get("x-sglext-return-output-ids") == "1":
+            req.return_output_ids_in_sglext = True
+        if req.stream:
+            for flag, message in STREAM_REFUSALS.items():
+                if getattr(req, flag):
+                    return self._error(message, "BadRequest")
+            return self._error("contract server: streaming is not reproduced", "BadRequest")
+        # What the emulated build supports decides which extras it honours.
+        if variant == "sglext":
+            req.return_input_ids_in_sglext = req.return_input_ids_in_sglext or req.return_prompt_token_ids or req.return_token_ids
+            req.return_output_ids_in_sglext = req.return_output_ids_in_sglext or req.return_token_ids
+            req.return_prompt_token_ids = req.return_token_ids = req.return_meta_info = False
+        elif variant == "meta_info_only":
+            req.return_prompt_token_ids = req.return_prompt_token_ids or req.return_token_ids
+            req.return_token_ids = False
+
+        canonical = self._canonical(body, req)
+        try:
+            prompt_len = await self.engine.count_tokens(canonical)
+            if prompt_len >= self.context_len:
+                # TokenizerManager._validate_one_request
+                raise ValueError(
+                    f"The input ({prompt_len} tokens) is longer than the model's context length ({self.context_len} tokens)."
+                )
+            completion = await self.engine.complete(canonical)
+        except ValueError as exc:
+            return self._error(str(exc))
+        except PolarError as exc:
+            return self._error(exc.message, status=exc.status)
+
+        ret = self._ret_item(completion, return_logprob=bool(req.logprobs))
+        response = self._build_chat_response(req, ret, completion)
+        data = response.model_dump()
+        choice = data["choices"][0]
+        if variant == "token_ids" and "response_token_ids" in choice:
+            choice["token_ids"] = choice.pop("response_token_ids")
+        if fail == "misaligned":
+            choice["meta_info"]["output_token_logprobs"] = choice["meta_info"]["output_token_logprobs"][:-1]
+        if fail == "no_ids":
+            for key in ("prompt_token_ids", "response_token_ids", "meta_info"):
+                choice.pop(key, None)
+            data.pop("sglext", None)
+        return self._json(data)
+
+    def _ret_item(self, completion: Any, *, return_logprob: bool) -> dict[str, Any]:
+        """What TokenizerManager hands serving_chat: text, output_ids, meta_info, prompt_token_ids."""
+        n = len(completion.response_ids)
+        if completion.finish_reason == "length":
+            finish: dict[str, Any] = {"type": "length", "length": n}
+        elif completion.matched_stop is not None:
+            finish = {"type": "stop", "matched": completion.matched_stop}
+        else:
+            finish = {"type": "stop", "matched": completion.response_ids[-1]}  # the EOS id it sampled
+        meta: dict[str, Any] = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": len(completion.prompt_ids),
+            "weight_version": self.weight_version,
+            "num_retractions": 0,
+        }
+        if return_logprob:
+            with self.local.lock:  # chat forces return_text_in_logprobs: one decode per id
+                texts = self.local.token_texts(completion.response_ids)
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                [lp, tid, text] for lp, tid, text in zip(completion.logprobs, completion.response_ids, texts, strict=True)
+            ]
+            meta["output_token_logprobs_length"] = n
+        meta.update({"reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0})
+        return {"output_ids": list(completion.response_ids), "meta_info": meta, "prompt_token_ids": list(completion.prompt_ids)}
+
+    def _build_chat_response(self, req: Any, ret: dict[str, Any], completion: Any) -> Any:
+        """``OpenAIServingChat._build_chat_response`` for one choice."""
+        p = self.p
+        meta = ret["meta_info"]
+        finish = meta["finish_reason"]
+        sglext = None
+        input_ids = list(ret["prompt_token_ids"]) if req.return_input_ids_in_sglext else None
+        output_ids = [list(ret["output_ids"])] if req.return_output_ids_in_sglext else None
+        if input_ids is not None or output_ids is not None:
+            sglext = p.SglExt(input_ids=input_ids, output_ids=output_ids)
+        logprobs = None
+        if req.logprobs:
+            logprobs = p.ChoiceLogprobs(
+                content=[
+                    p.ChatCompletionTokenLogprob(token=text, bytes=list(text.encode()), logprob=lp, top_logprobs=[])
+                    for lp, _, text in meta["output_token_logprobs"]
+                ]
+            )
+        message = completion.message
+        tool_calls = None
+        if message.tool_calls:
+            tool_calls = [
+                p.ToolCall(id=c.id, index=i, function=p.FunctionResponse(name=c.name, arguments=c.arguments))
+                for i, c in enumerate(message.tool_calls)
+            ]
+            if finish["type"] == "stop":  # _process_tool_calls mutates the shared meta_info dict
+                finish["type"] = "tool_calls"
+                finish["matched"] = None
+        choice = p.ChatCompletionResponseChoice(
+            index=0,
+            message=p.ChatMessage(
+                role="assistant",
+                content=message.content or "",
+                tool_calls=tool_calls,
+                reasoning_content=message.reasoning or None,
+            ),
+            logprobs=logprobs,
+            finish_reason=finish["type"],
+            matched_stop=finish.get("matched"),
+            prompt_token_ids=ret["prompt_token_ids"] if (req.return_prompt_token_ids or req.return_token_ids) else None,
+            response_token_ids=ret["output_ids"] if req.return_token_ids else None,
+            meta_info=meta if req.return_meta_info else None,
+        )
+        usage = p.UsageInfo(
+            prompt_tokens=meta["prompt_tokens"],
+            completion_tokens=meta["completion_tokens"],
+            total_tokens=meta["prompt_tokens"] + meta["completion_tokens"],
+            reasoning_tokens=0,
+        )
+        return p.ChatCompletionResponse(
+            id=meta["id"],
+            created=int(time.time()),
+            model=req.model,
+            choices=[choice],
+            usage=usage,
+            metadata={"weight_version": meta["weight_version"]},
+            sglext=sglext,
+        )
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body, req = await self._read(request, self.p.TokenizeRequest)
+        except _Reply as reply:
+            return reply.response
+        if req.messages is not None:
+            kwargs = req.chat_template_kwargs or {}
+            canonical = CanonicalRequest(
+                api="sglang", model=req.model, messages=body["messages"], tools=body.get("tools") or [],
+                enable_thinking=kwargs.get("enable_thinking"),
+            )  # fmt: skip
+            with self.local.lock:
+                tokens = self.local.prompt_ids(canonical)
+            count: Any = len(tokens)
+        elif isinstance(req.prompt, str):
+            with self.local.lock:
+                tokens = self.local.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            count = len(tokens)
+        else:
+            return self._error(f"Invalid prompt type: {type(req.prompt)}. Expected str or List[str].")
+        return self._json(self.p.TokenizeResponse(tokens=tokens, count=count, max_model_len=self.context_len).model_dump())
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.requests.append(body)
+        path = body.get("model_path")
+        if not isinstance(path, str):
+            return self._error("model_path: field required", "Bad Request")
+        if not (Path(path) / "config.json").is_file():
+            content = {"success": False, "message": f"Failed to get weights iterator: {path} not found", "num_paused_requests": 0}
+            return self._json(content, 400)
+        version = body.get("weight_version")
+        await asyncio.to_thread(self.local.reload, path, version)
+        if version is not None:
+            self.weight_version = version
+        content = {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        return self._json(content)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = self.p.ModelCard(id=self.served_model, root=self.local.model_dir, max_model_len=self.context_len)
+        return self._json(self.p.ModelList(data=[card]).model_dump())
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return self._json(
+            {"model_path": self.local.model_dir, "served_model_name": self.served_model, "weight_version": self.weight_version}
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+
+class _Reply(Exception):
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
