@@ -1,0 +1,1 @@
+"""Test helpers that are not tests: subprocess fixtures, loopback doubles, sample data."""
