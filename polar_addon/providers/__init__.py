@@ -83,6 +83,6 @@ def encode_sse(event: StreamEvent) -> bytes:
 def all_providers() -> list[Provider]:
     """Every provider, in routing order (a request goes to the first whose ``route`` matches)."""
     # Imported here: the provider modules import this package's types.
-    from polar_addon.providers import anthropic_messages, openai_chat
+    from polar_addon.providers import anthropic_messages, gemini, openai_chat, openai_responses
 
-    return [openai_chat.PROVIDER, anthropic_messages.PROVIDER]
+    return [openai_chat.PROVIDER, anthropic_messages.PROVIDER, openai_responses.PROVIDER, gemini.PROVIDER]

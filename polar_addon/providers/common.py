@@ -106,3 +106,19 @@ def compact_json(value: Any) -> str:
 def thinking_signature(thinking: str) -> str:
     """A stable stand-in for Anthropic's opaque thinking signature (clients echo it back; we ignore it)."""
     return "polar-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
+
+
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """Tool-call argument text as the JSON object that APIs with object-typed arguments require.
+
+    Text that is not a JSON object (the model wrote a broken call) is passed on whole as
+    ``{"raw": text}``, so the harness reports a tool error the model can see instead of the call
+    silently vanishing; the record keeps the exact text.
+    """
+    if not arguments.strip():
+        return {}
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return {"raw": arguments}
+    return value if isinstance(value, dict) else {"raw": arguments}

@@ -1,0 +1,582 @@
+"""OpenAI Responses translator: input items, tools, previous_response_id, renders checked by the openai SDK."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from openai.types.responses import Response
+
+from polar_addon.canonical import AssistantMessage, Completion, PolarError, ToolCall
+from polar_addon.providers import ResponseContext, Route, StreamEvent, all_providers, encode_sse
+from polar_addon.providers.openai_responses import PROVIDER, OpenAIResponsesProvider, custom_input
+
+GENERATE = Route(kind="generate")
+CTX = ResponseContext(response_id="resp_test1", created=1_700_000_000, model="qwen-test")
+ERROR_KINDS = [
+    "invalid_request",
+    "authentication",
+    "not_found",
+    "previous_response_not_found",
+    "context_length_exceeded",
+    "overloaded",
+    "timeout",
+    "api_error",
+    "storage_unavailable",
+]
+APPLY_PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" LF hunk+ "*** End Patch"'},
+}
+EXEC = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Runs a command.",
+    "strict": False,
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+}
+# The shape of Codex 0.171's tool list (captured from a real run): a namespace and a hosted tool.
+NAMESPACE = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for sub-agents.",
+    "tools": [{"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
+               "parameters": {"type": "object", "properties": {"target": {"type": "string"}}}}],
+}
+WEB_SEARCH = {"type": "web_search", "external_web_access": False}
+
+
+def parse(provider: OpenAIResponsesProvider = PROVIDER, **body: Any):
+    body.setdefault("model", "qwen-test")
+    body.setdefault("input", "hi")
+    return provider.parse_request(body, GENERATE)
+
+
+def completion(
+    content: str | None = "Hello! How can I help you today?",
+    reasoning: str | None = None,
+    tool_calls: list[ToolCall] | None = None,
+    finish_reason: str = "stop",
+    cached_tokens: int | None = None,
+) -> Completion:
+    return Completion(
+        message=AssistantMessage(content=content, reasoning=reasoning, tool_calls=tool_calls or []),
+        finish_reason=finish_reason,  # type: ignore[arg-type]
+        prompt_ids=list(range(11)),
+        response_ids=list(range(7)),
+        logprobs=[-0.5] * 7,
+        served_model="qwen-test",
+        engine="test",
+        cached_tokens=cached_tokens,
+    )
+
+
+def client_for(status: int, body: bytes, content_type: str) -> openai.OpenAI:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=body, headers={"content-type": content_type})
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    return openai.OpenAI(api_key="x", base_url="http://polar.test/v1", http_client=http, max_retries=0)
+
+
+def sse_bytes(events, prefix: bytes = b"") -> bytes:
+    return prefix + b"".join(encode_sse(e) for e in events)
+
+
+def sdk_final(body: bytes, tools: list[dict[str, Any]] | None = None) -> Response:
+    """The openai SDK stream helper's final response for our SSE bytes."""
+    client = client_for(200, body, "text/event-stream")
+    with client.responses.stream(model="qwen-test", input="hi", tools=tools or []) as stream:
+        for _ in stream:
+            pass
+        return stream.get_final_response()
+
+
+def raw_events(body: bytes) -> list[Any]:
+    client = client_for(200, body, "text/event-stream")
+    return list(client.responses.create(model="qwen-test", input="hi", stream=True))
+
+
+def plain(response: Response) -> dict[str, Any]:
+    # ParsedResponse adds parse results (None for unstructured text) that a plain Response has not.
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("parsed", "parsed_arguments")}
+        return [strip(v) for v in value] if isinstance(value, list) else value
+
+    return Response.model_validate(strip(response.model_dump())).model_dump()
+
+
+# ---------------------------------------------------------------- routes
+
+
+@pytest.mark.parametrize(
+    "method,path,expected",
+    [
+        ("POST", "/v1/responses", "generate"),
+        ("POST", "/openai/v1/responses?api-version=1", "generate"),
+        ("post", "/responses", "generate"),
+        ("POST", "/v1/responses/input_tokens", "count_tokens"),
+        ("GET", "/v1/responses", None),  # Codex's WebSocket upgrade: handled by the WebSocket bridge
+        ("POST", "/v1/responses/compact", None),
+        ("POST", "/v1/chat/completions", None),
+    ],
+)
+def test_route(method: str, path: str, expected: str | None) -> None:
+    route = PROVIDER.route(method, path)
+    assert (route.kind if route else None) == expected
+
+
+def test_registered_after_chat_and_messages() -> None:
+    names = [p.name for p in all_providers()]
+    assert names.index("openai_responses") > names.index("openai_chat")
+    # No other provider claims a Responses path.
+    assert [p.name for p in all_providers() if p.route("POST", "/v1/responses")] == ["openai_responses"]
+
+
+# ---------------------------------------------------------------- input items
+
+
+def test_string_input_and_instructions() -> None:
+    req = parse(input="list files", instructions="You are a coder.")
+    assert req.messages == [{"role": "system", "content": "You are a coder."}, {"role": "user", "content": "list files"}]
+    assert req.api == "openai_responses" and req.model == "qwen-test"
+
+
+def test_instructions_and_developer_messages_form_one_system_message() -> None:
+    req = parse(
+        instructions="Base rules.",
+        input=[
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: read-only."},
+                                                                  {"type": "input_text", "text": "Skills: none."}]},
+            {"role": "user", "content": "hi"},  # EasyInputMessage: no type
+            {"type": "message", "role": "system", "content": "Be brief."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        ],
+    )
+    assert req.messages == [
+        {"role": "system", "content": "Base rules.\n\nSandbox: read-only.\n\nSkills: none.\n\nBe brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "a\nb"},
+    ]
+
+
+def test_function_calls_and_outputs_grouped_into_assistant_tool_calls() -> None:
+    req = parse(
+        input=[
+            {"type": "message", "role": "user", "content": "list then read"},
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "short"}],
+             "content": [{"type": "reasoning_text", "text": "use ls then cat"}], "encrypted_content": None},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+            {"type": "function_call", "id": "fc_1", "status": "completed", "call_id": "call_a", "name": "exec_command",
+             "arguments": '{"cmd":"ls"}'},
+            {"type": "function_call", "call_id": "call_b", "name": "read", "arguments": {"path": "x"}},
+            {"type": "function_call_output", "id": "fco_1", "call_id": "call_a", "output": "a.txt"},
+            {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "X"},
+                                                                            {"type": "input_text", "text": "Y"}]},
+            {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "done"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
+        ]
+    )
+    assert req.messages == [
+        {"role": "user", "content": "list then read"},
+        {
+            "role": "assistant",
+            "content": "Looking.",
+            # The raw reasoning wins over its summary; only the summary is there in the second turn.
+            "reasoning_content": "use ls then cat",
+            "tool_calls": [
+                {"id": "call_a", "type": "function", "function": {"name": "exec_command", "arguments": '{"cmd":"ls"}'}},
+                {"id": "call_b", "type": "function", "function": {"name": "read", "arguments": '{"path":"x"}'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_a", "content": "a.txt"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "X\nY"},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "done"},
+    ]
+
+
+def test_custom_tool_calls_are_single_string_function_calls() -> None:
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+    req = parse(
+        tools=[APPLY_PATCH],
+        input=[
+            {"type": "message", "role": "user", "content": "add a.txt"},
+            {"type": "custom_tool_call", "id": "ctc_1", "status": "completed", "call_id": "call_p", "name": "apply_patch", "input": patch},
+            {"type": "custom_tool_call_output", "call_id": "call_p", "output": "Done!"},
+        ],
+    )
+    assert req.messages[1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_p", "type": "function", "function": {"name": "apply_patch", "arguments": orjson.dumps({"input": patch}).decode()}}
+        ]},
+        {"role": "tool", "tool_call_id": "call_p", "content": "Done!"},
+    ]
+    (tool,) = req.tools
+    fn = tool["function"]
+    assert fn["name"] == "apply_patch" and fn["description"] == "Edit files with a patch."
+    assert fn["parameters"]["required"] == ["input"] and fn["parameters"]["properties"]["input"]["type"] == "string"
+    # The grammar tells the model what to write.
+    assert APPLY_PATCH["format"]["definition"] in fn["parameters"]["properties"]["input"]["description"]
+    assert req.extra["custom_tools"] == ["apply_patch"]
+
+
+def test_codex_tool_list_namespace_flattened_hosted_tools_dropped() -> None:
+    req = parse(tools=[EXEC, NAMESPACE, WEB_SEARCH], tool_choice="auto", parallel_tool_calls=True)
+    assert [t["function"]["name"] for t in req.tools] == ["exec_command", "multi_agent_v1.close_agent"]
+    assert req.tools[0] == {"type": "function", "function": {"name": "exec_command", "description": "Runs a command.",
+                                                             "parameters": EXEC["parameters"]}}
+    assert req.extra["namespaced_tools"] == {"multi_agent_v1.close_agent": "multi_agent_v1"}
+    assert req.extra["dropped_tools"] == ["web_search"] and req.tool_choice == "auto"
+    # A namespaced call in the history reads back under the same flat name.
+    hist = parse(tools=[NAMESPACE], input=[
+        {"type": "function_call", "call_id": "c1", "name": "close_agent", "namespace": "multi_agent_v1", "arguments": "{}"}])
+    assert hist.messages[0]["tool_calls"][0]["function"]["name"] == "multi_agent_v1.close_agent"
+
+
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        ("required", "required"),
+        ({"type": "function", "name": "exec_command"}, {"type": "function", "function": {"name": "exec_command"}}),
+        ({"type": "custom", "name": "apply_patch"}, {"type": "function", "function": {"name": "apply_patch"}}),
+        ({"type": "allowed_tools", "mode": "required", "tools": []}, "required"),
+        ("none", "none"),
+    ],
+)
+def test_tool_choice(raw: Any, expected: Any) -> None:
+    assert parse(tools=[EXEC, APPLY_PATCH], tool_choice=raw).tool_choice == expected
+
+
+def test_tool_choice_dropped_without_tools() -> None:
+    assert parse(tool_choice="auto").tool_choice is None
+    assert parse(tools=[WEB_SEARCH], tool_choice="auto").tool_choice is None
+
+
+def test_sampling_reasoning_and_extras() -> None:
+    req = parse(temperature=0.7, top_p=0.9, max_output_tokens=64, stream=True, store=False,
+                reasoning={"effort": "low", "summary": "auto"}, include=["reasoning.encrypted_content"])
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.max_tokens) == (0.7, 0.9, 64)
+    assert req.stream is True and req.enable_thinking is True
+    assert req.extra == {"store": False, "parallel_tool_calls": True, "reasoning_summary": "auto", "reasoning_effort": "low"}
+    assert parse(reasoning={"effort": "none"}).enable_thinking is False
+    assert parse(reasoning={"summary": "auto"}).enable_thinking is None
+    assert parse().extra == {"store": True, "parallel_tool_calls": True, "reasoning_summary": None}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [1, 2],
+        {"input": "hi"},
+        {"model": "m"},
+        {"model": "m", "input": 5},
+        {"model": "m", "input": [5]},
+        {"model": "m", "input": [{"type": "message", "role": "wizard", "content": "x"}]},
+        {"model": "m", "input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}]},
+        {"model": "m", "input": [{"type": "message", "role": "user", "content": [{"type": "output_text"}]}]},
+        {"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+        {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]},
+        {"model": "m", "input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": {}}]},
+        {"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]},
+        {"model": "m", "input": [{"type": "local_shell_call", "call_id": "c"}]},
+        {"model": "m", "input": "hi", "tools": [{"type": "function"}]},
+        {"model": "m", "input": "hi", "tools": [{"type": "teleport", "name": "x"}]},
+        {"model": "m", "input": "hi", "tools": {"type": "function", "name": "f"}},
+        {"model": "m", "input": "hi", "tool_choice": "sometimes"},
+        {"model": "m", "input": "hi", "temperature": "hot"},
+        {"model": "m", "input": "hi", "max_output_tokens": 0},
+        {"model": "m", "input": "hi", "stream": "yes"},
+        {"model": "m", "input": "hi", "previous_response_id": 7},
+        {"model": "m", "input": "hi", "instructions": [{"role": "user", "content": "x"}]},
+    ],
+)
+def test_invalid_requests_are_400(body: Any) -> None:
+    with pytest.raises(PolarError) as err:
+        PROVIDER.parse_request(body, GENERATE)
+    assert err.value.status == 400 and err.value.kind == "invalid_request" and err.value.message
+
+
+# ---------------------------------------------------------------- previous_response_id
+
+
+def test_previous_response_id_prepends_the_remembered_history() -> None:
+    provider = OpenAIResponsesProvider()
+    first = parse(provider, instructions="rules", input=[{"role": "developer", "content": "dev"}, {"role": "user", "content": "ls"}],
+                  tools=[EXEC])
+    call = ToolCall("call_1", "exec_command", '{"cmd":"ls"}')
+    ctx1 = ResponseContext("resp_one", 1, "qwen-test")
+    list(provider.render_stream(first, completion(content=None, reasoning="think", tool_calls=[call], finish_reason="tool_calls"), ctx1))
+    # Codex over its WebSocket: only the new items, pointing at the previous response.
+    second = parse(provider, instructions="rules", previous_response_id="resp_one", tools=[EXEC],
+                   input=[{"type": "function_call_output", "call_id": "call_1", "output": "a.txt"}])
+    assert second.messages == [
+        {"role": "system", "content": "rules\n\ndev"},
+        {"role": "user", "content": "ls"},
+        {"role": "assistant", "content": None, "reasoning_content": "think", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "exec_command", "arguments": '{"cmd":"ls"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
+    ]
+    assert second.extra["previous_response_id"] == "resp_one"
+    # Chains continue: the second response remembers the whole history, the non-stream render too.
+    provider.render_response(second, completion(content="a.txt is there"), ResponseContext("resp_two", 2, "qwen-test"))
+    third = parse(provider, previous_response_id="resp_two", input="thanks")
+    assert [m["role"] for m in third.messages] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert third.messages[0] == {"role": "system", "content": "dev"}  # instructions are per request
+    assert third.messages[-2] == {"role": "assistant", "content": "a.txt is there"}
+
+
+def test_unknown_previous_response_id() -> None:
+    with pytest.raises(PolarError) as err:
+        parse(OpenAIResponsesProvider(), previous_response_id="resp_gone", input="x")
+    assert (err.value.status, err.value.kind) == (400, "previous_response_not_found")
+    body = PROVIDER.render_error(err.value)["error"]
+    assert (body["code"], body["param"]) == ("previous_response_not_found", "previous_response_id")
+
+
+def test_history_is_bounded_and_parsed_inputs_are_not_kept() -> None:
+    provider = OpenAIResponsesProvider(history_size=2)
+    for i in range(3):
+        provider.render_response(parse(provider, input=f"q{i}"), completion(), ResponseContext(f"resp_{i}", i, "m"))
+    assert provider.history.get("resp_0") is None and provider.history.get("resp_2") is not None
+    import gc
+
+    gc.collect()
+    assert provider._inputs == {}  # stashed items leave with their request
+
+
+# ---------------------------------------------------------------- render_response
+
+
+def test_non_stream_render_is_a_valid_response() -> None:
+    calls = [ToolCall("call_1", "exec_command", '{"cmd": "ls"}'), ToolCall("call_2", "apply_patch", '{"input": "*** Begin Patch"}'),
+             ToolCall("call_3", "multi_agent_v1.close_agent", '{"target": "a"}')]
+    request = parse(tools=[EXEC, APPLY_PATCH, NAMESPACE], reasoning={"summary": "auto"}, max_output_tokens=100, temperature=0.5)
+    body = PROVIDER.render_response(request, completion(content="On it.", reasoning="plan", tool_calls=calls, cached_tokens=4), CTX)
+    parsed = Response.model_validate(body)
+    assert (parsed.id, parsed.created_at, parsed.model, parsed.status) == ("resp_test1", 1_700_000_000, "qwen-test", "completed")
+    assert (parsed.max_output_tokens, parsed.temperature) == (100, 0.5)
+    assert [o.type for o in parsed.output] == ["reasoning", "message", "function_call", "custom_tool_call", "function_call"]
+    reasoning, message, fn, custom, namespaced = parsed.output
+    assert reasoning.content[0].text == "plan" and reasoning.summary[0].text == "plan"
+    assert message.content[0].text == "On it." and parsed.output_text == "On it."
+    assert (fn.call_id, fn.name, fn.arguments) == ("call_1", "exec_command", '{"cmd": "ls"}')
+    assert (custom.call_id, custom.name, custom.input) == ("call_2", "apply_patch", "*** Begin Patch")
+    assert (namespaced.name, namespaced.namespace, namespaced.arguments) == ("close_agent", "multi_agent_v1", '{"target": "a"}')
+    assert len({o.id for o in parsed.output}) == 5
+    u = parsed.usage
+    assert (u.input_tokens, u.output_tokens, u.total_tokens, u.input_tokens_details.cached_tokens) == (11, 7, 18, 4)
+
+
+def test_summary_only_when_asked_and_truncation_is_incomplete() -> None:
+    body = PROVIDER.render_response(parse(), completion(reasoning="r", finish_reason="length"), CTX)
+    assert body["output"][0]["summary"] == [] and body["output"][0]["content"] == [{"type": "reasoning_text", "text": "r"}]
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][1]["status"] == "incomplete"
+
+
+def test_tool_only_turn_has_no_message_and_empty_turn_has_an_empty_one() -> None:
+    only = PROVIDER.render_response(parse(tools=[EXEC]), completion(content=None, tool_calls=[ToolCall("c", "exec_command", "{}")]), CTX)
+    assert [o["type"] for o in only["output"]] == ["function_call"]
+    empty = PROVIDER.render_response(parse(), completion(content=None), CTX)
+    assert empty["output"][0]["content"][0]["text"] == ""
+
+
+@pytest.mark.parametrize(
+    "arguments,expected",
+    [
+        ('{"input": "patch text"}', "patch text"),
+        ('{"patch": "patch text"}', "patch text"),
+        ("*** Begin Patch", "*** Begin Patch"),
+        ('{"input": 5}', '{"input": 5}'),
+        ('["a"]', '["a"]'),
+    ],
+)
+def test_custom_input(arguments: str, expected: str) -> None:
+    assert custom_input(arguments) == expected
+
+
+# ---------------------------------------------------------------- streaming through the SDK
+
+
+STREAM_CASES = {
+    "text": completion(content="The quick brown fox jumps over the lazy dog. " * 3),
+    "reasoning_text": completion(content="Answer: 42.", reasoning="Six times seven is forty-two, so the answer is 42."),
+    "tools": completion(
+        content="Let me look.",
+        tool_calls=[
+            ToolCall("call_1", "exec_command", '{"cmd": "ls -la /tmp && cat /etc/hostname"}'),
+            ToolCall("call_2", "apply_patch", '{"input": "*** Begin Patch\\n*** Add File: a\\n+x\\n*** End Patch"}'),
+            ToolCall("call_3", "multi_agent_v1.close_agent", '{"target": "agent-1"}'),
+        ],
+        finish_reason="tool_calls",
+        cached_tokens=8,
+    ),
+    "tool_only": completion(content=None, tool_calls=[ToolCall("call_9", "exec_command", "")], finish_reason="tool_calls"),
+    "truncated": completion(content="", reasoning="thinking for a long", finish_reason="length"),
+}
+STREAM_REQUEST = {"tools": [EXEC, APPLY_PATCH, NAMESPACE], "reasoning": {"summary": "auto"}, "stream": True}
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_CASES))
+def test_sdk_stream_final_equals_non_stream(name: str) -> None:
+    comp = STREAM_CASES[name]
+    request = parse(**STREAM_REQUEST)
+    expected = Response.model_validate(PROVIDER.render_response(request, comp, CTX)).model_dump()
+    assert plain(sdk_final(sse_bytes(PROVIDER.render_stream(request, comp, CTX)))) == expected
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_CASES))
+def test_stream_events_are_typed_numbered_and_rebuild_every_item(name: str) -> None:
+    comp = STREAM_CASES[name]
+    request = parse(**STREAM_REQUEST)
+    events = raw_events(sse_bytes(PROVIDER.render_stream(request, comp, CTX)))
+    # Every event is one the SDK knows (an unknown type would come back as a bare BaseModel).
+    assert all(type(e).__name__.startswith("Response") for e in events)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed" and events[-1].response.id == "resp_test1"
+    final = events[-1].response.output
+    # Each item's deltas rebuild exactly the item output_item.done carries, under one item id.
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [d.model_dump() for d in done] == [o.model_dump() for o in final]
+    for index, item in enumerate(done):
+        own = [e for e in events if getattr(e, "output_index", None) == index]
+        assert own[0].type == "response.output_item.added" and own[-1].type == "response.output_item.done"
+        assert all(getattr(e, "item_id", item.id) == item.id for e in own)
+        deltas = {}
+        for e in own:
+            if e.type.endswith(".delta"):
+                deltas.setdefault(e.type, []).append(e.delta)
+        if item.type == "message":
+            assert "".join(deltas.get("response.output_text.delta", [])) == item.content[0].text
+        elif item.type == "function_call":
+            assert "".join(deltas.get("response.function_call_arguments.delta", [])) == item.arguments
+        elif item.type == "custom_tool_call":
+            assert "".join(deltas["response.custom_tool_call_input.delta"]) == item.input
+        else:
+            assert "".join(deltas["response.reasoning_text.delta"]) == item.content[0].text
+            assert "".join(deltas["response.reasoning_summary_text.delta"]) == item.summary[0].text
+            kinds = [e.type for e in own]
+            assert kinds.index("response.reasoning_summary_part.added") < kinds.index("response.reasoning_summary_part.done")
+
+
+def test_codex_reads_what_it_needs() -> None:
+    """Codex (codex-rs/codex-api/src/sse/responses.rs) takes items only from output_item.done, needs
+    response.id on response.completed and all three usage counts."""
+    request = parse(**STREAM_REQUEST)
+    events = [e.data for e in PROVIDER.render_stream(request, STREAM_CASES["tools"], CTX)]
+    items = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in items] == ["message", "function_call", "custom_tool_call", "function_call"]
+    assert all(isinstance(i["arguments"], str) for i in items if i["type"] == "function_call")
+    assert items[2]["input"].startswith("*** Begin Patch\n") and items[3]["namespace"] == "multi_agent_v1"
+    completed = events[-1]["response"]
+    assert completed["id"] == "resp_test1"
+    assert {"input_tokens", "output_tokens", "total_tokens"} <= set(completed["usage"])
+
+
+def test_deterministic_render() -> None:
+    request = parse(**STREAM_REQUEST)
+    comp = STREAM_CASES["tools"]
+    assert [e.data for e in PROVIDER.render_stream(request, comp, CTX)] == [e.data for e in PROVIDER.render_stream(request, comp, CTX)]
+
+
+# ---------------------------------------------------------------- keep-alive
+
+
+def test_stream_keepalive_sends_the_prelude_then_in_progress_and_numbering_continues() -> None:
+    provider = OpenAIResponsesProvider()
+    request = parse(provider, **STREAM_REQUEST)
+    comp = STREAM_CASES["reasoning_text"]
+    ctx = ResponseContext("resp_slow", 5, "qwen-test")
+    keep = b"".join(provider.stream_keepalive(request, ctx) for _ in range(3))
+    body = keep + sse_bytes(provider.render_stream(request, comp, ctx))
+    events = raw_events(body)
+    assert [e.type for e in events[:5]] == ["response.created", "response.in_progress", "response.in_progress",
+                                            "response.in_progress", "response.output_item.added"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert sum(e.type == "response.created" for e in events) == 1
+    # The SDK's stream helper accepts it, with the same final response as without keep-alives.
+    provider2 = OpenAIResponsesProvider()
+    request2 = parse(provider2, **STREAM_REQUEST)
+    assert plain(sdk_final(body)) == plain(sdk_final(sse_bytes(provider2.render_stream(request2, comp, ctx))))
+    assert provider._open_streams == {}
+
+
+def test_static_keepalive_is_a_comment() -> None:
+    keep = PROVIDER.keepalive()
+    assert keep.startswith(b":") and keep.endswith(b"\n\n")
+    request = parse(**STREAM_REQUEST)
+    comp = STREAM_CASES["text"]
+    assert plain(sdk_final(sse_bytes(PROVIDER.render_stream(request, comp, CTX), keep * 2))) == plain(
+        sdk_final(sse_bytes(PROVIDER.render_stream(request, comp, CTX)))
+    )
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("kind", ERROR_KINDS)
+def test_every_error_kind_has_an_openai_type_and_code(kind: str) -> None:
+    err = PROVIDER.render_error(PolarError(500, kind, "boom"))["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] == "boom"
+    assert err["code"] or kind == "invalid_request"  # OpenAI's plain 400s carry no code
+    assert err["type"] in {"invalid_request_error", "authentication_error", "server_error"}
+
+
+@pytest.mark.parametrize(
+    "status,kind,exc",
+    [
+        (400, "context_length_exceeded", openai.BadRequestError),
+        (400, "previous_response_not_found", openai.BadRequestError),
+        (401, "authentication", openai.AuthenticationError),
+        (503, "overloaded", openai.InternalServerError),
+    ],
+)
+def test_sdk_reads_error_bodies(status: int, kind: str, exc: type[Exception]) -> None:
+    error = PolarError(status, kind, f"{kind} happened")
+    client = client_for(status, orjson.dumps(PROVIDER.render_error(error)), "application/json")
+    with pytest.raises(exc) as raised:
+        client.responses.create(model="qwen-test", input="hi")
+    assert raised.value.body == PROVIDER.render_error(error)["error"] and raised.value.code == raised.value.body["code"]
+
+
+@pytest.mark.parametrize("after_keepalive", [False, True])
+def test_stream_error_is_response_failed_with_a_code_codex_understands(after_keepalive: bool) -> None:
+    provider = OpenAIResponsesProvider()
+    request = parse(provider, stream=True)
+    ctx = ResponseContext("resp_fail", 5, "qwen-test")
+    prefix = provider.stream_keepalive(request, ctx) if after_keepalive else b""
+    error = PolarError(400, "context_length_exceeded", "prompt of 9000 tokens exceeds the limit of 4096")
+    events = raw_events(sse_bytes(provider.render_stream_error(error, ctx), prefix))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert [e.sequence_number for e in events] == [0, 1, 2]
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.id == "resp_fail"
+    assert (failed.error.code, failed.error.message) == ("context_length_exceeded", error.message)
+
+
+def test_count_tokens() -> None:
+    assert PROVIDER.render_count_tokens(12) == {"object": "response.input_tokens", "input_tokens": 12}
+    req = PROVIDER.parse_request({"model": "m", "input": "hi"}, Route(kind="count_tokens"))
+    assert req.messages == [{"role": "user", "content": "hi"}]
+
+
+def test_stream_events_are_stream_events() -> None:
+    assert all(isinstance(e, StreamEvent) and e.event == e.data["type"]
+               for e in PROVIDER.render_stream(parse(stream=True), completion(), CTX))
+
+
+def test_parse_does_not_mutate_the_body() -> None:
+    body = {"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}],
+            "tools": [NAMESPACE, APPLY_PATCH]}
+    before = copy.deepcopy(body)
+    PROVIDER.parse_request(body, GENERATE)
+    assert body == before
