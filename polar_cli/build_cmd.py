@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -26,7 +26,7 @@ TOKENIZER_HELP = (
 EOT_HELP = "End-of-turn token id; default: the last token of the first call that stopped by itself."
 
 
-def session_info(row: "SessionRecord") -> "SessionInfo":
+def session_info(row: SessionRecord) -> SessionInfo:
     """A store session row as the builder sees it. A session nobody reported a status for is
     treated as completed: its outcome reward, if one was posted, decides."""
     from polar_cli.build import SessionInfo
@@ -53,7 +53,7 @@ def _tokenizer_candidates(shards: str) -> list[str]:
     return []
 
 
-def load_tokenizer(tokenizer: Optional[Path], shards: str) -> tuple[Optional[Any], str]:
+def load_tokenizer(tokenizer: Path | None, shards: str) -> tuple[Any | None, str]:
     """A Hugging Face tokenizer and a line saying where it came from (or why there is none)."""
     candidates = [str(tokenizer)] if tokenizer else _tokenizer_candidates(shards)
     for candidate in candidates:
@@ -69,11 +69,11 @@ def load_tokenizer(tokenizer: Optional[Path], shards: str) -> tuple[Optional[Any
     )
 
 
-def _decode(tok: Optional[Any]) -> Optional["Decode"]:
+def _decode(tok: Any | None) -> Decode | None:
     return None if tok is None else tok.decode
 
 
-def _sessions(shards: str) -> dict[str, "SessionInfo"]:
+def _sessions(shards: str) -> dict[str, SessionInfo]:
     from polar_addon.store import read_sessions
 
     return {row.session_id: session_info(row) for row in read_sessions(shards)}
@@ -90,8 +90,8 @@ def build(
     shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory for the trace dataset (Parquet)."),
     strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP),
-    tokenizer: Optional[Path] = typer.Option(None, help=TOKENIZER_HELP),
-    eot_token_id: Optional[int] = typer.Option(None, help=EOT_HELP),
+    tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
+    eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
     broadcast_rewards: bool = typer.Option(
         False,
         "--broadcast-rewards",
@@ -124,7 +124,7 @@ def build(
     total = len(wanted) if wanted else len(sessions)
     writer = TraceWriter(out, rows_per_file=rows_per_file)
     report = BuildReport()
-    eot: Optional[int] = eot_token_id
+    eot: int | None = eot_token_id
     started = time.perf_counter()
     with Progress(
         TextColumn("building"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -157,8 +157,8 @@ def build(
 def stats(
     shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
     strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP + " Token counts follow it."),
-    tokenizer: Optional[Path] = typer.Option(None, help=TOKENIZER_HELP),
-    eot_token_id: Optional[int] = typer.Option(None, help=EOT_HELP),
+    tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
+    eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the stats as JSON instead of a table."),
 ) -> None:
     """How well the captured sessions merge, per harness: chains, merge rate and every break's cause."""
@@ -188,8 +188,8 @@ def view(
     shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
     session: str = typer.Option(..., "--session", help="The session to show."),
     out: Path = typer.Option(Path("trace.html"), "--out", "-o", help="HTML file to write."),
-    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory, to show token text (else ids). " + TOKENIZER_HELP),
-    eot_token_id: Optional[int] = typer.Option(None, help=EOT_HELP),
+    tokenizer: Path | None = typer.Option(None, help="Tokenizer directory, to show token text (else ids). " + TOKENIZER_HELP),
+    eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
 ) -> None:
     """Write one session's merged traces as a self-contained HTML page (open it in any browser)."""
     from polar_addon.store import read_records

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import html
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import orjson
 
@@ -183,8 +184,10 @@ def _chain_section(chain: Chain, session: SessionInfo | None, pieces: _Pieces) -
     cut = f' data-break="{_esc(chain.end.cause.value)}"' if chain.end else ""
     out = [
         f'<section class="chain" id="chain-{chain.index}" data-chain="{chain.index}" data-calls="{len(records)}"{cut}>',
-        f"<h2>Chain {chain.index} · {len(records)} call{'s' * (len(records) != 1)} merged "
-        f"(calls {', '.join(str(r.seq) for r in records)}) · reward {decision.reward:g} · {trainable}</h2>",
+        (
+            f"<h2>Chain {chain.index} · {len(records)} call{'s' * (len(records) != 1)} merged "
+            f"(calls {', '.join(str(r.seq) for r in records)}) · reward {decision.reward:g} · {trainable}</h2>"
+        ),
         '<div class="chain-summary"></div>',
     ]
     if chain.start is not None:

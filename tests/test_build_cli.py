@@ -8,9 +8,18 @@ from pathlib import Path
 import datasets
 import orjson
 import pytest
+from build_helpers import (
+    QWEN3_STYLE_TEMPLATE,
+    AgentSim,
+    Turn,
+    check_trace,
+    coding_turns,
+    decode,
+    tiny_tokenizer,
+    tool_loop,
+)
 from typer.testing import CliRunner
 
-from build_helpers import QWEN3_STYLE_TEMPLATE, AgentSim, Turn, check_trace, coding_turns, decode, tiny_tokenizer, tool_loop
 from polar_addon.store import TraceStore, read_records, read_sessions
 from polar_cli.app import app
 from polar_cli.build import build_traces

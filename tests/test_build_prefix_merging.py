@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from build_helpers import (
     DROP_THINK_TEMPLATE,
     QWEN3_STYLE_TEMPLATE,
@@ -18,6 +17,7 @@ from build_helpers import (
     tool_loop,
     tool_result,
 )
+
 from polar_cli.build import BuildResult, SessionInfo, build_traces, detect_eot
 from polar_cli.build.breaks import BreakCause
 

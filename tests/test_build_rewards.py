@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from build_helpers import AgentSim, Turn, check_trace, coding_turns, decode, tool_loop
+
 from polar_cli.build import SessionInfo, build_traces
 from polar_cli.build.output import TraceWriter, read_build_stats, read_traces
-from polar_cli.build.rewards import decide_reward, invalid_tool_call
+from polar_cli.build.rewards import invalid_tool_call
 from polar_cli.build.stats import BuildReport
 from polar_cli.trace import Trace
 

@@ -10,9 +10,9 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from build_helpers import AgentSim, Turn, coding_turns, decode, tiny_tokenizer, tool_loop, tool_result
 from typer.testing import CliRunner
 
-from build_helpers import AgentSim, Turn, coding_turns, decode, tiny_tokenizer, tool_loop, tool_result
 from polar_addon.store import TraceStore
 from polar_cli.app import app
 from polar_cli.build import SessionInfo, build_session, detect_eot
@@ -93,7 +93,7 @@ def test_page_structure_tokens_and_breaks() -> None:
     assert decode(ok[0].response_ids) in first_turn.replace("↵\n", "\n")
     # Breaks and chain starts are marked with their causes.
     assert [a["data-cause"] for _, a, _ in dom.find("start")] == ["sub_agent", "rewritten_history"]
-    [(_, cut, text)] = dom.find("break", data_cause="rewritten_history")
+    [(_, _, text)] = dom.find("break", data_cause="rewritten_history")
     assert "continues in chain 2" in text
     [failed] = [r for r in sim.records if r.status != "ok"]
     assert dom.find("break", data_failed=str(failed.seq))
@@ -115,13 +115,13 @@ def test_without_tokenizer_tokens_are_ids() -> None:
 def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={profile}", *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
 def test_polar_view_in_headless_chromium(tmp_path: Path) -> None:
-    sim, info = _session()
+    sim, _ = _session()
     store = tmp_path / "store"
     tok_dir = tmp_path / "tok"
     tiny_tokenizer().save_pretrained(tok_dir)

@@ -10,9 +10,9 @@ how well the same calls would merge.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Iterable, Iterator, Mapping
 
 from polar_addon.capture import CaptureRecord
 from polar_cli.build.breaks import Break, BreakCause, Decode

@@ -23,9 +23,10 @@ parse JSON.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from polar_addon.capture import CaptureRecord
 

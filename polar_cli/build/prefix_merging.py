@@ -22,8 +22,8 @@ A break never drops calls: every usable call is in exactly one chain.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from polar_addon.capture import CaptureRecord
 from polar_cli.build.breaks import (

@@ -47,7 +47,7 @@ class BuildStats:
     def processed_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def add(self, other: "BuildStats") -> None:
+    def add(self, other: BuildStats) -> None:
         for name, value in vars(other).items():
             if isinstance(value, dict):
                 mine = Counter(getattr(self, name))
@@ -62,7 +62,7 @@ class BuildStats:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "BuildStats":
+    def from_dict(cls, data: dict[str, Any]) -> BuildStats:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
@@ -84,7 +84,7 @@ class BuildReport:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "BuildReport":
+    def from_dict(cls, data: dict[str, Any]) -> BuildReport:
         return cls(
             total=BuildStats.from_dict(data["total"]),
             by_harness={h: BuildStats.from_dict(s) for h, s in data["by_harness"].items()},
@@ -100,7 +100,7 @@ def harness_name(session_harness: str | None, user_agent: str | None) -> str:
     return label.split()[0].split("/")[0] or "unknown"
 
 
-def report_table(report: BuildReport, title: str = "Reconstruction") -> "Any":
+def report_table(report: BuildReport, title: str = "Reconstruction") -> Any:
     """A rich Table: one column per harness plus the total, one row per figure."""
     from rich.table import Table
 
@@ -112,7 +112,7 @@ def report_table(report: BuildReport, title: str = "Reconstruction") -> "Any":
     for name, _ in columns:
         table.add_column(name, justify="right", style="bold" if name == "total" else None)
 
-    def row(label: str, value: "Any") -> None:
+    def row(label: str, value: Any) -> None:
         table.add_row(label, *(value(s) for _, s in columns))
 
     row("sessions", lambda s: str(s.sessions))
