@@ -57,7 +57,12 @@ QWEN3_STYLE_TEMPLATE = CHAT_TEMPLATE.replace(
 )
 # Templates that never show reasoning in history (DeepSeek-R1 style).
 DROP_THINK_TEMPLATE = CHAT_TEMPLATE.replace(_ASSISTANT_HISTORY, "")
-assert QWEN3_STYLE_TEMPLATE != CHAT_TEMPLATE and DROP_THINK_TEMPLATE != CHAT_TEMPLATE
+# Qwen3 with thinking off: the generation prompt opens an empty think block that history never shows.
+EMPTY_THINK_PROMPT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}\n",
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}\n",
+)
+assert len({CHAT_TEMPLATE, QWEN3_STYLE_TEMPLATE, DROP_THINK_TEMPLATE, EMPTY_THINK_PROMPT_TEMPLATE}) == 4
 
 
 @functools.cache

@@ -7,6 +7,7 @@ import random
 import pytest
 from build_helpers import (
     DROP_THINK_TEMPLATE,
+    EMPTY_THINK_PROMPT_TEMPLATE,
     QWEN3_STYLE_TEMPLATE,
     AgentSim,
     Turn,
@@ -165,6 +166,20 @@ def test_template_dropping_think_from_history_breaks_instead_of_merging() -> Non
     # Without a tokenizer the mismatch still breaks, as "other".
     blind = build(sim.records, use_decode=False)
     assert [t.break_cause for t in blind.traces] == ["other", "other", None]
+
+
+def test_generation_prompt_unlike_history_breaks_every_call() -> None:
+    """Qwen3 with thinking off opens an empty think block in the generation prompt only: no prompt
+    is a prefix of the next, and every break is the template's."""
+    sim = AgentSim(template=EMPTY_THINK_PROMPT_TEMPLATE)
+    tool_loop(sim, [SYSTEM, TASK], coding_turns(4))
+    assert decode(sim.records[0].prompt_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    result = build(sim.records)
+    checked(result, sim.records)
+    assert [t.calls_merged for t in result.traces] == [1, 1, 1, 1]
+    assert [t.break_cause for t in result.traces] == ["template_rerender"] * 3 + [None]
+    stats = result.report.total
+    assert stats.breaks == {"template_rerender": 3} and stats.chains_truncated == 3 and stats.merge_rate == 0.0
 
 
 def test_harness_not_sending_reasoning_back_is_rewritten_history() -> None:

@@ -137,7 +137,7 @@ def classify_rerendered_turn(
 
 
 @dataclass
-class _Conversation:
+class Conversation:
     """The parts of a call's request that identify which conversation it belongs to."""
 
     messages: list[dict[str, Any]]
@@ -157,8 +157,14 @@ class _Conversation:
         return None
 
 
-def conversation(record: CaptureRecord) -> _Conversation:
-    return _Conversation(record.messages, record.tools_json)
+def conversation(record: CaptureRecord, cache: dict[str, Conversation] | None = None) -> Conversation:
+    """The record's parsed conversation; ``cache`` (by record id) parses each record once per session."""
+    if cache is None:
+        return Conversation(record.messages, record.tools_json)
+    found = cache.get(record.record_id)
+    if found is None:
+        found = cache[record.record_id] = Conversation(record.messages, record.tools_json)
+    return found
 
 
 @dataclass(frozen=True)
@@ -176,12 +182,13 @@ def relate_new_chain(
     record: CaptureRecord,
     tips: list[CaptureRecord],
     decode: Decode | None,
+    cache: dict[str, Conversation] | None = None,
 ) -> Relation:
     """Classify why ``record`` extends none of the chains whose last calls are ``tips``."""
-    new = conversation(record)
+    new = conversation(record, cache)
     if not new.messages:
         return Relation(Break(BreakCause.OTHER, f"call {record.seq} has no captured messages"), None)
-    olds = [conversation(tip) for tip in tips]
+    olds = [conversation(tip, cache) for tip in tips]
 
     # Same messages up to the tip's, same tools: the tokens changed under an unchanged history.
     continuing = [

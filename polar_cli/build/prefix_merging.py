@@ -29,6 +29,7 @@ from polar_addon.capture import CaptureRecord
 from polar_cli.build.breaks import (
     Break,
     BreakCause,
+    Conversation,
     Decode,
     Relation,
     classify_rerendered_turn,
@@ -176,6 +177,7 @@ def reconstruct_session(
     """Split one session's usable records (in seq order) into merged chains with break causes."""
     chains: list[Chain] = []
     by_continuation: list[tuple[Chain, Relation]] = []
+    parsed: dict[str, Conversation] = {}
     for record in records:
         extendable = [c for c in chains if _is_prefix(c.tip.prompt_ids, record.prompt_ids)]
         if extendable:
@@ -201,7 +203,7 @@ def reconstruct_session(
         if not chains:
             _new_chain(chains, record, None, None)
             continue
-        relation = relate_new_chain(record, [c.tip for c in chains], decode)
+        relation = relate_new_chain(record, [c.tip for c in chains], decode, parsed)
         chain = _new_chain(chains, record, relation.brk, relation.related)
         if relation.decide_by_continuation:
             by_continuation.append((chain, relation))
