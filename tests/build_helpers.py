@@ -117,6 +117,7 @@ class Turn:
     tool_calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     max_tokens: int | None = None  # cap the sampled ids (finish "length", no end-of-turn token)
     retokenize: bool = False  # sample a non-canonical tokenization of the same text
+    stop_token: str | None = None  # end the turn with this stop token instead of <|im_end|>
 
 
 class AgentSim:
@@ -185,6 +186,8 @@ class AgentSim:
         finish = "tool_calls" if turn.tool_calls else "stop"
         if turn.retokenize:
             sampled = split_one_token(sampled)
+        if turn.stop_token is not None:
+            sampled = sampled[:-1] + [tiny_tokenizer().convert_tokens_to_ids(turn.stop_token)]
         if turn.max_tokens is not None:
             sampled = sampled[: turn.max_tokens]
             finish = "length"

@@ -21,6 +21,7 @@ from build_helpers import (
 
 from polar_cli.build import BuildResult, SessionInfo, build_traces, detect_eot
 from polar_cli.build.breaks import BreakCause
+from polar_cli.build.prefix_merging import reconstruct_session
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent working in /repo."}
 TASK = {"role": "user", "content": "The test test_parse fails. Fix it."}
@@ -61,6 +62,23 @@ def test_eot_is_detected_from_the_first_natural_stop() -> None:
     assert sim.records[0].finish_reason == "length"
     assert detect_eot(sim.records) == eot_id()
     assert build(sim.records, eot_token_id=eot_id()).eot_token_id == eot_id()
+
+
+def test_turn_ended_by_another_stop_token() -> None:
+    """A model with two stop tokens ends a turn with <|endoftext|>; the template closes it with <|im_end|>."""
+    sim = AgentSim()
+    turns = coding_turns(3)
+    turns[0].stop_token = "<|endoftext|>"
+    tool_loop(sim, [SYSTEM, TASK], turns)
+    first = sim.records[0]
+    assert first.finish_reason == "tool_calls" and first.response_ids[-1] != eot_id()
+    assert detect_eot(sim.records) == eot_id()  # the stop token that also closes turns in the prompt
+    result = build(sim.records)
+    checked(result, sim.records)
+    assert [t.calls_merged for t in result.traces] == [1, 2]
+    assert result.traces[0].break_cause == "template_rerender"
+    [cut, _] = reconstruct_session(sim.records, eot=eot_id(), decode=decode)
+    assert "ended its turn with stop token" in cut.end.detail
 
 
 def test_length_capped_turn_is_closed_by_the_interstitial() -> None:

@@ -180,12 +180,13 @@ def build_traces(
     """
     by_id = sessions if isinstance(sessions, Mapping) else {s.session_id: s for s in sessions}
     ordered = sorted(records, key=lambda r: (r.session_id, r.seq))
-    eot = eot_token_id if eot_token_id is not None else detect_eot(ordered)
     traces: list[Trace] = []
     report = BuildReport()
+    eot = eot_token_id
     for built in iter_session_builds(
-        ordered, by_id, strategy, eot_token_id=eot, decode=decode, broadcast_rewards=broadcast_rewards
+        ordered, by_id, strategy, eot_token_id=eot_token_id, decode=decode, broadcast_rewards=broadcast_rewards
     ):
         traces.extend(built.traces)
         report.add(built.harness, built.stats)
+        eot = built.eot_token_id
     return BuildResult(traces, report, eot)

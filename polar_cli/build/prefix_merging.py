@@ -52,20 +52,31 @@ def unusable_reason(record: CaptureRecord) -> str | None:
     return None
 
 
-def detect_eot(records: Iterable[CaptureRecord]) -> int | None:
-    """The end-of-turn token: the last sampled token of the first naturally stopped call.
+def _natural_stop(record: CaptureRecord) -> bool:
+    """The model ended the turn with a stop token (not a stop string, not a length cap)."""
+    return (
+        unusable_reason(record) is None
+        and record.finish_reason in NATURAL_STOPS
+        and record.matched_stop is None
+        and bool(record.response_ids)
+    )
 
-    A call stopped by a stop *string* (``matched_stop``) is skipped: its last token is text.
+
+def detect_eot(records: Iterable[CaptureRecord]) -> int | None:
+    """The end-of-turn token: the last sampled token of the first naturally stopped call (Polar's
+    rule), preferring one that also closes a turn in that call's prompt: a model with several stop
+    tokens (Qwen's ``<|endoftext|>`` beside ``<|im_end|>``) may end a turn with one the template
+    never writes. A call stopped by a stop *string* is skipped: its last token is text.
     """
+    fallback = None
     for record in records:
-        if (
-            unusable_reason(record) is None
-            and record.finish_reason in NATURAL_STOPS
-            and record.matched_stop is None
-            and record.response_ids
-        ):
-            return record.response_ids[-1]
-    return None
+        if _natural_stop(record):
+            last = record.response_ids[-1]
+            if last in record.prompt_ids:
+                return last
+            if fallback is None:
+                fallback = last
+    return fallback
 
 
 @dataclass(frozen=True)
@@ -156,6 +167,11 @@ def join(prev: CaptureRecord, nxt: CaptureRecord, eot: int | None, decode: Decod
     copy, interstitial = (tail[: k + 1], tail[k + 1 :]) if closed else (tail[:k], tail[k:])
     if copy == sampled:
         return Join(interstitial, retokenized=False)
+    if not closed and _natural_stop(prev) and copy == sampled[:-1]:
+        return Break(
+            BreakCause.TEMPLATE_RERENDER,
+            f"call {prev.seq} ended its turn with stop token {sampled[-1]}; the template closed it with {eot}",
+        )
     brk = classify_rerendered_turn(prev, nxt, copy, decode)
     if brk is not None:
         return brk
