@@ -145,6 +145,8 @@ def build(
          "broadcast_rewards": broadcast_rewards, "seconds": round(elapsed, 3)},
     )  # fmt: skip
     console.print(report_table(report, title=f"polar build ({strategy})"))
+    if not report.total.traces:
+        console.print("[yellow]no traces built: the store holds no usable calls (the dataset is empty)")
     if strategy == "per_request" and not broadcast_rewards and report.total.traces:
         console.print("[yellow]per_request traces carry no reward without --broadcast-rewards: none is trainable")
     typer.echo(
