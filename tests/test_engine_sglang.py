@@ -147,6 +147,7 @@ def test_misaligned_or_missing_fields_are_api_errors(data):
         (500, {"object": "error", "message": "Internal server error: boom", "type": "InternalServerError", "code": 500}, (502, "api_error")),
         (502, b"<html>bad gateway</html>", (502, "api_error")),
         (503, b"", (503, "overloaded")),
+        (429, {"object": "error", "message": "The request queue is full.", "type": "TooManyRequests", "code": 429}, (503, "overloaded")),
     ],
 )
 def test_engine_errors_map_to_canonical_kinds(status, body, expected):

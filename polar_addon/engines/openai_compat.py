@@ -57,7 +57,7 @@ def chat_body(request: CanonicalRequest, model: str) -> dict[str, Any]:
 def engine_error(status: int, content: bytes) -> PolarError:
     """Map an engine's HTTP error answer to a PolarError, keeping the engine's message."""
     message = error_message(content) or f"engine answered HTTP {status}"
-    if status == 503:
+    if status in (429, 503):  # queue full / starting / paused for a weight update: retryable
         return PolarError(503, "overloaded", f"engine busy: {message}")
     if status >= 500:
         return PolarError(502, "api_error", f"engine error {status}: {message}")
