@@ -99,7 +99,8 @@ def train(
         f"overlong prompt {s['overlong_prompt']}, no trainable token {s['no_trainable_tokens']}; "
         f"clipped {s['clipped']}); temperature {result.temperature:g}"
     )
-    console.print(f"{result.steps} steps in {result.train_seconds:.1f} s")
+    procs = "process" if result.num_processes == 1 else "processes"
+    console.print(f"{result.steps} steps in {result.train_seconds:.1f} s on {result.num_processes} {procs}")
     typer.echo(f"checkpoint: {result.output}")
     typer.echo(f"metrics: {result.metrics_path}")
     if result.plot_path:

@@ -107,6 +107,7 @@ def test_partition_is_deterministic_and_balanced() -> None:
     assert sorted(i for b in bins for i in b) == list(range(6))
     loads = [sum(lengths[i] for i in b) for b in bins]
     assert abs(loads[0] - loads[1]) <= 5
+    assert sorted(len(b) for b in partition_rows(lengths, 4)) == [1, 1, 2, 2]  # at most ceil(6/4) each
     assert partition_rows([7], 3) == [[0], [], []]
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")
+# Only losses normalised by the whole step's trainable-token count: a step's traces vary in number
+# and length, so per-micro-batch (bnpo), per-sequence (grpo) or per-padded-batch (dr_grpo)
+# normalisers would make the gradient depend on how the step is split over processes and micro-batches.
+LOSS_TYPES = ("dapo", "cispo")
 DTYPES = ("auto", "float32", "bfloat16")
 
 

@@ -187,14 +187,18 @@ def prepare_rows(
 
 
 def partition_rows(lengths: Sequence[int], bins: int) -> list[list[int]]:
-    """Split row indices into ``bins`` lists of near-equal token totals (longest first, greedy).
+    """Split row indices into ``bins`` lists of equal size (ceil(n / bins) slots, the last ones may
+    stay empty) and near-equal token totals: longest row first, into the lightest bin with room.
 
     Deterministic, so every process computes the same split of a step and takes its own share.
+    Equal sizes matter because TRL gathers per-row metrics across processes, which needs every
+    process to hold the same number of rows at each micro-step; empty slots become zero-weight rows.
     """
+    capacity = max(1, math.ceil(len(lengths) / bins))
     loads = [0] * bins
     out: list[list[int]] = [[] for _ in range(bins)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        b = min(range(bins), key=lambda k: (loads[k], k))
+        b = min((k for k in range(bins) if len(out[k]) < capacity), key=lambda k: (loads[k], k))
         out[b].append(i)
         loads[b] += lengths[i]
     return [sorted(b) for b in out]

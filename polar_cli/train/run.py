@@ -24,6 +24,7 @@ class TrainResult:
     metrics_path: Path
     plot_path: Path | None
     train_seconds: float = 0.0
+    num_processes: int = 1
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -133,6 +134,7 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
         metrics_path=metrics_path,
         plot_path=plot_path,
         train_seconds=seconds,
+        num_processes=trainer.accelerator.num_processes,
         summary=dict(output.metrics),
     )
 

@@ -149,14 +149,12 @@ class TraceGRPOTrainer(GRPOTrainer):
         self.state.num_input_tokens_seen += int(metrics["tokens/forward"])
         self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
 
-        shortest = min(rows, key=lambda r: r.num_tokens)
-        batches = []
-        for micro in mine:
-            # DDP needs every process to run every micro-step; an empty share runs a copy of the
-            # step's shortest row with its loss mask zeroed, which adds exactly nothing.
-            micro_rows = [rows[i] for i in micro] or [_zero_weight(shortest)]
-            batches.append(self._tensorize(micro_rows, num_items))
-        return batches
+        # Every process must hold the same number of rows at each micro-step (TRL gathers per-row
+        # metrics, DDP needs every process to run): empty slots get a copy of the step's shortest
+        # row with its loss mask zeroed, which adds exactly nothing to the loss or the gradient.
+        slots = max(len(b) for b in bins)
+        filler = _zero_weight(min(rows, key=lambda r: r.num_tokens))
+        return [self._tensorize([rows[i] for i in micro] + [filler] * (slots - len(micro)), num_items) for micro in mine]
 
     def _tensorize(self, rows: list[TrainRow], num_items: torch.Tensor) -> dict[str, torch.Tensor]:
         device = self.accelerator.device
@@ -279,6 +277,8 @@ def build_grpo_config(cfg: Any, *, temperature: float, max_completion_length: in
         save_strategy="steps" if cfg.save_steps > 0 else "no",
         save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit,
+        # Without CUDA, say so: accelerate only forms a multi-process (gloo) group for CPU runs then.
+        use_cpu=not torch.cuda.is_available(),
         report_to="none",
         disable_tqdm=True,
         remove_unused_columns=False,
