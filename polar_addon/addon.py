@@ -23,6 +23,7 @@ from polar_addon.canonical import PolarError
 from polar_addon.engines import EnginePool
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
 from polar_addon.relay import STREAM_PREFIX, StreamRelay
+from polar_addon.responses_websocket import ResponsesWebSocket, is_responses_upgrade
 from polar_addon.store import TraceStore
 
 log = logging.getLogger("polar")
@@ -50,6 +51,7 @@ class Polar:
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
         self.relay = StreamRelay()
+        self.websockets = ResponsesWebSocket(lambda: self.gateway)
         self._proxy_auth: dict[str, str] = {}  # client connection id -> Proxy-Authorization from CONNECT
 
     def load(self, loader) -> None:
@@ -96,6 +98,7 @@ class Polar:
         # Eager upstream connects would fail (or leak) for hosts we answer ourselves.
         ctx.options.connection_strategy = "lazy"
         await self.relay.start()
+        await self.websockets.start()
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         auth = flow.request.headers.get("proxy-authorization")
@@ -118,7 +121,8 @@ class Polar:
         if self.gateway is None or flow.response is not None:
             return
         is_control = flow.request.pretty_host == CONTROL_HOST
-        ours = self._is_ours(flow) and (is_control or self.gateway.match(flow.request.method, flow.request.path) is not None)
+        upgrade = is_responses_upgrade(flow.request.method, flow.request.path, flow.request.headers)
+        ours = self._is_ours(flow) and (is_control or upgrade or self.gateway.match(flow.request.method, flow.request.path) is not None)
         if not ours:
             if ctx.options.polar_block_other:
                 flow.response = http.Response.make(403, b"polar: non-model traffic is blocked (polar_block_other)", {"content-type": "text/plain"})
@@ -132,6 +136,12 @@ class Polar:
             return
         for name in SECRET_HEADERS:
             headers.pop(name, None)
+        if upgrade:
+            # Codex's Responses WebSocket: the loopback WebSocket server answers it (responses_websocket.py).
+            path = self.websockets.park(ident, headers, flow.request.pretty_host)
+            flow.request.scheme, flow.request.host, flow.request.port = "http", "127.0.0.1", self.websockets.port
+            flow.request.path = path
+            return
         call = IncomingCall(method=flow.request.method, path=flow.request.path, headers=headers,
                             body=flow.request.raw_content or b"", identity=ident, host=flow.request.pretty_host,
                             started_at=flow.request.timestamp_start)
@@ -154,6 +164,7 @@ class Polar:
 
     async def done(self) -> None:
         await self.relay.stop()
+        await self.websockets.stop()
         if self.gateway is not None:
             await self.gateway.close()
 

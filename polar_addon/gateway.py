@@ -17,7 +17,8 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 import orjson
@@ -32,6 +33,9 @@ log = logging.getLogger("polar")
 
 REWARD_PATH = re.compile(r"^/sessions/([^/]+)/(reward|status)$")
 SESSION_STATUSES = {"running", "completed", "timeout", "error", "agent_error"}
+# Bounds on the per-session memory of sampled tool-call arguments (see _restore_sampled_arguments).
+MAX_REMEMBERED_SESSIONS = 10_000
+MAX_REMEMBERED_CALLS = 256
 
 
 @dataclass
@@ -71,6 +75,13 @@ def _json(status: int, payload: Any) -> FullReply:
     return FullReply(status, orjson.dumps(payload))
 
 
+def _canonical_arguments(text: str) -> str:
+    try:
+        return orjson.dumps(orjson.loads(text), option=orjson.OPT_SORT_KEYS).decode()
+    except orjson.JSONDecodeError:
+        return text
+
+
 def _response_id(provider: Provider) -> str:
     prefix = {"anthropic_messages": "msg_", "openai_responses": "resp_", "gemini": ""}.get(provider.name, "chatcmpl-")
     return prefix + uuid.uuid4().hex[:24]
@@ -84,6 +95,8 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.providers = providers if providers is not None else all_providers()
         self._seen_sessions: set[str] = set()
+        # session -> {(tool name, canonical arguments): arguments text exactly as sampled}
+        self._sampled_arguments: OrderedDict[str, OrderedDict[tuple[str, str], str]] = OrderedDict()
 
     def match(self, method: str, path: str) -> tuple[Provider, Route] | None:
         for provider in self.providers:
@@ -128,8 +141,39 @@ class Gateway:
         cap = self.config.max_tokens_cap
         if cap > 0:
             current = request.sampling.max_tokens
+            request.extra["client_max_tokens"] = current
             request.sampling.max_tokens = cap if current is None else min(current, cap)
+        self._restore_sampled_arguments(call.identity.session_id, request)
         return request
+
+    def _restore_sampled_arguments(self, session: str, request: CanonicalRequest) -> None:
+        """Give tool-call arguments in the history back the exact text the model sampled.
+
+        Anthropic and Gemini clients echo tool inputs as JSON objects, which the provider must
+        re-serialize; a different spacing would change the re-rendered prompt and break the token
+        prefix that trajectory merging needs. Same JSON value, same text as sampled.
+        """
+        known = self._sampled_arguments.get(session)
+        if not known:
+            return
+        for message in request.messages:
+            for call in message.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                text = known.get((fn.get("name"), _canonical_arguments(fn.get("arguments") or "")))
+                if text is not None:
+                    fn["arguments"] = text
+
+    def _remember_sampled_arguments(self, session: str, completion: Completion) -> None:
+        if not completion.message.tool_calls:
+            return
+        known = self._sampled_arguments.setdefault(session, OrderedDict())
+        self._sampled_arguments.move_to_end(session)
+        for call in completion.message.tool_calls:
+            known[(call.name, _canonical_arguments(call.arguments))] = call.arguments
+        while len(known) > MAX_REMEMBERED_CALLS:
+            known.popitem(last=False)
+        while len(self._sampled_arguments) > MAX_REMEMBERED_SESSIONS:
+            self._sampled_arguments.popitem(last=False)
 
     async def _generate(self, provider: Provider, request: CanonicalRequest, call: IncomingCall) -> FullReply | StreamReply:
         ctx = ResponseContext(response_id=_response_id(provider), created=int(call.started_at), model=request.model)
@@ -158,12 +202,19 @@ class Gateway:
     async def _stream(self, provider: Provider, request: CanonicalRequest, ctx: ResponseContext,
                       task: asyncio.Future[Completion]) -> AsyncIterator[bytes]:
         # Headers are already out: keep the client alive until the (persisted) answer is ready.
-        yield provider.keepalive()
+        # A provider whose keep-alive belongs to the stream (OpenAI Responses: the stream's own
+        # numbered events) offers stream_keepalive(request, ctx).
+        per_stream = getattr(provider, "stream_keepalive", None)
+
+        def keepalive() -> bytes:
+            return per_stream(request, ctx) if per_stream is not None else provider.keepalive()
+
+        yield keepalive()
         while True:
             done, _ = await asyncio.wait({task}, timeout=self.config.keepalive_s)
             if done:
                 break
-            yield provider.keepalive()
+            yield keepalive()
         try:
             completion = task.result()
         except PolarError as err:
@@ -199,7 +250,22 @@ class Gateway:
         except StorageUnavailable as exc:
             # Answering without persisting would silently lose training data.
             raise PolarError(503, "storage_unavailable", f"polar could not persist this call ({exc}); retry later") from exc
-        return completion
+        self._remember_sampled_arguments(session, completion)
+        return self._as_client_sees(request, completion)
+
+    @staticmethod
+    def _as_client_sees(request: CanonicalRequest, completion: Completion) -> Completion:
+        """A generation cut by the proxy's own max_tokens cap ends normally for the client.
+
+        The client asked for more tokens than the operator allows; telling it "length" would make
+        harnesses treat the turn as an overflow (Claude Code aborts). The record keeps "length".
+        """
+        if "client_max_tokens" not in request.extra or completion.finish_reason != "length":
+            return completion
+        asked = request.extra["client_max_tokens"]
+        if asked is not None and asked <= len(completion.response_ids):
+            return completion
+        return replace(completion, finish_reason="stop")
 
     async def _record_failure(self, call: IncomingCall, api: str, request: CanonicalRequest | None, err: PolarError) -> None:
         record = record_failed(identity=call.identity, seq=-1, api=api, request=request,

@@ -462,7 +462,7 @@ def usage(completion: Completion) -> dict[str, Any]:
     }
 
 
-def _response_object(request: CanonicalRequest, ctx: ResponseContext, status: str) -> dict[str, Any]:
+def response_object(request: CanonicalRequest, ctx: ResponseContext, status: str) -> dict[str, Any]:
     s = request.sampling
     echo = request.extra
     return {
@@ -499,7 +499,7 @@ def _echo_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, An
 
 def _final_response(request: CanonicalRequest, completion: Completion, ctx: ResponseContext, items: list[dict[str, Any]]) -> dict[str, Any]:
     status = _status(completion)
-    response = _response_object(request, ctx, status)
+    response = response_object(request, ctx, status)
     response["output"] = items
     response["usage"] = usage(completion)
     if status == "incomplete":
@@ -601,7 +601,7 @@ class OpenAIResponsesProvider:
         return _final_response(request, completion, ctx, items)
 
     def _prelude(self, request: CanonicalRequest, ctx: ResponseContext, seq: _Sequencer) -> Iterator[StreamEvent]:
-        start = _response_object(request, ctx, "in_progress")
+        start = response_object(request, ctx, "in_progress")
         yield seq("response.created", response=start)
         yield seq("response.in_progress", response=start)
 
@@ -680,7 +680,7 @@ class OpenAIResponsesProvider:
             events = list(self._prelude(request, ctx, seq))
         else:
             seq = _Sequencer(start)
-            events = [seq("response.in_progress", response=_response_object(request, ctx, "in_progress"))]
+            events = [seq("response.in_progress", response=response_object(request, ctx, "in_progress"))]
         self._open_streams[ctx.response_id] = seq.n
         while len(self._open_streams) > HISTORY_SIZE:  # streams abandoned by their client
             self._open_streams.popitem(last=False)
@@ -696,7 +696,7 @@ class OpenAIResponsesProvider:
         request = CanonicalRequest(api=self.name, model=ctx.model, messages=[])
         seq, prelude = self._sequencer(request, ctx)
         yield from prelude
-        failed = _response_object(request, ctx, "failed")
+        failed = response_object(request, ctx, "failed")
         _, code = _ERROR_TYPES.get(error.kind, ("server_error", "server_error"))
         failed["error"] = {"code": code, "message": error.message}
         yield seq("response.failed", response=failed)

@@ -1,0 +1,181 @@
+"""Codex's Responses WebSocket (``wss://api.openai.com/v1/responses``), answered by the gateway.
+
+Codex's built-in OpenAI provider opens ``GET /v1/responses`` with ``Upgrade: websocket`` and then,
+per turn, sends one text message ``{"type": "response.create", ...Responses request body...}``
+(Codex 0.171: ``stream: true``, ``store: false``; the first message of a thread may be a prewarm
+with ``"generate": false``; later turns send only the new items with ``previous_response_id``).
+The answer is the same event sequence as the SSE stream, one JSON event per text message, ending
+with ``response.completed`` (or ``response.failed``); errors before a stream starts are sent as
+``{"type": "error", "status": N, "error": {...}}``, which Codex reads as that HTTP status.
+
+mitmproxy cannot complete a WebSocket upgrade itself, so the addon points the upgrade request at
+this loopback aiohttp server (one-time token in the path, the caller's identity parked under it).
+Each ``response.create`` goes through :meth:`Gateway.handle` as a streaming ``POST /v1/responses``,
+so it is recorded exactly like the HTTP path; the SSE bytes it returns are cut back into events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+from aiohttp import WSMsgType, web
+
+from polar_addon.canonical import PolarError
+from polar_addon.capture import Identity
+from polar_addon.gateway import FullReply, Gateway, IncomingCall
+from polar_addon.providers import ResponseContext, Route
+from polar_addon.providers.openai_responses import OpenAIResponsesProvider, response_object
+
+log = logging.getLogger("polar")
+
+WEBSOCKET_PREFIX = "/_polar/responses-ws/"
+RESPONSES_PATH = "/v1/responses"
+# An upgrade whose redirected connection never arrives (client gone) is forgotten after this long.
+PARK_SECONDS = 60.0
+
+
+def is_responses_upgrade(method: str, path: str, headers: Mapping[str, str]) -> bool:
+    """A WebSocket upgrade on a Responses path (``headers`` looked up by lower-case name)."""
+    return (
+        method.upper() == "GET"
+        and path.split("?", 1)[0].rstrip("/").endswith("/responses")
+        and headers.get("upgrade", "").lower() == "websocket"
+    )
+
+
+def sse_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events in ``buffer`` as their ``data`` payloads, and the unfinished rest.
+
+    Comments and keep-alive blank lines carry no data and yield nothing."""
+    events: list[bytes] = []
+    while True:
+        end = buffer.find(b"\n\n")
+        if end < 0:
+            return events, buffer
+        frame, buffer = buffer[:end], buffer[end + 2 :]
+        data = [line[5:].removeprefix(b" ") for line in frame.split(b"\n") if line.startswith(b"data:")]
+        if data:
+            events.append(b"\n".join(data))
+
+
+def error_event(status: int, body: Any) -> bytes:
+    """The wrapped error Codex's WebSocket client maps back to an HTTP status."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return orjson.dumps({"type": "error", "status": status, "error": error or {"message": str(body)}})
+
+
+@dataclass
+class _Parked:
+    identity: Identity
+    headers: dict[str, str]
+    host: str
+    expires: float
+
+
+class ResponsesWebSocket:
+    """The loopback WebSocket server; ``gateway`` is read per call (the addon creates it late)."""
+
+    def __init__(self, gateway: Callable[[], Gateway | None]) -> None:
+        self._gateway = gateway
+        self._parked: dict[str, _Parked] = {}
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get(WEBSOCKET_PREFIX + "{token}", self._serve)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def park(self, identity: Identity, headers: dict[str, str], host: str) -> str:
+        """Token for one redirected upgrade; ``headers`` lower-case, secrets already removed."""
+        now = time.monotonic()
+        for token in [t for t, p in self._parked.items() if p.expires < now]:
+            del self._parked[token]
+        token = secrets.token_urlsafe(16)
+        self._parked[token] = _Parked(identity, headers, host, now + PARK_SECONDS)
+        return WEBSOCKET_PREFIX + token
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        parked = self._parked.pop(request.match_info["token"], None)
+        gateway = self._gateway()
+        if parked is None or gateway is None:
+            raise web.HTTPNotFound(text="unknown or already used polar websocket token")
+        ws = web.WebSocketResponse(autoping=True)
+        await ws.prepare(request)
+        async for message in ws:
+            if message.type == WSMsgType.TEXT:
+                await self._answer(ws, gateway, parked, message.data)
+            elif message.type == WSMsgType.BINARY:
+                await ws.send_bytes(error_event(400, {"error": {"type": "invalid_request_error", "message": "binary messages are not supported"}}))
+            elif message.type == WSMsgType.ERROR:
+                log.warning("polar: responses websocket error: %s", ws.exception())
+        return ws
+
+    async def _answer(self, ws: web.WebSocketResponse, gateway: Gateway, parked: _Parked, text: str) -> None:
+        try:
+            body = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            await ws.send_str(error_event(400, {"error": {"type": "invalid_request_error", "message": f"message is not JSON: {exc}"}}).decode())
+            return
+        if not isinstance(body, dict) or body.get("type") != "response.create":
+            kind = body.get("type") if isinstance(body, dict) else type(body).__name__
+            await ws.send_str(error_event(400, {"error": {"type": "invalid_request_error", "message": f"unsupported message type {kind!r}; send response.create"}}).decode())
+            return
+        body = {k: v for k, v in body.items() if k != "type"}
+        if body.get("generate") is False:
+            for event in self._prewarm(gateway, body):
+                await ws.send_str(event.decode())
+            return
+        body["stream"] = True
+        call = IncomingCall(method="POST", path=RESPONSES_PATH, headers=parked.headers, body=orjson.dumps(body),
+                            identity=parked.identity, host=parked.host, started_at=time.time())
+        reply = await gateway.handle(call)
+        if isinstance(reply, FullReply):
+            if reply.status != 200 or reply.content_type != "text/event-stream":
+                await ws.send_str(error_event(reply.status, orjson.loads(reply.body)).decode())
+                return
+            events, _ = sse_events(reply.body)
+            for event in events:
+                await ws.send_str(event.decode())
+            return
+        buffer = b""
+        async for chunk in reply.chunks:
+            events, buffer = sse_events(buffer + chunk)
+            for event in events:
+                await ws.send_str(event.decode())
+
+    def _prewarm(self, gateway: Gateway, body: dict[str, Any]) -> list[bytes]:
+        """``generate: false``: Codex warms the connection with its instructions and tools. Nothing
+        is generated (so nothing is recorded); the empty response is remembered so that a later
+        turn may continue from it."""
+        provider = next((p for p in gateway.providers if isinstance(p, OpenAIResponsesProvider)), None)
+        if provider is None:
+            return [error_event(404, {"error": {"type": "invalid_request_error", "message": "no OpenAI Responses provider"}})]
+        try:
+            request = provider.parse_request(body, Route(kind="generate"))
+        except PolarError as err:
+            return [error_event(err.status, provider.render_error(err))]
+        ctx = ResponseContext(response_id="resp_" + secrets.token_hex(12), created=int(time.time()), model=request.model)
+        provider.remember(request, ctx.response_id, [])
+        done = response_object(request, ctx, "completed")
+        done["usage"] = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                         "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
+        return [
+            orjson.dumps({"type": "response.created", "sequence_number": 0, "response": response_object(request, ctx, "in_progress")}),
+            orjson.dumps({"type": "response.completed", "sequence_number": 1, "response": done}),
+        ]
