@@ -53,7 +53,9 @@ def test_claude_code_through_https_proxy(vllm_server, tmp_path):
     claude = harness("claude")
     out = tmp_path / "shards"
     with run_mitmdump(f"vllm:{vllm_server}", out, options=PROXY_OPTIONS) as proxy:
-        env = claude_env(HTTPS_PROXY=proxy.proxy_url("cc-proxy"), NODE_EXTRA_CA_CERTS=str(proxy.ca))
+        # Claude Code's API client fails to connect when HTTPS_PROXY carries credentials
+        # (FailedToOpenSocket), so its session rides on the API key instead.
+        env = claude_env(HTTPS_PROXY=proxy.url, NODE_EXTRA_CA_CERTS=str(proxy.ca), ANTHROPIC_API_KEY="polar:cc-proxy")
         result = run([str(claude), "-p", "Say hello.", "--output-format", "json"], env, tmp_path / "home")
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
         assert json.loads(result.stdout)["is_error"] is False

@@ -127,6 +127,15 @@ def test_local_answers_for_claude_code_account_calls() -> None:
 # ---------------------------------------------------------------- parse_request
 
 
+def test_system_messages_inside_messages_join_the_system_prompt() -> None:
+    # Claude Code 2.1.197 sends the list of agent types as messages[1] with role "system".
+    req = parse(system="Top.", messages=[{"role": "user", "content": "hi"},
+                                         {"role": "system", "content": "Agent types: claude."},
+                                         {"role": "user", "content": "go"}])
+    assert req.messages == [{"role": "system", "content": "Top.\n\nAgent types: claude."},
+                            {"role": "user", "content": "hi"}, {"role": "user", "content": "go"}]
+
+
 def test_system_blocks_joined_and_billing_header_stripped() -> None:
     system = [
         {"type": "text", "text": BILLING},
@@ -302,6 +311,7 @@ def test_count_tokens_body_needs_no_max_tokens() -> None:
         {"messages": []},
         {"messages": "hi"},
         {"messages": [{"role": "system", "content": "x"}]},
+        {"messages": [{"role": "tool", "content": "x"}]},
         {"messages": [{"role": "user", "content": 3}]},
         {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
         {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]},

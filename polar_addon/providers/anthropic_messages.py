@@ -170,9 +170,16 @@ def _system(raw: Any) -> list[str]:
     raise invalid("'system' must be a string or a list of text blocks")
 
 
-def _messages(raw: Any) -> list[dict[str, Any]]:
+def _messages(raw: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """The conversation, plus the texts of ``system`` messages found inside it.
+
+    Claude Code 2.1 sends a ``role: system`` message inside ``messages`` (the list of agent types).
+    Chat templates take one leading system message, so its text joins the top-level system prompt,
+    the same hygiene as OpenAI's developer messages.
+    """
     if not isinstance(raw, list) or not raw:
         raise invalid("'messages' is required and must be a non-empty list")
+    system_texts: list[str] = []
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(raw):
         where = f"messages[{i}]"
@@ -183,9 +190,13 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
             out.extend(_user(msg.get("content"), where))
         elif role == "assistant":
             out.append(_assistant(msg.get("content"), where))
+        elif role == "system":
+            system_texts.extend(_system(msg.get("content")))
         else:
-            raise invalid(f"{where}: role must be 'user' or 'assistant', got {role!r}")
-    return out
+            raise invalid(f"{where}: role must be 'user', 'assistant' or 'system', got {role!r}")
+    if not out:
+        raise invalid("'messages' needs at least one user or assistant message")
+    return system_texts, out
 
 
 def _tools(raw: Any) -> list[dict[str, Any]]:
@@ -319,10 +330,11 @@ class AnthropicMessagesProvider:
         max_tokens = opt_int(body, "max_tokens", minimum=1)
         if max_tokens is None and route.kind != "count_tokens":
             raise invalid("'max_tokens' is required")
+        inline_system, conversation = _messages(body.get("messages"))
         request = CanonicalRequest(
             api=self.name,
             model=require_str(body, "model"),
-            messages=system_message(_system(body.get("system"))) + _messages(body.get("messages")),
+            messages=system_message(_system(body.get("system")) + inline_system) + conversation,
             tools=_tools(body.get("tools")),
             tool_choice=_tool_choice(body.get("tool_choice")),
             sampling=SamplingParams(

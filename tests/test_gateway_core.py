@@ -1,0 +1,103 @@
+"""The gateway's call handling in-process (no mitmproxy): real providers, the scripted engine on the
+tiny model's tokenizer and template, and a real TraceStore."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+
+from polar_addon.capture import Identity
+from polar_addon.engines import EnginePool
+from polar_addon.engines.scripted import ScriptedEngine
+from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
+from polar_addon.store import StorageUnavailable, TraceStore, read_records
+
+TOOL = {"name": "ls", "description": "List files.", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
+
+
+@pytest.fixture()
+def script(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "script.json"
+    # Arguments written with spaces, as models write them; Anthropic clients echo them back as objects.
+    path.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [
+        {"content": "Let me look.", "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
+        {"content": "There is one file."},
+    ]}))
+    return path
+
+
+def anthropic_call(session: str, messages: list, **body) -> IncomingCall:
+    payload = {"model": "tiny", "max_tokens": 64, "tools": [TOOL], "messages": messages, **body}
+    return IncomingCall(method="POST", path="/v1/messages?beta=true", headers={"user-agent": "claude-cli/2.1.197"},
+                        body=orjson.dumps(payload), identity=Identity(session_id=session, source="header"))
+
+
+async def _agent_loop(gateway: Gateway, session: str) -> list[dict]:
+    messages: list[dict] = [{"role": "user", "content": "What is here?"}]
+    reply = await gateway.handle(anthropic_call(session, messages))
+    assert isinstance(reply, FullReply) and reply.status == 200, reply.body
+    first = orjson.loads(reply.body)
+    tool_use = next(b for b in first["content"] if b["type"] == "tool_use")
+    assert tool_use["input"] == {"path": "."}
+    messages += [{"role": "assistant", "content": first["content"]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": "a.txt"}]}]
+    reply = await gateway.handle(anthropic_call(session, messages))
+    assert reply.status == 200
+    return messages
+
+
+def test_tool_loop_prompts_stay_token_prefixes(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+
+    async def main() -> None:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(out)))
+        await _agent_loop(gateway, "loop-1")
+        await gateway.close()
+
+    asyncio.run(main())
+    first, second = read_records(str(out))
+    assert (first.seq, second.seq) == (0, 1) and first.finish_reason == "tool_calls"
+    # The echoed tool input re-rendered to exactly the sampled tokens: the next prompt extends the last.
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+    assert second.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"path": "."}'
+
+
+def test_proxy_cap_is_recorded_as_length_but_ends_normally_for_the_client(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from polar_addon.engines.local import LocalEngine
+
+    out = tmp_path / "shards"
+
+    async def main() -> dict:
+        gateway = Gateway(EnginePool([LocalEngine(str(tiny_model_dir))]), TraceStore(str(out)), GatewayConfig(max_tokens_cap=3))
+        reply = await gateway.handle(anthropic_call("cap-1", [{"role": "user", "content": "hi"}], temperature=0, max_tokens=500, tools=[]))
+        await gateway.close()
+        return orjson.loads(reply.body)
+
+    body = asyncio.run(main())
+    (record,) = read_records(str(out))
+    assert record.max_tokens == 3 and len(record.response_ids) == 3 and record.finish_reason == "length"
+    assert body["stop_reason"] == "end_turn" and body["usage"]["output_tokens"] == 3
+
+
+def test_unwritable_store_answers_503_in_the_callers_shape(script: Path, tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "shards"
+
+    async def main() -> FullReply:
+        store = TraceStore(str(out))
+        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), store)
+
+        def broken() -> None:
+            raise StorageUnavailable("disk full")
+
+        monkeypatch.setattr(store, "check_writable", broken)
+        reply = await gateway.handle(anthropic_call("full-1", [{"role": "user", "content": "hi"}]))
+        await gateway.close()
+        return reply
+
+    reply = asyncio.run(main())
+    body = orjson.loads(reply.body)
+    assert reply.status == 503 and body["type"] == "error" and "disk full" in body["error"]["message"]
