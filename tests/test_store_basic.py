@@ -276,6 +276,10 @@ def test_bad_field_types_fail_the_append_not_the_shard(tmp_path: Path) -> None:
             bad.top_k = "forty"  # type: ignore[assignment]
             with pytest.raises(TypeError):
                 await store.append(bad)
+            with pytest.raises(ValueError, match="int32"):
+                await store.append(make_record("x", [1, 1 << 40], [2], []))
+            with pytest.raises(TypeError, match="response_ids"):
+                await store.append(make_record("x", [1], [2.5], []))  # type: ignore[list-item]
             await store.append(make_record("x", [1], [2], []))
 
     run(main())

@@ -30,6 +30,7 @@ from polar_addon.store.rewards import RewardRecord
 from polar_addon.store.sessions import SessionRecord
 from polar_addon.store.shards import CALLS, REWARDS, SESSIONS
 from polar_addon.store.trace_store import SESSION_STATUSES, StorageUnavailable, TraceStore
+from polar_addon.store.validate import validate_store
 
 __all__ = [
     "CALLS",
@@ -47,4 +48,5 @@ __all__ = [
     "read_sessions",
     "read_table",
     "shard_dataset",
+    "validate_store",
 ]

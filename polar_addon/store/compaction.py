@@ -83,11 +83,13 @@ def message_parts(messages_json: str) -> list[bytes] | None:
     return parts
 
 
-def _to_array(ids: list[int]) -> array.array | None:
+def _to_array(ids: list[int], name: str) -> array.array:
     try:
         return array.array("i", ids)
-    except OverflowError:
-        return None
+    except OverflowError as exc:
+        raise ValueError(f"{name} holds a token id outside int32") from exc
+    except TypeError as exc:
+        raise TypeError(f"{name} must hold integers: {exc}") from exc
 
 
 _PLAIN_FIELDS = (
@@ -102,10 +104,11 @@ def encode_call(record: CaptureRecord, tips: Sequence[Tip]) -> tuple[dict[str, A
     """The stored row of a call (see shards.CALLS_SCHEMA) and the tip it becomes for later calls."""
     row = {name: getattr(record, name) for name in _PLAIN_FIELDS}
     prompt = record.prompt_ids
-    prompt_arr = _to_array(prompt) if prompt else None
+    prompt_arr = _to_array(prompt, "prompt_ids")
+    response_arr = _to_array(record.response_ids, "response_ids")
 
     best_tokens, best_ref = 0, None
-    if prompt_arr is not None:
+    if prompt:
         for tip in reversed(tips):  # latest first: on a tie the most recent call wins
             n = _common_prefix(prompt_arr, tip.tokens)
             if n > best_tokens:
@@ -131,15 +134,12 @@ def encode_call(record: CaptureRecord, tips: Sequence[Tip]) -> tuple[dict[str, A
     )
 
     tip = None
-    if record.status == "ok" and prompt_arr is not None:
-        tokens = _to_array(record.response_ids)
-        if tokens is not None:
-            tokens = prompt_arr + tokens
-            tip_parts = None
-            if parts is not None:
-                extra = response_part(record.response_json)
-                tip_parts = parts + ([extra] if extra is not None else [])
-            tip = Tip(record.record_id, tokens, tip_parts)
+    if record.status == "ok" and prompt:
+        tip_parts = None
+        if parts is not None:
+            extra = response_part(record.response_json)
+            tip_parts = parts + ([extra] if extra is not None else [])
+        tip = Tip(record.record_id, prompt_arr + response_arr, tip_parts)
     return row, tip
 
 

@@ -94,6 +94,11 @@ REWARDS_SCHEMA = pa.schema(
     ]
 )
 
+# Stamped into every shard, so a later layout can tell old shards apart.
+FORMAT = {b"polar.store.format": b"1"}
+CALLS_SCHEMA = CALLS_SCHEMA.with_metadata(FORMAT)
+SESSIONS_SCHEMA = SESSIONS_SCHEMA.with_metadata(FORMAT)
+REWARDS_SCHEMA = REWARDS_SCHEMA.with_metadata(FORMAT)
 SCHEMAS = {CALLS: CALLS_SCHEMA, SESSIONS: SESSIONS_SCHEMA, REWARDS: REWARDS_SCHEMA}
 
 # Token arrays are random-looking integers: dictionary pages only cost time there.

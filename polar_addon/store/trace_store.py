@@ -87,22 +87,38 @@ def segment_tables(payloads: list[bytes]) -> dict[str, pa.Table]:
     return {k: pa.Table.from_pylist(r, schema=SCHEMAS[k]) for k, r in rows.items() if r}
 
 
+def _scalar_kinds(schema: pa.Schema) -> list[tuple[str, str]]:
+    kinds = []
+    for f in schema:
+        if pa.types.is_integer(f.type):
+            kinds.append((f.name, "int"))
+        elif pa.types.is_floating(f.type):
+            kinds.append((f.name, "float"))
+        elif pa.types.is_string(f.type):
+            kinds.append((f.name, "str"))
+    return kinds
+
+
+_SCALARS = {kind: _scalar_kinds(schema) for kind, schema in SCHEMAS.items()}
+
+
 def _coerce_scalars(kind: str, row: dict[str, Any]) -> None:
     """Fail at append time, not at shard time, when a field has the wrong type."""
-    for f in SCHEMAS[kind]:
-        value = row.get(f.name)
-        if value is None or pa.types.is_list(f.type):
+    for name, expected in _SCALARS[kind]:
+        value = row.get(name)
+        if value is None:
             continue
-        if pa.types.is_integer(f.type):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-                raise TypeError(f"{f.name} must be an integer, got {value!r}")
-            row[f.name] = int(value)
-        elif pa.types.is_floating(f.type):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{f.name} must be a number, got {value!r}")
-            row[f.name] = float(value)
-        elif not isinstance(value, str):
-            raise TypeError(f"{f.name} must be a string, got {type(value).__name__}")
+        if expected == "str":
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+        elif expected == "float":
+            row[name] = float(value)
+        elif isinstance(value, float):
+            if not value.is_integer():
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+            row[name] = int(value)
 
 
 # ---- the store ---------------------------------------------------------------------------------------------
@@ -161,8 +177,11 @@ class TraceStore:
         self._convert_lock = threading.Lock()
         self._unconverted: dict[str, journal.WriterDir | None] = {}
 
-        self.writer_id, self._own_dir = journal.create_writer_dir(self.journal_root)
-        self._adopted = journal.adopt_orphans(self.journal_root, self._own_dir.path)
+        try:
+            self.writer_id, self._own_dir = journal.create_writer_dir(self.journal_root)
+            self._adopted = journal.adopt_orphans(self.journal_root, self._own_dir.path)
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot create the trace journal in {self.journal_root}: {exc}") from exc
         for wd in self._adopted:
             for path in wd.segments:
                 self._unconverted[path] = wd
