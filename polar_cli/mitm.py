@@ -1,0 +1,94 @@
+"""Run a real ``mitmdump`` with the polar addon as a subprocess (rollouts, the demo, tests, benches)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import polar_addon
+
+REPO = Path(__file__).resolve().parents[1]
+MITMDUMP = Path(sys.executable).parent / "mitmdump"
+ADDON = Path(polar_addon.__file__).resolve().parent / "addon.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proxy:
+    port: int
+    confdir: Path
+    out: Path
+    log: Path
+    process: subprocess.Popen
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ca(self) -> Path:
+        return self.confdir / "mitmproxy-ca-cert.pem"
+
+    def proxy_url(self, session: str | None = None) -> str:
+        return f"http://{session}@127.0.0.1:{self.port}" if session else self.url
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def wait_for_port(port: int, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode}:\n{log.read_text() if log else ''}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+@contextmanager
+def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Path | None = None,
+                 options: dict[str, str] | None = None, addon: bool = True, timeout: float = 120.0) -> Iterator[Proxy]:
+    """Start mitmdump (with the polar addon unless ``addon=False``) and stop it gracefully afterwards."""
+    port = free_port()
+    confdir = confdir or out.parent / "mitmproxy-conf"
+    confdir.mkdir(parents=True, exist_ok=True)
+    log = out.parent / f"mitmdump-{port}.log"
+    cmd = [str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port),
+           "--set", f"confdir={confdir}", "--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
+    if mode:
+        cmd += ["--mode", mode]
+    if addon:
+        cmd += ["-s", str(ADDON), "--set", f"polar_engine={engine}", "--set", f"polar_out={out}"]
+        for key, value in (options or {}).items():
+            cmd += ["--set", f"{key}={value}"]
+    with open(log, "wb") as fh:
+        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    proxy = Proxy(port, confdir, out, log, process)
+    try:
+        wait_for_port(port, timeout, process, log)
+        yield proxy
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
