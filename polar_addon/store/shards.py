@@ -101,10 +101,12 @@ SESSIONS_SCHEMA = SESSIONS_SCHEMA.with_metadata(FORMAT)
 REWARDS_SCHEMA = REWARDS_SCHEMA.with_metadata(FORMAT)
 SCHEMAS = {CALLS: CALLS_SCHEMA, SESSIONS: SESSIONS_SCHEMA, REWARDS: REWARDS_SCHEMA}
 
-# Token arrays are random-looking integers: dictionary pages only cost time there.
-_DICT_COLUMNS = [
-    f.name for s in SCHEMAS.values() for f in s if pa.types.is_string(f.type)
-]
+# Dictionary-encode the strings that repeat (a harness's tool list is the same on every call); ids, token
+# arrays and per-call texts are unique, and a dictionary page would only cost time there.
+_UNIQUE = {"record_id", "reward_id", "prompt_ref", "messages_ref", "messages_tail_json", "response_json"}
+_DICT_COLUMNS = sorted(
+    {f.name for s in SCHEMAS.values() for f in s if pa.types.is_string(f.type) and f.name not in _UNIQUE}
+)
 
 
 @dataclass(frozen=True)
