@@ -79,6 +79,11 @@ def _sessions(shards: str) -> dict[str, SessionInfo]:
     return {row.session_id: session_info(row) for row in read_sessions(shards)}
 
 
+def _tokenizer_eot(tok: Any | None) -> int | None:
+    """The tokenizer's eos token: the end-of-turn fallback when no captured call stopped by itself."""
+    return tok.convert_tokens_to_ids(tok.eos_token) if tok is not None and tok.eos_token else None
+
+
 def _check_strategy(strategy: str) -> None:
     from polar_cli.build import STRATEGIES
 
@@ -132,7 +137,8 @@ def build(
         task = progress.add_task("sessions", total=total)
         records = iter_records(shards, session_ids=wanted)
         for built in iter_session_builds(
-            records, sessions, strategy, eot_token_id=eot_token_id, decode=_decode(tok), broadcast_rewards=broadcast_rewards
+            records, sessions, strategy, eot_token_id=eot_token_id, decode=_decode(tok),
+            broadcast_rewards=broadcast_rewards, fallback_eot_token_id=_tokenizer_eot(tok),
         ):
             writer.write(built.traces)
             report.add(built.harness, built.stats)
@@ -176,7 +182,8 @@ def stats(
     tok, source = load_tokenizer(tokenizer, shards)
     report = BuildReport()
     for built in iter_session_builds(
-        iter_records(shards), _sessions(shards), strategy, eot_token_id=eot_token_id, decode=_decode(tok)
+        iter_records(shards), _sessions(shards), strategy, eot_token_id=eot_token_id, decode=_decode(tok),
+        fallback_eot_token_id=_tokenizer_eot(tok),
     ):
         report.add(built.harness, built.stats)
     if as_json:
@@ -203,6 +210,8 @@ def view(
         raise typer.BadParameter(f"no calls captured for session {session!r}", param_hint="--session")
     tok, source = load_tokenizer(tokenizer, shards)
     eot = eot_token_id if eot_token_id is not None else detect_eot(records)
+    if eot is None:
+        eot = _tokenizer_eot(tok)
     info = _sessions(shards).get(session)
     built = build_session(session, records, info, eot_token_id=eot, decode=_decode(tok))
     out.write_text(render_session(built, records, info, tokenizer=tok), encoding="utf-8")

@@ -128,11 +128,14 @@ def iter_session_builds(
     eot_token_id: int | None = None,
     decode: Decode | None = None,
     broadcast_rewards: bool = False,
+    fallback_eot_token_id: int | None = None,
 ) -> Iterator[SessionBuild]:
     """Build sessions from records sorted by (session_id, seq), one session in memory at a time.
 
     With ``eot_token_id`` None the end-of-turn token is the last sampled token of the first
-    naturally stopped call in that order; sessions read before it is known wait for it.
+    naturally stopped call in that order; sessions read before it is known wait for it. When no
+    call stopped naturally (every turn hit max_tokens), ``fallback_eot_token_id`` (e.g. the
+    tokenizer's eos token) is used.
     """
     eot = eot_token_id
     waiting: list[tuple[str, list[CaptureRecord]]] = []
@@ -159,6 +162,8 @@ def iter_session_builds(
             yield built(waiting_id, waiting_group)
         waiting = []
         yield built(session_id, group)
+    if eot is None:
+        eot = fallback_eot_token_id
     for waiting_id, waiting_group in waiting:
         yield built(waiting_id, waiting_group)
 
