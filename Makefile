@@ -2,12 +2,13 @@
 PY ?= python3.11
 VENV := .venv
 VLLM_VENV := .venv-vllm
+S3_VENV := .venv-s3
 BIN := $(VENV)/bin
 HARNESS_DIR := .harness
 TINY := models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: install engine harnesses model test test-fast demo bench clean
+.PHONY: install engine harnesses s3 browser model test test-fast demo bench clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -32,11 +33,23 @@ $(HARNESS_DIR)/.installed:
 	cd $(HARNESS_DIR) && npm install --silent --no-audit --no-fund @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 @qwen-code/qwen-code@0.15.10 @mariozechner/pi-coding-agent@0.73.1
 	touch $@
 
+# A real S3-compatible server (moto) for the remote-store tests, in its own venv: installed next to
+# mitmproxy's pins, pip backtracks over botocore for many minutes.
+s3: $(S3_VENV)/.installed
+$(S3_VENV)/.installed:
+	test -x $(S3_VENV)/bin/python || $(PY) -m venv $(S3_VENV)
+	$(S3_VENV)/bin/pip install -q 'moto[server]==5.2.5'
+	touch $@
+
+# Headless Chromium for the trace viewer's browser test (Debian package; needs root, as CI is).
+browser:
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
+
 model: install $(TINY)/config.json
 $(TINY)/config.json:
 	$(BIN)/polar tiny-model $(TINY)
 
-test: install engine harnesses model
+test: install engine harnesses s3 browser model
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 # Unit and in-process tests only: no vLLM, no harness CLIs.
@@ -48,6 +61,8 @@ demo: install model
 
 bench: install model
 	$(BIN)/python bench/proxy_overhead.py
+	$(BIN)/python bench/store.py
+	$(BIN)/python bench/build.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(HARNESS_DIR) models shards .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(S3_VENV) $(HARNESS_DIR) models shards runs .pytest_cache
