@@ -19,6 +19,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from transformers import AutoTokenizer
 
 from polar_addon.store import read_records, read_sessions
+from polar_addon.store.validate import validate_store
 from tests.support.proxy import run_mitmdump
 
 TOOLS_OAI = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
@@ -32,6 +33,8 @@ def proxy(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gw") / "shards"
     with run_mitmdump(f"local:{tiny_model_dir}", out, options={"polar_shard_seconds": "0.2", "polar_keepalive": "1"}) as p:
         yield p
+    # Whatever the tests did (bad input included), the shards they leave are valid.
+    assert validate_store(str(out)) == []
 
 
 def oai(proxy, session: str) -> openai.OpenAI:
@@ -85,6 +88,7 @@ def test_reverse_mode_with_base_url(tiny_model_dir, tmp_path):
         chunks = list(oclient.chat.completions.create(model="tiny", max_tokens=8, stream=True,
                                                       messages=[{"role": "user", "content": "hi"}]))
         assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
+    assert validate_store(str(out)) == []
     records = read_records(str(out))
     by_session = {r.session_id: r for r in records}
     assert set(by_session) == {"rev-1", "rev-2"}

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from polar_addon.store import read_records
+from polar_addon.store.validate import validate_store
 from tests.support.proxy import free_port, run_mitmdump
 from tests.support.slow_forwarder import slow_forwarder
 
@@ -42,7 +43,7 @@ def test_captured_tokens_equal_the_engines(vllm_server, reference_logprobs, tmp_
             client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=20,
                                            temperature=temperature, seed=7)
         records = wait_records(out, "vx-1", 2)
-    assert len(records) == 2
+    assert len(records) == 2 and validate_store(str(out)) == []
     # The engine's own tokenization of the same request.
     tokenized = httpx.post(f"{vllm_server}/tokenize", json={"model": "tiny", "messages": messages, "tools": TOOLS,
                                                            "add_generation_prompt": True}).json()
@@ -104,5 +105,5 @@ def test_engine_down_gives_provider_errors_and_failed_records(tmp_path):
                 model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
         assert oai_err.value.status_code == 503
         records = wait_records(out, "down-a", 1) + wait_records(out, "down-o", 1)
-    assert [r.status for r in records] == ["failed", "failed"]
+    assert [r.status for r in records] == ["failed", "failed"] and validate_store(str(out)) == []
     assert all("overloaded" in r.error and r.response_ids == [] for r in records)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from polar_addon.store import read_records
+from polar_addon.store.validate import validate_store
 from tests.support.proxy import REPO, run_mitmdump
 
 pytestmark = [pytest.mark.vllm, pytest.mark.harness]
@@ -41,6 +42,7 @@ def run(cmd: list[str], env: dict[str, str], home: Path, timeout: float = 240) -
 
 def calls(out: Path, session: str) -> list:
     time.sleep(1.0)
+    assert validate_store(str(out)) == []
     return [r for r in read_records(str(out)) if r.session_id == session]
 
 
