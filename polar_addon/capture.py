@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -64,7 +64,8 @@ class CaptureRecord:
     error: str | None = None  # why a failed call failed
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Shallow on purpose: asdict() deep-copies every token list (~50 ms for an 8k-token record).
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @property
     def messages(self) -> list[dict[str, Any]]:
