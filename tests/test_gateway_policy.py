@@ -1,0 +1,84 @@
+"""Traffic policy and small gateway contracts: passthrough vs block, body limits, engine stickiness,
+and a deterministic tiny model."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from polar_addon.engines import EnginePool
+from polar_cli.tiny_model import build_tiny_model
+from tests.support.proxy import run_mitmdump
+
+
+class _Echo(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("content-type", "application/octet-stream")
+        self.end_headers()
+        self.wfile.write(b"echo:" + body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture()
+def echo_server():
+    server = HTTPServer(("127.0.0.1", 0), _Echo)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_other_traffic_passes_through_unless_blocked(tiny_model_dir, tmp_path, echo_server, block):
+    options = {"polar_block_other": str(block).lower()}
+    with run_mitmdump(f"local:{tiny_model_dir}", tmp_path / "shards", options=options) as proxy:
+        with httpx.Client(proxy=proxy.url) as client:
+            # Even a model-looking path on a host that is not a provider is not ours.
+            r = client.post(echo_server + "/v1/chat/completions", content=b"untouched bytes")
+    if block:
+        assert r.status_code == 403 and b"blocked" in r.content
+    else:
+        assert r.status_code == 200 and r.content == b"echo:untouched bytes"
+
+
+def test_oversized_body_is_a_provider_shaped_413(tiny_model_dir, tmp_path):
+    with run_mitmdump(f"local:{tiny_model_dir}", tmp_path / "shards", mode="reverse:https://api.anthropic.com",
+                      options={"polar_max_body_mb": "1"}) as proxy:
+        big = {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+        r = httpx.post(proxy.url + "/v1/messages", json=big, headers={"x-api-key": "polar:big"}, timeout=60)
+    assert r.status_code == 413
+    assert r.json()["type"] == "error" and "exceeds" in r.json()["error"]["message"]
+
+
+def test_sessions_stick_to_one_engine_and_spread_across_engines():
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    pool = EnginePool([Named("e0"), Named("e1"), Named("e2")])  # type: ignore[list-item]
+    first = [pool.for_session(f"s{i}").name for i in range(6)]
+    assert first == ["e0", "e1", "e2", "e0", "e1", "e2"]
+    assert [pool.for_session(f"s{i}").name for i in range(6)] == first  # sticky
+    pool.release("s0")
+    pool.release("s3")
+    assert pool.for_session("new").name == "e0"  # least loaded
+
+
+def test_tiny_model_is_deterministic(tmp_path: Path):
+    def digest(directory: Path) -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+    a = digest(build_tiny_model(tmp_path / "a", seed=3))
+    b = digest(build_tiny_model(tmp_path / "b", seed=3))
+    c = digest(build_tiny_model(tmp_path / "c", seed=4))
+    assert a == b
+    assert a["model.safetensors"] != c["model.safetensors"] and a["tokenizer.json"] == c["tokenizer.json"]
