@@ -122,7 +122,7 @@ class Polar:
             return
         is_control = flow.request.pretty_host == CONTROL_HOST
         upgrade = is_responses_upgrade(flow.request.method, flow.request.path, flow.request.headers)
-        ours = self._is_ours(flow) and (is_control or upgrade or self.gateway.match(flow.request.method, flow.request.path) is not None)
+        ours = self._is_ours(flow) and (is_control or upgrade or self.gateway.owns(flow.request.method, flow.request.path))
         if not ours:
             if ctx.options.polar_block_other:
                 flow.response = http.Response.make(403, b"polar: non-model traffic is blocked (polar_block_other)", {"content-type": "text/plain"})

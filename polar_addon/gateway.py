@@ -105,6 +105,10 @@ class Gateway:
                 return provider, route
         return None
 
+    def owns(self, method: str, path: str) -> bool:
+        """Whether ``handle`` answers this request: a provider route or a session control path."""
+        return REWARD_PATH.match(path.split("?", 1)[0]) is not None or self.match(method, path) is not None
+
     async def handle(self, call: IncomingCall) -> FullReply | StreamReply:
         if REWARD_PATH.match(call.path.split("?", 1)[0]):
             return await self._session_post(call)
