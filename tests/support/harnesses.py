@@ -1,0 +1,35 @@
+"""Running the real harness CLIs (installed by ``make harnesses`` into ``.harness``) in tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from polar_addon.store import read_records
+from tests.support.proxy import REPO
+
+BIN = REPO / ".harness" / "node_modules" / ".bin"
+
+
+def harness(name: str) -> Path:
+    path = BIN / name
+    if not path.exists():
+        pytest.skip(f"{path} missing: run `make harnesses`")
+    return path
+
+
+def run(cmd: list[str], env: dict[str, str], home: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a harness with its own HOME and no proxy settings inherited from the test's environment."""
+    home.mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
+    full = {**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **env}
+    return subprocess.run(cmd, env=full, cwd=home, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def calls(out: Path, session: str, include_failed: bool = False) -> list:
+    time.sleep(1.0)  # the open shard is sealed after polar_shard_seconds
+    return [r for r in read_records(str(out), include_failed=include_failed) if r.session_id == session]
