@@ -14,6 +14,9 @@ import typer
 
 from polar_cli.train.config import DTYPES, LOSS_TYPES, TrainConfig
 
+# Exit status when every trace was dropped (e.g. equal rewards everywhere): not an error for a loop.
+EXIT_NOTHING_TO_TRAIN = 3
+
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(TrainConfig)}
 
 
@@ -67,7 +70,7 @@ def train(
     from rich.console import Console
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from polar_cli.train.dataset import TemperatureMismatch
+    from polar_cli.train.dataset import NothingToTrain, TemperatureMismatch
     from polar_cli.train.run import run_training
 
     cfg = TrainConfig(
@@ -84,6 +87,9 @@ def train(
     console = Console(stderr=True)
     try:
         result = run_training(cfg)
+    except NothingToTrain as exc:
+        console.print(f"[yellow]nothing to train:[/] {exc}")
+        raise typer.Exit(EXIT_NOTHING_TO_TRAIN) from exc
     except TemperatureMismatch as exc:
         console.print(f"[bold red]temperature mismatch:[/] {exc}")
         raise typer.Exit(2) from exc

@@ -56,6 +56,10 @@ class TrainData:
         return max((len(r.completion_ids) for r in self.rows), default=1)
 
 
+class NothingToTrain(ValueError):
+    """Every trace was dropped (e.g. all rewards of every group equal): no gradient to take."""
+
+
 class TemperatureMismatch(ValueError):
     """Training at another temperature than the capture would make every importance ratio wrong."""
 

@@ -93,7 +93,7 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     """Train from ``cfg.inputs`` (or from ``traces`` already in memory) and write ``cfg.output``."""
     import time
 
-    from polar_cli.train.dataset import load_traces, prepare_rows
+    from polar_cli.train.dataset import NothingToTrain, load_traces, prepare_rows
 
     cfg.validate()
     if traces is None:
@@ -107,6 +107,8 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
         drop_zero_advantage=cfg.drop_zero_advantage,
         temperature=cfg.temperature,
     )
+    if not data.rows:
+        raise NothingToTrain(f"no trainable rows: every trace was dropped ({data.stats})")
     cfg.output.mkdir(parents=True, exist_ok=True)
     metrics_path = cfg.output / METRICS_FILE
     if cfg.resume is None and metrics_path.exists():
