@@ -38,7 +38,7 @@ def train(policy: Path, shards: Path, out: Path, args: argparse.Namespace) -> bo
     cmd = [
         str(POLAR), "train", str(shards), "--model", str(policy), "--output", str(out),
         "--lr", str(args.lr), "--epochs", str(args.epochs), "--groups-per-step", "1", "--weight-decay", "0",
-        "--no-progress",
+        "--eot-token-id", str(args.eot), "--no-progress",
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if done.returncode == 3:  # polar train: nothing to train
@@ -61,6 +61,11 @@ def main() -> None:
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"{args.model} missing: run `make model`")
     shutil.rmtree(args.out, ignore_errors=True)
+    from transformers import AutoTokenizer
+
+    # The template's end-of-turn token (<|im_end|>): turns here mostly end at max_tokens, and a
+    # random model that stops by itself may do so with its other eos, which no template writes.
+    args.eot = AutoTokenizer.from_pretrained(args.model).eos_token_id
 
     started = time.monotonic()
     policy = args.model

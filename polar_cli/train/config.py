@@ -19,6 +19,7 @@ class TrainConfig:
     output: Path  # checkpoint directory written at the end (plus metrics.jsonl and the curves PNG)
     strategy: str = "prefix_merging"  # trajectory builder when `inputs` are raw capture shards
     broadcast_rewards: bool = False  # per_request: give every call its session's reward (polar build's flag)
+    eot_token_id: int | None = None  # end-of-turn token for raw shards (polar build's flag); None: detected
     learning_rate: float = 1e-6
     optim: str = "adamw_torch"  # any TrainingArguments optimizer name (e.g. sgd)
     weight_decay: float = 0.1

@@ -249,29 +249,40 @@ def read_trace_dataset(paths: Sequence[Path]) -> list[Trace]:
 
 
 def load_traces(
-    paths: Sequence[Path], strategy: str, *, tokenizer: Path | str | None = None, broadcast_rewards: bool = False
+    paths: Sequence[Path],
+    strategy: str,
+    *,
+    tokenizer: Path | str | None = None,
+    broadcast_rewards: bool = False,
+    eot_token_id: int | None = None,
 ) -> list[Trace]:
     """Traces from a built dataset, or built on the fly from a raw trace store with `polar build`'s code.
 
     ``tokenizer`` (the model being trained) lets the build tell a re-tokenized turn from a
-    template re-render; ``broadcast_rewards`` is `polar build --broadcast-rewards` (per_request).
+    template re-render; ``broadcast_rewards`` and ``eot_token_id`` are `polar build`'s options.
     """
     if is_trace_dataset(paths):
         return read_trace_dataset(paths)
     if len(paths) != 1 or not paths[0].is_dir():
         raise ValueError("raw capture shards are read from one trace-store directory (the proxy's polar_out)")
-    from polar_addon.store import read_records, read_sessions
-    from polar_cli.build import build_traces
+    from polar_addon.store import iter_records, read_sessions
+    from polar_cli.build import iter_session_builds
     from polar_cli.build_cmd import load_tokenizer, session_info
 
     store = str(paths[0])
     tok, _ = load_tokenizer(Path(tokenizer) if tokenizer else None, store)
     sessions = {row.session_id: session_info(row) for row in read_sessions(store)}
-    built = build_traces(
-        read_records(store),
+    traces: list[Trace] = []
+    # The same calls `polar build` makes, so training sees exactly the traces it would write.
+    for built in iter_session_builds(
+        iter_records(store),
         sessions,
         strategy,
+        eot_token_id=eot_token_id,
         decode=None if tok is None else tok.decode,
         broadcast_rewards=broadcast_rewards,
-    )
-    return built.traces
+        # the tokenizer's eos closes turns when no captured call stopped by itself
+        fallback_eot_token_id=tok.convert_tokens_to_ids(tok.eos_token) if tok is not None and tok.eos_token else None,
+    ):
+        traces.extend(built.traces)
+    return traces

@@ -99,7 +99,10 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     if traces is None:
         # The model being trained carries the tokenizer the traces were sampled with.
         tokenizer = cfg.model if (Path(cfg.model) / "tokenizer_config.json").is_file() else None
-        traces = load_traces(cfg.inputs, cfg.strategy, tokenizer=tokenizer, broadcast_rewards=cfg.broadcast_rewards)
+        traces = load_traces(
+            cfg.inputs, cfg.strategy, tokenizer=tokenizer, broadcast_rewards=cfg.broadcast_rewards,
+            eot_token_id=cfg.eot_token_id,
+        )
     data = prepare_rows(
         traces,
         max_length=cfg.max_length,
