@@ -357,8 +357,10 @@ class Comparison:
     rows: dict[tuple[str, str, str, str], Row] = field(default_factory=dict)
     calls: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)  # (harness, why) -> count
+    leaves: list[tuple[str, str, Any]] = field(default_factory=list)  # (leaf path, status, value), every leaf
 
     def add(self, api: str, harness: str, leaf: str, status: str, why: str, value: Any) -> None:
+        self.leaves.append((leaf, status, value))
         key = (api, harness, _field(leaf), status)
         row = self.rows.setdefault(key, Row(api, harness, key[2], status, why, 0, repr(value)[:60]))
         row.count += 1
@@ -382,9 +384,15 @@ def _is_text(value: str) -> bool:
     return len(value) >= 16 or any(c.isspace() for c in value)
 
 
+def _field_value(path: str, value: Any) -> tuple[str, bytes]:
+    # 1 and 1.0 are the same temperature.
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return _normal(path), orjson.dumps(float(value) if number else value)
+
+
 def compare(api: str, harness: str, body: dict[str, Any], back: dict[str, Any], into: Comparison) -> None:
     strings = [v for _, v in leaves(back) if isinstance(v, str)]
-    fields = {(_normal(p), orjson.dumps(v)) for p, v in leaves(back)}
+    fields = {_field_value(p, v) for p, v in leaves(back)}
     # A JSON-text value (tool arguments) also counts as kept when the same JSON comes back compacted.
     strings += [_compact(v) for v in strings if v[:1] in "{["]
     for path, value in leaves(body):
@@ -394,7 +402,7 @@ def compare(api: str, harness: str, body: dict[str, Any], back: dict[str, Any], 
                 into.add(api, harness, path, CHANGED, "surrounding whitespace trimmed (system parts join with blank lines)", value)
                 continue
         else:
-            kept = (_normal(path), orjson.dumps(value)) in fields
+            kept = _field_value(path, value) in fields
         if kept:
             into.add(api, harness, path, KEPT, "", value)
             continue
