@@ -95,3 +95,51 @@ def test_vllm_serves_the_trained_checkpoint_after_reload(tiny_model_dir: Path, t
     finally:
         stopped = stop_engine(server.url, state_dir=state)
     assert not is_running(stopped)
+
+
+@pytest.fixture(scope="module")
+def sglang_protocol():
+    from tests.support.sglang_contract_server import ContractUnavailable, load_protocol
+
+    try:
+        return load_protocol()
+    except ContractUnavailable as exc:
+        pytest.skip(f"SGLang 0.5.23 protocol unavailable: {exc}")
+
+
+def test_sglang_reload_updates_weights_in_place(sglang_protocol, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import asyncio
+
+    from polar_addon.canonical import CanonicalRequest, SamplingParams
+    from polar_addon.engines.local import LocalEngine
+    from polar_addon.engines.sglang import SGLangEngine
+    from tests.support.sglang_contract_server import SGLangContractServer
+
+    ckpt = tmp_path / "ckpt"
+    traces = TraceFactory(tiny_model_dir, temperature=1.0, seed=6).traces(two_group_specs())
+    cfg = TrainConfig(inputs=[], model=str(tiny_model_dir), output=ckpt, learning_rate=1e-2, max_steps=2,
+                      groups_per_step=2, progress=False, plot=False)  # fmt: skip
+    run_training(cfg, traces=traces)
+
+    async def complete(url: str):
+        engine = SGLangEngine(url, timeout_s=60)
+        try:
+            request = CanonicalRequest(api="openai_chat", model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                       sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=3))  # fmt: skip
+            return await engine.complete(request)
+        finally:
+            await engine.close()
+
+    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=sglang_protocol) as server:
+        proc = subprocess.run(
+            [sys.executable, "-m", "polar_cli.app", "engine", "reload", str(ckpt), "--engine", f"sglang:{server.url}",
+             "--weight-version", "step-2"],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "loaded" in proc.stdout
+        assert server.requests[-1] == {"model_path": str(ckpt.resolve()), "weight_version": "step-2"}
+        completion = asyncio.run(complete(server.url))
+    assert completion.weight_version == "step-2"
+    trained = hf_logprobs(ckpt, completion.prompt_ids, completion.response_ids)
+    assert max(abs(a - b) for a, b in zip(completion.logprobs, trained, strict=True)) < 1e-4
