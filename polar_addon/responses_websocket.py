@@ -16,12 +16,11 @@ so it is recorded exactly like the HTTP path; the SSE bytes it returns are cut b
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -154,10 +153,18 @@ class ResponsesWebSocket:
                 await ws.send_str(event.decode())
             return
         buffer = b""
-        async for chunk in reply.chunks:
-            events, buffer = sse_events(buffer + chunk)
-            for event in events:
-                await ws.send_str(event.decode())
+        try:
+            async for chunk in reply.chunks:
+                events, buffer = sse_events(buffer + chunk)
+                for event in events:
+                    await ws.send_str(event.decode())
+        except ConnectionResetError:
+            # The client went away mid-answer; the call itself is recorded by the gateway regardless.
+            log.info("polar: responses websocket closed by the client during an answer")
+        finally:
+            aclose = getattr(reply.chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     def _prewarm(self, gateway: Gateway, body: dict[str, Any]) -> list[bytes]:
         """``generate: false``: Codex warms the connection with its instructions and tools. Nothing

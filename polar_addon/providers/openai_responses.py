@@ -463,6 +463,7 @@ def usage(completion: Completion) -> dict[str, Any]:
 
 
 def response_object(request: CanonicalRequest, ctx: ResponseContext, status: str) -> dict[str, Any]:
+    """The Response object with the request's settings echoed, before output and usage are known."""
     s = request.sampling
     echo = request.extra
     return {
