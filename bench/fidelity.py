@@ -69,6 +69,12 @@ REASONS: list[Reason] = [
     Reason("openai_chat", "presence_penalty", DROPPED, "penalties are not part of the recorded sampling parameters"),
     # ---- Anthropic Messages
     Reason("anthropic_messages", "system[*].type", CHANGED, "system blocks joined into the one system message"),
+    Reason("anthropic_messages", "system[*].text", DROPPED, "Claude Code's per-request billing line: its hash changes every call and would break prefix merging",
+           lambda v: isinstance(v, str) and v.lstrip().startswith("x-anthropic-billing-header:")),
+    Reason("anthropic_messages", "messages[*].role", CHANGED, "system messages inside messages join the one system message",
+           lambda v: v == "system"),
+    Reason("anthropic_messages", "thinking.type", CHANGED, "adaptive thinking is enable_thinking=True", lambda v: v == "adaptive"),
+    Reason("anthropic_messages", "output_config*", DROPPED, "effort and output settings: the engine's chat template has no such control"),
     Reason("anthropic_messages", "messages[*].content[*].signature", DROPPED, "thinking signatures are opaque; polar's own are derived"),
     Reason("anthropic_messages", "messages[*].content[*].id", CHANGED, "tool_use ids kept as tool_call ids (toolu_ prefix normalised)"),
     Reason("anthropic_messages", "thinking.budget_tokens", DROPPED, "thinking is on or off (enable_thinking); no token budget"),
