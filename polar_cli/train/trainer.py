@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Sampler
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import identity, nanmax, nanmin, pad, use_adapter
 
-from polar_cli.train.dataset import TrainData, TrainRow, partition_rows
+from polar_cli.train.dataset import NothingToTrain, TrainData, TrainRow, partition_rows
 
 # GRPOConfig insists on num_generations >= 2 dividing the generation batch. Neither value is used
 # here (our sampler and advantages replace TRL's), so both are set to the smallest it accepts.
@@ -101,7 +101,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         from datasets import Dataset
 
         if not data.rows:
-            raise ValueError("no trainable rows: every trace was dropped (see the dataset stats)")
+            raise NothingToTrain(f"no trainable rows: every trace was dropped ({data.stats})")
         self.data = data
         self.groups_per_step = groups_per_step
         self._policy_logps: torch.Tensor | None = None
