@@ -123,7 +123,8 @@ def main() -> None:
     ]
     pr, pm = results
     for label, key, fmt in rows:
-        ratio = pr[key] / pm[key] if isinstance(pm[key], (int, float)) and pm[key] and not key.startswith("step1") else None
+        comparable = not key.startswith("step1") and pm[key]
+        ratio = pr[key] / pm[key] if comparable else None
         table.add_row(label, fmt.format(pr[key]), fmt.format(pm[key]), f"{ratio:.2f}x" if ratio else "")
     console.print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,8 @@ def train(
     cfg = TrainConfig(
         inputs=inputs, model=model, output=output, strategy=strategy, broadcast_rewards=broadcast_rewards,
         eot_token_id=eot_token_id, learning_rate=learning_rate, optim=optim, weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, epochs=epochs, max_steps=max_steps, groups_per_step=groups_per_step,
+        max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, epochs=epochs, max_steps=max_steps,
+        groups_per_step=groups_per_step,
         grad_accum=grad_accum, num_iterations=num_iterations, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         tis_cap=tis_cap, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
         drop_zero_advantage=not keep_zero_advantage, max_length=max_length, temperature=temperature,
@@ -116,7 +117,9 @@ def train(
         typer.echo(f"curves: {result.plot_path}")
 
 
-engine_app = typer.Typer(help="Serve, reload and stop inference engines for the train -> rollout loop.", no_args_is_help=True)
+engine_app = typer.Typer(
+    help="Serve, reload and stop inference engines for the train -> rollout loop.", no_args_is_help=True
+)
 
 STATE_DIR_HELP = "Where polar remembers the engines it started (env POLAR_STATE_DIR)."
 
@@ -135,7 +138,9 @@ def engine_serve(
     dtype: str = typer.Option("auto", help="vLLM --dtype (float32 on CPU)."),
     max_model_len: Optional[int] = typer.Option(None, help="vLLM --max-model-len."),
     python: Optional[str] = typer.Option(None, help="Interpreter with vLLM (default: .venv-vllm if present)."),
-    vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM flag (repeatable), e.g. --vllm-arg=--enforce-eager."),
+    vllm_arg: list[str] = typer.Option(
+        [], "--vllm-arg", help="Extra vLLM flag (repeatable), e.g. --vllm-arg=--enforce-eager."
+    ),
     state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
     timeout: float = typer.Option(600.0, help="Seconds to wait until it answers."),
 ) -> None:

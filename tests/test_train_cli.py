@@ -36,7 +36,8 @@ def first_log(out: Path) -> dict:
 
 
 def test_train_from_raw_shards_and_from_a_built_dataset(capture: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
-    common = ["--model", str(tiny_model_dir), "--max-steps", "2", "--lr", "1e-3", "--eot-token-id", "2", "--no-progress"]
+    common = ["--model", str(tiny_model_dir), "--max-steps", "2", "--lr", "1e-3", "--eot-token-id", "2",
+              "--no-progress"]  # fmt: skip
     raw = polar("train", str(capture), "--output", str(tmp_path / "raw"), *common)
     assert raw.returncode == 0, raw.stdout + raw.stderr
     assert "checkpoint:" in raw.stdout and (tmp_path / "raw" / "model.safetensors").is_file()

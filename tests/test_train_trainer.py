@@ -105,7 +105,8 @@ def test_tokens_under_mask_zero_do_not_change_the_loss(tiny_model_dir: Path, tra
             t = copy.deepcopy(t)
             t.completion_ids += tail
             t.loss_mask += [0] * len(tail)
-            t.behavior_logprobs = [lp if m else placeholder for lp, m in zip(t.behavior_logprobs + [0.0] * len(tail), t.loss_mask, strict=True)]
+            lps = t.behavior_logprobs + [0.0] * len(tail)
+            t.behavior_logprobs = [lp if m else placeholder for lp, m in zip(lps, t.loss_mask, strict=True)]
             out.append(t)
         return out
 
@@ -215,7 +216,8 @@ def test_resume_continues_exactly(tiny_model_dir: Path, traces, tmp_path: Path) 
     from safetensors.torch import load_file
 
     full = tmp_path / "full"
-    run_training(config(tiny_model_dir, full, max_steps=3, groups_per_step=1, save_steps=1, save_total_limit=3), traces=traces)
+    cfg = config(tiny_model_dir, full, max_steps=3, groups_per_step=1, save_steps=1, save_total_limit=3)
+    run_training(cfg, traces=traces)
     assert (full / "checkpoint-1").is_dir()
     resumed = tmp_path / "resumed"
     run_training(

@@ -287,7 +287,9 @@ def reload_engine(
         answer = asyncio.run(update())
         return f"sglang {target}: loaded {ckpt} in place ({answer.get('message', 'ok')})"
     if kind == "vllm":
-        server = restart_vllm(target, ckpt, state_dir=state_dir, weight_version=weight_version, ready_timeout_s=timeout_s)
+        server = restart_vllm(
+            target, ckpt, state_dir=state_dir, weight_version=weight_version, ready_timeout_s=timeout_s
+        )
         return f"vllm {server.url}: restarted as {server.served_model_name!r} with {ckpt} (pid {server.pid})"
     if kind == "local":
         raise EngineError(

@@ -154,7 +154,9 @@ class TraceGRPOTrainer(GRPOTrainer):
         # row with its loss mask zeroed, which adds exactly nothing to the loss or the gradient.
         slots = max(len(b) for b in bins)
         filler = _zero_weight(min(rows, key=lambda r: r.num_tokens))
-        return [self._tensorize([rows[i] for i in micro] + [filler] * (slots - len(micro)), num_items) for micro in mine]
+        return [
+            self._tensorize([rows[i] for i in micro] + [filler] * (slots - len(micro)), num_items) for micro in mine
+        ]
 
     def _tensorize(self, rows: list[TrainRow], num_items: torch.Tensor) -> dict[str, torch.Tensor]:
         device = self.accelerator.device
