@@ -27,10 +27,12 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 # The real agent harness CLIs from npm.
+HARNESS_PACKAGES := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 @qwen-code/qwen-code@0.15.10 \
+	@mariozechner/pi-coding-agent@0.73.1 @google/gemini-cli@0.61.0
 harnesses: $(HARNESS_DIR)/.installed
-$(HARNESS_DIR)/.installed:
+$(HARNESS_DIR)/.installed: Makefile
 	mkdir -p $(HARNESS_DIR)
-	cd $(HARNESS_DIR) && npm install --silent --no-audit --no-fund @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 @qwen-code/qwen-code@0.15.10 @mariozechner/pi-coding-agent@0.73.1
+	cd $(HARNESS_DIR) && npm install --silent --no-audit --no-fund $(HARNESS_PACKAGES)
 	touch $@
 
 # A real S3-compatible server (moto) for the remote-store tests, in its own venv: installed next to

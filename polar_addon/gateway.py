@@ -206,19 +206,12 @@ class Gateway:
     async def _stream(self, provider: Provider, request: CanonicalRequest, ctx: ResponseContext,
                       task: asyncio.Future[Completion]) -> AsyncIterator[bytes]:
         # Headers are already out: keep the client alive until the (persisted) answer is ready.
-        # A provider whose keep-alive belongs to the stream (OpenAI Responses: the stream's own
-        # numbered events) offers stream_keepalive(request, ctx).
-        per_stream = getattr(provider, "stream_keepalive", None)
-
-        def keepalive() -> bytes:
-            return per_stream(request, ctx) if per_stream is not None else provider.keepalive()
-
-        yield keepalive()
+        yield provider.keepalive(request, ctx)
         while True:
             done, _ = await asyncio.wait({task}, timeout=self.config.keepalive_s)
             if done:
                 break
-            yield keepalive()
+            yield provider.keepalive(request, ctx)
         try:
             completion = task.result()
         except PolarError as err:

@@ -473,9 +473,9 @@ def test_sdk_accumulated_stream_equals_non_stream(name: str) -> None:
 
 
 def test_pings_between_events_are_ignored_by_the_sdk() -> None:
-    keep = PROVIDER.keepalive()
-    assert keep == b'event: ping\ndata: {"type": "ping"}\n\n'
     request = parse(stream=True)
+    keep = PROVIDER.keepalive(request, CTX)
+    assert keep == b'event: ping\ndata: {"type": "ping"}\n\n'
     comp = STREAM_CASES["parallel_tools"]
     assert sdk_stream_final(request, comp, interleave=keep) == sdk_stream_final(request, comp)
 

@@ -383,9 +383,9 @@ def test_json_array_answer_for_stream_without_alt_sse() -> None:
 
 
 def test_keepalive_is_invisible_to_the_sdk() -> None:
-    keep = PROVIDER.keepalive()
-    assert keep.strip() == b""
     request = parse("/v1beta/models/gem-test:streamGenerateContent?alt=sse")
+    keep = PROVIDER.keepalive(request, CTX)
+    assert keep.strip() == b""
     comp = CASES["thinking"]
     assert merged(sdk_stream(sse(PROVIDER.render_stream(request, comp, CTX), keep * 3))) == merged(
         sdk_stream(sse(PROVIDER.render_stream(request, comp, CTX)))

@@ -345,9 +345,9 @@ def test_text_is_streamed_in_several_pieces() -> None:
 
 
 def test_keepalive_is_ignored_by_the_sdk() -> None:
-    keep = PROVIDER.keepalive()
-    assert keep.startswith(b":") and keep.endswith(b"\n\n")
     request = parse(stream=True)
+    keep = PROVIDER.keepalive(request, CTX)
+    assert keep.startswith(b":") and keep.endswith(b"\n\n")
     comp = STREAM_CASES["reasoning_text"]
     assert sdk_stream_final(request, comp, prefix=keep * 3) == sdk_stream_final(request, comp)
 

@@ -20,6 +20,9 @@ class ResponseContext:
     response_id: str  # provider-shaped id, e.g. "chatcmpl-…", "msg_…", "resp_…"
     created: int  # unix seconds
     model: str  # model name echoed to the client (the one it asked for)
+    # Per-call provider state across keep-alives and the final events (e.g. OpenAI Responses'
+    # sequence numbers): it lives with the call, never in the provider object.
+    stream_state: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -53,14 +56,18 @@ class Provider(Protocol):
     def parse_request(self, body: dict[str, Any], route: Route) -> CanonicalRequest:
         """Validate and normalize; raise PolarError(400, "invalid_request", …) on bad input."""
 
-    def render_response(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> dict[str, Any]:
-        ...
+    def render_response(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> dict[str, Any] | list[Any]:
+        """The non-streaming body (a list for Gemini's JSON-array stream)."""
 
     def render_stream(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> Iterator[StreamEvent]:
         ...
 
-    def keepalive(self) -> bytes:
-        """Raw SSE bytes that keep a streaming client's idle timer alive while the engine works."""
+    def keepalive(self, request: CanonicalRequest, ctx: ResponseContext) -> bytes:
+        """Raw SSE bytes that keep a streaming client's idle timer alive while the engine works.
+
+        Called repeatedly for one call before its ``render_stream``/``render_stream_error``; what
+        those must know about bytes already sent goes into ``ctx.stream_state``.
+        """
 
     def render_error(self, error: PolarError) -> dict[str, Any]:
         """The JSON error body in this provider's shape (the HTTP status is ``error.status``)."""
@@ -81,8 +88,12 @@ def encode_sse(event: StreamEvent) -> bytes:
 
 
 def all_providers() -> list[Provider]:
-    """Every provider, in routing order (a request goes to the first whose ``route`` matches)."""
+    """Every provider, in routing order (a request goes to the first whose ``route`` matches).
+
+    Responses keeps a history of recent responses for ``previous_response_id``: each gateway gets
+    its own instance rather than sharing module state.
+    """
     # Imported here: the provider modules import this package's types.
     from polar_addon.providers import anthropic_messages, gemini, openai_chat, openai_responses
 
-    return [openai_chat.PROVIDER, anthropic_messages.PROVIDER, openai_responses.PROVIDER, gemini.PROVIDER]
+    return [openai_chat.PROVIDER, anthropic_messages.PROVIDER, openai_responses.OpenAIResponsesProvider(), gemini.PROVIDER]

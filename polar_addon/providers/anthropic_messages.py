@@ -416,7 +416,7 @@ class AnthropicMessagesProvider:
         )
         yield event("message_stop")
 
-    def keepalive(self) -> bytes:
+    def keepalive(self, request: CanonicalRequest, ctx: ResponseContext) -> bytes:
         return b'event: ping\ndata: {"type": "ping"}\n\n'
 
     def render_error(self, error: PolarError) -> dict[str, Any]:

@@ -415,7 +415,7 @@ class GeminiProvider:
         for chunk in stream_chunks(completion, ctx):
             yield StreamEvent(chunk)
 
-    def keepalive(self) -> bytes:
+    def keepalive(self, request: CanonicalRequest, ctx: ResponseContext) -> bytes:
         # A blank line: no SSE event, skipped by the Python SDK's line reader, and eaten by the JS
         # SDK's /^\s*data: / frame pattern. A ": comment" line would stall the JS SDK for good
         # (its pattern never matches a buffer that starts with one).

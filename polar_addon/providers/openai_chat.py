@@ -250,7 +250,7 @@ class OpenAIChatProvider:
             )
         yield StreamEvent("[DONE]")
 
-    def keepalive(self) -> bytes:
+    def keepalive(self, request: CanonicalRequest, ctx: ResponseContext) -> bytes:
         return b": keep-alive\n\n"
 
     def render_error(self, error: PolarError) -> dict[str, Any]:

@@ -508,6 +508,10 @@ def _final_response(request: CanonicalRequest, completion: Completion, ctx: Resp
     return response
 
 
+# ctx.stream_state key: the next sequence number once keep-alives have sent the prelude.
+_NEXT_SEQUENCE = "next_sequence_number"
+
+
 class _Sequencer:
     """Numbers one stream's events; resumes where keep-alives left off."""
 
@@ -528,8 +532,6 @@ class OpenAIResponsesProvider:
         # Full input items of parsed requests, until their response is rendered and remembered
         # (keyed by the request object's id; dropped when the request object is collected).
         self._inputs: dict[int, list[dict[str, Any]]] = {}
-        # response id -> next sequence number, for streams whose prelude went out as keep-alives.
-        self._open_streams: OrderedDict[str, int] = OrderedDict()
 
     def route(self, method: str, path: str) -> Route | None:
         bare = path.split("?", 1)[0].rstrip("/")
@@ -608,7 +610,7 @@ class OpenAIResponsesProvider:
 
     def _sequencer(self, request: CanonicalRequest, ctx: ResponseContext) -> tuple[_Sequencer, list[StreamEvent]]:
         """The stream's numbering, and the prelude events still to send (none when keep-alives sent it)."""
-        resumed = self._open_streams.pop(ctx.response_id, None)
+        resumed = ctx.stream_state.get(_NEXT_SEQUENCE)
         if resumed is not None:
             return _Sequencer(resumed), []
         seq = _Sequencer(0)
@@ -661,30 +663,23 @@ class OpenAIResponsesProvider:
             yield seq("response.output_item.done", output_index=index, item=item)
         yield seq("response.completed", response=_final_response(request, completion, ctx, items))
 
-    def keepalive(self) -> bytes:
-        # Fallback when the gateway has no per-stream keep-alive: a comment breaks no client,
-        # though Codex's idle timer does not count it (see stream_keepalive).
-        return b": keep-alive\n\n"
-
-    def stream_keepalive(self, request: CanonicalRequest, ctx: ResponseContext) -> bytes:
+    def keepalive(self, request: CanonicalRequest, ctx: ResponseContext) -> bytes:
         """Keep-alive bytes for one stream while the engine works.
 
         Codex's SSE reader restarts its idle timer only on a dispatched event (comments are not
         events), and the openai SDK's stream helper requires ``response.created`` first. So the
         first keep-alive is the stream's real prelude (``response.created``, ``response.in_progress``)
         and each later one repeats ``response.in_progress``: a valid event every client accepts
-        in that place. Numbering continues in :meth:`render_stream`.
+        in that place. Numbering continues in :meth:`render_stream` through ``ctx.stream_state``.
         """
-        start = self._open_streams.pop(ctx.response_id, None)
+        start = ctx.stream_state.get(_NEXT_SEQUENCE)
         if start is None:
             seq = _Sequencer(0)
             events = list(self._prelude(request, ctx, seq))
         else:
             seq = _Sequencer(start)
             events = [seq("response.in_progress", response=response_object(request, ctx, "in_progress"))]
-        self._open_streams[ctx.response_id] = seq.n
-        while len(self._open_streams) > HISTORY_SIZE:  # streams abandoned by their client
-            self._open_streams.popitem(last=False)
+        ctx.stream_state[_NEXT_SEQUENCE] = seq.n
         return b"".join(encode_sse(e) for e in events)
 
     def render_error(self, error: PolarError) -> dict[str, Any]:
