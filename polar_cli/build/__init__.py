@@ -133,9 +133,9 @@ def iter_session_builds(
     """Build sessions from records sorted by (session_id, seq), one session in memory at a time.
 
     With ``eot_token_id`` None the end-of-turn token is the last sampled token of the first
-    naturally stopped call in that order; sessions read before it is known wait for it. When no
-    call stopped naturally (every turn hit max_tokens), ``fallback_eot_token_id`` (e.g. the
-    tokenizer's eos token) is used.
+    naturally stopped call in that order whose prompt also holds it (the template closes turns
+    with it); sessions read before it is known wait for it. Failing that, ``fallback_eot_token_id``
+    (e.g. the tokenizer's eos token), then any natural stop token seen, is used.
     """
     eot = eot_token_id
     waiting: list[tuple[str, list[CaptureRecord]]] = []
@@ -151,11 +151,13 @@ def iter_session_builds(
             broadcast_rewards=broadcast_rewards,
         )
 
+    unconfirmed: int | None = None
     for session_id, records_of in groupby(records, key=lambda r: r.session_id):
         group = list(records_of)
         if eot is None:
-            eot = detect_eot(group)
+            eot = detect_eot(group, confirmed_only=True)
             if eot is None:
+                unconfirmed = unconfirmed if unconfirmed is not None else detect_eot(group)
                 waiting.append((session_id, group))
                 continue
         for waiting_id, waiting_group in waiting:
@@ -163,7 +165,7 @@ def iter_session_builds(
         waiting = []
         yield built(session_id, group)
     if eot is None:
-        eot = fallback_eot_token_id
+        eot = fallback_eot_token_id if fallback_eot_token_id is not None else unconfirmed
     for waiting_id, waiting_group in waiting:
         yield built(waiting_id, waiting_group)
 

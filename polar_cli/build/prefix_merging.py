@@ -62,11 +62,12 @@ def _natural_stop(record: CaptureRecord) -> bool:
     )
 
 
-def detect_eot(records: Iterable[CaptureRecord]) -> int | None:
+def detect_eot(records: Iterable[CaptureRecord], *, confirmed_only: bool = False) -> int | None:
     """The end-of-turn token: the last sampled token of the first naturally stopped call (Polar's
     rule), preferring one that also closes a turn in that call's prompt: a model with several stop
     tokens (Qwen's ``<|endoftext|>`` beside ``<|im_end|>``) may end a turn with one the template
-    never writes. A call stopped by a stop *string* is skipped: its last token is text.
+    never writes. With ``confirmed_only`` such an unconfirmed stop token is not returned. A call
+    stopped by a stop *string* is skipped: its last token is text.
     """
     fallback = None
     for record in records:
@@ -76,7 +77,7 @@ def detect_eot(records: Iterable[CaptureRecord]) -> int | None:
                 return last
             if fallback is None:
                 fallback = last
-    return fallback
+    return None if confirmed_only else fallback
 
 
 @dataclass(frozen=True)
