@@ -58,13 +58,16 @@ test: install engine harnesses s3 browser model
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not vllm and not harness" $(PYTEST_ARGS)
 
+# Capture through the proxy, then the learning loop (rollouts -> polar train -> reload), ~5-8 min on 2 cores.
 demo: install model
 	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/toy_task/loop.py
 
 bench: install model
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/build.py
+	$(BIN)/python bench/train.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(S3_VENV) $(HARNESS_DIR) models shards runs .pytest_cache
