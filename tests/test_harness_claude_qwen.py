@@ -7,43 +7,26 @@ ANTHROPIC_BASE_URL (reverse mode); Qwen Code through OPENAI_BASE_URL. The engine
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from polar_addon.store import read_records
 from polar_addon.store.validate import validate_store
-from tests.support.proxy import REPO, run_mitmdump
+from tests.support.harnesses import calls as session_calls
+from tests.support.harnesses import harness, run
+from tests.support.proxy import run_mitmdump
 
 pytestmark = [pytest.mark.vllm, pytest.mark.harness]
 
-BIN = REPO / ".harness" / "node_modules" / ".bin"
 MODEL_ENV = {k: "tiny" for k in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
                                  "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")}
 PROXY_OPTIONS = {"polar_max_tokens": "16", "polar_shard_seconds": "0.5"}
 
 
-def harness(name: str) -> Path:
-    path = BIN / name
-    if not path.exists():
-        pytest.skip(f"{path} missing: run `make harnesses`")
-    return path
-
-
-def run(cmd: list[str], env: dict[str, str], home: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    home.mkdir(parents=True, exist_ok=True)
-    base = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
-    full = {**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **env}
-    return subprocess.run(cmd, env=full, cwd=home, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
 def calls(out: Path, session: str) -> list:
-    time.sleep(1.0)
+    records = session_calls(out, session)
     assert validate_store(str(out)) == []
-    return [r for r in read_records(str(out)) if r.session_id == session]
+    return records
 
 
 def claude_env(**extra: str) -> dict[str, str]:

@@ -19,7 +19,8 @@ from polar_addon.canonical import (
     ToolCall,
 )
 from polar_addon.providers import ResponseContext, Route, encode_sse
-from polar_addon.providers.anthropic_messages import PROVIDER, tool_input
+from polar_addon.providers.anthropic_messages import PROVIDER
+from polar_addon.providers.common import arguments_object as tool_input
 
 GENERATE = Route(kind="generate")
 CTX = ResponseContext(response_id="msg_test1", created=1_700_000_000, model="claude-sonnet-4-6")

@@ -18,6 +18,7 @@ from polar_addon.canonical import (
 )
 from polar_addon.providers import ResponseContext, Route, StreamEvent
 from polar_addon.providers.common import (
+    arguments_object,
     compact_json,
     drop_tool_choice_without_tools,
     invalid,
@@ -252,22 +253,6 @@ def tool_use_id(call_id: str) -> str:
     return call_id if call_id.startswith(TOOL_ID_PREFIX) else TOOL_ID_PREFIX + call_id
 
 
-def tool_input(arguments: str) -> dict[str, Any]:
-    """The tool_use ``input`` object for the model's argument text.
-
-    Anthropic requires an object. Text that is not a JSON object (a parse failure of the model's
-    tool call) is passed on whole as ``{"raw": text}`` so the harness reports a tool error the model
-    can see, instead of the call silently vanishing; the record keeps the exact text.
-    """
-    if not arguments.strip():
-        return {}
-    try:
-        value = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return {"raw": arguments}
-    return value if isinstance(value, dict) else {"raw": arguments}
-
-
 def stop_reason(request: CanonicalRequest, completion: Completion) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence). Tool calls always end with tool_use (Claude Code runs tools
     only then); an aborted generation is reported as truncated (max_tokens)."""
@@ -306,7 +291,7 @@ def _content_blocks(completion: Completion) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": msg.content})
     for call in msg.tool_calls:
         blocks.append(
-            {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": tool_input(call.arguments)}
+            {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": arguments_object(call.arguments)}
         )
     return blocks
 

@@ -122,3 +122,37 @@ def arguments_object(arguments: str) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         return {"raw": arguments}
     return value if isinstance(value, dict) else {"raw": arguments}
+
+
+# OpenAI text parts are joined the way vLLM and SGLang join them, so our prompt is the one those
+# engines would have built from the raw request.
+OPENAI_PART_SEPARATOR = "\n"
+
+
+def content_text(content: Any, where: str, allowed: tuple[str, ...], *, unsupported: tuple[str, ...]) -> str:
+    """The text of an OpenAI-style content field: a string, or a list of typed parts.
+
+    Parts of the ``unsupported`` kinds (images, audio, files) get a clear 400: the engine is text
+    only. ``refusal`` parts carry their text under ``refusal``, every other kind under ``text``.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where}: content must be a string or a list of content parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict):
+            raise invalid(f"{where}: each content part must be an object")
+        kind = part.get("type")
+        if kind in unsupported:
+            raise invalid(f"{where}: {kind} parts are not supported by this engine (text only)")
+        if kind not in allowed:
+            raise invalid(f"{where}: unsupported content part type {kind!r}")
+        key = "refusal" if kind == "refusal" else "text"
+        value = part.get(key)
+        if not isinstance(value, str):
+            raise invalid(f"{where}: {kind} part needs a string '{key}'")
+        texts.append(value)
+    return OPENAI_PART_SEPARATOR.join(texts)

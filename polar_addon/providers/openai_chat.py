@@ -12,6 +12,7 @@ from polar_addon.canonical import (
 )
 from polar_addon.providers import ResponseContext, Route, StreamEvent
 from polar_addon.providers.common import (
+    content_text,
     compact_json,
     drop_tool_choice_without_tools,
     invalid,
@@ -24,10 +25,6 @@ from polar_addon.providers.common import (
     stop_list,
     system_message,
 )
-
-# Text parts are joined the way vLLM and SGLang join them, so our prompt is the one those
-# engines would have built from the raw request.
-PART_SEPARATOR = "\n"
 
 # kind -> (OpenAI error type, code)
 _ERROR_TYPES: dict[str, tuple[str, str | None]] = {
@@ -43,26 +40,7 @@ _ERROR_TYPES: dict[str, tuple[str, str | None]] = {
 
 
 def _text(content: Any, where: str, allowed: tuple[str, ...] = ("text",)) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"{where}: content must be a string or a list of content parts")
-    texts = []
-    for part in content:
-        if not isinstance(part, dict):
-            raise invalid(f"{where}: each content part must be an object")
-        kind = part.get("type")
-        if kind in ("image_url", "input_audio", "file"):
-            raise invalid(f"{where}: {kind} parts are not supported by this engine (text only)")
-        if kind not in allowed:
-            raise invalid(f"{where}: unsupported content part type {kind!r}")
-        value = part.get(kind) if kind == "refusal" else part.get("text")
-        if not isinstance(value, str):
-            raise invalid(f"{where}: {kind} part needs a string '{'refusal' if kind == 'refusal' else 'text'}'")
-        texts.append(value)
-    return PART_SEPARATOR.join(texts)
+    return content_text(content, where, allowed, unsupported=("image_url", "input_audio", "file"))
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ import orjson
 from polar_addon.canonical import CanonicalRequest, Completion, PolarError, SamplingParams
 from polar_addon.providers import ResponseContext, Route, StreamEvent, encode_sse
 from polar_addon.providers.common import (
+    content_text,
     compact_json,
     drop_tool_choice_without_tools,
     invalid,
@@ -50,8 +51,6 @@ from polar_addon.providers.common import (
     system_message,
 )
 
-# Parts of one message are joined as vLLM and SGLang join chat content parts.
-PART_SEPARATOR = "\n"
 # Separate items merged into one assistant turn (two reasoning items, two assistant messages).
 ITEM_SEPARATOR = "\n\n"
 NAMESPACE_SEPARATOR = "."
@@ -126,27 +125,7 @@ def _item_type(item: dict[str, Any]) -> Any:
 
 
 def _content_text(content: Any, where: str, allowed: tuple[str, ...]) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"{where}: content must be a string or a list of content parts")
-    texts = []
-    for part in content:
-        if not isinstance(part, dict):
-            raise invalid(f"{where}: each content part must be an object")
-        kind = part.get("type")
-        if kind in ("input_image", "input_file", "input_audio"):
-            raise invalid(f"{where}: {kind} parts are not supported by this engine (text only)")
-        if kind not in allowed:
-            raise invalid(f"{where}: unsupported content part type {kind!r}")
-        key = "refusal" if kind == "refusal" else "text"
-        value = part.get(key)
-        if not isinstance(value, str):
-            raise invalid(f"{where}: {kind} part needs a string '{key}'")
-        texts.append(value)
-    return PART_SEPARATOR.join(texts)
+    return content_text(content, where, allowed, unsupported=("input_image", "input_file", "input_audio"))
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
