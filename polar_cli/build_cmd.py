@@ -24,6 +24,13 @@ TOKENIZER_HELP = (
     "it is a directory here."
 )
 EOT_HELP = "End-of-turn token id; default: the last token of the first call that stopped by itself."
+RETOKENIZED_CHOICES = ("merge", "break")
+RETOKENIZED_HELP = (
+    "A sampled turn the next prompt re-tokenized (same text, other token ids): merge (the paper's rule, longer "
+    "traces) or break the chain there. The later turns were sampled after the re-tokenized ids, so merged traces "
+    "are slightly off-policy from that point (first-step importance ratios not 1); break keeps every trace "
+    "exactly on-policy at the cost of more, shorter traces. Needs a tokenizer to tell re-tokenizations apart."
+)
 
 
 def session_info(row: SessionRecord) -> SessionInfo:
@@ -91,12 +98,20 @@ def _check_strategy(strategy: str) -> None:
         raise typer.BadParameter(f"use one of {', '.join(STRATEGIES)}", param_hint="--strategy")
 
 
+def merge_retokenized(retokenized: str) -> bool:
+    """``--retokenized merge|break`` as the builder's ``merge_retokenized``."""
+    if retokenized not in RETOKENIZED_CHOICES:
+        raise typer.BadParameter(f"use one of {', '.join(RETOKENIZED_CHOICES)}", param_hint="--retokenized")
+    return retokenized == "merge"
+
+
 def build(
     shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory for the trace dataset (Parquet)."),
     strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP),
     tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
     eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
+    retokenized: str = typer.Option("merge", help=RETOKENIZED_HELP),
     broadcast_rewards: bool = typer.Option(
         False,
         "--broadcast-rewards",
@@ -117,6 +132,7 @@ def build(
     from polar_cli.build.stats import report_table
 
     _check_strategy(strategy)
+    merge = merge_retokenized(retokenized)
     console = Console(stderr=True)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
@@ -138,7 +154,7 @@ def build(
         records = iter_records(shards, session_ids=wanted)
         for built in iter_session_builds(
             records, sessions, strategy, eot_token_id=eot_token_id, decode=_decode(tok),
-            broadcast_rewards=broadcast_rewards, fallback_eot_token_id=_tokenizer_eot(tok),
+            broadcast_rewards=broadcast_rewards, fallback_eot_token_id=_tokenizer_eot(tok), merge_retokenized=merge,
         ):
             writer.write(built.traces)
             report.add(built.harness, built.stats)
@@ -148,7 +164,7 @@ def build(
     writer.close(
         report,
         {"strategy": strategy, "eot_token_id": eot, "tokenizer": source, "shards": shards,
-         "broadcast_rewards": broadcast_rewards, "seconds": round(elapsed, 3)},
+         "broadcast_rewards": broadcast_rewards, "retokenized": retokenized, "seconds": round(elapsed, 3)},
     )  # fmt: skip
     console.print(report_table(report, title=f"polar build ({strategy})"))
     if not report.total.traces:
@@ -167,6 +183,7 @@ def stats(
     strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP + " Token counts follow it."),
     tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
     eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
+    retokenized: str = typer.Option("merge", help=RETOKENIZED_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the stats as JSON instead of a table."),
 ) -> None:
     """How well the captured sessions merge, per harness: chains, merge rate and every break's cause."""
@@ -178,12 +195,13 @@ def stats(
     from polar_cli.build.stats import report_table
 
     _check_strategy(strategy)
+    merge = merge_retokenized(retokenized)
     console = Console()
     tok, source = load_tokenizer(tokenizer, shards)
     report = BuildReport()
     for built in iter_session_builds(
         iter_records(shards), _sessions(shards), strategy, eot_token_id=eot_token_id, decode=_decode(tok),
-        fallback_eot_token_id=_tokenizer_eot(tok),
+        fallback_eot_token_id=_tokenizer_eot(tok), merge_retokenized=merge,
     ):
         report.add(built.harness, built.stats)
     if as_json:
@@ -199,12 +217,14 @@ def view(
     out: Path = typer.Option(Path("trace.html"), "--out", "-o", help="HTML file to write."),
     tokenizer: Path | None = typer.Option(None, help="Tokenizer directory, to show token text (else ids). " + TOKENIZER_HELP),
     eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
+    retokenized: str = typer.Option("merge", help=RETOKENIZED_HELP),
 ) -> None:
     """Write one session's merged traces as a self-contained HTML page (open it in any browser)."""
     from polar_addon.store import read_records
     from polar_cli.build import build_session, detect_eot
     from polar_cli.view import render_session
 
+    merge = merge_retokenized(retokenized)
     records = read_records(shards, session_ids=[session])
     if not records:
         raise typer.BadParameter(f"no calls captured for session {session!r}", param_hint="--session")
@@ -213,7 +233,7 @@ def view(
     if eot is None:
         eot = _tokenizer_eot(tok)
     info = _sessions(shards).get(session)
-    built = build_session(session, records, info, eot_token_id=eot, decode=_decode(tok))
+    built = build_session(session, records, info, eot_token_id=eot, decode=_decode(tok), merge_retokenized=merge)
     out.write_text(render_session(built, records, info, tokenizer=tok), encoding="utf-8")
     typer.echo(f"{out}: {len(built.traces)} traces from {len(records)} calls ({source})")
 

@@ -37,6 +37,11 @@ def train(
     eot_token_id: Optional[int] = typer.Option(
         None, help="Raw shards: end-of-turn token id (default: detected from the calls, as `polar build`)."
     ),
+    retokenized: str = typer.Option(
+        _d("retokenized"),
+        help="Raw shards: merge or break chains at a re-tokenized sampled turn, as `polar build --retokenized`. "
+        "break keeps the first step exactly on-policy (merged later turns were sampled after other token ids).",
+    ),
     learning_rate: float = typer.Option(_d("learning_rate"), "--lr", "--learning-rate", help="Peak learning rate."),
     optim: str = typer.Option(_d("optim"), help="Optimizer (TrainingArguments name: adamw_torch, sgd, ...)."),
     weight_decay: float = typer.Option(_d("weight_decay")),
@@ -78,9 +83,9 @@ def train(
 
     cfg = TrainConfig(
         inputs=inputs, model=model, output=output, strategy=strategy, broadcast_rewards=broadcast_rewards,
-        eot_token_id=eot_token_id, learning_rate=learning_rate, optim=optim, weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, epochs=epochs, max_steps=max_steps,
-        groups_per_step=groups_per_step,
+        eot_token_id=eot_token_id, retokenized=retokenized, learning_rate=learning_rate, optim=optim,
+        weight_decay=weight_decay, max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, epochs=epochs,
+        max_steps=max_steps, groups_per_step=groups_per_step,
         grad_accum=grad_accum, num_iterations=num_iterations, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         tis_cap=tis_cap, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
         drop_zero_advantage=not keep_zero_advantage, max_length=max_length, temperature=temperature,

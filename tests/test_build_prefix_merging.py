@@ -231,6 +231,32 @@ def test_retokenized_sampled_turn_is_merged_and_counted() -> None:
     assert [t.break_cause for t in blind.traces] == ["other", None]
 
 
+def test_retokenized_turn_breaks_the_chain_when_asked() -> None:
+    sim = AgentSim()
+    turns = coding_turns(4)
+    turns[1].retokenize = True
+    tool_loop(sim, [SYSTEM, TASK], turns)
+    merged = build(sim.records, merge_retokenized=True)
+    assert len(merged.traces) == 1 and merged.report.total.retokenized_merges == 1
+
+    strict = build(sim.records, merge_retokenized=False)
+    # Every merged turn follows exactly the prompt it was sampled after: no re-tokenized stream.
+    checked(strict, sim.records, retokenized_ok=False)
+    first, second = strict.traces
+    assert [r.seq for r in sim.records if r.record_id in first.record_ids] == [0, 1]
+    assert [r.seq for r in sim.records if r.record_id in second.record_ids] == [2, 3]
+    assert first.break_cause == "retokenized" and second.break_cause is None
+    assert list(second.prompt_ids) == sim.records[2].prompt_ids
+    stats = strict.report.total
+    assert stats.breaks == {"retokenized": 1} and stats.retokenized_merges == 0
+    assert (stats.chains_total, stats.chains_truncated, stats.calls_merged) == (2, 1, 2)
+
+    chains = reconstruct_session(sim.records, eot=eot_id(), decode=decode, merge_retokenized=False)
+    assert chains[1].start is not None and chains[1].start.cause == BreakCause.RETOKENIZED
+    assert chains[1].related == 0 and chains[0].continued_by == 1
+    assert "call 2's prompt re-tokenized call 1's sampled turn" in chains[1].start.detail
+
+
 def test_repeated_prompt_branches_and_the_used_answer_continues() -> None:
     sim = AgentSim()
     messages = [SYSTEM, TASK]

@@ -26,7 +26,8 @@ def polar(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def capture(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     shards = tmp_path_factory.mktemp("capture") / "shards"
-    sessions = collect(tiny_model_dir, shards, tag="cli", groups=2, samples=3, turns=2, max_tokens=8)
+    # 3 turns: 12 merges, of which about half re-tokenize a length-capped random turn (none: ~1e-3)
+    sessions = collect(tiny_model_dir, shards, tag="cli", groups=2, samples=3, turns=3, max_tokens=8)
     assert len({s.reward for s in sessions}) > 1  # the shout verifier gives varied rewards
     return shards
 
@@ -60,6 +61,37 @@ def test_train_from_raw_shards_and_from_a_built_dataset(capture: Path, tiny_mode
     assert first_log(tmp_path / "ds")["tokens/forward"] == first_log(tmp_path / "raw")["tokens/forward"]
 
 
+def test_breaking_at_retokenized_turns_keeps_the_first_step_on_policy(
+    capture: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Length-capped random samples often come back re-tokenized in the next prompt: merged, the
+    later turns sit after ids they were not sampled after; broken there, every trace is exact."""
+    def totals(retokenized: str) -> dict:
+        done = polar("stats", str(capture), "--tokenizer", str(tiny_model_dir), "--eot-token-id", "2",
+                     "--retokenized", retokenized, "--json")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return orjson.loads(done.stdout)["total"]
+
+    merged, broken = totals("merge"), totals("break")
+    n = merged["retokenized_merges"]
+    if n == 0:
+        pytest.skip("this capture's sampled turns all came back with their own token ids")
+    assert broken["retokenized_merges"] == 0 and broken["breaks"].get("retokenized") == n
+    assert broken["chains_total"] == merged["chains_total"] + n
+
+    common = ["--model", str(tiny_model_dir), "--max-steps", "1", "--eot-token-id", "2", "--no-progress"]
+    strict = polar("train", str(capture), "--output", str(tmp_path / "break"), "--retokenized", "break", *common)
+    assert strict.returncode == 0, strict.stderr
+    assert f"traces {broken['chains_total']} ->" in " ".join(strict.stderr.split())
+    log = first_log(tmp_path / "break")
+    assert 1 - 1e-4 < log["is_ratio/min"] <= log["is_ratio/max"] < 1 + 1e-4
+    # Control: the same calls merged (the default) are measurably off-policy after a re-tokenization.
+    loose = polar("train", str(capture), "--output", str(tmp_path / "merge"), *common)
+    assert loose.returncode == 0, loose.stderr
+    log = first_log(tmp_path / "merge")
+    assert max(1 - log["is_ratio/min"], log["is_ratio/max"] - 1) > 1e-3
+
+
 def test_train_refuses_loudly(capture: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     base = ["--model", str(tiny_model_dir), "--output", str(tmp_path / "x"), "--no-progress"]
     mismatch = polar("train", str(capture), *base, "--temperature", "0.7")
@@ -69,4 +101,8 @@ def test_train_refuses_loudly(capture: Path, tiny_model_dir: Path, tmp_path: Pat
     assert untrainable.returncode == 2 and "no trainable traces" in " ".join(untrainable.stderr.split())
     bad_loss = polar("train", str(capture), *base, "--loss-type", "grpo")
     assert bad_loss.returncode == 2 and "--loss-type must be one of" in " ".join(bad_loss.stderr.split())
+    bad_retokenized = polar("train", str(capture), *base, "--retokenized", "drop")
+    assert bad_retokenized.returncode == 2 and "--retokenized must be merge or break" in " ".join(
+        bad_retokenized.stderr.split()
+    )
     assert not (tmp_path / "x" / "model.safetensors").exists()

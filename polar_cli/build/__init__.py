@@ -86,6 +86,7 @@ def build_session(
     eot_token_id: int | None,
     decode: Decode | None = None,
     broadcast_rewards: bool = False,
+    merge_retokenized: bool = True,
 ) -> SessionBuild:
     """One session's records (sorted by seq) -> its chains, traces and stats."""
     if strategy not in STRATEGIES:
@@ -93,7 +94,7 @@ def build_session(
     unusable = Counter(reason for r in records if (reason := unusable_reason(r)) is not None)
     usable = [r for r in records if unusable_reason(r) is None]
     harness = harness_name(session.harness if session else None, next((r.harness for r in records if r.harness), None))
-    chains = reconstruct_session(usable, eot=eot_token_id, decode=decode)
+    chains = reconstruct_session(usable, eot=eot_token_id, decode=decode, merge_retokenized=merge_retokenized)
     if strategy == "prefix_merging":
         decisions = [decide_reward(session, c.records, per_request=False, broadcast=False) for c in chains]
         traces = [chain_trace(c, session, harness, d) for c, d in zip(chains, decisions)]
@@ -129,6 +130,7 @@ def iter_session_builds(
     decode: Decode | None = None,
     broadcast_rewards: bool = False,
     fallback_eot_token_id: int | None = None,
+    merge_retokenized: bool = True,
 ) -> Iterator[SessionBuild]:
     """Build sessions from records sorted by (session_id, seq), one session in memory at a time.
 
@@ -149,6 +151,7 @@ def iter_session_builds(
             eot_token_id=eot,
             decode=decode,
             broadcast_rewards=broadcast_rewards,
+            merge_retokenized=merge_retokenized,
         )
 
     unconfirmed: int | None = None
@@ -178,12 +181,15 @@ def build_traces(
     eot_token_id: int | None = None,
     decode: Decode | None = None,
     broadcast_rewards: bool = False,
+    merge_retokenized: bool = True,
 ) -> BuildResult:
     """Build every session's traces from records in any order. ``eot_token_id`` None: detected.
 
     ``decode`` (token ids -> text, e.g. a tokenizer's ``decode``) lets break classification tell
     a re-tokenization (merged) from a template re-render (a break); without it such mismatches
-    break the chain with cause ``other``.
+    break the chain with cause ``other``. ``merge_retokenized`` False breaks the chain at a
+    re-tokenization too (cause ``retokenized``): no merged turn then follows a context other than
+    the one it was sampled after, at the price of shorter traces.
     """
     by_id = sessions if isinstance(sessions, Mapping) else {s.session_id: s for s in sessions}
     ordered = sorted(records, key=lambda r: (r.session_id, r.seq))
@@ -191,7 +197,8 @@ def build_traces(
     report = BuildReport()
     eot = eot_token_id
     for built in iter_session_builds(
-        ordered, by_id, strategy, eot_token_id=eot_token_id, decode=decode, broadcast_rewards=broadcast_rewards
+        ordered, by_id, strategy, eot_token_id=eot_token_id, decode=decode, broadcast_rewards=broadcast_rewards,
+        merge_retokenized=merge_retokenized,
     ):
         traces.extend(built.traces)
         report.add(built.harness, built.stats)

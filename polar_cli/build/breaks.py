@@ -9,7 +9,8 @@ of that ideal, and each gets one cause:
   once a new user turn arrives; some templates drop them from every history turn).
 - ``retokenized``: the same text came back as different token ids (BPE merges the sampled
   ``[fish, ing]`` into ``[fishing]``). Inside a chain this is merged (the paper's rule) and only
-  counted; it breaks a chain only when it changed the previous *prompt*.
+  counted, unless the build is told not to merge it (``merge_retokenized=False``); it always
+  breaks a chain when it changed the previous *prompt*.
 - ``rewritten_history``: the harness changed the conversation: compaction, a dropped or edited
   turn, a re-serialized tool call, reasoning not sent back, changed tool definitions.
 - ``sub_agent``: a different conversation in the same session (another system prompt, or another

@@ -16,8 +16,10 @@ Unlike Polar, which merges whatever follows the first e, the copy is checked aga
 copy with other text (a dropped think block, a re-serialized tool call) means the model
 sampled a_{m+1} after a context other than p_1 a_1 u_1 ... and merging would train it against
 the wrong context, so the chain breaks there and r_{m+1} starts a new chain. A copy with the
-same text in other token ids (re-tokenization) is merged, as the paper does, and counted.
-A break never drops calls: every usable call is in exactly one chain.
+same text in other token ids (re-tokenization) is merged, as the paper does, and counted; with
+``merge_retokenized=False`` it breaks the chain too (cause ``retokenized``), since a_{m+1} was
+sampled after the re-tokenized copy, not after a_m's sampled ids, so a merged trace is slightly
+off-policy for every later turn. A break never drops calls: every usable call is in exactly one chain.
 """
 
 from __future__ import annotations
@@ -150,8 +152,18 @@ def _is_prefix(prefix: Sequence[int], seq: Sequence[int]) -> bool:
     return seq[:n] == prefix
 
 
-def join(prev: CaptureRecord, nxt: CaptureRecord, eot: int | None, decode: Decode | None) -> Join | Break:
-    """Merge ``nxt`` after ``prev`` (whose prompt is a prefix of ``nxt``'s), or say why not."""
+def join(
+    prev: CaptureRecord,
+    nxt: CaptureRecord,
+    eot: int | None,
+    decode: Decode | None,
+    *,
+    merge_retokenized: bool = True,
+) -> Join | Break:
+    """Merge ``nxt`` after ``prev`` (whose prompt is a prefix of ``nxt``'s), or say why not.
+
+    ``merge_retokenized`` False: a re-tokenized copy of ``prev``'s turn is a break, not a merge.
+    """
     tail = nxt.prompt_ids[len(prev.prompt_ids):]
     if not tail:
         return Break(BreakCause.OTHER, f"call {nxt.seq} re-sent call {prev.seq}'s prompt unchanged (a retry or a parallel sample)")
@@ -176,6 +188,12 @@ def join(prev: CaptureRecord, nxt: CaptureRecord, eot: int | None, decode: Decod
     brk = classify_rerendered_turn(prev, nxt, copy, decode)
     if brk is not None:
         return brk
+    if not merge_retokenized:
+        return Break(
+            BreakCause.RETOKENIZED,
+            f"call {nxt.seq}'s prompt re-tokenized call {prev.seq}'s sampled turn (same text, {len(copy)} tokens "
+            f"instead of {len(sampled)}); not merged, so call {nxt.seq} keeps the context it was sampled in",
+        )
     return Join(interstitial, retokenized=True)
 
 
@@ -190,8 +208,12 @@ def reconstruct_session(
     *,
     eot: int | None,
     decode: Decode | None = None,
+    merge_retokenized: bool = True,
 ) -> list[Chain]:
-    """Split one session's usable records (in seq order) into merged chains with break causes."""
+    """Split one session's usable records (in seq order) into merged chains with break causes.
+
+    ``merge_retokenized`` False breaks a chain where the paper would merge a re-tokenized turn.
+    """
     chains: list[Chain] = []
     by_continuation: list[tuple[Chain, Relation]] = []
     parsed: dict[str, Conversation] = {}
@@ -206,7 +228,7 @@ def reconstruct_session(
             )
             first_break: tuple[Chain, Break] | None = None
             for chain in tied:
-                outcome = join(chain.tip, record, eot, decode)
+                outcome = join(chain.tip, record, eot, decode, merge_retokenized=merge_retokenized)
                 if isinstance(outcome, Join):
                     chain.records.append(record)
                     chain.interstitials.append(outcome.interstitial)

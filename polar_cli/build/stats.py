@@ -7,7 +7,8 @@
 - ``breaks``: every chain beyond a session's first, by cause (``breaks.BreakCause``);
   sub-agents count here although they cut no chain.
 - ``retokenized_merges``: merges where the next prompt re-tokenized a sampled turn (same text,
-  other ids), merged as the paper does; the drift that remains inside merged traces.
+  other ids), merged as the paper does; the drift that remains inside merged traces. A build
+  that does not merge them (``--retokenized break``) counts each under ``breaks`` instead.
 - Token counts: what a trainer processes (prompt + completion per trace) and what it learns
   from (loss-mask-1 tokens of trainable traces).
 """

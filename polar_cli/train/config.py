@@ -20,6 +20,7 @@ class TrainConfig:
     strategy: str = "prefix_merging"  # trajectory builder when `inputs` are raw capture shards
     broadcast_rewards: bool = False  # per_request: give every call its session's reward (polar build's flag)
     eot_token_id: int | None = None  # end-of-turn token for raw shards (polar build's flag); None: detected
+    retokenized: str = "merge"  # raw shards: merge or break chains at a re-tokenized turn (polar build's flag)
     learning_rate: float = 1e-6
     optim: str = "adamw_torch"  # any TrainingArguments optimizer name (e.g. sgd)
     weight_decay: float = 0.1
@@ -63,6 +64,8 @@ class TrainConfig:
             raise ValueError(f"--scale-rewards must be 'group' or 'none', not {self.scale_rewards!r}")
         if self.strategy not in ("per_request", "prefix_merging"):
             raise ValueError(f"--strategy must be per_request or prefix_merging, not {self.strategy!r}")
+        if self.retokenized not in ("merge", "break"):
+            raise ValueError(f"--retokenized must be merge or break, not {self.retokenized!r}")
         for name in ("groups_per_step", "grad_accum", "num_iterations", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

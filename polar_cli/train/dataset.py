@@ -255,11 +255,13 @@ def load_traces(
     tokenizer: Path | str | None = None,
     broadcast_rewards: bool = False,
     eot_token_id: int | None = None,
+    merge_retokenized: bool = True,
 ) -> list[Trace]:
     """Traces from a built dataset, or built on the fly from a raw trace store with `polar build`'s code.
 
     ``tokenizer`` (the model being trained) lets the build tell a re-tokenized turn from a
-    template re-render; ``broadcast_rewards`` and ``eot_token_id`` are `polar build`'s options.
+    template re-render; ``broadcast_rewards``, ``eot_token_id`` and ``merge_retokenized`` are
+    `polar build`'s options.
     """
     if is_trace_dataset(paths):
         return read_trace_dataset(paths)
@@ -281,6 +283,7 @@ def load_traces(
         eot_token_id=eot_token_id,
         decode=None if tok is None else tok.decode,
         broadcast_rewards=broadcast_rewards,
+        merge_retokenized=merge_retokenized,
         # the tokenizer's eos closes turns when no captured call stopped by itself
         fallback_eot_token_id=tok.convert_tokens_to_ids(tok.eos_token) if tok is not None and tok.eos_token else None,
     ):

@@ -101,7 +101,7 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
         tokenizer = cfg.model if (Path(cfg.model) / "tokenizer_config.json").is_file() else None
         traces = load_traces(
             cfg.inputs, cfg.strategy, tokenizer=tokenizer, broadcast_rewards=cfg.broadcast_rewards,
-            eot_token_id=cfg.eot_token_id,
+            eot_token_id=cfg.eot_token_id, merge_retokenized=cfg.retokenized == "merge",
         )
     data = prepare_rows(
         traces,
