@@ -20,6 +20,8 @@ import orjson
 import pytest
 
 from bench.fidelity import compare_flows, print_table
+from polar_cli.build import build_traces
+from tests.build_helpers import check_trace, tiny_tokenizer
 from tests.support.harnesses import calls, harness, run
 from tests.support.proxy import run_mitmdump
 
@@ -58,6 +60,10 @@ def check_tool_loop(records: list) -> None:
     assert second.messages[: len(first.messages)] == first.messages
     assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
     assert len(second.logprobs) == len(second.response_ids) > 0
+    # Reconstruction: the two calls merge into one token-exact trace.
+    (trace,) = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode).traces
+    assert trace.calls_merged == 2 and trace.break_cause is None
+    check_trace(trace, {r.record_id: r for r in records}, retokenized_ok=False)
 
 
 def check_fidelity(flows: Path, label: str) -> None:
