@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import anthropic
-import httpx
 import orjson
 import pytest
 from anthropic.types import Message
 
 from polar_addon.canonical import (
-    AssistantMessage,
     CanonicalRequest,
     Completion,
     PolarError,
@@ -20,6 +18,7 @@ from polar_addon.canonical import (
 )
 from polar_addon.providers import ResponseContext, Route, encode_sse
 from polar_addon.providers.anthropic_messages import PROVIDER
+from tests.support.providers import canned_http, completion
 from polar_addon.providers.common import arguments_object as tool_input
 
 GENERATE = Route(kind="generate")
@@ -49,33 +48,8 @@ def parse(route: Route = GENERATE, **body: Any) -> CanonicalRequest:
     return PROVIDER.parse_request(body, route)
 
 
-def completion(
-    content: str | None = "Hello! How can I help you today?",
-    reasoning: str | None = None,
-    tool_calls: list[ToolCall] | None = None,
-    finish_reason: str = "stop",
-    matched_stop: str | None = None,
-    cached_tokens: int | None = None,
-) -> Completion:
-    return Completion(
-        message=AssistantMessage(content=content, reasoning=reasoning, tool_calls=tool_calls or []),
-        finish_reason=finish_reason,  # type: ignore[arg-type]
-        prompt_ids=list(range(11)),
-        response_ids=list(range(7)),
-        logprobs=[-0.5] * 7,
-        served_model="qwen-test",
-        engine="test",
-        matched_stop=matched_stop,
-        cached_tokens=cached_tokens,
-    )
-
-
 def client_for(status: int, body: bytes, content_type: str) -> anthropic.Anthropic:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, content=body, headers={"content-type": content_type})
-
-    http = httpx.Client(transport=httpx.MockTransport(handler))
-    return anthropic.Anthropic(api_key="x", base_url="http://polar.test", http_client=http, max_retries=0)
+    return anthropic.Anthropic(api_key="x", base_url="http://polar.test", http_client=canned_http(status, body, content_type), max_retries=0)
 
 
 def sse_bytes(events, interleave: bytes = b"") -> bytes:

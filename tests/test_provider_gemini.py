@@ -10,9 +10,15 @@ import pytest
 from google import genai
 from google.genai import errors, types
 
-from polar_addon.canonical import AssistantMessage, Completion, PolarError, ToolCall
-from polar_addon.providers import ResponseContext, Route, all_providers, encode_sse
+from polar_addon.canonical import Completion, PolarError, ToolCall
+from polar_addon.providers import ResponseContext, Route, all_providers
 from polar_addon.providers.gemini import PROVIDER, json_schema
+from tests.support.providers import completion as qwen_completion
+from tests.support.providers import sse_bytes as sse
+
+
+def completion(*args: Any, **kwargs: Any) -> Completion:
+    return qwen_completion(*args, served_model="gem-test", **kwargs)
 
 CTX = ResponseContext(response_id="4f1c2d3e4f5a6b7c8d9e0f1a", created=1_700_000_000, model="gem-test")
 ERROR_KINDS = ["invalid_request", "authentication", "not_found", "context_length_exceeded", "overloaded", "timeout",
@@ -33,23 +39,7 @@ def parse(path: str = "/v1beta/models/gem-test:generateContent", **body: Any):
     return PROVIDER.parse_request(body, route(path))
 
 
-def completion(
-    content: str | None = "Hello! How can I help you today?",
-    reasoning: str | None = None,
-    tool_calls: list[ToolCall] | None = None,
-    finish_reason: str = "stop",
-    cached_tokens: int | None = None,
-) -> Completion:
-    return Completion(
-        message=AssistantMessage(content=content, reasoning=reasoning, tool_calls=tool_calls or []),
-        finish_reason=finish_reason,  # type: ignore[arg-type]
-        prompt_ids=list(range(11)),
-        response_ids=list(range(7)),
-        logprobs=[-0.5] * 7,
-        served_model="gem-test",
-        engine="test",
-        cached_tokens=cached_tokens,
-    )
+
 
 
 class Recorder:
@@ -92,8 +82,7 @@ def merged(chunks: list[types.GenerateContentResponse]) -> dict[str, Any]:
             "ids": {c.response_id for c in chunks}, "model": {c.model_version for c in chunks}}
 
 
-def sse(events, prefix: bytes = b"") -> bytes:
-    return prefix + b"".join(encode_sse(e) for e in events)
+
 
 
 # ---------------------------------------------------------------- routes

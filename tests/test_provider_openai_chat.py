@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import openai
 import orjson
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion
 
-from polar_addon.canonical import AssistantMessage, Completion, PolarError, ToolCall
-from polar_addon.providers import ResponseContext, Route, encode_sse
+from polar_addon.canonical import Completion, PolarError, ToolCall
+from polar_addon.providers import ResponseContext, Route
 from polar_addon.providers.openai_chat import PROVIDER
+from tests.support.providers import canned_http, completion, sse_bytes
 
 GENERATE = Route(kind="generate")
 CTX = ResponseContext(response_id="chatcmpl-test1", created=1_700_000_000, model="qwen-test")
@@ -35,35 +35,8 @@ def parse(**body: Any):
     return PROVIDER.parse_request(body, GENERATE)
 
 
-def completion(
-    content: str | None = "Hello! How can I help you today?",
-    reasoning: str | None = None,
-    tool_calls: list[ToolCall] | None = None,
-    finish_reason: str = "stop",
-    cached_tokens: int | None = None,
-) -> Completion:
-    return Completion(
-        message=AssistantMessage(content=content, reasoning=reasoning, tool_calls=tool_calls or []),
-        finish_reason=finish_reason,  # type: ignore[arg-type]
-        prompt_ids=list(range(11)),
-        response_ids=list(range(7)),
-        logprobs=[-0.5] * 7,
-        served_model="qwen-test",
-        engine="test",
-        cached_tokens=cached_tokens,
-    )
-
-
 def client_for(status: int, body: bytes, content_type: str) -> openai.OpenAI:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, content=body, headers={"content-type": content_type})
-
-    http = httpx.Client(transport=httpx.MockTransport(handler))
-    return openai.OpenAI(api_key="x", base_url="http://polar.test/v1", http_client=http, max_retries=0)
-
-
-def sse_bytes(events, prefix: bytes = b"") -> bytes:
-    return prefix + b"".join(encode_sse(e) for e in events)
+    return openai.OpenAI(api_key="x", base_url="http://polar.test/v1", http_client=canned_http(status, body, content_type), max_retries=0)
 
 
 def sdk_stream_final(request, comp: Completion, prefix: bytes = b"") -> dict[str, Any]:

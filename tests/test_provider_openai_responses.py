@@ -5,15 +5,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import httpx
 import openai
 import orjson
 import pytest
 from openai.types.responses import Response
 
-from polar_addon.canonical import AssistantMessage, Completion, PolarError, ToolCall
-from polar_addon.providers import ResponseContext, Route, StreamEvent, all_providers, encode_sse
+from polar_addon.canonical import PolarError, ToolCall
+from polar_addon.providers import ResponseContext, Route, StreamEvent, all_providers
 from polar_addon.providers.openai_responses import PROVIDER, OpenAIResponsesProvider, custom_input
+from tests.support.providers import canned_http, completion, sse_bytes
 
 GENERATE = Route(kind="generate")
 CTX = ResponseContext(response_id="resp_test1", created=1_700_000_000, model="qwen-test")
@@ -58,35 +58,8 @@ def parse(provider: OpenAIResponsesProvider = PROVIDER, **body: Any):
     return provider.parse_request(body, GENERATE)
 
 
-def completion(
-    content: str | None = "Hello! How can I help you today?",
-    reasoning: str | None = None,
-    tool_calls: list[ToolCall] | None = None,
-    finish_reason: str = "stop",
-    cached_tokens: int | None = None,
-) -> Completion:
-    return Completion(
-        message=AssistantMessage(content=content, reasoning=reasoning, tool_calls=tool_calls or []),
-        finish_reason=finish_reason,  # type: ignore[arg-type]
-        prompt_ids=list(range(11)),
-        response_ids=list(range(7)),
-        logprobs=[-0.5] * 7,
-        served_model="qwen-test",
-        engine="test",
-        cached_tokens=cached_tokens,
-    )
-
-
 def client_for(status: int, body: bytes, content_type: str) -> openai.OpenAI:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, content=body, headers={"content-type": content_type})
-
-    http = httpx.Client(transport=httpx.MockTransport(handler))
-    return openai.OpenAI(api_key="x", base_url="http://polar.test/v1", http_client=http, max_retries=0)
-
-
-def sse_bytes(events, prefix: bytes = b"") -> bytes:
-    return prefix + b"".join(encode_sse(e) for e in events)
+    return openai.OpenAI(api_key="x", base_url="http://polar.test/v1", http_client=canned_http(status, body, content_type), max_retries=0)
 
 
 def sdk_final(body: bytes, tools: list[dict[str, Any]] | None = None) -> Response:
