@@ -18,6 +18,7 @@ accelerate/DDP. What is replaced, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -231,19 +232,7 @@ class TraceGRPOTrainer(GRPOTrainer):
 
 
 def _zero_weight(row: TrainRow) -> TrainRow:
-    return TrainRow(
-        trace_id=row.trace_id,
-        session_id=row.session_id,
-        group_id=row.group_id,
-        prompt_ids=row.prompt_ids,
-        completion_ids=row.completion_ids,
-        loss_mask=[0] * len(row.loss_mask),
-        behavior_logprobs=row.behavior_logprobs,
-        advantage=0.0,
-        session_reward=row.session_reward,
-        session_weight=0.0,
-        clipped=row.clipped,
-    )
+    return dataclasses.replace(row, loss_mask=[0] * len(row.loss_mask), advantage=0.0, session_weight=0.0)
 
 
 def build_grpo_config(cfg: Any, *, temperature: float, max_completion_length: int) -> GRPOConfig:
