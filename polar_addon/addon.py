@@ -62,7 +62,6 @@ class Polar:
         loader.add_option("polar_keepalive", str, "5", "Seconds between keep-alive events sent to a streaming client while the engine works.")
         loader.add_option("polar_engine_timeout", str, "900", "Seconds to wait for one engine completion.")
         loader.add_option("polar_max_tokens", int, 0, "Clamp (and fill in) max_tokens of every call; 0 leaves it to the client.")
-        loader.add_option("polar_served_model", str, "", "Model name sent to the engine; default: the name the client asked for.")
         loader.add_option("polar_max_body_mb", int, 32, "Largest request body accepted, in MiB.")
         loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
@@ -91,7 +90,6 @@ class Polar:
             keepalive_s=_seconds("polar_keepalive"),
             max_body_bytes=opts.polar_max_body_mb * 1024 * 1024,
             max_tokens_cap=opts.polar_max_tokens,
-            served_model=opts.polar_served_model,
         )
 
     async def running(self) -> None:

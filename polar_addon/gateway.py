@@ -43,7 +43,6 @@ class GatewayConfig:
     keepalive_s: float = 5.0  # first keep-alive after this long without an answer, then every keepalive_s
     max_body_bytes: int = 32 * 1024 * 1024
     max_tokens_cap: int = 0  # 0: no cap; else clamp (and fill in) max_tokens
-    served_model: str = ""  # when set, the model name sent to the engine (the client's name is echoed back)
 
 
 @dataclass
@@ -225,12 +224,10 @@ class Gateway:
         session = call.identity.session_id
         await self._note_session(call)
         engine = self.pool.for_session(session)
-        engine_request = request
-        if self.config.served_model:
-            engine_request = CanonicalRequest(**{**request.__dict__, "model": self.config.served_model})
         t0 = time.monotonic()
         try:
-            completion = await engine.complete(engine_request)
+            # The client's model name is echoed back; engines send their own served name.
+            completion = await engine.complete(request)
         except PolarError as err:
             await self._record_failure(call, provider.name, request, err)
             raise
