@@ -42,7 +42,8 @@ def test_upgrade_detection_and_error_event() -> None:
 
 
 def write_script(path, model_dir) -> str:
-    script = {"model_dir": str(model_dir), "cycle": True, "turns": [
+    # 0.3 s a call: with polar_keepalive=0.01 keep-alives surely go out before the answer.
+    script = {"model_dir": str(model_dir), "cycle": True, "latency_s": 0.3, "turns": [
         {"content": None, "tool_calls": [{"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "echo hi"}}}]},
         {"content": "All done."},
     ]}

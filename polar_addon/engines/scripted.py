@@ -7,7 +7,8 @@ script of assistant turns instead, with genuine tokens and logprobs:
      "turns": [{"content": "...", "reasoning_content": "...",
                 "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": {...}}}]},
                ...],
-     "cycle": true}
+     "cycle": true,
+     "latency_s": 0.0}                       # optional: each answer takes at least this long
 
 The turn answered is chosen by the number of assistant messages already in the request, so
 parallel sessions replaying the same script stay deterministic (with ``cycle`` the script wraps
@@ -71,6 +72,8 @@ class ScriptedEngine:
         self.name = f"{self.kind}:{script}"
         self.turns = [_normalise_turn(t, i) for i, t in enumerate(turns)]
         self.cycle = bool(data.get("cycle", True))
+        # A floor on each answer's latency: keep-alive tests need an engine that is reliably slow.
+        self.latency_s = float(data.get("latency_s", 0.0))
         self.local = LocalEngine(model_dir)
 
     def turn_for(self, request: CanonicalRequest) -> dict[str, Any]:
@@ -133,7 +136,8 @@ class ScriptedEngine:
         )
 
     async def complete(self, request: CanonicalRequest) -> Completion:
-        return await asyncio.to_thread(self._complete_sync, request)
+        completion, _ = await asyncio.gather(asyncio.to_thread(self._complete_sync, request), asyncio.sleep(self.latency_s))
+        return completion
 
     async def count_tokens(self, request: CanonicalRequest) -> int:
         return await self.local.count_tokens(request)
