@@ -43,20 +43,15 @@ def inspect(
         overview.add_row("journal segments not in shards yet", f"[yellow]{s.journal_segments}[/]")
     console.print(overview)
 
-    if s.harnesses:
-        table = Table(title="harnesses")
-        table.add_column("harness")
-        table.add_column("calls", justify="right")
-        for harness, n in s.harnesses.most_common():
-            table.add_row(harness, str(n))
-        console.print(table)
-    if s.statuses:
-        table = Table(title="session status")
-        table.add_column("status")
-        table.add_column("sessions", justify="right")
-        for status, n in s.statuses.most_common():
-            table.add_row(status, str(n))
-        console.print(table)
+    for title, key, unit, counts in (("harnesses", "harness", "calls", s.harnesses),
+                                     ("session status", "status", "sessions", s.statuses)):
+        if counts:
+            table = Table(title=title)
+            table.add_column(key)
+            table.add_column(unit, justify="right")
+            for name, n in counts.most_common():
+                table.add_row(name, str(n))
+            console.print(table)
     if s.rewards:
         table = Table(title="rewards (latest per session)")
         for col in ("name", "sessions", "mean", "min", "max"):
