@@ -67,10 +67,11 @@ def small_tmpfs():
 
 
 def _fill(path: Path, leave: int) -> None:
-    """Fill the filesystem of ``path`` until about ``leave`` bytes remain."""
+    """Grow ``path`` (created beforehand: on a full tmpfs even creating a file fails) until about ``leave``
+    bytes of its filesystem remain."""
     stat = os.statvfs(path.parent)
     free = stat.f_bavail * stat.f_frsize
-    with open(path, "wb") as f:
+    with open(path, "ab") as f:
         try:
             f.write(b"\0" * max(0, free - leave))
             f.flush()
@@ -81,7 +82,9 @@ def _fill(path: Path, leave: int) -> None:
 @pytest.mark.timeout(120)
 def test_disk_full_refuses_then_recovers_with_nothing_lost(small_tmpfs: Path) -> None:
     out = small_tmpfs / "shards"
-    filler = small_tmpfs / "filler"
+    filler, filler2 = small_tmpfs / "filler", small_tmpfs / "filler2"
+    filler.touch()
+    filler2.touch()
     rng = random.Random(7)
     acknowledged: list[CaptureRecord] = []
     refused = 0
@@ -99,7 +102,7 @@ def test_disk_full_refuses_then_recovers_with_nothing_lost(small_tmpfs: Path) ->
             with pytest.raises(StorageUnavailable, match="No space left"):
                 await store.append(_record(rng, "s", 200_000))
             refused += 1
-            _fill(small_tmpfs / "filler2", leave=0)
+            _fill(filler2, leave=0)
             # Entries far larger than what the background shard writer can free meanwhile (it deletes
             # converted journal segments of a few KiB): a small one could still slip into that room.
             for _ in range(3):
@@ -109,7 +112,7 @@ def test_disk_full_refuses_then_recovers_with_nothing_lost(small_tmpfs: Path) ->
             with pytest.raises(StorageUnavailable):
                 store.check_writable()
             filler.unlink()
-            (small_tmpfs / "filler2").unlink()
+            filler2.unlink()
             await _wait_writable(store)
             for _ in range(6):
                 record = _record(rng, "s", 300)
