@@ -6,7 +6,9 @@
     parsed, sent to the engine, recorded durably, and answered in the provider's shape).
 
 Prints p50/p99 added latency over (a) at ~1k and ~32k-token contexts (plain and streaming), and the
-sustained completions/s with 16 concurrent clients. Targets (issue 2): (c)'s added p50 within 1.5x
+sustained completions/s with 16 concurrent clients. Each row is one session, as an agent's calls are;
+"32k new" rotates prompts that share no prefix with the previous call (a session's first call, or rewritten
+history), so nothing about the session's last call can be reused. Targets (issue 2): (c)'s added p50 within 1.5x
 of (b)'s, and >= 200 completions/s.
 
     .venv/bin/python bench/proxy_overhead.py [--rounds 200] [--seconds 8]
@@ -38,20 +40,27 @@ ENGINE = textwrap.dedent(
     from aiohttp import web
     N_OUT = %d
 
-    def answer(n_prompt):
+    def answer(n_prompt, first=1000):
         return orjson.dumps({
             "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
-            "prompt_token_ids": list(range(1000, 1000 + n_prompt)),
+            "prompt_token_ids": list(range(first, first + n_prompt)),
             "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": list(range(7, 7 + N_OUT)),
                          "message": {"role": "assistant", "content": "tok " * N_OUT, "tool_calls": []},
                          "logprobs": {"content": [{"token": "tok", "logprob": -1.25, "bytes": [116], "top_logprobs": []}] * N_OUT}}],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": N_OUT, "total_tokens": n_prompt + N_OUT}})
 
     SMALL, LARGE = answer(1024), answer(32768)
+    # Prompts that share no prefix with the previous one: a user message starting "other-N " picks one.
+    OTHERS = [answer(32768, first=2000 + 7919 * i) for i in range(8)]
 
     async def chat(request):
         body = await request.read()
-        return web.Response(body=LARGE if len(body) > 40000 else SMALL, content_type="application/json")
+        marker = body.find(b"other-")  # at the start of the user message: it survives polar's translation
+        if marker >= 0:
+            answer = OTHERS[int(body[marker + 6:body.index(b" ", marker + 6)]) %% len(OTHERS)]
+        else:
+            answer = LARGE if len(body) > 40000 else SMALL
+        return web.Response(body=answer, content_type="application/json")
 
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": "bench", "object": "model"}]})
@@ -65,12 +74,26 @@ ENGINE = textwrap.dedent(
 )
 
 
-def request_body(tokens: int, stream: bool) -> bytes:
+def request_body(tokens: int, stream: bool, other: int | None = None) -> bytes:
     # ~4 characters per token of ordinary text.
     text = ("The quick brown fox jumps over the lazy dog. " * (tokens * 4 // 45 + 1))[: tokens * 4]
+    if other is not None:
+        text = f"other-{other} {text}"
     return orjson.dumps({"model": "bench", "max_tokens": RESPONSE_TOKENS, "stream": stream, "logprobs": True,
                          "return_token_ids": True, "messages": [{"role": "system", "content": "You are terse."},
                                                                 {"role": "user", "content": text}]})
+
+
+class Case:
+    """One row of the table: a request (or a rotation of them) sent as one session."""
+
+    def __init__(self, name: str, bodies: list[bytes]) -> None:
+        self.name, self.bodies = name, bodies
+        self.stream = b'"stream":true' in bodies[0]
+        self.headers = {"content-type": "application/json", "authorization": f"Bearer polar:bench-{name.replace(' ', '-')}"}
+
+    def body(self, i: int) -> bytes:
+        return self.bodies[i % len(self.bodies)]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -78,41 +101,39 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def latency_run(paths: dict[str, str], cases: dict[str, bytes], rounds: int) -> dict[tuple[str, str], list[float]]:
+def latency_run(paths: dict[str, str], cases: list[Case], rounds: int) -> dict[tuple[str, str], list[float]]:
     clients = {name: httpx.Client(base_url=url, timeout=60) for name, url in paths.items()}
-    samples: dict[tuple[str, str], list[float]] = {(p, c): [] for p in paths for c in cases}
-    headers = {"content-type": "application/json", "authorization": "Bearer polar:bench"}
+    samples: dict[tuple[str, str], list[float]] = {(p, c.name): [] for p in paths for c in cases}
     for i in range(rounds + 5):
-        for case, body in cases.items():
-            stream = b'"stream":true' in body
+        for case in cases:
             for path, client in clients.items():
-                if stream and path != "c_polar":
+                if case.stream and path != "c_polar":
                     continue
                 t0 = time.perf_counter()
-                response = client.post("/v1/chat/completions", content=body, headers=headers)
+                response = client.post("/v1/chat/completions", content=case.body(i), headers=case.headers)
                 response.read()
                 elapsed = time.perf_counter() - t0
                 assert response.status_code == 200, (path, response.status_code, response.text[:300])
                 if i >= 5:  # warm-up rounds are not counted
-                    samples[(path, case)].append(elapsed * 1000)
+                    samples[(path, case.name)].append(elapsed * 1000)
     return samples
 
 
 async def throughput(url: str, body: bytes, seconds: float, concurrency: int = 16) -> float:
     done = 0
     deadline = time.perf_counter() + seconds
-    headers = {"content-type": "application/json", "authorization": "Bearer polar:bench"}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        async def worker() -> None:
+        async def worker(k: int) -> None:  # one agent session per client
             nonlocal done
+            headers = {"content-type": "application/json", "authorization": f"Bearer polar:bench-client-{k}"}
             while time.perf_counter() < deadline:
                 response = await client.post("/v1/chat/completions", content=body, headers=headers)
                 assert response.status_code == 200, response.text[:300]
                 done += 1
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
         return done / (time.perf_counter() - t0)
 
 
@@ -132,12 +153,17 @@ def main() -> None:
             with run_mitmdump("", work / "plain" / "out", mode=f"reverse:{engine_url}", addon=False) as plain, \
                     run_mitmdump(f"vllm:{engine_url}", work / "polar" / "shards", mode=f"reverse:{engine_url}") as polar:
                 paths = {"a_direct": engine_url, "b_mitmdump": plain.url, "c_polar": polar.url}
-                cases = {"1k": request_body(1024, False), "32k": request_body(32768, False),
-                         "1k stream": request_body(1024, True), "32k stream": request_body(32768, True)}
+                cases = [
+                    Case("1k", [request_body(1024, False)]),
+                    Case("32k", [request_body(32768, False)]),
+                    Case("32k new", [request_body(32768, False, other=i) for i in range(8)]),
+                    Case("1k stream", [request_body(1024, True)]),
+                    Case("32k stream", [request_body(32768, True)]),
+                ]
                 samples = latency_run(paths, cases, args.rounds)
                 rates = {}
                 for name in ("b_mitmdump", "c_polar"):
-                    rates[name] = asyncio.run(throughput(paths[name], cases["1k"], args.seconds))
+                    rates[name] = asyncio.run(throughput(paths[name], cases[0].body(0), args.seconds))
     finally:
         engine.terminate()
         engine.wait()
@@ -145,7 +171,7 @@ def main() -> None:
     print(f"\nproxy overhead, {args.rounds} interleaved requests per path and case "
           f"({RESPONSE_TOKENS} response tokens; added latency = path - direct)")
     print(f"{'case':<12}{'direct p50':>12}{'mitmdump +p50':>15}{'+p99':>9}{'polar +p50':>13}{'+p99':>9}{'polar/mitmdump':>16}")
-    for case in cases:
+    for case in (c.name for c in cases):
         base = samples[("a_direct", case.replace(" stream", ""))]
         b = samples.get(("b_mitmdump", case)) or []
         c = samples[("c_polar", case)]

@@ -15,6 +15,7 @@ This module has no I/O: providers build these, engines read them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -100,7 +101,7 @@ class Completion:
 
     message: AssistantMessage
     finish_reason: FinishReason
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]  # a list, or an int32 array.array (HTTP engines: see openai_compat)
     response_ids: list[int]
     logprobs: list[float]  # one per response token: log p(token) under the sampling temperature
     served_model: str

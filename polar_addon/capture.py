@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -50,7 +51,9 @@ class CaptureRecord:
     top_p: float | None = None
     top_k: int | None = None
     max_tokens: int | None = None
-    prompt_ids: list[int] = field(default_factory=list)
+    # Readers always give a list. A record the gateway makes from an HTTP engine's answer holds an int32
+    # array or the engine's own text of the ids (token_ids.IdText), never 32k Python ints.
+    prompt_ids: Sequence[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -62,10 +65,10 @@ class CaptureRecord:
     tool_choice_json: str = "null"
     response_json: str = "null"
     error: str | None = None  # why a failed call failed
-
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies every token list (~50 ms for an 8k-token record).
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -123,9 +126,9 @@ def record_ok(
         started_at=started_at,
         engine_latency_s=engine_latency_s,
         finished_at=time.time(),
-        prompt_ids=list(completion.prompt_ids),
-        response_ids=list(completion.response_ids),
-        logprobs=list(completion.logprobs),
+        prompt_ids=completion.prompt_ids,
+        response_ids=completion.response_ids,
+        logprobs=completion.logprobs,
         finish_reason=completion.finish_reason,
         matched_stop=completion.matched_stop,
         weight_version=completion.weight_version,

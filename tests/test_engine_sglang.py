@@ -56,7 +56,7 @@ META = {"id": "x", "finish_reason": {"type": "stop", "matched": 2}, "prompt_toke
 )
 def test_every_id_shape_parses_to_the_same_tokens(data):
     parsed = parse_chat_response(data)
-    assert parsed.prompt_ids == PROMPT
+    assert list(parsed.prompt_ids) == PROMPT
     assert parsed.response_ids == IDS
     assert parsed.logprobs == LPS
     assert parsed.finish_reason == "stop"
@@ -209,7 +209,7 @@ def test_engine_reads_every_sglang_build(server, tiny_model_dir, variant):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = tok.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    assert completion.prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert list(completion.prompt_ids) == tok(text, add_special_tokens=False)["input_ids"]
     # The same seeded request run in-process gives the tokens and logprobs SGLang's shapes carried.
     direct = asyncio.run(LocalEngine(tiny_model_dir).complete(req))
     assert completion.response_ids == direct.response_ids

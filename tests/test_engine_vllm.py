@@ -72,7 +72,7 @@ def test_ids_match_chat_template_and_raw_vllm_answer(vllm_server, tiny_model_dir
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = tok.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    assert completion.prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert list(completion.prompt_ids) == tok(text, add_special_tokens=False)["input_ids"]
     assert counted == len(completion.prompt_ids)
 
     # The same seeded request sent raw: the engine must hand back exactly what vLLM said.
@@ -80,7 +80,7 @@ def test_ids_match_chat_template_and_raw_vllm_answer(vllm_server, tiny_model_dir
     raw = httpx.post(f"{vllm_server}/v1/chat/completions", content=orjson.dumps(body),
                      headers={"content-type": "application/json"}, timeout=120).json()  # fmt: skip
     choice = raw["choices"][0]
-    assert completion.prompt_ids == raw["prompt_token_ids"]
+    assert list(completion.prompt_ids) == raw["prompt_token_ids"]
     assert completion.response_ids == choice["token_ids"]
     assert completion.logprobs == [e["logprob"] for e in choice["logprobs"]["content"]]
     assert len(completion.response_ids) == len(completion.logprobs) == 16

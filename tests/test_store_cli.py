@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from polar_addon.capture import CaptureRecord, new_record_id
 from polar_addon.store import TraceStore, read_sessions
-from polar_addon.store.compaction import encode_call
 from polar_addon.store.shards import CALLS, REWARDS, SCHEMAS, Output
 from polar_cli.app import app
+from tests.support.store_rows import stored_row
 from tests.test_store_basic import Agent, make_record
 
 runner = CliRunner()
@@ -98,8 +98,7 @@ def _rows(session_id: str, n: int, rng: random.Random) -> list[dict]:
     agent = Agent(session_id, rng)
     rows, tips = [], []
     for seq in range(n):
-        row, tip = encode_call(agent.next_call(), tips)
-        row["seq"] = seq
+        row, tip = stored_row(agent.next_call(), seq, tips)
         rows.append(row)
         tips = [*tips, tip]
     return rows
@@ -120,8 +119,8 @@ def test_validate_lists_every_violation(tmp_path: Path) -> None:
     bad[2]["prompt_ref"] = "0" * 32  # resolves to nothing
     bad[3]["seq"] = 4  # seq 3 missing, 4 twice
     failed = make_record("bad", [], [], [], status="failed")
-    failed_row, _ = encode_call(failed, [])
-    failed_row.update(seq=6, response_ids=[1, 2], logprobs=[-1.0, -1.0])  # a failed call with tokens
+    failed_row, _ = stored_row(failed, 6)
+    failed_row.update(response_ids=[1, 2], logprobs=[-1.0, -1.0])  # a failed call with tokens
     _write_calls(out, "0002-bad", bad + [failed_row])
     _write_calls(out, "0003-dup", [dict(good[0])])  # the same record_id again
 
@@ -168,7 +167,6 @@ def test_validate_of_a_capture_record_without_compaction(tmp_path: Path) -> None
     out = Output.from_uri(str(tmp_path))
     record = CaptureRecord(record_id=new_record_id(), session_id="x", seq=0, api="openai_chat", status="ok",
                            prompt_ids=[1, 2, 3], response_ids=[4], logprobs=[-0.1])
-    row, _ = encode_call(record, [])
-    row["seq"] = 0
+    row, _ = stored_row(record, 0)
     _write_calls(out, "0001", [row])
     assert runner.invoke(app, ["shards", "validate", str(tmp_path)]).exit_code == 0

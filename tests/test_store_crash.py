@@ -24,7 +24,7 @@ from polar_addon.capture import CaptureRecord, new_record_id
 from polar_addon.store import TraceStore, read_records
 from polar_addon.store import journal
 from polar_addon.store.shards import Output
-from polar_addon.store.trace_store import encode_entry
+from polar_addon.store.entries import call_entry
 from polar_addon.store.validate import validate_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,20 +156,15 @@ def _orphan_segment(journal_root: Path, entries: list[bytes], torn: bytes = b"")
     return path
 
 
-def _row(session_id: str, seq: int) -> dict:
-    from polar_addon.store.compaction import encode_call
-
-    record = CaptureRecord(record_id=new_record_id(), session_id=session_id, seq=seq, api="openai_chat",
-                           status="ok", prompt_ids=[1, 2, seq], response_ids=[3], logprobs=[-0.5])
-    row, _ = encode_call(record, [])
-    row["seq"] = seq
-    return row
+def _call(session_id: str, seq: int) -> CaptureRecord:
+    return CaptureRecord(record_id=new_record_id(), session_id=session_id, seq=seq, api="openai_chat",
+                         status="ok", prompt_ids=[1, 2, seq], response_ids=[3], logprobs=[-0.5])
 
 
 def test_torn_last_entry_is_dropped_and_sequence_continues(tmp_path: Path) -> None:
-    rows = [_row("s", i) for i in range(3)]
-    torn_entry = journal.frame(encode_entry("calls", _row("s", 3)))[:-7]
-    segment = _orphan_segment(tmp_path / "_journal", [encode_entry("calls", r) for r in rows], torn_entry)
+    rows = [_call("s", i) for i in range(3)]
+    torn_entry = journal.frame(call_entry(_call("s", 3), 3))[:-7]
+    segment = _orphan_segment(tmp_path / "_journal", [call_entry(r, r.seq) for r in rows], torn_entry)
 
     async def main() -> CaptureRecord:
         async with TraceStore(str(tmp_path)) as store:
@@ -182,21 +177,21 @@ def test_torn_last_entry_is_dropped_and_sequence_continues(tmp_path: Path) -> No
     record = asyncio.run(main())
     assert record.seq == 3
     stored = read_records(str(tmp_path))
-    assert [r.record_id for r in stored] == [r["record_id"] for r in rows] + [record.record_id]
+    assert [r.record_id for r in stored] == [r.record_id for r in rows] + [record.record_id]
     assert validate_store(str(tmp_path)) == []
     assert not (tmp_path / "_journal" / "w-deadbeef").exists()
 
 
 def test_replaying_a_segment_whose_shard_exists_does_not_duplicate(tmp_path: Path) -> None:
+    from polar_addon.store.compaction import SessionTips
     from polar_addon.store.trace_store import segment_tables
 
-    rows = [_row("s", i) for i in range(4)]
-    entries = [encode_entry("calls", r) for r in rows]
+    entries = [call_entry(_call("s", i), i) for i in range(4)]
     segment = _orphan_segment(tmp_path / "_journal", entries)
     # The dead writer had written the shard (and a stale temp file) but not yet deleted the segment.
     out = Output.from_uri(str(tmp_path))
     name = journal.segment_name(str(segment))
-    out.write_shard("calls", name, segment_tables(entries)["calls"])
+    out.write_shard("calls", name, segment_tables(entries, SessionTips().staged())["calls"])
     (tmp_path / "calls" / f".{name}.parquet.tmp").write_bytes(b"PAR1 half a file")
 
     TraceStore(str(tmp_path)).close()
@@ -230,3 +225,14 @@ def test_a_live_writers_journal_is_left_alone(tmp_path: Path) -> None:
 if __name__ == "__main__":
     out_dir, n_sessions, n_turns, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     asyncio.run(_writer(out_dir, n_sessions, n_turns, seed, shard_max_records=25))
+
+
+def test_a_batch_larger_than_one_writev_is_written_whole(tmp_path: Path) -> None:
+    """Group commit of thousands of entries: more buffers than one writev() takes, every entry back intact."""
+    segment = journal.Segment(str(tmp_path), "0001")
+    payloads = [os.urandom(i % 97) + str(i).encode() for i in range(3000)]
+    segment.append(payloads[:1])
+    segment.append(payloads[1:])
+    segment.close()
+    assert journal.read_segment(segment.path) == payloads
+    assert segment.size == os.path.getsize(segment.path)

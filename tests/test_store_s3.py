@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from polar_addon.store import StorageUnavailable, TraceStore, read_records, read_sessions
 from polar_addon.store import journal
-from polar_addon.store.trace_store import encode_entry
+from polar_addon.store.entries import call_entry
 from polar_addon.store.validate import validate_store
 from polar_cli.app import app
 from tests.test_store_basic import Agent, assert_same
@@ -168,25 +168,21 @@ def test_s3_round_trip_validate_inspect_and_reward(moto_port: int, tmp_path: Pat
 
 def test_s3_store_replays_a_dead_writers_local_journal(moto_port: int, tmp_path: Path) -> None:
     from polar_addon.capture import CaptureRecord, new_record_id
-    from polar_addon.store.compaction import encode_call
 
     uri = _uri(_bucket(moto_port), moto_port)
     writer = tmp_path / "journal" / "w-0badc0de"
     writer.mkdir(parents=True)
     (writer / "lock").touch()
-    rows = []
-    for seq in range(3):
-        record = CaptureRecord(record_id=new_record_id(), session_id="s", seq=seq, api="openai_chat",
-                               status="ok", prompt_ids=[seq, 1], response_ids=[2], logprobs=[-0.5])
-        row, _ = encode_call(record, [])
-        row["seq"] = seq
-        rows.append(row)
+    records = [CaptureRecord(record_id=new_record_id(), session_id="s", seq=seq, api="openai_chat",
+                             status="ok", prompt_ids=[seq, 1], response_ids=[2], logprobs=[-0.5])
+               for seq in range(3)]
     segment = writer / f"{journal.new_segment_name('0badc0de', 1)}{journal.SEGMENT_SUFFIX}"
-    segment.write_bytes(journal.MAGIC + b"".join(journal.frame(encode_entry("calls", r)) for r in rows) + b"\x07\x00")
+    entries = b"".join(journal.frame(call_entry(r, r.seq)) for r in records)
+    segment.write_bytes(journal.MAGIC + entries + b"\x07\x00")
 
     TraceStore(uri, journal_dir=str(tmp_path / "journal")).close()
     assert not segment.exists()
-    assert [r.record_id for r in read_records(uri)] == [r["record_id"] for r in rows]
+    assert [r.record_id for r in read_records(uri)] == [r.record_id for r in records]
     assert validate_store(uri) == []
 
 

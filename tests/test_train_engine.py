@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -30,13 +31,13 @@ def chat(url: str, content: str) -> dict:
     return r.json()
 
 
-def hf_logprobs(model_dir: Path, prompt_ids: list[int], ids: list[int]) -> list[float]:
+def hf_logprobs(model_dir: Path, prompt_ids: Sequence[int], ids: list[int]) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1]
+        logits = model(torch.tensor([list(prompt_ids) + ids])).logits[0, len(prompt_ids) - 1 : -1]
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
 
 

@@ -9,8 +9,10 @@ with misaligned arrays would silently poison training data.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,7 @@ import aiohttp
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
+from polar_addon.token_ids import IdText, pack_token_ids
 from polar_addon.tool_parsing import new_call_id
 
 _CONTEXT_LENGTH_RE = re.compile(
@@ -110,6 +113,16 @@ class HTTPEngine:
         return self._session
 
     async def request_json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        return self._json(await self.request_bytes(method, path, body))
+
+    def _json(self, content: bytes) -> Any:
+        try:
+            return orjson.loads(content)
+        except orjson.JSONDecodeError as exc:
+            raise PolarError(502, "api_error", f"engine {self.url} answered non-JSON: {content[:200]!r}") from exc
+
+    async def request_bytes(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
+        """The body of a successful answer; a PolarError for an HTTP error or an unreachable engine."""
         data = None if body is None else orjson.dumps(body)
         headers = None if body is None else {"content-type": "application/json"}
         try:
@@ -126,10 +139,7 @@ class HTTPEngine:
             raise PolarError(503, "overloaded", f"engine {self.url} unreachable: {exc!r}") from exc
         if status >= 400:
             raise engine_error(status, content)
-        try:
-            return orjson.loads(content)
-        except orjson.JSONDecodeError as exc:
-            raise PolarError(502, "api_error", f"engine {self.url} answered non-JSON: {content[:200]!r}") from exc
+        return content
 
     async def served_model(self) -> str:
         """The engine's served model name (vLLM rejects any other), read once from /v1/models."""
@@ -148,8 +158,13 @@ class HTTPEngine:
     async def complete(self, request: CanonicalRequest) -> Completion:
         body = chat_body(request, await self.served_model())
         body.update(self.extra_body())
-        data = await self.request_json("POST", "/v1/chat/completions", body)
-        parsed = parse_chat_response(data)
+        content = await self.request_bytes("POST", "/v1/chat/completions", body)
+        cut = cut_prompt_ids(content)
+        if cut is None:
+            parsed = parse_chat_response(self._json(content))
+        else:
+            rest, prompt_ids = cut
+            parsed = parse_chat_response(self._json(rest), prompt_ids=prompt_ids)
         return parsed.to_completion(engine=self.name, default_model=self._model or request.model)
 
     async def close(self) -> None:
@@ -161,7 +176,7 @@ class HTTPEngine:
 class ParsedChat:
     message: AssistantMessage
     finish_reason: str
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]  # an int32 array.array, or the engine's own text of it (IdText)
     response_ids: list[int]
     logprobs: list[float]
     served_model: str | None
@@ -191,10 +206,54 @@ def _bad(message: str) -> PolarError:
 def _int_list(value: Any, what: str) -> list[int] | None:
     if value is None:
         return None
-    # map(type) runs in C: a per-element isinstance loop cost ~20 ms on a 32k-token prompt.
-    if not isinstance(value, list) or (value and set(map(type, value)) != {int}):
+    if not isinstance(value, list):
         raise _bad(f"{what} is not a list of token ids")
+    try:
+        pack_token_ids(value, what)  # the cheapest full check (one C pass)
+    except (TypeError, ValueError) as exc:
+        raise _bad(f"{what} is not a list of token ids ({exc})") from None
     return value
+
+
+def _id_array(value: Any, what: str) -> array.array | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _bad(f"{what} is not a list of token ids")
+    ids = array.array("i")
+    try:
+        ids.frombytes(pack_token_ids(value, what))
+    except (TypeError, ValueError) as exc:
+        raise _bad(f"{what} is not a list of token ids ({exc})") from None
+    return ids
+
+
+_PROMPT_KEY = b'"prompt_token_ids"'
+_COLON_BRACKET = re.compile(rb"\s*:\s*\[")
+
+
+def cut_prompt_ids(content: bytes) -> tuple[bytes, IdText] | None:
+    """The answer with its prompt id array emptied, and that array's text; None: use the general path.
+
+    The prompt ids stay text (see polar_addon.token_ids). Applies only to an answer with exactly one
+    ``"prompt_token_ids"`` key holding a compact flat array of non-negative integers, which is what vLLM's
+    and SGLang's encoders write; anything else is read by the general path, which checks everything. The
+    key cannot match inside a JSON string, where quotes are escaped.
+    """
+    key = content.find(_PROMPT_KEY)
+    if key < 0 or content.find(_PROMPT_KEY, key + 1) >= 0:
+        return None
+    opening = _COLON_BRACKET.match(content, key + len(_PROMPT_KEY))
+    if opening is None:
+        return None
+    start = opening.end()
+    end = content.find(b"]", start)
+    if end < 0:
+        return None
+    ids = IdText.parse(content[start:end])
+    if ids is None:
+        return None
+    return content[:start] + content[end:], ids
 
 
 def _float_list(values: list[Any], what: str) -> list[float]:
@@ -206,13 +265,11 @@ def _float_list(values: list[Any], what: str) -> list[float]:
     return out
 
 
-def _first_of_nested(value: Any, what: str) -> list[int] | None:
+def _first_of_nested(value: Any) -> Any:
     """sglext ids: a flat list (one prompt) or a list per choice; take choice 0."""
-    if value is None:
-        return None
     if isinstance(value, list) and value and isinstance(value[0], list):
-        value = value[0]
-    return _int_list(value, what)
+        return value[0]
+    return value
 
 
 def _tool_calls(raw: Any) -> list[ToolCall]:
@@ -235,8 +292,10 @@ def _tool_calls(raw: Any) -> list[ToolCall]:
     return calls
 
 
-def parse_chat_response(data: Any) -> ParsedChat:
+def parse_chat_response(data: Any, prompt_ids: Sequence[int] | None = None) -> ParsedChat:
     """Read a non-streaming chat completion with token ids from SGLang or vLLM.
+
+    ``prompt_ids``: the prompt already cut out of the answer (``cut_prompt_ids``), else it is read here.
 
     Prompt ids: ``choices[0].prompt_token_ids`` (SGLang), ``choices[0].input_token_ids``,
     top-level ``prompt_token_ids`` (vLLM), ``sglext.input_ids``.
@@ -258,12 +317,15 @@ def parse_chat_response(data: Any) -> ParsedChat:
     meta = choice.get("meta_info") if isinstance(choice.get("meta_info"), dict) else {}
     sglext = data.get("sglext") if isinstance(data.get("sglext"), dict) else {}
 
-    prompt_ids = (
-        _int_list(choice.get("prompt_token_ids"), "choices[0].prompt_token_ids")
-        or _int_list(choice.get("input_token_ids"), "choices[0].input_token_ids")
-        or _int_list(data.get("prompt_token_ids"), "prompt_token_ids")
-        or _first_of_nested(sglext.get("input_ids"), "sglext.input_ids")
-    )
+    for value, what in (
+        (choice.get("prompt_token_ids"), "choices[0].prompt_token_ids"),
+        (choice.get("input_token_ids"), "choices[0].input_token_ids"),
+        (data.get("prompt_token_ids"), "prompt_token_ids"),
+        (_first_of_nested(sglext.get("input_ids")), "sglext.input_ids"),
+    ):
+        if prompt_ids:
+            break
+        prompt_ids = _id_array(value, what)
     if not prompt_ids:
         raise _bad("no prompt token ids (is the engine new enough to return them?)")
 
@@ -273,7 +335,7 @@ def parse_chat_response(data: Any) -> ParsedChat:
             explicit_ids = _int_list(choice[key], f"choices[0].{key}")
             break
     if explicit_ids is None:
-        explicit_ids = _first_of_nested(sglext.get("output_ids"), "sglext.output_ids")
+        explicit_ids = _int_list(_first_of_nested(sglext.get("output_ids")), "sglext.output_ids")
 
     triples = meta.get("output_token_logprobs")
     meta_ids: list[int] | None = None

@@ -1,27 +1,33 @@
 """Prefix references: a session of T calls costs O(T) tokens on disk instead of O(T^2).
 
-An agent's call k usually re-sends call k-1's prompt and response, then a few new messages. The writer keeps
-the last few calls of each session in memory ("tips") and stores a new call's prompt as
+An agent's call k usually re-sends call k-1's prompt and response, then a few new messages. The shard writer
+keeps the last few calls of each session in memory ("tips") and stores a new call's prompt as
 ``(prompt_ref, prompt_prefix_len, prompt_tail)``: the first prompt_prefix_len tokens of the referenced call's
 prompt followed by its response, then the tail. Messages are stored the same way, counted in messages: the
 referenced call's messages followed by its response rendered as an OpenAI assistant message, then a JSON
 array tail. The reference is the tip with the longest common prefix, so an interleaved side call (a title
 generator, a sub-agent) does not break the main chain.
 
-Everything here is pure: ``encode_call`` on the write side, ``expand_session`` on the read side.
+Compaction runs when a sealed journal segment becomes shards, off the proxy's latency path: the journal
+holds whole records. Everything here is pure: ``encode_segment`` / ``encode_call`` on the write side,
+``expand_session`` on the read side.
 """
 
 from __future__ import annotations
 
-import struct
+import array
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from polar_addon.canonical import AssistantMessage
 from polar_addon.capture import CaptureRecord
+from polar_addon.store.entries import PLAIN_FIELDS, JournaledCall, decode_entry
+from polar_addon.store.shards import KINDS, SESSIONS
+from polar_addon.token_ids import pack_token_ids
 
 # How many recent calls per session a new call may reference.
 TIPS_PER_SESSION = 3
@@ -84,43 +90,69 @@ def message_parts(messages_json: str) -> list[bytes] | None:
     return parts
 
 
-def _pack(ids: list[int], name: str) -> bytes:
-    # struct both checks the int32 range and packs in C: array.array("i", ids) took ~1 ms for 32k ids.
-    try:
-        return struct.pack(f"={len(ids)}i", *ids)
-    except struct.error as exc:
-        if "not an integer" in str(exc):
-            raise TypeError(f"{name} must hold integers: {exc}") from exc
-        raise ValueError(f"{name} holds a token id outside int32: {exc}") from exc
+class SessionTips:
+    """The last few calls of each recent session, which later calls of that session may reference.
+
+    Conversions stage their changes and commit them only once their shards are written, so a conversion
+    retried after a failed write never lets a call reference itself or a later call.
+    """
+
+    def __init__(self, max_sessions: int = 1024) -> None:
+        self.max_sessions = max_sessions
+        self._tips: OrderedDict[str, list[Tip]] = OrderedDict()
+
+    def staged(self) -> "StagedTips":
+        return StagedTips(self)
+
+    def commit(self, staged: "StagedTips") -> None:
+        for sid, tips in staged.changes.items():
+            if tips is None:
+                self._tips.pop(sid, None)
+                continue
+            self._tips[sid] = tips
+            self._tips.move_to_end(sid)
+        while len(self._tips) > self.max_sessions:
+            self._tips.popitem(last=False)
 
 
-_PLAIN_FIELDS = (
-    "record_id", "session_id", "seq", "api", "status", "task_id", "group_id", "sample_index", "harness",
-    "requested_model", "served_model", "engine", "started_at", "engine_latency_s", "finished_at",
-    "temperature", "top_p", "top_k", "max_tokens", "response_ids", "logprobs", "finish_reason",
-    "matched_stop", "weight_version", "tools_json", "tool_choice_json", "response_json", "error",
-)
+@dataclass
+class StagedTips:
+    base: SessionTips
+    changes: dict[str, list[Tip] | None] = field(default_factory=dict)
+
+    def get(self, sid: str) -> list[Tip]:
+        if sid in self.changes:
+            return self.changes[sid] or []
+        return self.base._tips.get(sid, [])
+
+    def push(self, sid: str, tip: Tip) -> None:
+        self.changes[sid] = [*self.get(sid)[-(TIPS_PER_SESSION - 1):], tip]
+
+    def end(self, sid: str) -> None:
+        """A session that ended keeps no tips (it is not expected to make more calls)."""
+        self.changes[sid] = None
 
 
-def encode_call(record: CaptureRecord, tips: Sequence[Tip]) -> tuple[dict[str, Any], Tip | None]:
+def encode_call(call: JournaledCall, tips: Sequence[Tip]) -> tuple[dict[str, Any], Tip | None]:
     """The stored row of a call (see shards.CALLS_SCHEMA) and the tip it becomes for later calls."""
-    row = {name: getattr(record, name) for name in _PLAIN_FIELDS}
-    prompt = record.prompt_ids
-    prompt_arr = _pack(prompt, "prompt_ids")
-    response_arr = _pack(record.response_ids, "response_ids")
+    row = dict(call.row)
+    row["response_ids"] = call.response_ids
+    row["logprobs"] = call.logprobs
+    prompt_arr = call.prompt
+    prompt_len = len(prompt_arr) // 4
 
     best_tokens, best_ref = 0, None
-    if prompt:
+    if prompt_len:
         for tip in reversed(tips):  # latest first: on a tie the most recent call wins
             n = _common_prefix(prompt_arr, tip.tokens)
             if n > best_tokens:
                 best_tokens, best_ref = n, tip.record_id
-    row["prompt_len"] = len(prompt)
+    row["prompt_len"] = prompt_len
     row["prompt_ref"] = best_ref
     row["prompt_prefix_len"] = best_tokens
-    row["prompt_tail"] = prompt[best_tokens:] if best_tokens else prompt
+    row["prompt_tail"] = array.array("i", prompt_arr[4 * best_tokens:]).tolist()
 
-    parts = message_parts(record.messages_json)
+    parts = message_parts(call.messages_json)
     best_msgs, best_msg_ref = 0, None
     if parts is not None:
         for tip in reversed(tips):
@@ -132,17 +164,35 @@ def encode_call(record: CaptureRecord, tips: Sequence[Tip]) -> tuple[dict[str, A
     row["messages_ref"] = best_msg_ref
     row["messages_prefix_len"] = best_msgs
     row["messages_tail_json"] = (
-        (b"[" + b",".join(parts[best_msgs:]) + b"]").decode() if best_msgs else record.messages_json
+        (b"[" + b",".join(parts[best_msgs:]) + b"]").decode() if best_msgs else call.messages_json
     )
 
     tip = None
-    if record.status == "ok" and prompt:
+    if row["status"] == "ok" and prompt_len:
         tip_parts = None
         if parts is not None:
-            extra = response_part(record.response_json)
+            extra = response_part(row["response_json"])
             tip_parts = parts + ([extra] if extra is not None else [])
-        tip = Tip(record.record_id, prompt_arr + response_arr, tip_parts)
+        tip = Tip(row["record_id"], prompt_arr + pack_token_ids(call.response_ids, "response_ids"), tip_parts)
     return row, tip
+
+
+def encode_segment(payloads: Sequence[bytes], tips: StagedTips) -> dict[str, list[dict[str, Any]]]:
+    """A sealed journal segment's entries as stored rows per kind, calls compacted against ``tips``."""
+    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
+    for payload in payloads:
+        kind, entry = decode_entry(payload)
+        if isinstance(entry, JournaledCall):
+            sid = entry.row["session_id"]
+            row, tip = encode_call(entry, tips.get(sid))
+            if tip is not None:
+                tips.push(sid, tip)
+        else:
+            row = entry
+            if kind == SESSIONS and row.get("status") not in (None, "running"):
+                tips.end(row["session_id"])
+        rows[kind].append(row)
+    return rows
 
 
 def expand_session(rows: Sequence[dict[str, Any]]) -> Iterator[CaptureRecord]:
@@ -197,7 +247,7 @@ def expand_session(rows: Sequence[dict[str, Any]]) -> Iterator[CaptureRecord]:
         messages[rid] = (messages_json, row["response_json"])
 
         yield CaptureRecord(
-            **{name: row[name] for name in _PLAIN_FIELDS if name not in ("response_ids", "logprobs")},
+            **{name: row[name] for name in PLAIN_FIELDS},
             prompt_ids=prompt,
             response_ids=response,
             logprobs=row["logprobs"] or [],

@@ -5,8 +5,9 @@ Layout of a journal root (a local directory, never an object store: appends must
     <root>/w-<writer_id>/lock          flock'd by the live writer for as long as it runs
     <root>/w-<writer_id>/<segment>.wal append-only segments
 
-A segment starts with MAGIC, then entries framed as ``<u32 length><u32 crc32><payload>``. A batch of entries
-is written with one write() and made durable with one fdatasync() (group commit). Reading stops at the first
+A segment starts with MAGIC, then entries framed as ``<u32 length><u64 xxh3 of payload><payload>`` (xxh3,
+not crc32: ~20x faster, and a 32k-token call is ~300 KB to check on the latency path). A batch of entries
+is written with one writev() and made durable with one fdatasync() (group commit). Reading stops at the first
 entry that is incomplete or fails its checksum: a torn tail is an entry whose write never completed, hence
 never acknowledged. After a failed write the segment is truncated back and closed, so nothing valid ever
 follows a torn entry.
@@ -22,35 +23,40 @@ import os
 import struct
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
+
+import xxhash
 
 from polar_addon.store.shards import fsync_dir
 
-MAGIC = b"PLRJ1\n"
-_HEADER = struct.Struct("<II")
+MAGIC = b"PLRJ2\n"  # 2: xxh3 frames; calls are binary entries (entries.py), compacted only in shards
+_HEADER = struct.Struct("<IQ")
+_IOV_MAX = 1024  # Linux's limit on buffers per writev
 SEGMENT_SUFFIX = ".wal"
 
 
 def frame(payload: bytes) -> bytes:
-    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+    return _HEADER.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
 
 
 def parse_segment(data: bytes) -> list[bytes]:
     """The payloads of the valid prefix of a segment's bytes."""
     if not data.startswith(MAGIC):
+        if len(data) >= len(MAGIC) and data.startswith(MAGIC[:4]):
+            # Another format version: refuse rather than treat it as empty (its conversion would delete it).
+            raise ValueError(f"journal segment in format {data[:len(MAGIC)]!r}, this polar reads {MAGIC!r}")
         return []
     payloads = []
     pos = len(MAGIC)
     size = len(data)
     while pos + _HEADER.size <= size:
-        length, crc = _HEADER.unpack_from(data, pos)
+        length, digest = _HEADER.unpack_from(data, pos)
         start = pos + _HEADER.size
         end = start + length
         if end > size:
             break
         payload = data[start:end]
-        if zlib.crc32(payload) != crc:
+        if xxhash.xxh3_64_intdigest(payload) != digest:
             break
         payloads.append(payload)
         pos = end
@@ -85,12 +91,19 @@ class Segment:
 
     def append(self, payloads: list[bytes]) -> None:
         """Write and fdatasync a batch; on any error the file is cut back to its last good size."""
-        data = (MAGIC if self.size == 0 else b"") + b"".join([frame(p) for p in payloads])
+        # writev: a 32k-token call is ~300 KB, and joining frames would copy it twice on the latency path.
+        parts = [MAGIC] if self.size == 0 else []
+        for payload in payloads:
+            parts += (_HEADER.pack(len(payload), xxhash.xxh3_64_intdigest(payload)), payload)
+        total = sum(map(len, parts))
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(self.fd, view)
-                view = view[written:]
+            for i in range(0, len(parts), _IOV_MAX):
+                chunk = parts[i:i + _IOV_MAX]
+                written = os.writev(self.fd, chunk)
+                if written < sum(map(len, chunk)):  # a short write (rare on a regular file): finish it
+                    view = memoryview(b"".join(chunk))[written:]
+                    while view:
+                        view = view[os.write(self.fd, view):]
             os.fdatasync(self.fd)
         except OSError:
             try:
@@ -98,7 +111,7 @@ class Segment:
             except OSError:
                 pass
             raise
-        self.size += len(data)
+        self.size += total
         self.count += len(payloads)
 
     def close(self) -> None:

@@ -13,7 +13,8 @@ from polar_addon.store import journal
 from polar_addon.store.reader import read_sessions, read_table
 from polar_addon.store.sessions import SessionRecord
 from polar_addon.store.shards import CALLS, KINDS, Output
-from polar_addon.store.trace_store import decode_entry, default_journal_dir
+from polar_addon.store.entries import entry_header
+from polar_addon.store.trace_store import default_journal_dir
 
 
 @dataclass
@@ -97,5 +98,5 @@ def journal_session_ids(journal_root: str) -> set[str]:
         except FileNotFoundError:
             continue  # converted meanwhile: its sessions are in the shards now
         for payload in payloads:
-            sessions.add(decode_entry(payload)[1]["session_id"])
+            sessions.add(entry_header(payload)[1]["session_id"])
     return sessions

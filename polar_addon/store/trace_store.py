@@ -1,20 +1,19 @@
 """TraceStore: the writer. Appends go to the local journal (durable when acknowledged), shards follow.
 
 Two threads do the work so the event loop never blocks on a disk:
-- the journal writer takes every queued append, encodes them (prefix references), writes them with one
+- the journal writer takes every queued append, encodes it whole (entries.py), writes the batch with one
   write() + fdatasync() (group commit) and only then resolves the callers' futures; it seals the current
   segment when it holds ``shard_max_records`` entries or is ``shard_max_seconds`` old;
 - the shard writer turns each sealed segment into one shard per kind, named after the segment (so a replay
-  after a crash rewrites the same names and never duplicates), then deletes the segment.
+  after a crash rewrites the same names and never duplicates), compacting prompts and messages into
+  prefix references on the way (compaction.py), then deletes the segment.
 When the output or the journal fails, the store says so (StorageUnavailable) instead of acknowledging, and
 keeps probing until it works again.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
-import base64
 import hashlib
 import logging
 import math
@@ -22,7 +21,6 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +30,8 @@ import pyarrow.dataset as ds
 
 from polar_addon.capture import CaptureRecord
 from polar_addon.store import journal
-from polar_addon.store.compaction import TIPS_PER_SESSION, Tip, encode_call
+from polar_addon.store.compaction import SessionTips, StagedTips, encode_segment
+from polar_addon.store.entries import call_entry, entry_header, row_entry
 from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
 
 log = logging.getLogger("polar.store")
@@ -60,65 +59,9 @@ def default_journal_dir(out: Output) -> str:
     return os.path.join(base, hashlib.sha256(out.uri.encode()).hexdigest()[:16])
 
 
-# ---- journal entries ---------------------------------------------------------------------------------------
-
-
-def encode_entry(kind: str, row: dict[str, Any]) -> bytes:
-    if kind == CALLS:
-        # JSON has no NaN/inf and rounds nothing only if we let it; raw float64 bytes are exact.
-        row = dict(row)
-        row["logprobs"] = base64.b64encode(array.array("d", row["logprobs"]).tobytes()).decode()
-    return orjson.dumps({"k": kind, "r": row})
-
-
-def decode_entry(payload: bytes) -> tuple[str, dict[str, Any]]:
-    entry = orjson.loads(payload)
-    kind, row = entry["k"], entry["r"]
-    if kind == CALLS:
-        row["logprobs"] = array.array("d", base64.b64decode(row["logprobs"])).tolist()
-    return kind, row
-
-
-def segment_tables(payloads: list[bytes]) -> dict[str, pa.Table]:
-    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
-    for payload in payloads:
-        kind, row = decode_entry(payload)
-        rows[kind].append(row)
+def segment_tables(payloads: list[bytes], tips: StagedTips) -> dict[str, pa.Table]:
+    rows = encode_segment(payloads, tips)
     return {k: pa.Table.from_pylist(r, schema=SCHEMAS[k]) for k, r in rows.items() if r}
-
-
-def _scalar_kinds(schema: pa.Schema) -> list[tuple[str, str]]:
-    kinds = []
-    for f in schema:
-        if pa.types.is_integer(f.type):
-            kinds.append((f.name, "int"))
-        elif pa.types.is_floating(f.type):
-            kinds.append((f.name, "float"))
-        elif pa.types.is_string(f.type):
-            kinds.append((f.name, "str"))
-    return kinds
-
-
-_SCALARS = {kind: _scalar_kinds(schema) for kind, schema in SCHEMAS.items()}
-
-
-def _coerce_scalars(kind: str, row: dict[str, Any]) -> None:
-    """Fail at append time, not at shard time, when a field has the wrong type."""
-    for name, expected in _SCALARS[kind]:
-        value = row.get(name)
-        if value is None:
-            continue
-        if expected == "str":
-            if not isinstance(value, str):
-                raise TypeError(f"{name} must be a string, got {type(value).__name__}")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number, got {value!r}")
-        elif expected == "float":
-            row[name] = float(value)
-        elif isinstance(value, float):
-            if not value.is_integer():
-                raise TypeError(f"{name} must be an integer, got {value!r}")
-            row[name] = int(value)
 
 
 # ---- the store ---------------------------------------------------------------------------------------------
@@ -170,7 +113,8 @@ class TraceStore:
         self._segment: journal.Segment | None = None
         self._segment_counter = 0
         self._next_seq: dict[str, int] | None = None  # built from what is persisted on the first call
-        self._tips: OrderedDict[str, list[Tip]] = OrderedDict()
+        # Shard-writer state (under _convert_lock): what later calls of a session may reference.
+        self._tips = SessionTips(max_cached_sessions)
         # Shared with the shard writer: segments sealed but not yet in shards (guarded by _pending_lock);
         # _convert_lock keeps the one-time seq scan from racing a conversion.
         self._pending_lock = threading.Lock()
@@ -342,8 +286,6 @@ class TraceStore:
         payloads: list[bytes] = []
         accepted: list[tuple[_Item, int | None]] = []
         seq_overlay: dict[str, int] = {}
-        tips_overlay: dict[str, list[Tip]] = {}
-        ended: list[str] = []
         for item in items:
             seq = None
             try:
@@ -353,19 +295,10 @@ class TraceStore:
                     record: CaptureRecord = item.payload
                     sid = record.session_id
                     seq = seq_overlay.get(sid, self._next_seq.get(sid, 0))
-                    tips = tips_overlay.get(sid, self._tips.get(sid, []))
-                    row, tip = encode_call(record, tips)
-                    row["seq"] = seq
-                    _coerce_scalars(CALLS, row)
-                    payload = encode_entry(CALLS, row)
+                    payload = call_entry(record, seq)
                     seq_overlay[sid] = seq + 1
-                    if tip is not None:
-                        tips_overlay[sid] = [*tips[-(TIPS_PER_SESSION - 1):], tip]
                 else:
-                    _coerce_scalars(item.kind, item.payload)
-                    payload = encode_entry(item.kind, item.payload)
-                    if item.kind == SESSIONS and item.payload.get("status") not in (None, "running"):
-                        ended.append(item.payload["session_id"])
+                    payload = row_entry(item.kind, item.payload)
             except Exception as exc:
                 self._resolve(item, exc)
                 continue
@@ -393,13 +326,6 @@ class TraceStore:
         assert self._next_seq is not None or not seq_overlay
         if seq_overlay:
             self._next_seq.update(seq_overlay)  # type: ignore[union-attr]
-        for sid, tips in tips_overlay.items():
-            self._tips[sid] = tips
-            self._tips.move_to_end(sid)
-        for sid in ended:
-            self._tips.pop(sid, None)
-        while len(self._tips) > self.max_cached_sessions:
-            self._tips.popitem(last=False)
         for item, seq in accepted:
             if seq is not None:
                 item.payload.seq = seq
@@ -439,7 +365,7 @@ class TraceStore:
                     pending = list(self._unconverted)
                 for path in pending:
                     for payload in journal.read_segment(path):
-                        kind, row = decode_entry(payload)
+                        kind, row = entry_header(payload)
                         if kind == CALLS:
                             sid = row["session_id"]
                             next_seq[sid] = max(next_seq.get(sid, 0), row["seq"] + 1)
@@ -453,10 +379,13 @@ class TraceStore:
         """One sealed segment -> one shard per kind it holds, then the segment is deleted. Idempotent."""
         name = journal.segment_name(path)
         with self._convert_lock:
-            for kind, table in segment_tables(journal.read_segment(path)).items():
+            # Tips are the entries' own tokens: a replayed segment already in shards still yields valid ones.
+            tips = self._tips.staged()
+            for kind, table in segment_tables(journal.read_segment(path), tips).items():
                 if not self.output.exists(self.output.shard_path(kind, name)):
                     self.output.write_shard(kind, name, table)
                 self.output.remove_stale_tmp(kind, name)
+            self._tips.commit(tips)
             with self._pending_lock:
                 owner = self._unconverted.pop(path, None)
             os.unlink(path)
