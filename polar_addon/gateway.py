@@ -36,6 +36,9 @@ SESSION_STATUSES = {"running", "completed", "timeout", "error", "agent_error"}
 # Bounds on the per-session memory of sampled tool-call arguments (see _restore_sampled_arguments).
 MAX_REMEMBERED_SESSIONS = 10_000
 MAX_REMEMBERED_CALLS = 256
+# A session forgotten here (idle while 200k others started) and then seen again gets a second "running"
+# row, whose later started_at wins; its calls and rewards are untouched.
+MAX_SEEN_SESSIONS = 200_000
 
 
 @dataclass
@@ -93,7 +96,8 @@ class Gateway:
         self.store = store
         self.config = config or GatewayConfig()
         self.providers = providers if providers is not None else all_providers()
-        self._seen_sessions: set[str] = set()
+        # Sessions that already have their "running" row, most recent last (bounded: a fleet proxy runs for days).
+        self._seen_sessions: OrderedDict[str, None] = OrderedDict()
         # session -> {(tool name, canonical arguments): arguments text exactly as sampled}
         self._sampled_arguments: OrderedDict[str, OrderedDict[tuple[str, str], str]] = OrderedDict()
 
@@ -274,8 +278,11 @@ class Gateway:
     async def _note_session(self, call: IncomingCall) -> None:
         ident = call.identity
         if ident.session_id in self._seen_sessions:
+            self._seen_sessions.move_to_end(ident.session_id)
             return
-        self._seen_sessions.add(ident.session_id)
+        self._seen_sessions[ident.session_id] = None
+        while len(self._seen_sessions) > MAX_SEEN_SESSIONS:
+            self._seen_sessions.popitem(last=False)
         await self.store.session_update(
             ident.session_id, task_id=ident.task_id, group_id=ident.group_id, sample_index=ident.sample_index,
             harness=call.headers.get("user-agent"), status="running", started_at=call.started_at,

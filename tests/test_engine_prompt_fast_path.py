@@ -110,3 +110,4 @@ def test_an_id_past_int32_makes_that_call_failed_not_the_segment() -> None:
     for bad, why in ((huge, "int32"), (empty, "empty element")):
         assert bad["status"] == "failed" and why in bad["error"] and bad["prompt_len"] == 0 and bad["response_ids"] == []
     assert good["status"] == "ok" and good["prompt_tail"] == [1, 2]
+

@@ -101,3 +101,24 @@ def test_unwritable_store_answers_503_in_the_callers_shape(script: Path, tmp_pat
     reply = asyncio.run(main())
     body = orjson.loads(reply.body)
     assert reply.status == 503 and body["type"] == "error" and "disk full" in body["error"]["message"]
+
+
+def test_session_rows_are_remembered_within_a_bound(script: Path, tmp_path: Path, monkeypatch) -> None:
+    """One "running" row per session while remembered; the memory of sessions stays bounded."""
+    import polar_addon.gateway as gateway_module
+    from polar_addon.store import read_table
+
+    monkeypatch.setattr(gateway_module, "MAX_SEEN_SESSIONS", 2)
+    out = tmp_path / "shards"
+
+    async def main() -> None:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(out)))
+        for session in ("a", "a", "b", "a", "c", "b"):  # "b" was pushed out by "c"
+            reply = await gateway.handle(anthropic_call(session, [{"role": "user", "content": "hi"}]))
+            assert reply.status == 200
+        assert list(gateway._seen_sessions) == ["c", "b"]
+        await gateway.close()
+
+    asyncio.run(main())
+    rows = read_table(str(out), "sessions").to_pylist()
+    assert sorted(r["session_id"] for r in rows) == ["a", "b", "b", "c"]

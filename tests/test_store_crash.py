@@ -236,3 +236,26 @@ def test_a_batch_larger_than_one_writev_is_written_whole(tmp_path: Path) -> None
     segment.close()
     assert journal.read_segment(segment.path) == payloads
     assert segment.size == os.path.getsize(segment.path)
+
+
+def _with_prompt(prompt: list[int], seq: int) -> CaptureRecord:
+    return CaptureRecord(record_id=f"r{seq}", session_id="s", seq=seq, api="openai_chat", status="ok",
+                         prompt_ids=prompt, response_ids=[7, 8], logprobs=[-0.5, -0.25])
+
+
+def test_a_conversion_retried_after_a_failed_write_never_references_itself() -> None:
+    """Tips are staged and committed only once the shards are written: a retry sees the same tips."""
+    from polar_addon.store.compaction import SessionTips, encode_segment, expand_session
+
+    tips = SessionTips()
+    first = [call_entry(_with_prompt([1, 2, 3], 0), 0)]
+    staged = tips.staged()
+    encode_segment(first, staged)
+    tips.commit(staged)
+    second = [call_entry(_with_prompt([1, 2, 3, 7, 8, 4], 1), 1), call_entry(_with_prompt([1, 2, 3, 7, 8, 4, 7, 8, 5], 2), 2)]
+    attempt = encode_segment(second, tips.staged())["calls"]  # its shard write "fails": nothing committed
+    retry = encode_segment(second, tips.staged())["calls"]
+    assert retry == attempt
+    assert [r["prompt_ref"] for r in retry] == ["r0", "r1"]
+    rows = encode_segment(first, SessionTips().staged())["calls"] + retry
+    assert [list(r.prompt_ids) for r in expand_session(rows)] == [[1, 2, 3], [1, 2, 3, 7, 8, 4], [1, 2, 3, 7, 8, 4, 7, 8, 5]]
