@@ -203,28 +203,27 @@ def _bad(message: str) -> PolarError:
     return PolarError(502, "api_error", f"malformed engine answer: {message}")
 
 
-def _int_list(value: Any, what: str) -> list[int] | None:
+def _packed(value: Any, what: str) -> bytes | None:
     if value is None:
         return None
     if not isinstance(value, list):
         raise _bad(f"{what} is not a list of token ids")
     try:
-        pack_token_ids(value, what)  # the cheapest full check (one C pass)
+        return pack_token_ids(value, what)  # also the cheapest full check (one C pass)
     except (TypeError, ValueError) as exc:
         raise _bad(f"{what} is not a list of token ids ({exc})") from None
-    return value
+
+
+def _int_list(value: Any, what: str) -> list[int] | None:
+    return None if _packed(value, what) is None else value
 
 
 def _id_array(value: Any, what: str) -> array.array | None:
-    if value is None:
+    packed = _packed(value, what)
+    if packed is None:
         return None
-    if not isinstance(value, list):
-        raise _bad(f"{what} is not a list of token ids")
     ids = array.array("i")
-    try:
-        ids.frombytes(pack_token_ids(value, what))
-    except (TypeError, ValueError) as exc:
-        raise _bad(f"{what} is not a list of token ids ({exc})") from None
+    ids.frombytes(packed)
     return ids
 
 

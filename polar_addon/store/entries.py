@@ -92,10 +92,9 @@ def call_entry(record: CaptureRecord, seq: int) -> bytes:
     if not isinstance(record.messages_json, str):
         raise TypeError("messages_json must be a string")
     if isinstance(record.prompt_ids, IdText):
-        tag, prompt, n_prompt = _CALL_TEXT, record.prompt_ids.text, len(record.prompt_ids)
+        tag, prompt = _CALL_TEXT, record.prompt_ids.text
     else:
-        prompt = pack_token_ids(record.prompt_ids, "prompt_ids")
-        tag, n_prompt = _CALL, len(prompt) // 4
+        tag, prompt = _CALL, pack_token_ids(record.prompt_ids, "prompt_ids")
     response = pack_token_ids(record.response_ids, "response_ids")
     if len(record.logprobs) != len(record.response_ids):
         raise ValueError(f"{len(record.logprobs)} logprobs for {len(record.response_ids)} response tokens")
