@@ -11,7 +11,7 @@ sustained completions/s with 16 concurrent clients. Each row is one session, as 
 history), so nothing about the session's last call can be reused. Targets (issue 2): (c)'s added p50 within 1.5x
 of (b)'s, and >= 200 completions/s.
 
-    .venv/bin/python bench/proxy_overhead.py [--rounds 200] [--seconds 8]
+    .venv/bin/python bench/proxy_overhead.py [--rounds 300] [--seconds 8]
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ async def throughput(url: str, body: bytes, seconds: float, concurrency: int = 1
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=150, help="timed requests per path and case")
+    parser.add_argument("--rounds", type=int, default=300, help="timed requests per path and case")
     parser.add_argument("--seconds", type=float, default=8.0, help="duration of each throughput run")
     args = parser.parse_args()
 

@@ -299,6 +299,43 @@ def test_time_based_shard_cut(tmp_path: Path) -> None:
     run(main())
 
 
+async def _shards(path: Path, count: int) -> None:
+    for _ in range(100):
+        if len(list(path.joinpath("calls").glob("*.parquet"))) >= count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"fewer than {count} call shards in {path}")
+
+
+def test_inline_writes_when_idle_are_cut_by_time_and_slow_disks_go_to_the_writer_thread(
+        tmp_path: Path, monkeypatch) -> None:
+    import polar_addon.store.trace_store as trace_store
+
+    taken: list[bool] = []
+
+    async def main() -> None:
+        async with TraceStore(str(tmp_path), shard_max_seconds=0.2) as store:
+            write_inline = store._write_inline
+            monkeypatch.setattr(store, "_write_inline", lambda item: taken.append(write_inline(item)) or taken[-1])
+            await store.append(make_record("x", [1], [2], []))  # builds the seq index on the writer thread
+            await _shards(tmp_path, 1)
+            await store.append(make_record("x", [1, 2, 3], [4], []))  # idle: written inline
+            await _shards(tmp_path, 2)  # and still cut by age, with no later append to trigger it
+            await store.append(make_record("x", [1, 2, 3, 4, 5], [6], []))  # inline, opens a segment
+            while not store._queue.empty():  # the writer thread takes the wake-up for that segment
+                await asyncio.sleep(0.01)
+            monkeypatch.setattr(trace_store, "_INLINE_MAX_S", -1.0)  # every inline write now counts as slow
+            await store.append(make_record("x", [1, 2, 3, 4, 5, 6, 7], [8], []))  # inline, "slow"
+            await store.append(make_record("x", [1, 2, 3, 4, 5, 6, 7, 8, 9], [10], []))  # writer thread
+            await asyncio.gather(*(store.append(make_record(f"s{i}", [i], [i], [])) for i in range(20)))
+
+    run(main())
+    assert taken[:6] == [False, True, True, True, False, False]
+    stored = read_records(str(tmp_path), session_ids=["x"])
+    assert [r.seq for r in stored] == [0, 1, 2, 3, 4] and stored[-1].prompt_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert len(read_records(str(tmp_path))) == 25 and validate_store(str(tmp_path)) == []
+
+
 def test_shards_load_with_pyarrow_dataset_and_datasets(tmp_path: Path) -> None:
     rng = random.Random(6)
     agent = Agent("d", rng)
