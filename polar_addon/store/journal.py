@@ -35,8 +35,12 @@ _IOV_MAX = 1024  # Linux's limit on buffers per writev
 SEGMENT_SUFFIX = ".wal"
 
 
+def frame_header(payload: bytes) -> bytes:
+    return _HEADER.pack(len(payload), xxhash.xxh3_64_intdigest(payload))
+
+
 def frame(payload: bytes) -> bytes:
-    return _HEADER.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+    return frame_header(payload) + payload
 
 
 def parse_segment(data: bytes) -> list[bytes]:
@@ -94,7 +98,7 @@ class Segment:
         # writev: a 32k-token call is ~300 KB, and joining frames would copy it twice on the latency path.
         parts = [MAGIC] if self.size == 0 else []
         for payload in payloads:
-            parts += (_HEADER.pack(len(payload), xxhash.xxh3_64_intdigest(payload)), payload)
+            parts += (frame_header(payload), payload)
         total = sum(map(len, parts))
         try:
             for i in range(0, len(parts), _IOV_MAX):
