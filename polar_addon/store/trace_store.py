@@ -1,9 +1,11 @@
 """TraceStore: the writer. Appends go to the local journal (durable when acknowledged), shards follow.
 
-Two threads do the work so the event loop never blocks on a disk:
+Two threads do the work, so the event loop blocks on the disk for at most one fast fsync:
 - the journal writer takes every queued append, encodes it whole (entries.py), writes the batch with one
-  write() + fdatasync() (group commit) and only then resolves the callers' futures; it seals the current
-  segment when it holds ``shard_max_records`` entries or is ``shard_max_seconds`` old;
+  writev() + fdatasync() (group commit) and only then resolves the callers' futures; it seals the current
+  segment when it holds ``shard_max_records`` entries or is ``shard_max_seconds`` old. When nothing else
+  is being written and fsyncs are fast, an append is written the same way on the caller's own thread
+  (``_write_inline``: cheaper than waking the writer);
 - the shard writer turns each sealed segment into one shard per kind, named after the segment (so a replay
   after a crash rewrites the same names and never duplicates), compacting prompts and messages into
   prefix references on the way (compaction.py), then deletes the segment.
