@@ -45,7 +45,7 @@ def test_spaced_json_takes_the_general_path() -> None:
 @pytest.mark.parametrize(
     "array_text",
     [
-        b"1.5,2", b"1,2,", b"1,2, ", b",1", b"1 2", b"--1", b"1,-", b"-", b"-5,1", b"+5", b"true,1",
+        b"1.5,2", b"1,2,", b"1,2, ", b"1,,2", b",1", b"1 2", b"--1", b"1,-", b"-", b"-5,1", b"+5", b"true,1",
         b"null", b'"1",2', b"[1],2",
     ],
 )
@@ -79,14 +79,12 @@ def test_id_text_checks_syntax_at_once_and_range_on_use() -> None:
     ids = IdText(b"5,0,151643")
     assert len(ids) == 3 and ids[2] == 151643 and ids[1:] == array("i", [0, 151643]) and ids == [5, 0, 151643]
     assert ids == IdText(b"5,0,151643") and ids != [5, 0] and ids.tobytes() == array("i", [5, 0, 151643]).tobytes()
-    for bad in (b"1,", b",1", b"1 ,2", b"-1", b"1.0", b"1e3"):
+    for bad in (b"1,", b",1", b"1,,2", b",,", b"1 ,2", b"-1", b"1.0", b"1e3"):
         assert IdText.parse(bad) is None, bad
     huge = IdText(b"1,2147483648")  # passes the capture-time check; the value fails when read
     assert len(huge) == 2
     with pytest.raises(ValueError, match="int32"):
         huge.tobytes()
-    with pytest.raises(ValueError, match="empty element"):
-        IdText(b"1,,2").tobytes()
 
 
 def _record(prompt, seq: int) -> CaptureRecord:
@@ -104,10 +102,9 @@ def test_journal_keeps_the_text_and_the_shard_writer_reads_it() -> None:
 
 
 def test_an_id_past_int32_makes_that_call_failed_not_the_segment() -> None:
-    entries = [call_entry(_record(IdText(b"1,4294967296"), 0), 0), call_entry(_record(IdText(b"1,,2"), 1), 1),
-               call_entry(_record(IdText(b"1,2"), 2), 2)]
-    huge, empty, good = encode_segment(entries, SessionTips().staged())["calls"]
-    for bad, why in ((huge, "int32"), (empty, "empty element")):
-        assert bad["status"] == "failed" and why in bad["error"] and bad["prompt_len"] == 0 and bad["response_ids"] == []
+    entries = [call_entry(_record(IdText(b"1,4294967296"), 0), 0), call_entry(_record(IdText(b"1,2"), 1), 1)]
+    huge, good = encode_segment(entries, SessionTips().staged())["calls"]
+    assert huge["status"] == "failed" and "int32" in huge["error"] and huge["prompt_len"] == 0
+    assert huge["response_ids"] == [] and huge["logprobs"] == []
     assert good["status"] == "ok" and good["prompt_tail"] == [1, 2]
 

@@ -143,8 +143,8 @@ def decode_entry(payload: bytes) -> tuple[str, JournaledCall | dict[str, Any]]:
         try:
             call.prompt = IdText(prompt).tobytes()
         except ValueError as exc:
-            # What the capture path does not check (an id past int32, an empty element: see IdText) shows
-            # here, after the call was answered: keep the call, as failed, rather than block the segment.
+            # The one thing the capture path does not check (an id past int32: see IdText) shows here,
+            # after the call was answered: keep the call, as failed, rather than block the segment.
             row.update(status="failed", error=f"engine answer unusable: prompt_token_ids: {exc}")
             call.prompt, call.response_ids, call.logprobs = b"", [], []
     return CALLS, call
