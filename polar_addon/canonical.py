@@ -101,7 +101,7 @@ class Completion:
 
     message: AssistantMessage
     finish_reason: FinishReason
-    prompt_ids: Sequence[int]  # a list, or an int32 array.array (HTTP engines: see openai_compat)
+    prompt_ids: Sequence[int]  # a list; HTTP engines give an int32 array or the id text (token_ids.IdText)
     response_ids: list[int]
     logprobs: list[float]  # one per response token: log p(token) under the sampling temperature
     served_model: str

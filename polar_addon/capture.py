@@ -65,10 +65,10 @@ class CaptureRecord:
     tool_choice_json: str = "null"
     response_json: str = "null"
     error: str | None = None  # why a failed call failed
+
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies every token list (~50 ms for an 8k-token record).
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
 
     @property
     def messages(self) -> list[dict[str, Any]]:

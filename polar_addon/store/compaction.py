@@ -27,7 +27,6 @@ from polar_addon.canonical import AssistantMessage
 from polar_addon.capture import CaptureRecord
 from polar_addon.store.entries import PLAIN_FIELDS, JournaledCall, decode_entry
 from polar_addon.store.shards import KINDS, SESSIONS
-from polar_addon.token_ids import pack_token_ids
 
 # How many recent calls per session a new call may reference.
 TIPS_PER_SESSION = 3
@@ -173,7 +172,7 @@ def encode_call(call: JournaledCall, tips: Sequence[Tip]) -> tuple[dict[str, Any
         if parts is not None:
             extra = response_part(row["response_json"])
             tip_parts = parts + ([extra] if extra is not None else [])
-        tip = Tip(row["record_id"], prompt_arr + pack_token_ids(call.response_ids, "response_ids"), tip_parts)
+        tip = Tip(row["record_id"], prompt_arr + call.response, tip_parts)
     return row, tip
 
 

@@ -1,9 +1,9 @@
 """Journal entries: how one append is laid out inside a journal segment.
 
-A call entry holds the whole record, token ids packed as native int32 and logprobs as float64 (exact: JSON
-has no NaN and would round-trip floats through text). It is built on the latency path, between the
-engine's answer and the harness's, so it does as little as possible: scalar checks, one pack of the ids,
-a small JSON header. Prefix compaction happens later, when a sealed segment becomes shards
+A call entry holds the whole record: the prompt as int32 or as the engine's own id text (token_ids.IdText),
+the response ids as int32, the logprobs as float64 (exact: JSON has no NaN and would round-trip floats
+through text). It is built on the latency path, between the engine's answer and the harness's, so it
+does as little as possible: scalar checks, packing what is not packed yet, a small JSON header. Prefix compaction happens later, when a sealed segment becomes shards
 (``compaction.encode_segment``). Session and reward entries are small JSON rows.
 
     call:   b"C" or b"T" <u32 header length> <u32 prompt bytes> <u32 response tokens>
@@ -46,6 +46,7 @@ class JournaledCall:
 
     row: dict[str, Any]  # PLAIN_FIELDS
     prompt: bytes  # native int32, 4 bytes a token
+    response: bytes  # the same for response_ids, as the entry held them (the tip of later calls needs them)
     response_ids: list[int]
     logprobs: list[float]
     messages_json: str
@@ -134,11 +135,12 @@ def decode_entry(payload: bytes) -> tuple[str, JournaledCall | dict[str, Any]]:
     pos += header_len
     prompt = payload[pos:pos + prompt_bytes]
     pos += prompt_bytes
-    response_ids = array.array("i", payload[pos:pos + 4 * n_response]).tolist()
+    response = payload[pos:pos + 4 * n_response]
+    response_ids = array.array("i", response).tolist()
     pos += 4 * n_response
     logprobs = array.array("d", payload[pos:pos + 8 * n_response]).tolist()
     pos += 8 * n_response
-    call = JournaledCall(row, prompt, response_ids, logprobs, payload[pos:].decode())
+    call = JournaledCall(row, prompt, response, response_ids, logprobs, payload[pos:].decode())
     if tag == _CALL_TEXT:
         try:
             call.prompt = IdText(prompt).tobytes()
@@ -146,5 +148,5 @@ def decode_entry(payload: bytes) -> tuple[str, JournaledCall | dict[str, Any]]:
             # The one thing the capture path does not check (an id past int32: see IdText) shows here,
             # after the call was answered: keep the call, as failed, rather than block the segment.
             row.update(status="failed", error=f"engine answer unusable: prompt_token_ids: {exc}")
-            call.prompt, call.response_ids, call.logprobs = b"", [], []
+            call.prompt, call.response, call.response_ids, call.logprobs = b"", b"", [], []
     return CALLS, call
