@@ -49,6 +49,13 @@ async def _wait_writable(store: TraceStore, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.1)
 
 
+async def _wait_converted(store: TraceStore, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while store.pending_segments:
+        assert time.monotonic() < deadline, f"{store.pending_segments} journal segments never became shards"
+        await asyncio.sleep(0.05)
+
+
 @pytest.fixture
 def small_tmpfs():
     if os.geteuid() != 0:
@@ -71,10 +78,10 @@ def _fill(path: Path, leave: int) -> None:
     bytes of its filesystem remain."""
     stat = os.statvfs(path.parent)
     free = stat.f_bavail * stat.f_frsize
-    with open(path, "ab") as f:
+    # Unbuffered: a buffered file cut short by ENOSPC raises again when close() flushes the rest.
+    with open(path, "ab", buffering=0) as f:
         try:
             f.write(b"\0" * max(0, free - leave))
-            f.flush()
         except OSError:
             pass
 
@@ -102,6 +109,9 @@ def test_disk_full_refuses_then_recovers_with_nothing_lost(small_tmpfs: Path) ->
             with pytest.raises(StorageUnavailable, match="No space left"):
                 await store.append(_record(rng, "s", 200_000))
             refused += 1
+            # The shard writer converts (then deletes) the segment that failure sealed: let it finish
+            # before filling the rest, or the room it frees afterwards lets the journal probe succeed.
+            await _wait_converted(store)
             _fill(filler2, leave=0)
             # Entries far larger than what the background shard writer can free meanwhile (it deletes
             # converted journal segments of a few KiB): a small one could still slip into that room.
