@@ -62,6 +62,27 @@ def wait_for_port(port: int, timeout: float, process: subprocess.Popen | None = 
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+def mitmdump_args(engine: str, out: Path | str, *, port: int | None = None, modes: list[str] | None = None,
+                  confdir: Path | None = None, options: dict[str, str] | None = None, addon: bool = True,
+                  quiet: bool = True) -> list[str]:
+    """mitmdump's command line, bound to 127.0.0.1: ``--listen-port`` for one mode, or every mode with its own
+    ``@PORT`` (``regular@8080``, ``reverse:https://api.openai.com@8081``), which mitmproxy runs side by side."""
+    cmd = [str(MITMDUMP), "--listen-host", "127.0.0.1"]
+    if port is not None:
+        cmd += ["--listen-port", str(port)]
+    for mode in modes or []:
+        cmd += ["--mode", mode]
+    if confdir is not None:
+        cmd += ["--set", f"confdir={confdir}"]
+    if quiet:
+        cmd += ["--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
+    if addon:
+        cmd += ["-s", str(ADDON), "--set", f"polar_engine={engine}", "--set", f"polar_out={out}"]
+        for key, value in (options or {}).items():
+            cmd += ["--set", f"{key}={value}"]
+    return cmd
+
+
 @contextmanager
 def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Path | None = None,
                  options: dict[str, str] | None = None, addon: bool = True, timeout: float = 120.0) -> Iterator[Proxy]:
@@ -70,14 +91,8 @@ def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Pa
     confdir = confdir or out.parent / "mitmproxy-conf"
     confdir.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"mitmdump-{port}.log"
-    cmd = [str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port),
-           "--set", f"confdir={confdir}", "--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
-    if mode:
-        cmd += ["--mode", mode]
-    if addon:
-        cmd += ["-s", str(ADDON), "--set", f"polar_engine={engine}", "--set", f"polar_out={out}"]
-        for key, value in (options or {}).items():
-            cmd += ["--set", f"{key}={value}"]
+    cmd = mitmdump_args(engine, out, port=port, modes=[mode] if mode else None, confdir=confdir, options=options,
+                        addon=addon)
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     proxy = Proxy(port, confdir, out, log, process)
