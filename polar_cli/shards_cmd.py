@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from pathlib import Path
 from typing import Optional
 
@@ -115,7 +114,7 @@ def reward(
 ) -> None:
     """Record rewards for sessions: one with --session/--value, or many with --file."""
     from polar_addon.store import TraceStore, read_sessions
-    from polar_addon.store.rewards import RewardInput, parse_rewards_jsonl
+    from polar_addon.store.rewards import RewardInput, check_reward, parse_rewards_jsonl
     from polar_addon.store.shards import Output
     from polar_addon.store.summary import journal_session_ids
     from polar_addon.store.trace_store import default_journal_dir
@@ -124,10 +123,12 @@ def reward(
         raise typer.BadParameter("give either --file or --session with --value")
     if file is None and (session is None or value is None):
         raise typer.BadParameter("give --session and --value (or --file)")
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter("--value must be a finite number")
     try:
-        rewards = parse_rewards_jsonl(file) if file is not None else [RewardInput(session, value, name)]  # type: ignore[arg-type]
+        if file is not None:
+            rewards = parse_rewards_jsonl(file)
+        else:
+            checked_value, checked_name = check_reward(value, name)
+            rewards = [RewardInput(session, checked_value, checked_name)]  # type: ignore[arg-type]
     except (OSError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
