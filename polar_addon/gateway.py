@@ -233,7 +233,8 @@ class Gateway:
             raise
         except Exception as exc:  # an engine bug must not take the proxy down with it
             log.exception("polar: engine %s failed", engine.name)
-            err = PolarError(502, "api_error", f"engine error: {type(exc).__name__}: {exc}")
+            # The exception text may name the engine's URL: it stays in the proxy log.
+            err = PolarError(502, "api_error", f"engine error ({type(exc).__name__}); see the proxy log")
             await self._record_failure(call, provider.name, request, err)
             raise err from exc
         record = record_ok(identity=call.identity, seq=-1, request=request, completion=completion,
