@@ -143,7 +143,7 @@ def build(
             raise typer.BadParameter(f"{out} exists and is not empty (use --overwrite)", param_hint="--out")
         shutil.rmtree(out)
     tok, source = load_tokenizer(tokenizer, shards)
-    console.print(source)
+    console.print(source, markup=False)
     sessions = _sessions(shards)
     wanted = set(session) or None
     total = len(wanted) if wanted else len(sessions)
@@ -199,6 +199,7 @@ def stats(
     from polar_addon.store import iter_records
     from polar_cli.build import BuildReport, iter_session_builds
     from polar_cli.build.stats import report_table
+    from polar_cli.terminal import markup_safe
 
     _check_strategy(strategy)
     merge = merge_retokenized(retokenized)
@@ -213,8 +214,8 @@ def stats(
     if as_json:
         typer.echo(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode())
         return
-    Console(stderr=True).print(source)
-    console.print(report_table(report, title=f"polar stats: {shards}"))
+    Console(stderr=True).print(source, markup=False)
+    console.print(report_table(report, title=f"polar stats: {markup_safe(shards)}"))
 
 
 def view(

@@ -68,7 +68,7 @@ def proxy(
 ) -> None:
     """Run mitmdump with the polar addon on 127.0.0.1 (forward and reverse listeners) and print each harness's
     environment; Ctrl-C stops it (records already acknowledged are durable)."""
-    from polar_cli.mitm import mitmdump_args, wait_for_port
+    from polar_cli.mitm import mitmdump_command, wait_for_port
 
     rport = reverse_port or port + 1
     if rport == port:
@@ -80,8 +80,8 @@ def proxy(
             raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
         extra[key] = value
     confdir = confdir.expanduser()
-    cmd = mitmdump_args(engine, out, modes=[f"regular@{port}", f"reverse:{reverse}@{rport}"], confdir=confdir,
-                        options=extra, quiet=False)
+    cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{port}", f"reverse:{reverse}@{rport}"],
+                           confdir=confdir, options=extra, quiet=False)
     process = subprocess.Popen(cmd, start_new_session=True)
     # Own session (so a terminal's Ctrl-C reaches mitmdump once, through us): a TERM to us must stop it too.
     signal.signal(signal.SIGTERM, _interrupt)

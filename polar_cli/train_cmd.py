@@ -82,6 +82,7 @@ def train(
     _check_model_and_output(model, output, overwrite=overwrite, resume=resume)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from polar_cli.train.dataset import NothingToTrain, TemperatureMismatch
+    from polar_cli.terminal import markup_safe
     from polar_cli.train.run import run_training
 
     cfg = TrainConfig(
@@ -100,13 +101,13 @@ def train(
     try:
         result = run_training(cfg)
     except NothingToTrain as exc:
-        console.print(f"[yellow]nothing to train:[/] {exc}")
+        console.print(f"[yellow]nothing to train:[/] {markup_safe(exc)}")
         raise typer.Exit(EXIT_NOTHING_TO_TRAIN) from exc
     except TemperatureMismatch as exc:
-        console.print(f"[bold red]temperature mismatch:[/] {exc}")
+        console.print(f"[bold red]temperature mismatch:[/] {markup_safe(exc)}")
         raise typer.Exit(2) from exc
     except (ValueError, FileNotFoundError) as exc:
-        console.print(f"[bold red]cannot train:[/] {exc}")
+        console.print(f"[bold red]cannot train:[/] {markup_safe(exc)}")
         raise typer.Exit(2) from exc
     if int(os.environ.get("RANK", "0")) != 0:
         return

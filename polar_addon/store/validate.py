@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from polar_addon.store.compaction import ShardIntegrityError, expand_session
+from polar_addon.store.sessions import row_metadata
 from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
 from polar_addon.store.pending import pending_table, read_pending
 from polar_addon.store.trace_store import SESSION_STATUSES, default_journal_dir
@@ -138,6 +139,10 @@ def validate_store(uri: str) -> list[str]:
     for row in sessions:
         if row["status"] is not None and row["status"] not in SESSION_STATUSES:
             problems.append(f"session {row['session_id']}: status {row['status']!r} not in {SESSION_STATUSES}")
+        try:
+            row_metadata(row)
+        except ValueError as exc:
+            problems.append(f"session {row['session_id']}: {exc} (readers skip this row)")
     rewards = _read(out, REWARDS, readable[REWARDS], segments)
     reward_ids = Counter(r["reward_id"] for r in rewards)
     problems += [f"reward_id {rid} appears {n} times" for rid, n in reward_ids.items() if n > 1]
