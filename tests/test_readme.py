@@ -44,9 +44,9 @@ print("agent:", reply.choices[0].message.content)
 
 def block(name: str) -> str:
     """The code block after ``<!-- readme-test: NAME -->`` (dedented: it may sit in a list item)."""
-    match = re.search(rf"<!-- readme-test: {name} -->\s*\n(\s*)```sh\n(.*?)\n\s*```", README, re.S)
+    match = re.search(rf"<!-- readme-test: {name} -->\s*\n[ \t]*```sh\n(.*?)\n[ \t]*```", README, re.S)
     assert match, f"README has no readme-test block {name!r}"
-    return textwrap.dedent(match.group(1).replace("\n", "") + match.group(2))
+    return textwrap.dedent(match.group(1))
 
 
 def commands(text: str) -> list[str]:
