@@ -133,6 +133,12 @@ def validate_store(uri: str) -> list[str]:
     for row in sessions:
         if row["status"] is not None and row["status"] not in SESSION_STATUSES:
             problems.append(f"session {row['session_id']}: status {row['status']!r} not in {SESSION_STATUSES}")
+    for path in out.list_quarantine():
+        with out.fs.open_input_stream(path) as f:
+            for line in f.read().splitlines():
+                entry = orjson.loads(line)
+                problems.append(f"quarantined: segment {entry['segment']} entry {entry['entry']} could not become a row "
+                                f"({entry['reason']}); kept in {path[len(out.root) + 1:]}")
     rewards = _read(out, REWARDS, readable[REWARDS])
     reward_ids = Counter(r["reward_id"] for r in rewards)
     problems += [f"reward_id {rid} appears {n} times" for rid, n in reward_ids.items() if n > 1]
