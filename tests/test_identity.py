@@ -18,8 +18,8 @@ def test_proxy_credentials_win_over_headers_and_keys():
 
 
 def test_proxy_user_alone_and_percent_encoding():
-    ident = identity.resolve(basic("my%20session"), {}, "conn")
-    assert ident.session_id == "my session" and ident.task_id is None
+    ident = identity.resolve(basic("my%3Asession"), {}, "conn")
+    assert ident.session_id == "my:session" and ident.task_id is None
 
 
 def test_headers_then_api_key():
