@@ -68,6 +68,7 @@ bench: install model
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/build.py
 	$(BIN)/python bench/train.py
+	$(BIN)/python bench/reliability.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(S3_VENV) $(HARNESS_DIR) models shards runs .pytest_cache
