@@ -216,7 +216,9 @@ def hostile_body(draw: st.DrawFn, api: str) -> bytes:
         _set(body, where, deep(draw(st.integers(100, 1000))))
         return orjson.dumps(body) if _depth_ok(body) else json.dumps(body).encode()
     if kind == "many_tools":
-        tools = body["tools"] * draw(st.integers(1000, 2000))
+        tools = body["tools"] * draw(st.integers(1000, 1500))
+        if draw(st.integers(0, 3)):  # mostly refused after walking them all (a valid one costs a long prompt)
+            tools.insert(draw(st.integers(0, len(tools))), draw(JSON_VALUES))
         body["tools"] = tools
         return orjson.dumps(body)
     for _ in range(draw(st.integers(1, 3))):
