@@ -56,7 +56,8 @@ def _parse_fields(text: str) -> dict[str, str]:
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in {"session", "task", "group", "sample"}:
-            raise _bad(f"cannot read {part[:64]!r} (keys: session, task, group, sample)")
+            # Never quote the credentials back: they may be a password someone mistyped.
+            raise _bad("cannot read the session fields (key=value pairs joined by ';', keys: session, task, group, sample)")
         fields[key] = value.strip()
     return fields
 

@@ -42,3 +42,12 @@ def test_bad_fields_are_a_clear_400(bad):
     with pytest.raises(PolarError) as info:
         identity.resolve(None, {"authorization": f"Bearer polar:{bad}"}, "c")
     assert info.value.status == 400 and "polar identity" in info.value.message
+
+
+@pytest.mark.parametrize("proxy_password,api_key", [("session=s;hunter2-xyz", None), ("sample=hunter2-xyz", None),
+                                                    (None, "polar:session=s;hunter2=1")])
+def test_errors_never_quote_the_credentials(proxy_password, api_key):
+    header = proxy_password and "Basic " + base64.b64encode(f"user:{proxy_password}".encode()).decode()
+    with pytest.raises(PolarError) as info:
+        identity.resolve(header, {"x-api-key": api_key} if api_key else {}, "c")
+    assert info.value.status == 400 and "hunter2" not in info.value.message
