@@ -2,7 +2,7 @@
 
 In-process through ``Gateway.handle`` (every translator, identity parsing) and through a real mitmdump in
 reverse mode in front of a recording fake upstream: anything the addon lets through would show up there.
-The hypothesis budget is small here (``POLAR_FUZZ_EXAMPLES``, default 20 per translator); ``bench/reliability.py
+The hypothesis budget is small here (``POLAR_FUZZ_EXAMPLES``, default 12 per translator); ``bench/reliability.py
 --long`` runs more.
 """
 
@@ -43,7 +43,7 @@ from tests.support.hostile import (
 )
 from tests.support.proxy import run_mitmdump
 
-EXAMPLES = int(os.environ.get("POLAR_FUZZ_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("POLAR_FUZZ_EXAMPLES", "12"))
 TRIGGERS = triggers()
 
 
