@@ -45,10 +45,16 @@ def chat_body(request: CanonicalRequest, model: str) -> dict[str, Any]:
         body["tools"] = request.tools
         if request.tool_choice is not None:
             body["tool_choice"] = request.tool_choice
-    for key in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+    for key in ("temperature", "top_p", "max_tokens", "seed", "min_p"):
         value = getattr(sampling, key)
         if value is not None:
             body[key] = value
+    if sampling.top_k is not None:
+        # -1 is "off" for both SGLang (which refuses 0) and vLLM.
+        body["top_k"] = sampling.top_k if sampling.top_k > 0 else -1
+    # An omitted penalty falls back to the model's generation_config (Qwen2.5: 1.05) in SGLang and
+    # vLLM, and bends the sampled distribution away from what the trainer recomputes.
+    body["repetition_penalty"] = 1.0
     if sampling.stop:
         body["stop"] = list(sampling.stop)
     if request.enable_thinking is not None:
