@@ -37,6 +37,10 @@ def test_omitted_parameters_are_filled_and_sent_explicitly() -> None:
     # Nothing left for an engine to take from the model's generation_config.
     assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")} == {
         "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    # A caller that filled nothing (an engine used directly) still leaves nothing to the engine.
+    raw = chat_body(CanonicalRequest(api="openai_chat", model="m", messages=MESSAGES), "m")
+    assert {k: raw[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")} == {
+        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
     # The client's own values win; its spellings of "no top-k" (-1, 0) are one value.
     mine = with_defaults(SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05), SamplingDefaults(top_k=20))
     assert (mine.temperature, mine.top_p, mine.top_k, mine.min_p) == (0.7, 0.9, 0, 0.05)
