@@ -122,3 +122,27 @@ def test_session_rows_are_remembered_within_a_bound(script: Path, tmp_path: Path
     asyncio.run(main())
     rows = read_table(str(out), "sessions").to_pylist()
     assert sorted(r["session_id"] for r in rows) == ["a", "b", "b", "c"]
+
+
+@pytest.mark.parametrize(
+    "client_max,proxy_cut,finish,seen",
+    [
+        (7, True, "length", "length"),  # the client's own limit was reached exactly: its own overflow
+        (6, True, "length", "length"),
+        (8, True, "length", "stop"),  # cut below what the client allowed: ends normally
+        (None, True, "length", "stop"),  # the client set no limit; only the proxy's cap cut it
+        (8, False, "length", "length"),  # no proxy cap in force: nothing to hide
+        (8, True, "stop", "stop"),
+    ],
+)
+def test_the_client_sees_length_only_when_its_own_limit_was_reached(client_max, proxy_cut, finish, seen) -> None:
+    from polar_addon.canonical import CanonicalRequest
+    from tests.support.providers import completion
+
+    request = CanonicalRequest(api="anthropic_messages", model="tiny", messages=[])
+    if proxy_cut:
+        request.extra["client_max_tokens"] = client_max
+    comp = completion(finish_reason=finish)  # 7 response tokens
+    assert len(comp.response_ids) == 7
+    assert Gateway._as_client_sees(request, comp).finish_reason == seen
+    assert comp.finish_reason == finish  # the record keeps what the engine said

@@ -384,11 +384,31 @@ def test_keepalive_is_invisible_to_the_sdk() -> None:
 # ---------------------------------------------------------------- errors
 
 
+# kind -> (HTTP code the engines raise it with, google.rpc status), as Google's API reports them.
+GOOGLE_ERRORS = {
+    "invalid_request": (400, "INVALID_ARGUMENT"),
+    "authentication": (401, "UNAUTHENTICATED"),
+    "not_found": (404, "NOT_FOUND"),
+    "context_length_exceeded": (400, "INVALID_ARGUMENT"),
+    "overloaded": (503, "UNAVAILABLE"),
+    "timeout": (504, "DEADLINE_EXCEEDED"),
+    "api_error": (502, "INTERNAL"),
+    "storage_unavailable": (503, "UNAVAILABLE"),
+}
+assert sorted(GOOGLE_ERRORS) == sorted(ERROR_KINDS)
+
+
 @pytest.mark.parametrize("kind", ERROR_KINDS)
-def test_every_error_kind_has_a_google_status(kind: str) -> None:
-    body = PROVIDER.render_error(PolarError(503, kind, "boom"))
-    assert body == {"error": {"code": 503, "message": "boom", "status": body["error"]["status"]}}
-    assert body["error"]["status"] in {"INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL"}
+def test_every_error_kind_has_its_google_status(kind: str) -> None:
+    code, status = GOOGLE_ERRORS[kind]
+    body = PROVIDER.render_error(PolarError(code, kind, "boom"))
+    assert body == {"error": {"code": code, "message": "boom", "status": status}}
+    [event] = PROVIDER.render_stream_error(PolarError(code, kind, "boom"), None)  # type: ignore[arg-type]
+    assert event.data == body
+
+
+def test_an_unknown_error_kind_is_internal() -> None:
+    assert PROVIDER.render_error(PolarError(500, "brand_new", "x"))["error"]["status"] == "INTERNAL"
 
 
 @pytest.mark.parametrize("status,kind,exc", [(400, "context_length_exceeded", errors.ClientError), (503, "overloaded", errors.ServerError)])

@@ -328,12 +328,32 @@ def test_keepalive_is_ignored_by_the_sdk() -> None:
 # ---------------------------------------------------------------- errors
 
 
+# kind -> (type, code) as OpenAI's API documents them; written out, not read from the translator.
+OPENAI_ERRORS = {
+    "invalid_request": ("invalid_request_error", None),
+    "authentication": ("authentication_error", "invalid_api_key"),
+    "not_found": ("invalid_request_error", "not_found"),
+    "context_length_exceeded": ("invalid_request_error", "context_length_exceeded"),
+    "overloaded": ("server_error", "overloaded"),
+    "timeout": ("server_error", "timeout"),
+    "api_error": ("server_error", None),
+    "storage_unavailable": ("server_error", "storage_unavailable"),
+}
+assert sorted(OPENAI_ERRORS) == sorted(ERROR_KINDS)
+
+
 @pytest.mark.parametrize("kind", ERROR_KINDS)
-def test_every_error_kind_has_an_openai_type(kind: str) -> None:
+def test_every_error_kind_has_its_openai_type_and_code(kind: str) -> None:
     body = PROVIDER.render_error(PolarError(500, kind, "boom"))
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"] == "boom"
-    assert err["type"] in {"invalid_request_error", "authentication_error", "server_error"}
+    kind_type, code = OPENAI_ERRORS[kind]
+    assert body == {"error": {"message": "boom", "type": kind_type, "param": None, "code": code}}
+    # A streamed failure carries the same error object (the SDK raises APIError on it).
+    [event] = PROVIDER.render_stream_error(PolarError(500, kind, "boom"), CTX)
+    assert event.data == body
+
+
+def test_an_unknown_error_kind_is_a_server_error() -> None:
+    assert PROVIDER.render_error(PolarError(500, "brand_new", "x"))["error"]["type"] == "server_error"
 
 
 def test_context_length_error_code() -> None:

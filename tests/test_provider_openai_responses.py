@@ -488,12 +488,37 @@ def test_stream_keepalive_sends_the_prelude_then_in_progress_and_numbering_conti
 # ---------------------------------------------------------------- errors
 
 
+# kind -> (type, code); Codex reads the code (context_length_exceeded: compact; anything else: retry).
+RESPONSES_ERRORS = {
+    "invalid_request": ("invalid_request_error", None),
+    "authentication": ("authentication_error", "invalid_api_key"),
+    "not_found": ("invalid_request_error", "not_found"),
+    "previous_response_not_found": ("invalid_request_error", "previous_response_not_found"),
+    "context_length_exceeded": ("invalid_request_error", "context_length_exceeded"),
+    "overloaded": ("server_error", "server_is_overloaded"),
+    "timeout": ("server_error", "timeout"),
+    "api_error": ("server_error", "server_error"),
+    "storage_unavailable": ("server_error", "storage_unavailable"),
+}
+assert sorted(RESPONSES_ERRORS) == sorted(ERROR_KINDS)
+
+
 @pytest.mark.parametrize("kind", ERROR_KINDS)
-def test_every_error_kind_has_an_openai_type_and_code(kind: str) -> None:
+def test_every_error_kind_has_its_openai_type_and_code(kind: str) -> None:
     err = PROVIDER.render_error(PolarError(500, kind, "boom"))["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"] == "boom"
-    assert err["code"] or kind == "invalid_request"  # OpenAI's plain 400s carry no code
-    assert err["type"] in {"invalid_request_error", "authentication_error", "server_error"}
+    kind_type, code = RESPONSES_ERRORS[kind]
+    param = "previous_response_id" if kind == "previous_response_not_found" else None
+    assert err == {"message": "boom", "type": kind_type, "param": param, "code": code}
+    # Streamed, the failure is a response.failed event carrying the same code.
+    *_, failed = PROVIDER.render_stream_error(PolarError(500, kind, "boom"), CTX)
+    assert failed.data["type"] == "response.failed"
+    assert failed.data["response"]["status"] == "failed"
+    assert failed.data["response"]["error"] == {"code": code, "message": "boom"}
+
+
+def test_an_unknown_error_kind_is_a_server_error() -> None:
+    err = PROVIDER.render_error(PolarError(500, "brand_new", "x"))["error"]
+    assert (err["type"], err["code"]) == ("server_error", "server_error")
 
 
 @pytest.mark.parametrize(
