@@ -314,6 +314,9 @@ class Gateway:
                     raise ValueError(f"status must be one of {sorted(SESSION_STATUSES)}")
                 await self.store.session_update(session_id, status=status, ended_at=time.time(),
                                                 metadata=body.get("metadata"))
+                if status != "running":
+                    # Ended: its engine slot goes to the next new session (least-loaded assignment).
+                    self.pool.release(session_id)
         except (KeyError, ValueError, TypeError, orjson.JSONDecodeError) as exc:
             return _json(400, {"error": {"type": "invalid_request", "message": f"bad {what} body: {exc}"}})
         except StorageUnavailable as exc:

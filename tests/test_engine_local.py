@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -130,28 +129,21 @@ def test_missing_model_is_unavailable(tmp_path):
 
 
 def test_generation_leaves_the_event_loop_free(engine):
+    """Other coroutines run while generations are in flight (a generation run on the loop itself
+    would finish before the loop turned twice). How fast the loop keeps turning is measured by
+    bench/engine_loop.py, not asserted here."""
+
     async def scenario():
-        ticks = 0
-        done = asyncio.Event()
+        generations = asyncio.gather(*(engine.complete(request(temperature=1.0, max_tokens=64, seed=s)) for s in range(3)))
+        turns_while_generating = 0
+        while not generations.done():
+            await asyncio.sleep(0.005)
+            turns_while_generating += 1
+        return await generations, turns_while_generating
 
-        async def ticker():
-            nonlocal ticks
-            while not done.is_set():
-                ticks += 1
-                await asyncio.sleep(0.005)
-
-        task = asyncio.create_task(ticker())
-        started = time.monotonic()
-        results = await asyncio.gather(*(engine.complete(request(temperature=1.0, max_tokens=64, seed=s)) for s in range(3)))
-        elapsed = time.monotonic() - started
-        done.set()
-        await task
-        return results, ticks, elapsed
-
-    results, ticks, elapsed = asyncio.run(scenario())
+    results, turns = asyncio.run(scenario())
     assert [len(r.response_ids) for r in results] == [64, 64, 64]
-    # The loop kept running while three generations ran one after another in a worker thread.
-    assert ticks >= elapsed / 0.005 / 4
+    assert turns >= 10
 
 
 def test_reload_tags_later_completions(tiny_model_dir, tmp_path):

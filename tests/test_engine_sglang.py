@@ -178,7 +178,8 @@ def protocol():
     try:
         return load_protocol()
     except ContractUnavailable as exc:
-        pytest.skip(f"SGLang 0.5.23 protocol unavailable: {exc}")
+        # Never a silent skip: `make test` fetches the wheel first (`make sglang-contract`).
+        pytest.fail(f"SGLang 0.5.23 protocol unavailable ({exc}); run `make sglang-contract`")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 
 import anthropic
 import httpx
@@ -21,6 +20,7 @@ from transformers import AutoTokenizer
 from polar_addon.store import read_records, read_sessions
 from polar_addon.store.validate import validate_store
 from tests.support.proxy import run_mitmdump
+from tests.support.shards import wait_for_shards
 
 TOOLS_OAI = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
               "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
@@ -101,7 +101,7 @@ def test_records_are_token_exact_and_secret_free(proxy, tiny_model_dir):
     messages = [{"role": "system", "content": "sys"}, {"role": "developer", "content": "dev"},
                 {"role": "user", "content": "hello there"}]
     resp = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS_OAI, max_tokens=10, temperature=0.7, seed=1)
-    time.sleep(1.0)
+    wait_for_shards(proxy.out)
     records = [r for r in read_records(str(proxy.out)) if r.session_id == "exact-1"]
     assert len(records) == 1
     rec = records[0]
@@ -127,7 +127,7 @@ def test_bad_input_gets_provider_shaped_errors_and_is_recorded(proxy):
     # The proxy keeps serving after bad input.
     ok = oai(proxy, "bad-2").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert ok.choices[0].finish_reason in {"stop", "length"}
-    time.sleep(1.0)
+    wait_for_shards(proxy.out)
     records = [r for r in read_records(str(proxy.out)) if r.session_id in {"bad-1", "bad-2"}]
     failed = [r for r in records if r.status == "failed"]
     assert len(failed) == 2 and all(r.prompt_ids == [] and r.error for r in failed)
@@ -150,7 +150,7 @@ def test_sessions_table_and_reward_endpoint(proxy):
     assert r.status_code == 200, r.text
     assert own.post("http://polar.local/sessions/rw-1/status", json={"status": "completed"}).status_code == 200
     assert own.post("http://polar.local/sessions/rw-1/reward", json={"valu": 1}).status_code == 400
-    time.sleep(1.0)
+    wait_for_shards(proxy.out)
     sessions = {s.session_id: s for s in read_sessions(str(proxy.out))}
     assert sessions["rw-1"].rewards.get("reward") == 0.75
     assert sessions["rw-1"].status == "completed"

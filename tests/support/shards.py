@@ -1,0 +1,33 @@
+"""Waiting for a running proxy's captures to reach the shards, without sleeping a guessed time.
+
+A call is acknowledged once its journal entry is durable; the shard follows when the segment is
+sealed (``polar_shard_seconds``) and converted, and the segment file is deleted only then. So a
+local store whose journal holds no segment has every acknowledged record in its shards.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from polar_addon.capture import CaptureRecord
+from polar_addon.store import read_records
+
+
+def pending_segments(out: str | Path) -> list[Path]:
+    return sorted(Path(out, "_journal").glob("w-*/*.wal"))
+
+
+def wait_for_shards(out: str | Path, timeout: float = 60.0) -> None:
+    """Return once every record acknowledged so far by the store at ``out`` is in its shards."""
+    deadline = time.monotonic() + timeout
+    while pending := pending_segments(out):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"journal segments still not in shards after {timeout:g} s: {pending}")
+        time.sleep(0.05)
+
+
+def session_records(out: str | Path, session: str, *, include_failed: bool = True, timeout: float = 60.0) -> list[CaptureRecord]:
+    """The session's records, once everything acknowledged is in the shards."""
+    wait_for_shards(out, timeout)
+    return read_records(str(out), [session], include_failed=include_failed)
