@@ -154,3 +154,17 @@ def test_reload_tags_later_completions(tiny_model_dir, tmp_path):
     after = asyncio.run(eng.complete(request(temperature=0, max_tokens=3)))
     assert after.weight_version == "step-1"
     assert after.response_ids == before.response_ids
+
+
+def test_thinking_flag_reaches_a_template_that_reads_it(thinking_model_dir):
+    """Off: the prompt ends in Qwen3's empty think block; on, or not said: the template's default."""
+    eng = LocalEngine(thinking_model_dir)
+    ids = {}
+    for flag in (None, True, False):
+        req = request(temperature=0, max_tokens=2)
+        req.enable_thinking = flag
+        completion = asyncio.run(eng.complete(req))
+        ids[flag] = completion.prompt_ids
+        assert asyncio.run(eng.count_tokens(req)) == len(completion.prompt_ids)
+    assert ids[True] == ids[None]
+    assert ids[False] == ids[None] + eng.encode("<think>\n\n</think>\n\n")
