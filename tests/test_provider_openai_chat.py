@@ -286,6 +286,30 @@ def test_sdk_accumulated_stream_equals_non_stream(name: str, include_usage: bool
     assert sdk_stream_final(request, comp) == expected
 
 
+STREAM_FINISH = {"text": "stop", "reasoning_text": "stop", "parallel_tools": "tool_calls", "tool_only": "tool_calls",
+                 "empty": "length"}
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_CASES))
+def test_sdk_stream_parse_carries_the_completion(name: str) -> None:
+    """The SDK's parse of our stream against the completion itself and the API's fields (not against
+    our own non-stream render): text, reasoning, tool calls, finish reason, usage."""
+    comp = STREAM_CASES[name]
+    final = sdk_stream_final(parse(stream=True, stream_options={"include_usage": True}), comp)
+    assert (final["id"], final["model"], final["object"]) == ("chatcmpl-test1", "qwen-test", "chat.completion")
+    [choice] = final["choices"]
+    assert choice["finish_reason"] == STREAM_FINISH[name]
+    message = choice["message"]
+    assert (message["content"] or "") == (comp.message.content or "")
+    assert message.get("reasoning_content") == comp.message.reasoning
+    calls = [(c["id"], c["type"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or []]
+    assert calls == [(c.id, "function", c.name, c.arguments) for c in comp.message.tool_calls]
+    usage = final["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (11, 7, 18)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    assert cached == comp.cached_tokens or (cached in (None, 0) and not comp.cached_tokens)
+
+
 def test_stream_shape() -> None:
     comp = STREAM_CASES["parallel_tools"]
     request = parse(stream=True, stream_options={"include_usage": True})
