@@ -77,5 +77,11 @@ bench: install model
 	$(BIN)/python bench/build.py
 	$(BIN)/python bench/train.py
 
+# Mutation score per core module (mutmut; tens of minutes; not part of `make test`). bench/mutation_report.md
+# explains the survivors.
+mutation: install
+	$(BIN)/pip install -q -c constraints.txt 'mutmut==3.8.1'
+	$(BIN)/python bench/mutation.py $(MODULES)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(S3_VENV) $(HARNESS_DIR) models shards runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(S3_VENV) $(HARNESS_DIR) models shards runs .pytest_cache .cache .mutation

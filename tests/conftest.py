@@ -32,6 +32,9 @@ VLLM_START_TIMEOUT_S = 300.0
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from polar_cli.tiny_model import build_tiny_model
 
+    prebuilt = os.environ.get("POLAR_TEST_TINY_MODEL")
+    if prebuilt:  # bench/mutation.py: one build for thousands of short test sessions
+        return Path(prebuilt)
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 

@@ -58,8 +58,15 @@ def test_openai_stream_and_plain_agree(proxy):
     final = state.current_completion_snapshot
     assert plain.choices[0].message.content == final.choices[0].message.content
     assert plain.choices[0].finish_reason == final.choices[0].finish_reason
-    assert plain.usage.prompt_tokens == final.usage.prompt_tokens > 0
-    assert plain.usage.completion_tokens == final.usage.completion_tokens > 0
+    # Both against what the engine produced (the records), not just against each other.
+    wait_for_shards(proxy.out)
+    records = read_records(str(proxy.out), ["oai-1"])
+    assert len(records) == 2 and records[0].response_ids == records[1].response_ids  # greedy
+    for answer in (plain, final):
+        assert answer.usage.prompt_tokens == len(records[0].prompt_ids)
+        assert answer.usage.completion_tokens == len(records[0].response_ids)
+        assert answer.choices[0].message.content == (records[0].response_message["content"] or "")
+        assert answer.choices[0].finish_reason == records[0].finish_reason
 
 
 def test_anthropic_stream_and_plain_agree(proxy):
@@ -72,7 +79,15 @@ def test_anthropic_stream_and_plain_agree(proxy):
     assert [b.model_dump(exclude={"parsed_output"}) for b in plain.content] == \
         [b.model_dump(exclude={"parsed_output"}) for b in final.content]
     assert plain.stop_reason == final.stop_reason
-    assert plain.usage.input_tokens == final.usage.input_tokens > 0
+    wait_for_shards(proxy.out)
+    records = read_records(str(proxy.out), ["ant-1"])
+    assert len(records) == 2 and records[0].response_ids == records[1].response_ids  # greedy
+    text = records[0].response_message["content"] or ""
+    for answer in (plain, final):
+        assert answer.usage.input_tokens == len(records[0].prompt_ids)
+        assert answer.usage.output_tokens == len(records[0].response_ids)
+        assert "".join(b.text for b in answer.content if b.type == "text") == text
+        assert answer.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[records[0].finish_reason]
     count = client.messages.count_tokens(model="tiny", system="be brief", tools=TOOLS_ANT,
                                          messages=[{"role": "user", "content": "add 2 and 3"}])
     assert count.input_tokens == plain.usage.input_tokens
