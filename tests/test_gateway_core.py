@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from polar_addon.capture import Identity
+from polar_addon.control import ControlPlane
 from polar_addon.engines import EnginePool
 from polar_addon.engines.scripted import ScriptedEngine
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
@@ -159,9 +160,10 @@ def test_a_session_that_ends_frees_its_engine_slot(script: Path, tmp_path: Path)
         gateway = Gateway(pool, TraceStore(str(out)))
         for session in ("a", "b", "c"):  # e0, e1, e0
             assert (await gateway.handle(anthropic_call(session, [{"role": "user", "content": "hi"}]))).status == 200
-        done = IncomingCall(method="POST", path="/sessions/a/status", headers={}, body=b'{"status": "completed"}',
-                            identity=Identity(session_id="a", source="header"))
-        assert (await gateway.handle(done)).status == 200
+        # The addon wires the control plane to the pool this way.
+        control = ControlPlane(gateway.store, "t" * 32, on_session_end=pool.release)
+        status, _ = await control.handle("POST", "/sessions/a/status", "Bearer " + "t" * 32, b'{"status": "completed"}')
+        assert status == 200
         assert (await gateway.handle(anthropic_call("d", [{"role": "user", "content": "hi"}]))).status == 200
         await gateway.close()
 

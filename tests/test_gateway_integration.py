@@ -158,13 +158,11 @@ def test_claude_code_side_calls_are_answered_locally(proxy):
 
 def test_sessions_table_and_reward_endpoint(proxy):
     oai(proxy, "rw-1").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    own = httpx.Client(proxy=proxy.proxy_url("rw-1"))
-    other = httpx.Client(proxy=proxy.proxy_url("someone-else"))
-    assert other.post("http://polar.local/sessions/rw-1/reward", json={"value": 1.0}).status_code == 403
-    r = own.post("http://polar.local/sessions/rw-1/reward", json={"value": 0.75})
+    verifier = httpx.Client(proxy=proxy.url, headers=proxy.control_headers())
+    r = verifier.post("http://polar.local/sessions/rw-1/reward", json={"value": 0.75})
     assert r.status_code == 200, r.text
-    assert own.post("http://polar.local/sessions/rw-1/status", json={"status": "completed"}).status_code == 200
-    assert own.post("http://polar.local/sessions/rw-1/reward", json={"valu": 1}).status_code == 400
+    assert verifier.post("http://polar.local/sessions/rw-1/status", json={"status": "completed"}).status_code == 200
+    assert verifier.post("http://polar.local/sessions/rw-1/reward", json={"valu": 1}).status_code == 400
     wait_for_shards(proxy.out)
     sessions = {s.session_id: s for s in read_sessions(str(proxy.out))}
     assert sessions["rw-1"].rewards.get("reward") == 0.75

@@ -84,7 +84,7 @@ def test_tiny_model_is_deterministic(tmp_path: Path):
     assert a["model.safetensors"] != c["model.safetensors"] and a["tokenizer.json"] == c["tokenizer.json"]
 
 
-@pytest.mark.parametrize("change", [{"polar_engine": "local:/elsewhere"}, {"polar_out": "other-shards"},
+@pytest.mark.parametrize("change", [{"polar_engine": "vllm:http://127.0.0.1:10"}, {"polar_out": "other-shards"},
                                     {"polar_engine_timeout": "30"}, {"polar_shard_records": 7}])
 def test_engine_and_output_options_cannot_change_while_running(tmp_path, change):
     """Only the per-call settings apply live; a new engine or output needs a restart (what was
@@ -99,7 +99,8 @@ def test_engine_and_output_options_cannot_change_while_running(tmp_path, change)
     async def main() -> None:
         addon = Polar()
         with taddons.context(addon) as tctx:
-            tctx.configure(addon, polar_engine="local:/no-model-needed-until-a-call", polar_out=str(tmp_path / "out"))
+            # An HTTP engine: nothing is loaded or contacted at configure time.
+            tctx.configure(addon, polar_engine="vllm:http://127.0.0.1:9", polar_out=str(tmp_path / "out"))
             gateway = addon.gateway
             assert gateway is not None and gateway.config.keepalive_s == 5.0
             tctx.configure(addon, polar_keepalive="0.5", polar_max_tokens=64)

@@ -74,3 +74,12 @@ def test_a_malformed_basic_proxy_authorization_is_a_clear_400(token):
 def test_basic_scheme_is_case_insensitive_and_an_empty_user_takes_the_password_session():
     ident = identity.resolve("basic " + base64.b64encode(b":session=p1;sample=2").decode(), {}, "conn")
     assert (ident.session_id, ident.sample_index, ident.source) == ("p1", 2, "proxy_auth")
+
+
+@pytest.mark.parametrize("proxy_password,api_key", [("session=s;hunter2-xyz", None), ("sample=hunter2-xyz", None),
+                                                    (None, "polar:session=s;hunter2=1")])
+def test_errors_never_quote_the_credentials(proxy_password, api_key):
+    header = proxy_password and "Basic " + base64.b64encode(f"user:{proxy_password}".encode()).decode()
+    with pytest.raises(PolarError) as info:
+        identity.resolve(header, {"x-api-key": api_key} if api_key else {}, "c")
+    assert info.value.status == 400 and "hunter2" not in info.value.message
