@@ -27,7 +27,16 @@ def wait_for_shards(out: str | Path, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def session_records(out: str | Path, session: str, *, include_failed: bool = True, timeout: float = 60.0) -> list[CaptureRecord]:
-    """The session's records, once everything acknowledged is in the shards."""
-    wait_for_shards(out, timeout)
-    return read_records(str(out), [session], include_failed=include_failed)
+def session_records(out: str | Path, session: str, *, include_failed: bool = True, at_least: int = 0,
+                    timeout: float = 60.0) -> list[CaptureRecord]:
+    """The session's records, once everything acknowledged is in the shards; with ``at_least``, also
+    once that many exist (a call still in the engine when the client went away is recorded later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wait_for_shards(out, max(0.0, deadline - time.monotonic()))
+        records = read_records(str(out), [session], include_failed=include_failed)
+        if len(records) >= at_least:
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"session {session}: {len(records)} records after {timeout:g} s, expected {at_least}")
+        time.sleep(0.05)
