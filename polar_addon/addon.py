@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Iterable, Sequence
 
 import orjson
@@ -46,6 +47,18 @@ def _seconds(name: str) -> float:
     if value <= 0:
         raise exceptions.OptionsError(f"polar: {name} must be positive, got {raw!r}")
     return value
+
+
+def start_banner(engine: str, store: TraceStore, modes: list[str], host: str, port: int | None) -> str:
+    """What this proxy does, in one line: engine, output (and journal), and where each mode listens."""
+    listeners = []
+    for mode in modes or ["regular"]:
+        spec, at, own_port = mode.rpartition("@")
+        if not at or not own_port.isdigit():
+            spec, own_port = mode, str(port or 8080)
+        listeners.append(f"{spec} on {host or '*'}:{own_port}")
+    return (f"engine {engine}; output {store.uri} (journal {store.journal_root}); "
+            f"listening: {', '.join(listeners)}")
 
 
 def intercept_patterns(polar_hosts: Iterable[str], modes: Iterable[str]) -> list[str]:
@@ -113,6 +126,17 @@ class Polar:
             pool = EnginePool.from_spec(opts.polar_engine, timeout_s=_seconds("polar_engine_timeout"))
         except ValueError as exc:
             raise exceptions.OptionsError(f"polar: {exc}") from exc
+        for engine in pool.engines:
+            # In-process engines load their model now: a wrong path fails here, and the first call is not slow.
+            load = getattr(engine, "load", None)
+            if load is not None:
+                log.warning("polar: loading the %s engine's model ...", engine.name)
+                started = time.monotonic()
+                try:
+                    load()
+                except PolarError as exc:
+                    raise exceptions.OptionsError(f"polar: {exc.message}") from exc
+                log.warning("polar: %s loaded in %.1f s", engine.name, time.monotonic() - started)
         store = TraceStore(opts.polar_out, shard_max_records=opts.polar_shard_records, shard_max_seconds=_seconds("polar_shard_seconds"))
         self.gateway = Gateway(pool, store, self._gateway_config())
         self.control = ControlPlane(store, self._control_token())
@@ -154,6 +178,10 @@ class Polar:
             log.warning("polar: mitmdump listens on all interfaces; pass --listen-host 127.0.0.1 unless others must reach it")
         await self.relay.start()
         await self.websockets.start()
+        if self.gateway is not None:
+            # At warning level: shown even with termlog_verbosity=warn, as polar's tests and `polar proxy` run it.
+            log.warning("polar: %s", start_banner(ctx.options.polar_engine, self.gateway.store, list(ctx.options.mode),
+                                                   ctx.options.listen_host, ctx.options.listen_port))
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         if ctx.options.polar_block_other and not self._is_model_host(flow.request.host, flow.request.port):

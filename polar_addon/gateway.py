@@ -25,6 +25,7 @@ import orjson
 from polar_addon.canonical import CanonicalRequest, Completion, PolarError
 from polar_addon.capture import Identity, record_failed, record_ok
 from polar_addon.engines import EnginePool
+from polar_addon.harness_id import harness_name
 from polar_addon.providers import Provider, ResponseContext, Route, all_providers, encode_sse
 from polar_addon.store import StorageUnavailable, TraceStore
 
@@ -222,7 +223,7 @@ class Gateway:
 
     async def _complete_and_record(self, provider: Provider, request: CanonicalRequest, call: IncomingCall) -> Completion:
         session = call.identity.session_id
-        await self._note_session(call)
+        await self._note_session(call, request)
         engine = self.pool.for_session(session)
         t0 = time.monotonic()
         try:
@@ -238,7 +239,7 @@ class Gateway:
             await self._record_failure(call, provider.name, request, err)
             raise err from exc
         record = record_ok(identity=call.identity, seq=-1, request=request, completion=completion,
-                           harness=call.headers.get("user-agent"), started_at=call.started_at,
+                           harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at,
                            engine_latency_s=time.monotonic() - t0)
         try:
             await self.store.append(record)
@@ -265,14 +266,14 @@ class Gateway:
     async def _record_failure(self, call: IncomingCall, api: str, request: CanonicalRequest | None, err: PolarError) -> None:
         record = record_failed(identity=call.identity, seq=-1, api=api, request=request,
                                error=f"{err.status} {err.kind}: {err.message}",
-                               harness=call.headers.get("user-agent"), started_at=call.started_at)
+                               harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at)
         try:
-            await self._note_session(call)
+            await self._note_session(call, request)
             await self.store.append(record)
         except StorageUnavailable as exc:
             log.warning("polar: could not record failed call for session %s: %s", call.identity.session_id, exc)
 
-    async def _note_session(self, call: IncomingCall) -> None:
+    async def _note_session(self, call: IncomingCall, request: CanonicalRequest | None) -> None:
         ident = call.identity
         if ident.session_id in self._seen_sessions:
             self._seen_sessions.move_to_end(ident.session_id)
@@ -282,7 +283,7 @@ class Gateway:
             self._seen_sessions.popitem(last=False)
         await self.store.session_update(
             ident.session_id, task_id=ident.task_id, group_id=ident.group_id, sample_index=ident.sample_index,
-            harness=call.headers.get("user-agent"), status="running", started_at=call.started_at,
+            harness=harness_name(call.headers.get("user-agent"), request), status="running", started_at=call.started_at,
         )
 
     async def close(self) -> None:

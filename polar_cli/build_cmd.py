@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from polar_cli.store_arg import existing_store
+
 if TYPE_CHECKING:
     from polar_addon.store import SessionRecord
     from polar_cli.build import Decode, SessionInfo
@@ -106,7 +108,9 @@ def merge_retokenized(retokenized: str) -> bool:
 
 
 def build(
-    shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
+    shards: str = typer.Argument(
+        ..., help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory for the trace dataset (Parquet)."),
     strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP),
     tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
@@ -179,7 +183,9 @@ def build(
 
 
 def stats(
-    shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
+    shards: str = typer.Argument(
+        ..., help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
+    ),
     strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP + " Token counts follow it."),
     tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
     eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
@@ -213,10 +219,12 @@ def stats(
 
 
 def view(
-    shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
+    shards: str = typer.Argument(
+        ..., help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
+    ),
     session: str = typer.Option(..., "--session", help="The session to show."),
     out: Path = typer.Option(Path("trace.html"), "--out", "-o", help="HTML file to write."),
-    tokenizer: Path | None = typer.Option(None, help="Tokenizer directory, to show token text (else ids). " + TOKENIZER_HELP),
+    tokenizer: Path | None = typer.Option(None, help="Shows token text (else ids). " + TOKENIZER_HELP),
     eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
     retokenized: str = typer.Option("merge", help=RETOKENIZED_HELP),
 ) -> None:

@@ -72,14 +72,19 @@ def wait_for_port(port: int, timeout: float, process: subprocess.Popen | None = 
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
-def mitmdump_command(engine: str, out: Path | str, *, port: int, listen_host: str = "127.0.0.1",
+def mitmdump_command(engine: str, out: Path | str, *, port: int | None, listen_host: str = "127.0.0.1",
                      modes: Sequence[str] = (), confdir: Path | str | None = None,
-                     options: dict[str, str] | None = None, addon: bool = True) -> list[str]:
+                     options: dict[str, str] | None = None, addon: bool = True, quiet: bool = True) -> list[str]:
     """The mitmdump command line for polar: bound to ``listen_host`` (loopback unless told otherwise),
     one ``--mode`` per entry of ``modes`` (none: a regular forward proxy). Which TLS is intercepted
-    (only model hosts, ``allow_hosts``) the addon sets itself from ``polar_hosts`` and the modes."""
-    cmd = [str(MITMDUMP), "--listen-host", listen_host, "--listen-port", str(port),
-           "--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
+    (only model hosts, ``allow_hosts``) the addon sets itself from ``polar_hosts`` and the modes.
+    ``port=None``: every mode names its own port (``regular@8080``, ``reverse:https://api.openai.com@8081``),
+    and mitmproxy runs them side by side. ``quiet=False`` keeps mitmdump's own log (``polar proxy``)."""
+    cmd = [str(MITMDUMP), "--listen-host", listen_host]
+    if port is not None:
+        cmd += ["--listen-port", str(port)]
+    if quiet:
+        cmd += ["--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
     if confdir is not None:
         cmd += ["--set", f"confdir={confdir}"]
     for mode in modes:

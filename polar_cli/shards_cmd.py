@@ -8,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from polar_cli.store_arg import existing_store
+
 shards_app = typer.Typer(help="Look into and check a trace store (a directory or a pyarrow URI such as s3://...).",
                          no_args_is_help=True)
 
@@ -16,7 +18,7 @@ STORE_HELP = "The trace store: the proxy's polar_out (a directory or a URI such 
 
 @shards_app.command("inspect")
 def inspect(
-    store: str = typer.Argument(..., help=STORE_HELP),
+    store: str = typer.Argument(..., help=STORE_HELP, callback=existing_store),
     limit: int = typer.Option(20, help="Sessions to list (0: none, -1: all)."),
 ) -> None:
     """Sessions, calls, tokens, harnesses, rewards and failures in a store."""
@@ -40,7 +42,7 @@ def inspect(
     overview.add_row("shards (calls/sessions/rewards)", "/".join(str(s.shards[k]) for k in ("calls", "sessions", "rewards")))
     overview.add_row("shard bytes", f"{s.shard_bytes:,}")
     if s.journal_segments:
-        overview.add_row("journal segments not in shards yet", f"[yellow]{s.journal_segments}[/]")
+        overview.add_row("journal segments (counted above, not in shards yet)", str(s.journal_segments))
     console.print(overview)
 
     for title, key, unit, counts in (("harnesses", "harness", "calls", s.harnesses),
@@ -87,7 +89,7 @@ def inspect(
 
 
 @shards_app.command("validate")
-def validate(store: str = typer.Argument(..., help=STORE_HELP)) -> None:
+def validate(store: str = typer.Argument(..., help=STORE_HELP, callback=existing_store)) -> None:
     """Check schemas, one logprob per response token, contiguous seq per session, unique record ids,
     resolvable prefix references, token-free failed calls; exit 1 listing every violation."""
     from polar_addon.store.summary import summarize

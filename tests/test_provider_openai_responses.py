@@ -259,7 +259,9 @@ def test_sampling_reasoning_and_extras() -> None:
         {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]},
         {"model": "m", "input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": {}}]},
         {"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]},
-        {"model": "m", "input": [{"type": "local_shell_call", "call_id": "c"}]},
+        {"model": "m", "input": [{"type": "local_shell_call", "action": {"type": "exec"}}]},
+        {"model": "m", "input": [{"type": "additional_tools", "role": "developer", "tools": {"type": "function"}}]},
+        {"model": "m", "input": [{"type": "teleport_call", "call_id": "c"}]},
         {"model": "m", "input": "hi", "tools": [{"type": "function"}]},
         {"model": "m", "input": "hi", "tools": [{"type": "teleport", "name": "x"}]},
         {"model": "m", "input": "hi", "tools": {"type": "function", "name": "f"}},
@@ -275,6 +277,47 @@ def test_invalid_requests_are_400(body: Any) -> None:
     with pytest.raises(PolarError) as err:
         PROVIDER.parse_request(body, GENERATE)
     assert err.value.status == 400 and err.value.kind == "invalid_request" and err.value.message
+
+
+def test_every_input_item_codex_sends_is_accepted() -> None:
+    """Codex 0.171's item types (its ResponseItem enum): with its default model the tool list comes as an
+    ``additional_tools`` item, not in ``tools``; that used to be a 400 for every `codex exec` without -m."""
+    ns = {"type": "namespace", "name": "functions", "description": "", "tools": [
+        {"type": "custom", "name": "exec", "description": "run JS", "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+        {"type": "function", "name": "wait", "description": "wait", "strict": False, "parameters": {"type": "object", "properties": {}}},
+    ]}
+    loaded = {"type": "function", "name": "calendar_create", "description": "make an event", "parameters": {"type": "object", "properties": {}}}
+    request = parse(
+        OpenAIResponsesProvider(),
+        tools=[EXEC],
+        input=[
+            {"type": "additional_tools", "id": "at_1", "role": "developer", "tools": [ns]},
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "plan my day"}]},
+            {"type": "tool_search_call", "call_id": "ts_1", "execution": "client", "status": "completed",
+             "arguments": {"query": "calendar"}},
+            {"type": "tool_search_output", "call_id": "ts_1", "execution": "client", "status": "completed", "tools": [loaded]},
+            {"type": "local_shell_call", "call_id": "ls_1", "status": "completed",
+             "action": {"type": "exec", "command": ["ls"]}},
+            {"type": "function_call_output", "call_id": "ls_1", "output": "a.txt"},
+            {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "x"}},
+            {"type": "compaction", "encrypted_content": "gAAA"},
+            {"type": "agent_message", "content": [{"type": "input_text", "text": "subagent: done"}]},
+        ],
+    )
+    names = [t["function"]["name"] for t in request.tools]
+    assert names == ["exec_command", "functions.exec", "functions.wait", "calendar_create"]
+    assert request.extra["custom_tools"] == ["functions.exec"]
+    assert request.extra["namespaced_tools"]["functions.wait"] == "functions"
+    assert request.extra["dropped_items"] == ["web_search_call", "compaction"]
+    assert request.messages[0] == {"role": "system", "content": "be brief"}
+    roles = [m["role"] for m in request.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "user"]
+    search_call, shell_call = request.messages[2]["tool_calls"][0], request.messages[4]["tool_calls"][0]
+    assert search_call["function"] == {"name": "tool_search", "arguments": '{"query":"calendar"}'}
+    assert request.messages[3] == {"role": "tool", "tool_call_id": "ts_1", "content": '["calendar_create"]'}
+    assert shell_call["function"]["name"] == "local_shell" and '"command":["ls"]' in shell_call["function"]["arguments"]
+    assert request.messages[-1] == {"role": "user", "content": "subagent: done"}
 
 
 # ---------------------------------------------------------------- previous_response_id

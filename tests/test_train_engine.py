@@ -94,7 +94,7 @@ def test_vllm_serves_the_trained_checkpoint_after_reload(tiny_model_dir: Path, t
         assert max(abs(a - b) for a, b in zip(served, trained, strict=True)) < 2e-3
         assert max(abs(a - b) for a, b in zip(served, start, strict=True)) > 1e-2
     finally:
-        stopped = stop_engine(server.url, state_dir=state)
+        stopped, _ = stop_engine(server.url, state_dir=state)
     assert not is_running(stopped)
 
 
