@@ -1,4 +1,4 @@
-"""polar's mitmproxy addon: ``mitmdump -s polar_addon/addon.py --set polar_engine=... --set polar_out=DIR``.
+"""polar's mitmproxy addon: ``mitmdump --listen-host 127.0.0.1 -s polar_addon/addon.py --set polar_engine=... --set polar_out=DIR``.
 
 mitmproxy glue only: options, which flows are ours, identity from proxy credentials, and how a
 reply goes back (``Response.make`` for a finished body, a loopback relay for a live stream).
@@ -75,6 +75,11 @@ def intercept_patterns(polar_hosts: Iterable[str], modes: Iterable[str]) -> list
             host, port = mode.address
             patterns.append(f"^{re.escape(host)}:{port}$")
     return patterns
+
+
+def _host(name: str) -> str:
+    # DNS names are case-insensitive and may end in a dot: API.OpenAI.com. is still a model host.
+    return name.lower().rstrip(".")
 
 
 class Polar:
@@ -191,9 +196,10 @@ class Polar:
 
     @staticmethod
     def _is_model_host(host: str, port: int) -> bool:
+        host = _host(host)
         if host in PROVIDER_HOSTS or host == CONTROL_HOST:
             return True
-        extra = set(ctx.options.polar_hosts)
+        extra = {_host(h) for h in ctx.options.polar_hosts}
         return host in extra or f"{host}:{port}" in extra
 
     def _is_ours(self, flow: http.HTTPFlow) -> bool:
@@ -215,7 +221,7 @@ class Polar:
         if self.gateway is None or flow.response is not None:
             return
         reverse = isinstance(flow.client_conn.proxy_mode, ReverseMode)
-        if flow.request.pretty_host == CONTROL_HOST or (reverse and is_control_path(flow.request.path)):
+        if _host(flow.request.pretty_host) == CONTROL_HOST or (reverse and is_control_path(flow.request.path)):
             await self._answer_control(flow)
             return
         if self._is_ours(flow) and is_control_path(flow.request.path):

@@ -76,6 +76,14 @@ def agent_attempts(proxy) -> Iterator[tuple[str, httpx.Response]]:
                             for what, body in (("reward", EVIL_REWARDS[0]), ("status", {"status": "error"})):
                                 url = f"{scheme}://{host}/sessions/{target}/{what}"
                                 yield f"{url} {headers}", client.post(url, json=body, headers=headers)
+            # Spellings of the control host and path, and the token's places taken by the agent's credentials.
+            for url in ("http://POLAR.LOCAL/sessions/{s}/reward", "http://polar.local./sessions/{s}/reward",
+                        "http://polar.local/sessions/{s}/reward?authorization=Bearer+polar:{s}",
+                        "http://polar.local/sessions/{s}/reward/", "http://polar.local//sessions/{s}/reward",
+                        "http://polar.local/sessions/{s}/%72eward", "http://polar.local:8080/sessions/{s}/reward",
+                        "http://API.OPENAI.COM/sessions/{s}/reward"):
+                url = url.format(s=SESSION)
+                yield url, client.post(url, json={"value": 1.0}, headers={"proxy-authorization": f"Bearer polar:{SESSION}"})
             # The remaining evil values, on the control host with the agent's own credentials.
             for body in EVIL_REWARDS[1:]:
                 url = f"http://polar.local/sessions/{SESSION}/reward"
