@@ -19,8 +19,8 @@ import os
 import re
 import secrets
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -143,7 +143,7 @@ class ControlPlane:
     def __init__(self, store: TraceStore, token: str, on_session_end: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.token = token
-        self.on_session_end = on_session_end  # e.g. EnginePool.release: the session needs no engine any more
+        self.on_session_end = on_session_end  # a posted status ends the session (the engine pool frees its slot)
 
     async def handle(self, method: str, path: str, authorization: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON payload) for one request on a control path."""
@@ -172,7 +172,7 @@ class ControlPlane:
         else:
             status, metadata = parse_status(body)
             await self.store.session_update(session_id, status=status, ended_at=time.time(), metadata=metadata)
-            if status != "running" and self.on_session_end is not None:
+            if self.on_session_end is not None:
                 self.on_session_end(session_id)
         return {"ok": True, "session_id": session_id}
 
