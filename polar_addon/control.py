@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,9 +140,10 @@ def parse_status(raw: bytes) -> tuple[str, dict[str, Any] | None]:
 class ControlPlane:
     """Answers the session control paths for a store; every post needs the control token."""
 
-    def __init__(self, store: TraceStore, token: str) -> None:
+    def __init__(self, store: TraceStore, token: str, on_session_end: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.token = token
+        self.on_session_end = on_session_end  # a posted status ends the session (the engine pool frees its slot)
 
     async def handle(self, method: str, path: str, authorization: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON payload) for one request on a control path."""
@@ -170,5 +172,7 @@ class ControlPlane:
         else:
             status, metadata = parse_status(body)
             await self.store.session_update(session_id, status=status, ended_at=time.time(), metadata=metadata)
+            if self.on_session_end is not None:
+                self.on_session_end(session_id)
         return {"ok": True, "session_id": session_id}
 

@@ -108,3 +108,19 @@ def test_groups_fall_back_to_task_then_session() -> None:
 def test_session_in_two_groups_is_refused() -> None:
     with pytest.raises(ValueError, match="two groups"):
         session_advantages([trace("a", "g1", 1.0, 0), trace("a", "g2", 1.0, 1)])
+
+
+def test_group_id_takes_precedence_over_task_id() -> None:
+    """Two tasks sampled inside one explicit group form one GRPO group; one task split over two
+    groups forms two. Computed values: rewards [1, 0] in one group give +-1/(std + eps)."""
+    traces = [
+        trace("a", "g", 1.0, task="t1"),
+        trace("b", "g", 0.0, task="t2"),
+        trace("c", "h", 1.0, task="t1"),
+    ]
+    adv = session_advantages(traces)
+    assert (adv["a"].group_id, adv["b"].group_id, adv["c"].group_id) == ("g", "g", "h")
+    scale = statistics.stdev([1.0, 0.0]) + SCALE_EPS
+    assert adv["a"].advantage == pytest.approx(1.0 / scale)
+    assert adv["b"].advantage == pytest.approx(-1.0 / scale)
+    assert adv["c"].advantage == 0.0  # alone in group h

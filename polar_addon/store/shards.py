@@ -22,6 +22,9 @@ KINDS = (CALLS, SESSIONS, REWARDS)
 
 _TOKENS = pa.list_(pa.int32())
 
+# Columns added after the first release: older shards lack them, and readers see nulls there.
+LATER_COLUMNS = frozenset({"min_p"})
+
 CALLS_SCHEMA = pa.schema(
     [
         pa.field("record_id", pa.string(), nullable=False),
@@ -42,6 +45,7 @@ CALLS_SCHEMA = pa.schema(
         pa.field("temperature", pa.float64()),
         pa.field("top_p", pa.float64()),
         pa.field("top_k", pa.int64()),
+        pa.field("min_p", pa.float64()),
         pa.field("max_tokens", pa.int64()),
         # The prompt is prompt_ids[:prompt_prefix_len] of the call `prompt_ref` (its prompt followed by its
         # response, same session) plus prompt_tail; prompt_ref is null when the tail is the whole prompt.
