@@ -280,7 +280,7 @@ class Gateway:
             await self._note_session(call, request)
             await self.store.append(record)
         except StorageUnavailable as exc:
-            log.warning("polar: could not record failed call for session %s: %s", call.identity.session_id, exc)
+            log.warning("polar: could not record failed call for session %r: %s", call.identity.session_id, exc)
 
     async def _note_session(self, call: IncomingCall, request: CanonicalRequest | None) -> None:
         ident = call.identity
