@@ -362,9 +362,9 @@ class Gateway:
             await self._note_session(call, request)
             await self.store.append(record)
         except StorageUnavailable as exc:
-            log.warning("polar: could not record failed call for session %s: %s", call.identity.session_id, exc)
+            log.warning("polar: could not record failed call for session %r: %s", call.identity.session_id, exc)
         except Exception:  # the failure is answered either way; losing its record must not raise anew
-            log.exception("polar: could not record failed call for session %s", call.identity.session_id)
+            log.exception("polar: could not record failed call for session %r", call.identity.session_id)
 
     async def _note_session(self, call: IncomingCall, request: CanonicalRequest | None) -> None:
         ident = call.identity

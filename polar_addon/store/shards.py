@@ -124,10 +124,17 @@ class Output:
     root: str
     local: bool
 
+    @staticmethod
+    def local_root(uri: str) -> str | None:
+        """The directory of a local store's URI; None for a remote one (no filesystem is contacted)."""
+        if "://" not in uri or uri.startswith("file://"):
+            return os.path.abspath(os.path.expanduser(uri.removeprefix("file://")))
+        return None
+
     @classmethod
     def from_uri(cls, uri: str) -> "Output":
-        if "://" not in uri or uri.startswith("file://"):
-            path = os.path.abspath(os.path.expanduser(uri.removeprefix("file://")))
+        path = cls.local_root(uri)
+        if path is not None:
             return cls(uri, pafs.LocalFileSystem(), path, True)
         fs, path = pafs.FileSystem.from_uri(uri)
         return cls(uri, fs, path.rstrip("/"), False)
