@@ -1,4 +1,4 @@
-"""polar's mitmproxy addon: ``mitmdump -s polar_addon/addon.py --set polar_engine=... --set polar_out=DIR``.
+"""polar's mitmproxy addon: ``mitmdump --listen-host 127.0.0.1 -s polar_addon/addon.py --set polar_engine=... --set polar_out=DIR``.
 
 mitmproxy glue only: options, which flows are ours, identity from proxy credentials, and how a
 reply goes back (``Response.make`` for a finished body, a loopback relay for a live stream).
@@ -22,7 +22,7 @@ from mitmproxy.connection import Client
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from polar_addon import identity
-from polar_addon.canonical import PolarError
+from polar_addon.canonical import PolarError, SamplingDefaults
 from polar_addon.control import CONTROL_HOST, ControlPlane, check_token, is_control_path, load_or_create_token, token_file
 from polar_addon.engines import EnginePool
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
@@ -47,6 +47,17 @@ def _seconds(name: str) -> float:
     if value <= 0:
         raise exceptions.OptionsError(f"polar: {name} must be positive, got {raw!r}")
     return value
+
+
+def _sampling_defaults() -> SamplingDefaults:
+    opts = ctx.options
+    try:
+        return SamplingDefaults(
+            temperature=float(opts.polar_temperature), top_p=float(opts.polar_top_p),
+            top_k=opts.polar_top_k, min_p=float(opts.polar_min_p),
+        )
+    except ValueError as exc:
+        raise exceptions.OptionsError(f"polar: sampling defaults (polar_temperature, polar_top_p, polar_top_k, polar_min_p): {exc}") from None
 
 
 def start_banner(engine: str, store: TraceStore, modes: list[str], host: str, port: int | None) -> str:
@@ -77,6 +88,11 @@ def intercept_patterns(polar_hosts: Iterable[str], modes: Iterable[str]) -> list
     return patterns
 
 
+def _host(name: str) -> str:
+    # DNS names are case-insensitive and may end in a dot: API.OpenAI.com. is still a model host.
+    return name.lower().rstrip(".")
+
+
 class Polar:
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
@@ -95,6 +111,10 @@ class Polar:
         loader.add_option("polar_keepalive", str, "5", "Seconds between keep-alive events sent to a streaming client while the engine works.")
         loader.add_option("polar_engine_timeout", str, "900", "Seconds to wait for one engine completion.")
         loader.add_option("polar_max_tokens", int, 0, "Clamp (and fill in) max_tokens of every call; 0 leaves it to the client.")
+        loader.add_option("polar_temperature", str, "1.0", "Sampling temperature of calls whose client sets none (sent to the engine and recorded).")
+        loader.add_option("polar_top_p", str, "1.0", "top_p of calls whose client sets none; below 1 truncates sampling, which polar train refuses.")
+        loader.add_option("polar_top_k", int, 0, "top_k of calls whose client sets none; 0 is off (above 0 truncates, which polar train refuses).")
+        loader.add_option("polar_min_p", str, "0.0", "min_p of calls whose client sets none; above 0 truncates, which polar train refuses.")
         loader.add_option("polar_max_body_mb", int, 32, "Largest request body accepted, in MiB.")
         loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
@@ -134,7 +154,7 @@ class Polar:
                 log.warning("polar: %s loaded in %.1f s", engine.name, time.monotonic() - started)
         store = TraceStore(opts.polar_out, shard_max_records=opts.polar_shard_records, shard_max_seconds=_seconds("polar_shard_seconds"))
         self.gateway = Gateway(pool, store, self._gateway_config())
-        self.control = ControlPlane(store, self._control_token())
+        self.control = ControlPlane(store, self._control_token(), on_session_end=pool.release)
 
     def _control_token(self) -> str:
         opts = ctx.options
@@ -164,11 +184,18 @@ class Polar:
             keepalive_s=_seconds("polar_keepalive"),
             max_body_bytes=opts.polar_max_body_mb * 1024 * 1024,
             max_tokens_cap=opts.polar_max_tokens,
+            sampling_defaults=_sampling_defaults(),
         )
 
     async def running(self) -> None:
         # Eager upstream connects would fail (or leak) for hosts we answer ourselves.
         ctx.options.connection_strategy = "lazy"
+        if not ctx.options.body_size_limit:
+            # Without it any body is buffered whole before the gateway's limit is checked. mitmproxy refuses
+            # a body past it before any hook sees the flow (a plain-text 413), so it is a backstop: bodies
+            # between the two limits get the provider-shaped 413 of `requestheaders` or the gateway.
+            mb = ctx.options.polar_max_body_mb
+            ctx.options.body_size_limit = f"{max(2 * mb, mb + 16)}m"
         if not ctx.options.listen_host:
             log.warning("polar: mitmdump listens on all interfaces; pass --listen-host 127.0.0.1 unless others must reach it")
         await self.relay.start()
@@ -191,9 +218,10 @@ class Polar:
 
     @staticmethod
     def _is_model_host(host: str, port: int) -> bool:
+        host = _host(host)
         if host in PROVIDER_HOSTS or host == CONTROL_HOST:
             return True
-        extra = set(ctx.options.polar_hosts)
+        extra = {_host(h) for h in ctx.options.polar_hosts}
         return host in extra or f"{host}:{port}" in extra
 
     def _is_ours(self, flow: http.HTTPFlow) -> bool:
@@ -215,7 +243,7 @@ class Polar:
         if self.gateway is None or flow.response is not None:
             return
         reverse = isinstance(flow.client_conn.proxy_mode, ReverseMode)
-        if flow.request.pretty_host == CONTROL_HOST or (reverse and is_control_path(flow.request.path)):
+        if _host(flow.request.pretty_host) == CONTROL_HOST or (reverse and is_control_path(flow.request.path)):
             await self._answer_control(flow)
             return
         if self._is_ours(flow) and is_control_path(flow.request.path):
@@ -233,12 +261,42 @@ class Polar:
             # The session, task and group in the proxy credentials are nobody else's business.
             flow.request.headers.pop("proxy-authorization", None)
             return
+        try:
+            await self._answer(flow, upgrade)
+        except Exception as exc:
+            # A flow on a model route must never continue upstream (real API key, unrecorded): answer here.
+            log.exception("polar: unexpected error on %s %s", flow.request.method, flow.request.pretty_host)
+            err = PolarError(500, "api_error", f"polar internal error ({type(exc).__name__})")
+            try:
+                reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
+                flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
+            except Exception:
+                flow.response = http.Response.make(500, b'{"error":{"type":"api_error","message":"polar internal error"}}',
+                                                   {"content-type": "application/json"})
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        # A declared body over the limit is refused before mitmproxy buffers it (body_size_limit, set in
+        # `running`, catches bodies without a length), in the provider's shape.
+        if self.gateway is None or flow.response is not None or not self._is_ours(flow):
+            return
+        if not self.gateway.owns(flow.request.method, flow.request.path):
+            return
+        limit = self.gateway.config.max_body_bytes
+        length = flow.request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            err = PolarError(413, "invalid_request", f"request body of {length} bytes exceeds the proxy limit of {limit}")
+            reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
+            flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
+
+    async def _answer(self, flow: http.HTTPFlow, upgrade: bool) -> None:
+        assert self.gateway is not None
         headers = {k.lower(): v for k, v in flow.request.headers.items()}
         proxy_auth = headers.get("proxy-authorization") or self._proxy_auth.get(flow.client_conn.id)
         try:
             ident = identity.resolve(proxy_auth, headers, flow.client_conn.id)
         except PolarError as err:
-            flow.response = http.Response.make(err.status, err.message.encode(), {"content-type": "text/plain"})
+            reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
+            flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
             return
         for name in SECRET_HEADERS:
             headers.pop(name, None)

@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,9 @@ def is_control_path(path: str) -> bool:
 
 def token_file(out_uri: str, confdir: str) -> Path:
     """Where a generated control token is kept: next to a local store, else in mitmproxy's confdir."""
-    out = Output.from_uri(out_uri)
-    if out.local:
-        return Path(out.root) / TOKEN_FILE
+    root = Output.local_root(out_uri)
+    if root is not None:
+        return Path(root) / TOKEN_FILE
     return Path(os.path.expanduser(confdir)) / REMOTE_TOKEN_FILE
 
 
@@ -139,9 +140,10 @@ def parse_status(raw: bytes) -> tuple[str, dict[str, Any] | None]:
 class ControlPlane:
     """Answers the session control paths for a store; every post needs the control token."""
 
-    def __init__(self, store: TraceStore, token: str) -> None:
+    def __init__(self, store: TraceStore, token: str, on_session_end: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.token = token
+        self.on_session_end = on_session_end  # a posted status ends the session (the engine pool frees its slot)
 
     async def handle(self, method: str, path: str, authorization: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON payload) for one request on a control path."""
@@ -170,5 +172,7 @@ class ControlPlane:
         else:
             status, metadata = parse_status(body)
             await self.store.session_update(session_id, status=status, ended_at=time.time(), metadata=metadata)
+            if self.on_session_end is not None:
+                self.on_session_end(session_id)
         return {"ok": True, "session_id": session_id}
 

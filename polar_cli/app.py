@@ -27,11 +27,17 @@ def _root() -> None:
 def tiny_model(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer into."),
     seed: int = typer.Option(0, help="Weight-init seed; the same seed gives the same files."),
+    generation_defaults: str = typer.Option(
+        "none", help="Sampling defaults in generation_config.json: none, or qwen3 (T=0.6, top_p 0.95, top_k 20)."
+    ),
 ) -> None:
     """Build a tiny random-init Qwen3 model with a local BPE tokenizer and ChatML tool template (offline)."""
     from polar_cli.tiny_model import build_tiny_model
 
-    path = build_tiny_model(out_dir, seed=seed)
+    try:
+        path = build_tiny_model(out_dir, seed=seed, generation_defaults=generation_defaults)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--generation-defaults") from exc
     typer.echo(f"tiny model written to {path}")
 
 

@@ -95,8 +95,21 @@ def build_tokenizer(vocab_size: int = 2000):
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, max_position_embeddings: int = 131072) -> Path:
-    """Write tokenizer + random-init Qwen3 weights to ``out_dir``; same seed, same bytes."""
+# Qwen3's generation_config.json sampling defaults: what SGLang and vLLM (--generation-config auto, its
+# default) sample with when a request leaves the parameters out.
+QWEN3_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+GENERATION_DEFAULTS = {"none": {}, "qwen3": QWEN3_SAMPLING}
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0, max_position_embeddings: int = 131072,
+                     generation_defaults: str = "none") -> Path:
+    """Write tokenizer + random-init Qwen3 weights to ``out_dir``; same seed, same bytes.
+
+    ``generation_defaults``: "qwen3" writes Qwen3's sampling defaults into generation_config.json, so
+    engines that fall back to them behave as with a real Qwen3 checkpoint; "none" writes none.
+    """
+    if generation_defaults not in GENERATION_DEFAULTS:
+        raise ValueError(f"generation_defaults must be one of {sorted(GENERATION_DEFAULTS)}, got {generation_defaults!r}")
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -124,6 +137,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, max_position_embeddings
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
         pad_token_id=config.pad_token_id,
+        **GENERATION_DEFAULTS[generation_defaults],
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import ssl
-import time
 
 import anthropic
 import httpx
 import openai
 import pytest
 
-from polar_addon.store import read_records
 from polar_addon.store.validate import validate_store
 from tests.support.proxy import free_port, run_mitmdump
+from tests.support.shards import session_records
 from tests.support.slow_forwarder import slow_forwarder
 
 pytestmark = pytest.mark.vllm
@@ -25,15 +24,6 @@ def client_for(proxy, session: str, timeout: float | httpx.Timeout = 120) -> htt
     return httpx.Client(proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=timeout)
 
 
-def wait_records(out, session, n, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        records = [r for r in read_records(str(out)) if r.session_id == session]
-        if len(records) >= n or time.monotonic() > deadline:
-            return records
-        time.sleep(0.3)
-
-
 def test_captured_tokens_equal_the_engines(vllm_server, reference_logprobs, tmp_path):
     out = tmp_path / "shards"
     messages = [{"role": "system", "content": "You look words up."}, {"role": "user", "content": "What is a tensor?"}]
@@ -42,13 +32,14 @@ def test_captured_tokens_equal_the_engines(vllm_server, reference_logprobs, tmp_
         for temperature in (0.0, 0.8):
             client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=20,
                                            temperature=temperature, seed=7)
-        records = wait_records(out, "vx-1", 2)
+        records = session_records(out, "vx-1")
     assert len(records) == 2 and validate_store(str(out)) == []
     # The engine's own tokenization of the same request.
     tokenized = httpx.post(f"{vllm_server}/tokenize", json={"model": "tiny", "messages": messages, "tools": TOOLS,
                                                            "add_generation_prompt": True}).json()
     direct = httpx.post(f"{vllm_server}/v1/chat/completions", json={
         "model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 20, "temperature": 0.0, "seed": 7,
+        "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,  # what the proxy sends
         "logprobs": True, "return_token_ids": True}, timeout=120).json()
     greedy = next(r for r in records if r.temperature == 0.0)
     assert greedy.prompt_ids == tokenized["tokens"] == direct["prompt_token_ids"]
@@ -83,13 +74,13 @@ def test_slow_engine_keeps_streaming_clients_alive(vllm_server, tmp_path, api):
         raw = client_for(proxy, "slow-raw", timeout)
         url = "https://api.anthropic.com/v1/messages" if api == "anthropic" else "https://api.openai.com/v1/chat/completions"
         body = {"model": "tiny", "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        # The 2 s read timeout over a 4 s engine already proves they arrived over time, not in one burst.
         with raw.stream("POST", url, json=body) as response:
-            arrivals = [(time.monotonic(), line) for line in response.iter_lines() if line]
+            lines = [line for line in response.iter_lines() if line]
         keepalive = "event: ping" if api == "anthropic" else ": keep-alive"
-        first_event = next(i for i, (_, line) in enumerate(arrivals) if line.startswith("data: {") and "ping" not in line)
-        pings = [t for t, line in arrivals[:first_event] if line.startswith(keepalive)]
-        assert len(pings) >= 3, arrivals[:first_event]
-        assert arrivals[first_event][0] - pings[0] >= 2.5  # they really arrived over time, not in one burst
+        first_event = next(i for i, line in enumerate(lines) if line.startswith("data: {") and "ping" not in line)
+        pings = [line for line in lines[:first_event] if line.startswith(keepalive)]
+        assert len(pings) >= 3, lines[:first_event]
 
 
 def test_engine_down_gives_provider_errors_and_failed_records(tmp_path):
@@ -104,6 +95,37 @@ def test_engine_down_gives_provider_errors_and_failed_records(tmp_path):
             openai.OpenAI(api_key="x", http_client=client_for(proxy, "down-o"), max_retries=0).chat.completions.create(
                 model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
         assert oai_err.value.status_code == 503
-        records = wait_records(out, "down-a", 1) + wait_records(out, "down-o", 1)
+        records = session_records(out, "down-a") + session_records(out, "down-o")
     assert [r.status for r in records] == ["failed", "failed"] and validate_store(str(out)) == []
     assert all("overloaded" in r.error and r.response_ids == [] for r in records)
+
+
+def _direct(vllm_server: str, messages: list, **sampling) -> dict:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 16, "seed": 5, "logprobs": True,
+            "return_token_ids": True, **sampling}
+    choice = httpx.post(f"{vllm_server}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    return {"ids": choice["token_ids"], "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]]}
+
+
+def test_a_client_that_omits_sampling_is_recorded_with_what_vllm_used(vllm_server, reference_logprobs, tmp_path):
+    """The tiny model's generation_config.json has Qwen3's defaults (T=0.6, top_p 0.95, top_k 20), which vLLM
+    applies to a request that leaves them out; the proxy must send polar's defaults and record exactly them."""
+    messages = [{"role": "user", "content": "Say something."}]
+    out = tmp_path / "shards"
+    with run_mitmdump(f"vllm:{vllm_server}", out, options={"polar_shard_seconds": "0.3"}) as proxy:
+        client = openai.OpenAI(api_key="x", http_client=client_for(proxy, "defaults-1"), max_retries=0)
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, seed=5)
+        [record] = wait_records(out, "defaults-1", 1)
+    assert (record.temperature, record.top_p, record.top_k, record.min_p) == (1.0, 1.0, 0, 0.0)
+
+    # The server really falls back to the model's defaults when a request says nothing...
+    fallback = _direct(vllm_server, messages)
+    assert fallback == _direct(vllm_server, messages, temperature=0.6, top_p=0.95, top_k=20)
+    # ...and the record is what an explicit T=1, untruncated request samples, not that fallback.
+    explicit = _direct(vllm_server, messages, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+    assert record.response_ids == explicit["ids"]
+    assert record.logprobs == pytest.approx(explicit["logprobs"], abs=1e-6)
+    assert record.logprobs != pytest.approx(fallback["logprobs"], abs=1e-3)
+    # and it is log_softmax(logits / 1) over the whole vocabulary, what the trainer recomputes.
+    ref = reference_logprobs(record.prompt_ids, record.response_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(record.logprobs, ref)) <= 1e-3

@@ -33,6 +33,7 @@ from polar_addon.control import load_or_create_token
 from polar_addon.store import read_rewards, read_sessions
 from polar_cli.mitm import mitmdump_command
 from tests.support.proxy import run_mitmdump
+from tests.support.shards import wait_for_shards
 
 SESSION = "victim-1"
 HOSTS = ("polar.local", "api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com")
@@ -75,6 +76,14 @@ def agent_attempts(proxy) -> Iterator[tuple[str, httpx.Response]]:
                             for what, body in (("reward", EVIL_REWARDS[0]), ("status", {"status": "error"})):
                                 url = f"{scheme}://{host}/sessions/{target}/{what}"
                                 yield f"{url} {headers}", client.post(url, json=body, headers=headers)
+            # Spellings of the control host and path, and the token's places taken by the agent's credentials.
+            for url in ("http://POLAR.LOCAL/sessions/{s}/reward", "http://polar.local./sessions/{s}/reward",
+                        "http://polar.local/sessions/{s}/reward?authorization=Bearer+polar:{s}",
+                        "http://polar.local/sessions/{s}/reward/", "http://polar.local//sessions/{s}/reward",
+                        "http://polar.local/sessions/{s}/%72eward", "http://polar.local:8080/sessions/{s}/reward",
+                        "http://API.OPENAI.COM/sessions/{s}/reward"):
+                url = url.format(s=SESSION)
+                yield url, client.post(url, json={"value": 1.0}, headers={"proxy-authorization": f"Bearer polar:{SESSION}"})
             # The remaining evil values, on the control host with the agent's own credentials.
             for body in EVIL_REWARDS[1:]:
                 url = f"http://polar.local/sessions/{SESSION}/reward"
@@ -88,7 +97,7 @@ def test_the_agent_cannot_post_a_reward_or_status_through_any_host_or_header(pro
         assert response.status_code in (401, 404), (what, response.status_code, response.text)
         assert proxy.control_token not in response.text
     assert tried > 200
-    time.sleep(0.6)
+    wait_for_shards(proxy.out)
     assert read_rewards(str(proxy.out)) == []
     assert all(s.status != "error" for s in read_sessions(str(proxy.out)))
 
@@ -115,7 +124,7 @@ def test_the_control_token_authorizes_and_values_are_checked(proxy):
     assert tls.post("https://polar.local/sessions/judged-2/reward", json={"value": 1}).status_code == 200
     # The token is for polar.local only: on a provider host it is refused and never forwarded.
     assert tls.post("https://api.openai.com/sessions/judged-3/reward", json={"value": 1}).status_code == 404
-    time.sleep(0.6)
+    wait_for_shards(proxy.out)
     sessions = {s.session_id: s for s in read_sessions(str(proxy.out))}
     assert sessions["judged-1"].rewards == {"tests_passed": -1e6, "reward": 0.5}
     assert sessions["judged-1"].status == "timeout" and sessions["judged-1"].metadata == {"turns": 3}
@@ -130,7 +139,7 @@ def test_reverse_mode_needs_the_token_too(tiny_model_dir, tmp_path):
                         {"x-polar-session": "rev-1"}, {"authorization": "Bearer " + p.control_token[:-1]}):
             assert httpx.post(url, json={"value": 1}, headers=headers).status_code == 401, headers
         assert httpx.post(url, json={"value": 1}, headers=p.control_headers()).status_code == 200
-        time.sleep(0.6)
+        wait_for_shards(tmp_path / "shards")
     assert [r.session_id for r in read_rewards(str(tmp_path / "shards"))] == ["rev-1"]
 
 

@@ -210,7 +210,7 @@ def test_serve_capture_reward_build_train_reload_stop(tiny_model_dir: Path, tmp_
             for session in ("loop-a:group=g1", "loop-b:group=g1"):
                 sh(ca + sdk, session=session)
             # The store block while the proxy runs: its calls are still in the journal, and visible.
-            inspect, validate, reward = commands(block("store"))
+            inspect, validate, reward, _status = commands(block("store"))
             assert "loop-a" in sh(inspect).stdout
             assert "valid: 2 calls (0 failed) in 2 sessions" in sh(validate).stdout
             sh(reward, session="loop-a")

@@ -108,3 +108,33 @@ def test_groups_fall_back_to_task_then_session() -> None:
 def test_session_in_two_groups_is_refused() -> None:
     with pytest.raises(ValueError, match="two groups"):
         session_advantages([trace("a", "g1", 1.0, 0), trace("a", "g2", 1.0, 1)])
+
+
+def test_group_id_takes_precedence_over_task_id() -> None:
+    """Two tasks sampled inside one explicit group form one GRPO group; one task split over two
+    groups forms two. Computed values: rewards [1, 0] in one group give +-1/(std + eps)."""
+    traces = [
+        trace("a", "g", 1.0, task="t1"),
+        trace("b", "g", 0.0, task="t2"),
+        trace("c", "h", 1.0, task="t1"),
+    ]
+    adv = session_advantages(traces)
+    assert (adv["a"].group_id, adv["b"].group_id, adv["c"].group_id) == ("g", "g", "h")
+    scale = statistics.stdev([1.0, 0.0]) + SCALE_EPS
+    assert adv["a"].advantage == pytest.approx(1.0 / scale)
+    assert adv["b"].advantage == pytest.approx(-1.0 / scale)
+    assert adv["c"].advantage == 0.0  # alone in group h
+
+
+def test_values_by_hand_with_a_unit_std_and_without_scaling() -> None:
+    """Rewards 0, 1, 2 have a sample std of exactly 1 (not a degenerate group); unscaled advantages
+    are the raw leave-one-out differences."""
+    traces = [trace("a", "g", 0.0), trace("b", "g", 1.0), trace("c", "g", 2.0)]
+    scaled = session_advantages(traces)
+    assert [scaled[s].advantage for s in "abc"] == pytest.approx([-1.5 / (1 + SCALE_EPS), 0.0, 1.5 / (1 + SCALE_EPS)])
+    raw = session_advantages(traces, scale_rewards="none")
+    assert [raw[s].advantage for s in "abc"] == pytest.approx([-1.5, 0.0, 1.5])
+    assert [(raw[s].session_id, raw[s].group_id, raw[s].reward, raw[s].num_traces) for s in "abc"] == [
+        ("a", "g", 0.0, 1), ("b", "g", 1.0, 1), ("c", "g", 2.0, 1)]
+    with pytest.raises(ValueError, match="scale_rewards must be 'group' or 'none', not 'batch'"):
+        loo_advantages([0.0, 1.0], scale_rewards="batch")

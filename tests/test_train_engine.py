@@ -105,7 +105,7 @@ def sglang_protocol():
     try:
         return load_protocol()
     except ContractUnavailable as exc:
-        pytest.skip(f"SGLang 0.5.23 protocol unavailable: {exc}")
+        pytest.fail(f"SGLang 0.5.23 protocol unavailable ({exc}); run `make sglang-contract`")
 
 
 def test_sglang_reload_updates_weights_in_place(sglang_protocol, tiny_model_dir: Path, tmp_path: Path) -> None:

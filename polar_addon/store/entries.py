@@ -35,7 +35,7 @@ _CALL_HEAD = struct.Struct("<III")
 PLAIN_FIELDS = (
     "record_id", "session_id", "seq", "api", "status", "task_id", "group_id", "sample_index", "harness",
     "requested_model", "served_model", "engine", "started_at", "engine_latency_s", "finished_at",
-    "temperature", "top_p", "top_k", "max_tokens", "finish_reason", "matched_stop", "weight_version",
+    "temperature", "top_p", "top_k", "min_p", "max_tokens", "finish_reason", "matched_stop", "weight_version",
     "tools_json", "tool_choice_json", "response_json", "error",
 )
 
@@ -64,6 +64,7 @@ def _scalar_kinds(schema: pa.Schema) -> list[tuple[str, str]]:
     return kinds
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _SCALARS = {kind: _scalar_kinds(schema) for kind, schema in SCHEMAS.items()}
 
 
@@ -80,10 +81,14 @@ def coerce_scalars(kind: str, row: dict[str, Any]) -> None:
             raise TypeError(f"{name} must be a number, got {value!r}")
         elif expected == "float":
             row[name] = float(value)
-        elif isinstance(value, float):
-            if not value.is_integer():
-                raise TypeError(f"{name} must be an integer, got {value!r}")
-            row[name] = int(value)
+        else:
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise TypeError(f"{name} must be an integer, got {value!r}")
+                value = row[name] = int(value)
+            if not _INT64_MIN <= value <= _INT64_MAX:
+                # Acknowledged, it would stop the shard writer for every later record (issue 11).
+                raise ValueError(f"{name} {value} does not fit the store's int64 column")
 
 
 def call_entry(record: CaptureRecord, seq: int) -> bytes:
