@@ -150,7 +150,7 @@ def prepare_rows(
         if not any(clipped[1]):
             stats["no_trainable_tokens"] += 1
             continue
-        if drop_zero_advantage and advantages[trace.session_id].advantage == 0.0:
+        if drop_zero_advantage and advantages[trace.session_id].of(trace.reward) == 0.0:
             stats["zero_advantage"] += 1
             continue
         kept.append((trace, clipped))
@@ -173,7 +173,7 @@ def prepare_rows(
                 completion_ids=ids,
                 loss_mask=[int(m) for m in mask],
                 behavior_logprobs=[float(x) for x in logprobs],
-                advantage=sa.advantage,
+                advantage=sa.of(trace.reward),
                 session_reward=sa.reward,
                 session_weight=1.0 / rows_per_session[trace.session_id],
                 clipped=was_clipped,
