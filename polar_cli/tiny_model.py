@@ -95,8 +95,13 @@ def build_tokenizer(vocab_size: int = 2000):
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, max_position_embeddings: int = 131072) -> Path:
-    """Write tokenizer + random-init Qwen3 weights to ``out_dir``; same seed, same bytes."""
+def build_tiny_model(
+    out_dir: str | Path, seed: int = 0, max_position_embeddings: int = 131072, dtype: str = "float32"
+) -> Path:
+    """Write tokenizer + random-init Qwen3 weights to ``out_dir``; same seed, same bytes.
+
+    ``dtype="bfloat16"`` stores the weights the way released checkpoints (Qwen3 included) are.
+    """
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -118,9 +123,9 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, max_position_embeddings
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
-    model = Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
         pad_token_id=config.pad_token_id,

@@ -46,21 +46,19 @@ def step_batches(cfg: TrainConfig, traces, **prep):
     return trainer, trainer._build_step(list(range(len(data.groups))))
 
 
-def policy_logps(trainer, batch) -> torch.Tensor:
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, attn, batch["completion_ids"].size(1)
-        )
-    return logps
+def chunks(batches):
+    return [c for b in batches for c in b["chunks"]]
+
+
+def policy_logps(trainer, chunk) -> torch.Tensor:
+    return trainer._logps_no_grad(trainer.model, chunk)
 
 
 def max_ratio_error(trainer, batches) -> float:
     worst = 0.0
-    for batch in batches:
-        mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
-        ratio = torch.exp(policy_logps(trainer, batch) - batch["old_per_token_logps"])[mask]
+    for chunk in chunks(batches):
+        mask = chunk["loss_mask"].bool()
+        ratio = torch.exp(policy_logps(trainer, chunk) - chunk["behavior_logps"])[mask]
         worst = max(worst, (ratio - 1).abs().max().item())
     return worst
 
@@ -81,7 +79,7 @@ def test_first_step_is_on_policy(tiny_model_dir: Path, traces, tmp_path: Path) -
     cfg = config(tiny_model_dir, tmp_path / "a", grad_accum=2)
     trainer, batches = step_batches(cfg, traces)
     assert trainer.args.temperature == 0.7  # read from the traces
-    assert sum(int(b["tool_mask"].sum()) for b in batches) == sum(sum(t.loss_mask) for t in traces)
+    assert sum(int(c["loss_mask"].sum()) for c in chunks(batches)) == sum(sum(t.loss_mask) for t in traces)
     assert max_ratio_error(trainer, batches) < 1e-4
 
     # The logged ratios of a real first step say the same.
@@ -124,7 +122,7 @@ def test_tokens_under_mask_zero_do_not_change_the_loss(tiny_model_dir: Path, tra
 def test_constant_reward_group_gives_zero_gradient(tiny_model_dir: Path, factory: TraceFactory, tmp_path: Path) -> None:
     flat = factory.traces([SessionSpec("g", f"s{i}", 1.0) for i in range(4)])
     trainer, batches = step_batches(config(tiny_model_dir, tmp_path), flat, drop_zero_advantage=False)
-    assert all(float(b["advantages"].abs().max()) == 0.0 for b in batches)
+    assert all(float(c["advantages"].abs().max()) == 0.0 for c in chunks(batches))
     _, grads = loss_and_grads(trainer, batches)
     assert grads and all(float(g.abs().max()) == 0.0 for g in grads.values())
 
@@ -158,9 +156,9 @@ def test_training_moves_probability_toward_rewarded_sessions(
     def seq_logp(model_dir) -> dict[str, float]:
         trainer, batches = step_batches(replace(cfg, model=str(model_dir)), pair, drop_zero_advantage=False)
         out = {}
-        for batch in batches:
-            lp = policy_logps(trainer, batch) * batch["tool_mask"]
-            for row_lp, adv in zip(lp.sum(1).tolist(), batch["advantages"].tolist(), strict=True):
+        for chunk in chunks(batches):
+            lp = policy_logps(trainer, chunk) * chunk["loss_mask"]
+            for row_lp, adv in zip(lp.sum(1).tolist(), chunk["advantages"].tolist(), strict=True):
                 out["good" if adv > 0 else "bad"] = row_lp
         return out
 

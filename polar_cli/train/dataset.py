@@ -208,6 +208,25 @@ def partition_rows(lengths: Sequence[int], bins: int) -> list[list[int]]:
     return [sorted(b) for b in out]
 
 
+def length_buckets(lengths: Sequence[int], max_waste: float = 0.1) -> list[list[int]]:
+    """Group row indices so that padding each group to its longest row wastes at most
+    ``max_waste`` x its real tokens: longest first, a row joins the open group while that holds.
+
+    A micro-batch of short-prompt/long-completion (merged) and long-prompt (per-request) traces
+    would otherwise be padded to the longest of all; each group is one forward pass.
+    """
+    out: list[list[int]] = []
+    width = real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if out and width * (len(out[-1]) + 1) - (real + lengths[i]) <= max_waste * (real + lengths[i]):
+            out[-1].append(i)
+            real += lengths[i]
+            continue
+        out.append([i])
+        width = real = lengths[i]
+    return out
+
+
 # --- input detection ------------------------------------------------------------------------------
 
 _TRACE_COLUMNS = {"trace_id", "prompt_ids", "completion_ids", "loss_mask", "behavior_logprobs"}
