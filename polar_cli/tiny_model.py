@@ -68,6 +68,19 @@ def _training_text(max_bytes: int = 3_000_000) -> list[str]:
     return texts
 
 
+# Model shapes by name. "tiny" is the test/demo model; "small" is large enough that compute, not
+# per-step overhead, dominates a CPU training step (bench/train.py); "0.5b" is Qwen3-0.6B's shape
+# (~0.44B parameters with this vocabulary), for the GPU check (bench/gpu_check.sh).
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64),
+    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=64),
+    "0.5b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128),
+}  # fmt: skip
+
+
 def build_tokenizer(vocab_size: int = 2000):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -96,7 +109,11 @@ def build_tokenizer(vocab_size: int = 2000):
 
 
 def build_tiny_model(
-    out_dir: str | Path, seed: int = 0, max_position_embeddings: int = 131072, dtype: str = "float32"
+    out_dir: str | Path,
+    seed: int = 0,
+    max_position_embeddings: int = 131072,
+    dtype: str = "float32",
+    size: str = "tiny",
 ) -> Path:
     """Write tokenizer + random-init Qwen3 weights to ``out_dir``; same seed, same bytes.
 
@@ -112,12 +129,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+        **SIZES[size],
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
@@ -134,5 +146,5 @@ def build_tiny_model(
     tokenizer.save_pretrained(out)
     # vLLM and SGLang read the template from tokenizer_config.json; a standalone copy helps humans.
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (out / "polar_tiny_model.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab}))
+    (out / "polar_tiny_model.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab, "size": size}))
     return out

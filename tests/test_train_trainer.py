@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import orjson
 import pytest
 import torch
 
+from polar_cli.train.advantages import SCALE_EPS
 from polar_cli.train.config import TrainConfig
 from polar_cli.train.dataset import prepare_rows
 from polar_cli.train.run import build_trainer, run_training
@@ -136,13 +138,22 @@ def test_constant_reward_group_gives_zero_gradient(tiny_model_dir: Path, factory
 
 def test_session_with_two_traces_is_one_sample(tiny_model_dir: Path, traces, tmp_path: Path) -> None:
     trainer, batches = step_batches(config(tiny_model_dir, tmp_path), traces)
-    rows = [r for r in trainer.data.rows if r.session_id == "g0-s0"]
-    assert len(rows) == 2 and rows[0].advantage == rows[1].advantage
     logged = trainer._metrics["train"]
     assert logged["step/traces"][-1] == 9 and logged["step/sessions"][-1] == pytest.approx(8.0)
-    # g0 sessions rewards [1, 0, 1, 0]: +-1/std regardless of s0's two traces
-    g0 = {r.session_id: r.advantage for r in trainer.data.rows if r.group_id == "g0"}
-    assert g0["g0-s0"] == pytest.approx(-g0["g0-s1"]) == pytest.approx(g0["g0-s2"])
+    # Session rewards per group (g0-s0 fans out into two traces, both rewarded 1, one vote):
+    # A = (r - mean of the other sessions) / (stdev of the session rewards + eps), computed by hand.
+    expected = {}
+    for group, rewards in {"g0": [1.0, 0.0, 1.0, 0.0], "g1": [0.5, 0.0, 1.0, 0.25]}.items():
+        s = statistics.stdev(rewards) + SCALE_EPS
+        for i, r in enumerate(rewards):
+            expected[f"{group}-s{i}"] = (r - (sum(rewards) - r) / 3) / s
+    assert expected["g0-s0"] == pytest.approx(2 / 3 / (statistics.stdev([1, 0, 1, 0]) + SCALE_EPS))
+    rows = trainer.data.rows
+    assert sorted(r.session_id for r in rows).count("g0-s0") == 2
+    for row in rows:
+        assert row.advantage == pytest.approx(expected[row.session_id], rel=1e-12), row.trace_id
+    in_batches = sorted(a for c in chunks(batches) for a in c["advantages"].tolist())
+    assert in_batches == pytest.approx(sorted(expected[r.session_id] for r in rows), rel=1e-6)
 
 
 def test_training_moves_probability_toward_rewarded_sessions(

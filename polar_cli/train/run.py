@@ -258,11 +258,16 @@ def save_checkpoint(trainer, out_dir: Path, serving_dtype=None) -> None:
         state = merge_lora_state_dict(state, scaling)
         model = model.get_base_model()
     dtype = serving_dtype or model.config.dtype
-    state = {k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in state.items()}
+    cast: dict[int, torch.Tensor] = {}  # by storage, so tied weights stay one tensor (saved once)
+    state = {
+        k: cast.setdefault(v.data_ptr(), v.to(dtype)) if torch.is_floating_point(v) else v for k, v in state.items()
+    }
     # Training turns the KV cache off; the checkpoint is for inference.
     model.config.use_cache = True
-    model.config.dtype = dtype
     model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    # save_pretrained records the dtype of the (fp32 master) parameters; engines serve the config's.
+    model.config.dtype = dtype
+    model.config.save_pretrained(out_dir)
     trainer.processing_class.save_pretrained(out_dir)
 
 
