@@ -8,7 +8,7 @@ HARNESS_DIR := .harness
 TINY := models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: install engine harnesses s3 browser model test test-fast demo bench clean
+.PHONY: install engine harnesses s3 browser model sglang-contract test test-fast demo bench mutation clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -47,15 +47,23 @@ $(S3_VENV)/.installed:
 browser:
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
 
+# SGLang 0.5.23's own protocol classes (from its released wheel, fetched with pip) for the SGLang
+# contract tests; without them those tests fail rather than skip.
+SGLANG_CONTRACT := .cache/sglang-0.5.23/.ready
+sglang-contract: $(SGLANG_CONTRACT)
+$(SGLANG_CONTRACT): $(VENV)/.installed
+	$(BIN)/python -c 'from tests.support.sglang_contract_server import load_protocol; load_protocol()'
+	touch $@
+
 model: install $(TINY)/config.json
 $(TINY)/config.json:
 	$(BIN)/polar tiny-model $(TINY)
 
-test: install engine harnesses s3 browser model
+test: install engine harnesses s3 browser model sglang-contract
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 # Unit and in-process tests only: no vLLM, no harness CLIs.
-test-fast: install
+test-fast: install sglang-contract
 	$(BIN)/python -m pytest -q -m "not vllm and not harness" $(PYTEST_ARGS)
 
 # Capture through the proxy, then the learning loop (rollouts -> polar train -> reload), ~5-8 min on 2 cores.
@@ -69,5 +77,11 @@ bench: install model
 	$(BIN)/python bench/build.py
 	$(BIN)/python bench/train.py
 
+# Mutation score per core module (mutmut; tens of minutes; not part of `make test`). bench/mutation_report.md
+# explains the survivors.
+mutation: install
+	$(BIN)/pip install -q -c constraints.txt 'mutmut==3.8.1'
+	$(BIN)/python bench/mutation.py $(MODULES)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(S3_VENV) $(HARNESS_DIR) models shards runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(S3_VENV) $(HARNESS_DIR) models shards runs .pytest_cache .cache .mutation

@@ -10,7 +10,9 @@ the client's body is then looked up in that round trip:
 - anything else must match a documented reason (:data:`REASONS`): **dropped** (not part of what the
   engine sees) or **changed** (kept in another form). A leaf with no reason is **UNEXPLAINED**.
 
-``python bench/fidelity.py FLOWS [FLOWS ...]`` prints one table per file (harness from User-Agent).
+``python bench/fidelity.py FLOWS [FLOWS ...]`` prints one table per file (harness from User-Agent). Record FLOWS
+by adding ``--set save_stream_file=FLOWS`` to the proxy's mitmdump command (or ``polar proxy``), then run a
+harness through it.
 Calls the proxy streamed through its relay (slower than ``polar_keepalive``) leave no request body in
 the flow file; run the harness with a large ``polar_keepalive`` to capture all of them.
 """
@@ -32,7 +34,7 @@ from polar_addon.providers import Route
 from polar_addon.providers.anthropic_messages import PROVIDER as ANTHROPIC
 from polar_addon.providers.gemini import PROVIDER as GEMINI
 from polar_addon.providers.openai_chat import PROVIDER as CHAT
-from polar_addon.providers.openai_responses import NAMESPACE_SEPARATOR, OpenAIResponsesProvider
+from polar_addon.providers.openai_responses import DROPPED_ITEMS, NAMESPACE_SEPARATOR, OpenAIResponsesProvider
 
 KEPT, CHANGED, DROPPED, UNEXPLAINED = "kept", "changed", "dropped", "UNEXPLAINED"
 
@@ -96,6 +98,11 @@ REASONS: list[Reason] = [
     Reason("openai_responses", "input[*].content[*].type", CHANGED, "content parts joined into one string"),
     Reason("openai_responses", "input[*].content[*].annotations*", DROPPED, "output annotations are not part of the prompt"),
     Reason("openai_responses", "input[*].namespace", CHANGED, "folded into the tool name NAMESPACE.NAME"),
+    Reason("openai_responses", "input[*].type", CHANGED, "the tools this item makes available join the tool list",
+           lambda v: v in ("additional_tools", "tool_search_output")),
+    Reason("openai_responses", "input[*].tools[*]*", CHANGED, "tools an item makes available join the tool list"),
+    Reason("openai_responses", "input[*].type", DROPPED, "nothing an engine can read (extra.dropped_items)",
+           lambda v: v in DROPPED_ITEMS),
     Reason("openai_responses", "previous_response_id", CHANGED, "resolved: the remembered history is expanded into the prompt"),
     Reason("openai_responses", "include*", DROPPED, "encrypted reasoning is OpenAI's; engines return plain reasoning"),
     Reason("openai_responses", "prompt_cache_key", DROPPED, "the engine caches prefixes by itself"),
@@ -539,8 +546,13 @@ def print_table(result: Comparison, title: str = "provider round-trip fidelity")
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
+        return 0 if argv else 2
+    missing = [p for p in argv if not Path(p).is_file()]
+    if missing:
+        print(f"no such flow file: {', '.join(missing)} (record one with mitmdump --set save_stream_file=PATH)",
+              file=sys.stderr)
         return 2
     result = compare_flows([Path(p) for p in argv])
     print_table(result)

@@ -3,7 +3,8 @@
 1. starts ``mitmdump -s polar_addon/addon.py`` with the in-process ``local`` engine on the tiny model;
 2. runs the example agent (official openai SDK, streaming, with a tool) for a few sessions through
    ``HTTPS_PROXY`` — the agent itself knows nothing about polar;
-3. each session's "verifier" posts a reward through the proxy (``POST http://polar.local/sessions/ID/reward``);
+3. each session's "verifier" posts a reward through the proxy (``POST http://polar.local/sessions/ID/reward``)
+   with the proxy's control token, which the agent never sees;
 4. prints what the shards hold (``polar shards inspect``) and builds trajectories (``polar build``, ``polar stats``).
 """
 
@@ -47,8 +48,8 @@ def main() -> None:
             if result.returncode != 0:
                 sys.exit(f"agent failed:\n{result.stdout}\n{result.stderr}\n{proxy.logs()[-3000:]}")
             print(f"session {session}: agent finished {result.stdout.strip()}", flush=True)
-            # The verifier speaks through the same proxy with the session's own credentials.
-            with httpx.Client(proxy=proxy.proxy_url(session)) as verifier:
+            # The verifier speaks through the same proxy; the control token, not the session, authorizes it.
+            with httpx.Client(proxy=proxy.url, headers=proxy.control_headers()) as verifier:
                 reward = float(i % 2)
                 verifier.post(f"http://polar.local/sessions/{session}/reward", json={"value": reward}).raise_for_status()
                 verifier.post(f"http://polar.local/sessions/{session}/status", json={"status": "completed"}).raise_for_status()

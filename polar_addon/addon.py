@@ -1,4 +1,4 @@
-"""polar's mitmproxy addon: ``mitmdump -s polar_addon/addon.py --set polar_engine=... --set polar_out=DIR``.
+"""polar's mitmproxy addon: ``mitmdump --listen-host 127.0.0.1 -s polar_addon/addon.py --set polar_engine=... --set polar_out=DIR``.
 
 mitmproxy glue only: options, which flows are ours, identity from proxy credentials, and how a
 reply goes back (``Response.make`` for a finished body, a loopback relay for a live stream).
@@ -12,14 +12,18 @@ points at mitmdump; every request on a model route is ours whatever the reverse 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import re
+import time
+from collections.abc import Iterable, Sequence
 
+import orjson
 from mitmproxy import ctx, exceptions, http
 from mitmproxy.connection import Client
-from mitmproxy.proxy.mode_specs import ReverseMode
+from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from polar_addon import identity
 from polar_addon.canonical import PolarError
+from polar_addon.control import CONTROL_HOST, ControlPlane, check_token, is_control_path, load_or_create_token, token_file
 from polar_addon.engines import EnginePool
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
 from polar_addon.relay import STREAM_PREFIX, StreamRelay
@@ -29,8 +33,6 @@ from polar_addon.store import TraceStore
 log = logging.getLogger("polar")
 
 PROVIDER_HOSTS = frozenset({"api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com"})
-# Reward/status posts from sandboxed verifiers go to this pseudo-host through the proxy.
-CONTROL_HOST = "polar.local"
 # Headers never forwarded into the gateway's view of a call (secrets stay out of records).
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "proxy-authorization", "cookie")
 
@@ -47,18 +49,54 @@ def _seconds(name: str) -> float:
     return value
 
 
+def start_banner(engine: str, store: TraceStore, modes: list[str], host: str, port: int | None) -> str:
+    """What this proxy does, in one line: engine, output (and journal), and where each mode listens."""
+    listeners = []
+    for mode in modes or ["regular"]:
+        spec, at, own_port = mode.rpartition("@")
+        if not at or not own_port.isdigit():
+            spec, own_port = mode, str(port or 8080)
+        listeners.append(f"{spec} on {host or '*'}:{own_port}")
+    return (f"engine {engine}; output {store.uri} (journal {store.journal_root}); "
+            f"listening: {', '.join(listeners)}")
+
+
+def intercept_patterns(polar_hosts: Iterable[str], modes: Iterable[str]) -> list[str]:
+    """mitmproxy ``allow_hosts`` regexes (matched against ``host:port``): the provider hosts, polar.local,
+    ``polar_hosts`` and every reverse-mode target. TLS to any other host passes through untouched."""
+    names = sorted(PROVIDER_HOSTS | {CONTROL_HOST})
+    patterns = ["^(?:" + "|".join(re.escape(n) for n in names) + r"):\d+$"]
+    for entry in polar_hosts:
+        host, sep, port = entry.rpartition(":")
+        patterns.append(f"^{re.escape(entry)}$" if sep and port.isdigit() and host else f"^{re.escape(entry)}:\\d+$")
+    for spec in modes:
+        mode = ProxyMode.parse(spec)
+        if isinstance(mode, ReverseMode):
+            host, port = mode.address
+            patterns.append(f"^{re.escape(host)}:{port}$")
+    return patterns
+
+
+def _host(name: str) -> str:
+    # DNS names are case-insensitive and may end in a dot: API.OpenAI.com. is still a model host.
+    return name.lower().rstrip(".")
+
+
 class Polar:
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
         self.relay = StreamRelay()
         self.websockets = ResponsesWebSocket(lambda: self.gateway)
+        self.control: ControlPlane | None = None
         self._proxy_auth: dict[str, str] = {}  # client connection id -> Proxy-Authorization from CONNECT
+        self._allow_hosts_set: list[str] | None = None  # what we last put into allow_hosts
 
     def load(self, loader) -> None:
         loader.add_option("polar_engine", str, "", "Inference engine spec(s), comma-separated: sglang:URL, vllm:URL, local:MODEL_DIR.")
         loader.add_option("polar_out", str, "shards", "Where trace shards go: a directory or a pyarrow filesystem URI (s3://bucket/prefix).")
         loader.add_option("polar_hosts", Sequence[str], [], "Extra HOST or HOST:PORT whose model API calls are captured (besides the provider hosts).")
-        loader.add_option("polar_block_other", bool, False, "Answer 403 to all non-model traffic instead of passing it through (sandboxes).")
+        loader.add_option("polar_block_other", bool, False, "Refuse all non-model traffic (403, CONNECT to other hosts and raw TCP included) instead of passing it through (sandboxes).")
+        loader.add_option("polar_control_token", str, "", "Bearer token required to post rewards and statuses (default: generated into <polar_out>/.control-token, mode 0600).")
         loader.add_option("polar_keepalive", str, "5", "Seconds between keep-alive events sent to a streaming client while the engine works.")
         loader.add_option("polar_engine_timeout", str, "900", "Seconds to wait for one engine completion.")
         loader.add_option("polar_max_tokens", int, 0, "Clamp (and fill in) max_tokens of every call; 0 leaves it to the client.")
@@ -67,6 +105,11 @@ class Polar:
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
 
     def configure(self, updated: set[str]) -> None:
+        if updated & {"polar_hosts", "mode", "allow_hosts", "ignore_hosts"}:
+            self._intercept_only_model_hosts()
+        if "polar_block_other" in updated and ctx.options.polar_block_other:
+            # Non-HTTP bytes after a CONNECT would otherwise be relayed as raw TCP to any host:port.
+            ctx.options.rawtcp = False
         if not any(name.startswith("polar_") for name in updated):
             return
         opts = ctx.options
@@ -74,6 +117,8 @@ class Polar:
             raise exceptions.OptionsError("polar: set --set polar_engine=sglang:URL|vllm:URL|local:MODEL_DIR")
         if self.gateway is not None and not updated & {"polar_engine", "polar_out", "polar_shard_records", "polar_shard_seconds", "polar_engine_timeout"}:
             self.gateway.config = self._gateway_config()
+            if "polar_control_token" in updated and self.control is not None:
+                self.control.token = self._control_token()
             return
         if self.gateway is not None:
             raise exceptions.OptionsError("polar: engine and output options cannot change while running; restart mitmdump")
@@ -81,8 +126,42 @@ class Polar:
             pool = EnginePool.from_spec(opts.polar_engine, timeout_s=_seconds("polar_engine_timeout"))
         except ValueError as exc:
             raise exceptions.OptionsError(f"polar: {exc}") from exc
+        for engine in pool.engines:
+            # In-process engines load their model now: a wrong path fails here, and the first call is not slow.
+            load = getattr(engine, "load", None)
+            if load is not None:
+                log.warning("polar: loading the %s engine's model ...", engine.name)
+                started = time.monotonic()
+                try:
+                    load()
+                except PolarError as exc:
+                    raise exceptions.OptionsError(f"polar: {exc.message}") from exc
+                log.warning("polar: %s loaded in %.1f s", engine.name, time.monotonic() - started)
         store = TraceStore(opts.polar_out, shard_max_records=opts.polar_shard_records, shard_max_seconds=_seconds("polar_shard_seconds"))
         self.gateway = Gateway(pool, store, self._gateway_config())
+        self.control = ControlPlane(store, self._control_token(), on_session_end=pool.release)
+
+    def _control_token(self) -> str:
+        opts = ctx.options
+        if opts.polar_control_token:
+            try:
+                return check_token(opts.polar_control_token)
+            except ValueError as exc:
+                raise exceptions.OptionsError(f"polar: {exc}") from None
+        path = token_file(opts.polar_out, opts.confdir)
+        token = load_or_create_token(path)
+        log.info("polar: control token (for reward/status posts) in %s", path)
+        return token
+
+    def _intercept_only_model_hosts(self) -> None:
+        """Intercept TLS only to model hosts; an operator's own allow_hosts / ignore_hosts is left alone."""
+        opts = ctx.options
+        if opts.ignore_hosts or (opts.allow_hosts and list(opts.allow_hosts) != self._allow_hosts_set):
+            return
+        patterns = intercept_patterns(opts.polar_hosts, opts.mode)
+        if patterns != list(opts.allow_hosts):
+            self._allow_hosts_set = patterns
+            opts.allow_hosts = patterns
 
     def _gateway_config(self) -> GatewayConfig:
         opts = ctx.options
@@ -95,10 +174,19 @@ class Polar:
     async def running(self) -> None:
         # Eager upstream connects would fail (or leak) for hosts we answer ourselves.
         ctx.options.connection_strategy = "lazy"
+        if not ctx.options.listen_host:
+            log.warning("polar: mitmdump listens on all interfaces; pass --listen-host 127.0.0.1 unless others must reach it")
         await self.relay.start()
         await self.websockets.start()
+        if self.gateway is not None:
+            # At warning level: shown even with termlog_verbosity=warn, as polar's tests and `polar proxy` run it.
+            log.warning("polar: %s", start_banner(ctx.options.polar_engine, self.gateway.store, list(ctx.options.mode),
+                                                   ctx.options.listen_host, ctx.options.listen_port))
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
+        if ctx.options.polar_block_other and not self._is_model_host(flow.request.host, flow.request.port):
+            flow.response = http.Response.make(403, b"polar: non-model traffic is blocked (polar_block_other)", {"content-type": "text/plain"})
+            return
         auth = flow.request.headers.get("proxy-authorization")
         if auth:
             self._proxy_auth[flow.client_conn.id] = auth
@@ -106,24 +194,50 @@ class Polar:
     def client_disconnected(self, client: Client) -> None:
         self._proxy_auth.pop(client.id, None)
 
-    def _is_ours(self, flow: http.HTTPFlow) -> bool:
-        host = flow.request.pretty_host
+    @staticmethod
+    def _is_model_host(host: str, port: int) -> bool:
+        host = _host(host)
         if host in PROVIDER_HOSTS or host == CONTROL_HOST:
             return True
+        extra = {_host(h) for h in ctx.options.polar_hosts}
+        return host in extra or f"{host}:{port}" in extra
+
+    def _is_ours(self, flow: http.HTTPFlow) -> bool:
         if isinstance(flow.client_conn.proxy_mode, ReverseMode):
             return True
-        extra = set(ctx.options.polar_hosts)
-        return host in extra or f"{host}:{flow.request.port}" in extra
+        return self._is_model_host(flow.request.pretty_host, flow.request.port)
+
+    async def _answer_control(self, flow: http.HTTPFlow) -> None:
+        """Control paths and everything else on polar.local: answered here, never forwarded."""
+        assert self.control is not None
+        if is_control_path(flow.request.path):
+            status, payload = await self.control.handle(flow.request.method, flow.request.path,
+                                                        flow.request.headers.get("authorization"), flow.request.raw_content or b"")
+        else:
+            status, payload = 404, {"error": {"type": "not_found", "message": "polar control: no such path"}}
+        flow.response = http.Response.make(status, orjson.dumps(payload), {"content-type": "application/json"})
 
     async def request(self, flow: http.HTTPFlow) -> None:
         if self.gateway is None or flow.response is not None:
             return
-        is_control = flow.request.pretty_host == CONTROL_HOST
+        reverse = isinstance(flow.client_conn.proxy_mode, ReverseMode)
+        if _host(flow.request.pretty_host) == CONTROL_HOST or (reverse and is_control_path(flow.request.path)):
+            await self._answer_control(flow)
+            return
+        if self._is_ours(flow) and is_control_path(flow.request.path):
+            # A provider host is the agent's own route: control posts there are refused, not forwarded.
+            flow.response = http.Response.make(404, orjson.dumps({"error": {"type": "not_found", "message":
+                                               f"polar control paths are served only on {CONTROL_HOST}"}}),
+                                               {"content-type": "application/json"})
+            return
         upgrade = is_responses_upgrade(flow.request.method, flow.request.path, flow.request.headers)
-        ours = self._is_ours(flow) and (is_control or upgrade or self.gateway.owns(flow.request.method, flow.request.path))
+        ours = self._is_ours(flow) and (upgrade or self.gateway.owns(flow.request.method, flow.request.path))
         if not ours:
             if ctx.options.polar_block_other:
                 flow.response = http.Response.make(403, b"polar: non-model traffic is blocked (polar_block_other)", {"content-type": "text/plain"})
+                return
+            # The session, task and group in the proxy credentials are nobody else's business.
+            flow.request.headers.pop("proxy-authorization", None)
             return
         headers = {k.lower(): v for k, v in flow.request.headers.items()}
         proxy_auth = headers.get("proxy-authorization") or self._proxy_auth.get(flow.client_conn.id)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 from collections import OrderedDict
@@ -26,13 +25,12 @@ import orjson
 from polar_addon.canonical import CanonicalRequest, Completion, PolarError
 from polar_addon.capture import Identity, record_failed, record_ok
 from polar_addon.engines import EnginePool
+from polar_addon.harness_id import harness_name
 from polar_addon.providers import Provider, ResponseContext, Route, all_providers, encode_sse
 from polar_addon.store import StorageUnavailable, TraceStore
 
 log = logging.getLogger("polar")
 
-REWARD_PATH = re.compile(r"^/sessions/([^/]+)/(reward|status)$")
-SESSION_STATUSES = {"running", "completed", "timeout", "error", "agent_error"}
 # Bounds on the per-session memory of sampled tool-call arguments (see _restore_sampled_arguments).
 MAX_REMEMBERED_SESSIONS = 10_000
 MAX_REMEMBERED_CALLS = 256
@@ -109,12 +107,11 @@ class Gateway:
         return None
 
     def owns(self, method: str, path: str) -> bool:
-        """Whether ``handle`` answers this request: a provider route or a session control path."""
-        return REWARD_PATH.match(path.split("?", 1)[0]) is not None or self.match(method, path) is not None
+        """Whether ``handle`` answers this request (a provider route). Rewards and statuses are not
+        here: they need the control token (polar_addon.control)."""
+        return self.match(method, path) is not None
 
     async def handle(self, call: IncomingCall) -> FullReply | StreamReply:
-        if REWARD_PATH.match(call.path.split("?", 1)[0]):
-            return await self._session_post(call)
         matched = self.match(call.method, call.path)
         if matched is None:
             return _json(404, {"error": {"type": "not_found", "message": f"polar: no provider route for {call.method} {call.path}"}})
@@ -226,7 +223,7 @@ class Gateway:
 
     async def _complete_and_record(self, provider: Provider, request: CanonicalRequest, call: IncomingCall) -> Completion:
         session = call.identity.session_id
-        await self._note_session(call)
+        await self._note_session(call, request)
         engine = self.pool.for_session(session)
         t0 = time.monotonic()
         try:
@@ -237,11 +234,12 @@ class Gateway:
             raise
         except Exception as exc:  # an engine bug must not take the proxy down with it
             log.exception("polar: engine %s failed", engine.name)
-            err = PolarError(502, "api_error", f"engine error: {type(exc).__name__}: {exc}")
+            # The exception text may name the engine's URL: it stays in the proxy log.
+            err = PolarError(502, "api_error", f"engine error ({type(exc).__name__}); see the proxy log")
             await self._record_failure(call, provider.name, request, err)
             raise err from exc
         record = record_ok(identity=call.identity, seq=-1, request=request, completion=completion,
-                           harness=call.headers.get("user-agent"), started_at=call.started_at,
+                           harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at,
                            engine_latency_s=time.monotonic() - t0)
         try:
             await self.store.append(record)
@@ -268,14 +266,14 @@ class Gateway:
     async def _record_failure(self, call: IncomingCall, api: str, request: CanonicalRequest | None, err: PolarError) -> None:
         record = record_failed(identity=call.identity, seq=-1, api=api, request=request,
                                error=f"{err.status} {err.kind}: {err.message}",
-                               harness=call.headers.get("user-agent"), started_at=call.started_at)
+                               harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at)
         try:
-            await self._note_session(call)
+            await self._note_session(call, request)
             await self.store.append(record)
         except StorageUnavailable as exc:
             log.warning("polar: could not record failed call for session %s: %s", call.identity.session_id, exc)
 
-    async def _note_session(self, call: IncomingCall) -> None:
+    async def _note_session(self, call: IncomingCall, request: CanonicalRequest | None) -> None:
         ident = call.identity
         if ident.session_id in self._seen_sessions:
             self._seen_sessions.move_to_end(ident.session_id)
@@ -285,40 +283,8 @@ class Gateway:
             self._seen_sessions.popitem(last=False)
         await self.store.session_update(
             ident.session_id, task_id=ident.task_id, group_id=ident.group_id, sample_index=ident.sample_index,
-            harness=call.headers.get("user-agent"), status="running", started_at=call.started_at,
+            harness=harness_name(call.headers.get("user-agent"), request), status="running", started_at=call.started_at,
         )
-
-    async def _session_post(self, call: IncomingCall) -> FullReply:
-        """``POST /sessions/ID/reward`` and ``/sessions/ID/status`` on the polar.local pseudo-host.
-
-        Allowed only with the session's own credentials, so a sandboxed verifier can post the reward
-        of its own session and nothing else.
-        """
-        match = REWARD_PATH.match(call.path.split("?", 1)[0])
-        assert match is not None
-        session_id, what = match.group(1), match.group(2)
-        if call.method != "POST":
-            return _json(405, {"error": {"type": "invalid_request", "message": "use POST"}})
-        if call.identity.source == "generated" or call.identity.session_id != session_id:
-            return _json(403, {"error": {"type": "permission_denied", "message": f"only session {session_id}'s own credentials may post to it"}})
-        try:
-            body = orjson.loads(call.body or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
-            if what == "reward":
-                value = float(body["value"])
-                await self.store.add_reward(session_id, value, name=str(body.get("name", "reward")), source="proxy")
-            else:
-                status = str(body["status"])
-                if status not in SESSION_STATUSES:
-                    raise ValueError(f"status must be one of {sorted(SESSION_STATUSES)}")
-                await self.store.session_update(session_id, status=status, ended_at=time.time(),
-                                                metadata=body.get("metadata"))
-        except (KeyError, ValueError, TypeError, orjson.JSONDecodeError) as exc:
-            return _json(400, {"error": {"type": "invalid_request", "message": f"bad {what} body: {exc}"}})
-        except StorageUnavailable as exc:
-            return _json(503, {"error": {"type": "storage_unavailable", "message": str(exc)}})
-        return _json(200, {"ok": True, "session_id": session_id})
 
     async def close(self) -> None:
         await self.pool.close()

@@ -35,7 +35,8 @@ def _parse_fields(text: str) -> dict[str, str]:
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in {"session", "task", "group", "sample"}:
-            raise PolarError(400, "invalid_request", f"polar identity: cannot read {part!r} (keys: session, task, group, sample)")
+            # Never quote the credentials back: they may be a password someone mistyped.
+            raise PolarError(400, "invalid_request", "polar identity: cannot read the session fields (key=value pairs joined by ';', keys: session, task, group, sample)")
         fields[key] = value.strip()
     return fields
 
@@ -48,7 +49,7 @@ def _identity(fields: dict[str, str], source: str) -> Identity | None:
     try:
         sample_index = int(sample) if sample not in (None, "") else None
     except ValueError:
-        raise PolarError(400, "invalid_request", f"polar identity: sample must be an integer, got {sample!r}") from None
+        raise PolarError(400, "invalid_request", "polar identity: sample must be an integer") from None
     return Identity(
         session_id=session,
         task_id=fields.get("task") or None,

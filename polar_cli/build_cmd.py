@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from polar_cli.store_arg import existing_store
+
 if TYPE_CHECKING:
     from polar_addon.store import SessionRecord
     from polar_cli.build import Decode, SessionInfo
@@ -106,7 +108,9 @@ def merge_retokenized(retokenized: str) -> bool:
 
 
 def build(
-    shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
+    shards: str = typer.Argument(
+        ..., help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Output directory for the trace dataset (Parquet)."),
     strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP),
     tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
@@ -139,7 +143,7 @@ def build(
             raise typer.BadParameter(f"{out} exists and is not empty (use --overwrite)", param_hint="--out")
         shutil.rmtree(out)
     tok, source = load_tokenizer(tokenizer, shards)
-    console.print(source)
+    console.print(source, markup=False)
     sessions = _sessions(shards)
     wanted = set(session) or None
     total = len(wanted) if wanted else len(sessions)
@@ -179,7 +183,9 @@ def build(
 
 
 def stats(
-    shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
+    shards: str = typer.Argument(
+        ..., help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
+    ),
     strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP + " Token counts follow it."),
     tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
     eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
@@ -193,6 +199,7 @@ def stats(
     from polar_addon.store import iter_records
     from polar_cli.build import BuildReport, iter_session_builds
     from polar_cli.build.stats import report_table
+    from polar_cli.terminal import markup_safe
 
     _check_strategy(strategy)
     merge = merge_retokenized(retokenized)
@@ -207,15 +214,17 @@ def stats(
     if as_json:
         typer.echo(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode())
         return
-    Console(stderr=True).print(source)
-    console.print(report_table(report, title=f"polar stats: {shards}"))
+    Console(stderr=True).print(source, markup=False)
+    console.print(report_table(report, title=f"polar stats: {markup_safe(shards)}"))
 
 
 def view(
-    shards: str = typer.Argument(..., help="Trace store: a directory or a pyarrow filesystem URI."),
+    shards: str = typer.Argument(
+        ..., help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
+    ),
     session: str = typer.Option(..., "--session", help="The session to show."),
     out: Path = typer.Option(Path("trace.html"), "--out", "-o", help="HTML file to write."),
-    tokenizer: Path | None = typer.Option(None, help="Tokenizer directory, to show token text (else ids). " + TOKENIZER_HELP),
+    tokenizer: Path | None = typer.Option(None, help="Shows token text (else ids). " + TOKENIZER_HELP),
     eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
     retokenized: str = typer.Option("merge", help=RETOKENIZED_HELP),
 ) -> None:

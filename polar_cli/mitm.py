@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import polar_addon
 
@@ -48,6 +48,16 @@ class Proxy:
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
 
+    @property
+    def control_token(self) -> str:
+        """The token the addon generated for reward/status posts (``polar_addon.control``)."""
+        from polar_addon.control import token_file
+
+        return token_file(str(self.out), str(self.confdir)).read_text().strip()
+
+    def control_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.control_token}"}
+
 
 def wait_for_port(port: int, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
@@ -62,6 +72,30 @@ def wait_for_port(port: int, timeout: float, process: subprocess.Popen | None = 
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+def mitmdump_command(engine: str, out: Path | str, *, port: int | None, listen_host: str = "127.0.0.1",
+                     modes: Sequence[str] = (), confdir: Path | str | None = None,
+                     options: dict[str, str] | None = None, addon: bool = True, quiet: bool = True) -> list[str]:
+    """The mitmdump command line for polar: bound to ``listen_host`` (loopback unless told otherwise),
+    one ``--mode`` per entry of ``modes`` (none: a regular forward proxy). Which TLS is intercepted
+    (only model hosts, ``allow_hosts``) the addon sets itself from ``polar_hosts`` and the modes.
+    ``port=None``: every mode names its own port (``regular@8080``, ``reverse:https://api.openai.com@8081``),
+    and mitmproxy runs them side by side. ``quiet=False`` keeps mitmdump's own log (``polar proxy``)."""
+    cmd = [str(MITMDUMP), "--listen-host", listen_host]
+    if port is not None:
+        cmd += ["--listen-port", str(port)]
+    if quiet:
+        cmd += ["--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
+    if confdir is not None:
+        cmd += ["--set", f"confdir={confdir}"]
+    for mode in modes:
+        cmd += ["--mode", mode]
+    if addon:
+        cmd += ["-s", str(ADDON), "--set", f"polar_engine={engine}", "--set", f"polar_out={out}"]
+        for key, value in (options or {}).items():
+            cmd += ["--set", f"{key}={value}"]
+    return cmd
+
+
 @contextmanager
 def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Path | None = None,
                  options: dict[str, str] | None = None, addon: bool = True, timeout: float = 120.0) -> Iterator[Proxy]:
@@ -70,14 +104,8 @@ def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Pa
     confdir = confdir or out.parent / "mitmproxy-conf"
     confdir.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"mitmdump-{port}.log"
-    cmd = [str(MITMDUMP), "--listen-host", "127.0.0.1", "--listen-port", str(port),
-           "--set", f"confdir={confdir}", "--set", "termlog_verbosity=warn", "--set", "flow_detail=0"]
-    if mode:
-        cmd += ["--mode", mode]
-    if addon:
-        cmd += ["-s", str(ADDON), "--set", f"polar_engine={engine}", "--set", f"polar_out={out}"]
-        for key, value in (options or {}).items():
-            cmd += ["--set", f"{key}={value}"]
+    cmd = mitmdump_command(engine, out, port=port, modes=[mode] if mode else [], confdir=confdir,
+                           options=options, addon=addon)
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     proxy = Proxy(port, confdir, out, log, process)

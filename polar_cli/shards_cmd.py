@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+from polar_cli.store_arg import existing_store
 
 shards_app = typer.Typer(help="Look into and check a trace store (a directory or a pyarrow URI such as s3://...).",
                          no_args_is_help=True)
@@ -17,7 +18,7 @@ STORE_HELP = "The trace store: the proxy's polar_out (a directory or a URI such 
 
 @shards_app.command("inspect")
 def inspect(
-    store: str = typer.Argument(..., help=STORE_HELP),
+    store: str = typer.Argument(..., help=STORE_HELP, callback=existing_store),
     limit: int = typer.Option(20, help="Sessions to list (0: none, -1: all)."),
 ) -> None:
     """Sessions, calls, tokens, harnesses, rewards and failures in a store."""
@@ -25,10 +26,11 @@ def inspect(
     from rich.table import Table
 
     from polar_addon.store.summary import summarize
+    from polar_cli.terminal import markup_safe as safe
 
     s = summarize(store)
     console = Console()
-    overview = Table(title=f"polar store {store}", show_header=False)
+    overview = Table(title=f"polar store {safe(store)}", show_header=False)
     overview.add_column(style="bold")
     overview.add_column(justify="right")
     overview.add_row("sessions", str(len(s.sessions)))
@@ -40,7 +42,7 @@ def inspect(
     overview.add_row("shards (calls/sessions/rewards)", "/".join(str(s.shards[k]) for k in ("calls", "sessions", "rewards")))
     overview.add_row("shard bytes", f"{s.shard_bytes:,}")
     if s.journal_segments:
-        overview.add_row("journal segments not in shards yet", f"[yellow]{s.journal_segments}[/]")
+        overview.add_row("journal segments (counted above, not in shards yet)", str(s.journal_segments))
     console.print(overview)
 
     for title, key, unit, counts in (("harnesses", "harness", "calls", s.harnesses),
@@ -50,21 +52,21 @@ def inspect(
             table.add_column(key)
             table.add_column(unit, justify="right")
             for name, n in counts.most_common():
-                table.add_row(name, str(n))
+                table.add_row(safe(name), str(n))
             console.print(table)
     if s.rewards:
         table = Table(title="rewards (latest per session)")
         for col in ("name", "sessions", "mean", "min", "max"):
             table.add_column(col, justify="left" if col == "name" else "right")
         for r in s.rewards:
-            table.add_row(r.name, str(r.sessions), f"{r.mean:.4g}", f"{r.minimum:.4g}", f"{r.maximum:.4g}")
+            table.add_row(safe(r.name), str(r.sessions), f"{r.mean:.4g}", f"{r.minimum:.4g}", f"{r.maximum:.4g}")
         console.print(table)
     if s.failures:
         table = Table(title="failed calls")
         table.add_column("error")
         table.add_column("calls", justify="right")
         for error, n in s.failures.most_common(15):
-            table.add_row(error, str(n))
+            table.add_row(safe(error), str(n))
         console.print(table)
     shown = s.sessions if limit < 0 else s.sessions[:limit]
     if shown:
@@ -79,25 +81,26 @@ def inspect(
         for x in shown:
             sample = "-" if x.sample_index is None else str(x.sample_index)
             table.add_row(
-                x.session_id, f"{x.task_id or '-'}/{x.group_id or '-'}/{sample}", x.harness or "-",
-                x.status or "-", f"{x.calls - x.failed_calls}/{x.failed_calls}",
+                safe(x.session_id), safe(f"{x.task_id or '-'}/{x.group_id or '-'}/{sample}"), safe(x.harness or "-"),
+                safe(x.status or "-"), f"{x.calls - x.failed_calls}/{x.failed_calls}",
                 f"{x.prompt_tokens + x.response_tokens:,}", "-" if x.reward is None else f"{x.reward:.4g}",
             )
         console.print(table)
 
 
 @shards_app.command("validate")
-def validate(store: str = typer.Argument(..., help=STORE_HELP)) -> None:
+def validate(store: str = typer.Argument(..., help=STORE_HELP, callback=existing_store)) -> None:
     """Check schemas, one logprob per response token, contiguous seq per session, unique record ids,
     resolvable prefix references, token-free failed calls; exit 1 listing every violation."""
     from polar_addon.store.summary import summarize
     from polar_addon.store.validate import validate_store
+    from polar_cli.terminal import printable
 
     problems = validate_store(store)
     if problems:
-        typer.echo(f"{len(problems)} violation(s) in {store}:", err=True)
+        typer.echo(f"{len(problems)} violation(s) in {printable(store)}:", err=True)
         for problem in problems:
-            typer.echo(f"  - {problem}", err=True)
+            typer.echo(f"  - {printable(problem)}", err=True)
         raise typer.Exit(1)
     s = summarize(store)
     typer.echo(f"valid: {s.calls_ok + s.calls_failed} calls ({s.calls_failed} failed) in {len(s.sessions)} sessions")
@@ -115,28 +118,31 @@ def reward(
 ) -> None:
     """Record rewards for sessions: one with --session/--value, or many with --file."""
     from polar_addon.store import TraceStore, read_sessions
-    from polar_addon.store.rewards import RewardInput, parse_rewards_jsonl
+    from polar_addon.store.rewards import RewardInput, check_reward, parse_rewards_jsonl
     from polar_addon.store.shards import Output
     from polar_addon.store.summary import journal_session_ids
     from polar_addon.store.trace_store import default_journal_dir
+    from polar_cli.terminal import printable
 
     if file is not None and (session is not None or value is not None):
         raise typer.BadParameter("give either --file or --session with --value")
     if file is None and (session is None or value is None):
         raise typer.BadParameter("give --session and --value (or --file)")
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter("--value must be a finite number")
     try:
-        rewards = parse_rewards_jsonl(file) if file is not None else [RewardInput(session, value, name)]  # type: ignore[arg-type]
+        if file is not None:
+            rewards = parse_rewards_jsonl(file)
+        else:
+            checked_value, checked_name = check_reward(value, name)
+            rewards = [RewardInput(session, checked_value, checked_name)]  # type: ignore[arg-type]
     except (OSError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {printable(exc)}", err=True)
         raise typer.Exit(2) from exc
     journal_root = str(journal_dir) if journal_dir else default_journal_dir(Output.from_uri(store))
     if not allow_unknown:
         known = {s.session_id for s in read_sessions(store)} | journal_session_ids(journal_root)
         unknown = sorted({r.session_id for r in rewards} - known)
         if unknown:
-            typer.echo(f"error: unknown session(s) in {store}: {', '.join(unknown[:10])}"
+            typer.echo(f"error: unknown session(s) in {printable(store)}: {printable(', '.join(unknown[:10]))}"
                        f"{' ...' if len(unknown) > 10 else ''} (--allow-unknown to record anyway)", err=True)
             raise typer.Exit(2)
 

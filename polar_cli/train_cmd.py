@@ -1,4 +1,4 @@
-"""`polar train` and `polar engine serve|reload|stop`: thin Typer shells over polar_cli.train.
+"""`polar train`: a thin Typer shell over polar_cli.train.
 
 Heavy imports (torch, TRL) happen inside the commands so `polar --help` stays fast.
 """
@@ -6,6 +6,7 @@ Heavy imports (torch, TRL) happen inside the commands so `polar --help` stays fa
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
@@ -77,12 +78,15 @@ def train(
     save_steps: int = typer.Option(_d("save_steps"), help="Write OUTPUT/checkpoint-N every N steps (0: only the end)."),
     plot: bool = typer.Option(_d("plot"), help="Write training_curves.png."),
     progress: bool = typer.Option(_d("progress"), help="Rich progress bar."),
+    overwrite: bool = typer.Option(False, help="Replace OUTPUT if it exists and is not empty (as `polar build`)."),
 ) -> None:
     """Train the policy with GRPO (TRL) on captured traces; write a checkpoint, metrics.jsonl and curves."""
     from rich.console import Console
 
+    _check_model_and_output(model, output, overwrite=overwrite, resume=resume)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from polar_cli.train.dataset import NothingToTrain, TemperatureMismatch
+    from polar_cli.terminal import markup_safe
     from polar_cli.train.run import run_training
 
     cfg = TrainConfig(
@@ -102,13 +106,13 @@ def train(
     try:
         result = run_training(cfg)
     except NothingToTrain as exc:
-        console.print(f"[yellow]nothing to train:[/] {exc}")
+        console.print(f"[yellow]nothing to train:[/] {markup_safe(exc)}")
         raise typer.Exit(EXIT_NOTHING_TO_TRAIN) from exc
     except TemperatureMismatch as exc:
-        console.print(f"[bold red]temperature mismatch:[/] {exc}")
+        console.print(f"[bold red]temperature mismatch:[/] {markup_safe(exc)}")
         raise typer.Exit(2) from exc
     except (ValueError, FileNotFoundError) as exc:
-        console.print(f"[bold red]cannot train:[/] {exc}")
+        console.print(f"[bold red]cannot train:[/] {markup_safe(exc)}")
         raise typer.Exit(2) from exc
     if int(os.environ.get("RANK", "0")) != 0:
         return
@@ -127,87 +131,24 @@ def train(
         typer.echo(f"curves: {result.plot_path}")
 
 
-engine_app = typer.Typer(
-    help="Serve, reload and stop inference engines for the train -> rollout loop.", no_args_is_help=True
-)
-
-STATE_DIR_HELP = "Where polar remembers the engines it started (env POLAR_STATE_DIR)."
-
-
-def _state_dir(value: Optional[Path]) -> Path:
-    from polar_cli.train.reload import DEFAULT_STATE_DIR
-
-    return value or DEFAULT_STATE_DIR
-
-
-@engine_app.command("serve")
-def engine_serve(
-    model: str = typer.Argument(..., help="Model directory to serve."),
-    port: int = typer.Option(8000, help="Port on 127.0.0.1."),
-    served_model_name: Optional[str] = typer.Option(None, help="Name clients ask for; kept across reloads."),
-    dtype: str = typer.Option("auto", help="vLLM --dtype (float32 on CPU)."),
-    max_model_len: Optional[int] = typer.Option(None, help="vLLM --max-model-len."),
-    python: Optional[str] = typer.Option(None, help="Interpreter with vLLM (default: .venv-vllm if present)."),
-    vllm_arg: list[str] = typer.Option(
-        [], "--vllm-arg", help="Extra vLLM flag (repeatable), e.g. --vllm-arg=--enforce-eager."
-    ),
-    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
-    timeout: float = typer.Option(600.0, help="Seconds to wait until it answers."),
-) -> None:
-    """Start a vLLM server in the background that `polar engine reload` can restart with new weights."""
-    from polar_cli.train.reload import EngineError, serve_vllm
-
-    try:
-        server = serve_vllm(
-            model, port=port, served_model_name=served_model_name, state_dir=_state_dir(state_dir), python=python,
-            dtype=dtype, max_model_len=max_model_len, extra_args=vllm_arg, ready_timeout_s=timeout,
-        )  # fmt: skip
-    except EngineError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
-    typer.echo(f"serving {server.served_model_name!r} (pid {server.pid}, log {server.log})")
-    typer.echo(server.spec)
-
-
-@engine_app.command("reload")
-def engine_reload(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint directory written by `polar train`."),
-    engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL (started by `polar engine serve`)."),
-    weight_version: Optional[str] = typer.Option(None, help="Policy version tag later captures will carry."),
-    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
-    timeout: float = typer.Option(600.0, help="Seconds to wait for the engine."),
-) -> None:
-    """Point a running engine at new weights: SGLang loads them in place, vLLM is restarted."""
-    from polar_addon.canonical import PolarError
-    from polar_cli.train.reload import EngineError, reload_engine
-
-    try:
-        line = reload_engine(
-            engine, checkpoint, state_dir=_state_dir(state_dir), weight_version=weight_version, timeout_s=timeout
-        )
-    except (EngineError, PolarError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
-    typer.echo(line)
-
-
-@engine_app.command("stop")
-def engine_stop(
-    engine: str = typer.Option(..., "--engine", "-e", help="vllm:URL of an engine started by `polar engine serve`."),
-    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
-) -> None:
-    """Stop an engine started by `polar engine serve`."""
-    from polar_cli.train.reload import EngineError, stop_engine
-
-    kind, _, target = engine.partition(":")
-    try:
-        server = stop_engine(target, state_dir=_state_dir(state_dir))
-    except EngineError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
-    typer.echo(f"stopped {kind} on port {server.port} (pid {server.pid})")
+def _check_model_and_output(model: str, output: Path, *, overwrite: bool, resume: Optional[Path]) -> None:
+    """Fail before any heavy import: a mistyped --model would otherwise end in a model-hub lookup, and an
+    existing --output would be silently mixed with the new checkpoint."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise typer.BadParameter(f"{model} does not exist (resolved to {path.resolve()}); give a model directory",
+                                 param_hint="--model")
+    if not (path / "config.json").is_file():
+        raise typer.BadParameter(f"{model} is not a model directory (no config.json)", param_hint="--model")
+    if resume is None and output.exists() and (not output.is_dir() or any(output.iterdir())):
+        if not overwrite:
+            raise typer.BadParameter(f"{output} exists and is not empty (use --overwrite, or --resume)",
+                                     param_hint="--output")
+        if output.is_dir():
+            shutil.rmtree(output)
+        else:
+            output.unlink()
 
 
 def register(app: typer.Typer) -> None:
     app.command("train")(train)
-    app.add_typer(engine_app, name="engine")

@@ -32,7 +32,29 @@ VLLM_START_TIMEOUT_S = 300.0
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from polar_cli.tiny_model import build_tiny_model
 
+    prebuilt = os.environ.get("POLAR_TEST_TINY_MODEL")
+    if prebuilt:  # bench/mutation.py: one build for thousands of short test sessions
+        return Path(prebuilt)
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+# Qwen3's switch: with enable_thinking false the generation prompt opens an empty think block.
+THINKING_SWITCH = (
+    "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}\n"
+)
+
+
+@pytest.fixture(scope="session")
+def thinking_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a chat template that reads ``enable_thinking`` the way Qwen3's does."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("models") / "tiny-thinking"
+    shutil.copytree(tiny_model_dir, out)
+    template = out / "chat_template.jinja"
+    template.write_text(template.read_text() + THINKING_SWITCH)
+    return out
 
 
 def free_port() -> int:

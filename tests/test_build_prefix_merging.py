@@ -257,6 +257,29 @@ def test_retokenized_turn_breaks_the_chain_when_asked() -> None:
     assert "call 2's prompt re-tokenized call 1's sampled turn" in chains[1].start.detail
 
 
+def test_a_retokenized_previous_prompt_starts_a_chain_with_cause_retokenized() -> None:
+    """The next call re-tokenized the previous call's *prompt* (same text, other ids): no chain's
+    prompt is a token prefix any more, so the call opens a chain, and the cause says why."""
+    from build_helpers import split_one_token
+
+    sim = AgentSim()
+    tool_loop(sim, [SYSTEM, TASK], coding_turns(2))
+    first, second = sim.records
+    split = split_one_token(first.prompt_ids)
+    assert decode(split) == decode(first.prompt_ids) and split != first.prompt_ids
+    second.prompt_ids = split + second.prompt_ids[len(first.prompt_ids):]
+
+    chains = reconstruct_session(sim.records, eot=eot_id(), decode=decode)
+    assert len(chains) == 2 and chains[1].related == 0
+    assert chains[1].start is not None and chains[1].start.cause == BreakCause.RETOKENIZED
+    assert chains[1].start.detail.startswith("same text, new token ids: call 1 changes call 0's prompt at token ")
+    result = build(sim.records)
+    assert [t.break_cause for t in result.traces] == ["retokenized", None]
+    # Without a tokenizer the same break can only be called a re-render.
+    blind = reconstruct_session(sim.records, eot=eot_id(), decode=None)
+    assert blind[1].start is not None and blind[1].start.cause == BreakCause.TEMPLATE_RERENDER
+
+
 def test_repeated_prompt_branches_and_the_used_answer_continues() -> None:
     sim = AgentSim()
     messages = [SYSTEM, TASK]

@@ -178,7 +178,8 @@ def protocol():
     try:
         return load_protocol()
     except ContractUnavailable as exc:
-        pytest.skip(f"SGLang 0.5.23 protocol unavailable: {exc}")
+        # Never a silent skip: `make test` fetches the wheel first (`make sglang-contract`).
+        pytest.fail(f"SGLang 0.5.23 protocol unavailable ({exc}); run `make sglang-contract`")
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +297,8 @@ def test_timeout_and_unreachable(server):
     with pytest.raises(PolarError) as err:
         asyncio.run(_call(f"http://127.0.0.1:{port}", request(max_tokens=2)))
     assert (err.value.status, err.value.kind) == (503, "overloaded")
+    # Clients never learn where the engine lives.
+    assert str(port) not in err.value.message and "127.0.0.1" not in err.value.message
 
 
 def test_update_weights_from_disk(protocol, tiny_model_dir, tmp_path):
@@ -322,3 +325,30 @@ def test_update_weights_from_disk(protocol, tiny_model_dir, tmp_path):
     assert (before.weight_version, after.weight_version) == ("default", "step-1")
     assert answer["success"] is True
     assert err.status == 400 and "missing" in err.message
+
+
+def test_thinking_flag_reaches_a_template_that_reads_it(protocol, thinking_model_dir):
+    """Through SGLang's chat_template_kwargs to a Qwen3-style template: off opens an empty think block."""
+    from tests.support.sglang_contract_server import SGLangContractServer
+
+    local = LocalEngine(thinking_model_dir)
+    with SGLangContractServer(local, protocol=protocol) as srv:
+        prompts, counts = {}, {}
+
+        async def count(req: CanonicalRequest) -> int:
+            engine = SGLangEngine(srv.url, timeout_s=60)
+            try:
+                return await engine.count_tokens(req)
+            finally:
+                await engine.close()
+
+        for flag in (None, False):
+            req = request(temperature=0, max_tokens=2)
+            req.enable_thinking = flag
+            prompts[flag] = list(asyncio.run(_call(srv.url, req)).prompt_ids)
+            counts[flag] = asyncio.run(count(req))
+        assert counts == {flag: len(ids) for flag, ids in prompts.items()}
+        assert srv.requests[0].get("chat_template_kwargs") is None
+        generation_bodies = [r for r in srv.requests if "max_tokens" in r]
+        assert generation_bodies[1]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert prompts[False] == prompts[None] + local.encode("<think>\n\n</think>\n\n")

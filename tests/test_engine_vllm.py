@@ -114,7 +114,10 @@ def test_stop_string_keeps_sampled_tokens(vllm_server):
     assert cut.logprobs == free_run.logprobs[: len(cut.logprobs)]
 
 
-def test_thinking_flag_reaches_the_template(vllm_server):
+def test_thinking_flag_is_accepted_and_counted_alike(vllm_server):
+    """vLLM takes the flag (chat_template_kwargs) on both routes, and /tokenize counts what the
+    generation saw. The shared server's tiny template ignores the flag; that it reaches a template
+    that reads it is checked with a Qwen3-style template through the local and SGLang engines."""
     req = request(temperature=0, max_tokens=4)
     req.enable_thinking = False
     completion, counted = run(_complete(vllm_server, req))

@@ -3,6 +3,7 @@ whole, documented drops carry their reason, and an unknown field is caught as UN
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -131,3 +132,15 @@ def test_previous_response_id_replays_against_the_earlier_response() -> None:
     result = run("openai_responses", second, responses)
     assert not result.unexplained()
     assert ("previous_response_id", "changed") in {(r.field, r.status) for r in result.rows.values()}
+
+
+def test_the_script_explains_itself_and_names_a_missing_flow_file(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    script = [sys.executable, "bench/fidelity.py"]
+    root = Path(__file__).resolve().parents[1]
+    shown = subprocess.run([*script, "--help"], cwd=root, capture_output=True, text=True)
+    assert shown.returncode == 0 and "save_stream_file" in shown.stdout
+    missing = subprocess.run([*script, str(tmp_path / "flows")], cwd=root, capture_output=True, text=True)
+    assert missing.returncode == 2 and "no such flow file" in missing.stderr and "Traceback" not in missing.stderr

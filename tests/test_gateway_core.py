@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from polar_addon.capture import Identity
+from polar_addon.control import ControlPlane
 from polar_addon.engines import EnginePool
 from polar_addon.engines.scripted import ScriptedEngine
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
@@ -122,3 +123,87 @@ def test_session_rows_are_remembered_within_a_bound(script: Path, tmp_path: Path
     asyncio.run(main())
     rows = read_table(str(out), "sessions").to_pylist()
     assert sorted(r["session_id"] for r in rows) == ["a", "b", "b", "c"]
+
+
+@pytest.mark.parametrize(
+    "client_max,proxy_cut,finish,seen",
+    [
+        (7, True, "length", "length"),  # the client's own limit was reached exactly: its own overflow
+        (6, True, "length", "length"),
+        (8, True, "length", "stop"),  # cut below what the client allowed: ends normally
+        (None, True, "length", "stop"),  # the client set no limit; only the proxy's cap cut it
+        (8, False, "length", "length"),  # no proxy cap in force: nothing to hide
+        (8, True, "stop", "stop"),
+    ],
+)
+def test_the_client_sees_length_only_when_its_own_limit_was_reached(client_max, proxy_cut, finish, seen) -> None:
+    from polar_addon.canonical import CanonicalRequest
+    from tests.support.providers import completion
+
+    request = CanonicalRequest(api="anthropic_messages", model="tiny", messages=[])
+    if proxy_cut:
+        request.extra["client_max_tokens"] = client_max
+    comp = completion(finish_reason=finish)  # 7 response tokens
+    assert len(comp.response_ids) == 7
+    assert Gateway._as_client_sees(request, comp).finish_reason == seen
+    assert comp.finish_reason == finish  # the record keeps what the engine said
+
+
+def test_a_session_that_ends_frees_its_engine_slot(script: Path, tmp_path: Path) -> None:
+    """Least-loaded assignment counts live sessions: one that posted its final status no longer counts."""
+    second = tmp_path / "script2.json"
+    second.write_bytes(script.read_bytes())
+    out = tmp_path / "shards"
+
+    async def main() -> None:
+        pool = EnginePool([ScriptedEngine(str(script)), ScriptedEngine(str(second))])
+        gateway = Gateway(pool, TraceStore(str(out)))
+        for session in ("a", "b", "c"):  # e0, e1, e0
+            assert (await gateway.handle(anthropic_call(session, [{"role": "user", "content": "hi"}]))).status == 200
+        # The addon wires the control plane to the pool this way.
+        control = ControlPlane(gateway.store, "t" * 32, on_session_end=pool.release)
+        status, _ = await control.handle("POST", "/sessions/a/status", "Bearer " + "t" * 32, b'{"status": "completed"}')
+        assert status == 200
+        assert (await gateway.handle(anthropic_call("d", [{"role": "user", "content": "hi"}]))).status == 200
+        await gateway.close()
+
+    asyncio.run(main())
+    engines = {r.session_id: r.engine for r in read_records(str(out))}
+    assert engines["a"] == engines["c"] == engines["d"] == f"scripted:{script}"
+    assert engines["b"] == f"scripted:{second}"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_bug_is_a_502_in_the_callers_shape_and_a_failed_record(script: Path, tmp_path: Path, stream: bool) -> None:
+    out = tmp_path / "shards"
+
+    async def main() -> tuple[int, bytes]:
+        engine = ScriptedEngine(str(script))
+
+        async def broken(request):
+            await asyncio.sleep(0.3)  # past the first keep-alive when streaming
+            raise KeyError("choices")
+
+        engine.complete = broken  # type: ignore[method-assign]
+        gateway = Gateway(EnginePool([engine]), TraceStore(str(out)), GatewayConfig(keepalive_s=0.05))
+        reply = await gateway.handle(anthropic_call("bug", [{"role": "user", "content": "hi"}], stream=stream))
+        if isinstance(reply, FullReply):
+            body = reply.body
+        else:
+            body = b"".join([chunk async for chunk in reply.chunks])
+        await gateway.close()
+        return reply.status, body
+
+    status, body = asyncio.run(main())
+    if stream:
+        # Headers (200) left with the first keep-alive; the stream ends in Anthropic's error event.
+        assert status == 200 and body.startswith(b"event: ping")
+        event, data = body.rstrip(b"\n").split(b"\n")[-2:]
+        assert event == b"event: error"
+        error = orjson.loads(data.removeprefix(b"data: "))
+    else:
+        assert status == 502
+        error = orjson.loads(body)
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    [record] = read_records(str(out))
+    assert record.status == "failed" and record.error.startswith("502 api_error") and "KeyError" in record.error

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 
 import anthropic
 import httpx
@@ -21,6 +20,7 @@ from transformers import AutoTokenizer
 from polar_addon.store import read_records, read_sessions
 from polar_addon.store.validate import validate_store
 from tests.support.proxy import run_mitmdump
+from tests.support.shards import wait_for_shards
 
 TOOLS_OAI = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
               "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
@@ -58,8 +58,15 @@ def test_openai_stream_and_plain_agree(proxy):
     final = state.current_completion_snapshot
     assert plain.choices[0].message.content == final.choices[0].message.content
     assert plain.choices[0].finish_reason == final.choices[0].finish_reason
-    assert plain.usage.prompt_tokens == final.usage.prompt_tokens > 0
-    assert plain.usage.completion_tokens == final.usage.completion_tokens > 0
+    # Both against what the engine produced (the records), not just against each other.
+    wait_for_shards(proxy.out)
+    records = read_records(str(proxy.out), ["oai-1"])
+    assert len(records) == 2 and records[0].response_ids == records[1].response_ids  # greedy
+    for answer in (plain, final):
+        assert answer.usage.prompt_tokens == len(records[0].prompt_ids)
+        assert answer.usage.completion_tokens == len(records[0].response_ids)
+        assert answer.choices[0].message.content == (records[0].response_message["content"] or "")
+        assert answer.choices[0].finish_reason == records[0].finish_reason
 
 
 def test_anthropic_stream_and_plain_agree(proxy):
@@ -72,7 +79,15 @@ def test_anthropic_stream_and_plain_agree(proxy):
     assert [b.model_dump(exclude={"parsed_output"}) for b in plain.content] == \
         [b.model_dump(exclude={"parsed_output"}) for b in final.content]
     assert plain.stop_reason == final.stop_reason
-    assert plain.usage.input_tokens == final.usage.input_tokens > 0
+    wait_for_shards(proxy.out)
+    records = read_records(str(proxy.out), ["ant-1"])
+    assert len(records) == 2 and records[0].response_ids == records[1].response_ids  # greedy
+    text = records[0].response_message["content"] or ""
+    for answer in (plain, final):
+        assert answer.usage.input_tokens == len(records[0].prompt_ids)
+        assert answer.usage.output_tokens == len(records[0].response_ids)
+        assert "".join(b.text for b in answer.content if b.type == "text") == text
+        assert answer.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[records[0].finish_reason]
     count = client.messages.count_tokens(model="tiny", system="be brief", tools=TOOLS_ANT,
                                          messages=[{"role": "user", "content": "add 2 and 3"}])
     assert count.input_tokens == plain.usage.input_tokens
@@ -101,7 +116,7 @@ def test_records_are_token_exact_and_secret_free(proxy, tiny_model_dir):
     messages = [{"role": "system", "content": "sys"}, {"role": "developer", "content": "dev"},
                 {"role": "user", "content": "hello there"}]
     resp = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS_OAI, max_tokens=10, temperature=0.7, seed=1)
-    time.sleep(1.0)
+    wait_for_shards(proxy.out)
     records = [r for r in read_records(str(proxy.out)) if r.session_id == "exact-1"]
     assert len(records) == 1
     rec = records[0]
@@ -127,7 +142,7 @@ def test_bad_input_gets_provider_shaped_errors_and_is_recorded(proxy):
     # The proxy keeps serving after bad input.
     ok = oai(proxy, "bad-2").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert ok.choices[0].finish_reason in {"stop", "length"}
-    time.sleep(1.0)
+    wait_for_shards(proxy.out)
     records = [r for r in read_records(str(proxy.out)) if r.session_id in {"bad-1", "bad-2"}]
     failed = [r for r in records if r.status == "failed"]
     assert len(failed) == 2 and all(r.prompt_ids == [] and r.error for r in failed)
@@ -143,14 +158,12 @@ def test_claude_code_side_calls_are_answered_locally(proxy):
 
 def test_sessions_table_and_reward_endpoint(proxy):
     oai(proxy, "rw-1").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-    own = httpx.Client(proxy=proxy.proxy_url("rw-1"))
-    other = httpx.Client(proxy=proxy.proxy_url("someone-else"))
-    assert other.post("http://polar.local/sessions/rw-1/reward", json={"value": 1.0}).status_code == 403
-    r = own.post("http://polar.local/sessions/rw-1/reward", json={"value": 0.75})
+    verifier = httpx.Client(proxy=proxy.url, headers=proxy.control_headers())
+    r = verifier.post("http://polar.local/sessions/rw-1/reward", json={"value": 0.75})
     assert r.status_code == 200, r.text
-    assert own.post("http://polar.local/sessions/rw-1/status", json={"status": "completed"}).status_code == 200
-    assert own.post("http://polar.local/sessions/rw-1/reward", json={"valu": 1}).status_code == 400
-    time.sleep(1.0)
+    assert verifier.post("http://polar.local/sessions/rw-1/status", json={"status": "completed"}).status_code == 200
+    assert verifier.post("http://polar.local/sessions/rw-1/reward", json={"valu": 1}).status_code == 400
+    wait_for_shards(proxy.out)
     sessions = {s.session_id: s for s in read_sessions(str(proxy.out))}
     assert sessions["rw-1"].rewards.get("reward") == 0.75
     assert sessions["rw-1"].status == "completed"

@@ -82,3 +82,35 @@ def test_tiny_model_is_deterministic(tmp_path: Path):
     c = digest(build_tiny_model(tmp_path / "c", seed=4))
     assert a == b
     assert a["model.safetensors"] != c["model.safetensors"] and a["tokenizer.json"] == c["tokenizer.json"]
+
+
+@pytest.mark.parametrize("change", [{"polar_engine": "vllm:http://127.0.0.1:10"}, {"polar_out": "other-shards"},
+                                    {"polar_engine_timeout": "30"}, {"polar_shard_records": 7}])
+def test_engine_and_output_options_cannot_change_while_running(tmp_path, change):
+    """Only the per-call settings apply live; a new engine or output needs a restart (what was
+    captured so far must not silently move to another store or engine)."""
+    import asyncio
+
+    from mitmproxy import exceptions
+    from mitmproxy.test import taddons
+
+    from polar_addon.addon import Polar
+
+    async def main() -> None:
+        addon = Polar()
+        with taddons.context(addon) as tctx:
+            # An HTTP engine: nothing is loaded or contacted at configure time.
+            tctx.configure(addon, polar_engine="vllm:http://127.0.0.1:9", polar_out=str(tmp_path / "out"))
+            gateway = addon.gateway
+            assert gateway is not None and gateway.config.keepalive_s == 5.0
+            tctx.configure(addon, polar_keepalive="0.5", polar_max_tokens=64)
+            assert addon.gateway is gateway
+            assert (gateway.config.keepalive_s, gateway.config.max_tokens_cap) == (0.5, 64)
+            with pytest.raises(exceptions.OptionsError, match="cannot change while running"):
+                tctx.configure(addon, **change)
+            assert addon.gateway is gateway
+            with pytest.raises(exceptions.OptionsError, match="polar_keepalive must be positive"):
+                tctx.configure(addon, polar_keepalive="0")
+            await gateway.close()
+
+    asyncio.run(main())

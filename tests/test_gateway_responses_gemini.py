@@ -16,8 +16,8 @@ import pytest
 from google import genai
 from google.genai import types
 
-from polar_addon.store import read_records
 from tests.support.proxy import run_mitmdump
+from tests.support.shards import session_records
 
 PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
 SCRIPT_TURNS = [
@@ -47,10 +47,7 @@ def http_client(proxy, session: str) -> httpx.Client:
 
 
 def records(proxy, session: str) -> list:
-    import time
-
-    time.sleep(0.6)
-    return [r for r in read_records(str(proxy.out)) if r.session_id == session]
+    return session_records(proxy.out, session)
 
 
 def summary(response) -> list[tuple]:

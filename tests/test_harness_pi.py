@@ -51,6 +51,8 @@ def test_pi_print_mode(api, vllm_server, tmp_path):
     assert {r.api for r in records} == {recorded}
     assert all(len(r.logprobs) == len(r.response_ids) > 0 for r in records)
     assert records[0].messages[0]["role"] == "system" and records[0].tools  # Pi's prompt and its tools arrive whole
+    # Pi sends only its SDK's User-Agent; it is named from its system prompt, so stats per harness mean something.
+    assert all(r.harness and r.harness.startswith("pi (") for r in records), {r.harness for r in records}
 
     fidelity = compare_flows([flows], harness="pi")
     print_table(fidelity, title=f"fidelity: pi {api}")

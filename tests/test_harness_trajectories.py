@@ -40,10 +40,9 @@ def test_claude_code_tool_loop_merges_into_one_trace(tiny_model_dir, tmp_path):
         result = run([str(claude), "-p", "Which text files are here?", "--output-format", "json", "--tools", "Glob",
                       "--system-prompt", "You are a file finder."], {**env, "ANTHROPIC_BASE_URL": proxy.url}, home)
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
-        # The verifier's verdict, posted through the proxy with the session's own key.
+        # The verifier's verdict, posted to the reverse listener with the proxy's control token.
         for what, body in (("reward", {"value": 1.0}), ("status", {"status": "completed"})):
-            httpx.post(f"{proxy.url}/sessions/cc-loop/{what}", json=body,
-                       headers={"x-api-key": env["ANTHROPIC_API_KEY"]}).raise_for_status()
+            httpx.post(f"{proxy.url}/sessions/cc-loop/{what}", json=body, headers=proxy.control_headers()).raise_for_status()
     answer = json.loads(result.stdout)
     assert answer["num_turns"] == 2 and "notes.txt" in answer["result"]
 

@@ -42,3 +42,44 @@ def test_bad_fields_are_a_clear_400(bad):
     with pytest.raises(PolarError) as info:
         identity.resolve(None, {"authorization": f"Bearer polar:{bad}"}, "c")
     assert info.value.status == 400 and "polar identity" in info.value.message
+
+
+@pytest.mark.parametrize("header", ["authorization", "x-api-key", "x-goog-api-key"])
+def test_each_provider_key_header_carries_a_polar_identity(header):
+    """OpenAI clients send Authorization: Bearer, Anthropic x-api-key, Gemini x-goog-api-key."""
+    value = "Bearer polar:session=k1;group=g" if header == "authorization" else "polar:session=k1;group=g"
+    ident = identity.resolve(None, {header: value}, "conn")
+    assert (ident.session_id, ident.group_id, ident.source) == ("k1", "g", "api_key")
+
+
+def test_an_authorization_header_without_bearer_is_no_key():
+    ident = identity.resolve(None, {"authorization": "polar:s1"}, "0123456789abcdef")
+    assert ident.source == "generated"
+
+
+@pytest.mark.parametrize("value", ["Digest polar", "Bearer abc", "Basicpolar"])
+def test_a_non_basic_proxy_authorization_is_ignored(value):
+    ident = identity.resolve(value, {"x-polar-session": "hdr"}, "conn")
+    assert (ident.session_id, ident.source) == ("hdr", "header")
+
+
+@pytest.mark.parametrize("token", ["%%%not-base64", base64.b64encode(b"\xff\xfe:x").decode()])
+def test_a_malformed_basic_proxy_authorization_is_a_clear_400(token):
+    with pytest.raises(PolarError) as info:
+        identity.resolve(f"Basic {token}", {"x-polar-session": "hdr"}, "conn")
+    assert info.value.status == 400 and info.value.kind == "invalid_request"
+    assert "Proxy-Authorization" in info.value.message
+
+
+def test_basic_scheme_is_case_insensitive_and_an_empty_user_takes_the_password_session():
+    ident = identity.resolve("basic " + base64.b64encode(b":session=p1;sample=2").decode(), {}, "conn")
+    assert (ident.session_id, ident.sample_index, ident.source) == ("p1", 2, "proxy_auth")
+
+
+@pytest.mark.parametrize("proxy_password,api_key", [("session=s;hunter2-xyz", None), ("sample=hunter2-xyz", None),
+                                                    (None, "polar:session=s;hunter2=1")])
+def test_errors_never_quote_the_credentials(proxy_password, api_key):
+    header = proxy_password and "Basic " + base64.b64encode(f"user:{proxy_password}".encode()).decode()
+    with pytest.raises(PolarError) as info:
+        identity.resolve(header, {"x-api-key": api_key} if api_key else {}, "c")
+    assert info.value.status == 400 and "hunter2" not in info.value.message

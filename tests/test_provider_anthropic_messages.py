@@ -447,6 +447,47 @@ def test_sdk_accumulated_stream_equals_non_stream(name: str) -> None:
     assert sdk_stream_final(request, comp) == expected
 
 
+def _sdk_events(comp: Completion, request: CanonicalRequest) -> list[Any]:
+    """The SDK's own parse of our stream: its typed raw events, in order."""
+    client = client_for(200, sse_bytes(PROVIDER.render_stream(request, comp, CTX)), "text/event-stream")
+    with client.messages.create(model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}], stream=True) as s:
+        return list(s)
+
+
+def test_sdk_stream_matches_the_spec_not_just_the_non_stream_render() -> None:
+    """Against values written from the completion (11 prompt tokens, 3 of them cached; 7 sampled), not
+    against the same translator's non-stream output: message_start already carries the prompt's
+    usage (Claude Code sizes its context from it), message_delta the final output count."""
+    request = parse(stream=True)
+    events = _sdk_events(STREAM_CASES["thinking_text"], request)
+    start = events[0]
+    assert start.type == "message_start"
+    assert (start.message.id, start.message.model, start.message.role) == ("msg_test1", "claude-sonnet-4-6", "assistant")
+    assert start.message.content == [] and start.message.stop_reason is None
+    usage = start.message.usage
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (8, 3, 0)
+    assert usage.output_tokens == 0
+    delta = events[-2]
+    assert delta.type == "message_delta" and delta.delta.stop_reason == "end_turn" and delta.usage.output_tokens == 7
+    assert events[-1].type == "message_stop"
+    thinking = "".join(e.delta.thinking for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert thinking == "Six times seven is forty-two, so the answer is 42." and text == "Answer: 42."
+
+    final = sdk_stream_final(request, STREAM_CASES["parallel_tools"])
+    assert [b["type"] for b in final["content"]] == ["thinking", "text", "tool_use", "tool_use"]
+    assert [(b["id"], b["name"], b["input"]) for b in final["content"][2:]] == [
+        ("toolu_call_1", "Bash", {"command": "ls -la /tmp && cat /etc/hostname", "timeout": 30}),
+        ("toolu_call_2", "Read", {"file_path": "src/main.py", "limit": 200}),
+    ]
+    assert final["stop_reason"] == "tool_use" and final["stop_sequence"] is None
+    assert (final["usage"]["input_tokens"], final["usage"]["output_tokens"]) == (11, 7)
+    cut = sdk_stream_final(parse(stream=True, stop_sequences=["</done>"]), STREAM_CASES["stop_sequence"])
+    assert (cut["stop_reason"], cut["stop_sequence"]) == ("stop_sequence", "</done>")
+    assert sdk_stream_final(request, STREAM_CASES["truncated"])["stop_reason"] == "max_tokens"
+    assert sdk_stream_final(request, STREAM_CASES["bad_args"])["content"][0]["input"] == {"raw": '{"command": "ls'}
+
+
 def test_pings_between_events_are_ignored_by_the_sdk() -> None:
     request = parse(stream=True)
     keep = PROVIDER.keepalive(request, CTX)
@@ -488,18 +529,31 @@ def test_stream_event_sequence() -> None:
 # ---------------------------------------------------------------- errors and count_tokens
 
 
+# kind -> Anthropic error type (docs.anthropic.com "Errors"); written out, not read from the translator.
+ANTHROPIC_ERRORS = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "not_found": "not_found_error",
+    "context_length_exceeded": "invalid_request_error",
+    "overloaded": "overloaded_error",
+    "timeout": "timeout_error",
+    "api_error": "api_error",
+    "storage_unavailable": "api_error",
+}
+assert sorted(ANTHROPIC_ERRORS) == sorted(ERROR_KINDS)
+
+
 @pytest.mark.parametrize("kind", ERROR_KINDS)
-def test_every_error_kind_has_an_anthropic_type(kind: str) -> None:
+def test_every_error_kind_has_its_anthropic_type(kind: str) -> None:
     body = PROVIDER.render_error(PolarError(500, kind, "boom"))
-    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
-    assert body["error"]["type"] in {
-        "invalid_request_error",
-        "authentication_error",
-        "not_found_error",
-        "overloaded_error",
-        "timeout_error",
-        "api_error",
-    }
+    message = "prompt is too long: boom" if kind == "context_length_exceeded" else "boom"
+    assert body == {"type": "error", "error": {"type": ANTHROPIC_ERRORS[kind], "message": message}}
+    [event] = PROVIDER.render_stream_error(PolarError(500, kind, "boom"), CTX)
+    assert (event.event, event.data) == ("error", body)
+
+
+def test_an_unknown_error_kind_is_an_api_error() -> None:
+    assert PROVIDER.render_error(PolarError(500, "brand_new", "x"))["error"]["type"] == "api_error"
 
 
 def test_context_length_error_reads_as_prompt_too_long() -> None:

@@ -354,6 +354,35 @@ def test_sdk_stream_assembles_to_the_non_stream_answer(name: str) -> None:
     assert all(c.candidates[0].finish_reason is None for c in chunks[:-1])
 
 
+STREAM_FINISH = {"text": "STOP", "thinking": "STOP", "tools": "STOP", "tool_only": "STOP", "truncated": "MAX_TOKENS"}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sdk_stream_parse_carries_the_completion(name: str) -> None:
+    """The SDK's parse of our stream against the completion and the API's fields, not against our
+    own non-stream render: thought text, answer text, function calls, finish reason, usage."""
+    comp = CASES[name]
+    request = parse("/v1beta/models/gem-test:streamGenerateContent?alt=sse")
+    chunks = sdk_stream(sse(PROVIDER.render_stream(request, comp, CTX)))
+    parts = [p for c in chunks for p in c.candidates[0].content.parts]
+    assert "".join(p.text for p in parts if p.thought) == (comp.message.reasoning or "")
+    assert "".join(p.text for p in parts if p.text is not None and not p.thought) == (comp.message.content or "")
+    calls = [(p.function_call.name, p.function_call.args) for p in parts if p.function_call is not None]
+    expected_calls = []
+    for call in comp.message.tool_calls:
+        try:
+            args = orjson.loads(call.arguments) if call.arguments else {}
+        except orjson.JSONDecodeError:
+            args = {"raw": call.arguments}
+        expected_calls.append((call.name, args))
+    assert calls == expected_calls
+    last = chunks[-1]
+    assert last.candidates[0].finish_reason == STREAM_FINISH[name]
+    usage = last.usage_metadata
+    assert (usage.prompt_token_count, usage.candidates_token_count, usage.total_token_count) == (11, 7, 18)
+    assert usage.cached_content_token_count == comp.cached_tokens
+
+
 def test_text_streams_in_pieces_and_calls_whole() -> None:
     request = parse("/v1beta/models/gem-test:streamGenerateContent?alt=sse")
     events = list(PROVIDER.render_stream(request, CASES["tools"], CTX))
@@ -384,11 +413,31 @@ def test_keepalive_is_invisible_to_the_sdk() -> None:
 # ---------------------------------------------------------------- errors
 
 
+# kind -> (HTTP code the engines raise it with, google.rpc status), as Google's API reports them.
+GOOGLE_ERRORS = {
+    "invalid_request": (400, "INVALID_ARGUMENT"),
+    "authentication": (401, "UNAUTHENTICATED"),
+    "not_found": (404, "NOT_FOUND"),
+    "context_length_exceeded": (400, "INVALID_ARGUMENT"),
+    "overloaded": (503, "UNAVAILABLE"),
+    "timeout": (504, "DEADLINE_EXCEEDED"),
+    "api_error": (502, "INTERNAL"),
+    "storage_unavailable": (503, "UNAVAILABLE"),
+}
+assert sorted(GOOGLE_ERRORS) == sorted(ERROR_KINDS)
+
+
 @pytest.mark.parametrize("kind", ERROR_KINDS)
-def test_every_error_kind_has_a_google_status(kind: str) -> None:
-    body = PROVIDER.render_error(PolarError(503, kind, "boom"))
-    assert body == {"error": {"code": 503, "message": "boom", "status": body["error"]["status"]}}
-    assert body["error"]["status"] in {"INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL"}
+def test_every_error_kind_has_its_google_status(kind: str) -> None:
+    code, status = GOOGLE_ERRORS[kind]
+    body = PROVIDER.render_error(PolarError(code, kind, "boom"))
+    assert body == {"error": {"code": code, "message": "boom", "status": status}}
+    [event] = PROVIDER.render_stream_error(PolarError(code, kind, "boom"), None)  # type: ignore[arg-type]
+    assert event.data == body
+
+
+def test_an_unknown_error_kind_is_internal() -> None:
+    assert PROVIDER.render_error(PolarError(500, "brand_new", "x"))["error"]["status"] == "INTERNAL"
 
 
 @pytest.mark.parametrize("status,kind,exc", [(400, "context_length_exceeded", errors.ClientError), (503, "overloaded", errors.ServerError)])

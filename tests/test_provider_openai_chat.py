@@ -286,6 +286,30 @@ def test_sdk_accumulated_stream_equals_non_stream(name: str, include_usage: bool
     assert sdk_stream_final(request, comp) == expected
 
 
+STREAM_FINISH = {"text": "stop", "reasoning_text": "stop", "parallel_tools": "tool_calls", "tool_only": "tool_calls",
+                 "empty": "length"}
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_CASES))
+def test_sdk_stream_parse_carries_the_completion(name: str) -> None:
+    """The SDK's parse of our stream against the completion itself and the API's fields (not against
+    our own non-stream render): text, reasoning, tool calls, finish reason, usage."""
+    comp = STREAM_CASES[name]
+    final = sdk_stream_final(parse(stream=True, stream_options={"include_usage": True}), comp)
+    assert (final["id"], final["model"], final["object"]) == ("chatcmpl-test1", "qwen-test", "chat.completion")
+    [choice] = final["choices"]
+    assert choice["finish_reason"] == STREAM_FINISH[name]
+    message = choice["message"]
+    assert (message["content"] or "") == (comp.message.content or "")
+    assert message.get("reasoning_content") == comp.message.reasoning
+    calls = [(c["id"], c["type"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or []]
+    assert calls == [(c.id, "function", c.name, c.arguments) for c in comp.message.tool_calls]
+    usage = final["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (11, 7, 18)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    assert cached == comp.cached_tokens or (cached in (None, 0) and not comp.cached_tokens)
+
+
 def test_stream_shape() -> None:
     comp = STREAM_CASES["parallel_tools"]
     request = parse(stream=True, stream_options={"include_usage": True})
@@ -328,12 +352,32 @@ def test_keepalive_is_ignored_by_the_sdk() -> None:
 # ---------------------------------------------------------------- errors
 
 
+# kind -> (type, code) as OpenAI's API documents them; written out, not read from the translator.
+OPENAI_ERRORS = {
+    "invalid_request": ("invalid_request_error", None),
+    "authentication": ("authentication_error", "invalid_api_key"),
+    "not_found": ("invalid_request_error", "not_found"),
+    "context_length_exceeded": ("invalid_request_error", "context_length_exceeded"),
+    "overloaded": ("server_error", "overloaded"),
+    "timeout": ("server_error", "timeout"),
+    "api_error": ("server_error", None),
+    "storage_unavailable": ("server_error", "storage_unavailable"),
+}
+assert sorted(OPENAI_ERRORS) == sorted(ERROR_KINDS)
+
+
 @pytest.mark.parametrize("kind", ERROR_KINDS)
-def test_every_error_kind_has_an_openai_type(kind: str) -> None:
+def test_every_error_kind_has_its_openai_type_and_code(kind: str) -> None:
     body = PROVIDER.render_error(PolarError(500, kind, "boom"))
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"] == "boom"
-    assert err["type"] in {"invalid_request_error", "authentication_error", "server_error"}
+    kind_type, code = OPENAI_ERRORS[kind]
+    assert body == {"error": {"message": "boom", "type": kind_type, "param": None, "code": code}}
+    # A streamed failure carries the same error object (the SDK raises APIError on it).
+    [event] = PROVIDER.render_stream_error(PolarError(500, kind, "boom"), CTX)
+    assert event.data == body
+
+
+def test_an_unknown_error_kind_is_a_server_error() -> None:
+    assert PROVIDER.render_error(PolarError(500, "brand_new", "x"))["error"]["type"] == "server_error"
 
 
 def test_context_length_error_code() -> None:

@@ -259,7 +259,9 @@ def test_sampling_reasoning_and_extras() -> None:
         {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]},
         {"model": "m", "input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": {}}]},
         {"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]},
-        {"model": "m", "input": [{"type": "local_shell_call", "call_id": "c"}]},
+        {"model": "m", "input": [{"type": "local_shell_call", "action": {"type": "exec"}}]},
+        {"model": "m", "input": [{"type": "additional_tools", "role": "developer", "tools": {"type": "function"}}]},
+        {"model": "m", "input": [{"type": "teleport_call", "call_id": "c"}]},
         {"model": "m", "input": "hi", "tools": [{"type": "function"}]},
         {"model": "m", "input": "hi", "tools": [{"type": "teleport", "name": "x"}]},
         {"model": "m", "input": "hi", "tools": {"type": "function", "name": "f"}},
@@ -275,6 +277,47 @@ def test_invalid_requests_are_400(body: Any) -> None:
     with pytest.raises(PolarError) as err:
         PROVIDER.parse_request(body, GENERATE)
     assert err.value.status == 400 and err.value.kind == "invalid_request" and err.value.message
+
+
+def test_every_input_item_codex_sends_is_accepted() -> None:
+    """Codex 0.171's item types (its ResponseItem enum): with its default model the tool list comes as an
+    ``additional_tools`` item, not in ``tools``; that used to be a 400 for every `codex exec` without -m."""
+    ns = {"type": "namespace", "name": "functions", "description": "", "tools": [
+        {"type": "custom", "name": "exec", "description": "run JS", "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+        {"type": "function", "name": "wait", "description": "wait", "strict": False, "parameters": {"type": "object", "properties": {}}},
+    ]}
+    loaded = {"type": "function", "name": "calendar_create", "description": "make an event", "parameters": {"type": "object", "properties": {}}}
+    request = parse(
+        OpenAIResponsesProvider(),
+        tools=[EXEC],
+        input=[
+            {"type": "additional_tools", "id": "at_1", "role": "developer", "tools": [ns]},
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "plan my day"}]},
+            {"type": "tool_search_call", "call_id": "ts_1", "execution": "client", "status": "completed",
+             "arguments": {"query": "calendar"}},
+            {"type": "tool_search_output", "call_id": "ts_1", "execution": "client", "status": "completed", "tools": [loaded]},
+            {"type": "local_shell_call", "call_id": "ls_1", "status": "completed",
+             "action": {"type": "exec", "command": ["ls"]}},
+            {"type": "function_call_output", "call_id": "ls_1", "output": "a.txt"},
+            {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "x"}},
+            {"type": "compaction", "encrypted_content": "gAAA"},
+            {"type": "agent_message", "content": [{"type": "input_text", "text": "subagent: done"}]},
+        ],
+    )
+    names = [t["function"]["name"] for t in request.tools]
+    assert names == ["exec_command", "functions.exec", "functions.wait", "calendar_create"]
+    assert request.extra["custom_tools"] == ["functions.exec"]
+    assert request.extra["namespaced_tools"]["functions.wait"] == "functions"
+    assert request.extra["dropped_items"] == ["web_search_call", "compaction"]
+    assert request.messages[0] == {"role": "system", "content": "be brief"}
+    roles = [m["role"] for m in request.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "user"]
+    search_call, shell_call = request.messages[2]["tool_calls"][0], request.messages[4]["tool_calls"][0]
+    assert search_call["function"] == {"name": "tool_search", "arguments": '{"query":"calendar"}'}
+    assert request.messages[3] == {"role": "tool", "tool_call_id": "ts_1", "content": '["calendar_create"]'}
+    assert shell_call["function"]["name"] == "local_shell" and '"command":["ls"]' in shell_call["function"]["arguments"]
+    assert request.messages[-1] == {"role": "user", "content": "subagent: done"}
 
 
 # ---------------------------------------------------------------- previous_response_id
@@ -406,6 +449,54 @@ def test_sdk_stream_final_equals_non_stream(name: str) -> None:
     assert plain(sdk_final(sse_bytes(PROVIDER.render_stream(request, comp, CTX)))) == expected
 
 
+def _sdk_stream_final(name: str) -> dict[str, Any]:
+    request = parse(**STREAM_REQUEST)
+    return plain(sdk_final(sse_bytes(PROVIDER.render_stream(request, STREAM_CASES[name], CTX))))
+
+
+def _items(response: dict[str, Any]) -> list[dict[str, Any]]:
+    keep = ("type", "status", "call_id", "name", "namespace", "arguments", "input", "role")
+    out = []
+    for item in response["output"]:
+        row = {k: item[k] for k in keep if item.get(k) is not None}
+        if item["type"] == "message":
+            row["text"] = [c["text"] for c in item["content"]]
+        if item["type"] == "reasoning":
+            row["summary"] = [s["text"] for s in item["summary"]]
+        out.append(row)
+    return out
+
+
+def test_sdk_stream_parse_carries_the_completion() -> None:
+    """The SDK's own parse of our stream against values written from the completions and the API's
+    item types (not against our non-stream render): Codex reads exactly these fields."""
+    tools = _sdk_stream_final("tools")
+    assert (tools["id"], tools["status"], tools["incomplete_details"]) == ("resp_test1", "completed", None)
+    assert _items(tools) == [
+        {"type": "message", "status": "completed", "role": "assistant", "text": ["Let me look."]},
+        {"type": "function_call", "status": "completed", "call_id": "call_1", "name": "exec_command",
+         "arguments": '{"cmd": "ls -la /tmp && cat /etc/hostname"}'},
+        {"type": "custom_tool_call", "status": "completed", "call_id": "call_2", "name": "apply_patch",
+         "input": "*** Begin Patch\n*** Add File: a\n+x\n*** End Patch"},
+        {"type": "function_call", "status": "completed", "call_id": "call_3", "name": "close_agent",
+         "namespace": "multi_agent_v1", "arguments": '{"target": "agent-1"}'},
+    ]
+    usage = tools["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"], usage["total_tokens"]) == (11, 7, 18)
+    assert usage["input_tokens_details"]["cached_tokens"] == 8
+
+    thought = _sdk_stream_final("reasoning_text")
+    assert _items(thought) == [
+        {"type": "reasoning", "summary": ["Six times seven is forty-two, so the answer is 42."]},
+        {"type": "message", "status": "completed", "role": "assistant", "text": ["Answer: 42."]},
+    ]
+    cut = _sdk_stream_final("truncated")
+    assert (cut["status"], cut["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert _items(cut)[-1] == {"type": "message", "status": "incomplete", "role": "assistant", "text": [""]}
+    [only] = _items(_sdk_stream_final("tool_only"))
+    assert (only["type"], only["call_id"], only["name"]) == ("function_call", "call_9", "exec_command")
+
+
 @pytest.mark.parametrize("name", sorted(STREAM_CASES))
 def test_stream_events_are_typed_numbered_and_rebuild_every_item(name: str) -> None:
     comp = STREAM_CASES[name]
@@ -488,12 +579,37 @@ def test_stream_keepalive_sends_the_prelude_then_in_progress_and_numbering_conti
 # ---------------------------------------------------------------- errors
 
 
+# kind -> (type, code); Codex reads the code (context_length_exceeded: compact; anything else: retry).
+RESPONSES_ERRORS = {
+    "invalid_request": ("invalid_request_error", None),
+    "authentication": ("authentication_error", "invalid_api_key"),
+    "not_found": ("invalid_request_error", "not_found"),
+    "previous_response_not_found": ("invalid_request_error", "previous_response_not_found"),
+    "context_length_exceeded": ("invalid_request_error", "context_length_exceeded"),
+    "overloaded": ("server_error", "server_is_overloaded"),
+    "timeout": ("server_error", "timeout"),
+    "api_error": ("server_error", "server_error"),
+    "storage_unavailable": ("server_error", "storage_unavailable"),
+}
+assert sorted(RESPONSES_ERRORS) == sorted(ERROR_KINDS)
+
+
 @pytest.mark.parametrize("kind", ERROR_KINDS)
-def test_every_error_kind_has_an_openai_type_and_code(kind: str) -> None:
+def test_every_error_kind_has_its_openai_type_and_code(kind: str) -> None:
     err = PROVIDER.render_error(PolarError(500, kind, "boom"))["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"] == "boom"
-    assert err["code"] or kind == "invalid_request"  # OpenAI's plain 400s carry no code
-    assert err["type"] in {"invalid_request_error", "authentication_error", "server_error"}
+    kind_type, code = RESPONSES_ERRORS[kind]
+    param = "previous_response_id" if kind == "previous_response_not_found" else None
+    assert err == {"message": "boom", "type": kind_type, "param": param, "code": code}
+    # Streamed, the failure is a response.failed event carrying the same code.
+    *_, failed = PROVIDER.render_stream_error(PolarError(500, kind, "boom"), CTX)
+    assert failed.data["type"] == "response.failed"
+    assert failed.data["response"]["status"] == "failed"
+    assert failed.data["response"]["error"] == {"code": code, "message": "boom"}
+
+
+def test_an_unknown_error_kind_is_a_server_error() -> None:
+    err = PROVIDER.render_error(PolarError(500, "brand_new", "x"))["error"]
+    assert (err["type"], err["code"]) == ("server_error", "server_error")
 
 
 @pytest.mark.parametrize(

@@ -363,3 +363,31 @@ def test_shards_load_with_pyarrow_dataset_and_datasets(tmp_path: Path) -> None:
         cache_dir=str(tmp_path / "hf-cache"),
     )
     assert rewards[0]["value"] == 1.0
+
+
+def test_round_trip_after_a_sessions_tips_were_evicted(tmp_path: Path) -> None:
+    """With room for one session's tips, interleaved sessions push each other's tips out: a call whose
+    session was evicted is stored whole (it cannot reference what the store forgot), later calls of
+    it reference it again, and every record reads back exactly."""
+    rng = random.Random(9)
+    a, b = Agent("a", rng, system_tokens=300), Agent("b", rng, system_tokens=300)
+    sent = [a.next_call(), b.next_call(), a.next_call(), a.next_call(), b.next_call()]
+
+    async def main() -> None:
+        # One record per shard: every conversion commits its tips before the next call is encoded.
+        async with TraceStore(str(tmp_path), shard_max_records=1, max_cached_sessions=1) as store:
+            for record in sent:
+                await store.append(record)
+                while store.pending_segments:
+                    await asyncio.sleep(0.01)
+
+    run(main())
+    assert_same(read_records(str(tmp_path)), sent)
+    rows = {r["record_id"]: r for r in read_table(str(tmp_path)).to_pylist()}
+    a0, b0, a1, a2, b1 = (rows[r.record_id] for r in sent)
+    assert a0["prompt_ref"] is None and b0["prompt_ref"] is None
+    assert a1["prompt_ref"] is None and a1["prompt_tail"] == sent[2].prompt_ids  # a's tips were evicted by b
+    assert a2["prompt_ref"] == sent[2].record_id
+    assert a2["prompt_prefix_len"] == len(sent[2].prompt_ids) + len(sent[2].response_ids)  # its tip: prompt + answer
+    assert b1["prompt_ref"] is None  # evicted by a
+    assert validate_store(str(tmp_path)) == []

@@ -182,6 +182,30 @@ def test_torn_last_entry_is_dropped_and_sequence_continues(tmp_path: Path) -> No
     assert not (tmp_path / "_journal" / "w-deadbeef").exists()
 
 
+def test_after_a_failed_replay_sequence_numbers_continue_past_the_unreplayed_segment(tmp_path: Path) -> None:
+    """A dead writer's segment that cannot be replayed yet still holds seqs 0..2 of session s: the store
+    refuses appends while it waits, and its sequence index counts that segment, so no seq repeats."""
+    from polar_addon.store import StorageUnavailable
+
+    segment = _orphan_segment(tmp_path / "_journal", [call_entry(_call("s", i), i) for i in range(3)])
+    # Block the shard write (a directory where its temp file goes); listing shards still works.
+    (tmp_path / "calls" / f".{journal.segment_name(str(segment))}.parquet.tmp").mkdir(parents=True)
+
+    async def main() -> None:
+        store = TraceStore(str(tmp_path))
+        try:
+            assert segment.exists() and store.pending_segments == 1
+            with pytest.raises(StorageUnavailable, match="cannot write shards"):
+                await store.append(_call("s", -1))
+            store._ensure_seq_index()
+            assert store._next_seq == {"s": 3}
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())
+    assert segment.exists()  # still in the journal for the next store to replay
+
+
 def test_replaying_a_segment_whose_shard_exists_does_not_duplicate(tmp_path: Path) -> None:
     from polar_addon.store.compaction import SessionTips
     from polar_addon.store.trace_store import segment_tables

@@ -152,3 +152,19 @@ def test_equal_session_rewards_still_rank_a_sessions_chains() -> None:
     assert adv["a"].of(1.0) == pytest.approx(0.5) and adv["a"].of(0.0) == pytest.approx(-0.5)
     # a lone session has no baseline at all
     assert session_advantages([trace("z", "solo", 1.0, 0), trace("z", "solo", 0.0, 1)])["z"].of(0.0) == 0.0
+
+
+def test_group_id_takes_precedence_over_task_id() -> None:
+    """Two tasks sampled inside one explicit group form one GRPO group; one task split over two
+    groups forms two. Computed values: rewards [1, 0] in one group give +-1/(std + eps)."""
+    traces = [
+        trace("a", "g", 1.0, task="t1"),
+        trace("b", "g", 0.0, task="t2"),
+        trace("c", "h", 1.0, task="t1"),
+    ]
+    adv = session_advantages(traces)
+    assert (adv["a"].group_id, adv["b"].group_id, adv["c"].group_id) == ("g", "g", "h")
+    scale = statistics.stdev([1.0, 0.0]) + SCALE_EPS
+    assert adv["a"].advantage == pytest.approx(1.0 / scale)
+    assert adv["b"].advantage == pytest.approx(-1.0 / scale)
+    assert adv["c"].advantage == 0.0  # alone in group h

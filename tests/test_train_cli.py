@@ -66,16 +66,23 @@ def test_breaking_at_retokenized_turns_keeps_the_first_step_on_policy(
 ) -> None:
     """Length-capped random samples often come back re-tokenized in the next prompt: merged, the
     later turns sit after ids they were not sampled after; broken there, every trace is exact."""
-    def totals(retokenized: str) -> dict:
-        done = polar("stats", str(capture), "--tokenizer", str(tiny_model_dir), "--eot-token-id", "2",
+    def totals(shards: Path, retokenized: str) -> dict:
+        done = polar("stats", str(shards), "--tokenizer", str(tiny_model_dir), "--eot-token-id", "2",
                      "--retokenized", retokenized, "--json")  # fmt: skip
         assert done.returncode == 0, done.stderr
         return orjson.loads(done.stdout)["total"]
 
-    merged, broken = totals("merge"), totals("break")
+    merged = totals(capture, "merge")
+    for attempt in range(3):
+        if merged["retokenized_merges"]:
+            break
+        # About 1 capture in 1000 has no re-tokenized turn at all: sample a new one rather than skip.
+        capture = tmp_path / f"resample-{attempt}" / "shards"
+        collect(tiny_model_dir, capture, tag=f"retok{attempt}", groups=2, samples=3, turns=3, max_tokens=8)
+        merged = totals(capture, "merge")
+    broken = totals(capture, "break")
     n = merged["retokenized_merges"]
-    if n == 0:
-        pytest.skip("this capture's sampled turns all came back with their own token ids")
+    assert n > 0, "three captures without one re-tokenized turn"
     # (a merge build counts a re-tokenized *prompt* as a retokenized break already)
     assert broken["retokenized_merges"] == 0
     assert broken["breaks"].get("retokenized", 0) == merged["breaks"].get("retokenized", 0) + n

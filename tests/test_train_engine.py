@@ -94,7 +94,7 @@ def test_vllm_serves_the_trained_checkpoint_after_reload(tiny_model_dir: Path, t
         assert max(abs(a - b) for a, b in zip(served, trained, strict=True)) < 2e-3
         assert max(abs(a - b) for a, b in zip(served, start, strict=True)) > 1e-2
     finally:
-        stopped = stop_engine(server.url, state_dir=state)
+        stopped, _ = stop_engine(server.url, state_dir=state)
     assert not is_running(stopped)
 
 
@@ -105,7 +105,7 @@ def sglang_protocol():
     try:
         return load_protocol()
     except ContractUnavailable as exc:
-        pytest.skip(f"SGLang 0.5.23 protocol unavailable: {exc}")
+        pytest.fail(f"SGLang 0.5.23 protocol unavailable ({exc}); run `make sglang-contract`")
 
 
 def test_sglang_reload_updates_weights_in_place(sglang_protocol, tiny_model_dir: Path, tmp_path: Path) -> None:

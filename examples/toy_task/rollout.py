@@ -2,7 +2,7 @@
 
 A *group* is one question asked ``samples`` times (the GRPO group); each sample is one session.
 The verifier scores the agent's replies (the text it received, as any verifier would) and posts
-the reward through the proxy with the session's own credentials.
+the reward through the proxy with the proxy's control token (the agent never sees it).
 """
 
 from __future__ import annotations
@@ -87,13 +87,12 @@ def collect(
             raise RuntimeError(f"agent failed:\n{done.stderr[-3000:]}\n{proxy.logs()[-3000:]}")
         replies = {r["id"]: r["replies"] for r in map(json.loads, done.stdout.splitlines())}
         sessions = []
-        with httpx.Client(proxy=proxy.url, timeout=60) as verifier:
+        with httpx.Client(proxy=proxy.url, headers=proxy.control_headers(), timeout=60) as verifier:
             for e in episodes:
                 reward = shout_score(replies[e["id"]])
-                auth = {"authorization": f"Bearer {e['api_key']}"}
                 base = f"http://polar.local/sessions/{e['id']}"
-                verifier.post(f"{base}/reward", json={"value": reward}, headers=auth).raise_for_status()
-                verifier.post(f"{base}/status", json={"status": "completed"}, headers=auth).raise_for_status()
+                verifier.post(f"{base}/reward", json={"value": reward}).raise_for_status()
+                verifier.post(f"{base}/status", json={"status": "completed"}).raise_for_status()
                 sessions.append(Session(e["id"], e["group"], e["question"], replies[e["id"]], reward))
     return sessions
 

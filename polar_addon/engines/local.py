@@ -49,6 +49,11 @@ class LocalEngine:
         if self._model is None:
             self._load(self.model_dir)
 
+    def load(self) -> None:
+        """Load the model now (the proxy does at start) instead of on the first call."""
+        with self.lock:
+            self._ensure_loaded()
+
     def _load(self, model_dir: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer

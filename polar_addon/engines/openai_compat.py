@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import orjson
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
 from polar_addon.token_ids import IdText, pack_token_ids
 from polar_addon.tool_parsing import new_call_id
+
+log = logging.getLogger("polar")
 
 _CONTEXT_LENGTH_RE = re.compile(
     r"context length|context window|maximum model length|max_model_len|prompt is too long|too many tokens",
@@ -119,7 +122,8 @@ class HTTPEngine:
         try:
             return orjson.loads(content)
         except orjson.JSONDecodeError as exc:
-            raise PolarError(502, "api_error", f"engine {self.url} answered non-JSON: {content[:200]!r}") from exc
+            log.warning("polar: engine %s answered non-JSON: %r", self.url, content[:200])
+            raise PolarError(502, "api_error", "the engine answered non-JSON") from exc
 
     async def request_bytes(self, method: str, path: str, body: dict[str, Any] | None = None) -> bytes:
         """The body of a successful answer; a PolarError for an HTTP error or an unreachable engine."""
@@ -129,14 +133,17 @@ class HTTPEngine:
             async with self._client().request(method, self.url + path, data=data, headers=headers) as response:
                 content = await response.read()
                 status = response.status
+        # Clients see what went wrong, never where the engine lives: the URL goes to the proxy log only.
         except aiohttp.ServerTimeoutError as exc:  # includes the connect timeout
             if "connect" in str(exc).lower():
-                raise PolarError(503, "overloaded", f"engine {self.url} unreachable: connect timeout") from exc
-            raise PolarError(504, "timeout", f"engine {self.url} did not answer within {self.timeout_s:g} s") from exc
+                log.warning("polar: engine %s unreachable: connect timeout", self.url)
+                raise PolarError(503, "overloaded", "the engine is unreachable: connect timeout") from exc
+            raise PolarError(504, "timeout", f"the engine did not answer within {self.timeout_s:g} s") from exc
         except asyncio.TimeoutError as exc:
-            raise PolarError(504, "timeout", f"engine {self.url} did not answer within {self.timeout_s:g} s") from exc
+            raise PolarError(504, "timeout", f"the engine did not answer within {self.timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:
-            raise PolarError(503, "overloaded", f"engine {self.url} unreachable: {exc!r}") from exc
+            log.warning("polar: engine %s unreachable: %r", self.url, exc)
+            raise PolarError(503, "overloaded", f"the engine is unreachable ({type(exc).__name__})") from exc
         if status >= 400:
             raise engine_error(status, content)
         return content
@@ -148,7 +155,7 @@ class HTTPEngine:
             try:
                 self._model = str(data["data"][0]["id"])
             except (KeyError, IndexError, TypeError) as exc:
-                raise PolarError(502, "api_error", f"engine {self.url} /v1/models lists no model") from exc
+                raise PolarError(502, "api_error", "the engine's /v1/models lists no model") from exc
         return self._model
 
     def extra_body(self) -> dict[str, Any]:

@@ -76,6 +76,9 @@ class ScriptedEngine:
         self.latency_s = float(data.get("latency_s", 0.0))
         self.local = LocalEngine(model_dir)
 
+    def load(self) -> None:
+        self.local.load()
+
     def turn_for(self, request: CanonicalRequest) -> dict[str, Any]:
         index = sum(1 for m in request.messages if m.get("role") == "assistant")
         if index >= len(self.turns):

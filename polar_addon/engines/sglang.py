@@ -31,7 +31,7 @@ class SGLangEngine(HTTPEngine):
         data = await self.request_json("POST", "/v1/tokenize", body)
         count = data.get("count") if isinstance(data, dict) else None
         if not isinstance(count, int):
-            raise PolarError(502, "api_error", f"engine {self.url} /v1/tokenize answered without a count")
+            raise PolarError(502, "api_error", "the engine's /v1/tokenize answered without a count")
         return count
 
     async def update_weights(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:

@@ -38,5 +38,5 @@ class VLLMEngine(HTTPEngine):
         data = await self.request_json("POST", "/tokenize", body)
         count = data.get("count") if isinstance(data, dict) else None
         if not isinstance(count, int):
-            raise PolarError(502, "api_error", f"engine {self.url} /tokenize answered without a count")
+            raise PolarError(502, "api_error", "the engine's /tokenize answered without a count")
         return count

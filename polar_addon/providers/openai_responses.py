@@ -16,6 +16,12 @@ tool are shown flattened as ``NAMESPACE.NAME`` and go back as ``function_call`` 
 ``namespace`` (Codex dispatches them only that way). Hosted tools (web search, file search, …) run
 on OpenAI's side, which no engine here can do: they are left out and named in ``extra``.
 
+Every input item type Codex 0.171 sends is accepted: ``additional_tools`` (its tool list, with the default
+model, instead of ``tools``) and ``tool_search_output`` add their tools to the tool list;
+``local_shell_call`` and ``tool_search_call`` are tool calls of that name; items with nothing readable
+(hosted tool results, encrypted compactions, bookkeeping: :data:`DROPPED_ITEMS`) are left out and named in
+``extra.dropped_items``.
+
 ``previous_response_id``: the gateway is stateless, but Codex's WebSocket transport sends only the
 new items and points at its previous response. The provider keeps the full item history of recent
 responses (:class:`ResponseHistory`, an LRU keyed by response id) and prepends it on such requests,
@@ -74,6 +80,21 @@ HOSTED_TOOLS = frozenset(
         "apply_patch",
         "mcp",
         "tool_search",
+    }
+)
+
+# Input items that hold nothing an engine can read: results of OpenAI-hosted tools, OpenAI's encrypted
+# compaction summaries and markers, Codex's own bookkeeping. Left out and named in extra.dropped_items.
+DROPPED_ITEMS = frozenset(
+    {
+        "web_search_call",
+        "image_generation_call",
+        "compaction",
+        "compaction_summary",
+        "compaction_trigger",
+        "context_compaction",
+        "configuration_update",
+        "ghost_snapshot",
     }
 )
 
@@ -170,8 +191,12 @@ def flat_name(namespace: str | None, name: str) -> str:
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
 
 
-def _conversation(items: list[Any]) -> tuple[list[str], list[dict[str, Any]]]:
-    """(system texts, canonical messages without the system message) for a list of input items."""
+def _conversation(items: list[Any], tools: "_Tools") -> tuple[list[str], list[dict[str, Any]]]:
+    """(system texts, canonical messages without the system message) for a list of input items.
+
+    Tools that items make available (``additional_tools``, ``tool_search_output``) are added to ``tools``;
+    items nothing here can read are named in ``tools.dropped_items``.
+    """
     system: list[str] = []
     out: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the assistant message consecutive items are merged into
@@ -210,6 +235,38 @@ def _conversation(items: list[Any]) -> tuple[list[str], list[dict[str, Any]]]:
             text = _reasoning_text(item, where)
             if text:
                 append(assistant(), "reasoning_content", text)
+        elif kind == "additional_tools":
+            # Codex (0.171, default model) sends its whole tool list this way, not in 'tools'.
+            raw = item.get("tools")
+            if not isinstance(raw, list):
+                raise invalid(f"{where}: additional_tools needs a list 'tools'")
+            _add_tools(tools, raw, f"{where}.tools")
+        elif kind in ("local_shell_call", "tool_search_call"):
+            # Calls of OpenAI's built-in tools in the history: shown to the engine as calls of a tool of that
+            # name, with the action (or search arguments) as arguments; their outputs follow as tool messages.
+            call_id = _call_id(item, where)
+            payload = item.get("action") if kind == "local_shell_call" else item.get("arguments")
+            arguments = payload if isinstance(payload, str) else compact_json(payload or {})
+            name = "local_shell" if kind == "local_shell_call" else "tool_search"
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            assistant().setdefault("tool_calls", []).append(call)
+        elif kind == "tool_search_output":
+            # The tools a search loaded become callable from here on.
+            raw = item.get("tools") or []
+            if not isinstance(raw, list):
+                raise invalid(f"{where}: tool_search_output 'tools' must be a list")
+            _add_tools(tools, raw, f"{where}.tools")
+            if item.get("call_id") is not None:
+                turn = None
+                names = [flat_name(None, t.get("name", "")) for t in raw if isinstance(t, dict)]
+                out.append({"role": "tool", "tool_call_id": _call_id(item, where), "content": compact_json(names)})
+        elif kind == "agent_message":
+            # A message from another agent of a Codex multi-agent run: it reaches this agent as input.
+            turn = None
+            text = _content_text(item.get("content"), where, ("input_text", "output_text", "text"))
+            out.append({"role": "user", "content": text})
+        elif kind in DROPPED_ITEMS:
+            tools.dropped_items.append(kind)
         elif kind in ("function_call", "custom_tool_call"):
             call_id, name = _call_id(item, where), _name(item, where)
             if kind == "function_call":
@@ -247,7 +304,7 @@ def _instructions(raw: Any) -> list[str]:
     if isinstance(raw, str):
         return [raw]
     if isinstance(raw, list):  # instructions may also be a list of input messages
-        system, rest = _conversation(raw)
+        system, rest = _conversation(raw, _Tools())
         if rest:
             raise invalid("'instructions' may hold only system or developer messages")
         return system
@@ -296,6 +353,7 @@ class _Tools:
     custom: list[str] = field(default_factory=list)  # engine names of custom (freeform) tools
     namespaces: dict[str, str] = field(default_factory=dict)  # engine name -> namespace
     hosted: list[str] = field(default_factory=list)  # hosted tool types left out
+    dropped_items: list[str] = field(default_factory=list)  # input item types nothing here can read
 
 
 def _tools(raw: Any) -> _Tools:
@@ -304,6 +362,13 @@ def _tools(raw: Any) -> _Tools:
         return found
     if not isinstance(raw, list):
         raise invalid("'tools' must be a list")
+    _add_tools(found, raw, "tools")
+    return found
+
+
+def _add_tools(found: _Tools, raw: list[Any], where_prefix: str) -> None:
+    """Add ``raw`` tool definitions to ``found``; a name already there keeps its first definition."""
+    known = {t["function"]["name"] for t in found.tools}
 
     def add(tool: Any, where: str, namespace: str | None) -> None:
         if not isinstance(tool, dict):
@@ -311,6 +376,9 @@ def _tools(raw: Any) -> _Tools:
         kind = tool.get("type")
         if kind in ("function", "custom"):
             name = flat_name(namespace, _name(tool, where))
+            if name in known:
+                return
+            known.add(name)
             if kind == "function":
                 found.tools.append(_function_tool(tool, name, where))
             else:
@@ -330,8 +398,7 @@ def _tools(raw: Any) -> _Tools:
             raise invalid(f"{where}: unsupported tool type {kind!r}")
 
     for i, tool in enumerate(raw):
-        add(tool, f"tools[{i}]", None)
-    return found
+        add(tool, f"{where_prefix}[{i}]", None)
 
 
 def _tool_choice(raw: Any) -> str | dict[str, Any] | None:
@@ -534,8 +601,8 @@ class OpenAIResponsesProvider:
                 raise PolarError(400, "previous_response_not_found", f"Previous response with id '{previous}' not found.")
             history = found
         items = history + _input_items(body.get("input"))
-        system, conversation = _conversation(items)
         tools = _tools(body.get("tools"))
+        system, conversation = _conversation(items, tools)
         reasoning = body.get("reasoning") or {}
         enable_thinking, summary = _reasoning(body.get("reasoning"))
         extra: dict[str, Any] = {
@@ -553,6 +620,8 @@ class OpenAIResponsesProvider:
             extra["namespaced_tools"] = tools.namespaces
         if tools.hosted:
             extra["dropped_tools"] = tools.hosted
+        if tools.dropped_items:
+            extra["dropped_items"] = tools.dropped_items
         request = CanonicalRequest(
             api=self.name,
             model=require_str(body, "model"),

@@ -1,11 +1,13 @@
 """The one reader API: full records, sessions and rewards from a store's shards.
 
-Only complete shards are read (hidden temporary names are skipped). Records still in a running writer's
-journal become visible when their segment is sealed (at most ``shard_max_seconds`` later).
+Only complete shards are read (hidden temporary names are skipped), plus what the journal holds that no shard
+holds yet (a live writer's unsealed segment, a killed writer's segments before the next start replays them):
+a record is visible as soon as the harness got its answer. Reading never takes the journal over.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 
 import pyarrow as pa
@@ -16,7 +18,25 @@ from polar_addon.capture import CaptureRecord
 from polar_addon.store.compaction import expand_session
 from polar_addon.store.rewards import RewardRecord
 from polar_addon.store.sessions import SessionRecord, merge_sessions
-from polar_addon.store.shards import CALLS, REWARDS, SCHEMAS, SESSIONS, Output
+from polar_addon.store.pending import default_journal_root, pending_table, read_pending
+from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
+
+
+class StoreNotFound(FileNotFoundError):
+    """A read was pointed at a path that holds no trace store (a typo would otherwise read as empty)."""
+
+
+def require_store(uri: str) -> Output:
+    """The store's Output, or StoreNotFound saying why ``uri`` is not a store."""
+    out = Output.from_uri(uri)
+    if any(out.exists(out.kind_dir(kind)) for kind in KINDS) or os.path.isdir(default_journal_root(out)):
+        return out
+    if not out.exists(out.root):
+        raise StoreNotFound(f"no trace store at {uri}: it does not exist (give the proxy's polar_out)")
+    raise StoreNotFound(
+        f"no trace store at {uri}: it holds none of calls/, sessions/, rewards/ or a journal "
+        "(give the proxy's polar_out directory)"
+    )
 
 
 def shard_dataset(uri: str, kind: str = CALLS) -> ds.Dataset:
@@ -28,11 +48,23 @@ def shard_dataset(uri: str, kind: str = CALLS) -> ds.Dataset:
 def read_table(uri: str, kind: str = CALLS, columns: list[str] | None = None,
                session_ids: Iterable[str] | None = None) -> pa.Table:
     """Stored rows of one kind, in shard order (oldest first) then row order."""
-    dataset = shard_dataset(uri, kind)
+    out = Output.from_uri(uri)
+    segments = read_pending(default_journal_root(out))  # before listing shards: see pending.pending_table
+    paths = out.list_shards(kind)
+    dataset = ds.dataset(paths, schema=SCHEMAS[kind], format="parquet", filesystem=out.fs)
     where = None
     if session_ids is not None:
         where = pc.field("session_id").isin(pa.array(sorted(set(session_ids)), pa.string()))
-    return dataset.to_table(columns=columns, filter=where)
+    table = dataset.to_table(columns=columns, filter=where)
+    if not segments:
+        return table
+    names = {os.path.basename(p).removesuffix(".parquet") for p in paths}
+    pending = pending_table(segments, kind, names)
+    if where is not None:
+        pending = pending.filter(where)
+    if columns is not None:
+        pending = pending.select(columns)
+    return pa.concat_tables([table, pending.cast(table.schema)])
 
 
 def iter_records(uri: str, session_ids: Iterable[str] | None = None,

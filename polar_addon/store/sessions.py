@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,23 @@ import orjson
 
 from polar_addon.store.rewards import RewardRecord
 
+log = logging.getLogger("polar")
+
 _MERGED = ("task_id", "group_id", "sample_index", "harness", "status", "started_at", "ended_at")
+
+
+def row_metadata(update: dict[str, Any]) -> dict[str, Any] | None:
+    """A sessions row's metadata, or ValueError when its ``metadata_json`` is not a JSON object."""
+    text = update.get("metadata_json")
+    if not text:
+        return None
+    try:
+        metadata = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        raise ValueError("metadata_json is not valid JSON") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata_json is a {type(metadata).__name__}, not a JSON object")
+    return metadata
 
 
 @dataclass
@@ -53,12 +70,18 @@ def merge_sessions(
         return record
 
     for update in updates:
+        try:
+            metadata = row_metadata(update)
+        except ValueError as exc:
+            # One bad row (an older proxy let any metadata in) must not take every reader down.
+            log.warning("polar: skipped a sessions row of session %r: %s", update["session_id"], exc)
+            continue
         record = get(update["session_id"])
         for name in _MERGED:
             if update.get(name) is not None:
                 setattr(record, name, update[name])
-        if update.get("metadata_json"):
-            record.metadata.update(orjson.loads(update["metadata_json"]))
+        if metadata:
+            record.metadata.update(metadata)
     explicit = {sid: (r.task_id, r.group_id, r.sample_index, r.harness, r.started_at) for sid, r in sessions.items()}
 
     for call in sorted(calls, key=lambda c: (c["session_id"], c["seq"])):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -10,6 +9,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from polar_addon.store import journal
+from polar_addon.store.pending import journal_segments
 from polar_addon.store.reader import read_sessions, read_table
 from polar_addon.store.sessions import SessionRecord
 from polar_addon.store.shards import CALLS, KINDS, Output
@@ -41,7 +41,7 @@ class StoreSummary:
     statuses: Counter = field(default_factory=Counter)  # session status -> sessions
     failures: Counter = field(default_factory=Counter)  # error -> calls
     rewards: list[RewardStats] = field(default_factory=list)
-    journal_segments: int = 0  # local stores: segments not yet in shards (a live or crashed writer)
+    journal_segments: int = 0  # segments not yet in shards (a live or killed writer); their rows are counted
 
 
 def summarize(uri: str) -> StoreSummary:
@@ -70,23 +70,8 @@ def summarize(uri: str) -> StoreSummary:
     summary.rewards = [
         RewardStats(name, len(v), sum(v) / len(v), min(v), max(v)) for name, v in sorted(by_name.items())
     ]
-    if out.local:
-        summary.journal_segments = len(journal_segments(default_journal_dir(out)))
+    summary.journal_segments = len(journal_segments(default_journal_dir(out)))
     return summary
-
-
-def journal_segments(journal_root: str) -> list[str]:
-    try:
-        writers = [os.path.join(journal_root, d) for d in os.listdir(journal_root) if d.startswith("w-")]
-    except FileNotFoundError:
-        return []
-    segments = []
-    for writer in writers:
-        try:
-            segments += [os.path.join(writer, n) for n in os.listdir(writer) if n.endswith(journal.SEGMENT_SUFFIX)]
-        except FileNotFoundError:
-            continue
-    return sorted(segments)
 
 
 def journal_session_ids(journal_root: str) -> set[str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 import os
 import queue
 import threading
@@ -34,6 +33,7 @@ from polar_addon.capture import CaptureRecord
 from polar_addon.store import journal
 from polar_addon.store.compaction import SessionTips, StagedTips, encode_segment
 from polar_addon.store.entries import call_entry, entry_header, row_entry
+from polar_addon.store.rewards import check_reward
 from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
 
 log = logging.getLogger("polar.store")
@@ -179,6 +179,8 @@ class TraceStore:
         for name in _SESSION_FIELDS:
             if name == "metadata":
                 metadata = fields.get("metadata")
+                if metadata is not None and not isinstance(metadata, dict):
+                    raise TypeError(f"session metadata must be a dict, got {type(metadata).__name__}")
                 row["metadata_json"] = None if metadata is None else orjson.dumps(metadata).decode()
             else:
                 row[name] = fields.get(name)
@@ -186,9 +188,7 @@ class TraceStore:
         await self._submit(SESSIONS, row)
 
     async def add_reward(self, session_id: str, value: float, name: str = "reward", source: str = "api") -> None:
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"reward must be a finite number, got {value}")
+        value, name = check_reward(value, name)
         row = {
             "reward_id": os.urandom(16).hex(),
             "session_id": session_id,

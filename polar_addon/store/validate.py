@@ -1,8 +1,10 @@
-"""Checks that a store's shards are what the writer promises; ``polar shards validate`` prints the result."""
+"""Checks that a store's shards (and the journal rows not in shards yet) are what the writer promises;
+``polar shards validate`` prints the result."""
 
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -11,8 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from polar_addon.store.compaction import ShardIntegrityError, expand_session
+from polar_addon.store.sessions import row_metadata
 from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
-from polar_addon.store.trace_store import SESSION_STATUSES
+from polar_addon.store.pending import pending_table, read_pending
+from polar_addon.store.trace_store import SESSION_STATUSES, default_journal_dir
 
 
 def _check_schemas(out: Output) -> tuple[list[str], dict[str, list[str]]]:
@@ -40,11 +44,12 @@ def _check_schemas(out: Output) -> tuple[list[str], dict[str, list[str]]]:
     return problems, readable
 
 
-def _read(out: Output, kind: str, paths: list[str]) -> list[dict[str, Any]]:
-    if not paths:
-        return []
+def _read(out: Output, kind: str, paths: list[str], segments: list[tuple[str, list[bytes]]]) -> list[dict[str, Any]]:
+    """Rows of the readable shards, then the journal's rows that no shard (readable or not) holds yet."""
     tables = [pq.read_table(p, filesystem=out.fs, columns=SCHEMAS[kind].names) for p in paths]
-    return pa.concat_tables(tables).to_pylist()
+    names = {os.path.basename(p).removesuffix(".parquet") for p in out.list_shards(kind)}
+    tables.append(pending_table(segments, kind, names).select(SCHEMAS[kind].names))
+    return pa.concat_tables([t.cast(tables[-1].schema) for t in tables]).to_pylist()
 
 
 def _check_call_row(row: dict[str, Any]) -> list[str]:
@@ -124,16 +129,21 @@ def _check_references(sid: str, rows: list[dict[str, Any]]) -> list[str]:
 def validate_store(uri: str) -> list[str]:
     """Every violation found, as readable lines; an empty list means the store is valid."""
     out = Output.from_uri(uri)
+    segments = read_pending(default_journal_dir(out))  # before the shards are listed (pending.pending_table)
     problems, readable = _check_schemas(out)
-    calls = _read(out, CALLS, readable[CALLS])
+    calls = _read(out, CALLS, readable[CALLS], segments)
     call_problems, call_sessions = _check_calls(calls)
     problems += call_problems
-    sessions = _read(out, SESSIONS, readable[SESSIONS])
+    sessions = _read(out, SESSIONS, readable[SESSIONS], segments)
     known = call_sessions | {s["session_id"] for s in sessions}
     for row in sessions:
         if row["status"] is not None and row["status"] not in SESSION_STATUSES:
             problems.append(f"session {row['session_id']}: status {row['status']!r} not in {SESSION_STATUSES}")
-    rewards = _read(out, REWARDS, readable[REWARDS])
+        try:
+            row_metadata(row)
+        except ValueError as exc:
+            problems.append(f"session {row['session_id']}: {exc} (readers skip this row)")
+    rewards = _read(out, REWARDS, readable[REWARDS], segments)
     reward_ids = Counter(r["reward_id"] for r in rewards)
     problems += [f"reward_id {rid} appears {n} times" for rid, n in reward_ids.items() if n > 1]
     for row in rewards:

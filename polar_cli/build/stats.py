@@ -105,13 +105,15 @@ def report_table(report: BuildReport, title: str = "Reconstruction") -> Any:
     """A rich Table: one column per harness plus the total, one row per figure."""
     from rich.table import Table
 
+    from polar_cli.terminal import markup_safe
+
     columns = sorted(report.by_harness.items())
     if len(columns) != 1:
         columns.append(("total", report.total))
     table = Table(title=title)
     table.add_column("")
     for name, _ in columns:
-        table.add_column(name, justify="right", style="bold" if name == "total" else None)
+        table.add_column(markup_safe(name), justify="right", style="bold" if name == "total" else None)
 
     def row(label: str, value: Any) -> None:
         table.add_row(label, *(value(s) for _, s in columns))

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 import orjson
 
-DEFAULT_STATE_DIR = Path(os.environ.get("POLAR_STATE_DIR", Path.home() / ".polar" / "engines"))
+# In the working directory, not the home: a checkout (or a test) keeps its engines to itself.
+DEFAULT_STATE_DIR = Path(os.environ.get("POLAR_STATE_DIR", Path(".polar") / "engines"))
+# vLLM's CPU backend sizes its memory from these; its defaults (0.92 of all memory) fail on a shared 24 GiB box.
+CPU_MEMORY_FRACTION = "0.2"
+CPU_KVCACHE_GIB = "2"
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 
@@ -90,14 +96,24 @@ def save_state(server: ManagedServer, state_dir: Path) -> Path:
     return path
 
 
+class NotManaged(EngineError):
+    """No state file for the port: the engine there (if any) was not started by `polar engine serve`."""
+
+
 def load_state(state_dir: Path, port: int) -> ManagedServer:
     path = state_path(state_dir, port)
     if not path.is_file():
-        raise EngineError(
-            f"no engine on port {port} was started by `polar engine serve` (no {path}); "
-            "restart it yourself with the checkpoint as its model"
-        )
+        raise NotManaged(f"no engine on port {port} was started by `polar engine serve` (no {path.resolve()})")
     return ManagedServer(**orjson.loads(path.read_bytes()))
+
+
+def served_names(url: str) -> list[str] | None:
+    """The model names a server on ``url`` serves, or None when nothing answers there."""
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=2.0)
+        return [m["id"] for m in r.json()["data"]] if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
 
 
 def port_of(url: str) -> int:
@@ -125,18 +141,37 @@ def vllm_command(
     dtype: str = "auto",
     max_model_len: int | None = None,
     extra_args: list[str] | None = None,
+    tool_call_parser: str = "hermes",
+    memory_fraction: str | None = None,
 ) -> tuple[list[str], int]:
-    """The server argv and the index of the model path in it."""
+    """The server argv and the index of the model path in it. ``extra_args`` win over polar's own flags."""
+    extra = list(extra_args or [])
+    given = {a.split("=", 1)[0] for a in extra if a.startswith("--")}
     cmd = [
         python or vllm_python(), "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--served-model-name", served_model_name,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-        # The trainer's importance ratios need log_softmax(logits / T), not raw logprobs.
-        "--logprobs-mode", "processed_logprobs",
     ]  # fmt: skip
-    if max_model_len:
-        cmd += ["--max-model-len", str(max_model_len)]
-    return cmd + list(extra_args or []), cmd.index("--model") + 1
+    wanted = [
+        # Harnesses send tools: without a parser vLLM answers tool calls as plain text.
+        ("--enable-auto-tool-choice", None), ("--tool-call-parser", tool_call_parser),
+        # The trainer's importance ratios need log_softmax(logits / T), not raw logprobs.
+        ("--logprobs-mode", "processed_logprobs"),
+        # Never the model's generation_config.json sampling defaults: captures must be sampled as requested.
+        ("--generation-config", "vllm"),
+        ("--max-model-len", str(max_model_len) if max_model_len else None),
+        ("--gpu-memory-utilization", memory_fraction),
+    ]
+    for flag, value in wanted:
+        if flag in given or (value is None and flag != "--enable-auto-tool-choice"):
+            continue
+        cmd += [flag] if value is None else [flag, value]
+    return cmd + extra, cmd.index("--model") + 1
+
+
+def on_cpu() -> bool:
+    """No NVIDIA device here: vLLM's CPU build then needs its memory sized (see CPU_MEMORY_FRACTION)."""
+    return not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def _launch(server: ManagedServer) -> None:
@@ -150,27 +185,65 @@ def _launch(server: ManagedServer) -> None:
     server.start_time = _proc_start_time(proc.pid) or 0
 
 
-def wait_ready(server: ManagedServer, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Until ``GET /v1/models`` lists the served name; fail early if the process died."""
-    deadline = time.monotonic() + timeout_s
+def wait_ready(
+    server: ManagedServer, timeout_s: float = READY_TIMEOUT_S, progress: Callable[[float, str], None] | None = None
+) -> None:
+    """Until ``GET /v1/models`` lists the served name; fail early if the process died.
+
+    ``progress(seconds waited, last log line)`` is called about once a second while waiting.
+    """
+    started = time.monotonic()
+    deadline = started + timeout_s
     while time.monotonic() < deadline:
         if not is_running(server):
-            raise EngineError(f"engine on port {server.port} exited; log tail:\n{_tail(server.log)}")
-        try:
-            r = httpx.get(f"{server.url}/v1/models", timeout=2.0)
-            if r.status_code == 200 and any(m.get("id") == server.served_model_name for m in r.json()["data"]):
-                return
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
+            raise EngineError(f"engine on port {server.port} exited: {failure_report(server.log)}")
+        names = served_names(server.url)
+        if names and server.served_model_name in names:
+            return
+        if progress is not None:
+            progress(time.monotonic() - started, last_line(server.log))
         time.sleep(1.0)
-    raise EngineError(f"engine on port {server.port} not ready after {timeout_s:.0f} s; log tail:\n{_tail(server.log)}")
+    raise EngineError(f"engine on port {server.port} not ready after {timeout_s:.0f} s: {failure_report(server.log)}")
 
 
-def _tail(path: str, n: int = 3000) -> str:
+def _read(path: str) -> str:
     try:
-        return Path(path).read_text(errors="replace")[-n:]
+        return Path(path).read_text(errors="replace")
     except OSError:
         return ""
+
+
+def last_line(path: str) -> str:
+    lines = [line for line in _read(path)[-4000:].splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+# An exception line of a Python traceback ("ValueError: ...", "torch.OutOfMemoryError: ...").
+_EXCEPTION = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b:?.*$")
+# Lines that only point elsewhere ("See root cause above", "Engine core initialization failed").
+_WRAPPER = re.compile(r"root cause above|initialization failed|failed to start|Traceback", re.I)
+
+
+def root_cause(log: str) -> str | None:
+    """The first line of ``log`` that names what went wrong: vLLM's engine process raises first, then the API
+    server wraps it in errors that only say "see above", so the first exception line (not the tail) is the cause."""
+    lines = log.splitlines()
+    for line in lines:
+        if _EXCEPTION.match(line) and not _WRAPPER.search(line):
+            return line.strip()
+    for pattern in (r"\bERROR\b", r"\b[A-Z]\w*(?:Error|Exception)\b"):
+        for line in lines:
+            if re.search(pattern, line) and not _WRAPPER.search(line):
+                return line.strip()
+    return None
+
+
+def failure_report(log_path: str) -> str:
+    text = _read(log_path)
+    cause = root_cause(text)
+    tail = "\n".join(text.splitlines()[-15:])
+    head = f"{cause}\n" if cause else ""
+    return f"{head}(full log: {log_path}; last lines:)\n{tail}"
 
 
 def stop_process(server: ManagedServer, timeout_s: float = STOP_TIMEOUT_S) -> None:
@@ -208,25 +281,44 @@ def serve_vllm(
     extra_args: list[str] | None = None,
     env: dict[str, str] | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
+    tool_call_parser: str = "hermes",
+    memory_fraction: str | None = None,
+    kvcache_gib: str | None = None,
+    progress: Callable[[float, str], None] | None = None,
 ) -> ManagedServer:
+    """Start vLLM with the flags polar needs; on a machine without a GPU, sized for vLLM's CPU backend."""
     path = state_path(state_dir, port)
     if path.is_file() and is_running(load_state(state_dir, port)):
         raise EngineError(f"an engine started by polar already serves port {port} (stop it first)")
+    if served_names(f"http://127.0.0.1:{port}") is not None:
+        raise EngineError(f"something already answers on port {port}: stop it or pick another --port")
+    if not (Path(model) / "config.json").is_file():
+        raise EngineError(f"{model} is not a model directory (no config.json)")
+    model = str(Path(model).resolve())
     name = served_model_name or Path(model).name
+    env = dict(env or {})
+    if on_cpu():
+        memory_fraction = memory_fraction or CPU_MEMORY_FRACTION
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", kvcache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB))
+    elif kvcache_gib:
+        env["VLLM_CPU_KVCACHE_SPACE"] = kvcache_gib
     command, model_arg = vllm_command(
-        model, port, name, python=python, dtype=dtype, max_model_len=max_model_len, extra_args=extra_args
-    )
+        model, port, name, python=python, dtype=dtype, max_model_len=max_model_len, extra_args=extra_args,
+        tool_call_parser=tool_call_parser, memory_fraction=memory_fraction,
+    )  # fmt: skip
     state_dir.mkdir(parents=True, exist_ok=True)
     server = ManagedServer(
         kind="vllm", port=port, model=model, served_model_name=name, command=command, model_arg=model_arg,
-        env=dict(env or {}), log=str(state_dir / f"engine-{port}.log"), history=[model],
+        env=env, log=str((state_dir / f"engine-{port}.log").resolve()), history=[model],
     )  # fmt: skip
+    Path(server.log).unlink(missing_ok=True)  # the root cause is searched from the top: this start's only
     _launch(server)
     save_state(server, state_dir)
     try:
-        wait_ready(server, ready_timeout_s)
+        wait_ready(server, ready_timeout_s, progress)
     except EngineError:
         stop_process(server)
+        state_path(state_dir, port).unlink(missing_ok=True)
         raise
     return server
 
@@ -238,24 +330,55 @@ def restart_vllm(
     state_dir: Path = DEFAULT_STATE_DIR,
     weight_version: str | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
+    progress: Callable[[float, str], None] | None = None,
 ) -> ManagedServer:
-    server = load_state(state_dir, port_of(url))
+    try:
+        server = load_state(state_dir, port_of(url))
+    except NotManaged as exc:
+        raise NotManaged(f"{exc}: {_restart_advice(url, checkpoint, state_dir)}") from None
     stop_process(server)
     server.command[server.model_arg] = checkpoint
     server.model = checkpoint
     server.weight_version = weight_version
     server.history.append(checkpoint)
+    with open(server.log, "ab") as log:
+        log.write(f"\n--- polar engine reload: {checkpoint}\n".encode())
     _launch(server)
     save_state(server, state_dir)
-    wait_ready(server, ready_timeout_s)
+    wait_ready(server, ready_timeout_s, progress)
     return server
 
 
-def stop_engine(url: str, *, state_dir: Path = DEFAULT_STATE_DIR) -> ManagedServer:
-    server = load_state(state_dir, port_of(url))
+def _restart_advice(url: str, checkpoint: str, state_dir: Path) -> str:
+    """What to do about an engine polar cannot restart, with the exact commands."""
+    port = port_of(url)
+    names = served_names(url)
+    if names is None:
+        return (f"nothing answers on {url} either. Start one that reload can restart: "
+                f"`polar engine serve {checkpoint} --port {port}`")
+    name = names[0] if names else "NAME"
+    return (
+        f"{url} serves {names} but was started some other way, so polar cannot restart it. Either restart it "
+        f"yourself with `--model {checkpoint} --served-model-name {name}` (same flags otherwise), or stop it and "
+        f"let polar manage it: `polar engine serve {checkpoint} --port {port} --served-model-name {name}` "
+        f"(later reloads then work; if it was started by `polar engine serve` from another directory, pass "
+        f"that directory's --state-dir, here {state_dir.resolve()})"
+    )
+
+
+def stop_engine(url: str, *, state_dir: Path = DEFAULT_STATE_DIR) -> tuple[ManagedServer, bool]:
+    """Stop a served engine and forget it; (server, whether it was still running)."""
+    try:
+        server = load_state(state_dir, port_of(url))
+    except NotManaged:
+        raise NotManaged(
+            f"no engine started by `polar engine serve` is known on port {port_of(url)} "
+            f"(already stopped, or its state is in another --state-dir than {state_dir.resolve()})"
+        ) from None
+    running = is_running(server)
     stop_process(server)
     state_path(state_dir, server.port).unlink(missing_ok=True)
-    return server
+    return server, running
 
 
 # --- one entry point --------------------------------------------------------------------------------
@@ -268,6 +391,7 @@ def reload_engine(
     state_dir: Path = DEFAULT_STATE_DIR,
     weight_version: str | None = None,
     timeout_s: float = READY_TIMEOUT_S,
+    progress: Callable[[float, str], None] | None = None,
 ) -> str:
     """Make the engine named by ``spec`` serve ``checkpoint``; returns a line saying what was done."""
     if not (checkpoint / "config.json").is_file():
@@ -288,7 +412,8 @@ def reload_engine(
         return f"sglang {target}: loaded {ckpt} in place ({answer.get('message', 'ok')})"
     if kind == "vllm":
         server = restart_vllm(
-            target, ckpt, state_dir=state_dir, weight_version=weight_version, ready_timeout_s=timeout_s
+            target, ckpt, state_dir=state_dir, weight_version=weight_version, ready_timeout_s=timeout_s,
+            progress=progress,
         )
         return f"vllm {server.url}: restarted as {server.served_model_name!r} with {ckpt} (pid {server.pid})"
     if kind == "local":

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from polar_addon.store import read_records
 from tests.support.proxy import REPO
+from tests.support.shards import session_records
 
 BIN = REPO / ".harness" / "node_modules" / ".bin"
 
@@ -31,5 +30,4 @@ def run(cmd: list[str], env: dict[str, str], home: Path, timeout: float = 300) -
 
 
 def calls(out: Path, session: str, include_failed: bool = False) -> list:
-    time.sleep(1.0)  # the open shard is sealed after polar_shard_seconds
-    return [r for r in read_records(str(out), include_failed=include_failed) if r.session_id == session]
+    return session_records(out, session, include_failed=include_failed)

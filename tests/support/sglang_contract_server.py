@@ -69,7 +69,7 @@ STREAM_REFUSALS = {  # serving_chat._convert_to_internal_request
 
 
 class ContractUnavailable(RuntimeError):
-    """SGLang's wheel could not be fetched (no registry access); tests skip with this reason."""
+    """SGLang's wheel could not be fetched (no registry access); the contract tests fail with this reason."""
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:

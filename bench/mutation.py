@@ -1,0 +1,143 @@
+"""Mutation score of each core module: how many small deliberate bugs its own fast tests catch.
+
+Each module is mutated with mutmut (operators flipped, constants changed, calls dropped...) and only
+the unit test files mapped to it are run against every mutant. A module is worked on in its own
+scratch copy of the repository (``.mutation/<module>/``), so runs never touch the working tree and
+modules can be re-run one at a time. Prints killed / mutants per module; survivors are listed in
+``.mutation/<module>/survivors.txt`` (``mutmut show NAME`` in that directory shows the diff).
+
+    .venv/bin/python bench/mutation.py                 # every module (tens of minutes on 2 cores)
+    .venv/bin/python bench/mutation.py identity gateway  # some modules
+    .venv/bin/python bench/mutation.py --report        # print the table of what has been run
+
+Mutants are CPU work: the runs are ``nice -n 19``; ``--lock FILE`` holds an flock around each module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / ".mutation"
+MUTMUT = Path(sys.executable).with_name("mutmut")
+NOT_SLOW = ["-k", "not sigkill and not disk_full"]  # process-kill and tmpfs tests: minutes, not seconds
+
+# module -> (files to mutate, pytest selection: its fast unit tests)
+MODULES: dict[str, tuple[list[str], list[str]]] = {
+    "providers": (["polar_addon/providers/*"], ["tests/test_provider_anthropic_messages.py",
+                  "tests/test_provider_openai_chat.py", "tests/test_provider_openai_responses.py",
+                  "tests/test_provider_gemini.py", "tests/test_fidelity.py"]),
+    "identity": (["polar_addon/identity.py"], ["tests/test_identity.py"]),
+    "gateway": (["polar_addon/gateway.py"], ["tests/test_gateway_core.py"]),
+    "store.journal": (["polar_addon/store/journal.py"],
+                      ["tests/test_store_journal.py", "tests/test_store_crash.py", *NOT_SLOW]),
+    "store.compaction": (["polar_addon/store/compaction.py"],
+                         ["tests/test_store_basic.py", "tests/test_store_crash.py", *NOT_SLOW]),
+    "store.trace_store": (["polar_addon/store/trace_store.py"],
+                          ["tests/test_store_basic.py", "tests/test_store_crash.py", "tests/test_store_faults.py",
+                           *NOT_SLOW]),
+    "build.prefix_merging": (["polar_cli/build/prefix_merging.py"], ["tests/test_build_prefix_merging.py"]),
+    "build.breaks": (["polar_cli/build/breaks.py"], ["tests/test_build_prefix_merging.py"]),
+    "build.rewards": (["polar_cli/build/rewards.py"], ["tests/test_build_rewards.py"]),
+    "train.advantages": (["polar_cli/train/advantages.py"], ["tests/test_train_advantages.py"]),
+    "train.dataset": (["polar_cli/train/dataset.py"], ["tests/test_train_dataset.py"]),
+    "train.config": (["polar_cli/train/config.py"], ["tests/test_train_config.py"]),
+}
+
+
+def _scratch(module: str) -> Path:
+    """A fresh copy of the code and tests with a [tool.mutmut] section for this module."""
+    files, tests = MODULES[module]
+    work = WORK / module
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("polar_addon", "polar_cli", "tests"):
+        shutil.copytree(REPO / name, work / name, ignore=ignore)
+    config = "\n".join([
+        "", "[tool.mutmut]",
+        'source_paths = ["polar_addon", "polar_cli"]',
+        f"only_mutate = {json.dumps(files)}",
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
+        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]',
+        "",
+    ])
+    (work / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text() + config)
+    return work
+
+
+def _tiny_model() -> Path:
+    """One tiny model for every test session of every mutant (building it takes seconds)."""
+    path = WORK / "tiny"
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "polar_cli.app", "tiny-model", str(path)], cwd=REPO, check=True,
+                       env=_env())
+    return path
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutants/ must win the imports
+    env["PYTHONPATH"] = ""
+    return env
+
+
+def run(module: str, lock: str | None, children: int) -> None:
+    work = _scratch(module)
+    env = _env()
+    env["POLAR_TEST_TINY_MODEL"] = str(_tiny_model())
+    cmd = ["nice", "-n", "19", str(MUTMUT), "run", "--max-children", str(children)]
+    if lock:
+        cmd = ["flock", lock, *cmd]
+    with open(work / "run.log", "wb") as log:
+        subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    subprocess.run([str(MUTMUT), "export-cicd-stats"], cwd=work, env=env, capture_output=True, check=False)
+    results = subprocess.run([str(MUTMUT), "results"], cwd=work, env=env, capture_output=True, text=True, check=False)
+    (work / "survivors.txt").write_text(results.stdout)
+
+
+def score(module: str) -> dict[str, int] | None:
+    path = WORK / module / "mutants" / "mutmut-cicd-stats.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
+def report() -> None:
+    print(f"{'module':22s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'no tests':>9s} {'score':>7s}")
+    for module in MODULES:
+        stats = score(module)
+        if stats is None:
+            print(f"{module:22s} {'(not run)':>8s}")
+            continue
+        caught = stats["killed"] + stats["timeout"] + stats["segfault"]
+        total = stats["total"] - stats["skipped"]
+        pct = 100.0 * caught / total if total else float("nan")
+        print(f"{module:22s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {pct:6.1f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help=f"some of: {', '.join(MODULES)} (default: all)")
+    parser.add_argument("--report", action="store_true", help="only print the scores of earlier runs")
+    parser.add_argument("--lock", help="flock this file around each module's run")
+    parser.add_argument("--children", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    unknown = set(args.modules) - set(MODULES)
+    if unknown:
+        parser.error(f"unknown modules {sorted(unknown)}; choose from {', '.join(MODULES)}")
+    if not args.report:
+        for module in args.modules or list(MODULES):
+            print(f"mutating {module} ...", flush=True)
+            run(module, args.lock, args.children)
+    report()
+
+
+if __name__ == "__main__":
+    main()

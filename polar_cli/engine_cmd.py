@@ -1,0 +1,123 @@
+"""`polar engine serve|reload|stop`: a thin Typer shell over polar_cli.train.reload, with progress while waiting."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+engine_app = typer.Typer(
+    help="Serve, reload and stop inference engines for the train -> rollout loop.", no_args_is_help=True
+)
+
+STATE_DIR_HELP = "Where polar remembers the engines it started (env POLAR_STATE_DIR; default ./.polar/engines)."
+
+
+def _state_dir(value: Optional[Path]) -> Path:
+    from polar_cli.train.reload import DEFAULT_STATE_DIR
+
+    return value or DEFAULT_STATE_DIR
+
+
+@contextmanager
+def _waiting(what: str) -> Iterator[Callable[[float, str], None]]:
+    """A live status line on stderr (seconds waited and the engine's last log line) while ``what`` runs."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(stderr=True)
+    with console.status(what) as status:
+
+        def progress(seconds: float, line: str) -> None:
+            status.update(f"{what} ({seconds:.0f} s)  [dim]{escape(line[:100])}[/]")
+            if not console.is_terminal and int(seconds) % 15 == 0:
+                console.print(f"{what} ({seconds:.0f} s)")
+
+        yield progress
+
+
+@engine_app.command("serve")
+def engine_serve(
+    model: str = typer.Argument(..., help="Model directory to serve."),
+    port: int = typer.Option(8000, help="Port on 127.0.0.1."),
+    served_model_name: Optional[str] = typer.Option(None, help="Name clients ask for; kept across reloads."),
+    dtype: str = typer.Option("auto", help="vLLM --dtype (float32 on CPU)."),
+    max_model_len: Optional[int] = typer.Option(None, help="vLLM --max-model-len."),
+    tool_call_parser: str = typer.Option("hermes", help="vLLM --tool-call-parser for the model's tool-call format."),
+    memory_fraction: Optional[str] = typer.Option(
+        None, help="vLLM --gpu-memory-utilization (without a GPU: the share of RAM; default 0.2 there)."
+    ),
+    kvcache_gib: Optional[str] = typer.Option(
+        None, help="VLLM_CPU_KVCACHE_SPACE in GiB for vLLM's CPU backend (default 2, or the environment's)."
+    ),
+    python: Optional[str] = typer.Option(None, help="Interpreter with vLLM (default: .venv-vllm if present)."),
+    vllm_arg: list[str] = typer.Option(
+        [], "--vllm-arg", help="Extra vLLM flag (repeatable, wins over polar's), e.g. --vllm-arg=--enforce-eager."
+    ),
+    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
+    timeout: float = typer.Option(600.0, help="Seconds to wait until it answers."),
+) -> None:
+    """Start vLLM in the background (tool-call parser, processed logprobs, no generation_config defaults) so
+    that `polar engine reload` can restart it with new weights; `polar engine stop` ends it."""
+    from polar_cli.train.reload import EngineError, serve_vllm
+
+    try:
+        with _waiting(f"starting vLLM with {model} on port {port}") as progress:
+            server = serve_vllm(
+                model, port=port, served_model_name=served_model_name, state_dir=_state_dir(state_dir),
+                python=python, dtype=dtype, max_model_len=max_model_len, extra_args=vllm_arg,
+                ready_timeout_s=timeout, tool_call_parser=tool_call_parser, memory_fraction=memory_fraction,
+                kvcache_gib=kvcache_gib, progress=progress,
+            )  # fmt: skip
+    except EngineError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"serving {server.served_model_name!r} (pid {server.pid}, log {server.log})")
+    typer.echo(server.spec)
+
+
+@engine_app.command("reload")
+def engine_reload(
+    checkpoint: Path = typer.Argument(..., help="Checkpoint directory written by `polar train`."),
+    engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL (started by `polar engine serve`)."),
+    weight_version: Optional[str] = typer.Option(None, help="Policy version tag later captures will carry."),
+    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
+    timeout: float = typer.Option(600.0, help="Seconds to wait for the engine."),
+) -> None:
+    """Point a running engine at new weights: SGLang loads them in place, vLLM is restarted."""
+    from polar_addon.canonical import PolarError
+    from polar_cli.train.reload import EngineError, reload_engine
+
+    try:
+        with _waiting(f"loading {checkpoint} into {engine}") as progress:
+            line = reload_engine(
+                engine, checkpoint, state_dir=_state_dir(state_dir), weight_version=weight_version,
+                timeout_s=timeout, progress=progress,
+            )  # fmt: skip
+    except (EngineError, PolarError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(line)
+
+
+@engine_app.command("stop")
+def engine_stop(
+    engine: str = typer.Option(..., "--engine", "-e", help="vllm:URL of an engine started by `polar engine serve`."),
+    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
+) -> None:
+    """Stop an engine started by `polar engine serve`."""
+    from polar_cli.train.reload import EngineError, stop_engine
+
+    kind, _, target = engine.partition(":")
+    try:
+        server, running = stop_engine(target, state_dir=_state_dir(state_dir))
+    except EngineError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    if running:
+        typer.echo(f"stopped {kind} on port {server.port} (pid {server.pid})")
+    else:
+        typer.echo(f"{kind} on port {server.port} had already exited (pid {server.pid}); forgot it")

@@ -1,0 +1,116 @@
+"""`polar proxy`: mitmdump with the polar addon, a forward and a reverse listener on 127.0.0.1, and the exact
+environment each harness needs to go through it.
+
+One proxy serves every harness: CLIs that honour ``HTTPS_PROXY`` (Codex, and any Node CLI given mitmproxy's CA)
+use the forward listener; CLIs and SDKs configured by a base URL use the reverse listener, where every request
+on a model route is captured whatever the reverse target. The recipes below are the README's (tests check that
+the README shows exactly :func:`recipes` with the default ports, and run them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+DEFAULT_PORT = 8080
+DEFAULT_REVERSE = "https://api.openai.com"
+DEFAULT_CONFDIR = "~/.mitmproxy"
+
+# Placeholders: {fwd} and {rev} are the two listeners' ports, {ca} mitmproxy's CA certificate. $SESSION and $MODEL
+# stay shell variables: set them per run (the session becomes the record's session_id, the model is any name).
+RECIPES = """\
+CA={ca}
+SESSION=my-session MODEL=tiny
+# Claude Code (base URL; its API client cannot use a proxy URL with credentials, so the session rides on the key)
+ANTHROPIC_BASE_URL=http://127.0.0.1:{rev} ANTHROPIC_API_KEY=polar:$SESSION ANTHROPIC_MODEL=$MODEL \\
+  ANTHROPIC_DEFAULT_HAIKU_MODEL=$MODEL ANTHROPIC_DEFAULT_SONNET_MODEL=$MODEL ANTHROPIC_DEFAULT_OPUS_MODEL=$MODEL \\
+  CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 claude -p "list the files here"
+# Codex (default provider and model, no config: its Responses WebSocket is answered by the proxy)
+OPENAI_API_KEY=x HTTPS_PROXY=http://$SESSION@127.0.0.1:{fwd} CODEX_CA_CERTIFICATE=$CA SSL_CERT_FILE=$CA \\
+  codex exec --skip-git-repo-check "list the files here"
+# Qwen Code
+OPENAI_BASE_URL=http://127.0.0.1:{rev}/v1 OPENAI_API_KEY=polar:$SESSION OPENAI_MODEL=$MODEL \\
+  qwen --auth-type openai -p "list the files here"
+# Gemini CLI
+mkdir -p ~/.gemini && echo '{{"security": {{"auth": {{"selectedType": "gemini-api-key"}}}}}}' > ~/.gemini/settings.json
+GOOGLE_GEMINI_BASE_URL=http://127.0.0.1:{rev} GEMINI_API_KEY=polar:$SESSION gemini --skip-trust -m $MODEL -p "list the files here"
+# Pi (api: openai-completions, openai-responses, anthropic-messages or google-generative-ai)
+mkdir -p ~/.pi/agent && echo '{{"providers": {{"polar": {{"baseUrl": "http://127.0.0.1:{rev}/v1", "api": "openai-completions",
+  "apiKey": "polar:'$SESSION'", "models": [{{"id": "'$MODEL'"}}]}}}}}}' > ~/.pi/agent/models.json
+PI_OFFLINE=1 pi -p --provider polar --model $MODEL --no-session "list the files here"
+# openai / anthropic / google-genai SDKs: base_url=http://127.0.0.1:{rev}/v1 (anthropic, google-genai: without /v1)
+# and api_key=polar:SESSION; or, with no code change, the forward proxy:
+HTTPS_PROXY=http://$SESSION@127.0.0.1:{fwd} SSL_CERT_FILE=$CA NODE_EXTRA_CA_CERTS=$CA OPENAI_API_KEY=x python your_agent.py
+"""
+
+
+def recipes(port: int = DEFAULT_PORT, reverse_port: int | None = None, ca: str | None = None) -> str:
+    """The harness recipes for a proxy on ``port`` (forward) and ``reverse_port`` (reverse, default port + 1)."""
+    return RECIPES.format(fwd=port, rev=reverse_port or port + 1,
+                          ca=ca or f"{DEFAULT_CONFDIR}/mitmproxy-ca-cert.pem")
+
+
+def proxy(
+    engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL or local:MODEL_DIR (comma-separated: several)."),
+    out: str = typer.Option(..., "--out", "-o", help="The trace store: a directory or a URI such as s3://bucket/prefix."),
+    port: int = typer.Option(DEFAULT_PORT, help="Forward proxy port (HTTPS_PROXY)."),
+    reverse_port: Optional[int] = typer.Option(None, help="Reverse proxy port for base URLs (default: PORT + 1)."),
+    reverse: str = typer.Option(DEFAULT_REVERSE, help="Reverse target for non-model paths (model routes are "
+                                "captured whatever it is)."),
+    confdir: Path = typer.Option(Path(DEFAULT_CONFDIR), help="mitmproxy's configuration directory (its CA)."),
+    option: list[str] = typer.Option([], "--set", help="Extra mitmdump option KEY=VALUE (repeatable), e.g. "
+                                     "--set polar_max_tokens=512."),
+) -> None:
+    """Run mitmdump with the polar addon on 127.0.0.1 (forward and reverse listeners) and print each harness's
+    environment; Ctrl-C stops it (records already acknowledged are durable)."""
+    from polar_cli.mitm import mitmdump_command, wait_for_port
+
+    rport = reverse_port or port + 1
+    if rport == port:
+        raise typer.BadParameter("the reverse port must differ from the forward port", param_hint="--reverse-port")
+    extra: dict[str, str] = {"flow_detail": "0"}
+    for item in option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
+        extra[key] = value
+    confdir = confdir.expanduser()
+    cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{port}", f"reverse:{reverse}@{rport}"],
+                           confdir=confdir, options=extra, quiet=False)
+    process = subprocess.Popen(cmd, start_new_session=True)
+    # Own session (so a terminal's Ctrl-C reaches mitmdump once, through us): a TERM to us must stop it too.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        # The local engine loads its model before mitmdump listens: wait as long as that may take.
+        for p in (port, rport):
+            wait_for_port(p, 600, process)
+        typer.echo(f"\npolar proxy: forward http://127.0.0.1:{port}, reverse http://127.0.0.1:{rport} -> {reverse}; "
+                   f"records in {out}. Point each harness at it (set SESSION and MODEL per run):\n")
+        typer.echo(recipes(port, rport, str(confdir / "mitmproxy-ca-cert.pem")))
+        code = process.wait()
+    except KeyboardInterrupt:
+        code = _stop(process)
+    except (RuntimeError, TimeoutError) as exc:
+        _stop(process)
+        typer.echo(f"error: mitmdump did not start: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    raise typer.Exit(code)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(process: subprocess.Popen) -> int:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)  # mitmdump seals the open shard on a graceful stop
+        try:
+            return process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.wait()
