@@ -22,7 +22,7 @@ from mitmproxy.connection import Client
 from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from polar_addon import identity
-from polar_addon.canonical import PolarError
+from polar_addon.canonical import PolarError, SamplingDefaults
 from polar_addon.control import CONTROL_HOST, ControlPlane, check_token, is_control_path, load_or_create_token, token_file
 from polar_addon.engines import EnginePool
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
@@ -47,6 +47,17 @@ def _seconds(name: str) -> float:
     if value <= 0:
         raise exceptions.OptionsError(f"polar: {name} must be positive, got {raw!r}")
     return value
+
+
+def _sampling_defaults() -> SamplingDefaults:
+    opts = ctx.options
+    try:
+        return SamplingDefaults(
+            temperature=float(opts.polar_temperature), top_p=float(opts.polar_top_p),
+            top_k=opts.polar_top_k, min_p=float(opts.polar_min_p),
+        )
+    except ValueError as exc:
+        raise exceptions.OptionsError(f"polar: sampling defaults (polar_temperature, polar_top_p, polar_top_k, polar_min_p): {exc}") from None
 
 
 def start_banner(engine: str, store: TraceStore, modes: list[str], host: str, port: int | None) -> str:
@@ -100,6 +111,10 @@ class Polar:
         loader.add_option("polar_keepalive", str, "5", "Seconds between keep-alive events sent to a streaming client while the engine works.")
         loader.add_option("polar_engine_timeout", str, "900", "Seconds to wait for one engine completion.")
         loader.add_option("polar_max_tokens", int, 0, "Clamp (and fill in) max_tokens of every call; 0 leaves it to the client.")
+        loader.add_option("polar_temperature", str, "1.0", "Sampling temperature of calls whose client sets none (sent to the engine and recorded).")
+        loader.add_option("polar_top_p", str, "1.0", "top_p of calls whose client sets none; below 1 truncates sampling, which polar train refuses.")
+        loader.add_option("polar_top_k", int, 0, "top_k of calls whose client sets none; 0 is off (above 0 truncates, which polar train refuses).")
+        loader.add_option("polar_min_p", str, "0.0", "min_p of calls whose client sets none; above 0 truncates, which polar train refuses.")
         loader.add_option("polar_max_body_mb", int, 32, "Largest request body accepted, in MiB.")
         loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
@@ -169,6 +184,7 @@ class Polar:
             keepalive_s=_seconds("polar_keepalive"),
             max_body_bytes=opts.polar_max_body_mb * 1024 * 1024,
             max_tokens_cap=opts.polar_max_tokens,
+            sampling_defaults=_sampling_defaults(),
         )
 
     async def running(self) -> None:

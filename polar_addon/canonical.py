@@ -15,8 +15,9 @@ This module has no I/O: providers build these, engines read them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 # Canonical finish reasons (OpenAI's vocabulary); providers map them to their own.
@@ -27,14 +28,54 @@ FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "abort"
 class SamplingParams:
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # 0 (or None): no top-k truncation
+    min_p: float | None = None
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
 
     def effective_temperature(self) -> float:
-        # Engines default to 1.0 when the client says nothing; the record must say what was used.
+        # The gateway fills every sampling parameter before a call reaches an engine (with_defaults);
+        # engines called directly (tests, benches) sample at 1.0 when nothing was said.
         return 1.0 if self.temperature is None else float(self.temperature)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a call samples with when the client leaves a parameter out (addon options polar_temperature etc.).
+
+    The untruncated distribution at T=1 by default: it is what the trainer recomputes, and it never
+    depends on an engine's own fallback (SGLang and recent vLLM use the model's generation_config.json,
+    Qwen3's is T=0.6, top_p 0.95, top_k 20, which would make every recorded value a guess).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"default temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"default top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"default top_k must be >= 0 (0: off), got {self.top_k!r}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"default min_p must be in [0, 1], got {self.min_p!r}")
+
+
+def with_defaults(sampling: SamplingParams, defaults: SamplingDefaults) -> SamplingParams:
+    """Every parameter that shapes the sampled distribution made explicit, as the engine gets it and
+    the record keeps it. A top_k of 0 or below (engines' spellings of "off") becomes 0."""
+    top_k = defaults.top_k if sampling.top_k is None else max(int(sampling.top_k), 0)
+    return replace(
+        sampling,
+        temperature=defaults.temperature if sampling.temperature is None else float(sampling.temperature),
+        top_p=defaults.top_p if sampling.top_p is None else float(sampling.top_p),
+        top_k=top_k,
+        min_p=defaults.min_p if sampling.min_p is None else float(sampling.min_p),
+    )
 
 
 @dataclass

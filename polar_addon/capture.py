@@ -7,6 +7,7 @@ arrays, so nothing downstream ever sees the compact form.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -49,7 +50,8 @@ class CaptureRecord:
     finished_at: float = 0.0  # unix seconds: record made (before the response leaves the proxy)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # 0: no top-k truncation
+    min_p: float | None = None
     max_tokens: int | None = None
     # Readers always give a list. A record the gateway makes from an HTTP engine's answer holds an int32
     # array or the engine's own text of the ids (token_ids.IdText), never 32k Python ints.
@@ -83,6 +85,30 @@ class CaptureRecord:
         return orjson.loads(self.response_json)
 
 
+# A sampled token's log-probability is <= 0; engines round, so allow float noise above it.
+LOGPROB_SLACK = 1e-4
+# Below this the token could not have been sampled (e^-100 per token over a 10^6-token vocabulary is
+# 1e-37): such a value is a sentinel (vLLM writes -9999.0 for -inf) or a numerical failure, and one
+# of them makes exp(new - old) overflow in the trainer.
+MIN_SAMPLED_LOGPROB = -100.0
+
+
+def logprob_problem(logprobs: Sequence[float]) -> str | None:
+    """Why ``logprobs`` cannot be the behaviour logprobs of sampled tokens, or None when they can."""
+    # The common case in three C-speed passes (a NaN or an infinity makes the sum non-finite).
+    if not logprobs or (math.isfinite(sum(logprobs)) and min(logprobs) >= MIN_SAMPLED_LOGPROB
+                        and max(logprobs) <= LOGPROB_SLACK):
+        return None
+    for i, value in enumerate(logprobs):
+        if not math.isfinite(value):
+            return f"token {i} has logprob {value!r} (not finite)"
+        if value > LOGPROB_SLACK:
+            return f"token {i} has logprob {value!r} (> 0: not a log-probability)"
+        if value < MIN_SAMPLED_LOGPROB:
+            return f"token {i} has logprob {value!r} (below {MIN_SAMPLED_LOGPROB:g}: a sentinel, not a sampled token)"
+    return None
+
+
 def new_record_id() -> str:
     return uuid.uuid4().hex
 
@@ -94,6 +120,7 @@ def _request_fields(request: CanonicalRequest) -> dict[str, Any]:
         temperature=s.effective_temperature(),
         top_p=s.top_p,
         top_k=s.top_k,
+        min_p=s.min_p,
         max_tokens=s.max_tokens,
         messages_json=orjson.dumps(request.messages).decode(),
         tools_json=orjson.dumps(request.tools).decode(),

@@ -53,9 +53,9 @@ def is_control_path(path: str) -> bool:
 
 def token_file(out_uri: str, confdir: str) -> Path:
     """Where a generated control token is kept: next to a local store, else in mitmproxy's confdir."""
-    out = Output.from_uri(out_uri)
-    if out.local:
-        return Path(out.root) / TOKEN_FILE
+    root = Output.local_root(out_uri)
+    if root is not None:
+        return Path(root) / TOKEN_FILE
     return Path(os.path.expanduser(confdir)) / REMOTE_TOKEN_FILE
 
 

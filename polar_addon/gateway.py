@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator
 
 import orjson
 
-from polar_addon.canonical import CanonicalRequest, Completion, PolarError
-from polar_addon.capture import Identity, record_failed, record_ok
+from polar_addon.canonical import CanonicalRequest, Completion, PolarError, SamplingDefaults, with_defaults
+from polar_addon.capture import Identity, logprob_problem, record_failed, record_ok
 from polar_addon.engines import EnginePool
 from polar_addon.harness_id import harness_name
 from polar_addon.providers import Provider, ResponseContext, Route, all_providers, encode_sse
@@ -44,6 +44,8 @@ class GatewayConfig:
     keepalive_s: float = 5.0  # first keep-alive after this long without an answer, then every keepalive_s
     max_body_bytes: int = 32 * 1024 * 1024
     max_tokens_cap: int = 0  # 0: no cap; else clamp (and fill in) max_tokens
+    # What a call samples with where the client said nothing; sent to the engine and recorded.
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 @dataclass
@@ -142,6 +144,7 @@ class Gateway:
         if not isinstance(body, dict):
             raise PolarError(400, "invalid_request", "request body must be a JSON object")
         request = provider.parse_request(body, route)
+        request.sampling = with_defaults(request.sampling, self.config.sampling_defaults)
         cap = self.config.max_tokens_cap
         if cap > 0:
             current = request.sampling.max_tokens
@@ -238,6 +241,12 @@ class Gateway:
             err = PolarError(502, "api_error", f"engine error ({type(exc).__name__}); see the proxy log")
             await self._record_failure(call, provider.name, request, err)
             raise err from exc
+        problem = logprob_problem(completion.logprobs)
+        if problem is not None:
+            # A sentinel or impossible value would be trained on as if the engine had sampled with it.
+            err = PolarError(502, "api_error", f"engine {engine.name} answered an unusable logprob: {problem}")
+            await self._record_failure(call, provider.name, request, err)
+            raise err
         record = record_ok(identity=call.identity, seq=-1, request=request, completion=completion,
                            harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at,
                            engine_latency_s=time.monotonic() - t0)
@@ -271,7 +280,7 @@ class Gateway:
             await self._note_session(call, request)
             await self.store.append(record)
         except StorageUnavailable as exc:
-            log.warning("polar: could not record failed call for session %s: %s", call.identity.session_id, exc)
+            log.warning("polar: could not record failed call for session %r: %s", call.identity.session_id, exc)
 
     async def _note_session(self, call: IncomingCall, request: CanonicalRequest | None) -> None:
         ident = call.identity

@@ -27,17 +27,19 @@ def _root() -> None:
 def tiny_model(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer into."),
     seed: int = typer.Option(0, help="Weight-init seed; the same seed gives the same files."),
+    generation_defaults: str = typer.Option(
+        "none", help="Sampling defaults in generation_config.json: none, or qwen3 (T=0.6, top_p 0.95, top_k 20)."
+    ),
     dtype: str = typer.Option("float32", help="Stored weight dtype: float32 or bfloat16 (as released checkpoints)."),
     size: str = typer.Option("tiny", help="Shape: tiny (tests), small (CPU bench), 0.5b (Qwen3-0.6B's shape)."),
 ) -> None:
     """Build a tiny random-init Qwen3 model with a local BPE tokenizer and ChatML tool template (offline)."""
     from polar_cli.tiny_model import build_tiny_model
 
-    from polar_cli.tiny_model import SIZES
-
-    if size not in SIZES:
-        raise typer.BadParameter(f"--size must be one of {', '.join(SIZES)}")
-    path = build_tiny_model(out_dir, seed=seed, dtype=dtype, size=size)
+    try:
+        path = build_tiny_model(out_dir, seed=seed, generation_defaults=generation_defaults, dtype=dtype, size=size)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"tiny model written to {path}")
 
 

@@ -55,6 +55,16 @@ def recipes(port: int = DEFAULT_PORT, reverse_port: int | None = None, ca: str |
                           ca=ca or f"{DEFAULT_CONFDIR}/mitmproxy-ca-cert.pem")
 
 
+def reward_recipe(port: int, out: str, confdir: Path, explicit_token: bool = False) -> str:
+    """How the verifier side (never the agent) posts a reward: with the proxy's control token."""
+    from polar_addon.control import token_file
+
+    token = "$POLAR_CONTROL_TOKEN" if explicit_token else f"$(cat {token_file(out, str(confdir))})"
+    return ("# Rewards, from the verifier side only (the agent must not be able to read the control token):\n"
+            f"curl -x http://127.0.0.1:{port} http://polar.local/sessions/$SESSION/reward \\\n"
+            f"  -H \"Authorization: Bearer {token}\" -d '{{\"value\": 1.0}}'")
+
+
 def proxy(
     engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL or local:MODEL_DIR (comma-separated: several)."),
     out: str = typer.Option(..., "--out", "-o", help="The trace store: a directory or a URI such as s3://bucket/prefix."),
@@ -92,6 +102,7 @@ def proxy(
         typer.echo(f"\npolar proxy: forward http://127.0.0.1:{port}, reverse http://127.0.0.1:{rport} -> {reverse}; "
                    f"records in {out}. Point each harness at it (set SESSION and MODEL per run):\n")
         typer.echo(recipes(port, rport, str(confdir / "mitmproxy-ca-cert.pem")))
+        typer.echo(reward_recipe(port, out, confdir, explicit_token="polar_control_token" in extra))
         code = process.wait()
     except KeyboardInterrupt:
         code = _stop(process)

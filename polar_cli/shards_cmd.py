@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -110,37 +111,51 @@ def reward(
     store: str = typer.Argument(..., help=STORE_HELP),
     session: Optional[str] = typer.Option(None, "--session", help="Session id to reward."),
     value: Optional[float] = typer.Option(None, "--value", help="The reward value."),
+    status: Optional[str] = typer.Option(
+        None, "--status",
+        help="Also record how the session(s) ended: completed, timeout, agent_error (the policy's failures train "
+        "with reward 0) or error (infrastructure: never trained on). Without it a reward marks a running session completed.",
+    ),
     name: str = typer.Option("reward", "--name", help="Reward name (several named rewards may coexist)."),
     file: Optional[Path] = typer.Option(None, "--file", help='JSONL lines {"session_id", "value", "name"?}.'),
     source: str = typer.Option("cli", help="Recorded as the reward's source."),
     allow_unknown: bool = typer.Option(False, "--allow-unknown", help="Accept session ids the store has not seen."),
     journal_dir: Optional[Path] = typer.Option(None, help="Journal directory (default: the store's)."),
 ) -> None:
-    """Record rewards for sessions: one with --session/--value, or many with --file."""
+    """Record rewards for sessions: one with --session/--value, or many with --file; --status sets how they ended.
+
+    A reward is an outcome: a session still "running" counts as completed once it has one.
+    """
     from polar_addon.store import TraceStore, read_sessions
     from polar_addon.store.rewards import RewardInput, check_reward, parse_rewards_jsonl
     from polar_addon.store.shards import Output
     from polar_addon.store.summary import journal_session_ids
-    from polar_addon.store.trace_store import default_journal_dir
+    from polar_addon.store.trace_store import SESSION_STATUSES, default_journal_dir
     from polar_cli.terminal import printable
 
     if file is not None and (session is not None or value is not None):
         raise typer.BadParameter("give either --file or --session with --value")
-    if file is None and (session is None or value is None):
-        raise typer.BadParameter("give --session and --value (or --file)")
+    if file is None and (session is None or (value is None and status is None)):
+        raise typer.BadParameter("give --session with --value and/or --status (or --file)")
+    outcomes = [s for s in SESSION_STATUSES if s != "running"]
+    if status is not None and status not in outcomes:
+        raise typer.BadParameter(f"use one of {', '.join(outcomes)}", param_hint="--status")
     try:
         if file is not None:
             rewards = parse_rewards_jsonl(file)
         else:
-            checked_value, checked_name = check_reward(value, name)
-            rewards = [RewardInput(session, checked_value, checked_name)]  # type: ignore[arg-type]
+            rewards = []
+            if value is not None:
+                checked_value, checked_name = check_reward(value, name)
+                rewards = [RewardInput(session, checked_value, checked_name)]  # type: ignore[arg-type]
     except (OSError, ValueError) as exc:
         typer.echo(f"error: {printable(exc)}", err=True)
         raise typer.Exit(2) from exc
+    targets = sorted({r.session_id for r in rewards} | ({session} if session else set()))
     journal_root = str(journal_dir) if journal_dir else default_journal_dir(Output.from_uri(store))
     if not allow_unknown:
         known = {s.session_id for s in read_sessions(store)} | journal_session_ids(journal_root)
-        unknown = sorted({r.session_id for r in rewards} - known)
+        unknown = sorted(set(targets) - known)
         if unknown:
             typer.echo(f"error: unknown session(s) in {printable(store)}: {printable(', '.join(unknown[:10]))}"
                        f"{' ...' if len(unknown) > 10 else ''} (--allow-unknown to record anyway)", err=True)
@@ -149,6 +164,11 @@ def reward(
     async def record() -> None:
         async with TraceStore(store, journal_dir=journal_root) as trace_store:
             await asyncio.gather(*(trace_store.add_reward(r.session_id, r.value, r.name, source) for r in rewards))
+            if status is not None:
+                ended = time.time()
+                await asyncio.gather(*(trace_store.session_update(s, status=status, ended_at=ended) for s in targets))
 
     asyncio.run(record())
     typer.echo(f"recorded {len(rewards)} reward(s) in {store}")
+    if status is not None:
+        typer.echo(f"marked {len(targets)} session(s) {status}")

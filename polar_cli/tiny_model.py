@@ -108,17 +108,31 @@ def build_tokenizer(vocab_size: int = 2000):
     return fast
 
 
+# Qwen3's generation_config.json sampling defaults: what SGLang and vLLM (--generation-config auto, its
+# default) sample with when a request leaves the parameters out.
+QWEN3_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+GENERATION_DEFAULTS = {"none": {}, "qwen3": QWEN3_SAMPLING}
+
+
 def build_tiny_model(
     out_dir: str | Path,
     seed: int = 0,
     max_position_embeddings: int = 131072,
+    generation_defaults: str = "none",
     dtype: str = "float32",
     size: str = "tiny",
 ) -> Path:
     """Write tokenizer + random-init Qwen3 weights to ``out_dir``; same seed, same bytes.
 
-    ``dtype="bfloat16"`` stores the weights the way released checkpoints (Qwen3 included) are.
+    ``generation_defaults``: "qwen3" writes Qwen3's sampling defaults into generation_config.json, so
+    engines that fall back to them behave as with a real Qwen3 checkpoint; "none" writes none.
+    ``dtype="bfloat16"`` stores the weights the way released checkpoints (Qwen3 included) are;
+    ``size`` picks a shape from ``SIZES``.
     """
+    if generation_defaults not in GENERATION_DEFAULTS:
+        raise ValueError(f"generation_defaults must be one of {sorted(GENERATION_DEFAULTS)}, got {generation_defaults!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -141,6 +155,7 @@ def build_tiny_model(
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
         pad_token_id=config.pad_token_id,
+        **GENERATION_DEFAULTS[generation_defaults],
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -30,6 +30,9 @@ TRACE_SCHEMA = pa.schema(
         ("calls_merged", pa.int32()),
         ("record_ids", pa.list_(pa.string())),
         ("temperature", pa.float64()),
+        ("top_p", pa.float64()),
+        ("top_k", pa.int64()),
+        ("min_p", pa.float64()),
         ("weight_versions", pa.list_(pa.string())),
         ("harness", pa.string()),
         ("break_cause", pa.string()),
@@ -56,6 +59,10 @@ class Trace:
     calls_merged: int = 1
     record_ids: list[str] = field(default_factory=list)
     temperature: float = 1.0
+    # The truncation the engine sampled with (None: not recorded, captured before polar filled it in).
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     weight_versions: list[str] = field(default_factory=list)
     harness: str | None = None
     # Why the chain this trace came from ended before the session did (None: it did not).
@@ -72,9 +79,18 @@ class Trace:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def truncated_sampling(self) -> bool:
+        """Sampled from a top-p / top-k / min-p truncated distribution, which the trainer cannot recompute."""
+        return (self.top_p is not None and self.top_p < 1) or bool(self.top_k and self.top_k > 0) or bool(self.min_p and self.min_p > 0)
+
 
 def traces_to_table(traces: list[Trace]) -> pa.Table:
     return pa.Table.from_pylist([t.to_dict() for t in traces], schema=TRACE_SCHEMA)
+
+
+# Columns added after the first trace datasets were written; older datasets read them as null.
+LATER_TRACE_COLUMNS = ("top_p", "top_k", "min_p")
 
 
 def table_to_traces(table: pa.Table) -> list[Trace]:

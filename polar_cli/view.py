@@ -90,8 +90,11 @@ _JS = """
 
 
 def logprob_color(logprob: float) -> str:
-    """Green for a likely token, through yellow, to red for an unlikely one (hue = 120 * p)."""
-    p = math.exp(max(logprob, -50.0))
+    """Green for a likely token, through yellow, to red for an unlikely one (hue = 120 * p); grey for a
+    value that is no log-probability (NaN, infinite), which stores written before capture refused them hold."""
+    if not math.isfinite(logprob):
+        return "hsl(0,0%,80%)"
+    p = math.exp(min(max(logprob, -50.0), 0.0))
     return f"hsl({120 * p:.0f},75%,82%)"
 
 

@@ -1,7 +1,9 @@
 """Session-wide fixtures shared by every test module.
 
 - ``tiny_model_dir`` (session): a directory holding the tiny random Qwen3 model and its tokenizer
-  (``polar_cli.tiny_model.build_tiny_model``), built once per test session (~7 s) into a temp dir.
+  (``polar_cli.tiny_model.build_tiny_model``), built once per test session (~7 s) into a temp dir. Its
+  generation_config.json carries Qwen3's sampling defaults (T=0.6, top_p 0.95, top_k 20), which vLLM applies
+  to a request that leaves them out: a direct vLLM call must send every sampling parameter explicitly.
 - ``vllm_server`` (session, tests using it must be marked ``@pytest.mark.vllm``): a real vLLM CPU
   server (``.venv-vllm``) serving that model as ``VLLM_MODEL_NAME``; yields its base URL
   ``http://127.0.0.1:PORT`` (append ``/v1`` for OpenAI clients). Started on first use (~60-75 s),
@@ -35,7 +37,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     prebuilt = os.environ.get("POLAR_TEST_TINY_MODEL")
     if prebuilt:  # bench/mutation.py: one build for thousands of short test sessions
         return Path(prebuilt)
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    # Qwen3's sampling defaults in generation_config.json, as real checkpoints have them: an engine
+    # falling back to them (instead of what polar records) shows in every vLLM test.
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", generation_defaults="qwen3")
 
 
 # Qwen3's switch: with enable_thinking false the generation prompt opens an empty think block.

@@ -39,6 +39,7 @@ def test_captured_tokens_equal_the_engines(vllm_server, reference_logprobs, tmp_
                                                            "add_generation_prompt": True}).json()
     direct = httpx.post(f"{vllm_server}/v1/chat/completions", json={
         "model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 20, "temperature": 0.0, "seed": 7,
+        "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,  # what the proxy sends
         "logprobs": True, "return_token_ids": True}, timeout=120).json()
     greedy = next(r for r in records if r.temperature == 0.0)
     assert greedy.prompt_ids == tokenized["tokens"] == direct["prompt_token_ids"]
@@ -97,3 +98,34 @@ def test_engine_down_gives_provider_errors_and_failed_records(tmp_path):
         records = session_records(out, "down-a") + session_records(out, "down-o")
     assert [r.status for r in records] == ["failed", "failed"] and validate_store(str(out)) == []
     assert all("overloaded" in r.error and r.response_ids == [] for r in records)
+
+
+def _direct(vllm_server: str, messages: list, **sampling) -> dict:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 16, "seed": 5, "logprobs": True,
+            "return_token_ids": True, **sampling}
+    choice = httpx.post(f"{vllm_server}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    return {"ids": choice["token_ids"], "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]]}
+
+
+def test_a_client_that_omits_sampling_is_recorded_with_what_vllm_used(vllm_server, reference_logprobs, tmp_path):
+    """The tiny model's generation_config.json has Qwen3's defaults (T=0.6, top_p 0.95, top_k 20), which vLLM
+    applies to a request that leaves them out; the proxy must send polar's defaults and record exactly them."""
+    messages = [{"role": "user", "content": "Say something."}]
+    out = tmp_path / "shards"
+    with run_mitmdump(f"vllm:{vllm_server}", out, options={"polar_shard_seconds": "0.3"}) as proxy:
+        client = openai.OpenAI(api_key="x", http_client=client_for(proxy, "defaults-1"), max_retries=0)
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, seed=5)
+        [record] = wait_records(out, "defaults-1", 1)
+    assert (record.temperature, record.top_p, record.top_k, record.min_p) == (1.0, 1.0, 0, 0.0)
+
+    # The server really falls back to the model's defaults when a request says nothing...
+    fallback = _direct(vllm_server, messages)
+    assert fallback == _direct(vllm_server, messages, temperature=0.6, top_p=0.95, top_k=20)
+    # ...and the record is what an explicit T=1, untruncated request samples, not that fallback.
+    explicit = _direct(vllm_server, messages, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)
+    assert record.response_ids == explicit["ids"]
+    assert record.logprobs == pytest.approx(explicit["logprobs"], abs=1e-6)
+    assert record.logprobs != pytest.approx(fallback["logprobs"], abs=1e-3)
+    # and it is log_softmax(logits / 1) over the whole vocabulary, what the trainer recomputes.
+    ref = reference_logprobs(record.prompt_ids, record.response_ids, 1.0)
+    assert max(abs(a - b) for a, b in zip(record.logprobs, ref)) <= 1e-3

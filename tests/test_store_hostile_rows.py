@@ -67,7 +67,7 @@ def hostile_store(tmp_path: Path) -> Path:
 def test_a_bad_metadata_row_is_reported_and_skipped(hostile_store: Path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="polar"):
         sessions = {s.session_id: s for s in read_sessions(str(hostile_store))}
-    assert sessions["good"].status == "running"  # the bad row's status was not applied
+    assert sessions["good"].status == "completed"  # its reward ended it; the bad row's "error" was not applied
     assert sessions[EVIL_SESSION].metadata == {"k": 1} and sessions[EVIL_SESSION].status == "completed"
     assert sum("skipped a sessions row" in r.message for r in caplog.records) == 2
     validate = runner.invoke(app, ["shards", "validate", str(hostile_store)])

@@ -107,7 +107,8 @@ def test_train_refuses_loudly(capture: Path, tiny_model_dir: Path, tmp_path: Pat
     assert mismatch.returncode == 2
     assert "differs from the capture temperature 1.0" in " ".join(mismatch.stderr.split())
     untrainable = polar("train", str(capture), *base, "--strategy", "per_request")  # no --broadcast-rewards
-    assert untrainable.returncode == 2 and "no trainable traces" in " ".join(untrainable.stderr.split())
+    assert untrainable.returncode == 3  # nothing to train, with the reason and the fix
+    assert "pass --broadcast-rewards" in " ".join(untrainable.stderr.split())
     bad_loss = polar("train", str(capture), *base, "--loss-type", "grpo")
     assert bad_loss.returncode == 2 and "--loss-type must be one of" in " ".join(bad_loss.stderr.split())
     bad_retokenized = polar("train", str(capture), *base, "--retokenized", "drop")

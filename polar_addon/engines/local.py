@@ -17,6 +17,7 @@ Generation runs in a worker thread under a lock, so the event loop stays free.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 from pathlib import Path
@@ -182,7 +183,7 @@ class LocalEngine:
                 else:
                     scaled = logits / temperature
                     log_probs = torch.log_softmax(scaled, dim=-1)
-                    probs = torch.softmax(_filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p), dim=-1)
+                    probs = torch.softmax(_filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p, sampling.min_p), dim=-1)
                     token = int(torch.multinomial(probs, 1, generator=generator))
                 ids.append(token)
                 logprobs.append(float(log_probs[token]))
@@ -244,9 +245,13 @@ class LocalEngine:
             self._tokenizer = None
 
 
-def _filter_top_k_top_p(scaled: Any, top_k: int | None, top_p: float | None) -> Any:
-    """Mask logits outside the top-k / nucleus (sampling only; recorded logprobs stay unfiltered)."""
+def _filter_top_k_top_p(scaled: Any, top_k: int | None, top_p: float | None, min_p: float | None = None) -> Any:
+    """Mask logits outside the top-k / nucleus / min-p set (sampling only; recorded logprobs stay unfiltered)."""
     import torch
+
+    if min_p is not None and min_p > 0:
+        # p < min_p * p_max  <=>  logit < logit_max + log(min_p)
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(min_p), float("-inf"))
 
     if top_k is not None and 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]

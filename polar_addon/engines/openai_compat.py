@@ -48,10 +48,19 @@ def chat_body(request: CanonicalRequest, model: str) -> dict[str, Any]:
         body["tools"] = request.tools
         if request.tool_choice is not None:
             body["tool_choice"] = request.tool_choice
-    for key in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+    for key in ("max_tokens", "seed"):
         value = getattr(sampling, key)
         if value is not None:
             body[key] = value
+    # Every parameter that shapes the distribution is explicit: an omitted one falls back to the model's
+    # generation_config.json in SGLang and vLLM (Qwen3: T=0.6, top_p 0.95, top_k 20; Qwen2.5: repetition
+    # penalty 1.05), which nothing would record. The gateway fills them (SamplingDefaults); a caller
+    # that did not gets the untruncated distribution at T=1.
+    body["temperature"] = sampling.effective_temperature()
+    body["top_p"] = 1.0 if sampling.top_p is None else sampling.top_p
+    body["top_k"] = sampling.top_k if sampling.top_k is not None and sampling.top_k > 0 else -1  # -1: off for both
+    body["min_p"] = 0.0 if sampling.min_p is None else sampling.min_p
+    body["repetition_penalty"] = 1.0
     if sampling.stop:
         body["stop"] = list(sampling.stop)
     if request.enable_thinking is not None:

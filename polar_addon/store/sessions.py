@@ -60,7 +60,7 @@ def merge_sessions(
 ) -> list[SessionRecord]:
     """``updates`` are sessions-shard rows oldest first, ``rewards`` oldest first, ``calls`` rows with
     session_id, seq, status, task_id, group_id, sample_index, harness, started_at, prompt_len, response_len.
-    An explicit update wins over what the calls imply."""
+    An explicit update wins over what the calls imply; a reward ends a session still ``running`` as completed."""
     sessions: dict[str, SessionRecord] = {}
 
     def get(sid: str) -> SessionRecord:
@@ -104,4 +104,7 @@ def merge_sessions(
         record = get(reward.session_id)
         record.reward_history.append(reward)
         record.rewards[reward.name] = reward.value
+        if record.status == "running":
+            # A reward is an outcome: the episode is over unless a status said how it ended.
+            record.status = "completed"
     return sorted(sessions.values(), key=lambda s: s.session_id)

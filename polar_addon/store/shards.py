@@ -22,6 +22,9 @@ KINDS = (CALLS, SESSIONS, REWARDS)
 
 _TOKENS = pa.list_(pa.int32())
 
+# Columns added after the first release: older shards lack them, and readers see nulls there.
+LATER_COLUMNS = frozenset({"min_p"})
+
 CALLS_SCHEMA = pa.schema(
     [
         pa.field("record_id", pa.string(), nullable=False),
@@ -42,6 +45,7 @@ CALLS_SCHEMA = pa.schema(
         pa.field("temperature", pa.float64()),
         pa.field("top_p", pa.float64()),
         pa.field("top_k", pa.int64()),
+        pa.field("min_p", pa.float64()),
         pa.field("max_tokens", pa.int64()),
         # The prompt is prompt_ids[:prompt_prefix_len] of the call `prompt_ref` (its prompt followed by its
         # response, same session) plus prompt_tail; prompt_ref is null when the tail is the whole prompt.
@@ -118,10 +122,17 @@ class Output:
     root: str
     local: bool
 
+    @staticmethod
+    def local_root(uri: str) -> str | None:
+        """The directory of a local store's URI; None for a remote one (no filesystem is contacted)."""
+        if "://" not in uri or uri.startswith("file://"):
+            return os.path.abspath(os.path.expanduser(uri.removeprefix("file://")))
+        return None
+
     @classmethod
     def from_uri(cls, uri: str) -> "Output":
-        if "://" not in uri or uri.startswith("file://"):
-            path = os.path.abspath(os.path.expanduser(uri.removeprefix("file://")))
+        path = cls.local_root(uri)
+        if path is not None:
             return cls(uri, pafs.LocalFileSystem(), path, True)
         fs, path = pafs.FileSystem.from_uri(uri)
         return cls(uri, fs, path.rstrip("/"), False)

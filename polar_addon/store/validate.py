@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from polar_addon.store.compaction import ShardIntegrityError, expand_session
 from polar_addon.store.sessions import row_metadata
-from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
+from polar_addon.store.shards import CALLS, KINDS, LATER_COLUMNS, REWARDS, SCHEMAS, SESSIONS, Output
 from polar_addon.store.pending import pending_table, read_pending
 from polar_addon.store.trace_store import SESSION_STATUSES, default_journal_dir
 
@@ -34,6 +34,8 @@ def _check_schemas(out: Output) -> tuple[list[str], dict[str, list[str]]]:
             bad = False
             for f in SCHEMAS[kind]:
                 if f.name not in schema.names:
+                    if f.name in LATER_COLUMNS:
+                        continue
                     problems.append(f"{name}: missing column {f.name}")
                     bad = True
                 elif not schema.field(f.name).type.equals(f.type):

@@ -167,8 +167,11 @@ def join(
     tail = nxt.prompt_ids[len(prev.prompt_ids):]
     if not tail:
         return Break(BreakCause.OTHER, f"call {nxt.seq} re-sent call {prev.seq}'s prompt unchanged (a retry or a parallel sample)")
-    if prev.temperature != nxt.temperature:
-        return Break(BreakCause.OTHER, f"sampling temperature changed from {prev.temperature} to {nxt.temperature} at call {nxt.seq}")
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        # One trace carries one set of sampling parameters.
+        before, after = getattr(prev, name), getattr(nxt, name)
+        if before != after:
+            return Break(BreakCause.OTHER, f"sampling {name} changed from {before} to {after} at call {nxt.seq}")
     if eot is None:
         return Break(BreakCause.OTHER, "end-of-turn token unknown (no naturally stopped call); pass it explicitly")
     try:

@@ -10,10 +10,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from polar_cli.train.advantages import group_key, session_advantages
-from polar_cli.trace import TRACE_SCHEMA, Trace, table_to_traces
+from polar_cli.trace import LATER_TRACE_COLUMNS, TRACE_SCHEMA, Trace, table_to_traces
 
 # A captured logprob is log p <= 0; engines round, so allow a hair above zero.
 _LOGPROB_SLACK = 1e-4
@@ -60,6 +61,76 @@ class NothingToTrain(ValueError):
     """Every trace was dropped (e.g. all rewards of every group equal): no gradient to take."""
 
 
+class TruncatedSampling(ValueError):
+    """Traces sampled with top-p / top-k / min-p: the trainer's full-softmax logprob is not the behaviour policy's."""
+
+
+def check_untruncated(traces: Sequence[Trace]) -> None:
+    """Refuse trainable traces sampled from a truncated distribution.
+
+    The trainer recomputes log_softmax(logits / T) over the whole vocabulary; under truncation the
+    behaviour policy is that distribution renormalised over the kept tokens (vLLM's processed
+    logprobs report exactly that), so every importance ratio and PPO clip would be off.
+    """
+    bad = [t for t in traces if t.trainable and t.truncated_sampling]
+    if not bad:
+        return
+    sessions = len({t.session_id for t in bad})
+    example = bad[0]
+    raise TruncatedSampling(
+        f"{len(bad)} trainable traces (of {sum(t.trainable for t in traces)}, {sessions} sessions) were sampled "
+        f"with truncation (e.g. {example.trace_id}: top_p={example.top_p}, top_k={example.top_k}, "
+        f"min_p={example.min_p}); the trainer recomputes the untruncated softmax, so their importance ratios "
+        "would be wrong. Capture them again with top_p=1, top_k=0 and min_p=0: leave them unset in the "
+        "client (polar's defaults polar_top_p=1, polar_top_k=0, polar_min_p=0 apply) or set them so."
+    )
+
+
+def explain_nothing_to_train(traces: Sequence[Trace], stats: dict[str, int], *, unrewarded_per_request: bool = False) -> str:
+    """Why no row is left, counted, each with what to do about it."""
+    reasons: list[str] = []
+    untrainable: dict[str, set[str]] = {}
+    for t in traces:
+        if not t.trainable:
+            untrainable.setdefault(t.status, set()).add(t.session_id)
+    running = len(untrainable.pop("running", ()))
+    if running:
+        reasons.append(
+            f"{running} sessions still running: post a reward (`polar reward STORE --session S --value V`, which "
+            "marks the session completed) or a status (`--status completed|timeout|agent_error|error`)"
+        )
+    errored = len(untrainable.pop("error", ()))
+    if errored:
+        reasons.append(f"{errored} sessions ended in an infrastructure error (status error): never training data")
+    rest = sum(len(v) for v in untrainable.values())
+    if rest:
+        if unrewarded_per_request:
+            reasons.append(f"{rest} sessions give per_request traces without a reward: pass --broadcast-rewards")
+        else:
+            reasons.append(
+                f"{rest} sessions have no outcome reward (or no session row): post one with "
+                "`polar reward STORE --session S --value V`"
+            )
+    if stats.get("zero_advantage"):
+        groups: dict[str, set[float]] = {}
+        for t in traces:
+            if t.trainable:
+                groups.setdefault(group_key(t), set()).add(float(t.reward))
+        flat = sum(1 for rewards in groups.values() if len(rewards) == 1)
+        reasons.append(
+            f"{stats['zero_advantage']} traces in {flat} groups have zero advantage: all sessions of the group got "
+            "the same reward; GRPO needs several sessions per group (the same group id in their "
+            "credentials) with different rewards"
+        )
+    if stats.get("overlong_prompt"):
+        reasons.append(f"{stats['overlong_prompt']} traces have a prompt of --max-length tokens or more: raise --max-length")
+    if stats.get("no_trainable_tokens"):
+        reasons.append(f"{stats['no_trainable_tokens']} traces have no sampled token left to train on")
+    if not traces:
+        reasons.append("the input holds no trace (no ok call was captured)")
+    return "; ".join(reasons) or f"every trace was dropped ({stats})"
+
+
 class TemperatureMismatch(ValueError):
     """Training at another temperature than the capture would make every importance ratio wrong."""
 
@@ -68,7 +139,7 @@ def resolve_temperature(traces: Sequence[Trace], requested: float | None) -> flo
     """The one sampling temperature of the trainable traces; refuse mixtures and mismatches."""
     seen = sorted({float(t.temperature) for t in traces if t.trainable})
     if not seen:
-        raise ValueError("no trainable traces: nothing to train on")
+        raise NothingToTrain(f"no trainable traces: {explain_nothing_to_train(traces, {})}")
     if len(seen) > 1:
         raise TemperatureMismatch(
             f"traces were sampled at several temperatures {seen}; the trainer scales logits by one "
@@ -127,6 +198,7 @@ def prepare_rows(
 ) -> TrainData:
     traces = list(traces)
     temp = resolve_temperature(traces, temperature)
+    check_untruncated(traces)
     advantages = session_advantages(traces, scale_rewards)
     stats = dict(
         traces=len(traces),
@@ -260,9 +332,12 @@ def read_trace_dataset(paths: Sequence[Path]) -> list[Trace]:
     traces: list[Trace] = []
     for f in files:
         table = pq.read_table(f)
-        missing = [n for n in TRACE_SCHEMA.names if n not in table.column_names]
+        missing = [n for n in TRACE_SCHEMA.names if n not in table.column_names and n not in LATER_TRACE_COLUMNS]
         if missing:
             raise ValueError(f"{f}: trace dataset lacks columns {missing}")
+        for name in LATER_TRACE_COLUMNS:
+            if name not in table.column_names:
+                table = table.append_column(TRACE_SCHEMA.field(name), pa.nulls(len(table), TRACE_SCHEMA.field(name).type))
         traces.extend(table_to_traces(table.select(TRACE_SCHEMA.names)))
     return traces
 

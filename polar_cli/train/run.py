@@ -93,7 +93,7 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     """Train from ``cfg.inputs`` (or from ``traces`` already in memory) and write ``cfg.output``."""
     import time
 
-    from polar_cli.train.dataset import NothingToTrain, load_traces, prepare_rows
+    from polar_cli.train.dataset import NothingToTrain, explain_nothing_to_train, load_traces, prepare_rows
 
     cfg.validate()
     if traces is None:
@@ -103,6 +103,9 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
             cfg.inputs, cfg.strategy, tokenizer=tokenizer, broadcast_rewards=cfg.broadcast_rewards,
             eot_token_id=cfg.eot_token_id, merge_retokenized=cfg.retokenized == "merge",
         )
+    unrewarded = cfg.strategy == "per_request" and not cfg.broadcast_rewards
+    if not any(t.trainable for t in traces):
+        raise NothingToTrain(f"no trainable traces: {explain_nothing_to_train(traces, {}, unrewarded_per_request=unrewarded)}")
     check_staleness(traces, cfg.current_weight_version, cfg.max_staleness)
     data = prepare_rows(
         traces,
@@ -112,7 +115,7 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
         temperature=cfg.temperature,
     )
     if not data.rows:
-        raise NothingToTrain(f"no trainable rows: every trace was dropped ({data.stats})")
+        raise NothingToTrain(f"no trainable rows: {explain_nothing_to_train(traces, data.stats, unrewarded_per_request=unrewarded)}")
     cfg.output.mkdir(parents=True, exist_ok=True)
     metrics_path = cfg.output / METRICS_FILE
     if cfg.resume is None and metrics_path.exists():

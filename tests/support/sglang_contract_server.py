@@ -19,7 +19,8 @@ with real tokens and logprobs from the in-process ``LocalEngine`` underneath:
 of ``response_token_ids``), ``sglext`` (ids only through ``sglext``, no per-choice extras),
 ``meta_info_only`` (before ``return_token_ids`` existed: prompt ids + meta_info triples).
 Fault injection for error paths: ``fail="internal"`` (500 ErrorResponse), ``"misaligned"``
-(triples for one token fewer than the ids), ``"no_ids"`` (no token ids at all), ``"not_json"``;
+(triples for one token fewer than the ids), ``"no_ids"`` (no token ids at all), ``"not_json"``,
+``"sentinel_logprob"`` (the first token's logprob is -9999.0, the value vLLM writes for -inf);
 ``delay_s=N`` answers N seconds late.
 
 The engine underneath is a ``LocalEngine`` or a ``ScriptedEngine`` (for tool calls).
@@ -57,7 +58,7 @@ PROTOCOL_IN_WHEEL = "sglang/srt/entrypoints/openai/protocol.py"
 UTILS_IN_WHEEL = "sglang/utils.py"
 MODULE_NAME = "sglang.srt.entrypoints.openai.protocol"
 VARIANTS = ("release", "token_ids", "sglext", "meta_info_only")
-FAULTS = ("", "internal", "misaligned", "no_ids", "not_json")
+FAULTS = ("", "internal", "misaligned", "no_ids", "not_json", "sentinel_logprob")
 STREAM_REFUSALS = {  # serving_chat._convert_to_internal_request
     "return_prompt_token_ids": "return_prompt_token_ids is not supported with streaming. "
     "Please set stream=false when using return_prompt_token_ids=true.",
@@ -261,6 +262,7 @@ class SGLangContractServer:
                 temperature=req.temperature,
                 top_p=req.top_p,
                 top_k=req.top_k,
+                min_p=req.min_p,
                 max_tokens=body.get("max_completion_tokens") or body.get("max_tokens"),
                 stop=stop,
                 seed=req.seed,
@@ -322,6 +324,10 @@ class SGLangContractServer:
             choice["token_ids"] = choice.pop("response_token_ids")
         if fail == "misaligned":
             choice["meta_info"]["output_token_logprobs"] = choice["meta_info"]["output_token_logprobs"][:-1]
+        if fail == "sentinel_logprob":
+            choice["meta_info"]["output_token_logprobs"][0][0] = -9999.0
+            if choice.get("logprobs"):
+                choice["logprobs"]["content"][0]["logprob"] = -9999.0
         if fail == "no_ids":
             for key in ("prompt_token_ids", "response_token_ids", "meta_info"):
                 choice.pop(key, None)
