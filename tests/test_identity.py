@@ -18,8 +18,8 @@ def test_proxy_credentials_win_over_headers_and_keys():
 
 
 def test_proxy_user_alone_and_percent_encoding():
-    ident = identity.resolve(basic("my%20session"), {}, "conn")
-    assert ident.session_id == "my session" and ident.task_id is None
+    ident = identity.resolve(basic("my%3Asession"), {}, "conn")
+    assert ident.session_id == "my:session" and ident.task_id is None
 
 
 def test_headers_then_api_key():
@@ -83,3 +83,36 @@ def test_errors_never_quote_the_credentials(proxy_password, api_key):
     with pytest.raises(PolarError) as info:
         identity.resolve(header, {"x-api-key": api_key} if api_key else {}, "c")
     assert info.value.status == 400 and "hunter2" not in info.value.message
+
+
+def test_values_keep_their_own_separators():
+    """Only the first '=' splits a field and the first ':' splits the proxy credentials."""
+    ident = identity.resolve(None, {"x-api-key": "polar:session=a=b;task=t:1"}, "c")
+    assert (ident.session_id, ident.task_id) == ("a=b", "t:1")
+    ident = identity.resolve(basic("s1", "task=t:1;group=g"), {}, "c")
+    assert (ident.session_id, ident.task_id, ident.group_id) == ("s1", "t:1", "g")
+
+
+def test_an_empty_sample_is_no_sample_and_every_header_field_is_read():
+    assert identity.resolve(None, {"x-api-key": "polar:session=s;sample="}, "c").sample_index is None
+    ident = identity.resolve(None, {"x-polar-session": "h", "x-polar-task": "t", "x-polar-group": "g",
+                                    "x-polar-sample": "4"}, "c")
+    assert (ident.task_id, ident.group_id, ident.sample_index) == ("t", "g", 4)
+
+
+def test_only_a_bearer_authorization_is_read_as_a_key():
+    # Seven characters before "polar:" that are not "Bearer ": still not a key.
+    assert identity.resolve(None, {"authorization": "Token: polar:s1"}, "0123456789abcdef").source == "generated"
+    assert identity.resolve(None, {"authorization": "bearer polar:s1"}, "c").session_id == "s1"
+
+
+def test_extra_spaces_after_basic_are_tolerated():
+    ident = identity.resolve("Basic  " + base64.b64encode(b"s2:").decode() + " ", {}, "c")
+    assert (ident.session_id, ident.source) == ("s2", "proxy_auth")
+
+
+@pytest.mark.parametrize("key", ["polar:session=s;colour=red", "polar:session=s;sample=x"])
+def test_identity_errors_are_invalid_requests(key):
+    with pytest.raises(PolarError) as info:
+        identity.resolve(None, {"x-api-key": key}, "c")
+    assert (info.value.status, info.value.kind) == (400, "invalid_request")

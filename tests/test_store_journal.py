@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+
 import pytest
 
 from polar_addon.store import journal
@@ -49,3 +52,71 @@ def test_bytes_that_are_no_journal_read_as_empty() -> None:
     assert journal.parse_segment(b"") == []
     assert journal.parse_segment(b"PLR") == []  # a segment whose header write never completed
     assert journal.parse_segment(b"not a journal at all") == []
+
+
+def test_segment_append_writes_magic_once_and_tracks_size_and_count(tmp_path) -> None:
+    segment = journal.Segment(str(tmp_path), "0001")
+    segment.append([b"a", b"bb"])
+    segment.append([b"ccc"])
+    segment.close()
+    data = (tmp_path / f"0001{journal.SEGMENT_SUFFIX}").read_bytes()
+    assert data.startswith(journal.MAGIC) and data.count(journal.MAGIC) == 1
+    assert (segment.count, segment.size) == (3, len(data))
+    assert journal.read_segment(segment.path) == [b"a", b"bb", b"ccc"]
+    assert journal.segment_name(segment.path) == "0001"
+    segment.close()  # closing twice is harmless
+    with pytest.raises(FileExistsError):  # a segment is never reopened for appending
+        journal.Segment(str(tmp_path), "0001")
+
+
+def test_a_failed_append_leaves_the_file_as_it_was(tmp_path) -> None:
+    segment = journal.Segment(str(tmp_path), "0001")
+    segment.append([b"kept"])
+    before = (tmp_path / f"0001{journal.SEGMENT_SUFFIX}").read_bytes()
+    os.close(segment.fd)  # every later write fails
+    with pytest.raises(OSError):
+        segment.append([b"lost"])
+    segment.fd = -1
+    assert (segment.count, segment.size) == (1, len(before))
+    assert (tmp_path / f"0001{journal.SEGMENT_SUFFIX}").read_bytes() == before
+
+
+def test_writer_dirs_are_locked_and_orphans_adopted_oldest_first(tmp_path) -> None:
+    root = str(tmp_path / "journal")
+    _, live = journal.create_writer_dir(root)
+    assert os.path.basename(live.path).startswith("w-") and not live.adopted
+    with pytest.raises(BlockingIOError):  # the live writer holds its lock
+        fd = os.open(os.path.join(live.path, "lock"), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    dead = tmp_path / "journal" / "w-dead0001"
+    dead.mkdir()
+    (dead / "lock").touch()
+    for name in ("0002", "0001"):
+        (dead / f"{name}{journal.SEGMENT_SUFFIX}").write_bytes(journal.MAGIC)
+    (dead / "notes.txt").write_text("not a segment")
+    (tmp_path / "journal" / "other").mkdir()  # not a writer directory
+    (tmp_path / "journal" / "w-nolock").mkdir()  # being removed: no lock file
+    [orphan] = journal.adopt_orphans(root, live.path)
+    assert orphan.adopted and orphan.path == str(dead)
+    assert [os.path.basename(p) for p in orphan.segments] == ["0001.wal", "0002.wal"]
+    assert journal.adopt_orphans(root, live.path) == []  # locked by its adopter now
+    orphan.release(remove=True)
+    assert dead.exists()  # its segments are still there
+    for p in orphan.segments:
+        os.unlink(p)
+    (dead / "notes.txt").unlink()
+    journal.WriterDir(str(dead), -1).release(remove=True)
+    assert not dead.exists()
+    live.release(remove=False)
+    assert os.path.exists(live.path) and live.lock_fd == -1
+    assert journal.adopt_orphans(str(tmp_path / "missing"), "") == []
+
+
+def test_segment_names_sort_by_creation_time() -> None:
+    first = journal.new_segment_name("abcd1234", 2)
+    second = journal.new_segment_name("abcd1234", 1)
+    assert first < second and first.endswith("-abcd1234-000002")
+    assert len(first.split("-")[0]) == 19

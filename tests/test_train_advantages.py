@@ -168,3 +168,17 @@ def test_group_id_takes_precedence_over_task_id() -> None:
     assert adv["a"].advantage == pytest.approx(1.0 / scale)
     assert adv["b"].advantage == pytest.approx(-1.0 / scale)
     assert adv["c"].advantage == 0.0  # alone in group h
+
+
+def test_values_by_hand_with_a_unit_std_and_without_scaling() -> None:
+    """Rewards 0, 1, 2 have a sample std of exactly 1 (not a degenerate group); unscaled advantages
+    are the raw leave-one-out differences."""
+    traces = [trace("a", "g", 0.0), trace("b", "g", 1.0), trace("c", "g", 2.0)]
+    scaled = session_advantages(traces)
+    assert [scaled[s].advantage for s in "abc"] == pytest.approx([-1.5 / (1 + SCALE_EPS), 0.0, 1.5 / (1 + SCALE_EPS)])
+    raw = session_advantages(traces, scale_rewards="none")
+    assert [raw[s].advantage for s in "abc"] == pytest.approx([-1.5, 0.0, 1.5])
+    assert [(raw[s].session_id, raw[s].group_id, raw[s].reward, raw[s].num_traces) for s in "abc"] == [
+        ("a", "g", 0.0, 1), ("b", "g", 1.0, 1), ("c", "g", 2.0, 1)]
+    with pytest.raises(ValueError, match="scale_rewards must be 'group' or 'none', not 'batch'"):
+        loo_advantages([0.0, 1.0], scale_rewards="batch")

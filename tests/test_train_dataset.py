@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -90,7 +91,13 @@ def test_session_weights_count_each_session_once() -> None:
     a2.trace_id = "a-t2"
     data = prepare_rows([a1, a2, trace("b", "g", 0.0)], max_length=100)
     assert sum(r.session_weight for r in data.rows) == pytest.approx(2.0)
-    assert [r.advantage for r in data.rows if r.session_id == "a"] == [data.rows[0].advantage] * 2
+    # Computed, not compared row with row: session rewards a=1, b=0, LOO over std(1, 0) + 1e-6.
+    expected = 1.0 / (statistics.stdev([1.0, 0.0]) + 1e-6)
+    by_session = {}
+    for row in data.rows:
+        by_session.setdefault(row.session_id, []).append((row.advantage, row.session_weight))
+    assert by_session["a"] == [(pytest.approx(expected), pytest.approx(0.5))] * 2
+    assert by_session["b"] == [(pytest.approx(-expected), pytest.approx(1.0))]
 
 
 def test_missing_behaviour_logprob_on_a_trainable_token_is_refused() -> None:

@@ -12,6 +12,7 @@ from polar_addon.canonical import (
 )
 from polar_addon.providers import ResponseContext, Route, StreamEvent
 from polar_addon.providers.common import (
+    INT64_MAX,
     content_text,
     compact_json,
     drop_tool_choice_without_tools,
@@ -157,7 +158,7 @@ class OpenAIChatProvider:
                 top_k=opt_int(body, "top_k"),
                 max_tokens=max_tokens,
                 stop=stop_list(body.get("stop"), "stop"),
-                seed=opt_int(body, "seed"),
+                seed=opt_int(body, "seed", minimum=-INT64_MAX, maximum=INT64_MAX),
             ),
             stream=opt_bool(body, "stream"),
             extra=extra,
