@@ -87,7 +87,7 @@ def run_shell(script: str, cwd: Path, env: dict[str, str], timeout: float = 300)
 
 def on_ports(text: str, ports: dict[int, int]) -> str:
     for old, new in ports.items():
-        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
+        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}").replace(f"--port {old}", f"--port {new}")
     return text
 
 
@@ -195,10 +195,10 @@ def test_serve_capture_reward_build_train_reload_stop(tiny_model_dir: Path, tmp_
 
     serve, reload, stop_engine = commands(block("engine"))
     assert serve.startswith("polar engine serve models/tiny") and "reload ckpt/" in reload
-    served = sh(serve)
-    assert f"vllm:http://127.0.0.1:{engine_port}" in served.stdout
-    assert (work / ".polar" / "engines" / f"engine-{engine_port}.json").is_file()  # state in the cwd, not $HOME
     try:
+        served = sh(serve)
+        assert f"vllm:http://127.0.0.1:{engine_port}" in served.stdout
+        assert (work / ".polar" / "engines" / f"engine-{engine_port}.json").is_file()  # state in the cwd, not $HOME
         (capture,) = commands(block("capture"))
         proxy = subprocess.Popen(["bash", "-c", "exec " + on_ports(capture, ports)], cwd=work, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
