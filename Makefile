@@ -76,6 +76,7 @@ bench: install model
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/build.py
 	$(BIN)/python bench/train.py
+	$(BIN)/python bench/reliability.py
 
 # Mutation score per core module (mutmut; tens of minutes; not part of `make test`). bench/mutation_report.md
 # explains the survivors.

@@ -190,6 +190,12 @@ class Polar:
     async def running(self) -> None:
         # Eager upstream connects would fail (or leak) for hosts we answer ourselves.
         ctx.options.connection_strategy = "lazy"
+        if not ctx.options.body_size_limit:
+            # Without it any body is buffered whole before the gateway's limit is checked. mitmproxy refuses
+            # a body past it before any hook sees the flow (a plain-text 413), so it is a backstop: bodies
+            # between the two limits get the provider-shaped 413 of `requestheaders` or the gateway.
+            mb = ctx.options.polar_max_body_mb
+            ctx.options.body_size_limit = f"{max(2 * mb, mb + 16)}m"
         if not ctx.options.listen_host:
             log.warning("polar: mitmdump listens on all interfaces; pass --listen-host 127.0.0.1 unless others must reach it")
         await self.relay.start()
@@ -255,12 +261,42 @@ class Polar:
             # The session, task and group in the proxy credentials are nobody else's business.
             flow.request.headers.pop("proxy-authorization", None)
             return
+        try:
+            await self._answer(flow, upgrade)
+        except Exception as exc:
+            # A flow on a model route must never continue upstream (real API key, unrecorded): answer here.
+            log.exception("polar: unexpected error on %s %s", flow.request.method, flow.request.pretty_host)
+            err = PolarError(500, "api_error", f"polar internal error ({type(exc).__name__})")
+            try:
+                reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
+                flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
+            except Exception:
+                flow.response = http.Response.make(500, b'{"error":{"type":"api_error","message":"polar internal error"}}',
+                                                   {"content-type": "application/json"})
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        # A declared body over the limit is refused before mitmproxy buffers it (body_size_limit, set in
+        # `running`, catches bodies without a length), in the provider's shape.
+        if self.gateway is None or flow.response is not None or not self._is_ours(flow):
+            return
+        if not self.gateway.owns(flow.request.method, flow.request.path):
+            return
+        limit = self.gateway.config.max_body_bytes
+        length = flow.request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            err = PolarError(413, "invalid_request", f"request body of {length} bytes exceeds the proxy limit of {limit}")
+            reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
+            flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
+
+    async def _answer(self, flow: http.HTTPFlow, upgrade: bool) -> None:
+        assert self.gateway is not None
         headers = {k.lower(): v for k, v in flow.request.headers.items()}
         proxy_auth = headers.get("proxy-authorization") or self._proxy_auth.get(flow.client_conn.id)
         try:
             ident = identity.resolve(proxy_auth, headers, flow.client_conn.id)
         except PolarError as err:
-            flow.response = http.Response.make(err.status, err.message.encode(), {"content-type": "text/plain"})
+            reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
+            flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
             return
         for name in SECRET_HEADERS:
             headers.pop(name, None)

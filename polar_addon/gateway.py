@@ -37,6 +37,11 @@ MAX_REMEMBERED_CALLS = 256
 # A session forgotten here (idle while 200k others started) and then seen again gets a second "running"
 # row, whose later started_at wins; its calls and rewards are untouched.
 MAX_SEEN_SESSIONS = 200_000
+# orjson writes at most 254 levels; tools, schemas and messages are re-serialized into records, and the
+# translators walk them recursively. No real request comes near this.
+MAX_JSON_DEPTH = 128
+# Bodies larger than this are read and translated on a worker thread.
+PARSE_OFF_LOOP_BYTES = 256 * 1024
 
 
 @dataclass
@@ -80,8 +85,36 @@ def _json(status: int, payload: Any) -> FullReply:
 def _canonical_arguments(text: str) -> str:
     try:
         return orjson.dumps(orjson.loads(text), option=orjson.OPT_SORT_KEYS).decode()
-    except orjson.JSONDecodeError:
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # not JSON, or nested past what orjson writes
         return text
+
+
+def _json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a parsed JSON value, counted up to ``limit + 1`` (iterative: no recursion limit)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
+                return deepest
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def _printable_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Header values as valid UTF-8 text: mitmproxy hands non-UTF-8 bytes over as lone surrogates, which
+    no JSON encoder writes (a User-Agent lands in every record)."""
+    clean = {}
+    for name, value in headers.items():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            value = value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        clean[name] = value
+    return clean
 
 
 def _response_id(provider: Provider) -> str:
@@ -113,7 +146,31 @@ class Gateway:
         here: they need the control token (polar_addon.control)."""
         return self.match(method, path) is not None
 
+    def error_reply(self, method: str, path: str, err: PolarError) -> FullReply:
+        """``err`` in the shape of the provider that owns ``path`` (a generic one elsewhere)."""
+        matched = self.match(method, path)
+        if matched is None:
+            return _json(err.status, {"error": {"type": err.kind, "message": err.message}})
+        return _json(err.status, matched[0].render_error(err))
+
     async def handle(self, call: IncomingCall) -> FullReply | StreamReply:
+        """Never raises: whatever goes wrong, the caller gets an answer in its provider's shape.
+
+        An exception escaping here would make mitmproxy forward the request upstream, real API key
+        included and unrecorded (issue 11).
+        """
+        call = replace(call, headers=_printable_headers(call.headers))
+        try:
+            return await self._handle(call)
+        except Exception as exc:
+            log.exception("polar: unexpected error answering %s %s", call.method, call.path.split("?", 1)[0])
+            err = PolarError(500, "api_error", f"polar internal error ({type(exc).__name__})")
+            matched = self.match(call.method, call.path)
+            if matched is not None:
+                await self._record_failure(call, matched[0].name, None, err)
+            return self.error_reply(call.method, call.path, err)
+
+    async def _handle(self, call: IncomingCall) -> FullReply | StreamReply:
         matched = self.match(call.method, call.path)
         if matched is None:
             return _json(404, {"error": {"type": "not_found", "message": f"polar: no provider route for {call.method} {call.path}"}})
@@ -121,7 +178,11 @@ class Gateway:
         if route.kind == "local":
             return _json(route.params.get("status", 200), route.params.get("body", {}))
         try:
-            request = self._parse(provider, route, call)
+            if len(call.body) > PARSE_OFF_LOOP_BYTES:
+                # A multi-megabyte body takes seconds to read and translate: not on the event loop.
+                request = await asyncio.to_thread(self._parse, provider, route, call)
+            else:
+                request = self._parse(provider, route, call)
         except PolarError as err:
             # Unparseable input is still a call the harness made: record it as failed.
             await self._record_failure(call, provider.name, None, err)
@@ -143,7 +204,18 @@ class Gateway:
             raise PolarError(400, "invalid_request", f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise PolarError(400, "invalid_request", "request body must be a JSON object")
-        request = provider.parse_request(body, route)
+        depth = _json_depth(body, MAX_JSON_DEPTH)
+        if depth > MAX_JSON_DEPTH:
+            raise PolarError(400, "invalid_request", f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        route = replace(route, session=call.identity.session_id, body_bytes=len(call.body))
+        try:
+            request = provider.parse_request(body, route)
+        except PolarError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
+            # The translator met a shape it does not expect: the input is at fault, say so in a 400.
+            log.info("polar: %s could not read a request: %s: %s", provider.name, type(exc).__name__, exc)
+            raise PolarError(400, "invalid_request", f"request could not be read ({type(exc).__name__}: {str(exc)[:200]})") from None
         request.sampling = with_defaults(request.sampling, self.config.sampling_defaults)
         cap = self.config.max_tokens_cap
         if cap > 0:
@@ -217,12 +289,17 @@ class Gateway:
             yield provider.keepalive(request, ctx)
         try:
             completion = task.result()
-        except PolarError as err:
+            events = [encode_sse(e) for e in provider.render_stream(request, completion, ctx)]
+        except Exception as exc:
+            # Headers are out: the error can only be told in the stream's own words.
+            err = exc if isinstance(exc, PolarError) else PolarError(500, "api_error", f"polar internal error ({type(exc).__name__})")
+            if not isinstance(exc, PolarError):
+                log.exception("polar: rendering a stream failed")
             for event in provider.render_stream_error(err, ctx):
                 yield encode_sse(event)
             return
-        for event in provider.render_stream(request, completion, ctx):
-            yield encode_sse(event)
+        for chunk in events:
+            yield chunk
 
     async def _complete_and_record(self, provider: Provider, request: CanonicalRequest, call: IncomingCall) -> Completion:
         session = call.identity.session_id
@@ -255,6 +332,11 @@ class Gateway:
         except StorageUnavailable as exc:
             # Answering without persisting would silently lose training data.
             raise PolarError(503, "storage_unavailable", f"polar could not persist this call ({exc}); retry later") from exc
+        except Exception as exc:  # a record the store refuses (e.g. a value its columns cannot hold)
+            log.exception("polar: the store refused a record of session %s", session)
+            err = PolarError(500, "api_error", f"polar could not record this call ({type(exc).__name__})")
+            await self._record_failure(call, provider.name, None, err)
+            raise err from exc
         self._remember_sampled_arguments(session, completion)
         return self._as_client_sees(request, completion)
 
@@ -281,6 +363,8 @@ class Gateway:
             await self.store.append(record)
         except StorageUnavailable as exc:
             log.warning("polar: could not record failed call for session %r: %s", call.identity.session_id, exc)
+        except Exception:  # the failure is answered either way; losing its record must not raise anew
+            log.exception("polar: could not record failed call for session %r", call.identity.session_id)
 
     async def _note_session(self, call: IncomingCall, request: CanonicalRequest | None) -> None:
         ident = call.identity

@@ -18,12 +18,33 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from urllib.parse import unquote
 
 from polar_addon.canonical import PolarError
 from polar_addon.capture import Identity
 
 API_KEY_PREFIX = "polar:"
+# Session ids name journal entries, shard rows and URL paths: short, printable, no separators a shell,
+# a terminal or a path would read.
+SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+# Task and group ids are freer (benchmark names hold '/'), but still printable text of bounded length.
+MAX_LABEL_CHARS = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+# sample lands in an int64 column; no rollout has more samples per task than this.
+MAX_SAMPLE_INDEX = 2**31 - 1
+
+
+def _bad(message: str) -> PolarError:
+    return PolarError(400, "invalid_request", f"polar identity: {message}")
+
+
+def _label(value: str | None, what: str) -> str | None:
+    if not value:
+        return None
+    if len(value) > MAX_LABEL_CHARS or _CONTROL.search(value):
+        raise _bad(f"{what} must be at most {MAX_LABEL_CHARS} printable characters")
+    return value
 
 
 def _parse_fields(text: str) -> dict[str, str]:
@@ -36,7 +57,7 @@ def _parse_fields(text: str) -> dict[str, str]:
         key = key.strip().lower()
         if not sep or key not in {"session", "task", "group", "sample"}:
             # Never quote the credentials back: they may be a password someone mistyped.
-            raise PolarError(400, "invalid_request", "polar identity: cannot read the session fields (key=value pairs joined by ';', keys: session, task, group, sample)")
+            raise _bad("cannot read the session fields (key=value pairs joined by ';', keys: session, task, group, sample)")
         fields[key] = value.strip()
     return fields
 
@@ -45,15 +66,18 @@ def _identity(fields: dict[str, str], source: str) -> Identity | None:
     session = fields.get("session")
     if not session:
         return None
+    if not SESSION_ID.fullmatch(session):
+        raise _bad("session id must match [A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
     sample = fields.get("sample")
-    try:
-        sample_index = int(sample) if sample not in (None, "") else None
-    except ValueError:
-        raise PolarError(400, "invalid_request", "polar identity: sample must be an integer") from None
+    sample_index = None
+    if sample not in (None, ""):
+        if not re.fullmatch(r"[0-9]{1,10}", sample) or int(sample) > MAX_SAMPLE_INDEX:
+            raise _bad(f"sample must be an integer from 0 to {MAX_SAMPLE_INDEX}")
+        sample_index = int(sample)
     return Identity(
         session_id=session,
-        task_id=fields.get("task") or None,
-        group_id=fields.get("group") or None,
+        task_id=_label(fields.get("task"), "task"),
+        group_id=_label(fields.get("group"), "group"),
         sample_index=sample_index,
         source=source,
     )
@@ -69,7 +93,7 @@ def from_proxy_authorization(value: str | None) -> Identity | None:
     try:
         user, _, password = base64.b64decode(token.strip()).decode().partition(":")
     except (binascii.Error, UnicodeDecodeError):
-        raise PolarError(400, "invalid_request", "polar identity: malformed Proxy-Authorization header") from None
+        raise _bad("malformed Proxy-Authorization header") from None
     fields = _parse_fields(password) if password else {}
     if user:
         fields["session"] = unquote(user)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from polar_addon.canonical import PolarError
 from polar_addon.capture import Identity
@@ -68,6 +68,18 @@ def error_event(status: int, body: Any) -> bytes:
     """The wrapped error Codex's WebSocket client maps back to an HTTP status."""
     error = body.get("error") if isinstance(body, dict) else None
     return orjson.dumps({"type": "error", "status": status, "error": error or {"message": str(body)}})
+
+
+class _WebSocket(web.WebSocketResponse):
+    async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
+        # aiohttp closes with 1009 as soon as a message passes max_msg_size; the client first gets an
+        # error event saying why, as the HTTP path would answer 413.
+        if code == WSCloseCode.MESSAGE_TOO_BIG and not self.closed:
+            try:
+                await self.send_str(error_event(413, {"error": {"type": "invalid_request_error", "message": "message exceeds the proxy's body limit (polar_max_body_mb)"}}).decode())
+            except (ConnectionError, RuntimeError):
+                pass
+        return await super().close(code=code, message=message, drain=drain)
 
 
 @dataclass
@@ -114,11 +126,23 @@ class ResponsesWebSocket:
         gateway = self._gateway()
         if parked is None or gateway is None:
             raise web.HTTPNotFound(text="unknown or already used polar websocket token")
-        ws = web.WebSocketResponse(autoping=True)
+        # Messages get the HTTP path's body limit; one over it is answered with an error event (then the
+        # socket closes: aiohttp stops reading it) instead of a bare close 1009.
+        ws = _WebSocket(autoping=True, max_msg_size=gateway.config.max_body_bytes)
         await ws.prepare(request)
         async for message in ws:
             if message.type == WSMsgType.TEXT:
-                await self._answer(ws, gateway, parked, message.data)
+                try:
+                    await self._answer(ws, gateway, parked, message.data)
+                except ConnectionResetError:
+                    log.info("polar: responses websocket closed by the client during an answer")
+                    break
+                except Exception as exc:
+                    # Never a silent close: the client gets an error event it maps to a status (issue 11).
+                    log.exception("polar: responses websocket message failed")
+                    if ws.closed:
+                        break
+                    await ws.send_str(error_event(500, {"error": {"type": "server_error", "message": f"polar internal error ({type(exc).__name__})"}}).decode())
             elif message.type == WSMsgType.BINARY:
                 await ws.send_bytes(error_event(400, {"error": {"type": "invalid_request_error", "message": "binary messages are not supported"}}))
             elif message.type == WSMsgType.ERROR:
@@ -131,13 +155,16 @@ class ResponsesWebSocket:
         except orjson.JSONDecodeError as exc:
             await ws.send_str(error_event(400, {"error": {"type": "invalid_request_error", "message": f"message is not JSON: {exc}"}}).decode())
             return
+        if len(text) > gateway.config.max_body_bytes:  # characters; aiohttp already bounded the bytes
+            await ws.send_str(error_event(413, {"error": {"type": "invalid_request_error", "message": f"message exceeds the proxy limit of {gateway.config.max_body_bytes} bytes"}}).decode())
+            return
         if not isinstance(body, dict) or body.get("type") != "response.create":
             kind = body.get("type") if isinstance(body, dict) else type(body).__name__
             await ws.send_str(error_event(400, {"error": {"type": "invalid_request_error", "message": f"unsupported message type {kind!r}; send response.create"}}).decode())
             return
         body = {k: v for k, v in body.items() if k != "type"}
         if body.get("generate") is False:
-            for event in self._prewarm(gateway, body):
+            for event in self._prewarm(gateway, body, parked.identity.session_id, len(text)):
                 await ws.send_str(event.decode())
             return
         body["stream"] = True
@@ -166,7 +193,7 @@ class ResponsesWebSocket:
             if aclose is not None:
                 await aclose()
 
-    def _prewarm(self, gateway: Gateway, body: dict[str, Any]) -> list[bytes]:
+    def _prewarm(self, gateway: Gateway, body: dict[str, Any], session: str, size: int) -> list[bytes]:
         """``generate: false``: Codex warms the connection with its instructions and tools. Nothing
         is generated (so nothing is recorded); the empty response is remembered so that a later
         turn may continue from it."""
@@ -174,11 +201,14 @@ class ResponsesWebSocket:
         if provider is None:
             return [error_event(404, {"error": {"type": "invalid_request_error", "message": "no OpenAI Responses provider"}})]
         try:
-            request = provider.parse_request(body, Route(kind="generate"))
+            request = provider.parse_request(body, Route(kind="generate", session=session, body_bytes=size))
         except PolarError as err:
             return [error_event(err.status, provider.render_error(err))]
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
+            err = PolarError(400, "invalid_request", f"request could not be read ({type(exc).__name__})")
+            return [error_event(err.status, provider.render_error(err))]
         ctx = ResponseContext(response_id="resp_" + secrets.token_hex(12), created=int(time.time()), model=request.model)
-        provider.remember(request, ctx.response_id, [])
+        provider.remember(request, ctx.response_id, [], prewarm=True)
         done = response_object(request, ctx, "completed")
         done["usage"] = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                          "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}

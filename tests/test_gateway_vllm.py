@@ -115,7 +115,7 @@ def test_a_client_that_omits_sampling_is_recorded_with_what_vllm_used(vllm_serve
     with run_mitmdump(f"vllm:{vllm_server}", out, options={"polar_shard_seconds": "0.3"}) as proxy:
         client = openai.OpenAI(api_key="x", http_client=client_for(proxy, "defaults-1"), max_retries=0)
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, seed=5)
-        [record] = wait_records(out, "defaults-1", 1)
+        [record] = session_records(out, "defaults-1")
     assert (record.temperature, record.top_p, record.top_k, record.min_p) == (1.0, 1.0, 0, 0.0)
 
     # The server really falls back to the model's defaults when a request says nothing...

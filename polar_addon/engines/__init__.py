@@ -8,6 +8,7 @@ sessions go to the engine with the fewest sessions.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Protocol
 
 from polar_addon.canonical import CanonicalRequest, Completion
@@ -53,14 +54,20 @@ def make_engine(spec: str, *, timeout_s: float) -> Engine:
     raise ValueError(f"unknown engine kind {kind!r} in {spec!r}: use sglang, vllm, local or scripted")
 
 
+# A session forgotten here (idle while this many others started) only loses its engine affinity.
+MAX_SESSIONS = 100_000
+
+
 class EnginePool:
     """Session-sticky assignment of sessions to engines."""
 
-    def __init__(self, engines: list[Engine]) -> None:
+    def __init__(self, engines: list[Engine], max_sessions: int = MAX_SESSIONS) -> None:
         if not engines:
             raise ValueError("at least one engine is required")
         self.engines = engines
-        self._by_session: dict[str, int] = {}
+        self.max_sessions = max_sessions
+        # Most recently used last; sessions are released when they end, or forgotten oldest first.
+        self._by_session: OrderedDict[str, int] = OrderedDict()
         self._load = [0] * len(engines)
 
     @classmethod
@@ -73,7 +80,14 @@ class EnginePool:
             index = min(range(len(self.engines)), key=lambda i: (self._load[i], i))
             self._by_session[session_id] = index
             self._load[index] += 1
+            while len(self._by_session) > self.max_sessions:
+                self.release(next(iter(self._by_session)))
+        else:
+            self._by_session.move_to_end(session_id)
         return self.engines[index]
+
+    def __len__(self) -> int:
+        return len(self._by_session)
 
     def release(self, session_id: str) -> None:
         index = self._by_session.pop(session_id, None)

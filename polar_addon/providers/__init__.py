@@ -45,6 +45,10 @@ class Route:
     stream_hint: bool | None = None  # the path itself says streaming (Gemini streamGenerateContent)
     model: str | None = None  # model named in the path (Gemini)
     params: dict[str, Any] = field(default_factory=dict)
+    # Set by the gateway for parse_request: whose call this is and how big its body was (providers that keep
+    # per-session state bound it by these).
+    session: str | None = None
+    body_bytes: int = 0
 
 
 class Provider(Protocol):

@@ -42,15 +42,29 @@ def opt_number(body: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def opt_int(body: dict[str, Any], key: str, minimum: int | None = None) -> int | None:
+# Integers a client sets end up in engine requests and int64 shard columns; anything past int32 is no
+# real token count or top_k, and an unbounded one would reach the store (issue 11).
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def bounded_int(value: Any, where: str, minimum: int | None = None, maximum: int = INT32_MAX) -> int:
+    """``value`` as an int within [minimum (default INT32_MIN), maximum], else a 400 naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"'{where}' must be an integer")
+    low = INT32_MIN if minimum is None else minimum
+    if value < low:
+        raise invalid(f"'{where}' must be >= {low}")
+    if value > maximum:
+        raise invalid(f"'{where}' must be <= {maximum}")
+    return value
+
+
+def opt_int(body: dict[str, Any], key: str, minimum: int | None = None, maximum: int = INT32_MAX) -> int | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"'{key}' must be an integer")
-    if minimum is not None and value < minimum:
-        raise invalid(f"'{key}' must be >= {minimum}")
-    return value
+    return bounded_int(value, key, minimum, maximum)
 
 
 def opt_bool(body: dict[str, Any], key: str) -> bool:

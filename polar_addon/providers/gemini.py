@@ -19,7 +19,10 @@ from typing import Any, Iterator
 from polar_addon.canonical import CanonicalRequest, Completion, PolarError, SamplingParams
 from polar_addon.providers import ResponseContext, Route, StreamEvent
 from polar_addon.providers.common import (
+    INT32_MAX,
+    INT64_MAX,
     arguments_object,
+    bounded_int,
     compact_json,
     drop_tool_choice_without_tools,
     invalid,
@@ -252,12 +255,14 @@ def _tool_choice(raw: Any) -> str | dict[str, Any] | None:
     raise invalid(f"unsupported functionCallingConfig.mode {config.get('mode')!r}")
 
 
-def _number(config: dict[str, Any], key: str, integer: bool = False) -> Any:
+def _number(config: dict[str, Any], key: str, integer: bool = False, maximum: int = INT32_MAX) -> Any:
     value = _get(config, key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise invalid(f"generationConfig.{key} must be {'an integer' if integer else 'a number'}")
+    if integer:
+        return bounded_int(value, f"generationConfig.{key}", -maximum, maximum)
     return value
 
 
@@ -294,7 +299,7 @@ def _sampling(config: Any) -> tuple[SamplingParams, bool | None]:
         top_k=_number(config, "topK", integer=True),
         max_tokens=max_tokens,
         stop=stop_list(_get(config, "stopSequences"), "generationConfig.stopSequences"),
-        seed=_number(config, "seed", integer=True),
+        seed=_number(config, "seed", integer=True, maximum=INT64_MAX),
     )
     return sampling, _thinking(config)
 

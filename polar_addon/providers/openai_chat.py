@@ -12,6 +12,7 @@ from polar_addon.canonical import (
 )
 from polar_addon.providers import ResponseContext, Route, StreamEvent
 from polar_addon.providers.common import (
+    INT64_MAX,
     content_text,
     compact_json,
     drop_tool_choice_without_tools,
@@ -117,7 +118,8 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
 def _tool_choice(raw: Any) -> str | dict[str, Any] | None:
     if raw is None or raw in ("auto", "none", "required"):
         return raw
-    if isinstance(raw, dict) and isinstance((raw.get("function") or {}).get("name"), str):
+    function = raw.get("function") if isinstance(raw, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
         return {"type": "function", "function": {"name": raw["function"]["name"]}}
     raise invalid("'tool_choice' must be 'auto', 'none', 'required' or {type: function, function: {name}}")
 
@@ -157,7 +159,7 @@ class OpenAIChatProvider:
                 top_k=opt_int(body, "top_k"),
                 max_tokens=max_tokens,
                 stop=stop_list(body.get("stop"), "stop"),
-                seed=opt_int(body, "seed"),
+                seed=opt_int(body, "seed", minimum=-INT64_MAX, maximum=INT64_MAX),
             ),
             stream=opt_bool(body, "stream"),
             extra=extra,

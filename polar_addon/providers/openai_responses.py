@@ -34,6 +34,8 @@ as a failed turn and retries it, which would stop an agent whose turns are cappe
 
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -63,6 +65,11 @@ NAMESPACE_SEPARATOR = "."
 CUSTOM_INPUT = "input"
 # Responses remembered for previous_response_id; a Codex session needs only its latest one.
 HISTORY_SIZE = 4096
+# Bytes of remembered history, overall and per session (see ResponseHistory).
+HISTORY_BYTES = 1024 * 1024 * 1024
+SESSION_HISTORY_BYTES = 128 * 1024 * 1024
+
+log = logging.getLogger("polar")
 
 # Tool types that run on OpenAI's side; an engine can neither run them nor call them.
 HOSTED_TOOLS = frozenset(
@@ -113,28 +120,86 @@ _ERROR_TYPES: dict[str, tuple[str, str | None]] = {
 }
 
 
+@dataclass
+class _Remembered:
+    items: list[dict[str, Any]]
+    session: str | None
+    cost: int  # bytes this response's whole history took to arrive (its chain of bodies and outputs)
+    prewarm: bool
+
+
 class ResponseHistory:
     """Full input+output items of recent responses, for requests naming a ``previous_response_id``.
 
     Entries share the item dicts with the requests they came from (lists of references, no copies),
     so a long Codex session costs one list per turn, not one copy of its history per turn.
+
+    Bounded by count, by bytes overall and by bytes per session (issue 11: 40 chained 2.4 MB messages grew
+    the proxy by 2 GB). An entry's cost is what its whole history took to arrive, counted once per entry, an
+    over-estimate of what sharing actually keeps alive, so the bounds hold whatever the sharing. The least
+    recently used entries go first; a session's own oldest entries go first when it is over its share. A
+    session keeps at most one prewarm (``generate: false``) entry, so prewarms never grow the history.
+    Thread-safe: large requests are parsed on a worker thread.
     """
 
-    def __init__(self, size: int = HISTORY_SIZE) -> None:
+    def __init__(self, size: int = HISTORY_SIZE, max_bytes: int = HISTORY_BYTES,
+                 session_bytes: int = SESSION_HISTORY_BYTES) -> None:
         self.size = size
-        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.session_bytes = session_bytes
+        self._items: OrderedDict[str, _Remembered] = OrderedDict()
+        self._by_session: dict[str | None, OrderedDict[str, None]] = {}
+        self._session_cost: dict[str | None, int] = {}
+        self.total_bytes = 0
+        self._lock = threading.Lock()
 
-    def remember(self, response_id: str, items: list[dict[str, Any]]) -> None:
-        self._items[response_id] = items
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+    def remember(self, response_id: str, items: list[dict[str, Any]], *, session: str | None = None,
+                 cost: int = 0, prewarm: bool = False) -> None:
+        with self._lock:
+            if cost > self.session_bytes or cost > self.max_bytes:
+                log.warning("polar: response %s (%d bytes of history) is over the history bound; "
+                            "a request continuing from it will get previous_response_not_found", response_id, cost)
+                return
+            self._drop(response_id)
+            if prewarm:
+                for old in [r for r in self._by_session.get(session, ()) if self._items[r].prewarm]:
+                    self._drop(old)
+            self._items[response_id] = _Remembered(items, session, cost, prewarm)
+            self._by_session.setdefault(session, OrderedDict())[response_id] = None
+            self._session_cost[session] = self._session_cost.get(session, 0) + cost
+            self.total_bytes += cost
+            own = self._by_session[session]
+            while self._session_cost[session] > self.session_bytes:
+                self._drop(next(iter(own)))
+            while len(self._items) > self.size or self.total_bytes > self.max_bytes:
+                self._drop(next(iter(self._items)))
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._items.pop(response_id, None)
+        if entry is None:
+            return
+        own = self._by_session[entry.session]
+        del own[response_id]
+        self._session_cost[entry.session] -= entry.cost
+        self.total_bytes -= entry.cost
+        if not own:
+            del self._by_session[entry.session]
+            del self._session_cost[entry.session]
 
     def get(self, response_id: str) -> list[dict[str, Any]] | None:
-        items = self._items.get(response_id)
-        if items is not None:
-            self._items.move_to_end(response_id)
-        return items
+        entry = self.entry(response_id)
+        return None if entry is None else entry.items
+
+    def entry(self, response_id: str) -> _Remembered | None:
+        with self._lock:
+            entry = self._items.get(response_id)
+            if entry is not None:
+                self._items.move_to_end(response_id)
+                self._by_session[entry.session].move_to_end(response_id)
+            return entry
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 # ---------------------------------------------------------------- request: items -> messages
@@ -374,6 +439,8 @@ def _add_tools(found: _Tools, raw: list[Any], where_prefix: str) -> None:
         if not isinstance(tool, dict):
             raise invalid(f"{where} must be an object")
         kind = tool.get("type")
+        if not isinstance(kind, str):
+            raise invalid(f"{where}: 'type' must be a string")
         if kind in ("function", "custom"):
             name = flat_name(namespace, _name(tool, where))
             if name in known:
@@ -570,6 +637,13 @@ class _Sequencer:
         return event
 
 
+@dataclass
+class _Pending:
+    items: list[dict[str, Any]]
+    session: str | None
+    cost: int
+
+
 class OpenAIResponsesProvider:
     name = "openai_responses"
 
@@ -577,7 +651,7 @@ class OpenAIResponsesProvider:
         self.history = ResponseHistory(history_size)
         # Full input items of parsed requests, until their response is rendered and remembered
         # (keyed by the request object's id; dropped when the request object is collected).
-        self._inputs: dict[int, list[dict[str, Any]]] = {}
+        self._inputs: dict[int, _Pending] = {}
 
     def route(self, method: str, path: str) -> Route | None:
         bare = path.split("?", 1)[0].rstrip("/")
@@ -593,13 +667,14 @@ class OpenAIResponsesProvider:
         body = require_object(body)
         previous = body.get("previous_response_id")
         history: list[dict[str, Any]] = []
+        base_cost = 0
         if previous is not None:
             if not isinstance(previous, str):
                 raise invalid("'previous_response_id' must be a string")
-            found = self.history.get(previous)
+            found = self.history.entry(previous)
             if found is None:
                 raise PolarError(400, "previous_response_not_found", f"Previous response with id '{previous}' not found.")
-            history = found
+            history, base_cost = found.items, found.cost
         items = history + _input_items(body.get("input"))
         tools = _tools(body.get("tools"))
         system, conversation = _conversation(items, tools)
@@ -638,13 +713,16 @@ class OpenAIResponsesProvider:
             extra=extra,
         )
         key = id(request)
-        self._inputs[key] = items
+        self._inputs[key] = _Pending(items, route.session, base_cost + route.body_bytes)
         weakref.finalize(request, self._inputs.pop, key, None)
         return drop_tool_choice_without_tools(request)
 
-    def remember(self, request: CanonicalRequest, response_id: str, output: list[dict[str, Any]]) -> None:
+    def remember(self, request: CanonicalRequest, response_id: str, output: list[dict[str, Any]], *,
+                 prewarm: bool = False) -> None:
         """Keep ``request``'s items plus ``output`` as the history of ``response_id``."""
-        self.history.remember(response_id, self._inputs.get(id(request), []) + output)
+        pending = self._inputs.get(id(request)) or _Pending([], None, 0)
+        cost = pending.cost + (len(orjson.dumps(output)) if output else 0)
+        self.history.remember(response_id, pending.items + output, session=pending.session, cost=cost, prewarm=prewarm)
 
     def render_response(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> dict[str, Any]:
         items = output_items(request, completion, ctx)

@@ -64,6 +64,7 @@ def _scalar_kinds(schema: pa.Schema) -> list[tuple[str, str]]:
     return kinds
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _SCALARS = {kind: _scalar_kinds(schema) for kind, schema in SCHEMAS.items()}
 
 
@@ -80,10 +81,14 @@ def coerce_scalars(kind: str, row: dict[str, Any]) -> None:
             raise TypeError(f"{name} must be a number, got {value!r}")
         elif expected == "float":
             row[name] = float(value)
-        elif isinstance(value, float):
-            if not value.is_integer():
-                raise TypeError(f"{name} must be an integer, got {value!r}")
-            row[name] = int(value)
+        else:
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise TypeError(f"{name} must be an integer, got {value!r}")
+                value = row[name] = int(value)
+            if not _INT64_MIN <= value <= _INT64_MAX:
+                # Acknowledged, it would stop the shard writer for every later record (issue 11).
+                raise ValueError(f"{name} {value} does not fit the store's int64 column")
 
 
 def call_entry(record: CaptureRecord, seq: int) -> bytes:

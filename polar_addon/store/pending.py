@@ -58,12 +58,21 @@ def pending_table(segments: list[tuple[str, list[bytes]]], kind: str, shard_name
     converted in between is then in the listing and left out here, never lost nor counted twice. Calls are
     compacted against each other only (never against shards), so their references resolve among themselves.
     """
-    from polar_addon.store.trace_store import segment_tables
+    from polar_addon.store.trace_store import segment_tables, split_segment
 
-    tips = SessionTips(max_sessions=1 << 30).staged()
+    base = SessionTips(max_sessions=1 << 30)
     tables = []
     for name, payloads in segments:
-        table = segment_tables(payloads, tips).get(kind)
+        tips = base.staged()
+        try:
+            converted = segment_tables(payloads, tips)
+        except Exception:
+            # As the writer does: an entry that cannot become a row is left out (it goes to quarantine there),
+            # and the segment is encoded again from the tips as they were before it.
+            tips = base.staged()
+            converted = segment_tables(split_segment(payloads)[0], tips)
+        base.commit(tips)
+        table = converted.get(kind)
         if table is not None and name not in shard_names:
             tables.append(table)
     return pa.concat_tables(tables) if tables else SCHEMAS[kind].empty_table()

@@ -19,6 +19,8 @@ CALLS = "calls"
 SESSIONS = "sessions"
 REWARDS = "rewards"
 KINDS = (CALLS, SESSIONS, REWARDS)
+# Journal entries that could not become rows (one JSON line each: segment, entry index, reason, entry bytes).
+QUARANTINE_DIR = "_quarantine"
 
 _TOKENS = pa.list_(pa.int32())
 
@@ -183,6 +185,32 @@ class Output:
                 os.unlink(os.path.join(self.kind_dir(kind), f".{name}.parquet.tmp"))
             except FileNotFoundError:
                 pass
+
+    def quarantine_path(self, name: str) -> str:
+        return f"{self.root}/{QUARANTINE_DIR}/{name}.jsonl"
+
+    def write_quarantine(self, name: str, data: bytes) -> None:
+        """Journal entries of segment ``name`` that cannot become rows: kept whole, beside the shards."""
+        final = self.quarantine_path(name)
+        if not self.local:
+            self.fs.create_dir(f"{self.root}/{QUARANTINE_DIR}", recursive=True)
+            with self.fs.open_output_stream(final) as sink:
+                sink.write(data)
+            return
+        directory = os.path.dirname(final)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{name}.jsonl.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        fsync_dir(directory)
+
+    def list_quarantine(self) -> list[str]:
+        selector = pafs.FileSelector(f"{self.root}/{QUARANTINE_DIR}", allow_not_found=True)
+        return sorted(i.path for i in self.fs.get_file_info(selector)
+                      if i.type == pafs.FileType.File and i.base_name.endswith(".jsonl") and not i.base_name.startswith("."))
 
     def probe(self) -> None:
         """Raise OSError unless a file can be created in the output right now."""

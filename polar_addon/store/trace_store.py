@@ -16,6 +16,7 @@ keeps probing until it works again.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import logging
 import os
@@ -64,6 +65,36 @@ def default_journal_dir(out: Output) -> str:
 def segment_tables(payloads: list[bytes], tips: StagedTips) -> dict[str, pa.Table]:
     rows = encode_segment(payloads, tips)
     return {k: pa.Table.from_pylist(r, schema=SCHEMAS[k]) for k, r in rows.items() if r}
+
+
+def entry_problem(payload: bytes) -> str | None:
+    """Why this one journal entry cannot become a row (None when it can), checked on its own."""
+    try:
+        segment_tables([payload], SessionTips(1).staged())
+    except Exception as exc:  # whatever the entry holds, the answer is "this one cannot be stored"
+        return f"{type(exc).__name__}: {exc}"[:2000]
+    return None
+
+
+def split_segment(payloads: list[bytes]) -> tuple[list[bytes], list[tuple[int, bytes, str]]]:
+    """The entries that can become rows, and the others as (index, entry, reason)."""
+    good: list[bytes] = []
+    bad: list[tuple[int, bytes, str]] = []
+    for index, payload in enumerate(payloads):
+        problem = entry_problem(payload)
+        if problem is None:
+            good.append(payload)
+        else:
+            bad.append((index, payload, problem))
+    return good, bad
+
+
+def quarantine_lines(segment: str, bad: list[tuple[int, bytes, str]]) -> bytes:
+    return b"".join(
+        orjson.dumps({"segment": segment, "entry": index, "reason": reason,
+                      "payload_b64": base64.b64encode(payload).decode()}) + b"\n"
+        for index, payload, reason in bad
+    )
 
 
 # ---- the store ---------------------------------------------------------------------------------------------
@@ -430,8 +461,21 @@ class TraceStore:
         name = journal.segment_name(path)
         with self._convert_lock:
             # Tips are the entries' own tokens: a replayed segment already in shards still yields valid ones.
+            payloads = journal.read_segment(path)
             tips = self._tips.staged()
-            for kind, table in segment_tables(journal.read_segment(path), tips).items():
+            try:
+                tables = segment_tables(payloads, tips)
+            except Exception:
+                # One entry that cannot become a row must not stop the store (nor this segment's other
+                # entries): it is quarantined beside the shards and `polar shards validate` reports it.
+                good, bad = split_segment(payloads)
+                if not bad:
+                    raise
+                log.error("segment %s: %d entries quarantined (%s)", name, len(bad), bad[0][2])
+                self.output.write_quarantine(name, quarantine_lines(name, bad))
+                tips = self._tips.staged()
+                tables = segment_tables(good, tips)
+            for kind, table in tables.items():
                 if not self.output.exists(self.output.shard_path(kind, name)):
                     self.output.write_shard(kind, name, table)
                 self.output.remove_stale_tmp(kind, name)

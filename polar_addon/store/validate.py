@@ -145,6 +145,12 @@ def validate_store(uri: str) -> list[str]:
             row_metadata(row)
         except ValueError as exc:
             problems.append(f"session {row['session_id']}: {exc} (readers skip this row)")
+    for path in out.list_quarantine():
+        with out.fs.open_input_stream(path) as f:
+            for line in f.read().splitlines():
+                entry = orjson.loads(line)
+                problems.append(f"quarantined: segment {entry['segment']} entry {entry['entry']} could not become a row "
+                                f"({entry['reason']}); kept in {path[len(out.root) + 1:]}")
     rewards = _read(out, REWARDS, readable[REWARDS], segments)
     reward_ids = Counter(r["reward_id"] for r in rewards)
     problems += [f"reward_id {rid} appears {n} times" for rid, n in reward_ids.items() if n > 1]

@@ -1,0 +1,239 @@
+"""The README's recipes, read from its own code blocks (``<!-- readme-test: NAME -->``) and run as written: only
+ports (free ones instead of 8000/8080/8081), session names and the temporary HOME differ, so the README cannot
+drift from what works.
+
+- ``polar proxy`` prints exactly the README's harness recipes, and each recipe (Claude Code, Codex with its
+  default model, Qwen Code, Gemini CLI, Pi, an openai SDK script) completes through it against the scripted
+  engine, recorded under its session and named harness.
+- The serve -> capture (the README's mitmdump command) -> inspect/validate/reward (while the proxy runs) ->
+  build/stats/view/train -> reload -> stop loop on the tiny model with vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from polar_addon.store import read_records, read_sessions
+from polar_cli.proxy_cmd import recipes
+from tests.conftest import free_port
+from tests.support.proxy import wait_for_port
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+BIN = REPO / ".harness" / "node_modules" / ".bin"
+VENV_BIN = Path(sys.executable).parent
+AGENT = """\
+import openai
+
+reply = openai.OpenAI().chat.completions.create(
+    model="tiny", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=1.0)
+print("agent:", reply.choices[0].message.content)
+"""
+
+
+def block(name: str) -> str:
+    """The code block after ``<!-- readme-test: NAME -->`` (dedented: it may sit in a list item)."""
+    match = re.search(rf"<!-- readme-test: {name} -->\s*\n[ \t]*```sh\n(.*?)\n[ \t]*```", README, re.S)
+    assert match, f"README has no readme-test block {name!r}"
+    return textwrap.dedent(match.group(1))
+
+
+def commands(text: str) -> list[str]:
+    """One entry per shell command: continuation lines joined, comment-only lines dropped."""
+    joined = re.sub(r"\\\n\s*", "", text)
+    return [line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def sections(text: str) -> dict[str, str]:
+    """The recipes block by harness: each ``# NAME ...`` comment starts one (consecutive comments join)."""
+    found: dict[str, str] = {}
+    name, lines, last_comment = "header", [], False
+    for line in text.splitlines():
+        if line.startswith("# "):
+            if not last_comment:
+                found[name] = "\n".join(lines)
+                name, lines = line[2:].split(" (")[0].split(":")[0], []
+            last_comment = True
+            continue
+        last_comment = False
+        lines.append(line)
+    found[name] = "\n".join(lines)
+    return found
+
+
+def clean_env(home: Path, **extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
+    path = f"{BIN}:{VENV_BIN}:{base.get('PATH', '')}"
+    return {**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "PATH": path,
+            "PYTHONPATH": str(REPO), **extra}
+
+
+def run_shell(script: str, cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def on_ports(text: str, ports: dict[int, int]) -> str:
+    for old, new in ports.items():
+        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}").replace(f"--port {old}", f"--port {new}")
+    return text
+
+
+def test_polar_proxy_prints_the_readme_recipes() -> None:
+    assert block("recipes") == recipes().rstrip("\n")
+    names = set(sections(block("recipes"))) - {"header"}
+    assert names == {"Claude Code", "Codex", "Qwen Code", "Gemini CLI", "Pi", "openai / anthropic / google-genai SDKs"}
+    capture = commands(block("capture"))
+    assert len(capture) == 1 and "--mode regular@8080 --mode reverse:" in capture[0]
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# harness recipe -> what its records' harness starts with
+MITM_LOG = re.compile(r"^\[\d\d:\d\d:\d\d\.\d+\]|^Loading weights")
+HARNESS_NAMES = {"Claude Code": "claude-cli/", "Codex": "codex_exec/", "Qwen Code": "QwenCode/",
+                 "Gemini CLI": "GeminiCLI", "Pi": "pi (", "openai / anthropic / google-genai SDKs": "OpenAI/Python"}
+
+
+@pytest.mark.harness
+def test_every_harness_recipe_through_polar_proxy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    if not BIN.exists():
+        pytest.skip("harness CLIs missing: run `make harnesses`")
+    script = tmp_path / "script.json"
+    script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True,
+                                     "turns": [{"content": "Here are the files: none."}]}))
+    fwd, rev = free_port(), free_port()
+    out, conf = tmp_path / "shards", tmp_path / "mitmproxy"
+    proxy = subprocess.Popen(
+        [str(VENV_BIN / "polar"), "proxy", "--engine", f"scripted:{script}", "--out", str(out), "--port", str(fwd),
+         "--reverse-port", str(rev), "--confdir", str(conf), "--set", "polar_shard_seconds=0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    logs: list[str] = []
+    try:
+        printed = []
+        for line in proxy.stdout:  # what polar proxy prints once both listeners are up (mitmdump's log aside)
+            if not MITM_LOG.match(line):
+                printed.append(line)
+            if "your_agent.py" in line:
+                break
+        # Keep draining mitmdump's log so it never blocks on a full pipe.
+        drain = threading.Thread(target=lambda: logs.extend(proxy.stdout), daemon=True)
+        drain.start()
+        ca = conf / "mitmproxy-ca-cert.pem"
+        assert "".join(printed).endswith(recipes(fwd, rev, str(ca))), "".join(printed)
+        assert ca.is_file()
+        results = {}
+        for name, recipe in sections(block("recipes")).items():
+            if name == "header":
+                continue
+            session = "readme-" + re.sub(r"\W+", "-", name.lower()).strip("-")
+            home = tmp_path / "homes" / session
+            (home / "your_agent.py").parent.mkdir(parents=True, exist_ok=True)
+            (home / "your_agent.py").write_text(AGENT)
+            shell = f"CA={ca}\nSESSION={session} MODEL=tiny\n" + on_ports(recipe, {8080: fwd, 8081: rev})
+            results[name] = (session, run_shell(shell, home, clean_env(home)))
+    finally:
+        stop(proxy)
+    tail = "".join(logs)[-3000:]
+    by_session: dict[str, list] = {}
+    for record in read_records(str(out)):
+        by_session.setdefault(record.session_id, []).append(record)
+    for name, (session, result) in results.items():
+        assert result.returncode == 0, f"{name}: {result.stdout[-2000:]}{result.stderr[-3000:]}{tail}"
+        records = by_session.get(session, [])
+        assert records and all(r.status == "ok" for r in records), (name, [r.error for r in records])
+        assert all(r.harness and r.harness.startswith(HARNESS_NAMES[name]) for r in records), \
+            (name, {r.harness for r in records})
+    # Codex with its default model (no -m): its additional_tools item is accepted, its tools reach the engine,
+    # and the model name it asked for is echoed back.
+    codex = by_session[results["Codex"][0]]
+    assert "Here are the files" in results["Codex"][1].stdout
+    assert all(r.requested_model != "tiny" and r.tools for r in codex), [(r.requested_model, len(r.tools)) for r in codex]
+
+
+@pytest.mark.vllm
+def test_serve_capture_reward_build_train_reload_stop(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The README's engine, capture, store and train blocks in order, in a directory laid out as the README
+    assumes (models/tiny, the repo's polar_addon/), on free ports."""
+    if not (REPO / ".venv-vllm" / "bin" / "python").exists():
+        pytest.skip("vLLM CPU venv missing; run `make engine`")
+    work, home = tmp_path / "work", tmp_path / "home"
+    (work / "models").mkdir(parents=True)
+    (work / "models" / "tiny").symlink_to(tiny_model_dir)
+    (work / "polar_addon").symlink_to(REPO / "polar_addon")
+    (work / "your_agent.py").write_text(AGENT)
+    engine_port, fwd, rev = free_port(), free_port(), free_port()
+    ports = {8000: engine_port, 8080: fwd, 8081: rev}
+    env = clean_env(home, TRL_EXPERIMENTAL_SILENCE="1")
+    env.pop("POLAR_STATE_DIR", None)
+
+    def sh(command: str, session: str = "s", timeout: float = 900) -> subprocess.CompletedProcess:
+        result = run_shell(f"SESSION={session}\n" + on_ports(command, ports), work, env, timeout)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}{result.stderr[-4000:]}"
+        return result
+
+    serve, reload, stop_engine = commands(block("engine"))
+    assert serve.startswith("polar engine serve models/tiny") and "reload ckpt/" in reload
+    try:
+        served = sh(serve)
+        assert f"vllm:http://127.0.0.1:{engine_port}" in served.stdout
+        assert (work / ".polar" / "engines" / f"engine-{engine_port}.json").is_file()  # state in the cwd, not $HOME
+        (capture,) = commands(block("capture"))
+        proxy = subprocess.Popen(["bash", "-c", "exec " + on_ports(capture, ports)], cwd=work, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for_port(fwd, 120, proxy)
+            wait_for_port(rev, 30, proxy)
+            sdk = sections(block("recipes"))["openai / anthropic / google-genai SDKs"]
+            ca = f"CA={home}/.mitmproxy/mitmproxy-ca-cert.pem\n"
+            for session in ("loop-a:group=g1", "loop-b:group=g1"):
+                sh(ca + sdk, session=session)
+            # The store block while the proxy runs: its calls are still in the journal, and visible.
+            inspect, validate, reward, _status = commands(block("store"))
+            assert "loop-a" in sh(inspect).stdout
+            assert "valid: 2 calls (0 failed) in 2 sessions" in sh(validate).stdout
+            sh(reward, session="loop-a")
+            sh(reward.replace("--value 1.0", "--value 0.0"), session="loop-b")
+        finally:
+            stop(proxy)
+        banner = proxy.stdout.read()
+        assert f"engine vllm:http://127.0.0.1:{engine_port}; output shards/" in banner, banner[-2000:]
+        assert {s.session_id: s.reward for s in read_sessions(str(work / "shards"))} == {"loop-a": 1.0, "loop-b": 0.0}
+
+        build, stats, view, train, reload_again = commands(block("train"))
+        assert reload_again == reload
+        sh(build)
+        sh(stats)
+        sh(view, session="loop-a")
+        trained = sh(train)
+        assert (work / "ckpt" / "config.json").is_file(), trained.stdout + trained.stderr
+        assert "exists and is not empty" in run_shell(train, work, env).stderr  # a second run refuses
+        sh(reload)
+        models = httpx.get(f"http://127.0.0.1:{engine_port}/v1/models", timeout=10).json()["data"]
+        assert [m["root"] for m in models] == [str((work / "ckpt").resolve())]
+    finally:
+        stopped = run_shell(on_ports(stop_engine, ports), work, env)
+    assert stopped.returncode == 0 and f"stopped vllm on port {engine_port}" in stopped.stdout, stopped.stderr
+    again = run_shell(on_ports(stop_engine, ports), work, env)
+    assert again.returncode == 1 and "already stopped" in " ".join(again.stderr.split())
