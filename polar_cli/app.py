@@ -30,14 +30,16 @@ def tiny_model(
     generation_defaults: str = typer.Option(
         "none", help="Sampling defaults in generation_config.json: none, or qwen3 (T=0.6, top_p 0.95, top_k 20)."
     ),
+    dtype: str = typer.Option("float32", help="Stored weight dtype: float32 or bfloat16 (as released checkpoints)."),
+    size: str = typer.Option("tiny", help="Shape: tiny (tests), small (CPU bench), 0.5b (Qwen3-0.6B's shape)."),
 ) -> None:
     """Build a tiny random-init Qwen3 model with a local BPE tokenizer and ChatML tool template (offline)."""
     from polar_cli.tiny_model import build_tiny_model
 
     try:
-        path = build_tiny_model(out_dir, seed=seed, generation_defaults=generation_defaults)
+        path = build_tiny_model(out_dir, seed=seed, generation_defaults=generation_defaults, dtype=dtype, size=size)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--generation-defaults") from exc
+        raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"tiny model written to {path}")
 
 

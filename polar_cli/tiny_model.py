@@ -68,6 +68,19 @@ def _training_text(max_bytes: int = 3_000_000) -> list[str]:
     return texts
 
 
+# Model shapes by name. "tiny" is the test/demo model; "small" is large enough that compute, not
+# per-step overhead, dominates a CPU training step (bench/train.py); "0.5b" is Qwen3-0.6B's shape
+# (~0.44B parameters with this vocabulary), for the GPU check (bench/gpu_check.sh).
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=64),
+    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=64),
+    "0.5b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128),
+}  # fmt: skip
+
+
 def build_tokenizer(vocab_size: int = 2000):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -101,15 +114,25 @@ QWEN3_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k":
 GENERATION_DEFAULTS = {"none": {}, "qwen3": QWEN3_SAMPLING}
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, max_position_embeddings: int = 131072,
-                     generation_defaults: str = "none") -> Path:
+def build_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    max_position_embeddings: int = 131072,
+    generation_defaults: str = "none",
+    dtype: str = "float32",
+    size: str = "tiny",
+) -> Path:
     """Write tokenizer + random-init Qwen3 weights to ``out_dir``; same seed, same bytes.
 
     ``generation_defaults``: "qwen3" writes Qwen3's sampling defaults into generation_config.json, so
     engines that fall back to them behave as with a real Qwen3 checkpoint; "none" writes none.
+    ``dtype="bfloat16"`` stores the weights the way released checkpoints (Qwen3 included) are;
+    ``size`` picks a shape from ``SIZES``.
     """
     if generation_defaults not in GENERATION_DEFAULTS:
         raise ValueError(f"generation_defaults must be one of {sorted(GENERATION_DEFAULTS)}, got {generation_defaults!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -120,20 +143,15 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, max_position_embeddings
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+        **SIZES[size],
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
-    model = Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(
         eos_token_id=[config.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")],
         pad_token_id=config.pad_token_id,
@@ -143,5 +161,5 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, max_position_embeddings
     tokenizer.save_pretrained(out)
     # vLLM and SGLang read the template from tokenizer_config.json; a standalone copy helps humans.
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (out / "polar_tiny_model.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab}))
+    (out / "polar_tiny_model.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab, "size": size}))
     return out

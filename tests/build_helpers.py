@@ -255,31 +255,22 @@ def check_trace(trace: Trace, records: dict[str, CaptureRecord], *, retokenized_
     assert list(trace.prompt_ids) == calls[0].prompt_ids
     assert all(math.isfinite(x) for x in trace.behavior_logprobs)
     assert set(trace.loss_mask) <= {0, 1}
-    if not trace.trainable:
-        assert sum(trace.loss_mask) == 0
     completion = list(trace.completion_ids)
     pos = 0
     for m, call in enumerate(calls):
         a = call.response_ids
         assert completion[pos : pos + len(a)] == a, f"call {call.seq}: sampled ids out of place"
-        if trace.trainable:
-            assert all(x == 1 for x in trace.loss_mask[pos : pos + len(a)])
+        # trainable or not, the mask marks every sampled token (issue 10 #8)
+        assert all(x == 1 for x in trace.loss_mask[pos : pos + len(a)])
         got = [float(x) for x in trace.behavior_logprobs[pos : pos + len(a)]]
         assert all(abs(x - y) < 1e-5 for x, y in zip(got, call.logprobs)), f"call {call.seq}: logprobs differ"
         pos += len(a)
         if m + 1 == len(calls):
             break
         nxt = calls[m + 1]
-        if trace.trainable:
-            end = pos
-            while end < n and trace.loss_mask[end] == 0:
-                end += 1
-        else:  # no mask to show the boundary: the interstitial is the prompt suffix before a_{m+1}
-            b = nxt.response_ids
-            end = next(
-                e for e in range(pos + 1, n + 1)
-                if completion[e : e + len(b)] == b and nxt.prompt_ids[-(e - pos) :] == completion[pos:e]
-            )
+        end = pos
+        while end < n and trace.loss_mask[end] == 0:
+            end += 1
         u = completion[pos:end]
         assert u and all(x == 0.0 for x in trace.behavior_logprobs[pos:end])
         assert nxt.prompt_ids[-len(u) :] == u, f"call {nxt.seq}: interstitial is not the end of its prompt"

@@ -110,6 +110,50 @@ def test_session_in_two_groups_is_refused() -> None:
         session_advantages([trace("a", "g1", 1.0, 0), trace("a", "g2", 1.0, 1)])
 
 
+def test_penalised_chain_keeps_its_own_reward() -> None:
+    """Issue 10 #6: session a has a valid chain (1) and an invalid one (0); b scored 0.
+
+    Averaged first, both of a's chains would get (0.5 - 0) / stdev([0.5, 0]) = +1.414, reinforcing
+    the invalid call. Each trace against a's baseline (b's reward 0), with the group's session scale.
+    """
+    traces = [trace("a", "g", 1.0, 0), trace("a", "g", 0.0, 1), trace("b", "g", 0.0)]
+    adv = session_advantages(traces)
+    s = statistics.stdev([0.5, 0.0]) + SCALE_EPS
+    assert adv["a"].of(1.0) == pytest.approx((1.0 - 0.0) / s, rel=1e-12)  # 2.828
+    assert adv["a"].of(0.0) == pytest.approx(0.0, abs=1e-12)  # not +1.414
+    assert adv["b"].of(0.0) == pytest.approx((0.0 - 0.5) / s, rel=1e-12)
+    # the session still votes once: b's baseline is a's mean reward, not the mean of a's chains and b
+    assert adv["b"].baseline == pytest.approx(0.5)
+
+
+def test_penalised_chain_gets_a_negative_advantage_in_rows() -> None:
+    from polar_cli.train.dataset import prepare_rows
+
+    traces = [trace("a", "g", 1.0, 0), trace("a", "g", 0.0, 1), trace("b", "g", 1.0), trace("c", "g", 0.0)]
+    for t in traces:
+        t.temperature = 1.0
+    rows = {r.trace_id: r for r in prepare_rows(traces, max_length=64, drop_zero_advantage=False).rows}
+    session_rewards = [0.5, 1.0, 0.0]
+    s = statistics.stdev(session_rewards) + SCALE_EPS  # 0.5 + eps
+    baseline_a = (1.0 + 0.0) / 2
+    assert rows["a-0"].advantage == pytest.approx((1.0 - baseline_a) / s, rel=1e-12)
+    assert rows["a-1"].advantage == pytest.approx((0.0 - baseline_a) / s, rel=1e-12)
+    assert rows["b-0"].advantage == pytest.approx((1.0 - 0.25) / s, rel=1e-12)
+    assert rows["c-0"].advantage == pytest.approx((0.0 - 0.75) / s, rel=1e-12)
+    assert rows["a-0"].session_weight == rows["a-1"].session_weight == 0.5
+
+
+def test_equal_session_rewards_still_rank_a_sessions_chains() -> None:
+    # Both sessions average 0.5: no preference between them, but a's invalid chain is still below
+    # the baseline (unscaled, since the session std is 0).
+    traces = [trace("a", "g", 1.0, 0), trace("a", "g", 0.0, 1), trace("b", "g", 0.5)]
+    adv = session_advantages(traces)
+    assert adv["a"].advantage == 0.0 and adv["b"].of(0.5) == 0.0
+    assert adv["a"].of(1.0) == pytest.approx(0.5) and adv["a"].of(0.0) == pytest.approx(-0.5)
+    # a lone session has no baseline at all
+    assert session_advantages([trace("z", "solo", 1.0, 0), trace("z", "solo", 0.0, 1)])["z"].of(0.0) == 0.0
+
+
 def test_group_id_takes_precedence_over_task_id() -> None:
     """Two tasks sampled inside one explicit group form one GRPO group; one task split over two
     groups forms two. Computed values: rewards [1, 0] in one group give +-1/(std + eps)."""

@@ -46,7 +46,17 @@ def test_each_bad_value_is_refused_and_its_boundary_accepted(field, bad, good, m
     cfg.validate()
 
 
-def test_the_tis_cap_must_exceed_the_ppo_clip() -> None:
-    with pytest.raises(ValueError, match=r"--tis-cap \(1.28\) must exceed 1 \+ epsilon_high \(1.28\)"):
-        config(tis_cap=1.28, epsilon_high=0.28).validate()
-    config(tis_cap=1.2801, epsilon_high=0.28).validate()
+def test_the_tis_and_cispo_caps_warmup_and_staleness_bounds() -> None:
+    # the TIS cap weighs pi_old / pi_behaviour (issue 10 #2), independent of the PPO clip
+    with pytest.raises(ValueError, match=r"--tis-cap \(0.99\) must be >= 1"):
+        config(tis_cap=0.99).validate()
+    config(tis_cap=1.0, epsilon_high=0.28).validate()
+    with pytest.raises(ValueError, match="--cispo-cap"):
+        config(cispo_cap=1.0).validate()
+    config(cispo_cap=1.01).validate()
+    with pytest.raises(ValueError, match="--warmup-ratio"):
+        config(warmup_ratio=1.0).validate()
+    config(warmup_ratio=0.99).validate()
+    with pytest.raises(ValueError, match="--max-staleness"):
+        config(max_staleness=-1).validate()
+    config(max_staleness=0).validate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import orjson
 import pytest
 import torch
 
+from polar_cli.train.advantages import SCALE_EPS
 from polar_cli.train.config import TrainConfig
 from polar_cli.train.dataset import prepare_rows
 from polar_cli.train.run import build_trainer, run_training
@@ -46,21 +48,19 @@ def step_batches(cfg: TrainConfig, traces, **prep):
     return trainer, trainer._build_step(list(range(len(data.groups))))
 
 
-def policy_logps(trainer, batch) -> torch.Tensor:
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, attn, batch["completion_ids"].size(1)
-        )
-    return logps
+def chunks(batches):
+    return [c for b in batches for c in b["chunks"]]
+
+
+def policy_logps(trainer, chunk) -> torch.Tensor:
+    return trainer._logps_no_grad(trainer.model, chunk)
 
 
 def max_ratio_error(trainer, batches) -> float:
     worst = 0.0
-    for batch in batches:
-        mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
-        ratio = torch.exp(policy_logps(trainer, batch) - batch["old_per_token_logps"])[mask]
+    for chunk in chunks(batches):
+        mask = chunk["loss_mask"].bool()
+        ratio = torch.exp(policy_logps(trainer, chunk) - chunk["behavior_logps"])[mask]
         worst = max(worst, (ratio - 1).abs().max().item())
     return worst
 
@@ -81,7 +81,7 @@ def test_first_step_is_on_policy(tiny_model_dir: Path, traces, tmp_path: Path) -
     cfg = config(tiny_model_dir, tmp_path / "a", grad_accum=2)
     trainer, batches = step_batches(cfg, traces)
     assert trainer.args.temperature == 0.7  # read from the traces
-    assert sum(int(b["tool_mask"].sum()) for b in batches) == sum(sum(t.loss_mask) for t in traces)
+    assert sum(int(c["loss_mask"].sum()) for c in chunks(batches)) == sum(sum(t.loss_mask) for t in traces)
     assert max_ratio_error(trainer, batches) < 1e-4
 
     # The logged ratios of a real first step say the same.
@@ -124,7 +124,7 @@ def test_tokens_under_mask_zero_do_not_change_the_loss(tiny_model_dir: Path, tra
 def test_constant_reward_group_gives_zero_gradient(tiny_model_dir: Path, factory: TraceFactory, tmp_path: Path) -> None:
     flat = factory.traces([SessionSpec("g", f"s{i}", 1.0) for i in range(4)])
     trainer, batches = step_batches(config(tiny_model_dir, tmp_path), flat, drop_zero_advantage=False)
-    assert all(float(b["advantages"].abs().max()) == 0.0 for b in batches)
+    assert all(float(c["advantages"].abs().max()) == 0.0 for c in chunks(batches))
     _, grads = loss_and_grads(trainer, batches)
     assert grads and all(float(g.abs().max()) == 0.0 for g in grads.values())
 
@@ -138,13 +138,22 @@ def test_constant_reward_group_gives_zero_gradient(tiny_model_dir: Path, factory
 
 def test_session_with_two_traces_is_one_sample(tiny_model_dir: Path, traces, tmp_path: Path) -> None:
     trainer, batches = step_batches(config(tiny_model_dir, tmp_path), traces)
-    rows = [r for r in trainer.data.rows if r.session_id == "g0-s0"]
-    assert len(rows) == 2 and rows[0].advantage == rows[1].advantage
     logged = trainer._metrics["train"]
     assert logged["step/traces"][-1] == 9 and logged["step/sessions"][-1] == pytest.approx(8.0)
-    # g0 sessions rewards [1, 0, 1, 0]: +-1/std regardless of s0's two traces
-    g0 = {r.session_id: r.advantage for r in trainer.data.rows if r.group_id == "g0"}
-    assert g0["g0-s0"] == pytest.approx(-g0["g0-s1"]) == pytest.approx(g0["g0-s2"])
+    # Session rewards per group (g0-s0 fans out into two traces, both rewarded 1, one vote):
+    # A = (r - mean of the other sessions) / (stdev of the session rewards + eps), computed by hand.
+    expected = {}
+    for group, rewards in {"g0": [1.0, 0.0, 1.0, 0.0], "g1": [0.5, 0.0, 1.0, 0.25]}.items():
+        s = statistics.stdev(rewards) + SCALE_EPS
+        for i, r in enumerate(rewards):
+            expected[f"{group}-s{i}"] = (r - (sum(rewards) - r) / 3) / s
+    assert expected["g0-s0"] == pytest.approx(2 / 3 / (statistics.stdev([1, 0, 1, 0]) + SCALE_EPS))
+    rows = trainer.data.rows
+    assert sorted(r.session_id for r in rows).count("g0-s0") == 2
+    for row in rows:
+        assert row.advantage == pytest.approx(expected[row.session_id], rel=1e-12), row.trace_id
+    in_batches = sorted(a for c in chunks(batches) for a in c["advantages"].tolist())
+    assert in_batches == pytest.approx(sorted(expected[r.session_id] for r in rows), rel=1e-6)
 
 
 def test_training_moves_probability_toward_rewarded_sessions(
@@ -158,9 +167,9 @@ def test_training_moves_probability_toward_rewarded_sessions(
     def seq_logp(model_dir) -> dict[str, float]:
         trainer, batches = step_batches(replace(cfg, model=str(model_dir)), pair, drop_zero_advantage=False)
         out = {}
-        for batch in batches:
-            lp = policy_logps(trainer, batch) * batch["tool_mask"]
-            for row_lp, adv in zip(lp.sum(1).tolist(), batch["advantages"].tolist(), strict=True):
+        for chunk in chunks(batches):
+            lp = policy_logps(trainer, chunk) * chunk["loss_mask"]
+            for row_lp, adv in zip(lp.sum(1).tolist(), chunk["advantages"].tolist(), strict=True):
                 out["good" if adv > 0 else "bad"] = row_lp
         return out
 

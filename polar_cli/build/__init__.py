@@ -116,7 +116,7 @@ def build_session(
         reward_reasons=dict(Counter(d.reason for d in decisions)),
         prompt_tokens=sum(len(t.prompt_ids) for t in traces),
         completion_tokens=sum(len(t.completion_ids) for t in traces),
-        trainable_tokens=sum(sum(t.loss_mask) for t in traces),
+        trainable_tokens=sum(sum(t.loss_mask) for t in traces if t.trainable),
     )
     return SessionBuild(session_id, harness, chains, traces, stats, eot_token_id)
 

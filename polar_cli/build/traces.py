@@ -31,8 +31,9 @@ def make_trace(
         session_id=session_id,
         prompt_ids=first.prompt_ids,
         completion_ids=completion_ids,
-        # An untrainable trace keeps its tokens (for inspection) but not one of them is learned from.
-        loss_mask=loss_mask if decision.trainable else [0] * len(loss_mask),
+        # The mask always marks the sampled tokens (inspection and SFT-style use need it even when
+        # RL may not use the trace); ``trainable`` alone says whether RL learns from it.
+        loss_mask=loss_mask,
         behavior_logprobs=logprobs,
         task_id=session.task_id if session and session.task_id is not None else first.task_id,
         group_id=session.group_id if session and session.group_id is not None else first.group_id,

@@ -34,7 +34,10 @@ class TrainConfig:
     num_iterations: int = 1  # optimizer steps taken on each step's batch (TRL's mu)
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
-    tis_cap: float = 2.0  # truncation of pi_theta / pi_behavior in the unclipped PPO branch
+    tis_cap: float = 2.0  # C of truncated importance sampling: token weight min(pi_old / pi_behavior, C)
+    cispo_cap: float = 5.0  # CISPO's cap on pi_theta / pi_old (TRL's suggested value)
+    max_staleness: int | None = None  # refuse traces more than this many weight versions behind current_weight_version
+    current_weight_version: str | None = None  # the version the starting weights carry (what reload tagged)
     beta: float = 0.0  # KL coefficient against the starting model
     loss_type: str = "dapo"
     scale_rewards: str = "group"  # "group": divide by the group's std; "none": raw LOO differences
@@ -45,7 +48,9 @@ class TrainConfig:
     lora_alpha: int = 0  # 0: 2 * lora_r
     lora_dropout: float = 0.0
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    dtype: str = "auto"  # auto: bfloat16 on a GPU that supports it, float32 otherwise
+    # Compute dtype (autocast); parameters and optimizer state stay fp32, and the checkpoint is written
+    # in the starting model's own dtype (what the engine serves). auto: bf16 on a capable GPU, else fp32.
+    dtype: str = "auto"
     gradient_checkpointing: bool = False
     seed: int = 0
     resume: Path | None = None  # a checkpoint-N directory written by an earlier run
@@ -71,11 +76,14 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0.0 <= self.epsilon_low < 1.0 or self.epsilon_high < 0.0:
             raise ValueError("clip epsilons must satisfy 0 <= epsilon_low < 1 and epsilon_high >= 0")
-        if self.tis_cap <= 1.0 + self.epsilon_high:
-            raise ValueError(
-                f"--tis-cap ({self.tis_cap}) must exceed 1 + epsilon_high ({1 + self.epsilon_high}): "
-                "below that it would clip tokens the PPO clip already keeps"
-            )
+        if not self.tis_cap >= 1.0:
+            raise ValueError(f"--tis-cap ({self.tis_cap}) must be >= 1: below 1 it would shrink on-policy tokens")
+        if not self.cispo_cap > 1.0:
+            raise ValueError(f"--cispo-cap ({self.cispo_cap}) must be > 1")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError("--warmup-ratio must be in [0, 1)")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("--max-staleness must be >= 0")
         if self.temperature is not None and self.temperature <= 0:
             raise ValueError("--temperature must be > 0")
         if self.lora_r < 0:

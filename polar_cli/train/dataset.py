@@ -222,7 +222,7 @@ def prepare_rows(
         if not any(clipped[1]):
             stats["no_trainable_tokens"] += 1
             continue
-        if drop_zero_advantage and advantages[trace.session_id].advantage == 0.0:
+        if drop_zero_advantage and advantages[trace.session_id].of(trace.reward) == 0.0:
             stats["zero_advantage"] += 1
             continue
         kept.append((trace, clipped))
@@ -245,7 +245,7 @@ def prepare_rows(
                 completion_ids=ids,
                 loss_mask=[int(m) for m in mask],
                 behavior_logprobs=[float(x) for x in logprobs],
-                advantage=sa.advantage,
+                advantage=sa.of(trace.reward),
                 session_reward=sa.reward,
                 session_weight=1.0 / rows_per_session[trace.session_id],
                 clipped=was_clipped,
@@ -278,6 +278,25 @@ def partition_rows(lengths: Sequence[int], bins: int) -> list[list[int]]:
         out[b].append(i)
         loads[b] += lengths[i]
     return [sorted(b) for b in out]
+
+
+def length_buckets(lengths: Sequence[int], max_waste: float = 0.1) -> list[list[int]]:
+    """Group row indices so that padding each group to its longest row wastes at most
+    ``max_waste`` x its real tokens: longest first, a row joins the open group while that holds.
+
+    A micro-batch of short-prompt/long-completion (merged) and long-prompt (per-request) traces
+    would otherwise be padded to the longest of all; each group is one forward pass.
+    """
+    out: list[list[int]] = []
+    width = real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if out and width * (len(out[-1]) + 1) - (real + lengths[i]) <= max_waste * (real + lengths[i]):
+            out[-1].append(i)
+            real += lengths[i]
+            continue
+        out.append([i])
+        width = real = lengths[i]
+    return out
 
 
 # --- input detection ------------------------------------------------------------------------------

@@ -106,6 +106,7 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     unrewarded = cfg.strategy == "per_request" and not cfg.broadcast_rewards
     if not any(t.trainable for t in traces):
         raise NothingToTrain(f"no trainable traces: {explain_nothing_to_train(traces, {}, unrewarded_per_request=unrewarded)}")
+    check_staleness(traces, cfg.current_weight_version, cfg.max_staleness)
     data = prepare_rows(
         traces,
         max_length=cfg.max_length,
@@ -124,10 +125,12 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     if cfg.progress:
         callbacks.append(RichProgress())
     trainer = build_trainer(cfg, data, callbacks)
+    if cfg.resume is not None:
+        trainer.resume_from(cfg.resume)
     start = time.perf_counter()
     output = trainer.train(resume_from_checkpoint=str(cfg.resume) if cfg.resume else None)
     seconds = time.perf_counter() - start
-    save_checkpoint(trainer, cfg.output)
+    save_checkpoint(trainer, cfg.output, serving_dtype(cfg.model))
 
     plot_path = None
     if cfg.plot and trainer.accelerator.is_main_process and metrics_path.exists():
@@ -145,6 +148,59 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
         num_processes=trainer.accelerator.num_processes,
         summary=dict(output.metrics),
     )
+
+
+def serving_dtype(model: str):
+    """The dtype the starting checkpoint is stored in, i.e. what an engine loading it serves."""
+    from transformers import AutoConfig
+
+    import torch
+
+    dtype = AutoConfig.from_pretrained(model).dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype or torch.float32
+
+
+class StaleTraces(ValueError):
+    """Traces sampled too many weight versions before the weights being trained."""
+
+
+def check_staleness(traces: list, current: str | None, max_staleness: int | None) -> int:
+    """Warn about (or, past ``max_staleness``, refuse) traces sampled by older weights than ``current``.
+
+    Versions are compared as integers when they all parse as such (what `polar engine reload
+    --weight-version N` tags); otherwise any version other than ``current`` counts as 1 behind.
+    Returns the number of stale trainable traces.
+    """
+    import logging
+
+    if current is None:
+        return 0
+    stale, worst = 0, 0
+    for t in traces:
+        if not t.trainable or not t.weight_versions:
+            continue
+        behind = [_versions_behind(v, current) for v in t.weight_versions]
+        if max(behind) > 0:
+            stale += 1
+            worst = max(worst, max(behind))
+    if stale:
+        message = (
+            f"{stale} trainable traces were sampled by weights older than {current!r} (up to {worst} versions "
+            "behind): their importance weights correct for it only up to --tis-cap"
+        )
+        if max_staleness is not None and worst > max_staleness:
+            raise StaleTraces(f"{message}; --max-staleness is {max_staleness}. Recapture or raise the bound.")
+        logging.getLogger("polar.train").warning(message)
+    return stale
+
+
+def _versions_behind(version: str, current: str) -> int:
+    try:
+        return max(0, int(current) - int(version))
+    except ValueError:
+        return 0 if version == current else 1
 
 
 def build_trainer(cfg: TrainConfig, data, callbacks: list[TrainerCallback] | None = None):
@@ -184,17 +240,55 @@ def _lora_config(cfg: TrainConfig):
     )
 
 
-def save_checkpoint(trainer, out_dir: Path) -> None:
-    """Write a plain HF checkpoint (LoRA merged) that vLLM and SGLang load as is."""
+def save_checkpoint(trainer, out_dir: Path, serving_dtype=None) -> None:
+    """Write a plain HF checkpoint (LoRA merged) that vLLM and SGLang load as is.
+
+    The full state dict comes from the accelerator (gathered under FSDP / ZeRO-3, where each
+    process holds a shard), LoRA is merged into the fp32 master weights in fp32, and the result is
+    cast once to ``serving_dtype`` (the starting model's dtype, what the engine will serve).
+    """
+    import torch
     from accelerate.utils import is_peft_model
 
+    state = trainer.accelerator.get_state_dict(trainer.model)  # a collective: every process calls it
     trainer.accelerator.wait_for_everyone()
     if not trainer.accelerator.is_main_process:
         return
     model = trainer.accelerator.unwrap_model(trainer.model)
     if is_peft_model(model):
-        model = model.merge_and_unload()
+        lora = model.peft_config["default"]
+        scaling = lora.lora_alpha / (lora.r**0.5 if lora.use_rslora else lora.r)
+        state = merge_lora_state_dict(state, scaling)
+        model = model.get_base_model()
+    dtype = serving_dtype or model.config.dtype
+    cast: dict[int, torch.Tensor] = {}  # by storage, so tied weights stay one tensor (saved once)
+    state = {
+        k: cast.setdefault(v.data_ptr(), v.to(dtype)) if torch.is_floating_point(v) else v for k, v in state.items()
+    }
     # Training turns the KV cache off; the checkpoint is for inference.
     model.config.use_cache = True
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    # save_pretrained records the dtype of the (fp32 master) parameters; engines serve the config's.
+    model.config.dtype = dtype
+    model.config.save_pretrained(out_dir)
     trainer.processing_class.save_pretrained(out_dir)
+
+
+def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default") -> dict:
+    """A PEFT LoRA state dict -> the plain model's, with ``W + scaling * B @ A`` computed in fp32."""
+    import torch
+
+    prefix = "base_model.model."
+    out: dict = {}
+    for key, value in state.items():
+        name = key[len(prefix) :] if key.startswith(prefix) else key
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        out[name] = value
+        stem = key.rsplit(".base_layer.weight", 1)[0] if key.endswith(".base_layer.weight") else None
+        if stem is not None and f"{stem}.lora_A.{adapter}.weight" in state:
+            a = state[f"{stem}.lora_A.{adapter}.weight"].float()
+            b = state[f"{stem}.lora_B.{adapter}.weight"].float()
+            out[name] = value.float() + scaling * (b @ a)
+    return out

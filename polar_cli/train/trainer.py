@@ -8,30 +8,55 @@ accelerate/DDP. What is replaced, and why:
   number varies (sessions fan out into several traces), so TRL's fixed
   ``num_generations`` batching does not fit. Every process sees the same global step.
 - ``_prepare_inputs``: instead of generating, it takes the step's rows, splits them
-  (deterministically, by tokens) over processes x micro-batches, and pads this process's share.
-  The advantages were computed over whole groups before training (``advantages.py``).
-- Off-policy math: ``old_per_token_logps`` is the *captured* behaviour logprob, so TRL's ratio is
-  ``pi_theta / pi_behavior`` with no fresh forward pass; TRL's two-sided clip ``delta`` caps that
-  ratio (truncated importance sampling) in the unclipped branch; ``tool_mask`` is the trace's loss
-  mask, so interstitial tokens are context only.
+  (deterministically, by tokens) over processes x micro-batches, and pads this process's share
+  in length buckets (each bucket padded to its own longest row, so padding stays small when
+  short and long traces share a step). The advantages were computed over whole groups before
+  training (``advantages.py``).
+- ``_compute_loss``: truncated importance sampling as slime / verl ``--use-tis`` do. The PPO
+  ratio compares pi_theta with the trainer's *own* detached old logprob (so the engine/trainer
+  mismatch is not mistaken for policy drift and clipped from step 0), and each token's loss is
+  weighted by the detached ``min(exp(old - behaviour), tis_cap)``. Log-ratios are clamped before
+  ``exp`` so one absurd behaviour logprob (vLLM's -9999 sentinel) cannot overflow a step. The
+  loss mask marks sampled tokens; interstitial tokens are context only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
-from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import identity, nanmax, nanmin, pad, use_adapter
+from dataclasses import dataclass, field
 
-from polar_cli.train.dataset import NothingToTrain, TrainData, TrainRow, partition_rows
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import identity, nanmax, nanmin, use_adapter
+
+from polar_cli.train.dataset import NothingToTrain, TrainData, TrainRow, length_buckets, partition_rows
 
 # GRPOConfig insists on num_generations >= 2 dividing the generation batch. Neither value is used
 # here (our sampler and advantages replace TRL's), so both are set to the smallest it accepts.
 TRL_PLACEHOLDER_GENERATIONS = 2
+
+
+@dataclass
+class TraceGRPOConfig(GRPOConfig):
+    """GRPOConfig plus the off-policy knobs of training on stored traces."""
+
+    tis_cap: float = field(
+        default=2.0, metadata={"help": "C of truncated importance sampling: weight min(pi_old / pi_behavior, C)."}
+    )
+    cispo_cap: float = field(
+        default=5.0, metadata={"help": "CISPO's cap on pi_theta / pi_old (TRL reuses epsilon_high for it)."}
+    )
+    log_ratio_clamp: float = field(
+        default=20.0, metadata={"help": "Log-ratios are clamped to +-this before exp (exp(20) = 4.9e8)."}
+    )
+    pad_waste: float = field(
+        default=0.1, metadata={"help": "Length buckets keep padded tokens <= this fraction of real ones."}
+    )
 
 
 def stored_rewards_only(prompts: list, completions: list, **kwargs: Any) -> list[float]:
@@ -98,6 +123,8 @@ def step_metrics(rows: list[TrainRow]) -> dict[str, float]:
 
 
 class TraceGRPOTrainer(GRPOTrainer):
+    args: TraceGRPOConfig
+
     def __init__(self, *, data: TrainData, groups_per_step: int, **kwargs: Any):
         from datasets import Dataset
 
@@ -105,7 +132,7 @@ class TraceGRPOTrainer(GRPOTrainer):
             raise NothingToTrain(f"no trainable rows: every trace was dropped ({data.stats})")
         self.data = data
         self.groups_per_step = groups_per_step
-        self._policy_logps: torch.Tensor | None = None
+        self._resume_buffer: Path | None = None
         super().__init__(
             reward_funcs=[stored_rewards_only],
             train_dataset=Dataset.from_dict({"group": list(range(len(data.groups)))}),
@@ -129,6 +156,8 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _prepare_inputs(self, generation_batch: list[dict[str, Any]]) -> dict[str, Any]:
         if not self.model.training:
             raise RuntimeError("evaluation is not supported: traces carry their own rewards")
+        if self._resume_buffer is not None:
+            self._restore_step_buffer(self._resume_buffer)
         grad_accum = self.args.gradient_accumulation_steps
         if self._step % (grad_accum * self.num_iterations) == 0 or self._buffered_inputs is None:
             self._buffered_inputs = self._build_step([example["group"] for example in generation_batch])
@@ -150,100 +179,226 @@ class TraceGRPOTrainer(GRPOTrainer):
         self.state.num_input_tokens_seen += int(metrics["tokens/forward"])
         self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
 
-        # Every process must hold the same number of rows at each micro-step (TRL gathers per-row
-        # metrics, DDP needs every process to run): empty slots get a copy of the step's shortest
-        # row with its loss mask zeroed, which adds exactly nothing to the loss or the gradient.
+        # Every process must hold the same number of rows at each micro-step (DDP needs every
+        # process to run): empty slots get a copy of the step's shortest row with its loss mask
+        # zeroed, which adds exactly nothing to the loss or the gradient.
         slots = max(len(b) for b in bins)
         filler = _zero_weight(min(rows, key=lambda r: r.num_tokens))
-        return [
-            self._tensorize([rows[i] for i in micro] + [filler] * (slots - len(micro)), num_items) for micro in mine
-        ]
+        micro = [[rows[i] for i in b] + [filler] * (slots - len(b)) for b in mine]
+        batches = [self._tensorize(m, num_items) for m in micro]
+        padded = sum(int(c["attention_mask"].numel() - c["attention_mask"].sum()) for b in batches for c in b["chunks"])
+        self._metrics["train"]["tokens/padded"].append(float(padded))
+        return batches
 
-    def _tensorize(self, rows: list[TrainRow], num_items: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _tensorize(self, rows: list[TrainRow], num_items: torch.Tensor) -> dict[str, Any]:
+        # DDP reduces gradients once per backward, so under it one micro-batch is one forward.
+        single = self.accelerator.num_processes > 1
+        groups = [list(range(len(rows)))] if single else length_buckets([r.num_tokens for r in rows], self.args.pad_waste)
+        chunks = [self._chunk([rows[i] for i in g]) for g in groups]
+        return {"chunks": chunks, "num_items_in_batch": num_items}
+
+    def _chunk(self, rows: list[TrainRow]) -> dict[str, Any]:
+        """Right-padded full sequences; the scored window starts at the shortest prompt's end.
+
+        ``prompt + completion`` is padded as one sequence, so a short-prompt/long-completion trace
+        next to a long-prompt/short-completion one costs max(total), not max(prompt) + max(completion).
+        """
         device = self.accelerator.device
         pad_id = self._tokenizer.pad_token_id
-
-        def stack(seqs: list[list], side: str, value: float, dtype: torch.dtype) -> torch.Tensor:
-            return pad([torch.tensor(s, dtype=dtype) for s in seqs], padding_value=value, padding_side=side).to(device)
-
-        prompt_ids = stack([r.prompt_ids for r in rows], "left", pad_id, torch.long)
-        prompt_mask = stack([[1] * len(r.prompt_ids) for r in rows], "left", 0, torch.long)
-        completion_ids = stack([r.completion_ids for r in rows], "right", pad_id, torch.long)
-        completion_mask = stack([[1] * len(r.completion_ids) for r in rows], "right", 0, torch.long)
-        out = {
-            "prompt_ids": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids,
-            "completion_mask": completion_mask,
-            "tool_mask": stack([r.loss_mask for r in rows], "right", 0, torch.long),
-            "old_per_token_logps": stack([r.behavior_logprobs for r in rows], "right", 0.0, torch.float32),
+        width = max(r.num_tokens for r in rows)
+        start = min(len(r.prompt_ids) for r in rows)
+        keep = width - start
+        n = len(rows)
+        input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        loss_mask = torch.zeros((n, keep), dtype=torch.float32)
+        behavior = torch.zeros((n, keep), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            ids = r.prompt_ids + r.completion_ids
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention[i, : len(ids)] = 1
+            at = len(r.prompt_ids) - start
+            loss_mask[i, at : at + len(r.completion_ids)] = torch.tensor(r.loss_mask, dtype=torch.float32)
+            behavior[i, at : at + len(r.completion_ids)] = torch.tensor(r.behavior_logprobs)
+        chunk: dict[str, Any] = {
+            "input_ids": input_ids.to(device),
+            "attention_mask": attention.to(device),
+            "logits_to_keep": keep,
+            "loss_mask": loss_mask.to(device),
+            "behavior_logps": behavior.to(device),
             "advantages": torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
-            "num_items_in_batch": num_items,
         }
+        if self.num_iterations > 1:
+            # Later iterations on this batch compare with the weights it started from (TRL's mu).
+            chunk["old_logps"] = self._logps_no_grad(self.model, chunk)
         if self.beta != 0.0:
-            out["ref_per_token_logps"] = self._reference_logps(out)
-        return out
+            chunk["ref_logps"] = self._reference_logps(chunk)
+        return chunk
 
     @torch.no_grad()
-    def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        keep = batch["completion_ids"].size(1)
+    def _logps_no_grad(self, model, chunk: dict[str, Any]) -> torch.Tensor:
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            model, chunk["input_ids"], chunk["attention_mask"], chunk["logits_to_keep"]
+        )
+        return logps
+
+    @torch.no_grad()
+    def _reference_logps(self, chunk: dict[str, Any]) -> torch.Tensor:
         if self.ref_model is not None:
-            logps, _, _ = self._get_per_token_logps_and_entropies(self.ref_model, input_ids, attention_mask, keep)
-            return logps
+            return self._logps_no_grad(self.ref_model, chunk)
         # PEFT: the reference is the base model, i.e. the adapter switched off (TRL's own rule).
         model = self.accelerator.unwrap_model(self.model)
         with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-            logps, _, _ = self._get_per_token_logps_and_entropies(self.model, input_ids, attention_mask, keep)
-        return logps
+            return self._logps_no_grad(self.model, chunk)
 
-    # --- importance-ratio metrics ------------------------------------------------------------------
+    # --- resume -------------------------------------------------------------------------------------
 
-    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        # TRL keeps pi_theta local to _compute_loss; keep the last forward's so the IS ratio can be
-        # logged without a second pass (in _compute_loss the policy forward is the only one).
-        self._policy_logps = logps.detach()
-        return logps, entropies, aux
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        # TRL restarts its micro-step counter at 0 on resume and would rebuild the step's batch with
+        # the *current* weights as "old": keep the counter and the batch (old logprobs included).
+        if self.num_iterations > 1:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    def _compute_loss(self, model, inputs):
-        loss = super()._compute_loss(model, inputs)
-        self._log_importance_ratios(inputs)
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            torch.save(
+                {"step": self._step, "buffered": self._buffered_inputs},
+                folder / f"polar_step_buffer-{self.accelerator.process_index}.pt",
+            )
+
+    def resume_from(self, checkpoint: Path) -> None:
+        """Exact resume: restore TRL's micro-step counter and buffered batch saved with ``checkpoint``."""
+        if self.num_iterations > 1:
+            self._resume_buffer = Path(checkpoint) / f"polar_step_buffer-{self.accelerator.process_index}.pt"
+
+    def _restore_step_buffer(self, path: Path) -> None:
+        self._resume_buffer = None
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} missing: with --num-iterations > 1, resume needs the step buffer saved with the checkpoint"
+            )
+        saved = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+        self._step, self._buffered_inputs = saved["step"], saved["buffered"]
+
+    # --- loss ---------------------------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs: dict[str, Any]) -> torch.Tensor:
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        # TRL's dapo/cispo normaliser: the step's trainable tokens, per process and accumulation window.
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / args.steps_per_generation
+        loss = torch.zeros((), device=self.accelerator.device)
+        sums: dict[str, torch.Tensor] = {}
+        ratio_lo, ratio_hi = [], []
+        for chunk in inputs["chunks"]:
+            chunk_loss, stats, ratio = self._chunk_loss(model, chunk)
+            loss = loss + chunk_loss / normalizer
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+            if ratio.numel():
+                ratio_lo.append(ratio.min())
+                ratio_hi.append(ratio.max())
+        self._log_loss_metrics(mode, sums, ratio_lo, ratio_hi)
         return loss
 
-    def _log_importance_ratios(self, inputs: dict[str, torch.Tensor]) -> None:
-        mask = (inputs["completion_mask"] * inputs["tool_mask"]).bool()
-        ratio = torch.exp(self._policy_logps - inputs["old_per_token_logps"])[mask]
-        negative = (inputs["advantages"].unsqueeze(1).expand_as(mask) < 0)[mask]
-        truncated = ((ratio > self.args.delta) & negative).float()
-        local = torch.stack([ratio.sum(), truncated.sum(), torch.tensor(float(ratio.numel()), device=ratio.device)])
-        totals = self.accelerator.reduce(local, reduction="sum")
-        count = totals[2].clamp(min=1.0)
+    def _chunk_loss(self, model, chunk: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """Summed per-token loss of one chunk, its metric sums, and its masked pi_theta / pi_behavior."""
+        args = self.args
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, chunk["input_ids"], chunk["attention_mask"], chunk["logits_to_keep"], compute_entropy=True
+        )
+        mask = chunk["loss_mask"]
+        behavior = chunk["behavior_logps"]
+        old = chunk.get("old_logps")
+        old = logps.detach() if old is None else old
+        adv = chunk["advantages"].unsqueeze(1)
+        bound = args.log_ratio_clamp
+
+        ratio = torch.exp(torch.clamp(logps - old, -bound, bound))
+        if self.loss_type == "cispo":
+            per_token = -torch.clamp(ratio, max=args.cispo_cap).detach() * adv * logps
+        else:
+            clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+            per_token = -torch.min(ratio * adv, clipped * adv)
+        # TIS: min(exp(old - behaviour), C), computed in log space so a -9999 sentinel gives C, not inf.
+        log_is = torch.clamp(old.detach() - behavior, -bound, math.log(args.tis_cap))
+        per_token = per_token * torch.exp(log_is)
+        if self.beta != 0.0:
+            ref_diff = torch.clamp(chunk["ref_logps"] - logps, -bound, bound)
+            per_token_kl = torch.exp(ref_diff) - ref_diff - 1
+            per_token = per_token + self.beta * per_token_kl
+
+        m = mask.bool()
+        with torch.no_grad():
+            behaviour_ratio = torch.exp(torch.clamp(logps.detach() - behavior, -bound, bound))[m]
+            negative = (adv < 0).expand_as(mask)
+            positive = (adv > 0).expand_as(mask)
+            if self.loss_type == "cispo":
+                low = torch.zeros_like(mask, dtype=torch.bool)
+                high = (ratio > args.cispo_cap) & positive
+            else:
+                low = (ratio < 1 - self.epsilon_low) & negative
+                high = (ratio > 1 + self.epsilon_high) & positive
+            stats = {
+                "count": mask.sum(),
+                "entropy": (entropies * mask).sum(),
+                "clip_low": (low.float() * mask).sum(),
+                "clip_high": (high.float() * mask).sum(),
+                "is_sum": behaviour_ratio.sum(),
+                "tis_truncated": ((log_is >= math.log(args.tis_cap)).float() * mask).sum(),
+                "tis_weight": (torch.exp(log_is) * mask).sum(),
+            }
+            if self.beta != 0.0:
+                stats["kl"] = (per_token_kl * mask).sum()
+        return (per_token * mask).sum(), stats, behaviour_ratio
+
+    def _log_loss_metrics(self, mode: str, sums: dict[str, torch.Tensor], lo: list, hi: list) -> None:
+        keys = sorted(sums)
+        totals = self.accelerator.reduce(torch.stack([torch.as_tensor(sums[k]).float() for k in keys]), "sum")
+        t = dict(zip(keys, totals.tolist(), strict=True))
+        count = max(t["count"], 1.0)
         # A zero-weight filler micro-batch has no trainable token: NaN, which TRL's log() skips.
-        nan = torch.tensor(float("nan"), device=ratio.device)
-        lo = nanmin(self.accelerator.gather(ratio.min() if ratio.numel() else nan))
-        hi = nanmax(self.accelerator.gather(ratio.max() if ratio.numel() else nan))
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        metrics["is_ratio/mean"].append((totals[0] / count).item())
-        metrics["is_ratio/min"].append(lo.item())
-        metrics["is_ratio/max"].append(hi.item())
-        metrics["is_ratio/truncated_frac"].append((totals[1] / count).item())
+        nan = torch.tensor(float("nan"), device=self.accelerator.device)
+        lo_all = nanmin(self.accelerator.gather(torch.stack(lo).min() if lo else nan))
+        hi_all = nanmax(self.accelerator.gather(torch.stack(hi).max() if hi else nan))
+        metrics = self._metrics[mode]
+        metrics["entropy"].append(t["entropy"] / count)
+        if self.beta != 0.0:
+            metrics["kl"].append(t["kl"] / count)
+        metrics["clip_ratio/low_mean"].append(t["clip_low"] / count)
+        metrics["clip_ratio/high_mean"].append(t["clip_high"] / count)
+        metrics["clip_ratio/region_mean"].append((t["clip_low"] + t["clip_high"]) / count)
+        metrics["is_ratio/mean"].append(t["is_sum"] / count)
+        metrics["is_ratio/min"].append(lo_all.item())
+        metrics["is_ratio/max"].append(hi_all.item())
+        metrics["is_ratio/truncated_frac"].append(t["tis_truncated"] / count)
+        metrics["tis/weight_mean"].append(t["tis_weight"] / count)
 
 
 def _zero_weight(row: TrainRow) -> TrainRow:
     return dataclasses.replace(row, loss_mask=[0] * len(row.loss_mask), advantage=0.0, session_weight=0.0)
 
 
-def build_grpo_config(cfg: Any, *, temperature: float, max_completion_length: int) -> GRPOConfig:
-    """TRL arguments from a TrainConfig (``cfg``); our knobs map onto TRL's own where they exist."""
-    dtype = resolve_dtype(cfg.dtype)
-    return GRPOConfig(
+def build_grpo_config(cfg: Any, *, temperature: float, max_completion_length: int) -> TraceGRPOConfig:
+    """TRL arguments from a TrainConfig (``cfg``); our knobs map onto TRL's own where they exist.
+
+    Dtype policy: parameters and optimizer state are always fp32 (master weights: AdamW's update at
+    lr 1e-6 is far below half a bf16 ulp, so bf16 parameters would mostly never move); ``cfg.dtype``
+    is the *compute* dtype, bf16 meaning autocast around the forward passes.
+    """
+    compute = resolve_dtype(cfg.dtype)
+    scheduler = cfg.lr_scheduler
+    if cfg.warmup_ratio > 0 and scheduler == "constant":
+        scheduler = "constant_with_warmup"  # "constant" ignores warmup
+    return TraceGRPOConfig(
         output_dir=str(cfg.output),
         learning_rate=cfg.learning_rate,
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
-        lr_scheduler_type=cfg.lr_scheduler,
+        lr_scheduler_type=scheduler,
+        warmup_steps=cfg.warmup_ratio,  # a float < 1 is a ratio of the total steps (TRL/HF semantics)
         num_train_epochs=cfg.epochs,
         max_steps=cfg.max_steps,
         per_device_train_batch_size=TRL_PLACEHOLDER_GENERATIONS,
@@ -253,16 +408,18 @@ def build_grpo_config(cfg: Any, *, temperature: float, max_completion_length: in
         num_iterations=cfg.num_iterations,
         epsilon=cfg.epsilon_low,
         epsilon_high=cfg.epsilon_high,
-        delta=cfg.tis_cap,
+        delta=None,  # TRL's dual-clip is not used: our _compute_loss does TIS
+        tis_cap=cfg.tis_cap,
+        cispo_cap=cfg.cispo_cap,
         beta=cfg.beta,
         loss_type=cfg.loss_type,
         temperature=temperature,
         max_completion_length=max_completion_length,
         mask_truncated_completions=False,
-        bf16=dtype == torch.bfloat16,
+        bf16=compute == torch.bfloat16,
         activation_checkpointing=cfg.gradient_checkpointing,
         optim=cfg.optim,
-        model_init_kwargs={"dtype": dtype},
+        model_init_kwargs={"dtype": torch.float32},
         seed=cfg.seed,
         logging_steps=cfg.logging_steps,
         save_strategy="steps" if cfg.save_steps > 0 else "no",
