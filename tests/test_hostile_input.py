@@ -90,6 +90,8 @@ def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_wr
     assert status == trigger.expect, answer[:300]
     if status != 200:
         assert is_provider_error(trigger.api, status, answer), answer[:300]
+        # Each known trigger has its own clear message, not the translator-exception fallback.
+        assert b"could not be read" not in answer, answer[:300]
     assert after == 200
     records = read_records(str(out))
     assert [r.status for r in records if r.session_id == "after"] == ["ok"]

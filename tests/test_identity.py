@@ -87,8 +87,9 @@ def test_errors_never_quote_the_credentials(proxy_password, api_key):
 
 def test_values_keep_their_own_separators():
     """Only the first '=' splits a field and the first ':' splits the proxy credentials."""
-    ident = identity.resolve(None, {"x-api-key": "polar:session=a=b;task=t:1"}, "c")
-    assert (ident.session_id, ident.task_id) == ("a=b", "t:1")
+    # Session ids cannot hold '=' (they match [A-Za-z0-9][A-Za-z0-9_.:-]{0,127}); task ids can.
+    ident = identity.resolve(None, {"x-api-key": "polar:session=a:b;task=t=1:2"}, "c")
+    assert (ident.session_id, ident.task_id) == ("a:b", "t=1:2")
     ident = identity.resolve(basic("s1", "task=t:1;group=g"), {}, "c")
     assert (ident.session_id, ident.task_id, ident.group_id) == ("s1", "t:1", "g")
 

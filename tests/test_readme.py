@@ -87,7 +87,8 @@ def run_shell(script: str, cwd: Path, env: dict[str, str], timeout: float = 300)
 
 def on_ports(text: str, ports: dict[int, int]) -> str:
     for old, new in ports.items():
-        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}").replace(f"--port {old}", f"--port {new}")
+        for form in ("127.0.0.1:{}", "--port {}", "@{}"):  # URLs, polar engine serve, mitmdump's MODE@PORT
+            text = text.replace(form.format(old), form.format(new))
     return text
 
 

@@ -118,7 +118,8 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
 def _tool_choice(raw: Any) -> str | dict[str, Any] | None:
     if raw is None or raw in ("auto", "none", "required"):
         return raw
-    if isinstance(raw, dict) and isinstance((raw.get("function") or {}).get("name"), str):
+    function = raw.get("function") if isinstance(raw, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
         return {"type": "function", "function": {"name": raw["function"]["name"]}}
     raise invalid("'tool_choice' must be 'auto', 'none', 'required' or {type: function, function: {name}}")
 

@@ -439,6 +439,8 @@ def _add_tools(found: _Tools, raw: list[Any], where_prefix: str) -> None:
         if not isinstance(tool, dict):
             raise invalid(f"{where} must be an object")
         kind = tool.get("type")
+        if not isinstance(kind, str):
+            raise invalid(f"{where}: 'type' must be a string")
         if kind in ("function", "custom"):
             name = flat_name(namespace, _name(tool, where))
             if name in known:
