@@ -86,8 +86,12 @@ def sequence_logps(model, trainer, traces: list[Trace]) -> torch.Tensor:
     data = prepare_rows(traces, max_length=1 << 20, drop_zero_advantage=False)
     out = []
     for row in data.rows:
+        # a plain forward (a freshly loaded model lacks TRL's fused logprob head)
         chunk = trainer._chunk([row])
-        out.append((trainer._logps_no_grad(model, chunk) * chunk["loss_mask"]).sum())
+        ids, keep = chunk["input_ids"], chunk["logits_to_keep"]
+        logits = model(input_ids=ids, attention_mask=chunk["attention_mask"]).logits[:, -keep - 1 : -1].float()
+        lp = torch.log_softmax(logits / trainer.args.temperature, -1).gather(2, ids[:, -keep:, None]).squeeze(2)
+        out.append((lp * chunk["loss_mask"]).sum())
     return torch.stack(out)
 
 

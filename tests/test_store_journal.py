@@ -99,6 +99,7 @@ def test_writer_dirs_are_locked_and_orphans_adopted_oldest_first(tmp_path) -> No
     (dead / "notes.txt").write_text("not a segment")
     (tmp_path / "journal" / "other").mkdir()  # not a writer directory
     (tmp_path / "journal" / "w-nolock").mkdir()  # being removed: no lock file
+    (tmp_path / "journal" / "w-0nolock").mkdir()  # ... sorted before the dead writer: skipped, not the end
     [orphan] = journal.adopt_orphans(root, live.path)
     assert orphan.adopted and orphan.path == str(dead)
     assert [os.path.basename(p) for p in orphan.segments] == ["0001.wal", "0002.wal"]
@@ -120,3 +121,9 @@ def test_segment_names_sort_by_creation_time() -> None:
     second = journal.new_segment_name("abcd1234", 1)
     assert first < second and first.endswith("-abcd1234-000002")
     assert len(first.split("-")[0]) == 19
+
+
+def test_edges_of_the_segment_format() -> None:
+    assert journal.parse_segment(_segment([b"a", b""])) == [b"a", b""]  # an empty payload may end a segment
+    with pytest.raises(ValueError, match="format"):
+        journal.parse_segment(b"PLRJ1\n")  # a foreign header alone is still foreign
