@@ -126,7 +126,7 @@ def fuzz_gateway(engine: str, out: Path, examples: int, counts: Counts) -> dict[
 
                 run_body()
             for trigger in (t for t in triggers() if t.api == api and not t.headers):
-                body = trigger.body if isinstance(trigger.body, bytes) else _dumps(trigger.body)
+                body = trigger.encoded()
                 one(*loop.run_until_complete(_answer(gateway, api, body, {})), api)
             stats["crashes"] = counts.internal - before[0]
             stats["translator exceptions -> 400"] = counts.translator - before[1]
@@ -139,17 +139,6 @@ def fuzz_gateway(engine: str, out: Path, examples: int, counts: Counts) -> dict[
     return rows
 
 
-def _dumps(value: object) -> bytes:
-    import json
-
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(10_000)
-    try:
-        return json.dumps(value).encode()
-    finally:
-        sys.setrecursionlimit(limit)
-
-
 def through_mitmdump(engine: str, out: Path, examples: int) -> dict[str, int]:
     stats: Counter = Counter()
     with RecordingUpstream() as upstream, run_mitmdump(
@@ -160,7 +149,7 @@ def through_mitmdump(engine: str, out: Path, examples: int) -> dict[str, int]:
                               headers={"content-type": "application/json", "authorization": f"Bearer {SECRET}", **headers})
 
         for trigger in triggers():
-            body = trigger.body if isinstance(trigger.body, bytes) else _dumps(trigger.body)
+            body = trigger.encoded()
             r = post(trigger.api, body, trigger.headers)
             stats["triggers"] += 1
             stats["triggers answered as expected"] += r.status_code == trigger.expect

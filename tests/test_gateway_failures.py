@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import base64
 import ssl
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import anthropic
 import httpx
@@ -22,31 +20,17 @@ import orjson
 import pytest
 
 from polar_addon.engines.local import LocalEngine
-from tests.support.proxy import run_mitmdump
+from tests.support.proxy import echo_server, run_mitmdump
 from tests.support.shards import session_records
 
 ENGINE_TIMEOUT_S = 2.0
 HI = [{"role": "user", "content": "hi"}]
 
 
-class _Echo(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["content-length"]))
-        self.send_response(200)
-        self.send_header("content-type", "application/octet-stream")
-        self.end_headers()
-        self.wfile.write(b"echo:" + body)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def echo() -> Iterator[int]:
-    server = HTTPServer(("127.0.0.1", 0), _Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
+    with echo_server() as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ and a deterministic tiny model."""
 from __future__ import annotations
 
 import hashlib
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import httpx
@@ -13,37 +11,22 @@ import pytest
 
 from polar_addon.engines import EnginePool
 from polar_cli.tiny_model import build_tiny_model
-from tests.support.proxy import run_mitmdump
-
-
-class _Echo(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["content-length"]))
-        self.send_response(200)
-        self.send_header("content-type", "application/octet-stream")
-        self.end_headers()
-        self.wfile.write(b"echo:" + body)
-
-    def log_message(self, *args) -> None:
-        pass
+from tests.support.proxy import echo_server, run_mitmdump
 
 
 @pytest.fixture()
-def echo_server():
-    server = HTTPServer(("127.0.0.1", 0), _Echo)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def echo_url():
+    with echo_server() as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.mark.parametrize("block", [False, True])
-def test_other_traffic_passes_through_unless_blocked(tiny_model_dir, tmp_path, echo_server, block):
+def test_other_traffic_passes_through_unless_blocked(tiny_model_dir, tmp_path, echo_url, block):
     options = {"polar_block_other": str(block).lower()}
     with run_mitmdump(f"local:{tiny_model_dir}", tmp_path / "shards", options=options) as proxy:
         with httpx.Client(proxy=proxy.url) as client:
             # Even a model-looking path on a host that is not a provider is not ours.
-            r = client.post(echo_server + "/v1/chat/completions", content=b"untouched bytes")
+            r = client.post(echo_url + "/v1/chat/completions", content=b"untouched bytes")
     if block:
         assert r.status_code == 403 and b"blocked" in r.content
     else:

@@ -78,7 +78,7 @@ def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_wr
     async def main() -> tuple[int, bytes, int]:
         gateway = Gateway(EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
                           TraceStore(str(out), shard_max_records=2, shard_max_seconds=0.2))
-        body = trigger.body if isinstance(trigger.body, bytes) else orjson.dumps(trigger.body) if _encodable(trigger.body) else _slow_dumps(trigger.body)
+        body = trigger.encoded()
         status, answer = await _answer(gateway, trigger.api, body, _headers_for_gateway(trigger.headers))
         after, _ = await _answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {}, session="after")
         await asyncio.sleep(0.5)  # the segment seals and becomes shards
@@ -97,25 +97,6 @@ def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_wr
     assert [r.status for r in records if r.session_id == "after"] == ["ok"]
     assert not [p for p in validate_store(str(out)) if "quarantined" in p]
 
-
-def _encodable(value: Any) -> bool:
-    try:
-        orjson.dumps(value)
-        return True
-    except orjson.JSONEncodeError:
-        return False
-
-
-def _slow_dumps(value: Any) -> bytes:
-    import json
-    import sys
-
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(10_000)
-    try:
-        return json.dumps(value).encode()
-    finally:
-        sys.setrecursionlimit(limit)
 
 
 def test_non_utf8_user_agent_is_recorded_readably(engine: str, tmp_path: Path) -> None:
@@ -236,8 +217,7 @@ def test_triggers_and_fuzz_through_mitmdump_never_reach_upstream(engine: str, tm
             engine, out, mode=f"reverse:http://127.0.0.1:{upstream.port}",
             options={"polar_shard_seconds": "0.2", "polar_max_body_mb": "1"}) as proxy:
         for trigger in TRIGGERS:
-            body = trigger.body if isinstance(trigger.body, bytes) else (
-                orjson.dumps(trigger.body) if _encodable(trigger.body) else _slow_dumps(trigger.body))
+            body = trigger.encoded()
             response = _post(proxy.url, trigger.api, body, trigger.headers)
             assert response.status_code == trigger.expect, (trigger.name, response.text[:300])
             if trigger.expect != 200:

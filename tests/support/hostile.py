@@ -55,6 +55,24 @@ class Trigger:
     headers: dict[str, Any] = field(default_factory=dict)
     expect: int = 400  # the status polar must answer
 
+    def encoded(self) -> bytes:
+        return self.body if isinstance(self.body, bytes) else encode_body(self.body)
+
+
+def encode_body(value: Any) -> bytes:
+    """JSON bytes of any test body; the stdlib encoder (with room to recurse) for what orjson refuses to write."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError:
+        import sys
+
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(10_000)
+        try:
+            return json.dumps(value).encode()
+        finally:
+            sys.setrecursionlimit(limit)
+
 
 def _with(api: str, **changes: Any) -> dict[str, Any]:
     body = valid_body(api)
