@@ -114,3 +114,13 @@ def test_a_path_with_no_store_is_an_error(tmp_path: Path, argv: list[str]) -> No
         assert result.exit_code == 2, result.output
         assert "no trace store" in result.output and why in result.output
     assert not (tmp_path / "traces").exists()
+
+
+def test_train_on_a_path_with_no_store_is_an_error(tmp_path: Path, tiny_model_dir: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for store, why in ((tmp_path / "nope", "does not exist"), (tmp_path / "empty", "no trace store")):
+        result = runner.invoke(app, ["train", str(store), "--model", str(tiny_model_dir), "-o", str(tmp_path / "ckpt")],
+                               env={"COLUMNS": "300"})
+        assert result.exit_code == 2, result.output
+        assert why in result.output and "nothing to train" not in result.output
+    assert not (tmp_path / "ckpt").exists()

@@ -359,9 +359,12 @@ def load_traces(
     """
     if is_trace_dataset(paths):
         return read_trace_dataset(paths)
-    if len(paths) != 1 or not paths[0].is_dir():
+    if len(paths) != 1:
         raise ValueError("raw capture shards are read from one trace-store directory (the proxy's polar_out)")
     from polar_addon.store import iter_records, read_sessions
+    from polar_addon.store.reader import require_store
+
+    require_store(str(paths[0]))  # StoreNotFound: a typo is an error, not "nothing to train"
     from polar_cli.build import iter_session_builds
     from polar_cli.build_cmd import load_tokenizer, session_info
 
