@@ -28,6 +28,7 @@ from polar_addon.store import read_records, read_sessions
 from polar_cli.proxy_cmd import recipes
 from tests.conftest import free_port
 from tests.support.proxy import wait_for_port
+from tests.test_train_engine import chat, hf_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -233,6 +234,12 @@ def test_serve_capture_reward_build_train_reload_stop(tiny_model_dir: Path, tmp_
         sh(reload)
         models = httpx.get(f"http://127.0.0.1:{engine_port}/v1/models", timeout=10).json()["data"]
         assert [m["root"] for m in models] == [str((work / "ckpt").resolve())]
+        # What vLLM now serves is the trained checkpoint, token for token.
+        reply = chat(f"http://127.0.0.1:{engine_port}", "hello", model=models[0]["id"])
+        answer = reply["choices"][0]
+        served = [entry["logprob"] for entry in answer["logprobs"]["content"]]
+        trained_logprobs = hf_logprobs(work / "ckpt", reply["prompt_token_ids"], answer["token_ids"])
+        assert max(abs(a - b) for a, b in zip(served, trained_logprobs, strict=True)) < 2e-3
     finally:
         stopped = run_shell(on_ports(stop_engine, ports), work, env)
     assert stopped.returncode == 0 and f"stopped vllm on port {engine_port}" in stopped.stdout, stopped.stderr
