@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from tests.support.hostile import (
     write_script,
 )
 from tests.support.proxy import run_mitmdump
+from tests.support.shards import pending_segments
 
 EXAMPLES = int(os.environ.get("POLAR_FUZZ_EXAMPLES", "12"))
 TRIGGERS = triggers()
@@ -81,8 +83,7 @@ def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_wr
         body = trigger.body if isinstance(trigger.body, bytes) else orjson.dumps(trigger.body) if _encodable(trigger.body) else _slow_dumps(trigger.body)
         status, answer = await _answer(gateway, trigger.api, body, _headers_for_gateway(trigger.headers))
         after, _ = await _answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {}, session="after")
-        await asyncio.sleep(0.5)  # the segment seals and becomes shards
-        gateway.store.check_writable()
+        _until_in_shards(gateway.store, out)
         await gateway.close()
         return status, answer, after
 
@@ -96,6 +97,18 @@ def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_wr
     records = read_records(str(out))
     assert [r.status for r in records if r.session_id == "after"] == ["ok"]
     assert not [p for p in validate_store(str(out)) if "quarantined" in p]
+
+
+def _until_in_shards(store: TraceStore, out: Path, timeout: float = 60.0) -> None:
+    """Wait until the segments holding these calls are shards; a store that stopped writing (the segment
+    stays in the journal) fails at once with its reason, not at the deadline. The store's writer and
+    converter are threads, so blocking this loop holds nothing up."""
+    deadline = time.monotonic() + timeout
+    while pending_segments(out):
+        store.check_writable()
+        assert time.monotonic() < deadline, f"journal segments not in shards after {timeout:g} s"
+        time.sleep(0.02)
+    store.check_writable()
 
 
 def _encodable(value: Any) -> bool:
