@@ -274,6 +274,7 @@ def main() -> None:
             ("  records lost / duplicated / mixed up", f"{load.lost} / {load.duplicated} / {load.mixed_up}", "must be 0"),
             ("  calls that failed (retried by the client; recorded as failed)", load.failed_calls,
              "; ".join(f"{n}x {why}" for why, n in load.failure_reasons.items())[:200]),
+            ("  connections lost (retried by the client)", len(load.transport_errors), "; ".join(load.transport_errors[:3])),
             ("  peak RSS of mitmdump under load", f"{load.peak_rss_mb:.0f} MiB", ""),
         ]
         if load.engine_peak_rss_mb:
@@ -285,6 +286,9 @@ def _load(engine: str, out: Path, args: argparse.Namespace, engine_pid: int | No
     with run_mitmdump(engine, out, mode="reverse:https://api.openai.com",
                       options={"polar_shard_records": "128", "polar_shard_seconds": "1"}) as p:
         load = run_load(p.url, p.process.pid, out, args.sessions, args.turns, args.max_tokens, engine_pid)
+        if load.transport_errors:
+            print("mitmdump's log around lost connections:\n" + "\n".join(
+                line for line in p.logs().splitlines() if "error" in line.lower())[-3000:])
     return check_store(load, out)
 
 

@@ -33,6 +33,7 @@ class LoadResult:
     peak_rss_mb: float
     engine_peak_rss_mb: float = 0.0
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    transport_errors: list[str] = field(default_factory=list)
 
 
 class PeakRss:
@@ -62,19 +63,27 @@ class PeakRss:
         self._thread.join()
 
 
-async def _session(http: httpx.AsyncClient, url: str, sid: str, turns: int, max_tokens: int) -> int:
+async def _session(http: httpx.AsyncClient, url: str, sid: str, turns: int, max_tokens: int,
+                   transport_errors: list[str]) -> int:
     messages = [{"role": "system", "content": "be brief"}]
     for turn in range(turns):
         messages.append({"role": "user", "content": f"{sid} turn {turn}"})
         for _ in range(5):
-            response = await http.post(f"{url}/v1/chat/completions",
-                                       json={"model": "tiny", "messages": messages, "max_tokens": max_tokens},
-                                       headers={"x-polar-session": sid, "authorization": "Bearer sk-load-secret"})
+            try:
+                response = await http.post(f"{url}/v1/chat/completions",
+                                           json={"model": "tiny", "messages": messages, "max_tokens": max_tokens},
+                                           headers={"x-polar-session": sid, "authorization": "Bearer sk-load-secret"})
+            except httpx.TransportError as exc:
+                # Retried as an agent would; counted, and a retry of a call that was in fact answered shows
+                # up as a duplicate in check_store.
+                transport_errors.append(f"{sid} turn {turn}: {type(exc).__name__}")
+                await asyncio.sleep(0.1)
+                continue
             if response.status_code == 200:
                 break
             await asyncio.sleep(0.1)
         else:
-            raise AssertionError(f"{sid} turn {turn}: {response.status_code} {response.text[:200]}")
+            raise AssertionError(f"{sid} turn {turn}: no answer after 5 tries ({transport_errors[-3:]})")
         messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"] or ""})
     return turns
 
@@ -85,17 +94,19 @@ def run_load(url: str, pid: int, out: Path, sessions: int = 64, turns: int = 20,
     proxy afterwards and then calls :func:`check_store`. ``engine_pid``: an engine process whose peak RSS
     (with its children) is reported too."""
 
+    transport_errors: list[str] = []
+
     async def main() -> int:
         limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
         async with httpx.AsyncClient(timeout=300, limits=limits) as http:
-            done = await asyncio.gather(*(_session(http, url, f"load-{i:03d}", turns, max_tokens) for i in range(sessions)))
+            done = await asyncio.gather(*(_session(http, url, f"load-{i:03d}", turns, max_tokens, transport_errors) for i in range(sessions)))
         return sum(done)
 
     t0 = time.monotonic()
     with PeakRss(pid) as rss, PeakRss(engine_pid or pid) as engine_rss:
         answered = asyncio.run(main())
     return LoadResult(sessions, turns, answered, 0, 0, 0, 0, time.monotonic() - t0, rss.peak / 2**20,
-                      engine_rss.peak / 2**20 if engine_pid else 0.0)
+                      engine_rss.peak / 2**20 if engine_pid else 0.0, transport_errors=transport_errors)
 
 
 def check_store(result: LoadResult, out: Path) -> LoadResult:
