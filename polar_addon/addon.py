@@ -37,7 +37,6 @@ PROVIDER_HOSTS = frozenset({"api.openai.com", "api.anthropic.com", "generativela
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "proxy-authorization", "cookie")
 
 
-
 def _seconds(name: str) -> float:
     # mitmproxy options have no float type: durations are strings parsed here.
     raw = getattr(ctx.options, name)
@@ -312,7 +311,7 @@ class Polar:
             return  # mitmproxy reads exactly the declared (bounded) length
         request = flow.request
         counted = CountedBody(cap=cap, token=self.relay.new_token(), scheme=request.scheme, host=request.host,
-                           port=request.port, path=request.path, host_header=request.host_header)
+                              port=request.port, path=request.path, host_header=request.host_header)
         flow.metadata["polar_counted"] = counted
         request.stream = counted.count
         # Chunked to the relay: its read ends only with mitmproxy's end of message, sent after `request` ran.
