@@ -3,11 +3,13 @@
     .venv/bin/python bench/reliability.py            # ~ the test suite's budget
     .venv/bin/python bench/reliability.py --long     # 10x the fuzzing examples
     .venv/bin/python bench/reliability.py --sessions 64 --turns 20
+    .venv/bin/python bench/reliability.py --vllm --load-only   # the load against vLLM CPU too (minutes)
 
 Everything runs for real: the gateway in-process with the scripted engine (tiny model's tokenizer, template
 and logprobs) and a real TraceStore; a real mitmdump in reverse mode in front of a fake upstream that records
 whatever reaches it; engine processes that hang, answer garbage or die; 64 concurrent sessions through
-mitmdump. Rows marked "must be 0" are the invariants.
+mitmdump, against the scripted engine and (``--vllm``) against the tiny model on vLLM CPU. Rows marked
+"must be 0" are the invariants.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ from tests.support.hostile import (  # noqa: E402
     valid_body,
     write_script,
 )
-from tests.support.load import check_store, run_load  # noqa: E402
+from polar_cli.train.reload import serve_vllm, stop_process  # noqa: E402
+from tests.support.load import LoadResult, check_store, run_load  # noqa: E402
 from tests.support.proxy import free_port, run_mitmdump, wait_for_port  # noqa: E402
 
 SECRET = "sk-reliability-secret-0123456789"
@@ -222,6 +225,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--skip-load", action="store_true")
+    parser.add_argument("--vllm", action="store_true", help="run the load against vLLM CPU (.venv-vllm) as well")
+    parser.add_argument("--load-only", action="store_true", help="skip the fuzzing and the faults")
+    parser.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each load call")
     args = parser.parse_args()
     examples = args.examples * (10 if args.long else 1)
     counts = Counts()
@@ -232,20 +238,72 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="polar-reliability-") as tmp_name:
         tmp = Path(tmp_name)
         engine = write_script(tmp / "script.json", model)
-        t0 = time.monotonic()
-        fuzz = fuzz_gateway(engine, tmp / "gateway", examples, counts)
-        t_fuzz = time.monotonic() - t0
-        proxy = through_mitmdump(engine, tmp / "mitm", max(20, examples // 2))
-        fault_rows = faults(tmp, model)
-        load = None
+        fuzz = proxy = None
+        fault_rows: list[tuple[str, bool, str]] = []
+        t_fuzz = 0.0
+        if not args.load_only:
+            t0 = time.monotonic()
+            fuzz = fuzz_gateway(engine, tmp / "gateway", examples, counts)
+            t_fuzz = time.monotonic() - t0
+            proxy = through_mitmdump(engine, tmp / "mitm", max(20, examples // 2))
+            fault_rows = faults(tmp, model)
+        loads: list[tuple[str, LoadResult]] = []
         if not args.skip_load:
-            out = tmp / "load"
-            with run_mitmdump(engine, out, mode="reverse:https://api.openai.com",
-                              options={"polar_shard_records": "128", "polar_shard_seconds": "1"}) as p:
-                load = run_load(p.url, p.process.pid, out, args.sessions, args.turns)
-            load = check_store(load, out)
+            loads.append(("scripted engine", _load(engine, tmp / "load", args)))
+        if args.vllm:
+            loads.append(("vLLM CPU, tiny model", _load_vllm(model, tmp, args)))
 
-    print(f"\npolar reliability ({'long' if args.long else 'default'} mode; {examples} fuzzed bodies per translator in-process, "
+    if fuzz is not None and proxy is not None:
+        _print_fuzz(fuzz, proxy, fault_rows, examples, t_fuzz, args.long)
+    rows = []
+    for name, load in loads:
+        rows += [
+            (f"load: {load.sessions} sessions x {load.turns} turns ({name})", f"{load.answered} answered in {load.seconds:.0f} s",
+             f"{load.answered / load.seconds:.1f} calls/s"),
+            ("  records lost / duplicated / mixed up", f"{load.lost} / {load.duplicated} / {load.mixed_up}", "must be 0"),
+            ("  calls that failed (retried by the client; recorded as failed)", load.failed_calls,
+             "; ".join(f"{n}x {why}" for why, n in load.failure_reasons.items())[:200]),
+            ("  connections lost (retried by the client)", len(load.transport_errors), "; ".join(load.transport_errors[:3])),
+            ("  peak RSS of mitmdump under load", f"{load.peak_rss_mb:.0f} MiB", ""),
+        ]
+        if load.engine_peak_rss_mb:
+            rows.append(("  peak RSS of the engine (vLLM and its engine core)", f"{load.engine_peak_rss_mb:.0f} MiB", ""))
+    _print_rows(rows)
+
+
+def _load(engine: str, out: Path, args: argparse.Namespace, engine_pid: int | None = None) -> LoadResult:
+    with run_mitmdump(engine, out, mode="reverse:https://api.openai.com",
+                      options={"polar_shard_records": "128", "polar_shard_seconds": "1"}) as p:
+        load = run_load(p.url, p.process.pid, out, args.sessions, args.turns, args.max_tokens, engine_pid)
+        if load.transport_errors:
+            print("mitmdump's log around lost connections:\n" + "\n".join(
+                line for line in p.logs().splitlines() if "error" in line.lower())[-3000:])
+    return check_store(load, out)
+
+
+def _load_vllm(model: Path, tmp: Path, args: argparse.Namespace) -> LoadResult:
+    """The same load through mitmdump with the tiny model on a real vLLM CPU server (started as `polar engine
+    serve` starts it)."""
+    port = free_port()
+    server = serve_vllm(str(model), port=port, served_model_name="tiny", state_dir=tmp / "engine-state",
+                        dtype="float32", max_model_len=4096)
+    try:
+        return _load(f"vllm:http://127.0.0.1:{port}", tmp / "load-vllm", args, engine_pid=server.pid)
+    finally:
+        stop_process(server)
+
+
+def _print_rows(rows: list[tuple[str, object, str]]) -> None:
+    if not rows:
+        return
+    width = max(len(r[0]) for r in rows) + 2
+    for name, value, note in rows:
+        print(f"{name:<{width}}{value!s:>24}   {note}")
+
+
+def _print_fuzz(fuzz: dict, proxy: dict, fault_rows: list[tuple[str, bool, str]], examples: int, t_fuzz: float,
+                long: bool) -> None:
+    print(f"\npolar reliability ({'long' if long else 'default'} mode; {examples} fuzzed bodies per translator in-process, "
           f"{t_fuzz:.0f} s)\n")
     print(f"{'translator':<22}{'tried':>7}{'ok':>6}{'4xx':>6}{'bad answer':>12}{'crashes':>9}{'store stopped':>15}{'exc->400':>10}")
     for api, row in fuzz.items():
@@ -268,16 +326,7 @@ def main() -> None:
         ("faults injected / survived", f"{len(fault_rows)} / {sum(ok for _, ok, _ in fault_rows)}", ""),
     ]
     rows += [(f"  {name}", "survived" if ok else "FAILED", detail) for name, ok, detail in fault_rows]
-    if load is not None:
-        rows += [
-            (f"load: {load.sessions} sessions x {load.turns} turns (scripted engine)", f"{load.answered} answered in {load.seconds:.0f} s",
-             f"{load.answered / load.seconds:.1f} calls/s"),
-            ("records lost / duplicated / mixed up", f"{load.lost} / {load.duplicated} / {load.mixed_up}", "must be 0"),
-            ("peak RSS of mitmdump under load", f"{load.peak_rss_mb:.0f} MiB", ""),
-        ]
-    width = max(len(r[0]) for r in rows) + 2
-    for name, value, note in rows:
-        print(f"{name:<{width}}{value!s:>24}   {note}")
+    _print_rows(rows)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from polar_addon import identity
 from polar_addon.canonical import PolarError, SamplingDefaults
-from polar_addon.control import CONTROL_HOST, ControlPlane, check_token, is_control_path, load_or_create_token, token_file
+from polar_addon.control import CONTROL_HOST, MAX_CONTROL_BODY_BYTES, ControlPlane, check_token, is_control_path, load_or_create_token, token_file
 from polar_addon.engines import EnginePool
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
-from polar_addon.relay import STREAM_PREFIX, StreamRelay
+from polar_addon.relay import STREAM_PREFIX, CountedBody, StreamRelay, one_chunk
 from polar_addon.responses_websocket import ResponsesWebSocket, is_responses_upgrade
 from polar_addon.store import TraceStore
 
@@ -190,12 +190,6 @@ class Polar:
     async def running(self) -> None:
         # Eager upstream connects would fail (or leak) for hosts we answer ourselves.
         ctx.options.connection_strategy = "lazy"
-        if not ctx.options.body_size_limit:
-            # Without it any body is buffered whole before the gateway's limit is checked. mitmproxy refuses
-            # a body past it before any hook sees the flow (a plain-text 413), so it is a backstop: bodies
-            # between the two limits get the provider-shaped 413 of `requestheaders` or the gateway.
-            mb = ctx.options.polar_max_body_mb
-            ctx.options.body_size_limit = f"{max(2 * mb, mb + 16)}m"
         if not ctx.options.listen_host:
             log.warning("polar: mitmdump listens on all interfaces; pass --listen-host 127.0.0.1 unless others must reach it")
         await self.relay.start()
@@ -242,6 +236,20 @@ class Polar:
     async def request(self, flow: http.HTTPFlow) -> None:
         if self.gateway is None or flow.response is not None:
             return
+        streamed = self._restore_counted(flow)
+        counted: CountedBody | None = flow.metadata.get("polar_counted")
+        if streamed and counted is not None and counted.seen > counted.cap and self._is_ours(flow) \
+                and self.gateway.owns(flow.request.method, flow.request.path):
+            err = PolarError(413, "invalid_request", f"request body of {counted.seen} bytes exceeds the proxy limit of {counted.cap}")
+            reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
+            flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
+        else:
+            await self._request(flow)
+        if streamed:
+            self._park_answer(flow)
+
+    async def _request(self, flow: http.HTTPFlow) -> None:
+        assert self.gateway is not None
         reverse = isinstance(flow.client_conn.proxy_mode, ReverseMode)
         if _host(flow.request.pretty_host) == CONTROL_HOST or (reverse and is_control_path(flow.request.path)):
             await self._answer_control(flow)
@@ -275,18 +283,71 @@ class Polar:
                                                    {"content-type": "application/json"})
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        # A declared body over the limit is refused before mitmproxy buffers it (body_size_limit, set in
-        # `running`, catches bodies without a length), in the provider's shape.
-        if self.gateway is None or flow.response is not None or not self._is_ours(flow):
+        # mitmproxy's own body_size_limit would answer a plain-text 413 before any hook of ours runs, so it
+        # is left unset: a body polar answers itself is counted here on its way in and never buffered past
+        # polar's limit; other traffic streams through unbuffered.
+        if self.gateway is None or flow.response is not None:
             return
-        if not self.gateway.owns(flow.request.method, flow.request.path):
+        if _host(flow.request.pretty_host) == CONTROL_HOST:
+            self._count_body(flow, MAX_CONTROL_BODY_BYTES)
             return
-        limit = self.gateway.config.max_body_bytes
-        length = flow.request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            err = PolarError(413, "invalid_request", f"request body of {length} bytes exceeds the proxy limit of {limit}")
-            reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
-            flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
+        if self._is_ours(flow) and (self.gateway.owns(flow.request.method, flow.request.path) or is_control_path(flow.request.path)):
+            self._count_body(flow, self.gateway.config.max_body_bytes)
+            return
+        if ctx.options.polar_block_other:
+            self._count_body(flow, 0)  # answered 403 in `request`, the body dropped unread
+            return
+        flow.request.headers.pop("proxy-authorization", None)  # streamed: headers leave before `request`
+        flow.request.stream = True
+
+    def _count_body(self, flow: http.HTTPFlow, cap: int) -> None:
+        """A body that is chunked, undeclared or declared over ``cap`` is read through a counter that keeps at
+        most ``cap + 1`` bytes; the flow is pointed at the loopback relay, where `request` parks its answer."""
+        headers = flow.request.headers
+        length = headers.get("content-length")
+        declared_ok = length is not None and length.isdigit() and int(length) <= cap
+        bodyless = length is None and "transfer-encoding" not in headers and not (flow.request.is_http2 or flow.request.is_http3)
+        if declared_ok or bodyless:
+            return  # mitmproxy reads exactly the declared (bounded) length
+        request = flow.request
+        counted = CountedBody(cap=cap, token=self.relay.new_token(), scheme=request.scheme, host=request.host,
+                              port=request.port, path=request.path, host_header=request.host_header)
+        flow.metadata["polar_counted"] = counted
+        request.stream = counted.count
+        # Chunked to the relay: its read ends only with mitmproxy's end of message, sent after `request` ran.
+        headers.pop("content-length", None)
+        headers["transfer-encoding"] = "chunked"
+        request.scheme, request.host, request.port = "http", "127.0.0.1", self.relay.port
+        request.path = STREAM_PREFIX + counted.token
+
+    @staticmethod
+    def _restore_counted(flow: http.HTTPFlow) -> bool:
+        """Put a counted flow back as the client sent it; True when its body came through the counter (the
+        answer must then be parked at the relay), False when mitmproxy read it (none) or it was not counted."""
+        counted: CountedBody | None = flow.metadata.get("polar_counted")
+        if counted is None:
+            return False
+        request = flow.request
+        streamed = request.raw_content is None
+        request.scheme, request.host, request.port, request.path = counted.scheme, counted.host, counted.port, counted.path
+        request.host_header = counted.host_header
+        # The framing headers stay chunked: mitmproxy ends the relay's body by them after this hook.
+        if streamed:
+            request.data.content = bytes(counted.kept)
+        return streamed
+
+    def _park_answer(self, flow: http.HTTPFlow) -> None:
+        """A counted flow already went to the relay: its answer waits there under the flow's token."""
+        counted: CountedBody = flow.metadata["polar_counted"]
+        if flow.metadata.get("polar_stream"):
+            return  # `_answer` parked the stream under this token
+        response = flow.response
+        if response is None:
+            response = http.Response.make(500, b'{"error":{"type":"api_error","message":"polar internal error"}}',
+                                          {"content-type": "application/json"})
+        flow.response = None  # the relay's answer is the one the client gets
+        self.relay.park(response.status_code, response.headers.get("content-type", "application/json"),
+                        one_chunk(response.raw_content or b""), token=counted.token)
 
     async def _answer(self, flow: http.HTTPFlow, upgrade: bool) -> None:
         assert self.gateway is not None
@@ -313,7 +374,8 @@ class Polar:
         if isinstance(reply, FullReply):
             flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
             return
-        token = self.relay.park(reply.status, reply.content_type, reply.chunks)
+        counted: CountedBody | None = flow.metadata.get("polar_counted")
+        token = self.relay.park(reply.status, reply.content_type, reply.chunks, token=counted and counted.token)
         flow.metadata["polar_stream"] = True
         flow.request.scheme = "http"
         flow.request.host = "127.0.0.1"
@@ -323,7 +385,7 @@ class Polar:
         flow.request.content = b""
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.metadata.get("polar_stream"):
+        if flow.metadata.get("polar_stream") or "polar_counted" in flow.metadata:
             flow.response.stream = True
 
     async def done(self) -> None:

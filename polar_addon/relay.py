@@ -10,12 +10,40 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from aiohttp import web
 
 STREAM_PREFIX = "/_polar/stream/"
 
+
+@dataclass
+class CountedBody:
+    """A request body read through a counter (see ``addon.Polar._count_body``): at most ``cap + 1`` bytes kept."""
+
+    cap: int
+    token: str
+    scheme: str
+    host: str
+    port: int
+    path: str
+    host_header: str | None
+    kept: bytearray = field(default_factory=bytearray)
+    seen: int = 0
+
+    def count(self, chunk: bytes) -> list[bytes]:
+        self.seen += len(chunk)
+        if len(self.kept) <= self.cap:
+            self.kept.extend(chunk[: self.cap + 1 - len(self.kept)])
+        # Nothing travels on (the relay only waits for the end of the body); an empty list, as b"" would be
+        # sent as a chunk of length 0, which ends a chunked body.
+        return []
+
+
+
+async def one_chunk(body: bytes) -> AsyncIterator[bytes]:
+    yield body
 
 class StreamRelay:
     def __init__(self) -> None:
@@ -32,8 +60,13 @@ class StreamRelay:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
-    def park(self, status: int, content_type: str, chunks: AsyncIterator[bytes]) -> str:
-        token = secrets.token_urlsafe(16)
+    @staticmethod
+    def new_token() -> str:
+        return secrets.token_urlsafe(16)
+
+    def park(self, status: int, content_type: str, chunks: AsyncIterator[bytes], token: str | None = None) -> str:
+        """Park a reply; ``token``: one handed out earlier by :meth:`new_token` (a flow already pointed here)."""
+        token = token or self.new_token()
         self._pending[token] = (status, content_type, chunks)
         # A parked stream nobody collects (client gone before the redirect landed) must not leak.
         asyncio.get_running_loop().call_later(600, self._drop, token)
@@ -47,6 +80,9 @@ class StreamRelay:
                 asyncio.ensure_future(aclose())
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
+        # A flow whose body the addon counted on its way (Polar.requestheaders) arrives here before its reply
+        # is parked: the reply is parked by the time the (empty) request body ends.
+        await request.read()
         entry = self._pending.pop(request.match_info["token"], None)
         if entry is None:
             raise web.HTTPNotFound(text="unknown or already used polar stream token")

@@ -12,6 +12,8 @@ import asyncio
 import logging
 import os
 import ssl
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from tests.support.hostile import (
     write_script,
 )
 from tests.support.proxy import run_mitmdump
+from tests.support.shards import pending_segments, session_records
 
 EXAMPLES = int(os.environ.get("POLAR_FUZZ_EXAMPLES", "12"))
 TRIGGERS = triggers()
@@ -81,8 +84,7 @@ def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_wr
         body = trigger.encoded()
         status, answer = await _answer(gateway, trigger.api, body, _headers_for_gateway(trigger.headers))
         after, _ = await _answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {}, session="after")
-        await asyncio.sleep(0.5)  # the segment seals and becomes shards
-        gateway.store.check_writable()
+        _until_in_shards(gateway.store, out)
         await gateway.close()
         return status, answer, after
 
@@ -97,6 +99,17 @@ def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_wr
     assert [r.status for r in records if r.session_id == "after"] == ["ok"]
     assert not [p for p in validate_store(str(out)) if "quarantined" in p]
 
+
+def _until_in_shards(store: TraceStore, out: Path, timeout: float = 60.0) -> None:
+    """Wait until the segments holding these calls are shards; a store that stopped writing (the segment
+    stays in the journal) fails at once with its reason, not at the deadline. The store's writer and
+    converter are threads, so blocking this loop holds nothing up."""
+    deadline = time.monotonic() + timeout
+    while pending_segments(out):
+        store.check_writable()
+        assert time.monotonic() < deadline, f"journal segments not in shards after {timeout:g} s"
+        time.sleep(0.02)
+    store.check_writable()
 
 
 def test_non_utf8_user_agent_is_recorded_readably(engine: str, tmp_path: Path) -> None:
@@ -284,3 +297,43 @@ def test_responses_websocket_answers_hostile_messages_with_error_events(engine: 
     assert all(events[-1]["status"] == 400 for events in answers[:4]), answers[:4]
     assert kinds[4][-1] == "response.completed"  # the socket survived every bad message
     assert kinds[5][0] == "error" and answers[5][0]["status"] == 413, answers[5]
+
+
+def _chunks(body: bytes, size: int = 1 << 16) -> Iterator[bytes]:
+    for i in range(0, len(body), size):
+        yield body[i:i + size]
+
+
+@pytest.mark.timeout(300)
+def test_bodies_over_every_limit_get_a_provider_shaped_413_declared_or_chunked(engine: str, tmp_path: Path) -> None:
+    """A body past mitmproxy's own buffering would be answered by mitmproxy (a plain-text 413) unless polar
+    counts it on its way in: declared or chunked, it gets the provider's 413 and nothing reaches upstream."""
+    out = tmp_path / "shards"
+    huge = b'{"model":"tiny","messages":[{"role":"user","content":"' + b"x" * (20 << 20) + b'"}]}'
+    with RecordingUpstream() as upstream, run_mitmdump(
+            engine, out, mode=f"reverse:http://127.0.0.1:{upstream.port}",
+            options={"polar_shard_seconds": "0.2", "polar_max_body_mb": "1"}) as proxy:
+        answers = []
+        for api in ("openai_chat", "anthropic_messages"):
+            headers = {"content-type": "application/json", "x-api-key": "sk-real-secret", "x-polar-session": "big"}
+            declared = httpx.post(proxy.url + PATHS[api], content=huge, headers=headers, timeout=120)
+            chunked = httpx.post(proxy.url + PATHS[api], content=_chunks(huge), headers=headers, timeout=120)
+            answers += [(api, "declared", declared), (api, "chunked", chunked)]
+        # A chunked body within the limit is answered as any other call, streamed or not, and recorded.
+        small = orjson.dumps(valid_body("openai_chat"))
+        plain = httpx.post(proxy.url + PATHS["openai_chat"], content=_chunks(small, 7),
+                           headers={"content-type": "application/json", "x-polar-session": "chunked"}, timeout=60)
+        streamed = httpx.post(proxy.url + PATHS["openai_chat"], content=_chunks(orjson.dumps({**valid_body("openai_chat"), "stream": True}), 7),
+                              headers={"content-type": "application/json", "x-polar-session": "chunked"}, timeout=60)
+        after = _post(proxy.url, "openai_chat", small, {"x-polar-session": "after"})
+    for api, how, response in answers:
+        assert response.status_code == 413, (api, how, response.text[:300])
+        assert is_provider_error(api, 413, response.content), (api, how, response.text[:300])
+        assert str(len(huge)) in response.json()["error"]["message"], (api, how, response.text[:300])
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["role"] == "assistant", plain.text[:300]
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text[-300:]
+    assert after.status_code == 200, after.text[:300]
+    assert upstream.requests == [], upstream.requests[:3]
+    records = session_records(out, "chunked", at_least=2)
+    assert [r.status for r in records] == ["ok", "ok"]
+    assert [r.status for r in session_records(out, "after", at_least=1)] == ["ok"]
