@@ -45,6 +45,7 @@ from polar_addon.store.validate import validate_store  # noqa: E402
 from tests.support.hostile import (  # noqa: E402
     PATHS,
     RecordingUpstream,
+    hang_up_mid_stream,
     hostile_body,
     hostile_identity,
     is_provider_error,
@@ -202,15 +203,7 @@ def faults(tmp: Path, model: Path) -> list[tuple[str, bool, str]]:
     slow = write_script(tmp / "slow.json", model, latency_s=1.5)
     with run_mitmdump(slow, out, mode="reverse:https://api.openai.com",
                       options={"polar_keepalive": "0.2", "polar_shard_seconds": "0.2"}) as proxy:
-        async def cut() -> None:
-            async with httpx.AsyncClient(timeout=30) as http:
-                async with http.stream("POST", proxy.url + "/v1/chat/completions", json={**valid_body("openai_chat"), "stream": True},
-                                       headers={"x-polar-session": "cut"}) as response:
-                    async for _ in response.aiter_bytes():
-                        break
-        for _ in range(3):
-            asyncio.run(cut())
-        time.sleep(2)
+        hang_up_mid_stream(proxy.url, out)
         after = httpx.post(proxy.url + "/v1/chat/completions", json=valid_body("openai_chat"), headers={"x-polar-session": "after"}, timeout=60)
     records = read_records(str(out))
     ok = after.status_code == 200 and [r.seq for r in records if r.session_id == "cut"] == [0, 1, 2]

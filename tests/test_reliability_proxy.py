@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 
 from polar_addon.store import read_records
 from polar_addon.store.validate import validate_store
-from tests.support.hostile import is_provider_error, valid_body, write_script
+from tests.support.hostile import hang_up_mid_stream, is_provider_error, valid_body, write_script
 from tests.support.load import check_store, run_load
 from tests.support.proxy import free_port, run_mitmdump, wait_for_port
 
@@ -105,18 +104,7 @@ def test_client_disconnecting_mid_stream_leaves_the_proxy_serving(tiny_model_dir
     with run_mitmdump(engine, out, mode="reverse:https://api.openai.com",
                       options={"polar_keepalive": "0.2", "polar_shard_seconds": "0.2"}) as proxy:
 
-        async def cut() -> None:
-            async with httpx.AsyncClient(timeout=30) as http:
-                async with http.stream("POST", proxy.url + "/v1/chat/completions",
-                                       json={**valid_body("openai_chat"), "stream": True},
-                                       headers={"x-polar-session": "cut"}) as response:
-                    assert response.status_code == 200
-                    async for _ in response.aiter_bytes():
-                        break  # the first keep-alive arrived: hang up
-
-        for _ in range(3):
-            asyncio.run(cut())
-        time.sleep(2)  # the engine finishes the abandoned calls
+        hang_up_mid_stream(proxy.url, out)
         after = httpx.post(proxy.url + "/v1/chat/completions", json=valid_body("openai_chat"),
                            headers={"x-polar-session": "after"}, timeout=60)
     assert after.status_code == 200

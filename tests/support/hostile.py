@@ -269,3 +269,26 @@ def hostile_identity(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         headers["x-api-key"] = "polar:" + draw(IDENTITY_TEXT)
     return headers
+
+
+def hang_up_mid_stream(proxy_url: str, out: Path, session: str = "cut", times: int = 3) -> list:
+    """``times`` streaming calls whose client hangs up at the first keep-alive; returns the session's records
+    once all of them are stored (an abandoned call is still generated and persisted, later than the hang-up)."""
+    import asyncio
+
+    import httpx
+
+    from tests.support.shards import session_records
+
+    async def cut() -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with http.stream("POST", proxy_url + "/v1/chat/completions",
+                                   json={**valid_body("openai_chat"), "stream": True},
+                                   headers={"x-polar-session": session}) as response:
+                assert response.status_code == 200
+                async for _ in response.aiter_bytes():
+                    break  # the first keep-alive arrived: hang up
+
+    for _ in range(times):
+        asyncio.run(cut())
+    return session_records(out, session, at_least=times)
