@@ -20,6 +20,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+# Engines sample greedily below this temperature (vLLM's _SAMPLING_EPS; SGLang's is 1e-6); polar records
+# such a call as the greedy call it is, so a denormal temperature never reaches a division.
+GREEDY_BELOW = 1e-5
+
 # Canonical finish reasons (OpenAI's vocabulary); providers map them to their own.
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "abort"]
 
@@ -67,11 +71,15 @@ class SamplingDefaults:
 
 def with_defaults(sampling: SamplingParams, defaults: SamplingDefaults) -> SamplingParams:
     """Every parameter that shapes the sampled distribution made explicit, as the engine gets it and
-    the record keeps it. A top_k of 0 or below (engines' spellings of "off") becomes 0."""
+    the record keeps it. A top_k of 0 or below (engines' spellings of "off") becomes 0; a temperature
+    below GREEDY_BELOW becomes 0 (greedy), as the engines treat it."""
     top_k = defaults.top_k if sampling.top_k is None else max(int(sampling.top_k), 0)
+    temperature = defaults.temperature if sampling.temperature is None else float(sampling.temperature)
+    if 0 <= temperature < GREEDY_BELOW:
+        temperature = 0.0
     return replace(
         sampling,
-        temperature=defaults.temperature if sampling.temperature is None else float(sampling.temperature),
+        temperature=temperature,
         top_p=defaults.top_p if sampling.top_p is None else float(sampling.top_p),
         top_k=top_k,
         min_p=defaults.min_p if sampling.min_p is None else float(sampling.min_p),

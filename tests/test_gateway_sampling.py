@@ -48,6 +48,14 @@ def test_omitted_parameters_are_filled_and_sent_explicitly() -> None:
         SamplingDefaults(top_p=0.0)
 
 
+@pytest.mark.parametrize("tiny", [5e-324, 1e-300, 9.99e-6])
+def test_a_temperature_engines_treat_as_greedy_is_recorded_as_greedy(tiny: float) -> None:
+    # Found by the fuzzer: 5e-324 divided logits into inf and the logprob into NaN (a 502).
+    assert with_defaults(SamplingParams(temperature=tiny), SamplingDefaults()).temperature == 0.0
+    assert with_defaults(SamplingParams(temperature=1e-5), SamplingDefaults()).temperature == 1e-5
+    assert with_defaults(SamplingParams(), SamplingDefaults(temperature=tiny)).temperature == 0.0
+
+
 def test_records_carry_the_defaults_the_engine_got(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "shards"
     defaults = SamplingDefaults(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01)
