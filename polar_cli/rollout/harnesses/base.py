@@ -1,0 +1,61 @@
+"""The one interface every harness preset implements: write the harness's own config into the session's HOME,
+give the session its identity, and say how to run it non-interactively on one instruction."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """Everything a preset needs for one session. URLs and paths are as seen inside the sandbox."""
+
+    session_id: str
+    task_id: str
+    group_id: str
+    sample: int
+    model: str
+    proxy_url: str  # forward proxy, e.g. http://127.0.0.1:8080 (no credentials)
+    reverse_url: str  # reverse proxy base, e.g. http://127.0.0.1:8081
+    ca_path: str
+    home: str  # HOME inside
+    workspace: str  # the working directory inside
+    context_window: int | None = None  # the served model's window, for harnesses that budget by tokens
+    max_output_tokens: int | None = None
+
+    def identity_fields(self) -> str:
+        """``session=..;task=..;group=..;sample=..``: what the addon reads from an API key after ``polar:`` or
+        from the forward proxy's credentials (``polar_addon.identity``)."""
+        return f"session={self.session_id};task={self.task_id};group={self.group_id};sample={self.sample}"
+
+    def api_key(self) -> str:
+        return "polar:" + self.identity_fields()
+
+    def forward_proxy_url(self) -> str:
+        """The forward proxy URL carrying the identity as its credentials (percent-encoded)."""
+        from urllib.parse import quote
+
+        scheme, _, host = self.proxy_url.partition("://")
+        return f"{scheme}://{quote(self.session_id, safe='')}:{quote(self.identity_fields(), safe='')}@{host}"
+
+
+class HarnessPreset(abc.ABC):
+    """How to run one harness. ``name`` is what ``--harness`` selects; ``binaries`` are the CLIs it needs
+    (looked up in ``.harness/node_modules/.bin`` or on PATH)."""
+
+    name: str
+    binaries: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def configure(self, home: Path, ctx: SessionContext) -> None:
+        """Write the harness's config files under ``home`` (the host directory that is HOME inside)."""
+
+    @abc.abstractmethod
+    def env(self, ctx: SessionContext) -> dict[str, str]:
+        """Environment variables for the harness process (identity, endpoints, CA, non-interactive switches)."""
+
+    @abc.abstractmethod
+    def command(self, instruction: str, ctx: SessionContext) -> list[str]:
+        """argv that runs the harness once on ``instruction`` and exits."""

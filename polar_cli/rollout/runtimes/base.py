@@ -1,0 +1,104 @@
+"""The one interface every sandbox runtime implements (local subprocess, bubblewrap, podman/docker, and later
+remote sandboxes such as Modal, E2B or Daytona).
+
+A runtime starts a :class:`Sandbox` for one session from a :class:`SandboxSpec`. Inside, the agent sees its
+workspace at ``sandbox.workspace`` and its HOME at ``sandbox.home``; it reaches polar's proxy at
+``sandbox.proxy_url`` (forward) / ``sandbox.reverse_url`` (reverse, base URLs) and trusts ``sandbox.ca_path``.
+Nothing else of the host is reachable where the runtime can prevent it (``network="proxy-only"``).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Mapping, Sequence
+
+NetworkMode = Literal["host", "proxy-only", "none"]
+
+
+@dataclass(frozen=True)
+class ProxyEndpoints:
+    """polar's proxy as the host sees it (both listeners on 127.0.0.1) and its CA certificate file."""
+
+    forward_port: int
+    reverse_port: int
+    ca: Path
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What one session's sandbox needs. ``workspace`` and ``home`` are host directories the runtime makes
+    the sandbox's own (bound or copied in); ``image``/``dockerfile`` only matter to image runtimes."""
+
+    name: str  # unique per session (the session id); names containers, sockets, scratch dirs
+    workspace: Path
+    home: Path
+    proxy: ProxyEndpoints
+    network: NetworkMode = "proxy-only"
+    image: str | None = None
+    dockerfile: Path | None = None
+    workdir: str | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    pids: int | None = 4096
+    # Host paths made visible read-only inside at the same path (the harness CLIs' install, node).
+    read_only: Sequence[Path] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int  # -1 when killed by the timeout or a cancel
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    cancelled: bool = False
+
+
+class Sandbox(abc.ABC):
+    """One running sandbox. All methods are safe to call from several tasks of one event loop."""
+
+    workspace: str  # the workspace path inside
+    home: str  # HOME inside
+    proxy_url: str  # forward proxy URL as seen inside, e.g. http://127.0.0.1:8080
+    reverse_url: str  # reverse proxy base URL as seen inside, e.g. http://127.0.0.1:8081
+    ca_path: str  # mitmproxy's CA certificate path inside
+
+    @abc.abstractmethod
+    async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
+                   cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
+        """Run ``command`` (argv, or a shell string run by ``sh -c``) inside; never raises on a non-zero exit."""
+
+    @abc.abstractmethod
+    async def upload(self, local: Path, remote: str) -> None:
+        """Copy a host file or directory to ``remote`` inside."""
+
+    @abc.abstractmethod
+    async def download(self, remote: str, local: Path) -> None:
+        """Copy a file or directory from inside to the host (raises FileNotFoundError when absent)."""
+
+    @abc.abstractmethod
+    async def cancel(self) -> None:
+        """Kill every process running inside now (running ``exec`` calls return ``cancelled=True``)."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Tear everything down (idempotent)."""
+
+
+class Runtime(abc.ABC):
+    """A kind of sandbox. ``name`` is what ``--runtime`` selects."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def start(self, spec: SandboxSpec) -> Sandbox:
+        """Start a sandbox; raises :class:`RuntimeUnavailable` (an infrastructure failure, retried at INIT)."""
+
+    async def close(self) -> None:
+        """Release what the runtime holds across sandboxes (daemons, built images)."""
+
+
+class RuntimeUnavailable(RuntimeError):
+    """The runtime could not start a sandbox (missing binary, daemon down, image build failed)."""
