@@ -44,6 +44,10 @@ class SandboxSpec:
     pids: int | None = 4096
     # Host paths made visible read-only inside at the same path (the harness CLIs' install, node).
     read_only: Sequence[Path] = ()
+    # Inside path -> host directory, writable (Harbor's /tests and /logs/verifier for the verifier). A runtime
+    # that cannot place a directory at an absolute path (local) raises RuntimeUnavailable naming the runtimes
+    # that can.
+    binds: Mapping[str, Path] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
 
 
