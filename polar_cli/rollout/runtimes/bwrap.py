@@ -210,7 +210,7 @@ class BwrapSandbox(Sandbox):
         local = Path(local)
         with tempfile.TemporaryDirectory(dir=local.parent if local.parent.exists() else None) as tmp:
             with tarfile.open(fileobj=io.BytesIO(out), mode="r") as tar:
-                tar.extractall(tmp, filter="data")
+                tar.extractall(tmp, filter=_contained)
             unpacked = Path(tmp) / posixpath.basename(remote)
             if local.is_dir() and not local.is_symlink() and unpacked.is_dir():
                 shutil.rmtree(local)
@@ -233,6 +233,15 @@ class BwrapSandbox(Sandbox):
             _kill(bridge)
             await bridge.wait()
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _contained(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """tarfile's "data" filter, skipping (not failing on) what it refuses: a link out of the download is dropped,
+    the rest of a workspace still comes back."""
+    try:
+        return tarfile.data_filter(member, dest)
+    except tarfile.FilterError:
+        return None
 
 
 def _kill(proc: asyncio.subprocess.Process) -> None:
