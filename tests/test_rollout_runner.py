@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -172,3 +173,34 @@ def test_polar_rollout_command_then_build(tiny_model_dir: Path, tmp_path: Path, 
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "no session was usable" in failed.stderr
     assert json.loads((tmp_path / "report" / "rollout-summary.json").read_text())["statuses"]["error"] == 1
+
+
+def _harbor_task(root: Path, name: str, test_sh: str) -> None:
+    task = root / name
+    (task / "environment" / "app").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n')
+    (task / "instruction.md").write_text("<!-- harbor-canary GUID x -->\nWrite the answer into answer.txt.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nWORKDIR /app\nCOPY app/ /app/\n")
+    (task / "environment" / "app" / "README").write_text("start\n")
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\ncd /app\n" + test_sh)
+
+
+@pytest.mark.skipif(not shutil.which("bwrap") or not shutil.which("socat"), reason="bubblewrap/socat missing (make sandbox)")
+def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> None:
+    """Harbor directories unchanged: the workspace at the Dockerfile's WORKDIR, tests/ at /tests for the verifier
+    only, the reward from /logs/verifier (reward.txt, or reward.json's named rewards), the agent proxy-only."""
+    tasks = tmp_path / "harbor"
+    _harbor_task(tasks, "txt", 'test "$(cat answer.txt)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n')
+    _harbor_task(tasks, "json", 'test -e /tests/test.sh && test ! -e /app/tests && echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n')
+    _harbor_task(tasks, "silent", "true\n")  # writes no reward: an error, never a 0
+    result = _run(proxy, tasks, samples=1, concurrency=3, runtime="bwrap",
+                  read_only=[Path(sys.prefix).resolve(), Path(sys.base_prefix), REPO])
+    got = {s.task_id: (s.status, s.rewards) for s in result.sessions}
+    assert got["txt"] == ("completed", {"reward": 1.0})
+    assert got["json"] == ("completed", {"reward": 0.5, "tests": 1.0, "style": 0.0})
+    silent = next(s for s in result.sessions if s.task_id == "silent")
+    assert silent.status == "error" and "neither /logs/verifier/reward.txt nor reward.json" in (silent.reason or "")
+    # Local cannot place /tests: it says which runtimes can.
+    local = _run(proxy, tasks / "txt", samples=1, init_attempts=1)
+    assert local.sessions[0].status == "error" and "bwrap" in (local.sessions[0].reason or "")
