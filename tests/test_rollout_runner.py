@@ -78,6 +78,8 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
         {"id": "flaky-setup", "instruction": "Write the answer.", "verify": "test -f answer.txt",
          "setup": f"test -e {marker} || {{ touch {marker}; exit 1; }}"},
         {"id": "broken-setup", "instruction": "never runs", "setup": "echo no disk >&2; exit 3"},
+        # The agent writes answer.txt ("42"); a verifier that writes no reward file must not pass it off as one.
+        {"id": "planted", "instruction": "Write the answer.", "reward_file": "answer.txt"},
     )  # fmt: skip
     result = _run(proxy, tasks, samples=2, concurrency=4, ready=4, init_attempts=2, seed=11,
                   logs_dir=tmp_path / "logs")
@@ -87,14 +89,15 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
     statuses = {t: sorted(s.status for s in ss) for t, ss in by_task.items()}
     assert statuses == {"pass": ["completed"] * 2, "fail": ["completed"] * 2, "crash": ["error"] * 2,
                         "hang": ["timeout"] * 2, "self": ["completed"] * 2, "flaky-setup": ["completed"] * 2,
-                        "broken-setup": ["error"] * 2}, [(s.session_id, s.task_id, s.reason) for s in result.sessions]
+                        "broken-setup": ["error"] * 2, "planted": ["error"] * 2}, [(s.session_id, s.task_id, s.reason) for s in result.sessions]
     rewards = {t: sorted(s.reward for s in ss if s.reward is not None) for t, ss in by_task.items()}
     assert rewards["pass"] == [1.0, 1.0] and rewards["fail"] == [0.0, 0.0] and rewards["self"] == [1.0, 1.0]
     assert sorted(s.init_attempts for s in by_task["flaky-setup"]) == [1, 2]  # one session met the failure, retried
     assert all(s.init_attempts == 2 and not s.ran and "exited 3" in (s.reason or "") for s in by_task["broken-setup"])
     assert all(s.ran and s.exit_code not in (0, None) for s in by_task["crash"])
     assert all(s.session_id.startswith("r11-") for s in result.sessions)
-    assert result.summary()["statuses"] == {"completed": 8, "timeout": 2, "error": 4, "cancelled": 0}
+    assert all("wrote no answer.txt" in (s.reason or "") for s in by_task["planted"])
+    assert result.summary()["statuses"] == {"completed": 8, "timeout": 2, "error": 6, "cancelled": 0}
 
     store = _store(proxy)
     wait_for_shards(store)
