@@ -1,4 +1,5 @@
-"""The isolated sandbox runtimes (bwrap; oci in tests/test_rollout_sandbox_oci.py), real bubblewrap and socat, no mocks.
+"""The isolated sandbox runtimes, bwrap (bubblewrap) and oci (podman, on an image built from the host's binaries):
+real sandboxes, real socat bridges, a real mitmdump with the scripted engine, no mocks.
 
 Every isolation claim is checked twice: the probe fails in the isolated sandbox AND succeeds where the isolation is
 deliberately absent (network=host, or the secret bound in), so a probe that could never succeed proves nothing.
@@ -23,8 +24,9 @@ import orjson
 import pytest
 
 from polar_cli.mitm import REPO, Proxy, free_port, mitmdump_command, wait_for_port
-from polar_cli.rollout.runtimes import bwrap
-from polar_cli.rollout.runtimes.base import ProxyEndpoints, SandboxSpec
+from polar_cli.rollout.runtimes import bwrap, oci
+from polar_cli.rollout.runtimes.base import ProxyEndpoints, Runtime, SandboxSpec
+from tests.support.oci_image import build_test_image
 from tests.support.shards import session_records
 
 ANSWER = "Sandboxed hello."
@@ -65,6 +67,20 @@ def proxy(tiny_model_dir, tmp_path_factory):
         while not (p.out / ".control-token").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         yield p, rev
+
+
+@pytest.fixture(scope="module")
+def oci_image() -> str:
+    return build_test_image()
+
+
+@pytest.fixture(params=["bwrap", "oci"])
+def make_runtime(request):
+    """A factory of the runtime under test (each test's event loop gets its own instance)."""
+    if request.param == "bwrap":
+        return bwrap.make
+    image = request.getfixturevalue("oci_image")
+    return lambda: oci.make(image=image)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +137,8 @@ def test_runs_as_unprivileged_user_and_cannot_write_the_host(tmp_path):
         box = await bwrap.make().start(spec_for(tmp_path, "a", endpoints(tmp_path), network="none"))
         try:
             result = await box.exec(f"id -u; touch /usr/{marker}; touch /etc/{marker}; mount -o remount,rw /usr; "
-                                    f"echo ok > {box.workspace}/w; echo h > $HOME/h; echo t > /tmp/t; cat {box.ca_path}")
+                                    f"echo ok > {box.workspace}/w; echo h > $HOME/h; echo t > /tmp/t; "
+                                    f"cat {box.ca_path}")
         finally:
             await box.stop()
         return box, result
@@ -137,9 +154,9 @@ def test_runs_as_unprivileged_user_and_cannot_write_the_host(tmp_path):
     assert not box.scratch.exists()
 
 
-def test_sessions_share_state_across_exec_but_not_across_sandboxes(tmp_path):
+def test_sessions_share_state_across_exec_but_not_across_sandboxes(make_runtime, tmp_path):
     async def main():
-        rt = bwrap.make()
+        rt = make_runtime()
         ends = endpoints(tmp_path)
         a = await rt.start(spec_for(tmp_path, "a", ends, network="none"))
         b = await rt.start(spec_for(tmp_path, "b", ends, network="none"))
@@ -162,7 +179,7 @@ def test_sessions_share_state_across_exec_but_not_across_sandboxes(tmp_path):
     assert own.exit_code != 0
 
 
-def test_cannot_read_the_control_token_nor_the_store(proxy, tmp_path):
+def test_cannot_read_the_control_token_nor_the_store(make_runtime, proxy, tmp_path):
     p, rev = proxy
     token = p.out / ".control-token"
     assert token.exists() and p.out.is_dir()
@@ -170,7 +187,7 @@ def test_cannot_read_the_control_token_nor_the_store(proxy, tmp_path):
 
     async def main(read_only):
         ends = ProxyEndpoints(p.port, rev, p.ca)
-        box = await bwrap.make().start(spec_for(tmp_path, f"s{len(read_only)}", ends, read_only=read_only))
+        box = await make_runtime().start(spec_for(tmp_path, f"s{len(read_only)}", ends, read_only=read_only))
         try:
             return await box.exec(probe)
         finally:
@@ -184,7 +201,7 @@ def test_cannot_read_the_control_token_nor_the_store(proxy, tmp_path):
     assert p.control_token in leaked.stdout
 
 
-def test_proxy_only_reaches_the_proxy_and_nothing_else(proxy, host_listener, tmp_path):
+def test_proxy_only_reaches_the_proxy_and_nothing_else(make_runtime, proxy, host_listener, tmp_path):
     p, rev = proxy
     ip = host_ip()
     chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
@@ -192,7 +209,7 @@ def test_proxy_only_reaches_the_proxy_and_nothing_else(proxy, host_listener, tmp
 
     async def main(network: str):
         ends = ProxyEndpoints(p.port, rev, p.ca)
-        box = await bwrap.make().start(spec_for(tmp_path, network, ends, network=network))
+        box = await make_runtime().start(spec_for(tmp_path, network, ends, network=network))
         curl = "curl -sS --max-time 20 -H 'content-type: application/json' -H 'authorization: Bearer k'"
         try:
             forward = await box.exec(f"{curl} --proxy http://{session}@127.0.0.1:{p.port} --cacert {box.ca_path} "
@@ -227,7 +244,7 @@ def test_proxy_only_reaches_the_proxy_and_nothing_else(proxy, host_listener, tmp
     assert routes.stdout.split("ROUTES\n")[1].strip()
 
 
-def test_exec_timeout_and_cancel_kill_the_whole_process_tree(tmp_path):
+def test_exec_timeout_and_cancel_kill_the_whole_process_tree(make_runtime, tmp_path):
     def alive(tag: str) -> bool:
         """Any process on the host whose command line has ``tag``."""
         for proc in Path("/proc").iterdir():
@@ -244,7 +261,7 @@ def test_exec_timeout_and_cancel_kill_the_whole_process_tree(tmp_path):
                 f"sh -c 'trap \"\" TERM; sleep {tag}' & sleep {tag}")
 
     async def main():
-        box = await bwrap.make().start(spec_for(tmp_path, "t", endpoints(tmp_path), network="none"))
+        box = await make_runtime().start(spec_for(tmp_path, "t", endpoints(tmp_path), network="none"))
         try:
             tag1 = f"{900 + (uuid.uuid4().int % 1000) / 1000:.3f}"
             started = time.monotonic()
@@ -277,7 +294,7 @@ def test_exec_timeout_and_cancel_kill_the_whole_process_tree(tmp_path):
     assert still_usable.stdout == "fine\n"
 
 
-def test_upload_download_binds_and_environment(tmp_path):
+def test_upload_download_binds_and_environment(make_runtime, tmp_path):
     src = tmp_path / "src"
     (src / "pkg").mkdir(parents=True)
     (src / "pkg" / "a.py").write_text("print('a')\n")
@@ -289,7 +306,7 @@ def test_upload_download_binds_and_environment(tmp_path):
     outside.write_text("host secret\n")
 
     async def main():
-        box = await bwrap.make().start(spec_for(
+        box = await make_runtime().start(spec_for(
             tmp_path, "u", endpoints(tmp_path), network="none", env={"FROM_SPEC": "spec"},
             binds={"/tests": tests_dir, "/logs/verifier": logs_dir}, read_only=(REPO / ".harness",)))
         try:
@@ -333,3 +350,38 @@ def test_harness_cli_runs_inside(tmp_path):
 
     result = run(main())
     assert result.exit_code == 0 and "codex" in result.stdout.lower(), result
+
+
+def test_oci_limits_host_untouched_and_dockerfile_built_once(oci_image, tmp_path):
+    marker = f"polar-oci-{uuid.uuid4().hex}"
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text(f"FROM {oci_image}\nRUN echo {marker} > /built\nWORKDIR /app\n")
+
+    async def main():
+        rt = oci.make()
+        spec = spec_for(tmp_path, "l", endpoints(tmp_path), network="none", dockerfile=context / "Dockerfile",
+                        workdir="/app", cpus=0.5, memory_mb=256, pids=64)
+        box = await rt.start(spec)
+        try:
+            probe = await box.exec(f"cat /built; touch /usr/{marker}; "
+                                   "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/pids/pids.max "
+                                   "/sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us; pwd")
+        finally:
+            await box.stop()
+        started = time.monotonic()
+        again = await rt.start(spec_for(tmp_path, "l2", endpoints(tmp_path), network="none",
+                                        dockerfile=context / "Dockerfile"))
+        second_start = time.monotonic() - started
+        await again.stop()
+        gone = subprocess.run(["podman", "container", "exists", box.container]).returncode
+        return probe, second_start, gone
+
+    probe, second_start, gone = run(main())
+    built, memory, pids, quota, period, cwd = probe.stdout.split()
+    assert built == marker
+    assert not Path(f"/usr/{marker}").exists()  # the container's /usr is the image's, not the host's
+    assert int(memory) == 256 * 2**20 and int(pids) == 64 and int(quota) / int(period) == 0.5
+    assert cwd == "/app"
+    assert second_start < 5  # the image was built once (a build with RUN takes longer)
+    assert gone != 0  # stop removed the container

@@ -29,15 +29,15 @@ import io
 import os
 import posixpath
 import shutil
-import signal
 import subprocess
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
+from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
 
 HOME = "/home/polar"
 WORKSPACE = "/workspace"
@@ -46,24 +46,6 @@ CA_INSIDE = f"{RUN_DIR}/mitmproxy-ca-cert.pem"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
 
-# Run inside before the command in proxy-only mode: one socat per proxy port on the sandbox's loopback, relaying
-# to the host's socket; the command starts once both ports listen (the agent's first call must not race them).
-# /proc/net/tcp lists listeners as "0100007F:<PORT HEX> 00000000:0000 0A".
-_BRIDGE = r"""
-for pair in $POLAR_BRIDGE; do
-  port=${pair%%=*}; sock=${pair#*=}
-  socat TCP-LISTEN:$port,bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:$sock 2>/dev/null &
-done
-for pair in $POLAR_BRIDGE; do
-  hex=$(printf '%04X' "${pair%%=*}"); i=0
-  until grep -q ":$hex 00000000:0000 0A" /proc/net/tcp; do
-    i=$((i+1)); [ $i -gt 2000 ] && { echo "polar: sandbox proxy bridge did not start" >&2; exit 125; }
-    sleep 0.005
-  done
-done
-unset POLAR_BRIDGE
-exec "$@"
-"""
 
 
 def find_bwrap() -> str | None:
@@ -80,7 +62,8 @@ def find_bwrap() -> str | None:
 
 
 class BwrapSandbox(Sandbox):
-    def __init__(self, runtime: BwrapRuntime, spec: SandboxSpec, scratch: Path, bridges: list[asyncio.subprocess.Process]):
+    def __init__(self, runtime: BwrapRuntime, spec: SandboxSpec, scratch: Path,
+                 bridges: list[asyncio.subprocess.Process]):
         self.runtime = runtime
         self.spec = spec
         self.scratch = scratch
@@ -130,14 +113,8 @@ class BwrapSandbox(Sandbox):
         merged = {"PATH": PATH, "HOME": HOME, "USER": "polar", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
                   **self.spec.env, **(env or {})}
         if network == "proxy-only":
-            merged["POLAR_BRIDGE"] = " ".join(f"{port}={RUN_DIR}/sockets/{name}.sock" for name, port in self._ports())
+            merged["POLAR_BRIDGE"] = bridge_env(self.spec.proxy, f"{RUN_DIR}/sockets")
         return merged
-
-    def _ports(self) -> list[tuple[str, int]]:
-        ports = [("forward", self.spec.proxy.forward_port)]
-        if self.spec.proxy.reverse_port and self.spec.proxy.reverse_port != self.spec.proxy.forward_port:
-            ports.append(("reverse", self.spec.proxy.reverse_port))
-        return ports
 
     async def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
                   timeout_s: float | None = None, stdin: bytes | None = None,
@@ -148,7 +125,7 @@ class BwrapSandbox(Sandbox):
         network = network or self.spec.network
         command = list(argv)
         if network == "proxy-only":
-            command = ["/bin/sh", "-c", _BRIDGE, "polar-bridge", *command]
+            command = ["/bin/sh", "-c", BRIDGE_SCRIPT, "polar-bridge", *command]
         proc = await asyncio.create_subprocess_exec(
             *self.bwrap_args(network, cwd or self.workspace), "--", *command,
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
@@ -161,11 +138,11 @@ class BwrapSandbox(Sandbox):
                 out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
-                _kill(proc)
+                kill_group(proc)
                 out, err = await proc.communicate()
         except BaseException:
             # The caller was cancelled (e.g. the session's task): the sandboxed processes must not outlive it.
-            _kill(proc)
+            kill_group(proc)
             raise
         finally:
             self.running.discard(proc)
@@ -197,8 +174,7 @@ class BwrapSandbox(Sandbox):
             raise OSError(f"upload to {remote} in sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
 
     async def download(self, remote: str, local: Path) -> None:
-        # Packed by tar inside (paths resolved in the sandbox), unpacked on the host with tarfile's "data" filter:
-        # no absolute paths, no links pointing out, no devices, so a hostile workspace cannot write elsewhere.
+        # Packed by tar inside (paths resolved in the sandbox's mounts), unpacked on the host without trusting it.
         remote = posixpath.normpath(remote)
         code, out, err, _, _ = await self.run(
             ["/bin/sh", "-c", 'test -e "$1/$2" || exit 44; tar -C "$1" -cf - "$2"', "download",
@@ -207,51 +183,20 @@ class BwrapSandbox(Sandbox):
             raise FileNotFoundError(f"{remote} does not exist in sandbox {self.spec.name}")
         if code != 0:
             raise OSError(f"download of {remote} from sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
-        local = Path(local)
-        with tempfile.TemporaryDirectory(dir=local.parent if local.parent.exists() else None) as tmp:
-            with tarfile.open(fileobj=io.BytesIO(out), mode="r") as tar:
-                tar.extractall(tmp, filter=_contained)
-            unpacked = Path(tmp) / posixpath.basename(remote)
-            if local.is_dir() and not local.is_symlink() and unpacked.is_dir():
-                shutil.rmtree(local)
-            elif local.exists() or local.is_symlink():
-                local.unlink()
-            local.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(unpacked), str(local))
+        extract_contained(out, posixpath.basename(remote), Path(local))
 
     async def cancel(self) -> None:
         for proc in list(self.running):
             self.cancelled.add(proc)
-            _kill(proc)
+            kill_group(proc)
 
     async def stop(self) -> None:
         if self.stopped:
             return
         await self.cancel()
         self.stopped = True
-        for bridge in self.bridges:
-            _kill(bridge)
-            await bridge.wait()
+        await stop_processes(self.bridges)
         shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def _contained(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-    """tarfile's "data" filter, skipping (not failing on) what it refuses: a link out of the download is dropped,
-    the rest of a workspace still comes back."""
-    try:
-        return tarfile.data_filter(member, dest)
-    except tarfile.FilterError:
-        return None
-
-
-def _kill(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL bwrap's process group: its pid 1 inside dies with it (--die-with-parent) and the kernel then kills
-    every process of the sandbox's pid namespace."""
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class BwrapRuntime(Runtime):
@@ -296,29 +241,13 @@ class BwrapRuntime(Runtime):
         (scratch / "tmp").mkdir()
         (scratch / "tmp").chmod(0o1777)
         bridges: list[asyncio.subprocess.Process] = []
-        sandbox = BwrapSandbox(self, spec, scratch, bridges)
         if spec.network == "proxy-only":
-            sockets = scratch / "sockets"
-            sockets.mkdir()
             try:
-                for name, port in sandbox._ports():
-                    bridges.append(await asyncio.create_subprocess_exec(
-                        "socat", f"UNIX-LISTEN:{sockets / name}.sock,fork,mode=600", f"TCP:127.0.0.1:{port}",
-                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                        start_new_session=True))
-                await _wait_for_sockets([sockets / f"{name}.sock" for name, _ in sandbox._ports()], bridges)
+                bridges = await start_host_bridges(spec.proxy, scratch / "sockets")
             except BaseException:
-                await sandbox.stop()
+                shutil.rmtree(scratch, ignore_errors=True)
                 raise
-        return sandbox
-
-
-async def _wait_for_sockets(paths: list[Path], bridges: list[asyncio.subprocess.Process], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if any(b.returncode is not None for b in bridges) or time.monotonic() > deadline:
-            raise RuntimeUnavailable(f"bwrap runtime: the proxy bridge (socat) did not start: {paths}")
-        await asyncio.sleep(0.002)
+        return BwrapSandbox(self, spec, scratch, bridges)
 
 
 def make(**options) -> BwrapRuntime:
