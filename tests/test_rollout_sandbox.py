@@ -152,6 +152,7 @@ def test_runs_as_unprivileged_user_and_cannot_write_the_host(tmp_path):
     assert (tmp_path / "a" / "ws" / "w").read_text() == "ok\n"
     assert (tmp_path / "a" / "home" / "h").read_text() == "h\n"
     assert not box.scratch.exists()
+    assert box.host_workspace == tmp_path / "a" / "ws"
 
 
 def test_sessions_share_state_across_exec_but_not_across_sandboxes(make_runtime, tmp_path):
@@ -363,6 +364,7 @@ def test_oci_limits_host_untouched_and_dockerfile_built_once(oci_image, tmp_path
         spec = spec_for(tmp_path, "l", endpoints(tmp_path), network="none", dockerfile=context / "Dockerfile",
                         workdir="/app", cpus=0.5, memory_mb=256, pids=64)
         box = await rt.start(spec)
+        assert box.host_workspace is None  # an empty workspace: the image's own /app, brought out by download
         try:
             probe = await box.exec(f"cat /built; touch /usr/{marker}; "
                                    "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/pids/pids.max "

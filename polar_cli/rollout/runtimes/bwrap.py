@@ -69,6 +69,7 @@ class BwrapSandbox(Sandbox):
         self.scratch = scratch
         self.bridges = bridges
         self.workspace = spec.workdir or WORKSPACE
+        self.host_workspace = Path(spec.workspace)
         self.home = HOME
         self.proxy_url = f"http://127.0.0.1:{spec.proxy.forward_port}"
         self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
@@ -201,6 +202,7 @@ class BwrapSandbox(Sandbox):
 
 class BwrapRuntime(Runtime):
     name = "bwrap"
+    default_network = "proxy-only"
 
     def __init__(self, bwrap: str | None = None, scratch_dir: Path | str | None = None):
         found = bwrap or find_bwrap()

@@ -62,6 +62,7 @@ class OciSandbox(Sandbox):
         self.scratch = scratch
         self.helpers = helpers  # host-side bridge socats and the network-namespace holder
         self.workspace = spec.workdir or WORKSPACE
+        self.host_workspace: Path | None = None  # set by start when the host directory is bound
         self.home = HOME
         self.proxy_url = f"http://127.0.0.1:{spec.proxy.forward_port}"
         self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
@@ -175,6 +176,8 @@ class OciRuntime(Runtime):
             raise RuntimeUnavailable(f"oci runtime: no {engine} binary (`make sandbox` installs podman and runc)")
         self.engine = engine
         self.binary = found
+        # What the runtime can enforce: docker cannot join polar's proxy-only namespace.
+        self.default_network = "proxy-only" if engine == "podman" else "host"
         self.image = image  # used when a spec names neither an image nor a Dockerfile
         # crun 1.8 (Debian 12's podman default) refuses a hybrid cgroup v1/v2 layout; runc works everywhere.
         if oci_runtime is None:
@@ -251,6 +254,7 @@ class OciRuntime(Runtime):
                     "-v", f"{spec.home}:{HOME}", "-v", f"{spec.proxy.ca}:{CA_INSIDE}:ro"]
             if bind_workspace:
                 args += ["-v", f"{spec.workspace}:{sandbox.workspace}"]
+                sandbox.host_workspace = Path(spec.workspace)
             for path in spec.read_only:
                 args += ["-v", f"{Path(path).resolve()}:{Path(path).absolute()}:ro"]
             for inside, host in spec.binds.items():
