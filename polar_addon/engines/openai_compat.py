@@ -115,6 +115,9 @@ def error_message(content: bytes) -> str:
     return orjson.dumps(data).decode()[:2000]
 
 
+KEEPALIVE_S = 4.0
+
+
 class HTTPEngine:
     """An OpenAI-compatible engine server reached over HTTP with one pooled client."""
 
@@ -133,7 +136,9 @@ class HTTPEngine:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s, connect=min(10.0, self.timeout_s)),
-                connector=aiohttp.TCPConnector(limit=256, limit_per_host=256),
+                # Below uvicorn's 5 s keep-alive (vLLM, SGLang): an idle connection is dropped here before the
+                # server closes it, which is when a request sent on it meets a reset.
+                connector=aiohttp.TCPConnector(limit=256, limit_per_host=256, keepalive_timeout=KEEPALIVE_S),
             )
         return self._session
 
@@ -152,9 +157,14 @@ class HTTPEngine:
         data = None if body is None else orjson.dumps(body)
         headers = None if body is None else {"content-type": "application/json"}
         try:
-            async with self._client().request(method, self.url + path, data=data, headers=headers) as response:
-                content = await response.read()
-                status = response.status
+            try:
+                status, content = await self._send(method, path, data, headers)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # A pooled connection the server closed while the request was on its way (a keep-alive race,
+                # seen as 4 in 1280 calls under load): it never reached the engine's handler, so one retry on
+                # a fresh connection is safe; at worst the engine samples twice and one answer is kept.
+                log.info("polar: engine %s dropped a pooled connection (%r); retrying once", self.url, exc)
+                status, content = await self._send(method, path, data, headers)
         # Clients see what went wrong, never where the engine lives: the URL goes to the proxy log only.
         except aiohttp.ServerTimeoutError as exc:  # includes the connect timeout
             if "connect" in str(exc).lower():
@@ -169,6 +179,10 @@ class HTTPEngine:
         if status >= 400:
             raise engine_error(status, content)
         return content
+
+    async def _send(self, method: str, path: str, data: bytes | None, headers: dict[str, str] | None) -> tuple[int, bytes]:
+        async with self._client().request(method, self.url + path, data=data, headers=headers) as response:
+            return response.status, await response.read()
 
     async def served_model(self) -> str:
         """The engine's served model name (vLLM rejects any other), read once from /v1/models."""

