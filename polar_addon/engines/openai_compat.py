@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
+from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, PolarError, ToolCall
 from polar_addon.token_ids import IdText, pack_token_ids
 from polar_addon.tool_parsing import new_call_id
 
@@ -30,6 +30,10 @@ _CONTEXT_LENGTH_RE = re.compile(
     r"context length|context window|maximum model length|max_model_len|prompt is too long|too many tokens",
     re.IGNORECASE,
 )
+# vLLM: "This model's maximum context length is M tokens. However, your prompt contains N input tokens";
+# SGLang: "The input (N tokens) is longer than the model's context length (M tokens)."
+_WINDOW_RES = [re.compile(r"maximum context length is (\d+)", re.I), re.compile(r"context length \((\d+) tokens\)", re.I)]
+_PROMPT_RES = [re.compile(r"(?:contains|has) (?:at least )?(\d+) input tokens", re.I), re.compile(r"input \((\d+) tokens\)", re.I)]
 _FINISH_REASONS = {
     "stop": "stop",
     "length": "length",
@@ -78,8 +82,17 @@ def engine_error(status: int, content: bytes) -> PolarError:
     if status >= 500:
         return PolarError(502, "api_error", f"engine error {status}: {message}")
     if _CONTEXT_LENGTH_RE.search(message):
-        return PolarError(400, "context_length_exceeded", message)
+        return ContextLengthExceeded(message, prompt_tokens=_first_int(_PROMPT_RES, message),
+                                     window=_first_int(_WINDOW_RES, message))
     return PolarError(400, "invalid_request", message)
+
+
+def _first_int(patterns: list[re.Pattern[str]], text: str) -> int | None:
+    for pattern in patterns:
+        found = pattern.search(text)
+        if found:
+            return int(found.group(1))
+    return None
 
 
 def error_message(content: bytes) -> str:
