@@ -246,15 +246,15 @@ def test_proxy_only_reaches_the_proxy_and_nothing_else(make_runtime, proxy, host
 
 
 def test_exec_timeout_and_cancel_kill_the_whole_process_tree(make_runtime, tmp_path):
-    def alive(tag: str) -> bool:
-        """Any process on the host whose command line has ``tag``."""
+    def alive(tag: str) -> int:
+        """How many ``sleep TAG`` processes exist on the host (the tree's three, not bwrap's own command line)."""
+        count = 0
         for proc in Path("/proc").iterdir():
             try:
-                if proc.name.isdigit() and tag.encode() in (proc / "cmdline").read_bytes():
-                    return True
+                count += proc.name.isdigit() and (proc / "cmdline").read_bytes() == f"sleep\0{tag}\0".encode()
             except OSError:
                 pass
-        return False
+        return count
 
     # A daemonised grandchild in its own session, and a child ignoring SIGTERM: neither may survive.
     def tree(tag: str) -> str:
@@ -274,13 +274,20 @@ def test_exec_timeout_and_cancel_kill_the_whole_process_tree(make_runtime, tmp_p
             tag2 = f"{800 + (uuid.uuid4().int % 1000) / 1000:.3f}"
             task = asyncio.create_task(box.exec(tree(tag2), timeout_s=60))
             deadline = time.monotonic() + 10
-            while not alive(tag2) and time.monotonic() < deadline:
+            while alive(tag2) < 3 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             before_cancel = alive(tag2)
             await box.cancel()
             cancelled = await task
             await asyncio.sleep(0.3)
             after_cancel = alive(tag2)
+            # A cancel while an exec is still starting (its process not spawned yet) stops it too.
+            started = time.monotonic()
+            early = asyncio.create_task(box.exec("sleep 30", timeout_s=60))
+            await asyncio.sleep(0)
+            await box.cancel()
+            early = await early
+            assert early.cancelled and time.monotonic() - started < 10
             still_usable = await box.exec("echo fine")
         finally:
             await box.stop()
@@ -289,7 +296,7 @@ def test_exec_timeout_and_cancel_kill_the_whole_process_tree(make_runtime, tmp_p
     timed, elapsed, after_timeout, before_cancel, cancelled, after_cancel, still_usable = run(main())
     assert timed.timed_out and timed.exit_code == -1 and elapsed < 10
     assert not after_timeout
-    assert before_cancel  # the probe sees the tree while it runs
+    assert before_cancel == 3  # the probe sees the whole tree while it runs
     assert cancelled.cancelled and cancelled.exit_code == -1
     assert not after_cancel
     assert still_usable.stdout == "fine\n"
@@ -387,3 +394,27 @@ def test_oci_limits_host_untouched_and_dockerfile_built_once(oci_image, tmp_path
     assert cwd == "/app"
     assert second_start < 5  # the image was built once (a build with RUN takes longer)
     assert gone != 0  # stop removed the container
+
+
+def test_bwrap_limits_hold_for_the_sandbox(tmp_path):
+    # 60 background sleeps against a pids limit of 30; a 200 MiB buffer (tail holds a line without newline)
+    # against 64 MiB. The same commands without limits succeed, so the failures are the limits'.
+    forks = "i=0; while [ $i -lt 60 ]; do sleep 2 & i=$((i+1)); done; echo forked; kill $(jobs -p) 2>/dev/null"
+    memory = "head -c 200000000 /dev/zero | tail > /dev/null; echo survived $?"
+
+    async def main(limited: bool):
+        box = await bwrap.make().start(spec_for(tmp_path, f"lim{limited}", endpoints(tmp_path), network="none",
+                                                pids=30 if limited else None, memory_mb=64 if limited else None,
+                                                cpus=0.5 if limited else None))
+        try:
+            assert (box.cgroup is not None) == limited
+            return await box.exec(forks, timeout_s=60), await box.exec(memory, timeout_s=60)
+        finally:
+            await box.stop()
+
+    (fork, mem) = run(main(True))
+    assert "forked" not in fork.stdout and "Cannot fork" in fork.stderr, fork
+    assert mem.stdout == "survived 137\n", mem  # the OOM killer's SIGKILL
+    (fork, mem) = run(main(False))
+    assert "forked" in fork.stdout and not fork.stderr, fork
+    assert "survived 0" in mem.stdout, mem

@@ -11,7 +11,7 @@ import tarfile
 from pathlib import Path
 
 TOOLS = ["sh", "dash", "cat", "ls", "id", "sleep", "mkdir", "rm", "touch", "tar", "find", "sort", "head", "tail",
-         "grep", "nproc", "env", "echo", "printf", "mount", "curl", "setsid", "tr", "wc", "ln"]
+         "grep", "nproc", "env", "echo", "printf", "mount", "curl", "setsid", "tr", "wc", "ln", "true"]
 MERGED_USR = {"bin": "usr/bin", "lib": "usr/lib", "lib64": "usr/lib64", "sbin": "usr/sbin"}
 
 

@@ -16,6 +16,10 @@ read-write (seen). Inside, commands run as uid 1000 with no capabilities; that u
 so a host file of that user that is *mounted inside* is readable whatever its mode: secrets are kept out by not
 mounting them, never by permissions.
 
+Limits: ``spec.cpus``, ``memory_mb`` and ``pids`` hold for the whole sandbox (all its execs together) through a
+cgroup nested under polar's own (:mod:`cgroups`); without write access to cgroups (not root, no delegation) the
+sandbox runs unlimited and the runtime logs a warning once.
+
 Network modes: ``host`` shares the host's network (the proxy and everything else); ``none`` has only a loopback;
 ``proxy-only`` has only a loopback on which socat listens on the proxy's forward and reverse ports and relays to
 Unix sockets bound in from the host, where a host-side socat relays to the real proxy on 127.0.0.1. The agent
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import posixpath
 import shutil
@@ -35,6 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from polar_cli.rollout.runtimes import cgroups
 from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
 from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
@@ -45,6 +51,7 @@ RUN_DIR = "/run/polar"  # the bridge's Unix sockets and the CA, inside
 CA_INSIDE = f"{RUN_DIR}/mitmproxy-ca-cert.pem"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
+log = logging.getLogger(__name__)
 
 
 
@@ -63,8 +70,9 @@ def find_bwrap() -> str | None:
 
 class BwrapSandbox(Sandbox):
     def __init__(self, runtime: BwrapRuntime, spec: SandboxSpec, scratch: Path,
-                 bridges: list[asyncio.subprocess.Process]):
+                 bridges: list[asyncio.subprocess.Process], cgroup: cgroups.Cgroup | None = None):
         self.runtime = runtime
+        self.cgroup = cgroup  # cpus / memory_mb / pids, shared by every exec of the sandbox
         self.spec = spec
         self.scratch = scratch
         self.bridges = bridges
@@ -75,7 +83,7 @@ class BwrapSandbox(Sandbox):
         self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
         self.ca_path = CA_INSIDE
         self.running: set[asyncio.subprocess.Process] = set()
-        self.cancelled: set[asyncio.subprocess.Process] = set()
+        self.cancels = 0  # cancel() calls so far: an exec that began before one is killed even if not yet spawned
         self.stopped = False
         # Inside path -> host path of everything writable, for error messages and the tests' view of the layout.
         self.mounts: dict[str, Path] = {self.workspace: spec.workspace, self.home: spec.home, "/tmp": scratch / "tmp",
@@ -123,6 +131,7 @@ class BwrapSandbox(Sandbox):
         """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled)."""
         if self.stopped:
             raise RuntimeError(f"sandbox {self.spec.name} is stopped")
+        cancels = self.cancels
         network = network or self.spec.network
         command = list(argv)
         if network == "proxy-only":
@@ -131,8 +140,10 @@ class BwrapSandbox(Sandbox):
             *self.bwrap_args(network, cwd or self.workspace), "--", *command,
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.environment(env, network),
-            start_new_session=True)
+            start_new_session=True, preexec_fn=self.cgroup.join if self.cgroup else None)
         self.running.add(proc)
+        if self.cancels != cancels:
+            kill_group(proc)
         timed_out = False
         try:
             try:
@@ -147,8 +158,7 @@ class BwrapSandbox(Sandbox):
             raise
         finally:
             self.running.discard(proc)
-        cancelled = proc in self.cancelled
-        self.cancelled.discard(proc)
+        cancelled = self.cancels != cancels
         code = -1 if timed_out or cancelled else proc.returncode
         return code, out, err, timed_out, cancelled
 
@@ -187,8 +197,8 @@ class BwrapSandbox(Sandbox):
         extract_contained(out, posixpath.basename(remote), Path(local))
 
     async def cancel(self) -> None:
+        self.cancels += 1
         for proc in list(self.running):
-            self.cancelled.add(proc)
             kill_group(proc)
 
     async def stop(self) -> None:
@@ -197,6 +207,8 @@ class BwrapSandbox(Sandbox):
         await self.cancel()
         self.stopped = True
         await stop_processes(self.bridges)
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -213,6 +225,7 @@ class BwrapRuntime(Runtime):
         self.scratch_dir = Path(scratch_dir) if scratch_dir else None
         self.disable_userns = False
         self.checked = False
+        self.warned = False
 
     async def _check(self) -> None:
         """Once per runtime: bwrap can create a user namespace here (a kernel or container may forbid it)."""
@@ -242,14 +255,18 @@ class BwrapRuntime(Runtime):
         scratch = Path(tempfile.mkdtemp(prefix=f"polar-bwrap-{safe}-", dir=self.scratch_dir))
         (scratch / "tmp").mkdir()
         (scratch / "tmp").chmod(0o1777)
-        bridges: list[asyncio.subprocess.Process] = []
+        cgroup, why = cgroups.create(scratch.name.removeprefix("polar-"), spec.cpus, spec.memory_mb, spec.pids)
+        if cgroup is None and (spec.cpus or spec.memory_mb or spec.pids) and not self.warned:
+            log.warning("bwrap runtime: sandboxes run without cpu/memory/pids limits: %s", why)
+            self.warned = True
+        sandbox = BwrapSandbox(self, spec, scratch, [], cgroup)
         if spec.network == "proxy-only":
             try:
-                bridges = await start_host_bridges(spec.proxy, scratch / "sockets")
+                sandbox.bridges = await start_host_bridges(spec.proxy, scratch / "sockets")
             except BaseException:
-                shutil.rmtree(scratch, ignore_errors=True)
+                await sandbox.stop()
                 raise
-        return BwrapSandbox(self, spec, scratch, bridges)
+        return sandbox
 
 
 def make(**options) -> BwrapRuntime:

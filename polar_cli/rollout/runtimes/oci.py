@@ -68,15 +68,20 @@ class OciSandbox(Sandbox):
         self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
         self.ca_path = CA_INSIDE
         self.running: set[asyncio.subprocess.Process] = set()
-        self.cancelling = False
+        self.cancels = 0  # cancel() calls so far: an exec that began before one is killed even if not yet spawned
         self.stopped = False
 
     async def _cli(self, *args: str, stdin: bytes | None = None, timeout_s: float | None = None
-                   ) -> tuple[int, bytes, bytes, bool]:
+                   ) -> tuple[int, bytes, bytes, bool, bool]:
+        """One engine CLI call; returns (exit code, stdout, stderr, timed out, cancelled)."""
+        cancels = self.cancels
         proc = await asyncio.create_subprocess_exec(
             self.runtime.binary, *args, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.running.add(proc)
+        if self.cancels != cancels:
+            await self._kill_inside()
+            kill_group(proc)
         timed_out = False
         try:
             try:
@@ -92,7 +97,8 @@ class OciSandbox(Sandbox):
             raise
         finally:
             self.running.discard(proc)
-        return proc.returncode if proc.returncode is not None else -1, out, err, timed_out
+        code = proc.returncode if proc.returncode is not None else -1
+        return code, out, err, timed_out, self.cancels != cancels
 
     async def _kill_inside(self) -> None:
         proc = await asyncio.create_subprocess_exec(self.runtime.binary, "exec", self.container, "/bin/sh", "-c",
@@ -109,8 +115,8 @@ class OciSandbox(Sandbox):
             args.append("-i")
         for key, value in {"HOME": HOME, "TMPDIR": "/tmp", **self.spec.env, **(env or {})}.items():
             args += ["-e", f"{key}={value}"]
-        code, out, err, timed_out = await self._cli(*args, self.container, *argv, stdin=stdin, timeout_s=timeout_s)
-        cancelled = self.cancelling
+        code, out, err, timed_out, cancelled = await self._cli(*args, self.container, *argv, stdin=stdin,
+                                                               timeout_s=timeout_s)
         return ExecResult(-1 if timed_out or cancelled else code, out.decode(errors="replace"),
                           err.decode(errors="replace"), timed_out, cancelled)
 
@@ -124,13 +130,13 @@ class OciSandbox(Sandbox):
         with tarfile.open(fileobj=buffer, mode="w") as tar:
             tar.add(Path(local), arcname=posixpath.basename(remote))
         # `cp - CONTAINER:DIR` unpacks a tar stream; the engine resolves DIR inside the container's root.
-        code, _, err, _ = await self._cli("cp", "-", f"{self.container}:{parent}", stdin=buffer.getvalue())
+        code, _, err, _, _ = await self._cli("cp", "-", f"{self.container}:{parent}", stdin=buffer.getvalue())
         if code != 0:
             raise OSError(f"upload to {remote} in sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
 
     async def download(self, remote: str, local: Path) -> None:
         remote = posixpath.normpath(remote)
-        code, out, err, _ = await self._cli("cp", f"{self.container}:{remote}", "-")
+        code, out, err, _, _ = await self._cli("cp", f"{self.container}:{remote}", "-")
         if code != 0:
             message = err.decode(errors="replace")
             if "no such file" in message.lower() or "not found" in message.lower():
@@ -139,17 +145,14 @@ class OciSandbox(Sandbox):
         extract_contained(out, posixpath.basename(remote), Path(local))
 
     async def cancel(self) -> None:
+        self.cancels += 1
         if not self.running:
             return
-        self.cancelling = True
-        try:
-            await self._kill_inside()
-            for proc in list(self.running):
-                kill_group(proc)
-            while self.running:
-                await asyncio.sleep(0.01)
-        finally:
-            self.cancelling = False
+        await self._kill_inside()
+        for proc in list(self.running):
+            kill_group(proc)
+        # A killed `exec` client can have started its process inside after the first sweep.
+        await self._kill_inside()
 
     async def stop(self) -> None:
         if self.stopped:
