@@ -40,7 +40,7 @@ def two_listener_proxy(engine: str, root: Path) -> Iterator[tuple[Proxy, int]]:
     confdir.mkdir(parents=True, exist_ok=True)
     cmd = mitmdump_command(engine, out, port=None, confdir=confdir,
                            modes=[f"regular@{fwd}", f"reverse:https://api.openai.com@{rev}"],
-                           options={"polar_shard_seconds": "0.2"})
+                           options={"polar_shard_seconds": "0.2", "polar_block_other": "true"})
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:
@@ -136,7 +136,7 @@ def test_runs_as_unprivileged_user_and_cannot_write_the_host(tmp_path):
     async def main():
         box = await bwrap.make().start(spec_for(tmp_path, "a", endpoints(tmp_path), network="none"))
         try:
-            result = await box.exec(f"id -u; touch /usr/{marker}; touch /etc/{marker}; mount -o remount,rw /usr; "
+            result = await box.exec(f"id -u; cat /etc/shadow; ls /etc/ssh; touch /usr/{marker}; touch /etc/{marker}; mount -o remount,rw /usr; "
                                     f"echo ok > {box.workspace}/w; echo h > $HOME/h; echo t > /tmp/t; "
                                     f"cat {box.ca_path}")
         finally:
@@ -145,6 +145,8 @@ def test_runs_as_unprivileged_user_and_cannot_write_the_host(tmp_path):
 
     box, result = run(main())
     assert result.stdout.splitlines()[0] == "1000"
+    # /etc/shadow is root's 0640 file and the sandbox's uid maps to root: only the mask keeps it out.
+    assert Path("/etc/shadow").stat().st_size > 0 and "root:" not in result.stdout
     assert "Read-only file system" in result.stderr
     assert not Path(f"/usr/{marker}").exists() and not Path(f"/etc/{marker}").exists()
     assert "not a real CA" in result.stdout  # the CA is readable inside
@@ -219,18 +221,22 @@ def test_proxy_only_reaches_the_proxy_and_nothing_else(make_runtime, proxy, host
             loopback = await box.exec(f"curl -sS --max-time 3 telnet://127.0.0.1:{host_listener} </dev/null",
                                       timeout_s=30)
             lan = await box.exec(f"curl -sS --max-time 3 telnet://{ip}:{host_listener} </dev/null", timeout_s=30)
+            # Through the proxy itself: polar_block_other (which a proxy serving sandboxes must set) refuses the rest.
+            via_proxy = await box.exec(f"curl -sS --max-time 5 --proxy {box.proxy_url} "
+                                       f"http://127.0.0.1:{host_listener}/ -w ' %{{http_code}}'", timeout_s=30)
             dns = await box.exec("getent hosts api.openai.com example.com", timeout_s=30)
             routes = await box.exec("tail -n +3 /proc/net/dev; echo ROUTES; tail -n +2 /proc/net/route", timeout_s=30)
         finally:
             await box.stop()
-        return forward, reverse, loopback, lan, dns, routes
+        return forward, reverse, loopback, lan, dns, routes, via_proxy
 
-    forward, reverse, loopback, lan, dns, routes = run(main("proxy-only"))
+    forward, reverse, loopback, lan, dns, routes, via_proxy = run(main("proxy-only"))
     assert json.loads(forward.stdout)["choices"][0]["message"]["content"] == ANSWER, forward
     assert json.loads(reverse.stdout)["choices"][0]["message"]["content"] == ANSWER, reverse
     assert "host-secret-service" not in loopback.stdout and loopback.exit_code != 0
     assert "host-secret-service" not in lan.stdout and lan.exit_code != 0
     assert dns.exit_code != 0 and not dns.stdout
+    assert via_proxy.stdout.endswith(" 403") and "host-secret-service" not in via_proxy.stdout, via_proxy
     links, table = routes.stdout.split("ROUTES\n")
     assert [line.split(":")[0].strip() for line in links.splitlines()] == ["lo"]
     assert table.strip() == ""
@@ -238,7 +244,7 @@ def test_proxy_only_reaches_the_proxy_and_nothing_else(make_runtime, proxy, host
     assert len(session_records(p.out, session, at_least=1)) == 1
 
     # The same probes with the host's network do reach the other service: the negative checks are not vacuous.
-    _, _, loopback, lan, _, routes = run(main("host"))
+    _, _, loopback, lan, _, routes, _ = run(main("host"))
     assert "host-secret-service" in loopback.stdout
     if ip:
         assert "host-secret-service" in lan.stdout

@@ -9,7 +9,8 @@ daemons and ``setsid`` children included.
 What the sandbox sees: ``/usr`` and ``/etc`` read-only, the workspace at ``spec.workdir`` (default ``/workspace``),
 HOME at ``/home/polar``, a private ``/tmp``, ``spec.read_only`` paths read-only at their own paths,
 ``spec.binds`` writable, and the proxy's CA certificate (only that file of mitmproxy's confdir: the directory also
-holds the CA's private key). Nothing else of the host's filesystem exists inside.
+holds the CA's private key). Nothing else of the host's filesystem exists inside; /etc's secrets (shadow, sudoers,
+ssh host keys, ssl/private) are masked.
 
 The user namespace is mandatory: without it a root sandbox keeps every capability and can remount ``/usr``
 read-write (seen). Inside, commands run as uid 1000 with no capabilities; that uid maps to the invoking host user,
@@ -51,6 +52,10 @@ RUN_DIR = "/run/polar"  # the bridge's Unix sockets and the CA, inside
 CA_INSIDE = f"{RUN_DIR}/mitmproxy-ca-cert.pem"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
+# Host secrets under /etc, hidden behind empty files/directories: the sandbox's uid maps to the host user, so a
+# root-owned 0600 file mounted inside would be readable.
+MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers", "/etc/machine-id")
+MASKED_DIRS = ("/etc/ssh", "/etc/sudoers.d", "/etc/ssl/private")
 log = logging.getLogger(__name__)
 
 
@@ -98,6 +103,8 @@ class BwrapSandbox(Sandbox):
             args.append("--disable-userns")
         args.append("--share-net" if network == "host" else "--unshare-net")
         args += ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+        args += [a for f in MASKED_FILES if os.path.isfile(f) for a in ("--ro-bind", "/dev/null", f)]
+        args += [a for d in MASKED_DIRS if os.path.isdir(d) for a in ("--tmpfs", d)]
         for name in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
             link = Path("/") / name
             if link.is_symlink():
