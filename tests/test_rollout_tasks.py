@@ -129,7 +129,7 @@ def test_reward_files_read_as_harbor_reads_them() -> None:
 
 
 def test_registries_name_what_exists() -> None:
-    with pytest.raises(ValueError, match="unknown harness 'no-such'; available: .*command"):
+    with pytest.raises(ValueError, match="unknown harness .no-such.; available: .*cmd:"):
         get_preset("no-such")
     with pytest.raises(ValueError, match="unknown runtime 'no-such'; available: .*local"):
         get_runtime("no-such")

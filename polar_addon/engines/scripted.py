@@ -8,7 +8,9 @@ script of assistant turns instead, with genuine tokens and logprobs:
                 "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": {...}}}]},
                ...],
      "cycle": true,
-     "latency_s": 0.0}                       # optional: each answer takes at least this long
+     "latency_s": 0.0,                       # optional: each answer takes at least this long
+     "max_len": 0,                           # optional: the served window in tokens (0: the model's)
+     "summary": "..."}                       # optional: the answer to a harness's compaction prompt
 
 The turn answered is chosen by the number of assistant messages already in the request, so
 parallel sessions replaying the same script stay deterministic (with ``cycle`` the script wraps
@@ -29,6 +31,7 @@ from typing import Any
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
+from polar_addon.context_compaction import compaction_prompt
 from polar_addon.engines.local import LocalEngine
 from polar_addon.tool_parsing import new_call_id, parse_assistant_text
 
@@ -74,12 +77,16 @@ class ScriptedEngine:
         self.cycle = bool(data.get("cycle", True))
         # A floor on each answer's latency: keep-alive tests need an engine that is reliably slow.
         self.latency_s = float(data.get("latency_s", 0.0))
-        self.local = LocalEngine(model_dir)
+        # A compaction call (context_compaction.compaction_prompt) is answered with this text, whatever turn is due.
+        self.summary = data.get("summary")
+        self.local = LocalEngine(model_dir, max_len=int(data.get("max_len", 0)))
 
     def load(self) -> None:
         self.local.load()
 
     def turn_for(self, request: CanonicalRequest) -> dict[str, Any]:
+        if self.summary and compaction_prompt(request.messages) is not None:
+            return {"role": "assistant", "content": self.summary}
         index = sum(1 for m in request.messages if m.get("role") == "assistant")
         if index >= len(self.turns):
             if not self.cycle:
