@@ -390,6 +390,8 @@ def test_oci_limits_host_untouched_and_dockerfile_built_once(oci_image, tmp_path
         second_start = time.monotonic() - started
         await again.stop()
         gone = subprocess.run(["podman", "container", "exists", box.container]).returncode
+        for tag in rt.built:  # each run builds a new image (the marker): do not pile them up
+            subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)
         return probe, second_start, gone
 
     probe, second_start, gone = run(main())
