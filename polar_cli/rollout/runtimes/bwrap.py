@@ -143,11 +143,12 @@ class BwrapSandbox(Sandbox):
         command = list(argv)
         if network == "proxy-only":
             command = ["/bin/sh", "-c", BRIDGE_SCRIPT, "polar-bridge", *command]
+        full = [*self.bwrap_args(network, cwd or self.workspace), "--", *command]
         proc = await asyncio.create_subprocess_exec(
-            *self.bwrap_args(network, cwd or self.workspace), "--", *command,
+            *(self.cgroup.wrap(full) if self.cgroup else full),
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.environment(env, network),
-            start_new_session=True, preexec_fn=self.cgroup.join if self.cgroup else None)
+            start_new_session=True)
         self.running.add(proc)
         if self.cancels != cancels:
             kill_group(proc)

@@ -160,7 +160,8 @@ class OciSandbox(Sandbox):
         self.stopped = True
         for proc in list(self.running):
             kill_group(proc)
-        proc = await asyncio.create_subprocess_exec(self.runtime.binary, "rm", "-f", "-t", "0", self.container,
+        remove = ["rm", "-f", "-t", "0"] if self.runtime.engine == "podman" else ["rm", "-f"]  # docker rm has no -t
+        proc = await asyncio.create_subprocess_exec(self.runtime.binary, *remove, self.container,
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await proc.wait()
         await stop_processes(self.helpers)
