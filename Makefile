@@ -8,7 +8,7 @@ HARNESS_DIR := .harness
 TINY := models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: install engine harnesses s3 browser model sglang-contract test test-fast demo bench mutation clean
+.PHONY: install engine harnesses s3 browser sandbox model sglang-contract test test-fast demo bench mutation clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -47,6 +47,12 @@ $(S3_VENV)/.installed:
 browser:
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
 
+# The sandbox runtimes (polar_cli/rollout/runtimes): bubblewrap + socat for `bwrap`, podman + runc for `oci`
+# (Debian packages; needs root, as CI is).
+sandbox:
+	command -v bwrap >/dev/null && command -v socat >/dev/null && command -v podman >/dev/null && command -v runc >/dev/null && command -v curl >/dev/null \
+	  || (apt-get update -qq && apt-get install -y -qq --no-install-recommends bubblewrap socat podman runc curl)
+
 # SGLang 0.5.23's own protocol classes (from its released wheel, fetched with pip) for the SGLang
 # contract tests; without them those tests fail rather than skip.
 SGLANG_CONTRACT := .cache/sglang-0.5.23/.ready
@@ -59,7 +65,7 @@ model: install $(TINY)/config.json
 $(TINY)/config.json:
 	$(BIN)/polar tiny-model $(TINY)
 
-test: install engine harnesses s3 browser model sglang-contract
+test: install engine harnesses s3 browser sandbox model sglang-contract
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
 
 # Unit and in-process tests only: no vLLM, no harness CLIs.
@@ -71,12 +77,13 @@ demo: install model
 	$(BIN)/python examples/demo.py
 	$(BIN)/python examples/toy_task/loop.py
 
-bench: install model
+bench: install model sandbox
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/build.py
 	$(BIN)/python bench/train.py
 	$(BIN)/python bench/reliability.py
+	$(BIN)/python bench/sandbox.py
 
 # Mutation score per core module (mutmut; tens of minutes; not part of `make test`). bench/mutation_report.md
 # explains the survivors.

@@ -180,3 +180,17 @@ class PolarError(Exception):
         self.status = status
         self.kind = kind
         self.message = message
+
+
+class ContextLengthExceeded(PolarError):
+    """The prompt does not fit the served model's window: each provider words it the way its harness
+    recognises (see the providers' ``render_error``). The counts are the engine's, when it said them."""
+
+    def __init__(self, message: str, *, prompt_tokens: int | None = None, window: int | None = None) -> None:
+        super().__init__(400, "context_length_exceeded", message)
+        self.prompt_tokens = prompt_tokens
+        self.window = window
+
+    @property
+    def counted(self) -> bool:
+        return self.prompt_tokens is not None and self.window is not None

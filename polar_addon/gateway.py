@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 
 import orjson
 
-from polar_addon.canonical import CanonicalRequest, Completion, PolarError, SamplingDefaults, with_defaults
+from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingDefaults, with_defaults
 from polar_addon.capture import Identity, logprob_problem, record_failed, record_ok
 from polar_addon.engines import EnginePool
 from polar_addon.harness_id import harness_name
@@ -273,6 +273,9 @@ class Gateway:
             try:
                 completion = task.result()
             except PolarError as err:
+                if err.kind == "context_length_exceeded" and getattr(provider, "overflow_in_stream", False):
+                    body = b"".join(encode_sse(e) for e in provider.render_stream_error(err, ctx))
+                    return FullReply(200, body, "text/event-stream")
                 return _json(err.status, provider.render_error(err))
             body = b"".join(encode_sse(e) for e in provider.render_stream(request, completion, ctx))
             return FullReply(200, body, "text/event-stream")
@@ -355,8 +358,11 @@ class Gateway:
         return replace(completion, finish_reason="stop")
 
     async def _record_failure(self, call: IncomingCall, api: str, request: CanonicalRequest | None, err: PolarError) -> None:
-        record = record_failed(identity=call.identity, seq=-1, api=api, request=request,
-                               error=f"{err.status} {err.kind}: {err.message}",
+        error = f"{err.status} {err.kind}: {err.message}"
+        if isinstance(err, ContextLengthExceeded) and err.prompt_tokens is not None:
+            # The prompt is not stored for a failed call: its length is, in a fixed shape (prompt_tokens=N window=M).
+            error = f"{err.status} {err.kind}: prompt_tokens={err.prompt_tokens} window={err.window}: {err.message}"
+        record = record_failed(identity=call.identity, seq=-1, api=api, request=request, error=error,
                                harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at)
         try:
             await self._note_session(call, request)

@@ -55,6 +55,8 @@ register_build(app)
 from polar_cli.shards_cmd import reward, shards_app  # noqa: E402  (shards inspect|validate, reward)
 app.add_typer(shards_app, name="shards")
 app.command("reward")(reward)
+from polar_cli.rollout_cmd import rollout  # noqa: E402  (rollout)
+app.command("rollout")(rollout)
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import ssl
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ from tests.support.hostile import (
     write_script,
 )
 from tests.support.proxy import run_mitmdump
-from tests.support.shards import pending_segments, session_records
+from tests.support.shards import session_records, wait_for_shards
 
 EXAMPLES = int(os.environ.get("POLAR_FUZZ_EXAMPLES", "12"))
 TRIGGERS = triggers()
@@ -84,7 +83,8 @@ def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_wr
         body = trigger.encoded()
         status, answer = await _answer(gateway, trigger.api, body, _headers_for_gateway(trigger.headers))
         after, _ = await _answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {}, session="after")
-        _until_in_shards(gateway.store, out)
+        # The store's writer and converter are threads: blocking this loop holds nothing up.
+        wait_for_shards(out, check=gateway.store.check_writable)
         await gateway.close()
         return status, answer, after
 
@@ -98,18 +98,6 @@ def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_wr
     records = read_records(str(out))
     assert [r.status for r in records if r.session_id == "after"] == ["ok"]
     assert not [p for p in validate_store(str(out)) if "quarantined" in p]
-
-
-def _until_in_shards(store: TraceStore, out: Path, timeout: float = 60.0) -> None:
-    """Wait until the segments holding these calls are shards; a store that stopped writing (the segment
-    stays in the journal) fails at once with its reason, not at the deadline. The store's writer and
-    converter are threads, so blocking this loop holds nothing up."""
-    deadline = time.monotonic() + timeout
-    while pending_segments(out):
-        store.check_writable()
-        assert time.monotonic() < deadline, f"journal segments not in shards after {timeout:g} s"
-        time.sleep(0.02)
-    store.check_writable()
 
 
 def test_non_utf8_user_agent_is_recorded_readably(engine: str, tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ def plain(response: Response) -> dict[str, Any]:
         ("post", "/responses", "generate"),
         ("POST", "/v1/responses/input_tokens", "count_tokens"),
         ("GET", "/v1/responses", None),  # Codex's WebSocket upgrade: handled by the WebSocket bridge
-        ("POST", "/v1/responses/compact", None),
+        ("POST", "/v1/responses/compact", "compact"),  # Codex remote compaction (v1)
         ("POST", "/v1/chat/completions", None),
     ],
 )

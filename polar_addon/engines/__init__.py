@@ -46,7 +46,13 @@ def make_engine(spec: str, *, timeout_s: float) -> Engine:
     if kind == "local":
         from polar_addon.engines.local import LocalEngine
 
-        return LocalEngine(target)
+        # local:DIR?max_len=N serves a smaller window than the model's own (long-session tests).
+        model_dir, _, query = target.partition("?")
+        options = dict(part.partition("=")[::2] for part in query.split("&") if part)
+        unknown = set(options) - {"max_len"}
+        if unknown:
+            raise ValueError(f"engine spec {spec!r}: unknown option(s) {sorted(unknown)} (local takes max_len)")
+        return LocalEngine(model_dir, max_len=int(options.get("max_len") or 0))
     if kind == "scripted":
         from polar_addon.engines.scripted import ScriptedEngine
 

@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from polar_addon.canonical import CanonicalRequest, Completion, PolarError, SamplingParams
+from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
 from polar_addon.tool_parsing import parse_assistant_text
 
 DEFAULT_MAX_TOKENS = 256
@@ -32,9 +32,12 @@ DEFAULT_MAX_TOKENS = 256
 class LocalEngine:
     kind = "local"
 
-    def __init__(self, model_dir: str | Path, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    def __init__(self, model_dir: str | Path, *, default_max_tokens: int = DEFAULT_MAX_TOKENS, max_len: int = 0) -> None:
         self.model_dir = str(model_dir)
         self.name = f"{self.kind}:{self.model_dir}"
+        # A served window smaller than the model's own (vLLM's --max-model-len): long-session tests
+        # overflow it in a few turns. 0: the model's max_position_embeddings.
+        self.max_len_override = max_len
         self.default_max_tokens = default_max_tokens
         self.weight_version: str | None = None
         # Tokenizers and the model are not safe to share across threads: every use holds the lock.
@@ -72,7 +75,8 @@ class LocalEngine:
         if tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self._tokenizer, self._model, self._eos_ids = tokenizer, model, eos
-        self._max_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        native = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self._max_len = min(native, self.max_len_override) if native and self.max_len_override else native or self.max_len_override
 
     def reload(self, model_dir: str | Path, weight_version: str | None = None) -> None:
         """Swap in new weights (e.g. a training checkpoint); later completions carry ``weight_version``."""
@@ -136,11 +140,11 @@ class LocalEngine:
 
     def check_context(self, prompt_len: int) -> None:
         if self._max_len and prompt_len >= self._max_len:
-            raise PolarError(
-                400,
-                "context_length_exceeded",
+            raise ContextLengthExceeded(
                 f"This model's maximum context length is {self._max_len} tokens. "
                 f"However, your prompt contains {prompt_len} input tokens.",
+                prompt_tokens=prompt_len,
+                window=self._max_len,
             )
 
     # --- model (call with the lock held) -----------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
+from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, PolarError, ToolCall
 from polar_addon.token_ids import IdText, pack_token_ids
 from polar_addon.tool_parsing import new_call_id
 
@@ -30,6 +30,10 @@ _CONTEXT_LENGTH_RE = re.compile(
     r"context length|context window|maximum model length|max_model_len|prompt is too long|too many tokens",
     re.IGNORECASE,
 )
+# vLLM: "This model's maximum context length is M tokens. However, your prompt contains N input tokens";
+# SGLang: "The input (N tokens) is longer than the model's context length (M tokens)."
+_WINDOW_RES = [re.compile(r"maximum context length is (\d+)", re.I), re.compile(r"context length \((\d+) tokens\)", re.I)]
+_PROMPT_RES = [re.compile(r"(?:contains|has) (?:at least )?(\d+) input tokens", re.I), re.compile(r"input \((\d+) tokens\)", re.I)]
 _FINISH_REASONS = {
     "stop": "stop",
     "length": "length",
@@ -78,8 +82,17 @@ def engine_error(status: int, content: bytes) -> PolarError:
     if status >= 500:
         return PolarError(502, "api_error", f"engine error {status}: {message}")
     if _CONTEXT_LENGTH_RE.search(message):
-        return PolarError(400, "context_length_exceeded", message)
+        return ContextLengthExceeded(message, prompt_tokens=_first_int(_PROMPT_RES, message),
+                                     window=_first_int(_WINDOW_RES, message))
     return PolarError(400, "invalid_request", message)
+
+
+def _first_int(patterns: list[re.Pattern[str]], text: str) -> int | None:
+    for pattern in patterns:
+        found = pattern.search(text)
+        if found:
+            return int(found.group(1))
+    return None
 
 
 def error_message(content: bytes) -> str:
@@ -102,6 +115,9 @@ def error_message(content: bytes) -> str:
     return orjson.dumps(data).decode()[:2000]
 
 
+KEEPALIVE_S = 4.0
+
+
 class HTTPEngine:
     """An OpenAI-compatible engine server reached over HTTP with one pooled client."""
 
@@ -120,7 +136,9 @@ class HTTPEngine:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s, connect=min(10.0, self.timeout_s)),
-                connector=aiohttp.TCPConnector(limit=256, limit_per_host=256),
+                # Below uvicorn's 5 s keep-alive (vLLM, SGLang): an idle connection is dropped here before the
+                # server closes it, which is when a request sent on it meets a reset.
+                connector=aiohttp.TCPConnector(limit=256, limit_per_host=256, keepalive_timeout=KEEPALIVE_S),
             )
         return self._session
 
@@ -139,9 +157,14 @@ class HTTPEngine:
         data = None if body is None else orjson.dumps(body)
         headers = None if body is None else {"content-type": "application/json"}
         try:
-            async with self._client().request(method, self.url + path, data=data, headers=headers) as response:
-                content = await response.read()
-                status = response.status
+            try:
+                status, content = await self._send(method, path, data, headers)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                # A pooled connection the server closed while the request was on its way (a keep-alive race,
+                # seen as 4 in 1280 calls under load): it never reached the engine's handler, so one retry on
+                # a fresh connection is safe; at worst the engine samples twice and one answer is kept.
+                log.info("polar: engine %s dropped a pooled connection (%r); retrying once", self.url, exc)
+                status, content = await self._send(method, path, data, headers)
         # Clients see what went wrong, never where the engine lives: the URL goes to the proxy log only.
         except aiohttp.ServerTimeoutError as exc:  # includes the connect timeout
             if "connect" in str(exc).lower():
@@ -156,6 +179,10 @@ class HTTPEngine:
         if status >= 400:
             raise engine_error(status, content)
         return content
+
+    async def _send(self, method: str, path: str, data: bytes | None, headers: dict[str, str] | None) -> tuple[int, bytes]:
+        async with self._client().request(method, self.url + path, data=data, headers=headers) as response:
+            return response.status, await response.read()
 
     async def served_model(self) -> str:
         """The engine's served model name (vLLM rejects any other), read once from /v1/models."""

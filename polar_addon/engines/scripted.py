@@ -9,7 +9,9 @@ script of assistant turns instead, with genuine tokens and logprobs:
                ...],
      "by_model": {"claude": [turns...]},     # optional: a request for this model replays these turns
      "cycle": true,
-     "latency_s": 0.0}                       # optional: each answer takes at least this long
+     "latency_s": 0.0,                       # optional: each answer takes at least this long
+     "max_len": 0,                           # optional: the served window in tokens (0: the model's)
+     "summary": "..."}                       # optional: the answer to a harness's compaction prompt
 
 The turn answered is chosen by the number of assistant messages already in the request, so
 parallel sessions replaying the same script stay deterministic (with ``cycle`` the script wraps
@@ -32,6 +34,7 @@ from typing import Any
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
+from polar_addon.context_compaction import compaction_prompt
 from polar_addon.engines.local import LocalEngine
 from polar_addon.tool_parsing import new_call_id, parse_assistant_text
 
@@ -83,12 +86,16 @@ class ScriptedEngine:
         self.cycle = bool(data.get("cycle", True))
         # A floor on each answer's latency: keep-alive tests need an engine that is reliably slow.
         self.latency_s = float(data.get("latency_s", 0.0))
-        self.local = LocalEngine(model_dir)
+        # A compaction call (context_compaction.compaction_prompt) is answered with this text, whatever turn is due.
+        self.summary = data.get("summary")
+        self.local = LocalEngine(model_dir, max_len=int(data.get("max_len", 0)))
 
     def load(self) -> None:
         self.local.load()
 
     def turn_for(self, request: CanonicalRequest) -> dict[str, Any]:
+        if self.summary and compaction_prompt(request.messages) is not None:
+            return {"role": "assistant", "content": self.summary}
         turns = self.by_model.get(request.model, self.turns)
         if not turns:
             raise PolarError(400, "invalid_request", f"script has no turns for model {request.model!r}")

@@ -13,6 +13,7 @@ import orjson
 from polar_addon.canonical import (
     CanonicalRequest,
     Completion,
+    ContextLengthExceeded,
     PolarError,
     SamplingParams,
 )
@@ -406,7 +407,10 @@ class AnthropicMessagesProvider:
 
     def render_error(self, error: PolarError) -> dict[str, Any]:
         message = error.message
-        if error.kind == "context_length_exceeded" and not message.lower().startswith(PROMPT_TOO_LONG):
+        if isinstance(error, ContextLengthExceeded) and error.counted:
+            # Claude Code reads the two numbers out of exactly this shape to decide how much to drop.
+            message = f"{PROMPT_TOO_LONG}: {error.prompt_tokens} tokens > {error.window} maximum"
+        elif error.kind == "context_length_exceeded" and not message.lower().startswith(PROMPT_TOO_LONG):
             message = f"{PROMPT_TOO_LONG}: {message}"
         return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.kind, "api_error"), "message": message}}
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
-from polar_addon.canonical import CanonicalRequest, Completion, PolarError, SamplingParams
+from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
 from polar_addon.providers import ResponseContext, Route, StreamEvent
 from polar_addon.providers.common import (
     INT32_MAX,
@@ -427,7 +427,11 @@ class GeminiProvider:
         return b"\n"
 
     def render_error(self, error: PolarError) -> dict[str, Any]:
-        return {"error": {"code": error.status, "message": error.message, "status": _STATUS.get(error.kind, "INTERNAL")}}
+        message = error.message
+        if isinstance(error, ContextLengthExceeded) and error.counted:
+            message = (f"The input token count ({error.prompt_tokens}) exceeds the maximum number of tokens "
+                       f"allowed ({error.window}).")
+        return {"error": {"code": error.status, "message": message, "status": _STATUS.get(error.kind, "INTERNAL")}}
 
     def render_stream_error(self, error: PolarError, ctx: ResponseContext) -> Iterator[StreamEvent]:
         yield StreamEvent(self.render_error(error))

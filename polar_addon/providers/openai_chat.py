@@ -7,6 +7,7 @@ from typing import Any, Iterator
 from polar_addon.canonical import (
     CanonicalRequest,
     Completion,
+    ContextLengthExceeded,
     PolarError,
     SamplingParams,
 )
@@ -235,7 +236,12 @@ class OpenAIChatProvider:
 
     def render_error(self, error: PolarError) -> dict[str, Any]:
         kind, code = _ERROR_TYPES.get(error.kind, ("server_error", None))
-        return {"error": {"message": error.message, "type": kind, "param": None, "code": code}}
+        message = error.message
+        if isinstance(error, ContextLengthExceeded) and error.counted:
+            # OpenAI's wording: harnesses and SDK users match on "maximum context length".
+            message = (f"This model's maximum context length is {error.window} tokens. However, your messages "
+                       f"resulted in {error.prompt_tokens} tokens. Please reduce the length of the messages.")
+        return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
     def render_stream_error(self, error: PolarError, ctx: ResponseContext) -> Iterator[StreamEvent]:
         # The openai SDK raises APIError on a data event carrying "error"; nothing may follow it.

@@ -43,7 +43,8 @@ from typing import Any, Iterator
 
 import orjson
 
-from polar_addon.canonical import CanonicalRequest, Completion, PolarError, SamplingParams
+from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
+from polar_addon.context_compaction import POLAR_COMPACTION_PROMPT, decode_summary, encode_summary, summary_message
 from polar_addon.providers import ResponseContext, Route, StreamEvent, encode_sse
 from polar_addon.providers.common import (
     content_text,
@@ -330,6 +331,10 @@ def _conversation(items: list[Any], tools: "_Tools") -> tuple[list[str], list[di
             turn = None
             text = _content_text(item.get("content"), where, ("input_text", "output_text", "text"))
             out.append({"role": "user", "content": text})
+        elif kind == "compaction" and decode_summary(item.get("encrypted_content")) is not None:
+            # polar's own compaction item (a summary the engine wrote): the engine reads the summary.
+            turn = None
+            out.append(summary_message(decode_summary(item["encrypted_content"]) or ""))
         elif kind in DROPPED_ITEMS:
             tools.dropped_items.append(kind)
         elif kind in ("function_call", "custom_tool_call"):
@@ -522,7 +527,23 @@ def _status(completion: Completion) -> str:
     return "incomplete" if completion.finish_reason in ("length", "abort") else "completed"
 
 
+def overflow_message(error: PolarError) -> str:
+    """OpenAI's own words for an input over the window, with the engine's counts when known."""
+    if not isinstance(error, ContextLengthExceeded):
+        return error.message
+    counts = f" ({error.prompt_tokens} input tokens > {error.window} maximum)" if error.counted else f" ({error.message})"
+    return f"Your input exceeds the context window of this model.{counts} Please adjust your input and try again."
+
+
+def compaction_item(completion: Completion, ctx: ResponseContext) -> dict[str, Any]:
+    """The opaque item Codex keeps in place of the compacted turns (it sends it back in later inputs)."""
+    summary = (completion.message.content or "").strip()
+    return {"id": f"cmp_{_suffix(ctx)}", "type": "compaction", "encrypted_content": encode_summary(summary)}
+
+
 def output_items(request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> list[dict[str, Any]]:
+    if request.extra.get("compaction"):
+        return [compaction_item(completion, ctx)]
     msg = completion.message
     suffix = _suffix(ctx)
     status = _status(completion)
@@ -646,6 +667,9 @@ class _Pending:
 
 class OpenAIResponsesProvider:
     name = "openai_responses"
+    # Codex treats only a streamed response.failed with code context_length_exceeded as "context window
+    # exceeded" (an HTTP 400 is a plain invalid request): a streaming call that overflows gets that stream.
+    overflow_in_stream = True
 
     def __init__(self, history_size: int = HISTORY_SIZE) -> None:
         self.history = ResponseHistory(history_size)
@@ -661,6 +685,8 @@ class OpenAIResponsesProvider:
             return Route(kind="generate")
         if bare.endswith("/responses/input_tokens"):
             return Route(kind="count_tokens")
+        if bare.endswith("/responses/compact"):
+            return Route(kind="compact")
         return None
 
     def parse_request(self, body: dict[str, Any], route: Route) -> CanonicalRequest:
@@ -676,8 +702,15 @@ class OpenAIResponsesProvider:
                 raise PolarError(400, "previous_response_not_found", f"Previous response with id '{previous}' not found.")
             history, base_cost = found.items, found.cost
         items = history + _input_items(body.get("input"))
+        # Codex's remote compaction: POST /responses/compact (v1), or a call whose input ends with a
+        # compaction_trigger item (v2). Either way the engine writes the summary.
+        compaction = "remote_v1" if route.kind == "compact" else None
+        if items and isinstance(items[-1], dict) and items[-1].get("type") == "compaction_trigger":
+            compaction = "remote_v2"
         tools = _tools(body.get("tools"))
         system, conversation = _conversation(items, tools)
+        if compaction is not None:
+            conversation.append({"role": "user", "content": POLAR_COMPACTION_PROMPT})
         reasoning = body.get("reasoning") or {}
         enable_thinking, summary = _reasoning(body.get("reasoning"))
         extra: dict[str, Any] = {
@@ -687,6 +720,8 @@ class OpenAIResponsesProvider:
         }
         if previous is not None:
             extra["previous_response_id"] = previous
+        if compaction is not None:
+            extra["compaction"] = compaction
         if reasoning.get("effort") is not None:
             extra["reasoning_effort"] = reasoning["effort"]
         if tools.custom:
@@ -702,13 +737,14 @@ class OpenAIResponsesProvider:
             model=require_str(body, "model"),
             messages=system_message(_instructions(body.get("instructions")) + system) + conversation,
             tools=tools.tools,
-            tool_choice=_tool_choice(body.get("tool_choice")),
+            # A summary is text: the compaction call keeps the tools (the prompt stays a prefix) but calls none.
+            tool_choice="none" if compaction is not None else _tool_choice(body.get("tool_choice")),
             sampling=SamplingParams(
                 temperature=opt_number(body, "temperature"),
                 top_p=opt_number(body, "top_p"),
                 max_tokens=opt_int(body, "max_output_tokens", minimum=1),
             ),
-            stream=opt_bool(body, "stream"),
+            stream=opt_bool(body, "stream") and compaction != "remote_v1",
             enable_thinking=enable_thinking,
             extra=extra,
         )
@@ -726,8 +762,16 @@ class OpenAIResponsesProvider:
 
     def render_response(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> dict[str, Any]:
         items = output_items(request, completion, ctx)
+        if request.extra.get("compaction") == "remote_v1":
+            return {"output": self._compacted_window(request) + items}
         self.remember(request, ctx.response_id, items)
         return _final_response(request, completion, ctx, items)
+
+    def _compacted_window(self, request: CanonicalRequest) -> list[dict[str, Any]]:
+        """What /responses/compact keeps besides the compaction item: the user's own messages, as sent."""
+        pending = self._inputs.get(id(request))
+        items = pending.items if pending is not None else []
+        return [i for i in items if isinstance(i, dict) and i.get("type", "message") == "message" and i.get("role") == "user"]
 
     def _prelude(self, request: CanonicalRequest, ctx: ResponseContext, seq: _Sequencer) -> Iterator[StreamEvent]:
         start = response_object(request, ctx, "in_progress")
@@ -781,6 +825,8 @@ class OpenAIResponsesProvider:
                 for piece in pieces(item["arguments"]):
                     yield seq("response.function_call_arguments.delta", **at, delta=piece)
                 yield seq("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
+            elif kind == "compaction":
+                yield seq("response.output_item.added", output_index=index, item=item)
             else:  # custom_tool_call
                 yield seq("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "input": ""})
                 for piece in pieces(item["input"]):
@@ -811,7 +857,7 @@ class OpenAIResponsesProvider:
     def render_error(self, error: PolarError) -> dict[str, Any]:
         kind, code = _ERROR_TYPES.get(error.kind, ("server_error", "server_error"))
         param = "previous_response_id" if error.kind == "previous_response_not_found" else None
-        return {"error": {"message": error.message, "type": kind, "param": param, "code": code}}
+        return {"error": {"message": overflow_message(error), "type": kind, "param": param, "code": code}}
 
     def render_stream_error(self, error: PolarError, ctx: ResponseContext) -> Iterator[StreamEvent]:
         """``response.failed`` (after the prelude, when keep-alives have not sent it yet)."""
@@ -820,7 +866,7 @@ class OpenAIResponsesProvider:
         yield from prelude
         failed = response_object(request, ctx, "failed")
         _, code = _ERROR_TYPES.get(error.kind, ("server_error", "server_error"))
-        failed["error"] = {"code": code, "message": error.message}
+        failed["error"] = {"code": code, "message": overflow_message(error)}
         yield seq("response.failed", response=failed)
 
     def render_count_tokens(self, count: int) -> dict[str, Any]:

@@ -13,6 +13,9 @@ of that ideal, and each gets one cause:
   breaks a chain when it changed the previous *prompt*.
 - ``rewritten_history``: the harness changed the conversation: compaction, a dropped or edited
   turn, a re-serialized tool call, reasoning not sent back, changed tool definitions.
+- ``compaction``: the harness compacted the conversation: the call asks for a summary (its compaction
+  prompt), or its history is a summary of the chain before it. Recognised by each harness's own fixed
+  texts (``polar_addon.context_compaction``); it starts a chain and cuts the one it summarised.
 - ``sub_agent``: a different conversation in the same session (another system prompt, or another
   first user message while the parent conversation carries on). It starts a chain but cuts none.
 - ``other``: a repeated prompt (retry, parallel sample), a changed sampling temperature, no
@@ -30,6 +33,7 @@ from enum import StrEnum
 from typing import Any
 
 from polar_addon.capture import CaptureRecord
+from polar_addon.context_compaction import compaction_prompt, summarised_history
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -38,6 +42,7 @@ class BreakCause(StrEnum):
     TEMPLATE_RERENDER = "template_rerender"
     RETOKENIZED = "retokenized"
     REWRITTEN_HISTORY = "rewritten_history"
+    COMPACTION = "compaction"
     SUB_AGENT = "sub_agent"
     OTHER = "other"
 
@@ -207,6 +212,10 @@ def relate_new_chain(
             Break(BreakCause.TEMPLATE_RERENDER, f"same messages rendered into different tokens: {where}"), i
         )
 
+    compacted = _compaction_relation(new, tips, olds)
+    if compacted is not None:
+        return compacted
+
     same_root = [
         i for i, old in enumerate(olds)
         if old.system == new.system and old.first_user == new.first_user
@@ -236,6 +245,28 @@ def relate_new_chain(
             decide_by_continuation=True,
         )
     return Relation(Break(BreakCause.SUB_AGENT, "a different system prompt"), None)
+
+
+def _compaction_relation(new: Conversation, tips: list[CaptureRecord], olds: list[Conversation]) -> Relation | None:
+    """A compaction call, or the first call on a compacted history, relates to the latest chain of its
+    conversation (same system prompt when there is one)."""
+    asking = compaction_prompt(new.messages)
+    summary = None if asking is not None else summarised_history(new.messages)
+    if summary is not None and any(summarised_history(old.messages) == summary and
+                                   new.messages[: len(old.messages)] == old.messages
+                                   for old in olds):
+        summary = None  # continues (or re-sends) a chain that already starts from this summary
+    if asking is None and summary is None:
+        return None
+    related = [i for i, old in enumerate(olds) if old.system == new.system] or list(range(len(olds)))
+    if summary is not None:
+        # The summary continues the conversation it summarised, not the side call that wrote it.
+        related = [i for i in related if compaction_prompt(olds[i].messages) is None] or related
+    i = related[-1] if related else None
+    after = f" after call {tips[i].seq}" if i is not None else ""
+    detail = (f"{asking} compaction call (asks for a summary){after}" if asking is not None
+              else f"history replaced by a {summary} compaction summary{after}")
+    return Relation(Break(BreakCause.COMPACTION, detail), i)
 
 
 def sub_agent_break(parent_seq: int) -> Break:

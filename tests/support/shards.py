@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 from polar_addon.capture import CaptureRecord
 from polar_addon.store import read_records
@@ -18,13 +19,19 @@ def pending_segments(out: str | Path) -> list[Path]:
     return sorted(Path(out, "_journal").glob("w-*/*.wal"))
 
 
-def wait_for_shards(out: str | Path, timeout: float = 60.0) -> None:
-    """Return once every record acknowledged so far by the store at ``out`` is in its shards."""
+def wait_for_shards(out: str | Path, timeout: float = 60.0, check: Callable[[], None] | None = None) -> None:
+    """Return once every record acknowledged so far by the store at ``out`` is in its shards. ``check`` runs
+    on every poll and once at the end (e.g. ``store.check_writable``: a store that stopped writing fails at
+    once with its reason, not at the deadline)."""
     deadline = time.monotonic() + timeout
     while pending := pending_segments(out):
+        if check is not None:
+            check()
         if time.monotonic() > deadline:
             raise AssertionError(f"journal segments still not in shards after {timeout:g} s: {pending}")
-        time.sleep(0.05)
+        time.sleep(0.02)
+    if check is not None:
+        check()
 
 
 def session_records(out: str | Path, session: str, *, include_failed: bool = True, at_least: int = 0,

@@ -47,6 +47,12 @@ class HarnessPreset(abc.ABC):
 
     name: str
     binaries: tuple[str, ...] = ()
+    # Host paths the harness needs inside a sandbox, read-only (its install, node): added to SandboxSpec.read_only.
+    read_only: tuple[Path, ...] = ()
+
+    def version(self) -> str | None:
+        """The harness's version for the run manifest (None: unknown)."""
+        return None
 
     @abc.abstractmethod
     def configure(self, home: Path, ctx: SessionContext) -> None:

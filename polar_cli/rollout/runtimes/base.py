@@ -68,6 +68,9 @@ class Sandbox(abc.ABC):
     proxy_url: str  # forward proxy URL as seen inside, e.g. http://127.0.0.1:8080
     reverse_url: str  # reverse proxy base URL as seen inside, e.g. http://127.0.0.1:8081
     ca_path: str  # mitmproxy's CA certificate path inside
+    # The host directory that IS the workspace (bound or used in place, so the runner reads the agent's changes
+    # there), or None when the workspace lives only inside (the runner then downloads it).
+    host_workspace: Path | None = None
 
     @abc.abstractmethod
     async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
@@ -95,6 +98,8 @@ class Runtime(abc.ABC):
     """A kind of sandbox. ``name`` is what ``--runtime`` selects."""
 
     name: str
+    # The network a spec gets when the user names none: what this runtime can enforce.
+    default_network: NetworkMode = "proxy-only"
 
     @abc.abstractmethod
     async def start(self, spec: SandboxSpec) -> Sandbox:

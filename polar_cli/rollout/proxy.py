@@ -1,0 +1,137 @@
+"""The rollout's proxy: its own mitmdump + polar addon (forward and reverse listeners on 127.0.0.1, the same
+command line as ``polar proxy``), or a running one; and the control client that posts verifier rewards and session
+statuses with the control token. The token stays in this process: no sandbox gets it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlsplit
+
+import httpx
+
+from polar_cli.mitm import REPO, free_port, mitmdump_command, wait_for_port
+from polar_cli.rollout.runtimes.base import ProxyEndpoints
+
+DEFAULT_REVERSE_TARGET = "https://api.openai.com"
+CONTROL_BASE = "http://polar.local/sessions"
+
+
+@dataclass(frozen=True)
+class ExternalProxy:
+    """A ``polar proxy`` already running on this host: its forward URL, reverse URL (default: forward port + 1),
+    mitmproxy's CA file, and the control token (``--control-token`` / ``POLAR_CONTROL_TOKEN``)."""
+
+    forward_url: str
+    control_token: str
+    reverse_url: str | None = None
+    ca: Path = Path("~/.mitmproxy/mitmproxy-ca-cert.pem")
+
+    def endpoints(self) -> ProxyEndpoints:
+        forward = _loopback_port(self.forward_url, "--proxy")
+        reverse = _loopback_port(self.reverse_url, "--reverse-url") if self.reverse_url else forward + 1
+        ca = self.ca.expanduser()
+        if not ca.is_file():
+            raise ValueError(f"{ca}: no mitmproxy CA certificate there (give the proxy's confdir)")
+        return ProxyEndpoints(forward_port=forward, reverse_port=reverse, ca=ca)
+
+
+def _loopback_port(url: str, what: str) -> int:
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
+        raise ValueError(f"{what} {url!r}: give http://127.0.0.1:PORT (sandboxes reach the proxy on this host's loopback)")
+    return parts.port
+
+
+@dataclass
+class StartedProxy:
+    endpoints: ProxyEndpoints
+    control_token: str
+    log: Path
+    process: subprocess.Popen
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options: dict[str, str] | None = None,
+                reverse_target: str = DEFAULT_REVERSE_TARGET, timeout_s: float = 600.0) -> Iterator[StartedProxy]:
+    """mitmdump + the addon with a forward and a reverse listener on free loopback ports; stopped gracefully (the open
+    shard sealed) on exit. The control token is the addon's own (generated 0600 next to a local store, or in the
+    confdir for a remote one)."""
+    from polar_addon.control import token_file
+
+    forward, reverse = free_port(), free_port()
+    while reverse == forward:
+        reverse = free_port()
+    confdir = confdir.expanduser()
+    confdir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"mitmdump-{forward}.log"
+    cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{forward}", f"reverse:{reverse_target}@{reverse}"],
+                           confdir=confdir, options=dict(options or {}))
+    with open(log, "wb") as fh:
+        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    try:
+        for port in (forward, reverse):
+            # A local engine loads its model before mitmdump listens.
+            wait_for_port(port, timeout_s, process, log)
+        token = (options or {}).get("polar_control_token") or token_file(out, str(confdir)).read_text().strip()
+        yield StartedProxy(ProxyEndpoints(forward, reverse, confdir / "mitmproxy-ca-cert.pem"), token, log, process)
+    finally:
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGINT)  # mitmdump seals the open shard on a graceful stop
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+class ControlError(RuntimeError):
+    pass
+
+
+class ControlClient:
+    """Posts rewards and statuses to the proxy's control paths (``polar_addon.control``) through its forward
+    listener, with the control token; retries while the store says it cannot persist (503)."""
+
+    def __init__(self, forward_port: int, token: str, attempts: int = 5) -> None:
+        self._client = httpx.AsyncClient(proxy=f"http://127.0.0.1:{forward_port}", timeout=60,
+                                         headers={"authorization": f"Bearer {token}"})
+        self._attempts = attempts
+
+    async def _post(self, session_id: str, what: str, body: dict[str, Any]) -> None:
+        for attempt in range(self._attempts):
+            try:
+                response = await self._client.post(f"{CONTROL_BASE}/{session_id}/{what}", json=body)
+            except httpx.TransportError as exc:
+                if attempt + 1 == self._attempts:
+                    raise ControlError(f"{what} of {session_id}: {exc}") from exc
+            else:
+                if response.status_code == 200:
+                    return
+                if response.status_code != 503 or attempt + 1 == self._attempts:
+                    raise ControlError(f"{what} of {session_id}: HTTP {response.status_code}: {response.text[:500]}")
+            await asyncio.sleep(0.5 * (attempt + 1))
+
+    async def reward(self, session_id: str, value: float, name: str = "reward") -> None:
+        await self._post(session_id, "reward", {"value": value, "name": name})
+
+    async def status(self, session_id: str, status: str, metadata: dict[str, Any] | None = None) -> None:
+        await self._post(session_id, "status", {"status": status, **({"metadata": metadata} if metadata else {})})
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

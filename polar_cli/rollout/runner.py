@@ -1,0 +1,644 @@
+"""The rollout runner: a harness over a task set, N samples per task, in sandboxes, verified and rewarded.
+
+Stages, each with its own bound:
+
+- INIT (``init_concurrency`` workers): start the runtime's sandbox, copy or clone the workspace, run the task's setup,
+  snapshot the workspace, write the harness's config into the session's HOME. Infrastructure failures here are
+  retried (``init_attempts``): nothing has run yet.
+- READY: prepared sessions waiting for a run slot; at most ``ready`` sessions are in INIT or READY at once
+  (``ready=0``: no buffer, each run slot prepares its own session first).
+- RUN (``concurrency`` slots): the harness, once, under one deadline (``timeout_s``, else the task's agent timeout).
+  A session that ran is never re-run, so a group stays whole.
+- POSTRUN (``postrun_concurrency``): the agent's patch (``git diff`` of the workspace against its start), verified in
+  a FRESH sandbox of the task (the task's workspace, its setup, the patch; Harbor's tests at ``/tests``), the
+  verifier's reward and the session's status posted to the proxy with the control token, teardown.
+
+Statuses (``SessionResult.status``; what is posted to the store in brackets): ``completed`` (reward from the
+verifier), ``timeout`` (the deadline ended the harness; its traces so far are kept; the policy's failure, trained
+with reward 0), ``error`` (infrastructure, a harness that crashed or was killed, a verifier that gave no reward:
+masked), ``cancelled`` (``early_stop``: the group already had enough usable sessions; posted as ``error`` with
+``metadata.cancelled``, since the store's vocabulary has no such status and the trace is partial). Sessions that
+never ran (cancelled or failed before RUN) made no calls; a failed one is still posted as ``error`` so the store
+knows its group lost a member.
+
+Rewards come from the verifier only: the control token never enters a sandbox, and the harness gets no way to post
+one (the proxy refuses posts without the token).
+
+Identity: every call of a session carries session/task/group(= the task id)/sample through ``SessionContext`` (the
+preset puts it in the API key and the forward proxy's credentials). ``seed`` fixes session ids and task order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import secrets
+import shutil
+import tempfile
+import time
+from collections import Counter, deque
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Literal, Mapping, Sequence
+
+from polar_cli.rollout import workspace as ws
+from polar_cli.rollout.harnesses import get_preset
+from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
+from polar_cli.rollout.proxy import ControlClient, ExternalProxy, start_proxy
+from polar_cli.rollout.runtimes import get_runtime
+from polar_cli.rollout.runtimes.base import NetworkMode, ProxyEndpoints, Runtime, Sandbox, SandboxSpec
+from polar_cli.rollout.tasks import Task
+from polar_cli.rollout.verify import VerifierError, file_rewards, harbor_rewards, resolve_env
+
+log = logging.getLogger("polar.rollout")
+
+Status = Literal["completed", "timeout", "error", "cancelled"]
+STATUSES: tuple[str, ...] = ("completed", "timeout", "error", "cancelled")
+USABLE = ("completed", "timeout")  # sessions a trainer learns from (error and cancelled are masked)
+STAGES = ("pending", "init", "ready", "run", "postrun", "done")
+_LOG_TAIL = 2000
+
+
+@dataclass
+class RolloutConfig:
+    """One rollout. Give ``engine`` (and ``out``) to start a proxy, or ``proxy`` to use a running one."""
+
+    tasks: Sequence[Task]
+    harness: str | HarnessPreset  # a --harness spec (``codex``, ``cmd:python agent.py {instruction}``) or a preset
+    samples: int = 1  # sessions per task: one group
+    out: str | None = None  # the trace store of the proxy this runner starts (a directory or s3://...)
+    engine: str | None = None  # the proxy's engine spec (vllm:URL, local:DIR, scripted:SCRIPT.json, ...)
+    proxy: ExternalProxy | None = None  # a running polar proxy instead
+    runtime: str | Runtime = "local"
+    runtime_options: Mapping[str, Any] = field(default_factory=dict)
+    network: NetworkMode | None = None  # None: the runtime's default (local: host; bwrap: proxy-only)
+    concurrency: int = 4  # RUN slots
+    ready: int | None = None  # sessions prepared ahead (INIT + READY); None: as many as ``concurrency``; 0: none
+    init_concurrency: int | None = None  # INIT workers; None: min(ready, concurrency)
+    postrun_concurrency: int | None = None  # verifications at once; None: ``concurrency``
+    timeout_s: float | None = None  # the harness's deadline; None: each task's agent timeout
+    early_stop: int | None = None  # cancel a group's stragglers once this many of its sessions are usable
+    seed: int | None = None  # fixes session ids and task order
+    model: str = "policy"  # the model name harnesses ask for (the proxy's engine answers whatever it is)
+    init_attempts: int = 3  # tries of INIT per session (infrastructure failures)
+    verify_attempts: int = 2  # tries of starting the verifier's sandbox
+    work_dir: Path | None = None  # scratch for session homes and workspaces; None: a temporary directory
+    keep_sessions: bool = False  # keep each session's directories (debugging)
+    logs_dir: Path | None = None  # per-session harness/verifier output and patch, and mitmdump's log
+    confdir: Path = Path("~/.mitmproxy")  # mitmproxy's CA (for a started proxy)
+    proxy_options: Mapping[str, str] = field(default_factory=dict)  # extra mitmdump --set KEY=VALUE
+    env: Mapping[str, str] = field(default_factory=dict)  # extra environment for the harness
+    read_only: Sequence[Path] = ()  # host paths visible read-only in sandboxes (harness installs)
+    run_id: str | None = None  # prefix of session ids; None: from the seed, else random
+    progress: "RolloutProgress | None" = None  # live counters for a display (mutated in place)
+
+
+@dataclass
+class SessionResult:
+    session_id: str
+    task_id: str
+    group_id: str
+    sample: int
+    status: Status
+    reward: float | None = None  # the verifier's outcome reward (``completed`` only)
+    rewards: dict[str, float] = field(default_factory=dict)  # every reward the verifier gave, by name
+    ran: bool = False  # the harness started (never re-run)
+    exit_code: int | None = None  # the harness's
+    reason: str | None = None  # why, for anything but a plain completed session
+    init_attempts: int = 0
+    patch_bytes: int = 0
+    posted: bool = False  # status (and reward) stored through the proxy
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage: init, wait, run, postrun
+
+
+@dataclass
+class RolloutResult:
+    run_id: str
+    sessions: list[SessionResult]
+    started_at: float
+    ended_at: float
+    store: str | None
+
+    def counts(self) -> dict[str, int]:
+        counts = Counter(s.status for s in self.sessions)
+        return {status: counts.get(status, 0) for status in STATUSES}
+
+    def group_rewards(self) -> dict[str, list[float]]:
+        groups: dict[str, list[float]] = {}
+        for s in self.sessions:
+            groups.setdefault(s.group_id, [])
+            if s.status == "completed" and s.reward is not None:
+                groups[s.group_id].append(s.reward)
+        return groups
+
+    @property
+    def all_failed(self) -> bool:
+        return not any(s.status in USABLE for s in self.sessions)
+
+    def summary(self) -> dict[str, Any]:
+        rewards = [s.reward for s in self.sessions if s.status == "completed" and s.reward is not None]
+        minutes = max(self.ended_at - self.started_at, 1e-9) / 60
+        return {
+            "run_id": self.run_id, "store": self.store, "sessions": len(self.sessions), "statuses": self.counts(),
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "groups": {g: {"rewards": r, "mean": sum(r) / len(r) if r else None}
+                       for g, r in sorted(self.group_rewards().items())},
+            "sessions_per_minute": sum(s.ran for s in self.sessions) / minutes,
+            "seconds": self.ended_at - self.started_at,
+            "session_results": [asdict(s) for s in self.sessions],
+        }  # fmt: skip
+
+
+@dataclass
+class RolloutProgress:
+    """Live counters a display polls (the runner mutates them; one event loop, no locks needed)."""
+
+    total: int = 0
+    stages: Counter = field(default_factory=Counter)
+    statuses: Counter = field(default_factory=Counter)
+    group_rewards: dict[str, list[float]] = field(default_factory=dict)
+    errors: deque = field(default_factory=lambda: deque(maxlen=5))  # (session, reason), most recent last
+    started_at: float = field(default_factory=time.time)
+    ran: int = 0
+
+    def move(self, before: str | None, after: str) -> None:
+        if before is not None:
+            self.stages[before] -= 1
+        self.stages[after] += 1
+
+    def sessions_per_minute(self) -> float:
+        done = self.stages.get("done", 0)
+        return done / max((time.time() - self.started_at) / 60, 1e-9)
+
+
+class _Cancelled(Exception):
+    """The session's group was stopped early before it ran."""
+
+
+@dataclass
+class _Session:
+    task: Task
+    sample: int
+    session_id: str
+    index: int
+    result: SessionResult
+    dir: Path | None = None
+    sandbox: Sandbox | None = None
+    home: Path | None = None
+    workspace: Path | None = None
+    base_tree: str | None = None
+    ctx: SessionContext | None = None
+    stage: str = "pending"
+    ready_at: float = 0.0
+
+
+def session_ids(tasks: Sequence[Task], samples: int, run_id: str) -> list[tuple[Task, int, str]]:
+    """(task, sample, session id) for every session; ids are ``RUN-TASKHASH-SAMPLE`` (task ids may hold characters a
+    session id may not)."""
+    out = []
+    for task in tasks:
+        digest = hashlib.sha256(task.id.encode()).hexdigest()[:10]
+        out.extend((task, s, f"{run_id}-{digest}-{s}") for s in range(samples))
+    return out
+
+
+async def run_rollout(config: RolloutConfig) -> RolloutResult:
+    """Run every session of ``config`` to an end (completed, timeout, error or cancelled) and return them all."""
+    _check(config)
+    preset = get_preset(config.harness) if isinstance(config.harness, str) else config.harness
+    runtime = get_runtime(config.runtime, **dict(config.runtime_options)) if isinstance(config.runtime, str) else config.runtime
+    run_id = config.run_id or (f"r{config.seed}" if config.seed is not None else f"r{secrets.token_hex(4)}")
+    tasks = list(config.tasks)
+    if config.seed is not None:
+        random.Random(config.seed).shuffle(tasks)
+    async with AsyncExitStack() as stack:
+        work_dir = config.work_dir
+        if work_dir is None:
+            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="polar-rollout-")))
+        work_dir.mkdir(parents=True, exist_ok=True)
+        endpoints, token = await stack.enter_async_context(_proxy(config, work_dir))
+        control = ControlClient(endpoints.forward_port, token)
+        stack.push_async_callback(control.aclose)
+        stack.push_async_callback(runtime.close)
+        runner = _Runner(config, preset, runtime, endpoints, control, work_dir, run_id)
+        started = time.time()
+        sessions = await runner.run(tasks)
+        return RolloutResult(run_id, [s.result for s in sessions], started, time.time(),
+                             config.out if config.proxy is None else None)
+
+
+def _check(config: RolloutConfig) -> None:
+    if not config.tasks:
+        raise ValueError("no tasks")
+    if config.samples < 1:
+        raise ValueError("samples must be at least 1")
+    if config.concurrency < 1:
+        raise ValueError("concurrency must be at least 1")
+    if config.ready is not None and config.ready < 0:
+        raise ValueError("ready must be 0 or more")
+    if config.early_stop is not None and not 1 <= config.early_stop <= config.samples:
+        raise ValueError(f"early_stop must be between 1 and samples ({config.samples})")
+    if config.timeout_s is not None and config.timeout_s <= 0:
+        raise ValueError("timeout must be positive")
+    if (config.engine is None) == (config.proxy is None):
+        raise ValueError("give an engine (the runner starts a proxy) or a running proxy, not both")
+    if config.engine is not None and not config.out:
+        raise ValueError("a started proxy needs a store (out)")
+
+
+@asynccontextmanager
+async def _proxy(config: RolloutConfig, work_dir: Path) -> AsyncIterator[tuple[ProxyEndpoints, str]]:
+    if config.proxy is not None:
+        yield config.proxy.endpoints(), config.proxy.control_token
+        return
+    assert config.engine is not None and config.out is not None
+    manager = start_proxy(config.engine, config.out, confdir=Path(config.confdir), log_dir=config.logs_dir or work_dir,
+                          options=dict(config.proxy_options))
+    started = await asyncio.to_thread(manager.__enter__)
+    try:
+        yield started.endpoints, started.control_token
+    finally:
+        await asyncio.to_thread(manager.__exit__, None, None, None)
+
+
+class _Runner:
+    def __init__(self, config: RolloutConfig, preset: HarnessPreset, runtime: Runtime, endpoints: ProxyEndpoints,
+                 control: ControlClient, work_dir: Path, run_id: str) -> None:
+        self.config, self.preset, self.runtime = config, preset, runtime
+        self.endpoints, self.control, self.work_dir, self.run_id = endpoints, control, work_dir, run_id
+        self.network: NetworkMode = config.network or getattr(runtime, "default_network", "proxy-only")
+        self.progress = config.progress or RolloutProgress()
+        self.ready_n = config.concurrency if config.ready is None else config.ready
+        self.postrun = asyncio.Semaphore(config.postrun_concurrency or config.concurrency)
+        self.templates: dict[str, Path | None] = {}
+        self.template_locks: dict[str, asyncio.Lock] = {}
+        self.usable: Counter = Counter()
+        self.stopped_groups: set[str] = set()
+        self.running: dict[str, list[_Session]] = {}
+        self.cancels: set[asyncio.Task] = set()  # early-stop cancels in flight (held so they are not collected)
+
+    # -- the pipeline -------------------------------------------------------------------------------------------
+
+    async def run(self, tasks: list[Task]) -> list[_Session]:
+        plan = session_ids(tasks, self.config.samples, self.run_id)
+        sessions = [_Session(task, sample, sid, i, SessionResult(sid, task.id, task.id, sample, "error"))
+                    for i, (task, sample, sid) in enumerate(plan)]  # fmt: skip
+        self.progress.total = len(sessions)
+        self.progress.stages["pending"] = len(sessions)
+        pending: deque[_Session] = deque(sessions)
+        ready: asyncio.Queue[_Session | None] = asyncio.Queue()
+        postruns: set[asyncio.Task] = set()
+
+        async def run_slot() -> None:
+            while True:
+                if self.ready_n == 0:
+                    if not pending:
+                        return
+                    session = pending.popleft()
+                    if not await self._init(session):
+                        continue
+                else:
+                    item = await ready.get()
+                    if item is None:
+                        return
+                    session = item
+                    slots.release()
+                if await self._run(session):
+                    job = asyncio.create_task(self._postrun(session))
+                    postruns.add(job)
+                    job.add_done_callback(postruns.discard)
+
+        slots = asyncio.Semaphore(max(self.ready_n, 1))
+
+        async def init_worker() -> None:
+            while pending:
+                await slots.acquire()
+                if not pending:
+                    slots.release()
+                    return
+                session = pending.popleft()
+                if await self._init(session):
+                    self._move(session, "ready")
+                    await ready.put(session)
+                else:
+                    slots.release()
+
+        init_workers = self.config.init_concurrency or min(self.ready_n, self.config.concurrency)
+        runners = [asyncio.create_task(run_slot()) for _ in range(self.config.concurrency)]
+        try:
+            if self.ready_n > 0:
+                await asyncio.gather(*(init_worker() for _ in range(max(init_workers, 1))))
+                for _ in runners:
+                    await ready.put(None)
+            await asyncio.gather(*runners)
+            while postruns:
+                await asyncio.gather(*list(postruns))
+        finally:
+            for job in [*runners, *postruns]:
+                job.cancel()
+            for session in sessions:  # an interrupted run leaves no sandbox behind
+                await self._teardown(session)
+        return sessions
+
+    def _move(self, session: _Session, stage: str) -> None:
+        self.progress.move(session.stage, stage)
+        session.stage = stage
+
+    def _finish(self, session: _Session, status: Status, reason: str | None = None) -> None:
+        session.result.status = status
+        session.result.reason = reason
+        self._move(session, "done")
+        self.progress.statuses[status] += 1
+        group = session.task.id
+        rewards = self.progress.group_rewards.setdefault(group, [])
+        if status == "completed" and session.result.reward is not None:
+            rewards.append(session.result.reward)
+        if status == "error" and reason:
+            self.progress.errors.append((session.session_id, reason.splitlines()[0][:200]))
+        if status in USABLE:
+            self.usable[group] += 1
+            if self.config.early_stop and self.usable[group] >= self.config.early_stop and group not in self.stopped_groups:
+                self.stopped_groups.add(group)
+                for other in self.running.get(group, []):
+                    if other.sandbox is not None:
+                        job = asyncio.create_task(other.sandbox.cancel())
+                        self.cancels.add(job)
+                        job.add_done_callback(self.cancels.discard)
+
+    # -- INIT -----------------------------------------------------------------------------------------------------
+
+    async def _init(self, session: _Session) -> bool:
+        """Prepare ``session`` (retrying infrastructure failures); False when it ended here."""
+        self._move(session, "init")
+        started = time.monotonic()
+        reason = ""
+        for attempt in range(1, self.config.init_attempts + 1):
+            if session.task.id in self.stopped_groups:
+                self._finish(session, "cancelled", "early stop: the group had enough usable sessions before it ran")
+                return False
+            session.result.init_attempts = attempt
+            try:
+                await self._prepare(session)
+                session.result.timings["init"] = time.monotonic() - started
+                session.ready_at = time.monotonic()
+                return True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure before the harness ran is retried, bounded
+                reason = f"INIT attempt {attempt}: {type(exc).__name__}: {exc}"
+                log.warning("polar rollout: %s: %s", session.session_id, reason)
+                await self._teardown(session)
+                if attempt < self.config.init_attempts:
+                    await asyncio.sleep(min(0.5 * attempt, 5.0))
+        session.result.timings["init"] = time.monotonic() - started
+        self._finish(session, "error", f"INIT failed {self.config.init_attempts} times; last: {reason}")
+        await self._post_status(session, "error", {"reason": "init_failed"})
+        return False
+
+    async def _template(self, task: Task) -> Path | None:
+        lock = self.template_locks.setdefault(task.id, asyncio.Lock())
+        async with lock:
+            if task.id not in self.templates:
+                cache = self.work_dir / "templates" / hashlib.sha256(task.id.encode()).hexdigest()[:16]
+                self.templates[task.id] = await ws.prepare_template(task, cache)
+            return self.templates[task.id]
+
+    def _spec(self, task: Task, name: str, workspace: Path, home: Path, binds: Mapping[str, Path] | None = None,
+              env: Mapping[str, str] | None = None) -> SandboxSpec:
+        read_only = (*self.config.read_only, *getattr(self.preset, "read_only", ()))
+        return SandboxSpec(name=name, workspace=workspace, home=home, proxy=self.endpoints, network=self.network,
+                           image=task.image, dockerfile=task.dockerfile, workdir=task.workdir, cpus=task.cpus,
+                           memory_mb=task.memory_mb, read_only=tuple(read_only), binds=dict(binds or {}),
+                           env=dict(env or {}))  # fmt: skip
+
+    async def _prepare(self, session: _Session) -> None:
+        task = session.task
+        template = await self._template(task)
+        session.dir = self.work_dir / "sessions" / session.session_id
+        shutil.rmtree(session.dir, ignore_errors=True)
+        session.dir.mkdir(parents=True)
+        session.home = session.dir / "home"
+        session.home.mkdir()
+        session.workspace = session.dir / "workspace"
+        await ws.copy_template(template, session.workspace)
+        await ws.ensure_repo(session.workspace)
+        session.sandbox = await self.runtime.start(self._spec(task, session.session_id, session.workspace, session.home))
+        if task.setup:
+            done = await session.sandbox.exec(task.setup, cwd=session.sandbox.workspace, timeout_s=task.setup_timeout_s)
+            if done.exit_code != 0:
+                raise RuntimeError(f"setup exited {done.exit_code}{' (timed out)' if done.timed_out else ''}: "
+                                   f"{(done.stderr or done.stdout)[-_LOG_TAIL:]}")
+        view = await self._workspace_view(session, "base-view")
+        session.base_tree = await ws.snapshot(view, session.dir / "base.git")
+        sandbox = session.sandbox
+        session.ctx = SessionContext(
+            session_id=session.session_id, task_id=task.id, group_id=task.id, sample=session.sample,
+            model=self.config.model, proxy_url=sandbox.proxy_url, reverse_url=sandbox.reverse_url,
+            ca_path=sandbox.ca_path, home=sandbox.home, workspace=sandbox.workspace)  # fmt: skip
+        self.preset.configure(session.home, session.ctx)
+
+    async def _workspace_view(self, session: _Session, name: str) -> Path:
+        """The workspace's files on the host: the sandbox's own directory when the runtime uses one in place, else a
+        fresh download."""
+        assert session.sandbox is not None and session.dir is not None
+        if session.sandbox.host_workspace is not None:
+            return Path(session.sandbox.host_workspace)
+        target = session.dir / name
+        shutil.rmtree(target, ignore_errors=True)
+        await session.sandbox.download(session.sandbox.workspace, target)
+        return target
+
+    # -- RUN ------------------------------------------------------------------------------------------------------
+
+    async def _run(self, session: _Session) -> bool:
+        """Run the harness once; True when the session goes on to POSTRUN."""
+        task, sandbox, ctx = session.task, session.sandbox, session.ctx
+        assert sandbox is not None and ctx is not None
+        if task.id in self.stopped_groups:
+            await self._teardown(session)
+            self._finish(session, "cancelled", "early stop: the group had enough usable sessions before it ran")
+            return False
+        self._move(session, "run")
+        session.result.timings["wait"] = time.monotonic() - session.ready_at
+        self.running.setdefault(task.id, []).append(session)
+        session.result.ran = True
+        self.progress.ran += 1
+        deadline = self.config.timeout_s or task.agent_timeout_s
+        env = {**self.config.env, **self.preset.env(ctx), "POLAR_INSTRUCTION": task.instruction}
+        started = time.monotonic()
+        try:
+            done = await sandbox.exec(self.preset.command(task.instruction, ctx), env=env, cwd=sandbox.workspace,
+                                      timeout_s=deadline)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the runtime failed under a running harness: it ran, so it is not retried
+            done = None
+            failure = f"the runtime failed during RUN: {type(exc).__name__}: {exc}"
+        finally:
+            self.running[task.id].remove(session)
+            session.result.timings["run"] = time.monotonic() - started
+        if done is None:
+            return await self._end(session, "error", failure, {"reason": "runtime_failed"})
+        session.result.exit_code = done.exit_code
+        self._write_log(session, "harness.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+        if done.cancelled and task.id in self.stopped_groups:
+            return await self._end(session, "cancelled", "early stop: cancelled while running",
+                                   {"reason": "cancelled", "cancelled": True})
+        if done.timed_out:
+            return await self._end(session, "timeout", f"the harness ran past its {deadline:g} s deadline",
+                                   {"reason": "timeout", "deadline_s": deadline})
+        if done.exit_code != 0:
+            tail = (done.stderr or done.stdout)[-_LOG_TAIL:]
+            return await self._end(session, "error", f"the harness exited {done.exit_code}: {tail}",
+                                   {"reason": "harness_failed", "exit_code": done.exit_code})
+        return True
+
+    async def _end(self, session: _Session, status: Status, reason: str, metadata: dict[str, Any]) -> bool:
+        await self._teardown(session)
+        self._finish(session, status, reason)
+        await self._post_status(session, "error" if status == "cancelled" else status, metadata)
+        return False
+
+    # -- POSTRUN --------------------------------------------------------------------------------------------------
+
+    async def _postrun(self, session: _Session) -> None:
+        self._move(session, "postrun")
+        async with self.postrun:
+            started = time.monotonic()
+            try:
+                status, reason, rewards = await self._verify(session)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                status, reason, rewards = "error", f"POSTRUN: {type(exc).__name__}: {exc}", {}
+            finally:
+                await self._teardown(session)
+            session.result.timings["postrun"] = time.monotonic() - started
+            if status == "completed":
+                session.result.rewards = rewards
+                session.result.reward = rewards["reward"]
+                try:
+                    for name, value in rewards.items():
+                        await self.control.reward(session.session_id, value, name)
+                except Exception as exc:
+                    status, reason = "error", f"the reward could not be stored: {exc}"
+            self._finish(session, status, reason)
+            metadata: dict[str, Any] = {"patch_bytes": session.result.patch_bytes}
+            if status == "error":
+                metadata["reason"] = "verifier_failed"
+            await self._post_status(session, status, metadata)
+
+    async def _verify(self, session: _Session) -> tuple[Status, str | None, dict[str, float]]:
+        assert session.dir is not None and session.base_tree is not None
+        view = await self._workspace_view(session, "final-view")
+        patch = await ws.diff(view, session.dir / "base.git", session.base_tree)
+        session.result.patch_bytes = len(patch)
+        self._write_log(session, "patch.diff", patch.decode("utf-8", "replace"))
+        await self._teardown_sandbox(session)  # the agent's sandbox goes before the verifier's starts
+        last: Exception | None = None
+        for attempt in range(1, self.config.verify_attempts + 1):
+            vdir = session.dir / f"verify-{attempt}"
+            try:
+                return await self._verify_once(session, vdir, patch)
+            except (VerifierError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # the verifier's sandbox, setup or patch: infrastructure, retried
+                last = exc
+                log.warning("polar rollout: %s: verify attempt %d: %s", session.session_id, attempt, exc)
+        raise RuntimeError(f"verification failed {self.config.verify_attempts} times; last: {last}")
+
+    async def _verify_once(self, session: _Session, vdir: Path, patch: bytes) -> tuple[Status, str | None, dict[str, float]]:
+        task = session.task
+        shutil.rmtree(vdir, ignore_errors=True)
+        vdir.mkdir(parents=True)
+        workspace, home = vdir / "workspace", vdir / "home"
+        home.mkdir()
+        await ws.copy_template(await self._template(task), workspace)
+        binds: dict[str, Path] = {}
+        logs = vdir / "logs-verifier"
+        if task.format == "harbor":
+            tests = vdir / "tests"
+            assert task.tests_dir is not None
+            await asyncio.to_thread(shutil.copytree, task.tests_dir, tests, symlinks=True)
+            logs.mkdir()
+            binds = {"/tests": tests, "/logs/verifier": logs}
+        env = resolve_env(dict(task.verify_env))
+        sandbox = await self.runtime.start(self._spec(task, f"{session.session_id}-verify", workspace, home, binds))
+        try:
+            if task.setup:
+                done = await sandbox.exec(task.setup, cwd=sandbox.workspace, timeout_s=task.setup_timeout_s)
+                if done.exit_code != 0:
+                    raise RuntimeError(f"setup exited {done.exit_code} in the verifier's sandbox: {done.stderr[-_LOG_TAIL:]}")
+            if patch:
+                if sandbox.host_workspace is not None:
+                    await ws.apply(Path(sandbox.host_workspace), vdir / "apply.git", patch)
+                else:
+                    (vdir / "agent.patch").write_bytes(patch)
+                    await sandbox.upload(vdir / "agent.patch", "/tmp/polar-agent.patch")
+                    applied = await sandbox.exec(["git", "apply", "--binary", "/tmp/polar-agent.patch"],
+                                                 cwd=sandbox.workspace, timeout_s=120)
+                    if applied.exit_code != 0:
+                        raise RuntimeError(f"the patch does not apply: {applied.stderr[-_LOG_TAIL:]}")
+            done = await sandbox.exec(task.verify or "true", env=env, cwd=sandbox.workspace,
+                                      timeout_s=task.verify_timeout_s)
+            self._write_log(session, "verifier.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+            if done.cancelled:
+                raise RuntimeError("the verifier was cancelled")
+            if task.format == "harbor":
+                def read(name: str) -> str | None:
+                    path = logs / name
+                    return path.read_text(errors="replace") if path.is_file() else None
+
+                if done.timed_out:
+                    raise VerifierError(f"tests/test.sh ran past its {task.verify_timeout_s:g} s timeout")
+                return "completed", None, harbor_rewards(read("reward.json"), read("reward.txt"))
+            if task.reward_file:
+                reward_path = vdir / "reward-file"
+                try:
+                    await sandbox.download(task.reward_file, reward_path)
+                except FileNotFoundError:
+                    if done.timed_out:
+                        return "completed", "the verifier timed out", {"reward": 0.0}
+                    raise VerifierError(f"the verifier wrote no {task.reward_file}") from None
+                return "completed", None, file_rewards(reward_path.read_text(errors="replace"), task.reward_file)
+            if done.timed_out:
+                # The agent's patch made the tests hang: the policy's failure, scored like any failing test.
+                return "completed", f"the verifier ran past its {task.verify_timeout_s:g} s timeout", {"reward": 0.0}
+            return "completed", None, {"reward": 1.0 if done.exit_code == 0 else 0.0}
+        finally:
+            await sandbox.stop()
+
+    # -- store and teardown ---------------------------------------------------------------------------------------
+
+    async def _post_status(self, session: _Session, status: str, metadata: dict[str, Any]) -> None:
+        full = {"rollout": self.run_id, "task": session.task.id, "group": session.task.id, "sample": session.sample,
+                "harness": self.preset.name, **metadata}
+        try:
+            await self.control.status(session.session_id, status, full)
+            session.result.posted = True
+        except Exception as exc:
+            log.error("polar rollout: %s: status not stored: %s", session.session_id, exc)
+            self.progress.errors.append((session.session_id, f"status not stored: {exc}"[:200]))
+
+    def _write_log(self, session: _Session, name: str, text: str) -> None:
+        if self.config.logs_dir is None:
+            return
+        directory = Path(self.config.logs_dir) / "sessions" / session.session_id
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text(text)
+
+    async def _teardown_sandbox(self, session: _Session) -> None:
+        sandbox, session.sandbox = session.sandbox, None
+        if sandbox is not None:
+            try:
+                await sandbox.stop()
+            except Exception as exc:
+                log.warning("polar rollout: %s: sandbox stop failed: %s", session.session_id, exc)
+
+    async def _teardown(self, session: _Session) -> None:
+        await self._teardown_sandbox(session)
+        if session.dir is not None and not self.config.keep_sessions:
+            await asyncio.to_thread(shutil.rmtree, session.dir, True)

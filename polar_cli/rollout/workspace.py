@@ -1,0 +1,117 @@
+"""Session workspaces on the host: the task's starting tree (a directory, a clone at a revision, or what a Harbor
+Dockerfile copies), per-session copies, and the agent's changes as one binary git patch.
+
+The baseline lives in a git directory outside the workspace (the session's own, on the host), so nothing the agent
+does to the workspace's ``.git`` can change what counts as its patch; ``.git`` itself is never part of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+from polar_cli.rollout.tasks import Task, image_free_copies
+
+# Same commits on every host: no user config, no signing, a fixed identity and clock.
+_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "polar", "GIT_AUTHOR_EMAIL": "polar@localhost",
+            "GIT_COMMITTER_NAME": "polar", "GIT_COMMITTER_EMAIL": "polar@localhost",
+            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
+_GIT_FLAGS = ["-c", "core.excludesFile=/dev/null", "-c", "safe.directory=*", "-c", "commit.gpgsign=false",
+              "-c", "core.autocrlf=false", "-c", "init.defaultBranch=main"]
+
+
+class WorkspaceError(RuntimeError):
+    pass
+
+
+async def git(*args: str, cwd: Path | None = None, stdin: bytes | None = None, check: bool = True) -> bytes:
+    env = {**{k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}, **_GIT_ENV,
+           "HOME": os.environ.get("HOME", "/")}
+    proc = await asyncio.create_subprocess_exec(
+        "git", *_GIT_FLAGS, *args, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE if stdin is not None else None,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+    out, err = await proc.communicate(stdin)
+    if check and proc.returncode != 0:
+        raise WorkspaceError(f"git {' '.join(args[:3])} failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}")
+    return out
+
+
+async def prepare_template(task: Task, cache: Path) -> Path | None:
+    """The directory each session of ``task`` copies: the task's workspace as is, a clone at the revision (made once
+    into ``cache``), the Harbor Dockerfile's copies into an empty tree, or None (an empty workspace)."""
+    if task.workspace is not None:
+        return task.workspace
+    if task.repo is not None:
+        target = cache / "clone"
+        if not (target / ".git").is_dir():
+            tmp = cache / "clone.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            cache.mkdir(parents=True, exist_ok=True)
+            await git("clone", "--quiet", task.repo, str(tmp))
+            if task.revision:
+                await git("checkout", "--quiet", "--detach", task.revision, cwd=tmp)
+            tmp.rename(target)
+        return target
+    copies = image_free_copies(task)
+    if copies:
+        target = cache / "context"
+        if not target.is_dir():
+            tmp = cache / "context.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for source, rel in copies:
+                dest = (tmp / rel).resolve()
+                if source.is_dir():
+                    shutil.copytree(source, dest, symlinks=True, dirs_exist_ok=True)
+                else:
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(source, dest)
+            tmp.rename(target)
+        return target
+    return None
+
+
+async def copy_template(template: Path | None, dest: Path) -> None:
+    if template is None:
+        dest.mkdir(parents=True)
+    else:
+        await asyncio.to_thread(shutil.copytree, template, dest, symlinks=True)
+
+
+async def ensure_repo(workspace: Path) -> None:
+    """Make a workspace that is no git repository one, with its start committed: harnesses such as Codex expect a
+    repository, and ``git diff`` is how agents look at their own changes."""
+    if (workspace / ".git").exists():
+        return
+    await git("init", "--quiet", cwd=workspace)
+    await git("add", "-A", cwd=workspace)
+    await git("commit", "--quiet", "--allow-empty", "--no-verify", "-m", "task start", cwd=workspace)
+
+
+async def snapshot(workspace: Path, git_dir: Path) -> str:
+    """The tree id of ``workspace``'s files now (``.gitignore`` honoured, ``.git`` never included), kept in ``git_dir``."""
+    if not (git_dir / "HEAD").exists():
+        await git("init", "--quiet", "--bare", str(git_dir))
+    tree_args = ["--git-dir", str(git_dir), "--work-tree", str(workspace)]
+    await git(*tree_args, "add", "-A", cwd=workspace)
+    return (await git(*tree_args, "write-tree", cwd=workspace)).decode().strip()
+
+
+async def diff(workspace: Path, git_dir: Path, base_tree: str) -> bytes:
+    """The agent's changes: a binary patch from ``base_tree`` to the workspace's files now (b"" when unchanged)."""
+    now = await snapshot(workspace, git_dir)
+    if now == base_tree:
+        return b""
+    return await git("--git-dir", str(git_dir), "diff", "--binary", "--full-index", base_tree, now)
+
+
+async def apply(workspace: Path, git_dir: Path, patch: bytes) -> None:
+    """Apply a patch from :func:`diff` to a fresh copy of the task's workspace."""
+    if not patch:
+        return
+    if not (git_dir / "HEAD").exists():
+        await git("init", "--quiet", "--bare", str(git_dir))
+    await git("--git-dir", str(git_dir), "--work-tree", str(workspace), "apply", "--binary", "--whitespace=nowarn",
+              "-", cwd=workspace, stdin=patch)

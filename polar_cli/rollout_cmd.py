@@ -1,0 +1,200 @@
+"""`polar rollout`: a thin Typer shell over :func:`polar_cli.rollout.runner.run_rollout` (options -> RolloutConfig,
+a live rich display, the summary and manifest files, the exit code)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from polar_cli.rollout.tasks import TaskFileError
+
+EXIT_ALL_FAILED = 1
+
+
+def rollout(
+    tasks: Path = typer.Argument(..., help="The task set: a JSONL file (or a directory of *.jsonl), a Harbor task "
+                                 "directory (task.toml, instruction.md, tests/test.sh), or a directory of them."),
+    harness: str = typer.Option(..., "--harness", "-H", help="claude-code, codex, qwen-code, pi, gemini-cli, or "
+                                "cmd:'ANY COMMAND {instruction}' ({instruction} becomes one shell-quoted word)."),
+    samples: int = typer.Option(1, "--samples", "-n", help="Sessions per task (one GRPO group per task)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="The trace store the started proxy writes (a "
+                                      "directory or s3://...). With --proxy: the running proxy's store, for the report."),
+    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="Start a proxy with this engine: vllm:URL, "
+                                         "sglang:URL, local:MODEL_DIR, scripted:SCRIPT.json."),
+    proxy: Optional[str] = typer.Option(None, "--proxy", help="Use a running `polar proxy` instead: its forward URL "
+                                        "http://127.0.0.1:PORT (needs its control token)."),
+    reverse_url: Optional[str] = typer.Option(None, help="With --proxy: its reverse listener (default: PORT + 1)."),
+    control_token: Optional[str] = typer.Option(None, envvar="POLAR_CONTROL_TOKEN", show_envvar=True,
+                                                help="With --proxy: the proxy's control token (to post rewards)."),
+    runtime: str = typer.Option("local", help="Where sessions run: local (a subprocess with its own HOME and "
+                                "workspace copy; NO isolation: trusted agents only), bwrap (bubblewrap), oci "
+                                "(podman/docker, for tasks with an image)."),
+    network: Optional[str] = typer.Option(None, help="host, or proxy-only (the agent reaches the model API and "
+                                          "nothing else; bwrap/oci). Default: the runtime's (local: host)."),
+    concurrency: int = typer.Option(4, "--concurrency", "-c", help="Harness runs at once (RUN slots)."),
+    ready: Optional[int] = typer.Option(None, help="Sessions prepared ahead (started sandbox, setup done, harness "
+                                        "configured) so a free RUN slot starts at once. Default: --concurrency; 0: off."),
+    timeout: Optional[float] = typer.Option(None, help="Seconds per harness run (default: each task's agent "
+                                            "timeout). A timed-out session keeps its traces, status timeout."),
+    early_stop: Optional[int] = typer.Option(None, help="Once M sessions of a group are usable (completed or "
+                                             "timeout), cancel its stragglers (masked)."),
+    tasks_limit: Optional[int] = typer.Option(None, help="Only the first K tasks."),
+    seed: Optional[int] = typer.Option(None, help="Fixes session ids and task order (same seed, same ids)."),
+    model: str = typer.Option("policy", help="The model name harnesses ask for."),
+    confdir: Path = typer.Option(Path("~/.mitmproxy"), help="mitmproxy's configuration directory (its CA)."),
+    option: list[str] = typer.Option([], "--set", help="Extra mitmdump option KEY=VALUE for the started proxy "
+                                     "(repeatable), e.g. --set polar_max_tokens=512."),
+    report_dir: Optional[Path] = typer.Option(None, help="Where rollout-summary.json, rollout-manifest.json and "
+                                              "per-session logs go (default: STORE/rollouts/RUN_ID for a local store; "
+                                              "./polar-rollouts/RUN_ID otherwise)."),
+    work_dir: Optional[Path] = typer.Option(None, help="Scratch for session workspaces and homes (default: a "
+                                            "temporary directory)."),
+    keep_sessions: bool = typer.Option(False, help="Keep each session's workspace and home (debugging)."),
+    init_attempts: int = typer.Option(3, help="Tries of a session's INIT (sandbox, workspace, setup)."),
+    display: bool = typer.Option(True, "--progress/--no-progress", help="Live progress display."),
+) -> None:
+    """Run a harness over a task set: SAMPLES sessions per task, each in its own sandbox, verified in a fresh one,
+    rewarded by the verifier only, grouped by task; every model call is captured into the store.
+
+    Stages: INIT (sandbox, workspace, setup, harness config; retried) -> READY (--ready) -> RUN (--concurrency,
+    --timeout) -> POSTRUN (the workspace's git diff verified in a fresh sandbox; reward and status posted with the
+    proxy's control token, which no sandbox sees). Exit status 1 when no session was usable.
+    """
+    from polar_cli.rollout.proxy import ExternalProxy
+    from polar_cli.rollout.runner import RolloutConfig, RolloutProgress, run_rollout
+    from polar_cli.rollout.tasks import load_tasks, task_set_hash
+
+    if (engine is None) == (proxy is None):
+        raise typer.BadParameter("give --engine (start a proxy) or --proxy (use a running one)", param_hint="--engine")
+    if engine is not None and not out:
+        raise typer.BadParameter("--engine needs --out (the trace store)", param_hint="--out")
+    if proxy is not None and not control_token:
+        raise typer.BadParameter("--proxy needs the proxy's control token (--control-token or POLAR_CONTROL_TOKEN): "
+                                 "rewards are posted with it", param_hint="--control-token")
+    if network not in (None, "host", "proxy-only"):
+        raise typer.BadParameter("host or proxy-only", param_hint="--network")
+    options: dict[str, str] = {}
+    for item in option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
+        options[key] = value
+    try:
+        task_list = load_tasks(tasks, limit=tasks_limit)
+    except (TaskFileError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    from polar_cli.rollout.harnesses import get_preset
+
+    try:
+        preset = get_preset(harness)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--harness") from exc
+    external = None
+    if proxy is not None:
+        external = ExternalProxy(proxy, control_token or "", reverse_url, confdir / "mitmproxy-ca-cert.pem")
+        try:
+            external.endpoints()
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--proxy") from exc
+
+    import secrets
+
+    run_id = f"r{seed}" if seed is not None else f"r{secrets.token_hex(4)}"
+    report = report_dir or _default_report_dir(out, run_id)
+    report.mkdir(parents=True, exist_ok=True)
+    progress = RolloutProgress()
+    config = RolloutConfig(
+        tasks=task_list, harness=preset, samples=samples, out=out, engine=engine, proxy=external, runtime=runtime,
+        network=network, concurrency=concurrency, ready=ready, timeout_s=timeout, early_stop=early_stop, seed=seed,
+        model=model, init_attempts=init_attempts, work_dir=work_dir, keep_sessions=keep_sessions,
+        logs_dir=report / "logs", confdir=confdir, proxy_options=options, run_id=run_id, progress=progress,
+    )  # fmt: skip
+    manifest = {
+        "command": sys.argv, "run_id": run_id, "seed": seed, "tasks": str(tasks), "task_count": len(task_list),
+        "task_set_hash": task_set_hash(task_list), "harness": harness, "harness_version": preset.version(),
+        "runtime": runtime, "network": network, "engine": engine, "proxy": proxy, "store": out, "samples": samples,
+        "model": model, "concurrency": concurrency, "ready": ready, "timeout_s": timeout, "early_stop": early_stop,
+        "versions": _versions(), "started_at": time.time(),
+    }  # fmt: skip
+    (report / "rollout-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    try:
+        result = asyncio.run(_run_with_display(run_rollout(config), progress, display))
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except (RuntimeError, TimeoutError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    summary = result.summary()
+    summary["task_set_hash"] = manifest["task_set_hash"]
+    summary_path = report / "rollout-summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    counts = ", ".join(f"{n} {s}" for s, n in result.counts().items() if n)
+    mean = summary["reward_mean"]
+    typer.echo(f"polar rollout {run_id}: {len(result.sessions)} sessions ({counts}); reward mean "
+               f"{'-' if mean is None else f'{mean:.3f}'}; {summary['sessions_per_minute']:.1f} sessions/min; "
+               f"summary {summary_path}")
+    if result.all_failed:
+        typer.echo("error: no session was usable (see the errors in the summary and the logs in "
+                   f"{report / 'logs'})", err=True)
+        raise typer.Exit(EXIT_ALL_FAILED)
+
+
+def _default_report_dir(out: str | None, run_id: str) -> Path:
+    from polar_addon.store.shards import Output
+
+    root = Output.local_root(out) if out else None
+    return Path(root) / "rollouts" / run_id if root else Path("polar-rollouts") / run_id
+
+
+def _versions() -> dict[str, Any]:
+    import importlib.metadata as metadata
+
+    versions: dict[str, Any] = {"python": platform.python_version()}
+    for package in ("polar", "mitmproxy", "openai"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+async def _run_with_display(job: Any, progress: Any, display: bool) -> Any:
+    if not display or not sys.stderr.isatty() or os.environ.get("TERM") == "dumb":
+        return await job
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console(stderr=True)
+    with Live(_render(progress), console=console, refresh_per_second=4, transient=False) as live:
+        task = asyncio.ensure_future(job)
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            live.update(_render(progress))
+        return task.result()
+
+
+def _render(progress: Any) -> Any:
+    from rich.table import Table
+
+    stages = progress.stages
+    table = Table.grid(padding=(0, 2))
+    table.add_row("[bold]stages[/]", "  ".join(f"{name} {stages.get(name, 0)}" for name in
+                                                ("pending", "init", "ready", "run", "postrun", "done")))
+    table.add_row("[bold]statuses[/]", "  ".join(f"{k} {v}" for k, v in sorted(progress.statuses.items())) or "-")
+    table.add_row("[bold]rate[/]", f"{progress.sessions_per_minute():.1f} sessions/min")
+    for group, rewards in list(progress.group_rewards.items())[-8:]:
+        mean = f"{sum(rewards) / len(rewards):.2f}" if rewards else "-"
+        table.add_row(f"  {group[:40]}", f"reward mean {mean} over {len(rewards)}")
+    for session, reason in progress.errors:
+        table.add_row(f"[red]error[/] {session}", reason[:120])
+    return table

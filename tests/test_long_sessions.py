@@ -1,0 +1,219 @@
+"""Long sessions through the proxy: overflow errors in each provider's own shape, Codex's remote
+compaction, token counts, and compaction breaks in the built traces.
+
+- Overflow: a real mitmdump serving the tiny model with a 64-token window (``local:DIR?max_len=64``);
+  each official SDK raises its own typed error carrying its provider's wording, streaming and not, and
+  the failed call is recorded with its prompt length.
+- Codex (default provider through the forward proxy, Responses WebSocket) with a tiny
+  ``model_auto_compact_token_limit``: it asks polar for a remote compaction (v2: a ``compaction_trigger``
+  item), polar has the engine write the summary, Codex carries on from it and exits 0; the built trace
+  breaks exactly there, with cause ``compaction``.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import anthropic
+import httpx
+import openai
+import orjson
+import pytest
+from google import genai
+from google.genai import errors as genai_errors
+from google.genai import types
+
+from polar_addon.canonical import CanonicalRequest, Completion, AssistantMessage, ContextLengthExceeded
+from polar_addon.context_compaction import (
+    POLAR_COMPACTION_PROMPT,
+    compaction_prompt,
+    decode_summary,
+    encode_summary,
+    summarised_history,
+)
+from polar_addon.engines.openai_compat import engine_error
+from polar_addon.providers import ResponseContext, Route
+from polar_addon.providers.openai_responses import OpenAIResponsesProvider
+from polar_cli.build import build_traces
+from tests.build_helpers import tiny_tokenizer
+from tests.support.proxy import run_mitmdump
+from tests.support.shards import session_records
+
+WINDOW = 64
+LONG = "word " * 200  # far past the window in any tokenizer
+
+
+@pytest.fixture(scope="module")
+def small_window_proxy(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("long-sessions")
+    with run_mitmdump(f"local:{tiny_model_dir}?max_len={WINDOW}", root / "shards",
+                      options={"polar_shard_seconds": "0.2", "polar_keepalive": "30"}) as proxy:
+        yield proxy
+
+
+def _http(proxy, session: str) -> httpx.Client:
+    return httpx.Client(proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120)
+
+
+def _failed_record(proxy, session: str):
+    (record,) = session_records(proxy.out, session, include_failed=True, at_least=1)
+    assert record.status == "failed"
+    assert record.error.startswith("400 context_length_exceeded: prompt_tokens=")
+    prompt_tokens = int(record.error.split("prompt_tokens=")[1].split()[0])
+    assert prompt_tokens > WINDOW and f"window={WINDOW}" in record.error
+    return prompt_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_overflow_is_prompt_too_long(small_window_proxy, stream):
+    session = f"ant-overflow-{stream}"
+    client = anthropic.Anthropic(api_key="sk-ant-not-real", http_client=_http(small_window_proxy, session), max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as err:
+        response = client.messages.create(model="tiny", max_tokens=8, stream=stream, messages=[{"role": "user", "content": LONG}])
+        if stream:
+            list(response)
+    body = err.value.body["error"]
+    prompt_tokens = _failed_record(small_window_proxy, session)
+    # Claude Code matches /prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)/ and compacts.
+    assert body == {"type": "invalid_request_error", "message": f"prompt is too long: {prompt_tokens} tokens > {WINDOW} maximum"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_chat_overflow_is_context_length_exceeded(small_window_proxy, stream):
+    session = f"chat-overflow-{stream}"
+    client = openai.OpenAI(api_key="sk-not-real", http_client=_http(small_window_proxy, session), max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        response = client.chat.completions.create(model="tiny", max_tokens=8, stream=stream, messages=[{"role": "user", "content": LONG}])
+        if stream:
+            list(response)
+    prompt_tokens = _failed_record(small_window_proxy, session)
+    assert err.value.code == "context_length_exceeded" and err.value.status_code == 400
+    assert f"maximum context length is {WINDOW} tokens" in err.value.message
+    assert f"resulted in {prompt_tokens} tokens" in err.value.message
+
+
+def test_responses_overflow_plain_is_400_and_stream_is_response_failed(small_window_proxy):
+    client = openai.OpenAI(api_key="sk-not-real", http_client=_http(small_window_proxy, "resp-overflow"), max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input=LONG)
+    assert err.value.code == "context_length_exceeded"
+    # Codex maps only a streamed response.failed with this code to ContextWindowExceeded (then compacts).
+    stream_client = openai.OpenAI(api_key="sk-not-real", http_client=_http(small_window_proxy, "resp-overflow-stream"), max_retries=0)
+    events = list(stream_client.responses.create(model="tiny", input=LONG, stream=True))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "context_length_exceeded"
+    prompt_tokens = _failed_record(small_window_proxy, "resp-overflow-stream")
+    assert f"{prompt_tokens} input tokens > {WINDOW} maximum" in failed.error.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_gemini_overflow_is_invalid_argument(small_window_proxy, stream):
+    session = f"gemini-overflow-{stream}"
+    client = genai.Client(api_key="not-a-real-key", http_options=types.HttpOptions(httpx_client=_http(small_window_proxy, session)))
+    with pytest.raises(genai_errors.ClientError) as err:
+        if stream:
+            list(client.models.generate_content_stream(model="tiny", contents=LONG))
+        else:
+            client.models.generate_content(model="tiny", contents=LONG)
+    prompt_tokens = _failed_record(small_window_proxy, session)
+    assert err.value.code == 400 and err.value.status == "INVALID_ARGUMENT"
+    assert err.value.message == (f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens "
+                                 f"allowed ({WINDOW}).")
+
+
+def test_token_counts_are_the_served_models(small_window_proxy, tiny_model_dir):
+    """count_tokens / countTokens and usage count the chat-templated prompt with the real tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = len(tok(text, add_special_tokens=False)["input_ids"])
+    ant = anthropic.Anthropic(api_key="sk-ant-not-real", http_client=_http(small_window_proxy, "count"), max_retries=0)
+    assert ant.messages.count_tokens(model="tiny", messages=messages).input_tokens == expected
+    message = ant.messages.create(model="tiny", max_tokens=4, messages=messages)
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == expected
+    gem = genai.Client(api_key="not-a-real-key", http_options=types.HttpOptions(httpx_client=_http(small_window_proxy, "count")))
+    assert gem.models.count_tokens(model="tiny", contents="hi").total_tokens == expected
+
+
+# --- Codex remote compaction, pure ------------------------------------------------------------
+
+
+def _completion(text: str) -> Completion:
+    return Completion(message=AssistantMessage(content=text), finish_reason="stop", prompt_ids=[1, 2, 3],
+                      response_ids=[4, 5], logprobs=[-0.1, -0.2], served_model="tiny", engine="test")
+
+
+def test_compaction_trigger_asks_the_engine_for_a_summary_and_answers_one_compaction_item():
+    provider = OpenAIResponsesProvider()
+    body = {"model": "tiny", "stream": True, "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}],
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
+                      {"type": "compaction_trigger"}]}
+    request = provider.parse_request(body, Route(kind="generate"))
+    assert request.extra["compaction"] == "remote_v2" and request.tool_choice == "none"
+    assert request.messages[-1] == {"role": "user", "content": POLAR_COMPACTION_PROMPT}
+    assert compaction_prompt(request.messages) == "polar"
+    ctx = ResponseContext(response_id="resp_x", created=0, model="tiny")
+    events = [e.data for e in provider.render_stream(request, _completion("Goal: fix it. Seen: a.py."), ctx)]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in done] == ["compaction"] and events[-1]["type"] == "response.completed"
+    assert decode_summary(done[0]["encrypted_content"]) == "Goal: fix it. Seen: a.py."
+    # Codex sends the item back in the next window: the engine reads the summary.
+    later = provider.parse_request({"model": "tiny", "input": [done[0], {"type": "message", "role": "user", "content": "go on"}]},
+                                   Route(kind="generate"))
+    assert summarised_history(later.messages) == "polar"
+    assert "Goal: fix it. Seen: a.py." in later.messages[0]["content"]
+
+
+def test_responses_compact_endpoint_answers_the_compacted_window():
+    provider = OpenAIResponsesProvider()
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]}
+    body = {"model": "tiny", "instructions": "You are Codex.", "tools": [], "parallel_tool_calls": False,
+            "input": [user, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}]}
+    request = provider.parse_request(body, provider.route("POST", "/v1/responses/compact"))
+    assert request.extra["compaction"] == "remote_v1" and not request.stream
+    answer = provider.render_response(request, _completion("summary"), ResponseContext("resp_y", 0, "tiny"))
+    assert answer["output"][0] == user
+    assert answer["output"][1]["type"] == "compaction" and decode_summary(answer["output"][1]["encrypted_content"]) == "summary"
+    assert decode_summary(encode_summary("é")) == "é" and decode_summary("gAAAA-openai-blob") is None
+
+
+def test_engine_overflow_messages_keep_the_counts():
+    vllm = engine_error(400, orjson.dumps({"error": {"message": (
+        "This model's maximum context length is 8192 tokens. However, your prompt contains 9000 input tokens, "
+        "which exceeds this limit even without any output tokens. Please reduce the length of the input prompt.")}}))
+    sglang = engine_error(400, orjson.dumps({"object": "error", "message": "The input (9000 tokens) is longer than the model's context length (8192 tokens)."}))
+    for err in (vllm, sglang):
+        assert isinstance(err, ContextLengthExceeded) and (err.prompt_tokens, err.window) == (9000, 8192)
+
+
+CLAUDE_SUMMARY = ("This session is being continued from a previous conversation that ran out of context. "
+                  "The summary below covers the earlier portion of the conversation.\n\nSummary: listed files.")
+CLAUDE_PROMPT = "Your task is to create a detailed summary of the conversation so far, paying close attention to ..."
+
+
+def test_compaction_breaks_the_chain_with_cause_compaction():
+    """Claude Code's shape: the compaction call (no tools, its summarisation prompt) and then a history
+    that starts from the summary. Each starts its own chain with cause ``compaction``; nothing else breaks."""
+    from tests.build_helpers import AgentSim, Turn
+
+    sim = AgentSim("compacting")
+    system = {"role": "system", "content": "You are a coding agent."}
+    messages = [system, {"role": "user", "content": "list the files"}]
+    first = sim.call(messages, Turn(tool_calls=[("ls", {"path": "."})]))
+    messages = messages + [sim.sent_back(first), {"role": "tool", "tool_call_id": "call_0_0", "content": "a.py"}]
+    second = sim.call(messages, Turn(content="There is a.py."))
+    messages = messages + [sim.sent_back(second)]
+    sim.call(messages + [{"role": "user", "content": CLAUDE_PROMPT}], Turn(content="Summary: listed files."), tools=[])
+    compacted = [system, {"role": "user", "content": CLAUDE_SUMMARY}, {"role": "user", "content": "now read a.py"}]
+    fourth = sim.call(compacted, Turn(tool_calls=[("ls", {"path": "a.py"})]))
+    sim.call(compacted + [sim.sent_back(fourth), {"role": "tool", "tool_call_id": "call_3_0", "content": "x = 1"}],
+             Turn(content="a.py sets x."))
+    result = build_traces(sim.records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    assert [t.calls_merged for t in result.traces] == [2, 1, 2]
+    assert result.report.total.breaks == {"compaction": 2}
+    assert [t.break_cause for t in result.traces] == ["compaction", None, None]
