@@ -64,9 +64,10 @@ def rollout(
     """Run a harness over a task set: SAMPLES sessions per task, each in its own sandbox, verified in a fresh one,
     rewarded by the verifier only, grouped by task; every model call is captured into the store.
 
-    Stages: INIT (sandbox, workspace, setup, harness config; retried) -> READY (up to --ready sessions) -> RUN
-    (--concurrency slots, one --timeout) -> POSTRUN (the agent's git diff verified in a fresh sandbox; reward and
-    status posted).
+    Stages: INIT (sandbox, workspace, setup, harness config; retried)
+    -> READY (up to --ready prepared sessions)
+    -> RUN (--concurrency slots, one --timeout)
+    -> POSTRUN (the agent's git diff verified in a fresh sandbox; reward and status posted).
 
     The proxy's control token never enters a sandbox. Exit status 1 when no session was usable, 2 on bad input.
     """
