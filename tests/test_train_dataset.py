@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -334,3 +336,91 @@ def test_reading_traces_written_before_the_sampling_columns(tmp_path: Path) -> N
     pq.write_table(table.drop_columns(["reward", "top_k"]), tmp_path / "broken.parquet")
     with pytest.raises(ValueError, match=r"broken.parquet: trace dataset lacks columns \['reward'\]$"):
         read_trace_dataset([tmp_path / "broken.parquet"])
+
+
+# --- load_traces: a raw trace store is built on the fly, with `polar build`'s options ---------------------
+
+
+@pytest.fixture(scope="module")
+def raw_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A session with a re-tokenized turn (store "retok"), the same calls with no natural stop ("capped"),
+    and the tiny tokenizer saved where `--tokenizer` can load it."""
+    import asyncio
+
+    from build_helpers import AgentSim, coding_turns, tiny_tokenizer, tool_loop
+
+    from polar_addon.store import TraceStore
+
+    sim = AgentSim("s1")
+    turns = coding_turns(3)
+    turns[0].retokenize = True
+    tool_loop(sim, [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix it"}], turns)
+    for record in sim.records:
+        record.served_model = None  # no tokenizer is found on its own
+    capped = [replace(r, record_id=f"c{r.seq}", finish_reason="length") for r in sim.records]
+    root = tmp_path_factory.mktemp("raw")
+
+    async def write(path: Path, records: list) -> None:
+        async with TraceStore(str(path)) as store:
+            for record in records:
+                await store.append(record)
+            await store.session_update("s1", status="completed", group_id="g")
+            await store.add_reward("s1", 1.0)
+
+    asyncio.run(write(root / "retok", sim.records))
+    asyncio.run(write(root / "capped", capped))
+    tiny_tokenizer().save_pretrained(root / "tok")
+    return {"root": root, "records": sim.records, "capped": capped, "tok": root / "tok"}
+
+
+def _shape(traces: list[Trace]) -> list[tuple]:
+    return [(t.record_ids, t.reward, t.trainable, t.break_cause) for t in traces]
+
+
+def test_load_traces_builds_a_raw_store_with_the_builds_options(raw_stores: dict[str, Any]) -> None:
+    from build_helpers import decode, eot_id
+
+    from polar_cli.build import SessionInfo, build_traces
+    from polar_cli.train.dataset import load_traces
+
+    store, records, tok = raw_stores["root"] / "retok", raw_stores["records"], raw_stores["tok"]
+    info = [SessionInfo("s1", group_id="g", reward=1.0)]
+
+    def built(strategy: str = "prefix_merging", **kw: Any) -> list[tuple]:
+        return _shape(build_traces(records, info, strategy, **kw).traces)
+
+    # without a tokenizer the re-tokenized turn breaks the chain; with one it is merged, or broken on request
+    no_tok = _shape(load_traces([store], "prefix_merging"))
+    assert no_tok == built() and len(no_tok) == 2 and no_tok[1][3] is None and no_tok[0][3] == "other"
+    with_tok = _shape(load_traces([store], "prefix_merging", tokenizer=tok))
+    assert with_tok == built(decode=decode) and len(with_tok) == 1
+    assert _shape(load_traces([store], "prefix_merging", tokenizer=str(tok), merge_retokenized=False)) == built(
+        decode=decode, merge_retokenized=False) != with_tok
+    per_request = _shape(load_traces([store], "per_request", tokenizer=tok))
+    assert per_request == built("per_request") and [t[1:3] for t in per_request] == [(0.0, False)] * 3
+    broadcast = _shape(load_traces([store], "per_request", broadcast_rewards=True))
+    assert broadcast == built("per_request", broadcast_rewards=True)
+    assert [t[1:3] for t in broadcast] == [(1.0, True)] * 3
+
+    # no call stopped by itself: the end-of-turn token comes from the option, else from the tokenizer's eos
+    capped, capped_records = raw_stores["root"] / "capped", raw_stores["capped"]
+    unknown = _shape(load_traces([capped], "prefix_merging"))
+    assert unknown == _shape(build_traces(capped_records, info).traces) and len(unknown) == 3
+    given = _shape(load_traces([capped], "prefix_merging", eot_token_id=eot_id()))
+    assert given == _shape(build_traces(capped_records, info, eot_token_id=eot_id()).traces) and len(given) == 2
+    from_eos = _shape(load_traces([capped], "prefix_merging", tokenizer=tok))
+    assert from_eos == _shape(build_traces(capped_records, info, eot_token_id=eot_id(), decode=decode).traces)
+    assert len(from_eos) == 1
+
+
+def test_load_traces_reads_a_built_dataset_and_refuses_what_is_no_store(tmp_path: Path, raw_stores: dict) -> None:
+    from polar_addon.store.reader import StoreNotFound
+    from polar_cli.train.dataset import load_traces
+
+    pq.write_table(traces_to_table([trace("a", "g", 1.0), trace("b", "g", 0.0)]), tmp_path / "t.parquet")
+    assert [t.session_id for t in load_traces([tmp_path], "prefix_merging")] == ["a", "b"]
+    with pytest.raises(ValueError, match="^raw capture shards are read from one trace-store directory"):
+        load_traces([raw_stores["root"] / "retok", raw_stores["root"] / "capped"], "prefix_merging")
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(StoreNotFound):
+        load_traces([tmp_path / "nothing"], "prefix_merging")
