@@ -149,11 +149,12 @@ def test_truncated_sampling_is_refused_only_for_trainable_traces() -> None:
     first.top_k, second.top_p, second.trace_id = 20, 0.95, "d-t"
     with pytest.raises(TruncatedSampling) as refused:
         check_untruncated([plain, untrained, first, second])
-    said = str(refused.value)
-    assert said.startswith("2 trainable traces (of 3, 2 sessions) were sampled with truncation "
-                           "(e.g. c-t: top_p=None, top_k=20, min_p=None)")
-    assert "Capture them again with top_p=1, top_k=0 and min_p=0" in said
-    assert "(polar's defaults polar_top_p=1, polar_top_k=0, polar_min_p=0 apply)" in said
+    assert str(refused.value) == (
+        "2 trainable traces (of 3, 2 sessions) were sampled with truncation (e.g. c-t: top_p=None, top_k=20, "
+        "min_p=None); the trainer recomputes the untruncated softmax, so their importance ratios would be wrong. "
+        "Capture them again with top_p=1, top_k=0 and min_p=0: leave them unset in the client (polar's defaults "
+        "polar_top_p=1, polar_top_k=0, polar_min_p=0 apply) or set them so."
+    )
 
 
 def test_nothing_to_train_explains_each_reason_with_its_count() -> None:
@@ -166,15 +167,16 @@ def test_nothing_to_train_explains_each_reason_with_its_count() -> None:
 
     traces = [untrainable("r1", "running"), untrainable("r1", "running"), untrainable("r2", "running"),
               untrainable("e1", "error"), untrainable("n1", "completed"), untrainable("n2", "unknown"),
-              trace("a", "g", 1.0), trace("b", "g", 1.0), trace("c", "h", 0.0), trace("d", "h", 1.0)]
-    stats = {"zero_advantage": 2, "overlong_prompt": 3, "no_trainable_tokens": 4}
+              trace("a", "g", 1.0), trace("b", "g", 1.0), trace("c", "h", 0.0), trace("d", "h", 1.0),
+              trace("e", "k", 0.5), trace("f", "k", 0.5)]
+    stats = {"zero_advantage": 4, "overlong_prompt": 3, "no_trainable_tokens": 4}
     assert explain_nothing_to_train(traces, stats) == "; ".join([
         "2 sessions still running: post a reward (`polar reward STORE --session S --value V`, which marks the "
         "session completed) or a status (`--status completed|timeout|agent_error|error`)",
         "1 sessions ended in an infrastructure error (status error): never training data",
         "2 sessions have no outcome reward (or no session row): post one with `polar reward STORE --session S "
         "--value V`",
-        "2 traces in 1 groups have zero advantage: all sessions of the group got the same reward; GRPO needs "
+        "4 traces in 2 groups have zero advantage: all sessions of the group got the same reward; GRPO needs "
         "several sessions per group (the same group id in their credentials) with different rewards",
         "3 traces have a prompt of --max-length tokens or more: raise --max-length",
         "4 traces have no sampled token left to train on",
@@ -262,6 +264,14 @@ def test_rows_are_sorted_grouped_and_counted() -> None:
     assert data.rows[0].num_tokens == 3 + 4 and data.rows[0].num_trainable == 4 and data.max_completion_length == 4
 
 
+def test_a_certain_sampled_token_is_still_a_trainable_token() -> None:
+    """A logprob of exactly 0 (probability 1) is a sampled token like any other: the mask decides."""
+    certain = trace("a", "g", 1.0, mask=[0, 1])
+    certain.behavior_logprobs = [0.0, 0.0]
+    data = prepare_rows([certain, trace("b", "g", 0.0)], max_length=100)
+    assert [r.session_id for r in data.rows] == ["a", "b"] and data.stats["no_trainable_tokens"] == 0
+
+
 def test_zero_advantage_rows_are_counted_one_by_one() -> None:
     same = [trace(s, "g", 1.0) for s in ("a", "b", "c")] + [trace("d", "h", 1.0), trace("e", "h", 0.0)]
     data = prepare_rows(same, max_length=100)
@@ -288,6 +298,7 @@ def test_length_buckets_exact_groups_and_the_waste_boundary() -> None:
     from polar_cli.train.dataset import length_buckets
 
     assert length_buckets([]) == []
+    assert length_buckets([10, 8]) == [[0], [1]]  # by default at most 10% padding
     assert length_buckets([10, 9], 0.1) == [[0, 1]]  # waste 1 <= 0.1 * 19
     assert length_buckets([10, 8], 0.1) == [[0], [1]]  # waste 2 > 0.1 * 18
     assert length_buckets([10, 10, 5], 0.2) == [[0, 1, 2]]  # waste 5 <= 0.2 * 25: the boundary is inclusive
