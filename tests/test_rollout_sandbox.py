@@ -25,7 +25,7 @@ import pytest
 
 from polar_cli.mitm import REPO, Proxy, free_port, mitmdump_command, wait_for_port
 from polar_cli.rollout.runtimes import bwrap, oci
-from polar_cli.rollout.runtimes.base import ProxyEndpoints, Runtime, SandboxSpec
+from polar_cli.rollout.runtimes.base import ProxyEndpoints, RuntimeUnavailable, SandboxSpec
 from tests.support.oci_image import build_test_image
 from tests.support.shards import session_records
 
@@ -466,3 +466,12 @@ def test_codex_tool_loop_inside_bwrap_proxy_only(tiny_model_dir, tmp_path):
     assert "Iface" in tool_output and "eth" not in tool_output and "00000000\t" not in tool_output, tool_output
     assert (tmp_path / "codex" / "ws" / "proof.txt").read_text() == "polar-was-here\n"
     assert [r.status for r in records] == ["ok", "ok"]
+
+
+def test_a_missing_mount_is_an_infrastructure_error(make_runtime, tmp_path):
+    async def main():
+        with pytest.raises(RuntimeUnavailable, match="do not exist: /nonexistent/harness"):
+            await make_runtime().start(spec_for(tmp_path, "m", endpoints(tmp_path), network="none",
+                                                read_only=(Path("/nonexistent/harness"),)))
+
+    run(main())

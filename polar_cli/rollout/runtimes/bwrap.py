@@ -259,6 +259,9 @@ class BwrapRuntime(Runtime):
             Path(path).mkdir(parents=True, exist_ok=True)
         if not Path(spec.proxy.ca).is_file():
             raise RuntimeUnavailable(f"bwrap runtime: the proxy's CA certificate {spec.proxy.ca} does not exist")
+        missing = [str(p) for p in spec.read_only if not Path(p).exists()]
+        if missing:
+            raise RuntimeUnavailable(f"bwrap runtime: read-only paths to mount do not exist: {', '.join(missing)}")
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)[:40]
         scratch = Path(tempfile.mkdtemp(prefix=f"polar-bwrap-{safe}-", dir=self.scratch_dir))
         (scratch / "tmp").mkdir()

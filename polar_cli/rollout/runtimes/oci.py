@@ -236,6 +236,11 @@ class OciRuntime(Runtime):
         if spec.network == "proxy-only" and self.engine != "podman":
             raise RuntimeUnavailable("oci runtime: proxy-only needs podman (docker cannot join a prepared network "
                                      "namespace); use engine=podman or network=host")
+        if not Path(spec.proxy.ca).is_file():
+            raise RuntimeUnavailable(f"oci runtime: the proxy's CA certificate {spec.proxy.ca} does not exist")
+        missing = [str(p) for p in spec.read_only if not Path(p).exists()]
+        if missing:
+            raise RuntimeUnavailable(f"oci runtime: read-only paths to mount do not exist: {', '.join(missing)}")
         image = await self.image_for(spec)
         for path in (spec.workspace, spec.home, *spec.binds.values()):
             Path(path).mkdir(parents=True, exist_ok=True)
