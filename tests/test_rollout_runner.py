@@ -197,8 +197,8 @@ def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> 
     _harbor_task(tasks, "txt", 'test "$(cat answer.txt)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n')
     _harbor_task(tasks, "json", 'test -e /tests/test.sh && test ! -e /app/tests && echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n')
     _harbor_task(tasks, "silent", "true\n")  # writes no reward: an error, never a 0
-    result = _run(proxy, tasks, samples=1, concurrency=3, runtime="bwrap",
-                  read_only=[Path(sys.prefix).resolve(), Path(sys.base_prefix), REPO])
+    # The cmd: preset shows the venv and the agent script it names read-only inside; nothing else of the host.
+    result = _run(proxy, tasks, samples=1, concurrency=3, runtime="bwrap")
     got = {s.task_id: (s.status, s.rewards) for s in result.sessions}
     assert got["txt"] == ("completed", {"reward": 1.0})
     assert got["json"] == ("completed", {"reward": 0.5, "tests": 1.0, "style": 0.0})
