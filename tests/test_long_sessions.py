@@ -217,3 +217,44 @@ def test_compaction_breaks_the_chain_with_cause_compaction():
     assert [t.calls_merged for t in result.traces] == [2, 1, 2]
     assert result.report.total.breaks == {"compaction": 2}
     assert [t.break_cause for t in result.traces] == ["compaction", None, None]
+
+
+# --- Codex through the forward proxy: it compacts remotely, through polar --------------------------
+
+CODEX_TOOL_TURN = {"content": None, "tool_calls": [{"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "seq 1 50"}}}]}
+
+
+@pytest.mark.harness
+def test_codex_default_provider_compacts_remotely_through_polar(tiny_model_dir, tmp_path):
+    """Codex 0.171 on its default (OpenAI) provider, over the Responses WebSocket, with an auto-compact
+    limit a few tool turns above its ~15k-token first prompt: it sends a compaction_trigger, polar has the
+    engine write the summary and answers one compaction item, Codex carries on from it and exits 0."""
+    from tests.support.harnesses import calls, harness, run
+
+    codex = harness("codex")
+    script = tmp_path / "script.json"
+    script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "turns": [CODEX_TOOL_TURN] * 8,
+                                     "summary": "Goal: count. Done: seq ran several times.",
+                                     "after_compaction": [{"content": "Counting is done."}]}))
+    out, home = tmp_path / "shards", tmp_path / "home"
+    (home / ".codex").mkdir(parents=True)
+    with run_mitmdump(f"scripted:{script}", out, options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}) as proxy:
+        env = {"CODEX_HOME": str(home / ".codex"), "RUST_LOG": "warn", "HTTPS_PROXY": proxy.proxy_url("codex-compact"),
+               "CODEX_CA_CERTIFICATE": str(proxy.ca), "SSL_CERT_FILE": str(proxy.ca), "OPENAI_API_KEY": "sk-not-a-real-key"}
+        # The first prompt is ~15.2k tokens of the tiny tokenizer; each tool turn adds ~120.
+        result = run([str(codex), "exec", "--skip-git-repo-check", "-m", "tiny", "-c", "model_auto_compact_token_limit=15400",
+                      "Count a few times."], env, home, timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
+        records = calls(out, "codex-compact")
+    assert "Counting is done." in result.stdout
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == "polar"]
+    summarised = [r.seq for r in records if summarised_history(r.messages) == "polar"]
+    assert len(asking) == 1 and summarised and min(summarised) == asking[0] + 1
+    assert all(r.seq < asking[0] for r in records if r.seq not in summarised and r.seq != asking[0])
+    # The compaction call extends the chain it summarises; the summarised history starts the next one.
+    result = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    assert result.report.total.breaks == {"compaction": 1}
+    first, second = result.traces
+    assert first.break_cause == "compaction" and first.calls_merged == asking[0] + 1
+    assert second.break_cause is None and second.calls_merged == len(summarised)

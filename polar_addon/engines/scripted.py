@@ -10,7 +10,8 @@ script of assistant turns instead, with genuine tokens and logprobs:
      "cycle": true,
      "latency_s": 0.0,                       # optional: each answer takes at least this long
      "max_len": 0,                           # optional: the served window in tokens (0: the model's)
-     "summary": "..."}                       # optional: the answer to a harness's compaction prompt
+     "summary": "...",                       # optional: the answer to a harness's compaction prompt
+     "after_compaction": [...]}              # optional: the turns of a history that starts from a summary
 
 The turn answered is chosen by the number of assistant messages already in the request, so
 parallel sessions replaying the same script stay deterministic (with ``cycle`` the script wraps
@@ -31,7 +32,7 @@ from typing import Any
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
-from polar_addon.context_compaction import compaction_prompt
+from polar_addon.context_compaction import compaction_prompt, summarised_history
 from polar_addon.engines.local import LocalEngine
 from polar_addon.tool_parsing import new_call_id, parse_assistant_text
 
@@ -79,6 +80,8 @@ class ScriptedEngine:
         self.latency_s = float(data.get("latency_s", 0.0))
         # A compaction call (context_compaction.compaction_prompt) is answered with this text, whatever turn is due.
         self.summary = data.get("summary")
+        # A compacted history holds no assistant turns yet: it replays these instead of starting over.
+        self.after_compaction = [_normalise_turn(t, i) for i, t in enumerate(data.get("after_compaction") or [])]
         self.local = LocalEngine(model_dir, max_len=int(data.get("max_len", 0)))
 
     def load(self) -> None:
@@ -87,14 +90,17 @@ class ScriptedEngine:
     def turn_for(self, request: CanonicalRequest) -> dict[str, Any]:
         if self.summary and compaction_prompt(request.messages) is not None:
             return {"role": "assistant", "content": self.summary}
+        turns = self.turns
+        if self.after_compaction and summarised_history(request.messages) is not None:
+            turns = self.after_compaction
         index = sum(1 for m in request.messages if m.get("role") == "assistant")
-        if index >= len(self.turns):
+        if index >= len(turns):
             if not self.cycle:
                 raise PolarError(
-                    400, "invalid_request", f"script has {len(self.turns)} turns; the request already holds {index}"
+                    400, "invalid_request", f"script has {len(turns)} turns; the request already holds {index}"
                 )
-            index %= len(self.turns)
-        return self.turns[index]
+            index %= len(turns)
+        return turns[index]
 
     def _complete_sync(self, request: CanonicalRequest) -> Completion:
         turn = self.turn_for(request)
