@@ -258,3 +258,54 @@ def test_codex_default_provider_compacts_remotely_through_polar(tiny_model_dir, 
     first, second = result.traces
     assert first.break_cause == "compaction" and first.calls_merged == asking[0] + 1
     assert second.break_cause is None and second.calls_merged == len(summarised)
+
+
+# --- Claude Code: auto-compaction through polar ---------------------------------------------------
+
+GLOB_TURN = {"content": "Looking.", "tool_calls": [{"type": "function", "function": {"name": "Glob", "arguments": '{"pattern": "*.txt"}'}}]}
+
+
+def claude_run(tmp_path, script: dict, session: str, extra_env: dict[str, str]):
+    """Claude Code with a short system prompt and one tool (a small prompt for a CPU forward pass)."""
+    from tests.support.harnesses import calls, harness, run
+
+    claude = harness("claude")
+    path = tmp_path / "script.json"
+    path.write_bytes(orjson.dumps(script))
+    home, out = tmp_path / "home", tmp_path / "shards"
+    home.mkdir()
+    (home / "notes.txt").write_text("hello\n")
+    env = {"ANTHROPIC_API_KEY": f"polar:session={session}", "ANTHROPIC_MODEL": "tiny", "ANTHROPIC_DEFAULT_HAIKU_MODEL": "tiny",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "1", **extra_env}
+    with run_mitmdump(f"scripted:{path}", out, mode="reverse:https://api.anthropic.com", options={"polar_shard_seconds": "0.5"}) as proxy:
+        result = run([str(claude), "-p", "Which text files are here?", "--output-format", "json", "--tools", "Glob",
+                      "--system-prompt", "You are a file finder."], {**env, "ANTHROPIC_BASE_URL": proxy.url}, home, timeout=240)
+        records = calls(out, session, include_failed=True)
+        logs = proxy.logs()[-3000:]
+    return result, records, logs
+
+
+@pytest.mark.harness
+def test_claude_code_auto_compacts_through_polar(tiny_model_dir, tmp_path):
+    """The served window told through CLAUDE_CODE_AUTO_COMPACT_WINDOW (floor 100k) and
+    CLAUDE_AUTOCOMPACT_PCT_OVERRIDE=1 (compact past 1% = 1000 tokens, going by the usage polar reports):
+    after four ~60-token tool turns on a ~600-token prompt Claude Code compacts with its own prompt,
+    carries on from its summary and exits 0."""
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [GLOB_TURN] * 8,
+              "summary": "Goal: find text files. Found notes.txt.",
+              # Claude Code keeps the turn in flight after its summary: the answer is the second turn.
+              "after_compaction": [GLOB_TURN, {"content": "There is one text file: notes.txt."}]}
+    result, records, logs = claude_run(tmp_path, script, "cc-compact", {
+        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    assert orjson.loads(result.stdout)["result"] == "There is one text file: notes.txt."
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == "claude-code"]
+    summarised = [r.seq for r in records if summarised_history(r.messages) == "claude-code"]
+    assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
+    # The compaction call re-renders the earlier turns (Qwen's template drops their empty think blocks once
+    # a new user message follows), so it cannot extend the chain: the chain breaks at it, and again at the
+    # summarised history; both breaks are compactions.
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    assert built.report.total.breaks == {"compaction": 2}
+    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]

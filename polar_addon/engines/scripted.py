@@ -90,10 +90,12 @@ class ScriptedEngine:
     def turn_for(self, request: CanonicalRequest) -> dict[str, Any]:
         if self.summary and compaction_prompt(request.messages) is not None:
             return {"role": "assistant", "content": self.summary}
-        turns = self.turns
-        if self.after_compaction and summarised_history(request.messages) is not None:
+        turns, messages = self.turns, request.messages
+        if self.after_compaction and summarised_history(messages) is not None:
+            # Counted from the summary on: a harness may re-add turns of its own around it.
             turns = self.after_compaction
-        index = sum(1 for m in request.messages if m.get("role") == "assistant")
+            messages = messages[max(i for i, m in enumerate(messages) if summarised_history([m]) is not None):]
+        index = sum(1 for m in messages if m.get("role") == "assistant")
         if index >= len(turns):
             if not self.cycle:
                 raise PolarError(
