@@ -77,12 +77,14 @@ demo: install model
 	$(BIN)/python examples/demo.py
 	$(BIN)/python examples/toy_task/loop.py
 
-bench: install model
+bench: install model sandbox
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/build.py
 	$(BIN)/python bench/train.py
 	$(BIN)/python bench/reliability.py
+	$(BIN)/python bench/rollout.py
+	$(BIN)/python bench/sandbox.py
 
 # Mutation score per core module (mutmut; tens of minutes; not part of `make test`). bench/mutation_report.md
 # explains the survivors.

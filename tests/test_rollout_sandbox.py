@@ -1,4 +1,5 @@
-"""The isolated sandbox runtimes (bwrap; oci in tests/test_rollout_sandbox_oci.py), real bubblewrap and socat, no mocks.
+"""The isolated sandbox runtimes, bwrap (bubblewrap) and oci (podman, on an image built from the host's binaries):
+real sandboxes, real socat bridges, a real mitmdump with the scripted engine, no mocks.
 
 Every isolation claim is checked twice: the probe fails in the isolated sandbox AND succeeds where the isolation is
 deliberately absent (network=host, or the secret bound in), so a probe that could never succeed proves nothing.
@@ -23,8 +24,9 @@ import orjson
 import pytest
 
 from polar_cli.mitm import REPO, Proxy, free_port, mitmdump_command, wait_for_port
-from polar_cli.rollout.runtimes import bwrap
-from polar_cli.rollout.runtimes.base import ProxyEndpoints, SandboxSpec
+from polar_cli.rollout.runtimes import bwrap, oci
+from polar_cli.rollout.runtimes.base import ProxyEndpoints, RuntimeUnavailable, SandboxSpec
+from tests.support.oci_image import build_test_image
 from tests.support.shards import session_records
 
 ANSWER = "Sandboxed hello."
@@ -38,7 +40,7 @@ def two_listener_proxy(engine: str, root: Path) -> Iterator[tuple[Proxy, int]]:
     confdir.mkdir(parents=True, exist_ok=True)
     cmd = mitmdump_command(engine, out, port=None, confdir=confdir,
                            modes=[f"regular@{fwd}", f"reverse:https://api.openai.com@{rev}"],
-                           options={"polar_shard_seconds": "0.2"})
+                           options={"polar_shard_seconds": "0.2", "polar_block_other": "true"})
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:
@@ -65,6 +67,20 @@ def proxy(tiny_model_dir, tmp_path_factory):
         while not (p.out / ".control-token").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         yield p, rev
+
+
+@pytest.fixture(scope="module")
+def oci_image() -> str:
+    return build_test_image()
+
+
+@pytest.fixture(params=["bwrap", "oci"])
+def make_runtime(request):
+    """A factory of the runtime under test (each test's event loop gets its own instance)."""
+    if request.param == "bwrap":
+        return bwrap.make
+    image = request.getfixturevalue("oci_image")
+    return lambda: oci.make(image=image)
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +136,17 @@ def test_runs_as_unprivileged_user_and_cannot_write_the_host(tmp_path):
     async def main():
         box = await bwrap.make().start(spec_for(tmp_path, "a", endpoints(tmp_path), network="none"))
         try:
-            result = await box.exec(f"id -u; touch /usr/{marker}; touch /etc/{marker}; mount -o remount,rw /usr; "
-                                    f"echo ok > {box.workspace}/w; echo h > $HOME/h; echo t > /tmp/t; cat {box.ca_path}")
+            result = await box.exec(f"id -u; cat /etc/shadow; ls /etc/ssh; touch /usr/{marker}; touch /etc/{marker}; mount -o remount,rw /usr; "
+                                    f"echo ok > {box.workspace}/w; echo h > $HOME/h; echo t > /tmp/t; "
+                                    f"cat {box.ca_path}")
         finally:
             await box.stop()
         return box, result
 
     box, result = run(main())
     assert result.stdout.splitlines()[0] == "1000"
+    # /etc/shadow is root's 0640 file and the sandbox's uid maps to root: only the mask keeps it out.
+    assert Path("/etc/shadow").stat().st_size > 0 and "root:" not in result.stdout
     assert "Read-only file system" in result.stderr
     assert not Path(f"/usr/{marker}").exists() and not Path(f"/etc/{marker}").exists()
     assert "not a real CA" in result.stdout  # the CA is readable inside
@@ -135,11 +154,12 @@ def test_runs_as_unprivileged_user_and_cannot_write_the_host(tmp_path):
     assert (tmp_path / "a" / "ws" / "w").read_text() == "ok\n"
     assert (tmp_path / "a" / "home" / "h").read_text() == "h\n"
     assert not box.scratch.exists()
+    assert box.host_workspace == tmp_path / "a" / "ws"
 
 
-def test_sessions_share_state_across_exec_but_not_across_sandboxes(tmp_path):
+def test_sessions_share_state_across_exec_but_not_across_sandboxes(make_runtime, tmp_path):
     async def main():
-        rt = bwrap.make()
+        rt = make_runtime()
         ends = endpoints(tmp_path)
         a = await rt.start(spec_for(tmp_path, "a", ends, network="none"))
         b = await rt.start(spec_for(tmp_path, "b", ends, network="none"))
@@ -162,7 +182,7 @@ def test_sessions_share_state_across_exec_but_not_across_sandboxes(tmp_path):
     assert own.exit_code != 0
 
 
-def test_cannot_read_the_control_token_nor_the_store(proxy, tmp_path):
+def test_cannot_read_the_control_token_nor_the_store(make_runtime, proxy, tmp_path):
     p, rev = proxy
     token = p.out / ".control-token"
     assert token.exists() and p.out.is_dir()
@@ -170,7 +190,7 @@ def test_cannot_read_the_control_token_nor_the_store(proxy, tmp_path):
 
     async def main(read_only):
         ends = ProxyEndpoints(p.port, rev, p.ca)
-        box = await bwrap.make().start(spec_for(tmp_path, f"s{len(read_only)}", ends, read_only=read_only))
+        box = await make_runtime().start(spec_for(tmp_path, f"s{len(read_only)}", ends, read_only=read_only))
         try:
             return await box.exec(probe)
         finally:
@@ -184,7 +204,7 @@ def test_cannot_read_the_control_token_nor_the_store(proxy, tmp_path):
     assert p.control_token in leaked.stdout
 
 
-def test_proxy_only_reaches_the_proxy_and_nothing_else(proxy, host_listener, tmp_path):
+def test_proxy_only_reaches_the_proxy_and_nothing_else(make_runtime, proxy, host_listener, tmp_path):
     p, rev = proxy
     ip = host_ip()
     chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
@@ -192,7 +212,7 @@ def test_proxy_only_reaches_the_proxy_and_nothing_else(proxy, host_listener, tmp
 
     async def main(network: str):
         ends = ProxyEndpoints(p.port, rev, p.ca)
-        box = await bwrap.make().start(spec_for(tmp_path, network, ends, network=network))
+        box = await make_runtime().start(spec_for(tmp_path, network, ends, network=network))
         curl = "curl -sS --max-time 20 -H 'content-type: application/json' -H 'authorization: Bearer k'"
         try:
             forward = await box.exec(f"{curl} --proxy http://{session}@127.0.0.1:{p.port} --cacert {box.ca_path} "
@@ -201,18 +221,22 @@ def test_proxy_only_reaches_the_proxy_and_nothing_else(proxy, host_listener, tmp
             loopback = await box.exec(f"curl -sS --max-time 3 telnet://127.0.0.1:{host_listener} </dev/null",
                                       timeout_s=30)
             lan = await box.exec(f"curl -sS --max-time 3 telnet://{ip}:{host_listener} </dev/null", timeout_s=30)
+            # Through the proxy itself: polar_block_other (which a proxy serving sandboxes must set) refuses the rest.
+            via_proxy = await box.exec(f"curl -sS --max-time 5 --proxy {box.proxy_url} "
+                                       f"http://127.0.0.1:{host_listener}/ -w ' %{{http_code}}'", timeout_s=30)
             dns = await box.exec("getent hosts api.openai.com example.com", timeout_s=30)
             routes = await box.exec("tail -n +3 /proc/net/dev; echo ROUTES; tail -n +2 /proc/net/route", timeout_s=30)
         finally:
             await box.stop()
-        return forward, reverse, loopback, lan, dns, routes
+        return forward, reverse, loopback, lan, dns, routes, via_proxy
 
-    forward, reverse, loopback, lan, dns, routes = run(main("proxy-only"))
+    forward, reverse, loopback, lan, dns, routes, via_proxy = run(main("proxy-only"))
     assert json.loads(forward.stdout)["choices"][0]["message"]["content"] == ANSWER, forward
     assert json.loads(reverse.stdout)["choices"][0]["message"]["content"] == ANSWER, reverse
     assert "host-secret-service" not in loopback.stdout and loopback.exit_code != 0
     assert "host-secret-service" not in lan.stdout and lan.exit_code != 0
     assert dns.exit_code != 0 and not dns.stdout
+    assert via_proxy.stdout.endswith(" 403") and "host-secret-service" not in via_proxy.stdout, via_proxy
     links, table = routes.stdout.split("ROUTES\n")
     assert [line.split(":")[0].strip() for line in links.splitlines()] == ["lo"]
     assert table.strip() == ""
@@ -220,23 +244,23 @@ def test_proxy_only_reaches_the_proxy_and_nothing_else(proxy, host_listener, tmp
     assert len(session_records(p.out, session, at_least=1)) == 1
 
     # The same probes with the host's network do reach the other service: the negative checks are not vacuous.
-    _, _, loopback, lan, _, routes = run(main("host"))
+    _, _, loopback, lan, _, routes, _ = run(main("host"))
     assert "host-secret-service" in loopback.stdout
     if ip:
         assert "host-secret-service" in lan.stdout
     assert routes.stdout.split("ROUTES\n")[1].strip()
 
 
-def test_exec_timeout_and_cancel_kill_the_whole_process_tree(tmp_path):
-    def alive(tag: str) -> bool:
-        """Any process on the host whose command line has ``tag``."""
+def test_exec_timeout_and_cancel_kill_the_whole_process_tree(make_runtime, tmp_path):
+    def alive(tag: str) -> int:
+        """How many ``sleep TAG`` processes exist on the host (the tree's three, not bwrap's own command line)."""
+        count = 0
         for proc in Path("/proc").iterdir():
             try:
-                if proc.name.isdigit() and tag.encode() in (proc / "cmdline").read_bytes():
-                    return True
+                count += proc.name.isdigit() and (proc / "cmdline").read_bytes() == f"sleep\0{tag}\0".encode()
             except OSError:
                 pass
-        return False
+        return count
 
     # A daemonised grandchild in its own session, and a child ignoring SIGTERM: neither may survive.
     def tree(tag: str) -> str:
@@ -244,7 +268,7 @@ def test_exec_timeout_and_cancel_kill_the_whole_process_tree(tmp_path):
                 f"sh -c 'trap \"\" TERM; sleep {tag}' & sleep {tag}")
 
     async def main():
-        box = await bwrap.make().start(spec_for(tmp_path, "t", endpoints(tmp_path), network="none"))
+        box = await make_runtime().start(spec_for(tmp_path, "t", endpoints(tmp_path), network="none"))
         try:
             tag1 = f"{900 + (uuid.uuid4().int % 1000) / 1000:.3f}"
             started = time.monotonic()
@@ -256,13 +280,20 @@ def test_exec_timeout_and_cancel_kill_the_whole_process_tree(tmp_path):
             tag2 = f"{800 + (uuid.uuid4().int % 1000) / 1000:.3f}"
             task = asyncio.create_task(box.exec(tree(tag2), timeout_s=60))
             deadline = time.monotonic() + 10
-            while not alive(tag2) and time.monotonic() < deadline:
+            while alive(tag2) < 3 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             before_cancel = alive(tag2)
             await box.cancel()
             cancelled = await task
             await asyncio.sleep(0.3)
             after_cancel = alive(tag2)
+            # A cancel while an exec is still starting (its process not spawned yet) stops it too.
+            started = time.monotonic()
+            early = asyncio.create_task(box.exec("sleep 30", timeout_s=60))
+            await asyncio.sleep(0)
+            await box.cancel()
+            early = await early
+            assert early.cancelled and time.monotonic() - started < 10
             still_usable = await box.exec("echo fine")
         finally:
             await box.stop()
@@ -271,13 +302,13 @@ def test_exec_timeout_and_cancel_kill_the_whole_process_tree(tmp_path):
     timed, elapsed, after_timeout, before_cancel, cancelled, after_cancel, still_usable = run(main())
     assert timed.timed_out and timed.exit_code == -1 and elapsed < 10
     assert not after_timeout
-    assert before_cancel  # the probe sees the tree while it runs
+    assert before_cancel == 3  # the probe sees the whole tree while it runs
     assert cancelled.cancelled and cancelled.exit_code == -1
     assert not after_cancel
     assert still_usable.stdout == "fine\n"
 
 
-def test_upload_download_binds_and_environment(tmp_path):
+def test_upload_download_binds_and_environment(make_runtime, tmp_path):
     src = tmp_path / "src"
     (src / "pkg").mkdir(parents=True)
     (src / "pkg" / "a.py").write_text("print('a')\n")
@@ -289,7 +320,7 @@ def test_upload_download_binds_and_environment(tmp_path):
     outside.write_text("host secret\n")
 
     async def main():
-        box = await bwrap.make().start(spec_for(
+        box = await make_runtime().start(spec_for(
             tmp_path, "u", endpoints(tmp_path), network="none", env={"FROM_SPEC": "spec"},
             binds={"/tests": tests_dir, "/logs/verifier": logs_dir}, read_only=(REPO / ".harness",)))
         try:
@@ -333,3 +364,114 @@ def test_harness_cli_runs_inside(tmp_path):
 
     result = run(main())
     assert result.exit_code == 0 and "codex" in result.stdout.lower(), result
+
+
+def test_oci_limits_host_untouched_and_dockerfile_built_once(oci_image, tmp_path):
+    marker = f"polar-oci-{uuid.uuid4().hex}"
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text(f"FROM {oci_image}\nRUN echo {marker} > /built\nWORKDIR /app\n")
+
+    async def main():
+        rt = oci.make()
+        spec = spec_for(tmp_path, "l", endpoints(tmp_path), network="none", dockerfile=context / "Dockerfile",
+                        workdir="/app", cpus=0.5, memory_mb=256, pids=64)
+        box = await rt.start(spec)
+        assert box.host_workspace is None  # an empty workspace: the image's own /app, brought out by download
+        try:
+            probe = await box.exec(f"cat /built; touch /usr/{marker}; "
+                                   "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/pids/pids.max "
+                                   "/sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us; pwd")
+        finally:
+            await box.stop()
+        started = time.monotonic()
+        again = await rt.start(spec_for(tmp_path, "l2", endpoints(tmp_path), network="none",
+                                        dockerfile=context / "Dockerfile"))
+        second_start = time.monotonic() - started
+        await again.stop()
+        gone = subprocess.run(["podman", "container", "exists", box.container]).returncode
+        for tag in rt.built:  # each run builds a new image (the marker): do not pile them up
+            subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)
+        return probe, second_start, gone
+
+    probe, second_start, gone = run(main())
+    built, memory, pids, quota, period, cwd = probe.stdout.split()
+    assert built == marker
+    assert not Path(f"/usr/{marker}").exists()  # the container's /usr is the image's, not the host's
+    assert int(memory) == 256 * 2**20 and int(pids) == 64 and int(quota) / int(period) == 0.5
+    assert cwd == "/app"
+    assert second_start < 5  # the image was built once (a build with RUN takes longer)
+    assert gone != 0  # stop removed the container
+
+
+def test_bwrap_limits_hold_for_the_sandbox(tmp_path):
+    # 60 background sleeps against a pids limit of 30; a 200 MiB buffer (tail holds a line without newline)
+    # against 64 MiB. The same commands without limits succeed, so the failures are the limits'.
+    forks = "i=0; while [ $i -lt 60 ]; do sleep 2 & i=$((i+1)); done; echo forked; kill $(jobs -p) 2>/dev/null"
+    memory = "head -c 200000000 /dev/zero | tail > /dev/null; echo survived $?"
+
+    async def main(limited: bool):
+        box = await bwrap.make().start(spec_for(tmp_path, f"lim{limited}", endpoints(tmp_path), network="none",
+                                                pids=30 if limited else None, memory_mb=64 if limited else None,
+                                                cpus=0.5 if limited else None))
+        try:
+            assert (box.cgroup is not None) == limited
+            return await box.exec(forks, timeout_s=60), await box.exec(memory, timeout_s=60)
+        finally:
+            await box.stop()
+
+    (fork, mem) = run(main(True))
+    assert "forked" not in fork.stdout and "Cannot fork" in fork.stderr, fork
+    assert mem.stdout == "survived 137\n", mem  # the OOM killer's SIGKILL
+    (fork, mem) = run(main(False))
+    assert "forked" in fork.stdout and not fork.stderr, fork
+    assert "survived 0" in mem.stdout, mem
+
+
+@pytest.mark.harness
+def test_codex_tool_loop_inside_bwrap_proxy_only(tiny_model_dir, tmp_path):
+    """A real harness CLI (Codex, node) in a proxy-only bwrap sandbox: two model calls through the reverse
+    listener and the tool call it runs inside; the calls are stored under the session."""
+    script = tmp_path / "codex-script.json"
+    script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [
+        {"content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "exec_command", "arguments": {"cmd": "echo polar-was-here > proof.txt; cat /proc/net/route"}}}]},
+        {"content": "Done."},
+    ]}))  # fmt: skip
+    harness = REPO / ".harness"
+    with two_listener_proxy(f"scripted:{script}", tmp_path) as (p, rev):
+        async def main():
+            spec = spec_for(tmp_path, "codex", ProxyEndpoints(p.port, rev, p.ca), read_only=(harness,))
+            box = await bwrap.make().start(spec)
+            try:
+                (spec.home / ".codex").mkdir()
+                (spec.home / ".codex" / "config.toml").write_text(
+                    'model = "tiny"\nmodel_provider = "polar"\n\n[model_providers.polar]\nname = "polar"\n'
+                    f'base_url = "{box.reverse_url}/v1"\nenv_key = "POLAR_API_KEY"\nwire_api = "responses"\n'
+                    "supports_websockets = false\nrequest_max_retries = 0\nstream_max_retries = 0\n")
+                env = {"CODEX_HOME": f"{box.home}/.codex", "POLAR_API_KEY": "polar:session=codex-bwrap",
+                       "RUST_LOG": "warn"}
+                return await box.exec([str(harness / "node_modules" / ".bin" / "codex"), "exec",
+                                       "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                                       "Write proof.txt."], env=env, timeout_s=240)
+            finally:
+                await box.stop()
+
+        result = run(main())
+        assert result.exit_code == 0, result.stdout + result.stderr
+        records = session_records(p.out, "codex-bwrap", at_least=2)
+    assert "Done." in result.stdout, result.stdout + result.stderr
+    tool_output = records[1].messages[-1]["content"]
+    # The tool ran inside: the route table it printed is empty (the host's has eth0 and a default route).
+    assert "Iface" in tool_output and "eth" not in tool_output and "00000000\t" not in tool_output, tool_output
+    assert (tmp_path / "codex" / "ws" / "proof.txt").read_text() == "polar-was-here\n"
+    assert [r.status for r in records] == ["ok", "ok"]
+
+
+def test_a_missing_mount_is_an_infrastructure_error(make_runtime, tmp_path):
+    async def main():
+        with pytest.raises(RuntimeUnavailable, match="do not exist: /nonexistent/harness"):
+            await make_runtime().start(spec_for(tmp_path, "m", endpoints(tmp_path), network="none",
+                                                read_only=(Path("/nonexistent/harness"),)))
+
+    run(main())

@@ -9,12 +9,17 @@ daemons and ``setsid`` children included.
 What the sandbox sees: ``/usr`` and ``/etc`` read-only, the workspace at ``spec.workdir`` (default ``/workspace``),
 HOME at ``/home/polar``, a private ``/tmp``, ``spec.read_only`` paths read-only at their own paths,
 ``spec.binds`` writable, and the proxy's CA certificate (only that file of mitmproxy's confdir: the directory also
-holds the CA's private key). Nothing else of the host's filesystem exists inside.
+holds the CA's private key). Nothing else of the host's filesystem exists inside; /etc's secrets (shadow, sudoers,
+ssh host keys, ssl/private) are masked.
 
 The user namespace is mandatory: without it a root sandbox keeps every capability and can remount ``/usr``
 read-write (seen). Inside, commands run as uid 1000 with no capabilities; that uid maps to the invoking host user,
 so a host file of that user that is *mounted inside* is readable whatever its mode: secrets are kept out by not
 mounting them, never by permissions.
+
+Limits: ``spec.cpus``, ``memory_mb`` and ``pids`` hold for the whole sandbox (all its execs together) through a
+cgroup nested under polar's own (:mod:`cgroups`); without write access to cgroups (not root, no delegation) the
+sandbox runs unlimited and the runtime logs a warning once.
 
 Network modes: ``host`` shares the host's network (the proxy and everything else); ``none`` has only a loopback;
 ``proxy-only`` has only a loopback on which socat listens on the proxy's forward and reverse ports and relays to
@@ -26,18 +31,20 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import posixpath
 import shutil
-import signal
 import subprocess
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from polar_cli.rollout.runtimes import cgroups
+from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
+from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
 
 HOME = "/home/polar"
 WORKSPACE = "/workspace"
@@ -45,25 +52,12 @@ RUN_DIR = "/run/polar"  # the bridge's Unix sockets and the CA, inside
 CA_INSIDE = f"{RUN_DIR}/mitmproxy-ca-cert.pem"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
+# Host secrets under /etc, hidden behind empty files/directories: the sandbox's uid maps to the host user, so a
+# root-owned 0600 file mounted inside would be readable.
+MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers", "/etc/machine-id")
+MASKED_DIRS = ("/etc/ssh", "/etc/sudoers.d", "/etc/ssl/private")
+log = logging.getLogger(__name__)
 
-# Run inside before the command in proxy-only mode: one socat per proxy port on the sandbox's loopback, relaying
-# to the host's socket; the command starts once both ports listen (the agent's first call must not race them).
-# /proc/net/tcp lists listeners as "0100007F:<PORT HEX> 00000000:0000 0A".
-_BRIDGE = r"""
-for pair in $POLAR_BRIDGE; do
-  port=${pair%%=*}; sock=${pair#*=}
-  socat TCP-LISTEN:$port,bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:$sock 2>/dev/null &
-done
-for pair in $POLAR_BRIDGE; do
-  hex=$(printf '%04X' "${pair%%=*}"); i=0
-  until grep -q ":$hex 00000000:0000 0A" /proc/net/tcp; do
-    i=$((i+1)); [ $i -gt 2000 ] && { echo "polar: sandbox proxy bridge did not start" >&2; exit 125; }
-    sleep 0.005
-  done
-done
-unset POLAR_BRIDGE
-exec "$@"
-"""
 
 
 def find_bwrap() -> str | None:
@@ -80,18 +74,21 @@ def find_bwrap() -> str | None:
 
 
 class BwrapSandbox(Sandbox):
-    def __init__(self, runtime: BwrapRuntime, spec: SandboxSpec, scratch: Path, bridges: list[asyncio.subprocess.Process]):
+    def __init__(self, runtime: BwrapRuntime, spec: SandboxSpec, scratch: Path,
+                 bridges: list[asyncio.subprocess.Process], cgroup: cgroups.Cgroup | None = None):
         self.runtime = runtime
+        self.cgroup = cgroup  # cpus / memory_mb / pids, shared by every exec of the sandbox
         self.spec = spec
         self.scratch = scratch
         self.bridges = bridges
         self.workspace = spec.workdir or WORKSPACE
+        self.host_workspace = Path(spec.workspace)
         self.home = HOME
         self.proxy_url = f"http://127.0.0.1:{spec.proxy.forward_port}"
         self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
         self.ca_path = CA_INSIDE
         self.running: set[asyncio.subprocess.Process] = set()
-        self.cancelled: set[asyncio.subprocess.Process] = set()
+        self.cancels = 0  # cancel() calls so far: an exec that began before one is killed even if not yet spawned
         self.stopped = False
         # Inside path -> host path of everything writable, for error messages and the tests' view of the layout.
         self.mounts: dict[str, Path] = {self.workspace: spec.workspace, self.home: spec.home, "/tmp": scratch / "tmp",
@@ -106,6 +103,8 @@ class BwrapSandbox(Sandbox):
             args.append("--disable-userns")
         args.append("--share-net" if network == "host" else "--unshare-net")
         args += ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+        args += [a for f in MASKED_FILES if os.path.isfile(f) for a in ("--ro-bind", "/dev/null", f)]
+        args += [a for d in MASKED_DIRS if os.path.isdir(d) for a in ("--tmpfs", d)]
         for name in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
             link = Path("/") / name
             if link.is_symlink():
@@ -130,14 +129,8 @@ class BwrapSandbox(Sandbox):
         merged = {"PATH": PATH, "HOME": HOME, "USER": "polar", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
                   **self.spec.env, **(env or {})}
         if network == "proxy-only":
-            merged["POLAR_BRIDGE"] = " ".join(f"{port}={RUN_DIR}/sockets/{name}.sock" for name, port in self._ports())
+            merged["POLAR_BRIDGE"] = bridge_env(self.spec.proxy, f"{RUN_DIR}/sockets")
         return merged
-
-    def _ports(self) -> list[tuple[str, int]]:
-        ports = [("forward", self.spec.proxy.forward_port)]
-        if self.spec.proxy.reverse_port and self.spec.proxy.reverse_port != self.spec.proxy.forward_port:
-            ports.append(("reverse", self.spec.proxy.reverse_port))
-        return ports
 
     async def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
                   timeout_s: float | None = None, stdin: bytes | None = None,
@@ -145,32 +138,35 @@ class BwrapSandbox(Sandbox):
         """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled)."""
         if self.stopped:
             raise RuntimeError(f"sandbox {self.spec.name} is stopped")
+        cancels = self.cancels
         network = network or self.spec.network
         command = list(argv)
         if network == "proxy-only":
-            command = ["/bin/sh", "-c", _BRIDGE, "polar-bridge", *command]
+            command = ["/bin/sh", "-c", BRIDGE_SCRIPT, "polar-bridge", *command]
+        full = [*self.bwrap_args(network, cwd or self.workspace), "--", *command]
         proc = await asyncio.create_subprocess_exec(
-            *self.bwrap_args(network, cwd or self.workspace), "--", *command,
+            *(self.cgroup.wrap(full) if self.cgroup else full),
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.environment(env, network),
             start_new_session=True)
         self.running.add(proc)
+        if self.cancels != cancels:
+            kill_group(proc)
         timed_out = False
         try:
             try:
                 out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
-                _kill(proc)
+                kill_group(proc)
                 out, err = await proc.communicate()
         except BaseException:
             # The caller was cancelled (e.g. the session's task): the sandboxed processes must not outlive it.
-            _kill(proc)
+            kill_group(proc)
             raise
         finally:
             self.running.discard(proc)
-        cancelled = proc in self.cancelled
-        self.cancelled.discard(proc)
+        cancelled = self.cancels != cancels
         code = -1 if timed_out or cancelled else proc.returncode
         return code, out, err, timed_out, cancelled
 
@@ -197,8 +193,7 @@ class BwrapSandbox(Sandbox):
             raise OSError(f"upload to {remote} in sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
 
     async def download(self, remote: str, local: Path) -> None:
-        # Packed by tar inside (paths resolved in the sandbox), unpacked on the host with tarfile's "data" filter:
-        # no absolute paths, no links pointing out, no devices, so a hostile workspace cannot write elsewhere.
+        # Packed by tar inside (paths resolved in the sandbox's mounts), unpacked on the host without trusting it.
         remote = posixpath.normpath(remote)
         code, out, err, _, _ = await self.run(
             ["/bin/sh", "-c", 'test -e "$1/$2" || exit 44; tar -C "$1" -cf - "$2"', "download",
@@ -207,55 +202,27 @@ class BwrapSandbox(Sandbox):
             raise FileNotFoundError(f"{remote} does not exist in sandbox {self.spec.name}")
         if code != 0:
             raise OSError(f"download of {remote} from sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
-        local = Path(local)
-        with tempfile.TemporaryDirectory(dir=local.parent if local.parent.exists() else None) as tmp:
-            with tarfile.open(fileobj=io.BytesIO(out), mode="r") as tar:
-                tar.extractall(tmp, filter=_contained)
-            unpacked = Path(tmp) / posixpath.basename(remote)
-            if local.is_dir() and not local.is_symlink() and unpacked.is_dir():
-                shutil.rmtree(local)
-            elif local.exists() or local.is_symlink():
-                local.unlink()
-            local.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(unpacked), str(local))
+        extract_contained(out, posixpath.basename(remote), Path(local))
 
     async def cancel(self) -> None:
+        self.cancels += 1
         for proc in list(self.running):
-            self.cancelled.add(proc)
-            _kill(proc)
+            kill_group(proc)
 
     async def stop(self) -> None:
         if self.stopped:
             return
         await self.cancel()
         self.stopped = True
-        for bridge in self.bridges:
-            _kill(bridge)
-            await bridge.wait()
+        await stop_processes(self.bridges)
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.remove)
         shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def _contained(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-    """tarfile's "data" filter, skipping (not failing on) what it refuses: a link out of the download is dropped,
-    the rest of a workspace still comes back."""
-    try:
-        return tarfile.data_filter(member, dest)
-    except tarfile.FilterError:
-        return None
-
-
-def _kill(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL bwrap's process group: its pid 1 inside dies with it (--die-with-parent) and the kernel then kills
-    every process of the sandbox's pid namespace."""
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class BwrapRuntime(Runtime):
     name = "bwrap"
+    default_network = "proxy-only"
 
     def __init__(self, bwrap: str | None = None, scratch_dir: Path | str | None = None):
         found = bwrap or find_bwrap()
@@ -266,6 +233,7 @@ class BwrapRuntime(Runtime):
         self.scratch_dir = Path(scratch_dir) if scratch_dir else None
         self.disable_userns = False
         self.checked = False
+        self.warned = False
 
     async def _check(self) -> None:
         """Once per runtime: bwrap can create a user namespace here (a kernel or container may forbid it)."""
@@ -291,34 +259,25 @@ class BwrapRuntime(Runtime):
             Path(path).mkdir(parents=True, exist_ok=True)
         if not Path(spec.proxy.ca).is_file():
             raise RuntimeUnavailable(f"bwrap runtime: the proxy's CA certificate {spec.proxy.ca} does not exist")
+        missing = [str(p) for p in spec.read_only if not Path(p).exists()]
+        if missing:
+            raise RuntimeUnavailable(f"bwrap runtime: read-only paths to mount do not exist: {', '.join(missing)}")
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)[:40]
         scratch = Path(tempfile.mkdtemp(prefix=f"polar-bwrap-{safe}-", dir=self.scratch_dir))
         (scratch / "tmp").mkdir()
         (scratch / "tmp").chmod(0o1777)
-        bridges: list[asyncio.subprocess.Process] = []
-        sandbox = BwrapSandbox(self, spec, scratch, bridges)
+        cgroup, why = cgroups.create(scratch.name.removeprefix("polar-"), spec.cpus, spec.memory_mb, spec.pids)
+        if cgroup is None and (spec.cpus or spec.memory_mb or spec.pids) and not self.warned:
+            log.warning("bwrap runtime: sandboxes run without cpu/memory/pids limits: %s", why)
+            self.warned = True
+        sandbox = BwrapSandbox(self, spec, scratch, [], cgroup)
         if spec.network == "proxy-only":
-            sockets = scratch / "sockets"
-            sockets.mkdir()
             try:
-                for name, port in sandbox._ports():
-                    bridges.append(await asyncio.create_subprocess_exec(
-                        "socat", f"UNIX-LISTEN:{sockets / name}.sock,fork,mode=600", f"TCP:127.0.0.1:{port}",
-                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                        start_new_session=True))
-                await _wait_for_sockets([sockets / f"{name}.sock" for name, _ in sandbox._ports()], bridges)
+                sandbox.bridges = await start_host_bridges(spec.proxy, scratch / "sockets")
             except BaseException:
                 await sandbox.stop()
                 raise
         return sandbox
-
-
-async def _wait_for_sockets(paths: list[Path], bridges: list[asyncio.subprocess.Process], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        if any(b.returncode is not None for b in bridges) or time.monotonic() > deadline:
-            raise RuntimeUnavailable(f"bwrap runtime: the proxy bridge (socat) did not start: {paths}")
-        await asyncio.sleep(0.002)
 
 
 def make(**options) -> BwrapRuntime:

@@ -1,0 +1,316 @@
+"""The ``oci`` runtime: each session in a podman (default) or docker container, for tasks that bring an image
+(``spec.image``, or ``spec.dockerfile`` built once per distinct build context and cached by content hash).
+
+One long-lived container per sandbox (its pid 1 a shell that sleeps); :meth:`OciSandbox.exec` is ``podman exec``,
+so setup, harness and patch extraction share the container's filesystem and processes. The workspace is bound at
+``spec.workdir`` (default ``/workspace``) unless the host directory is empty: then the image's own directory there
+is kept (a Harbor task's image carries its repository) and ``download`` brings results out. HOME is bound at
+``/home/polar``, ``spec.binds`` at their paths, ``spec.read_only`` read-only at their own paths (host binaries need
+the image to carry their libraries: node from the host runs only in a glibc image like the host's), the proxy's CA
+certificate (only that file) read-only.
+
+Limits: ``spec.cpus``, ``memory_mb``, ``pids`` become ``--cpus``, ``--memory``, ``--pids-limit`` (enforced by the
+engine's cgroup). The container runs as the image's user (root, usually) with the engine's default capabilities,
+inside the engine's user-namespace setup (none for rootful podman/docker: container root is host root restricted
+by capabilities, seccomp and the mount namespace).
+
+Network: ``host`` (``--network host``), ``none``, and ``proxy-only`` (podman only): the container joins a network
+namespace that polar prepares (a loopback only, with socat listening on the proxy's ports and relaying to the host
+through Unix sockets, :mod:`bridge`), so any image works, with or without socat. Docker cannot join a prepared
+namespace: use podman, or ``network="host"``.
+
+Timeouts and ``cancel`` kill every process in the container but its pid 1 (a session runs one command at a time;
+a daemon started by setup dies too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import os
+import posixpath
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from polar_cli.rollout.runtimes.archive import extract_contained
+from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
+from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
+from polar_cli.rollout.runtimes.bwrap import find_bwrap
+
+HOME = "/home/polar"
+WORKSPACE = "/workspace"
+CA_INSIDE = "/run/polar/mitmproxy-ca-cert.pem"
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# pid 1: sleeps until the container is removed; exits at once on SIGTERM.
+INIT = 'trap "exit 0" TERM; while :; do sleep 3600 & wait $!; done'
+# Kills everything but pid 1 and itself (kill -1 spares both).
+KILL_ALL = "kill -9 -1 2>/dev/null; exit 0"
+
+
+class OciSandbox(Sandbox):
+    def __init__(self, runtime: OciRuntime, spec: SandboxSpec, container: str, scratch: Path,
+                 helpers: list[asyncio.subprocess.Process]):
+        self.runtime = runtime
+        self.spec = spec
+        self.container = container
+        self.scratch = scratch
+        self.helpers = helpers  # host-side bridge socats and the network-namespace holder
+        self.workspace = spec.workdir or WORKSPACE
+        self.host_workspace: Path | None = None  # set by start when the host directory is bound
+        self.home = HOME
+        self.proxy_url = f"http://127.0.0.1:{spec.proxy.forward_port}"
+        self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
+        self.ca_path = CA_INSIDE
+        self.running: set[asyncio.subprocess.Process] = set()
+        self.cancels = 0  # cancel() calls so far: an exec that began before one is killed even if not yet spawned
+        self.stopped = False
+
+    async def _cli(self, *args: str, stdin: bytes | None = None, timeout_s: float | None = None
+                   ) -> tuple[int, bytes, bytes, bool, bool]:
+        """One engine CLI call; returns (exit code, stdout, stderr, timed out, cancelled)."""
+        cancels = self.cancels
+        proc = await asyncio.create_subprocess_exec(
+            self.runtime.binary, *args, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.running.add(proc)
+        if self.cancels != cancels:
+            await self._kill_inside()
+            kill_group(proc)
+        timed_out = False
+        try:
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+                await self._kill_inside()
+                kill_group(proc)
+                out, err = await proc.communicate()
+        except BaseException:
+            kill_group(proc)
+            await asyncio.shield(self._kill_inside())
+            raise
+        finally:
+            self.running.discard(proc)
+        code = proc.returncode if proc.returncode is not None else -1
+        return code, out, err, timed_out, self.cancels != cancels
+
+    async def _kill_inside(self) -> None:
+        proc = await asyncio.create_subprocess_exec(self.runtime.binary, "exec", self.container, "/bin/sh", "-c",
+                                                    KILL_ALL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await proc.wait()
+
+    async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
+                   cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
+        if self.stopped:
+            raise RuntimeError(f"sandbox {self.spec.name} is stopped")
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        args = ["exec", "-w", cwd or self.workspace]
+        if stdin is not None:
+            args.append("-i")
+        for key, value in {"HOME": HOME, "TMPDIR": "/tmp", **self.spec.env, **(env or {})}.items():
+            args += ["-e", f"{key}={value}"]
+        code, out, err, timed_out, cancelled = await self._cli(*args, self.container, *argv, stdin=stdin,
+                                                               timeout_s=timeout_s)
+        return ExecResult(-1 if timed_out or cancelled else code, out.decode(errors="replace"),
+                          err.decode(errors="replace"), timed_out, cancelled)
+
+    async def upload(self, local: Path, remote: str) -> None:
+        remote = posixpath.normpath(remote)
+        parent = posixpath.dirname(remote) or "/"
+        mkdir = await self.exec(["mkdir", "-p", parent], cwd="/")
+        if mkdir.exit_code != 0:
+            raise OSError(f"upload to {remote} in sandbox {self.spec.name} failed: {mkdir.stderr}")
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            tar.add(Path(local), arcname=posixpath.basename(remote))
+        # `cp - CONTAINER:DIR` unpacks a tar stream; the engine resolves DIR inside the container's root.
+        code, _, err, _, _ = await self._cli("cp", "-", f"{self.container}:{parent}", stdin=buffer.getvalue())
+        if code != 0:
+            raise OSError(f"upload to {remote} in sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
+
+    async def download(self, remote: str, local: Path) -> None:
+        remote = posixpath.normpath(remote)
+        code, out, err, _, _ = await self._cli("cp", f"{self.container}:{remote}", "-")
+        if code != 0:
+            message = err.decode(errors="replace")
+            if "no such file" in message.lower() or "not found" in message.lower():
+                raise FileNotFoundError(f"{remote} does not exist in sandbox {self.spec.name}")
+            raise OSError(f"download of {remote} from sandbox {self.spec.name} failed: {message}")
+        extract_contained(out, posixpath.basename(remote), Path(local))
+
+    async def cancel(self) -> None:
+        self.cancels += 1
+        if not self.running:
+            return
+        await self._kill_inside()
+        for proc in list(self.running):
+            kill_group(proc)
+        # A killed `exec` client can have started its process inside after the first sweep.
+        await self._kill_inside()
+
+    async def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        for proc in list(self.running):
+            kill_group(proc)
+        remove = ["rm", "-f", "-t", "0"] if self.runtime.engine == "podman" else ["rm", "-f"]  # docker rm has no -t
+        proc = await asyncio.create_subprocess_exec(self.runtime.binary, *remove, self.container,
+                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await proc.wait()
+        await stop_processes(self.helpers)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class OciRuntime(Runtime):
+    name = "oci"
+
+    def __init__(self, engine: str = "podman", binary: str | None = None, image: str | None = None,
+                 oci_runtime: str | None = None, scratch_dir: Path | str | None = None):
+        if engine not in ("podman", "docker"):
+            raise ValueError(f"oci runtime: engine must be podman or docker, not {engine!r}")
+        found = binary or shutil.which(engine)
+        if not found:
+            raise RuntimeUnavailable(f"oci runtime: no {engine} binary (`make sandbox` installs podman and runc)")
+        self.engine = engine
+        self.binary = found
+        # What the runtime can enforce: docker cannot join polar's proxy-only namespace.
+        self.default_network = "proxy-only" if engine == "podman" else "host"
+        self.image = image  # used when a spec names neither an image nor a Dockerfile
+        # crun 1.8 (Debian 12's podman default) refuses a hybrid cgroup v1/v2 layout; runc works everywhere.
+        if oci_runtime is None:
+            oci_runtime = "runc" if engine == "podman" and shutil.which("runc") else ""
+        self.oci_runtime = oci_runtime
+        self.scratch_dir = Path(scratch_dir) if scratch_dir else None
+        self.built: dict[str, str] = {}
+        self.build_locks: dict[str, asyncio.Lock] = {}
+
+    def _engine_flags(self) -> list[str]:
+        flags = ["--runtime", self.oci_runtime] if self.oci_runtime else []
+        # Without CAP_SYS_RESOURCE in its namespace podman cannot raise the default limits; set them explicitly.
+        return flags + ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+
+    async def _run(self, *args: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(self.binary, *args, stdin=subprocess.DEVNULL,
+                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, _ = await proc.communicate()
+        return proc.returncode, out.decode(errors="replace")
+
+    async def image_for(self, spec: SandboxSpec) -> str:
+        """The spec's image, building ``spec.dockerfile`` once per distinct build context (content hash tag)."""
+        if spec.dockerfile is None:
+            image = spec.image or self.image
+            if not image:
+                raise RuntimeUnavailable(f"oci runtime: task {spec.name} names no image nor Dockerfile")
+            return image
+        dockerfile = Path(spec.dockerfile)
+        context = dockerfile.parent
+        digest = hashlib.sha256()
+        for path in sorted(p for p in context.rglob("*") if p.is_file()):
+            digest.update(str(path.relative_to(context)).encode() + b"\0" + path.read_bytes() + b"\0")
+        tag = f"localhost/polar-task:{digest.hexdigest()[:16]}"
+        lock = self.build_locks.setdefault(tag, asyncio.Lock())
+        async with lock:
+            if tag in self.built:
+                return tag
+            code, _ = await self._run("image", "inspect", tag)
+            if code != 0:
+                build = ["build", "-t", tag, "-f", str(dockerfile)]
+                if self.engine == "podman":
+                    build += self._engine_flags()
+                code, log = await self._run(*build, str(context))
+                if code != 0:
+                    raise RuntimeUnavailable(f"oci runtime: building {dockerfile} failed:\n{log[-4000:]}")
+            self.built[tag] = tag
+            return tag
+
+    async def start(self, spec: SandboxSpec) -> OciSandbox:
+        if spec.network not in ("host", "proxy-only", "none"):
+            raise ValueError(f"oci runtime: unknown network mode {spec.network!r}")
+        if spec.network == "proxy-only" and self.engine != "podman":
+            raise RuntimeUnavailable("oci runtime: proxy-only needs podman (docker cannot join a prepared network "
+                                     "namespace); use engine=podman or network=host")
+        if not Path(spec.proxy.ca).is_file():
+            raise RuntimeUnavailable(f"oci runtime: the proxy's CA certificate {spec.proxy.ca} does not exist")
+        missing = [str(p) for p in spec.read_only if not Path(p).exists()]
+        if missing:
+            raise RuntimeUnavailable(f"oci runtime: read-only paths to mount do not exist: {', '.join(missing)}")
+        image = await self.image_for(spec)
+        for path in (spec.workspace, spec.home, *spec.binds.values()):
+            Path(path).mkdir(parents=True, exist_ok=True)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)[:40]
+        container = f"polar-{safe}-{uuid.uuid4().hex[:8]}"
+        scratch = Path(tempfile.mkdtemp(prefix=f"polar-oci-{safe}-", dir=self.scratch_dir))
+        helpers: list[asyncio.subprocess.Process] = []
+        sandbox = OciSandbox(self, spec, container, scratch, helpers)
+        try:
+            network = spec.network
+            if network == "proxy-only":
+                helpers += await start_host_bridges(spec.proxy, scratch / "sockets")
+                holder, pid = await self._network_holder(spec, scratch / "sockets")
+                helpers.append(holder)
+                network = f"ns:/proc/{pid}/ns/net"
+            bind_workspace = any(Path(spec.workspace).iterdir())
+            args = ["run", "-d", "--name", container, *self._engine_flags(), "--network", network,
+                    "--hostname", "polar", "-w", sandbox.workspace if bind_workspace else "/",
+                    "-e", f"HOME={HOME}", "-e", f"PATH={PATH}",
+                    "-v", f"{spec.home}:{HOME}", "-v", f"{spec.proxy.ca}:{CA_INSIDE}:ro"]
+            if bind_workspace:
+                args += ["-v", f"{spec.workspace}:{sandbox.workspace}"]
+                sandbox.host_workspace = Path(spec.workspace)
+            for path in spec.read_only:
+                args += ["-v", f"{Path(path).resolve()}:{Path(path).absolute()}:ro"]
+            for inside, host in spec.binds.items():
+                args += ["-v", f"{host}:{posixpath.normpath(inside)}"]
+            if spec.cpus:
+                args += ["--cpus", str(spec.cpus)]
+            if spec.memory_mb:
+                args += ["--memory", f"{spec.memory_mb}m"]
+            if spec.pids:
+                args += ["--pids-limit", str(spec.pids)]
+            args += ["--entrypoint", "/bin/sh", image, "-c", INIT]
+            code, log = await self._run(*args)
+            if code != 0:
+                raise RuntimeUnavailable(f"oci runtime: starting a container of {image} failed:\n{log[-4000:]}")
+            if not bind_workspace:  # the image's own directory, which an image's WORKDIR does not always create
+                made = await sandbox.exec(["mkdir", "-p", sandbox.workspace], cwd="/")
+                if made.exit_code != 0:
+                    raise RuntimeUnavailable(f"oci runtime: no {sandbox.workspace} in {image}: {made.stderr}")
+        except BaseException:
+            await sandbox.stop()
+            raise
+        return sandbox
+
+    async def _network_holder(self, spec: SandboxSpec, sockets: Path) -> tuple[asyncio.subprocess.Process, int]:
+        """A process owning a fresh network namespace (bwrap brings its loopback up) in which the bridge listens on
+        the proxy's ports; the container joins it. Host filesystem and pid namespace, so the socats reach the host's
+        sockets and the namespace is /proc/PID/ns/net."""
+        bwrap = find_bwrap()
+        if not bwrap or not shutil.which("socat"):
+            raise RuntimeUnavailable("oci runtime: proxy-only needs bwrap and socat on the host (`make sandbox`)")
+        argv = [bwrap, "--bind", "/", "/", "--dev-bind", "/dev", "/dev", "--unshare-net", "--die-with-parent",
+                "--", "/bin/sh", "-c", BRIDGE_SCRIPT, "bridge", "/bin/sh", "-c", "echo $$; exec sleep infinity"]
+        if os.geteuid() != 0:
+            argv[1:1] = ["--unshare-user"]
+        holder = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, "POLAR_BRIDGE": bridge_env(spec.proxy, str(sockets))}, start_new_session=True)
+        try:
+            line = await asyncio.wait_for(holder.stdout.readline(), 15)
+            return holder, int(line)
+        except (asyncio.TimeoutError, ValueError):
+            kill_group(holder)
+            err = (await holder.stderr.read()).decode(errors="replace")
+            raise RuntimeUnavailable(f"oci runtime: the proxy-only network namespace did not start: {err}")
+
+
+def make(**options) -> OciRuntime:
+    """``--runtime oci``; options: ``engine`` (podman|docker), ``binary``, ``image`` (default image),
+    ``oci_runtime`` (podman's --runtime, default runc when installed), ``scratch_dir``."""
+    return OciRuntime(**options)
