@@ -73,6 +73,8 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         # The scripts name files under {workspace}: the session's workspace as the harness sees it.
         turns = json.dumps(script(harness)["turns"]).replace("{workspace}", str(base / "sessions" / harness / "workspace"))
         by_model[model_name(harness)] = json.loads(turns)
+        # The same fix under `polar rollout` in bwrap, where every session's workspace is /workspace.
+        by_model[model_name(harness) + "-bwrap"] = json.loads(json.dumps(script(harness)["turns"]).replace("{workspace}", "/workspace"))
     (base / "script.json").write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model}))
     forward, reverse = free_port(), free_port()
     out, confdir, log = base / "shards", base / "conf", base / "mitmdump.log"
@@ -103,13 +105,12 @@ def run_preset(harness: str, ctx: SessionContext, instruction: str) -> subproces
     home = Path(ctx.home)
     preset.configure(home, ctx)
     argv = preset.command(instruction, ctx)
-    assert argv[0] in preset.binaries
-    binary = BIN / argv[0]
-    if not binary.exists():
-        pytest.skip(f"{binary} missing: run `make harnesses`")
+    assert Path(argv[0]).name in preset.binaries
+    if not (BIN / Path(argv[0]).name).exists():
+        pytest.skip(f"{BIN / Path(argv[0]).name} missing: run `make harnesses`")
     base = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
     env = {**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **preset.env(ctx)}
-    return subprocess.run([str(binary), *argv[1:]], env=env, cwd=ctx.workspace, capture_output=True, text=True,
+    return subprocess.run(argv, env=env, cwd=ctx.workspace, capture_output=True, text=True,
                           timeout=240, stdin=subprocess.DEVNULL)
 
 
@@ -196,3 +197,39 @@ def test_swe_mini_task_in_both_formats(task_id: str, tmp_path: Path) -> None:
     assert verify(task, app) == 1.0
     result = bwrap_harbor(harbor, app, logs, "/tests/test.sh")
     assert result.returncode == 0 and (logs / "reward.txt").read_text().strip() == "1", result.stderr
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("harness", HARNESSES)
+def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp_path: Path) -> None:
+    """The same fix end to end: `polar rollout` on the JSONL task set, the harness in a proxy-only bwrap sandbox
+    (it reaches the proxy and nothing else), verified by the runner in a fresh sandbox, rewarded through the
+    proxy's control channel, every call stored under the session, group (the task) and sample."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap missing (apt-get install bubblewrap)")
+    from polar_addon.control import token_file
+
+    task_id = script(harness)["task"]
+    tasks = tmp_path / "tasks.jsonl"
+    task = dict(jsonl_tasks()[task_id], workspace=str(SWE_MINI / jsonl_tasks()[task_id]["workspace"]))
+    tasks.write_text(json.dumps(task) + "\n")
+    report = tmp_path / "report"
+    token = token_file(str(proxy.out), str(proxy.ca.parent)).read_text().strip()
+    cmd = [str(REPO / ".venv" / "bin" / "polar"), "rollout", str(tasks), "--harness", harness, "--samples", "1",
+           "--proxy", f"http://127.0.0.1:{proxy.forward}", "--reverse-url", f"http://127.0.0.1:{proxy.reverse}",
+           "--control-token", token, "--confdir", str(proxy.ca.parent), "--out", str(proxy.out),
+           "--runtime", "bwrap", "--network", "proxy-only", "--model", model_name(harness) + "-bwrap",
+           "--seed", "7", "--no-progress", "--report-dir", str(report)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((report / "logs").rglob("*")) if p.is_file()) \
+        if (report / "logs").exists() else ""
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    summary = json.loads((report / "rollout-summary.json").read_text())
+    (session,) = summary["session_results"]
+    assert (session["status"], session["reward"], session["exit_code"]) == ("completed", 1.0, 0), session
+    turns = script(harness)["turns"][1:] if harness == "qwen-code" else script(harness)["turns"]
+    records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
+    assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
+    assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
+    called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
+    assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
