@@ -50,6 +50,7 @@ def journaled(rec: CaptureRecord):  # noqa: ANN201 - a JournaledCall
 def test_common_prefix_counts_tokens_not_bytes() -> None:
     assert _common_prefix(packed([1, 2, 3]), packed([1, 2, 3])) == 3
     assert _common_prefix(packed([1, 2, 3, 4]), packed([1, 2])) == 2
+    assert _common_prefix(packed([1, 2]), packed([1, 2, 3, 4])) == 2
     for k in range(6):  # every position of the first difference, through the binary search
         a = list(range(1, 7))
         b = a[:k] + [99] + a[k + 1:]
@@ -101,6 +102,21 @@ def test_tips_keep_the_last_calls_of_the_most_recent_sessions() -> None:
     assert after.get("a") == []
     tips.commit(after)
     assert tips.staged().get("a") == [] and tips.staged().get("c")[0].record_id == "c0"
+    # ending a session never seen, then more changes in the same conversion: all of them apply
+    last = tips.staged()
+    last.end("never-seen")
+    last.push("d", Tip("d0", b"", None))
+    tips.commit(last)
+    assert tips.staged().get("d")[0].record_id == "d0"
+
+
+def test_tips_are_kept_for_1024_sessions_by_default() -> None:
+    tips = SessionTips()
+    staged = tips.staged()
+    for i in range(1025):
+        staged.push(f"s{i}", Tip(f"r{i}", b"", None))
+    tips.commit(staged)
+    assert tips.staged().get("s0") == [] and tips.staged().get("s1")[0].record_id == "r1"
 
 
 def test_a_call_references_the_tip_sharing_the_longest_prefix_latest_on_a_tie() -> None:
@@ -109,12 +125,13 @@ def test_a_call_references_the_tip_sharing_the_longest_prefix_latest_on_a_tie() 
     side = journaled(record(1, [1, 2, 9], [SYS, TASK, {"role": "user", "content": "title?"}]))
     _, tip1 = encode_call(side, [tip0])
     assert tip0 is not None and tip1 is not None and tip0.tokens == packed([1, 2, 3, 7, 8])
-    nxt = journaled(record(2, [1, 2, 3, 7, 8, 4], [SYS, TASK, {"role": "assistant", "content": "ok"}, TASK]))
+    nxt = journaled(record(2, [1, 2, 3, 7, 8, 4], [SYS, TASK, {"role": "assistant", "content": "ok"}, TASK, TASK]))
     row, tip2 = encode_call(nxt, [tip0, tip1])
     assert (row["prompt_ref"], row["prompt_prefix_len"], row["prompt_tail"], row["prompt_len"]) == ("r0", 5, [4], 6)
-    assert (row["messages_ref"], row["messages_prefix_len"], row["messages_count"]) == ("r0", 3, 4)
-    assert row["messages_tail_json"] == orjson.dumps([TASK]).decode()
-    assert tip2 is not None and tip2.parts is not None and len(tip2.parts) == 5
+    assert type(row["prompt_len"]) is int
+    assert (row["messages_ref"], row["messages_prefix_len"], row["messages_count"]) == ("r0", 3, 5)
+    assert row["messages_tail_json"] == orjson.dumps([TASK, TASK]).decode()
+    assert tip2 is not None and tip2.parts is not None and len(tip2.parts) == 6
     # the same prefix with two tips: the later one is referenced
     twin = journaled(record(3, [1, 2, 3], [SYS, TASK]))
     _, tip3 = encode_call(twin, [])
@@ -173,6 +190,12 @@ def test_expand_session_rebuilds_every_call_exactly() -> None:
         assert (list(rebuilt.prompt_ids), rebuilt.messages_json) == (list(original.prompt_ids), original.messages_json)
         assert (rebuilt.response_ids, rebuilt.logprobs, rebuilt.record_id) == (
             original.response_ids, original.logprobs, original.record_id)
+
+
+def test_a_prefix_reaching_into_the_referenced_response_takes_only_its_start() -> None:
+    rows = _rows([record(0, [1, 2, 3], response=(7, 8)), record(1, [1, 2, 3, 7, 9])])
+    assert (rows[1]["prompt_ref"], rows[1]["prompt_prefix_len"]) == ("r0", 4)
+    assert [list(r.prompt_ids) for r in expand_session(rows)] == [[1, 2, 3], [1, 2, 3, 7, 9]]
 
 
 def test_expand_session_refuses_references_that_resolve_to_nothing() -> None:
