@@ -86,6 +86,7 @@ bench: install model sandbox
 	$(BIN)/python bench/build.py
 	$(BIN)/python bench/train.py
 	$(BIN)/python bench/reliability.py
+	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/sandbox.py
 
 # Mutation score per core module (mutmut; tens of minutes; not part of `make test`). bench/mutation_report.md

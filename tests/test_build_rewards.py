@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import orjson
 import pytest
 from build_helpers import AgentSim, Turn, check_trace, coding_turns, decode, tool_loop
 
+from polar_addon.capture import CaptureRecord
 from polar_cli.build import SessionInfo, build_traces
 from polar_cli.build.output import TraceWriter, read_build_stats, read_traces
-from polar_cli.build.rewards import invalid_tool_call
+from polar_cli.build.rewards import RewardDecision, decide_reward, invalid_tool_call
 from polar_cli.build.stats import BuildReport
 from polar_cli.trace import Trace
 
@@ -46,6 +48,56 @@ def test_session_status_decides_reward_and_trainability(status: str, reward: flo
         assert result.report.total.trainable_tokens == 0
     # the mask marks the sampled tokens whether RL may use the trace or not (issue 10 #8)
     assert sum(trace.loss_mask) == sum(len(r.response_ids) for r in sim.records)
+
+
+def _call(content: str | None = "done", finish: str = "stop", calls: list | None = None) -> CaptureRecord:
+    message = {"role": "assistant", "content": content, "tool_calls": calls}
+    return CaptureRecord("r", "s1", 0, "openai_chat", "ok", finish_reason=finish,
+                         response_json=orjson.dumps(message).decode())
+
+
+BAD_CALL = _call('<function=bash>{"cmd": "ls"}</function>')
+Info = SessionInfo  # short, for the table below
+PER_REQUEST_UNTRAINED = RewardDecision(0.0, False, "per-request trace without --broadcast-rewards")
+
+
+@pytest.mark.parametrize(
+    ("session", "records", "per_request", "broadcast", "expected"),
+    [
+        (None, [], False, False, RewardDecision(0.0, False, "no session row")),
+        (Info("s", status="error", reward=1.0), [], True, True, RewardDecision(0.0, False, "infrastructure failure")),
+        (Info("s", status="running", reward=1.0), [], True, True, RewardDecision(0.0, False, "session still running")),
+        (Info("s", status="timeout", reward=1.0), [], True, False, PER_REQUEST_UNTRAINED),
+        (Info("s", reward=1.0), [], True, False, PER_REQUEST_UNTRAINED),
+        (Info("s", status="timeout", reward=1.0), [BAD_CALL], True, True, RewardDecision(0.0, True, "agent timeout")),
+        (Info("s", status="agent_error", reward=1.0), [], False, False, RewardDecision(0.0, True, "agent error")),
+        (Info("s", status="crashed", reward=1.0), [], False, False,
+         RewardDecision(0.0, False, "unknown session status 'crashed'")),
+        (Info("s"), [], False, False, RewardDecision(0.0, False, "no outcome reward")),
+        (Info("s", reward=math.inf), [], False, False, RewardDecision(0.0, False, "non-finite outcome reward")),
+        (Info("s", reward=0.5), [_call(), BAD_CALL], False, False,
+         RewardDecision(0.0, True, "parser-invalid tool call")),
+        (Info("s", reward=0.5), [_call()], True, True, RewardDecision(0.5, True, "outcome reward")),
+        (Info("s", reward=2), [_call()], False, False, RewardDecision(2.0, True, "outcome reward")),
+    ],
+)
+def test_decide_reward_each_rule_in_precedence_order(
+    session: Info | None, records: list, per_request: bool, broadcast: bool, expected: RewardDecision
+) -> None:
+    decision = decide_reward(session, records, per_request=per_request, broadcast=broadcast)
+    assert decision == expected and type(decision.reward) is float
+
+
+def test_invalid_tool_call_markers_and_empty_tool_calls_finish() -> None:
+    assert invalid_tool_call(_call("<tool_call>\n{}\n</tool_call>")) and invalid_tool_call(BAD_CALL)
+    assert invalid_tool_call(_call(None, finish="tool_calls", calls=[]))
+    assert not invalid_tool_call(_call(None, finish="tool_calls", calls=[{"name": "bash", "arguments": "{}"}]))
+    assert not invalid_tool_call(_call("I used the tool_call API."))
+    assert not invalid_tool_call(_call(None))
+    # part-list content is not searched (canonical content is a string)
+    assert not invalid_tool_call(_call([{"type": "text", "text": "<tool_call>"}]))  # type: ignore[arg-type]
+    no_message = CaptureRecord("r", "s1", 0, "openai_chat", "ok", finish_reason="stop")
+    assert not invalid_tool_call(no_message)
 
 
 def test_calls_without_a_session_row_are_not_trained() -> None:

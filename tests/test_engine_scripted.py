@@ -125,3 +125,28 @@ def test_relative_model_dir_and_bad_scripts(tiny_model_dir, tmp_path):
         script.write_text(json.dumps(bad))
         with pytest.raises(ValueError):
             ScriptedEngine(script)
+
+
+def test_by_model_picks_the_turns_of_the_requested_model(tiny_model_dir, tmp_path):
+    """One proxy drives several harnesses: each model name replays its own turns, others get ``turns``."""
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "turns": [{"content": "default"}],
+                                  "by_model": {"a": [{"content": "from a"}], "b": [{"content": "b1"}, {"content": "b2"}]}}))
+    engine = ScriptedEngine(script)
+
+    def answer(model: str, messages: list) -> str:
+        req = CanonicalRequest(api="openai_chat", model=model, messages=messages, sampling=SamplingParams(temperature=1.0))
+        return asyncio.run(engine.complete(req)).message.content
+
+    first = [{"role": "user", "content": "go"}]
+    assert [answer(m, first) for m in ("a", "b", "other")] == ["from a", "b1", "default"]
+    assert answer("b", first + [{"role": "assistant", "content": "b1"}, {"role": "user", "content": "on"}]) == "b2"
+    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "by_model": {"a": [{"content": "only a"}]}}))
+    only = ScriptedEngine(script)
+    with pytest.raises(PolarError) as err:
+        asyncio.run(only.complete(CanonicalRequest(api="openai_chat", model="z", messages=first)))
+    assert (err.value.status, err.value.kind) == (400, "invalid_request") and "'z'" in err.value.message
+    for bad in ({"by_model": {"a": []}}, {"by_model": ["a"]}):
+        script.write_text(json.dumps({"model_dir": str(tiny_model_dir), **bad}))
+        with pytest.raises(ValueError):
+            ScriptedEngine(script)

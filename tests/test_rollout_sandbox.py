@@ -25,7 +25,7 @@ import pytest
 
 from polar_cli.mitm import REPO, Proxy, free_port, mitmdump_command, wait_for_port
 from polar_cli.rollout.runtimes import bwrap, oci
-from polar_cli.rollout.runtimes.base import ProxyEndpoints, Runtime, SandboxSpec
+from polar_cli.rollout.runtimes.base import ProxyEndpoints, RuntimeUnavailable, SandboxSpec
 from tests.support.oci_image import build_test_image
 from tests.support.shards import session_records
 
@@ -390,6 +390,8 @@ def test_oci_limits_host_untouched_and_dockerfile_built_once(oci_image, tmp_path
         second_start = time.monotonic() - started
         await again.stop()
         gone = subprocess.run(["podman", "container", "exists", box.container]).returncode
+        for tag in rt.built:  # each run builds a new image (the marker): do not pile them up
+            subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)
         return probe, second_start, gone
 
     probe, second_start, gone = run(main())
@@ -424,3 +426,52 @@ def test_bwrap_limits_hold_for_the_sandbox(tmp_path):
     (fork, mem) = run(main(False))
     assert "forked" in fork.stdout and not fork.stderr, fork
     assert "survived 0" in mem.stdout, mem
+
+
+@pytest.mark.harness
+def test_codex_tool_loop_inside_bwrap_proxy_only(tiny_model_dir, tmp_path):
+    """A real harness CLI (Codex, node) in a proxy-only bwrap sandbox: two model calls through the reverse
+    listener and the tool call it runs inside; the calls are stored under the session."""
+    script = tmp_path / "codex-script.json"
+    script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [
+        {"content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "exec_command", "arguments": {"cmd": "echo polar-was-here > proof.txt; cat /proc/net/route"}}}]},
+        {"content": "Done."},
+    ]}))  # fmt: skip
+    harness = REPO / ".harness"
+    with two_listener_proxy(f"scripted:{script}", tmp_path) as (p, rev):
+        async def main():
+            spec = spec_for(tmp_path, "codex", ProxyEndpoints(p.port, rev, p.ca), read_only=(harness,))
+            box = await bwrap.make().start(spec)
+            try:
+                (spec.home / ".codex").mkdir()
+                (spec.home / ".codex" / "config.toml").write_text(
+                    'model = "tiny"\nmodel_provider = "polar"\n\n[model_providers.polar]\nname = "polar"\n'
+                    f'base_url = "{box.reverse_url}/v1"\nenv_key = "POLAR_API_KEY"\nwire_api = "responses"\n'
+                    "supports_websockets = false\nrequest_max_retries = 0\nstream_max_retries = 0\n")
+                env = {"CODEX_HOME": f"{box.home}/.codex", "POLAR_API_KEY": "polar:session=codex-bwrap",
+                       "RUST_LOG": "warn"}
+                return await box.exec([str(harness / "node_modules" / ".bin" / "codex"), "exec",
+                                       "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                                       "Write proof.txt."], env=env, timeout_s=240)
+            finally:
+                await box.stop()
+
+        result = run(main())
+        assert result.exit_code == 0, result.stdout + result.stderr
+        records = session_records(p.out, "codex-bwrap", at_least=2)
+    assert "Done." in result.stdout, result.stdout + result.stderr
+    tool_output = records[1].messages[-1]["content"]
+    # The tool ran inside: the route table it printed is empty (the host's has eth0 and a default route).
+    assert "Iface" in tool_output and "eth" not in tool_output and "00000000\t" not in tool_output, tool_output
+    assert (tmp_path / "codex" / "ws" / "proof.txt").read_text() == "polar-was-here\n"
+    assert [r.status for r in records] == ["ok", "ok"]
+
+
+def test_a_missing_mount_is_an_infrastructure_error(make_runtime, tmp_path):
+    async def main():
+        with pytest.raises(RuntimeUnavailable, match="do not exist: /nonexistent/harness"):
+            await make_runtime().start(spec_for(tmp_path, "m", endpoints(tmp_path), network="none",
+                                                read_only=(Path("/nonexistent/harness"),)))
+
+    run(main())

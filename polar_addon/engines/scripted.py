@@ -7,6 +7,7 @@ script of assistant turns instead, with genuine tokens and logprobs:
      "turns": [{"content": "...", "reasoning_content": "...",
                 "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": {...}}}]},
                ...],
+     "by_model": {"claude": [turns...]},     # optional: a request for this model replays these turns
      "cycle": true,
      "latency_s": 0.0,                       # optional: each answer takes at least this long
      "max_len": 0,                           # optional: the served window in tokens (0: the model's)
@@ -14,7 +15,9 @@ script of assistant turns instead, with genuine tokens and logprobs:
 
 The turn answered is chosen by the number of assistant messages already in the request, so
 parallel sessions replaying the same script stay deterministic (with ``cycle`` the script wraps
-around; without it a request past the last turn is refused).
+around; without it a request past the last turn is refused). ``by_model`` lets one proxy drive
+several harnesses, each with turns in its own tool names: the request's model picks its list,
+any other model gets ``turns`` (which may then be omitted when every request names a listed model).
 
 Tokens go through the real tokenizer and chat template: prompt ids are the templated request;
 response ids are what the template renders for the scripted turn after the generation prompt, up
@@ -67,13 +70,19 @@ class ScriptedEngine:
         path = Path(script)
         data = orjson.loads(path.read_bytes())
         turns = data.get("turns")
-        if not isinstance(turns, list) or not turns:
+        by_model = data.get("by_model") or {}
+        if not isinstance(by_model, dict) or not all(isinstance(t, list) and t for t in by_model.values()):
+            raise ValueError(f"{path}: 'by_model' must map model names to non-empty lists of turns")
+        if turns is None and by_model:
+            turns = []
+        elif not isinstance(turns, list) or not turns:
             raise ValueError(f"{path}: 'turns' must be a non-empty list")
         model_dir = Path(data["model_dir"])
         if not model_dir.is_absolute():
             model_dir = path.parent / model_dir
         self.name = f"{self.kind}:{script}"
         self.turns = [_normalise_turn(t, i) for i, t in enumerate(turns)]
+        self.by_model = {m: [_normalise_turn(t, i) for i, t in enumerate(ts)] for m, ts in by_model.items()}
         self.cycle = bool(data.get("cycle", True))
         # A floor on each answer's latency: keep-alive tests need an engine that is reliably slow.
         self.latency_s = float(data.get("latency_s", 0.0))
@@ -87,14 +96,17 @@ class ScriptedEngine:
     def turn_for(self, request: CanonicalRequest) -> dict[str, Any]:
         if self.summary and compaction_prompt(request.messages) is not None:
             return {"role": "assistant", "content": self.summary}
+        turns = self.by_model.get(request.model, self.turns)
+        if not turns:
+            raise PolarError(400, "invalid_request", f"script has no turns for model {request.model!r}")
         index = sum(1 for m in request.messages if m.get("role") == "assistant")
-        if index >= len(self.turns):
+        if index >= len(turns):
             if not self.cycle:
                 raise PolarError(
-                    400, "invalid_request", f"script has {len(self.turns)} turns; the request already holds {index}"
+                    400, "invalid_request", f"script has {len(turns)} turns; the request already holds {index}"
                 )
-            index %= len(self.turns)
-        return self.turns[index]
+            index %= len(turns)
+        return turns[index]
 
     def _complete_sync(self, request: CanonicalRequest) -> Completion:
         turn = self.turn_for(request)

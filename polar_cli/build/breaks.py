@@ -212,7 +212,7 @@ def relate_new_chain(
             Break(BreakCause.TEMPLATE_RERENDER, f"same messages rendered into different tokens: {where}"), i
         )
 
-    compacted = _compaction_relation(record, new, tips, olds)
+    compacted = _compaction_relation(new, tips, olds)
     if compacted is not None:
         return compacted
 
@@ -247,16 +247,15 @@ def relate_new_chain(
     return Relation(Break(BreakCause.SUB_AGENT, "a different system prompt"), None)
 
 
-def _compaction_relation(record: CaptureRecord, new: Conversation, tips: list[CaptureRecord],
-                         olds: list[Conversation]) -> Relation | None:
+def _compaction_relation(new: Conversation, tips: list[CaptureRecord], olds: list[Conversation]) -> Relation | None:
     """A compaction call, or the first call on a compacted history, relates to the latest chain of its
     conversation (same system prompt when there is one)."""
     asking = compaction_prompt(new.messages)
     summary = None if asking is not None else summarised_history(new.messages)
     if summary is not None and any(summarised_history(old.messages) == summary and
-                                   old.messages[: len(new.messages) - 1] == new.messages[: len(old.messages)]
+                                   new.messages[: len(old.messages)] == old.messages
                                    for old in olds):
-        summary = None  # continues a chain that already starts from this summary
+        summary = None  # continues (or re-sends) a chain that already starts from this summary
     if asking is None and summary is None:
         return None
     related = [i for i, old in enumerate(olds) if old.system == new.system] or list(range(len(olds)))

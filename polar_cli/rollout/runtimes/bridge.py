@@ -21,17 +21,22 @@ from polar_cli.rollout.runtimes.base import ProxyEndpoints, RuntimeUnavailable
 
 # Run inside the namespace before the command (``sh -c BRIDGE_SCRIPT bridge CMD...``, with ``POLAR_BRIDGE`` set to
 # "PORT=SOCKET ..."): one socat per port on the loopback; the command starts once every port listens, so its first
-# call cannot race them. /proc/net/tcp lists a listener as ":<PORT HEX> 00000000:0000 0A".
+# call cannot race them. /proc/net/tcp lists a listener as "0100007F:<PORT HEX> 00000000:0000 0A" (read with
+# shell builtins: a grep per poll cost more than the wait).
 BRIDGE_SCRIPT = r"""
+listening() {
+  while read -r _ addr _ state _; do [ "$addr $state" = "0100007F:$1 0A" ] && return 0; done < /proc/net/tcp
+  return 1
+}
 for pair in $POLAR_BRIDGE; do
   port=${pair%%=*}; sock=${pair#*=}
   socat TCP-LISTEN:$port,bind=127.0.0.1,fork,reuseaddr UNIX-CONNECT:$sock 2>/dev/null &
 done
 for pair in $POLAR_BRIDGE; do
   hex=$(printf '%04X' "${pair%%=*}"); i=0
-  until grep -q ":$hex 00000000:0000 0A" /proc/net/tcp; do
+  until listening "$hex"; do
     i=$((i+1)); [ $i -gt 2000 ] && { echo "polar: sandbox proxy bridge did not start" >&2; exit 125; }
-    sleep 0.005
+    sleep 0.002
   done
 done
 unset POLAR_BRIDGE

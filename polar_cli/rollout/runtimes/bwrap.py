@@ -143,11 +143,12 @@ class BwrapSandbox(Sandbox):
         command = list(argv)
         if network == "proxy-only":
             command = ["/bin/sh", "-c", BRIDGE_SCRIPT, "polar-bridge", *command]
+        full = [*self.bwrap_args(network, cwd or self.workspace), "--", *command]
         proc = await asyncio.create_subprocess_exec(
-            *self.bwrap_args(network, cwd or self.workspace), "--", *command,
+            *(self.cgroup.wrap(full) if self.cgroup else full),
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.environment(env, network),
-            start_new_session=True, preexec_fn=self.cgroup.join if self.cgroup else None)
+            start_new_session=True)
         self.running.add(proc)
         if self.cancels != cancels:
             kill_group(proc)
@@ -258,6 +259,9 @@ class BwrapRuntime(Runtime):
             Path(path).mkdir(parents=True, exist_ok=True)
         if not Path(spec.proxy.ca).is_file():
             raise RuntimeUnavailable(f"bwrap runtime: the proxy's CA certificate {spec.proxy.ca} does not exist")
+        missing = [str(p) for p in spec.read_only if not Path(p).exists()]
+        if missing:
+            raise RuntimeUnavailable(f"bwrap runtime: read-only paths to mount do not exist: {', '.join(missing)}")
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)[:40]
         scratch = Path(tempfile.mkdtemp(prefix=f"polar-bwrap-{safe}-", dir=self.scratch_dir))
         (scratch / "tmp").mkdir()

@@ -160,7 +160,8 @@ class OciSandbox(Sandbox):
         self.stopped = True
         for proc in list(self.running):
             kill_group(proc)
-        proc = await asyncio.create_subprocess_exec(self.runtime.binary, "rm", "-f", "-t", "0", self.container,
+        remove = ["rm", "-f", "-t", "0"] if self.runtime.engine == "podman" else ["rm", "-f"]  # docker rm has no -t
+        proc = await asyncio.create_subprocess_exec(self.runtime.binary, *remove, self.container,
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await proc.wait()
         await stop_processes(self.helpers)
@@ -235,6 +236,11 @@ class OciRuntime(Runtime):
         if spec.network == "proxy-only" and self.engine != "podman":
             raise RuntimeUnavailable("oci runtime: proxy-only needs podman (docker cannot join a prepared network "
                                      "namespace); use engine=podman or network=host")
+        if not Path(spec.proxy.ca).is_file():
+            raise RuntimeUnavailable(f"oci runtime: the proxy's CA certificate {spec.proxy.ca} does not exist")
+        missing = [str(p) for p in spec.read_only if not Path(p).exists()]
+        if missing:
+            raise RuntimeUnavailable(f"oci runtime: read-only paths to mount do not exist: {', '.join(missing)}")
         image = await self.image_for(spec)
         for path in (spec.workspace, spec.home, *spec.binds.values()):
             Path(path).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,54 @@
+"""Claude Code (npm ``@anthropic-ai/claude-code``): ``ANTHROPIC_BASE_URL`` at polar's reverse proxy, the session
+on the API key (its API client cannot use a proxy URL that carries credentials), every model alias the served
+model, ``claude -p`` with permissions bypassed.
+
+Window: ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` is Claude Code's context window for a model whose name does not start
+with ``claude-`` (its auto-compaction works from it); ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` caps each answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from polar_cli.rollout.harnesses._files import no_arg, write_json
+from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
+
+MODEL_VARS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
+              "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")
+
+
+class ClaudeCode(HarnessPreset):
+    name = "claude-code"
+    binaries = ("claude",)
+
+    def configure(self, home: Path, ctx: SessionContext) -> None:
+        write_json(home / ".claude" / "settings.json", {"permissions": {"defaultMode": "bypassPermissions"},
+                                                        "includeCoAuthoredBy": False})
+        # Onboarding already done: a headless run never stops at a first-run screen.
+        write_json(home / ".claude.json", {"hasCompletedOnboarding": True, "bypassPermissionsModeAccepted": True})
+
+    def env(self, ctx: SessionContext) -> dict[str, str]:
+        env = {var: ctx.model for var in MODEL_VARS}
+        env.update({
+            "ANTHROPIC_BASE_URL": ctx.reverse_url,
+            "ANTHROPIC_API_KEY": ctx.api_key(),
+            "NODE_EXTRA_CA_CERTS": ctx.ca_path,
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no telemetry, error reports, update checks
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_TELEMETRY": "1",
+            # Root may bypass permissions only when it says it is sandboxed; it is (polar's runtime).
+            "IS_SANDBOX": "1",
+        })
+        if ctx.context_window:
+            env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(ctx.context_window)
+        if ctx.max_output_tokens:
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(ctx.max_output_tokens)
+        return env
+
+    def command(self, instruction: str, ctx: SessionContext) -> list[str]:
+        return ["claude", "-p", instruction, "--permission-mode", "bypassPermissions", "--output-format", "json"]
+
+
+def make(arg: str | None = None) -> HarnessPreset:
+    no_arg(ClaudeCode.name, arg)
+    return ClaudeCode()
