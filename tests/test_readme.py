@@ -245,3 +245,22 @@ def test_serve_capture_reward_build_train_reload_stop(tiny_model_dir: Path, tmp_
     assert stopped.returncode == 0 and f"stopped vllm on port {engine_port}" in stopped.stdout, stopped.stderr
     again = run_shell(on_ports(stop_engine, ports), work, env)
     assert again.returncode == 1 and "already stopped" in " ".join(again.stderr.split())
+
+
+def test_rollout_block_runs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The Rollouts section's commands as written (the store and traces in a temporary directory): the example
+    agent through `polar rollout` on the tiny model, the verifier's shout score as reward, then `polar build`."""
+    import json
+
+    from polar_cli.build.output import read_traces
+
+    script = block("rollout").replace("models/tiny", str(tiny_model_dir))
+    script = script.replace("shards/", f"{tmp_path}/shards/").replace("traces/", f"{tmp_path}/traces/")
+    done = run_shell(script, REPO, clean_env(tmp_path / "home"), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "shards" / "rollouts" / "r0" / "rollout-summary.json").read_text())
+    assert summary["statuses"]["completed"] == 4, summary["statuses"]
+    rewards = {(s["group_id"], s["sample"]): s["reward"] for s in summary["session_results"]}
+    traces = read_traces(tmp_path / "traces")
+    assert {(t.group_id, t.sample_index): t.reward for t in traces} == rewards
+    assert all(0.0 <= r <= 1.0 for r in rewards.values()) and {g for g, _ in rewards} == {"capital", "sky"}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -147,11 +149,12 @@ def test_truncated_sampling_is_refused_only_for_trainable_traces() -> None:
     first.top_k, second.top_p, second.trace_id = 20, 0.95, "d-t"
     with pytest.raises(TruncatedSampling) as refused:
         check_untruncated([plain, untrained, first, second])
-    said = str(refused.value)
-    assert said.startswith("2 trainable traces (of 3, 2 sessions) were sampled with truncation "
-                           "(e.g. c-t: top_p=None, top_k=20, min_p=None)")
-    assert "Capture them again with top_p=1, top_k=0 and min_p=0" in said
-    assert "(polar's defaults polar_top_p=1, polar_top_k=0, polar_min_p=0 apply)" in said
+    assert str(refused.value) == (
+        "2 trainable traces (of 3, 2 sessions) were sampled with truncation (e.g. c-t: top_p=None, top_k=20, "
+        "min_p=None); the trainer recomputes the untruncated softmax, so their importance ratios would be wrong. "
+        "Capture them again with top_p=1, top_k=0 and min_p=0: leave them unset in the client (polar's defaults "
+        "polar_top_p=1, polar_top_k=0, polar_min_p=0 apply) or set them so."
+    )
 
 
 def test_nothing_to_train_explains_each_reason_with_its_count() -> None:
@@ -164,15 +167,16 @@ def test_nothing_to_train_explains_each_reason_with_its_count() -> None:
 
     traces = [untrainable("r1", "running"), untrainable("r1", "running"), untrainable("r2", "running"),
               untrainable("e1", "error"), untrainable("n1", "completed"), untrainable("n2", "unknown"),
-              trace("a", "g", 1.0), trace("b", "g", 1.0), trace("c", "h", 0.0), trace("d", "h", 1.0)]
-    stats = {"zero_advantage": 2, "overlong_prompt": 3, "no_trainable_tokens": 4}
+              trace("a", "g", 1.0), trace("b", "g", 1.0), trace("c", "h", 0.0), trace("d", "h", 1.0),
+              trace("e", "k", 0.5), trace("f", "k", 0.5)]
+    stats = {"zero_advantage": 4, "overlong_prompt": 3, "no_trainable_tokens": 4}
     assert explain_nothing_to_train(traces, stats) == "; ".join([
         "2 sessions still running: post a reward (`polar reward STORE --session S --value V`, which marks the "
         "session completed) or a status (`--status completed|timeout|agent_error|error`)",
         "1 sessions ended in an infrastructure error (status error): never training data",
         "2 sessions have no outcome reward (or no session row): post one with `polar reward STORE --session S "
         "--value V`",
-        "2 traces in 1 groups have zero advantage: all sessions of the group got the same reward; GRPO needs "
+        "4 traces in 2 groups have zero advantage: all sessions of the group got the same reward; GRPO needs "
         "several sessions per group (the same group id in their credentials) with different rewards",
         "3 traces have a prompt of --max-length tokens or more: raise --max-length",
         "4 traces have no sampled token left to train on",
@@ -260,6 +264,14 @@ def test_rows_are_sorted_grouped_and_counted() -> None:
     assert data.rows[0].num_tokens == 3 + 4 and data.rows[0].num_trainable == 4 and data.max_completion_length == 4
 
 
+def test_a_certain_sampled_token_is_still_a_trainable_token() -> None:
+    """A logprob of exactly 0 (probability 1) is a sampled token like any other: the mask decides."""
+    certain = trace("a", "g", 1.0, mask=[0, 1])
+    certain.behavior_logprobs = [0.0, 0.0]
+    data = prepare_rows([certain, trace("b", "g", 0.0)], max_length=100)
+    assert [r.session_id for r in data.rows] == ["a", "b"] and data.stats["no_trainable_tokens"] == 0
+
+
 def test_zero_advantage_rows_are_counted_one_by_one() -> None:
     same = [trace(s, "g", 1.0) for s in ("a", "b", "c")] + [trace("d", "h", 1.0), trace("e", "h", 0.0)]
     data = prepare_rows(same, max_length=100)
@@ -286,6 +298,7 @@ def test_length_buckets_exact_groups_and_the_waste_boundary() -> None:
     from polar_cli.train.dataset import length_buckets
 
     assert length_buckets([]) == []
+    assert length_buckets([10, 8]) == [[0], [1]]  # by default at most 10% padding
     assert length_buckets([10, 9], 0.1) == [[0, 1]]  # waste 1 <= 0.1 * 19
     assert length_buckets([10, 8], 0.1) == [[0], [1]]  # waste 2 > 0.1 * 18
     assert length_buckets([10, 10, 5], 0.2) == [[0, 1, 2]]  # waste 5 <= 0.2 * 25: the boundary is inclusive
@@ -334,3 +347,91 @@ def test_reading_traces_written_before_the_sampling_columns(tmp_path: Path) -> N
     pq.write_table(table.drop_columns(["reward", "top_k"]), tmp_path / "broken.parquet")
     with pytest.raises(ValueError, match=r"broken.parquet: trace dataset lacks columns \['reward'\]$"):
         read_trace_dataset([tmp_path / "broken.parquet"])
+
+
+# --- load_traces: a raw trace store is built on the fly, with `polar build`'s options ---------------------
+
+
+@pytest.fixture(scope="module")
+def raw_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A session with a re-tokenized turn (store "retok"), the same calls with no natural stop ("capped"),
+    and the tiny tokenizer saved where `--tokenizer` can load it."""
+    import asyncio
+
+    from build_helpers import AgentSim, coding_turns, tiny_tokenizer, tool_loop
+
+    from polar_addon.store import TraceStore
+
+    sim = AgentSim("s1")
+    turns = coding_turns(3)
+    turns[0].retokenize = True
+    tool_loop(sim, [{"role": "system", "content": "agent"}, {"role": "user", "content": "fix it"}], turns)
+    for record in sim.records:
+        record.served_model = None  # no tokenizer is found on its own
+    capped = [replace(r, record_id=f"c{r.seq}", finish_reason="length") for r in sim.records]
+    root = tmp_path_factory.mktemp("raw")
+
+    async def write(path: Path, records: list) -> None:
+        async with TraceStore(str(path)) as store:
+            for record in records:
+                await store.append(record)
+            await store.session_update("s1", status="completed", group_id="g")
+            await store.add_reward("s1", 1.0)
+
+    asyncio.run(write(root / "retok", sim.records))
+    asyncio.run(write(root / "capped", capped))
+    tiny_tokenizer().save_pretrained(root / "tok")
+    return {"root": root, "records": sim.records, "capped": capped, "tok": root / "tok"}
+
+
+def _shape(traces: list[Trace]) -> list[tuple]:
+    return [(t.record_ids, t.reward, t.trainable, t.break_cause) for t in traces]
+
+
+def test_load_traces_builds_a_raw_store_with_the_builds_options(raw_stores: dict[str, Any]) -> None:
+    from build_helpers import decode, eot_id
+
+    from polar_cli.build import SessionInfo, build_traces
+    from polar_cli.train.dataset import load_traces
+
+    store, records, tok = raw_stores["root"] / "retok", raw_stores["records"], raw_stores["tok"]
+    info = [SessionInfo("s1", group_id="g", reward=1.0)]
+
+    def built(strategy: str = "prefix_merging", **kw: Any) -> list[tuple]:
+        return _shape(build_traces(records, info, strategy, **kw).traces)
+
+    # without a tokenizer the re-tokenized turn breaks the chain; with one it is merged, or broken on request
+    no_tok = _shape(load_traces([store], "prefix_merging"))
+    assert no_tok == built() and len(no_tok) == 2 and no_tok[1][3] is None and no_tok[0][3] == "other"
+    with_tok = _shape(load_traces([store], "prefix_merging", tokenizer=tok))
+    assert with_tok == built(decode=decode) and len(with_tok) == 1
+    assert _shape(load_traces([store], "prefix_merging", tokenizer=str(tok), merge_retokenized=False)) == built(
+        decode=decode, merge_retokenized=False) != with_tok
+    per_request = _shape(load_traces([store], "per_request", tokenizer=tok))
+    assert per_request == built("per_request") and [t[1:3] for t in per_request] == [(0.0, False)] * 3
+    broadcast = _shape(load_traces([store], "per_request", broadcast_rewards=True))
+    assert broadcast == built("per_request", broadcast_rewards=True)
+    assert [t[1:3] for t in broadcast] == [(1.0, True)] * 3
+
+    # no call stopped by itself: the end-of-turn token comes from the option, else from the tokenizer's eos
+    capped, capped_records = raw_stores["root"] / "capped", raw_stores["capped"]
+    unknown = _shape(load_traces([capped], "prefix_merging"))
+    assert unknown == _shape(build_traces(capped_records, info).traces) and len(unknown) == 3
+    given = _shape(load_traces([capped], "prefix_merging", eot_token_id=eot_id()))
+    assert given == _shape(build_traces(capped_records, info, eot_token_id=eot_id()).traces) and len(given) == 2
+    from_eos = _shape(load_traces([capped], "prefix_merging", tokenizer=tok))
+    assert from_eos == _shape(build_traces(capped_records, info, eot_token_id=eot_id(), decode=decode).traces)
+    assert len(from_eos) == 1
+
+
+def test_load_traces_reads_a_built_dataset_and_refuses_what_is_no_store(tmp_path: Path, raw_stores: dict) -> None:
+    from polar_addon.store.reader import StoreNotFound
+    from polar_cli.train.dataset import load_traces
+
+    pq.write_table(traces_to_table([trace("a", "g", 1.0), trace("b", "g", 0.0)]), tmp_path / "t.parquet")
+    assert [t.session_id for t in load_traces([tmp_path], "prefix_merging")] == ["a", "b"]
+    with pytest.raises(ValueError, match="^raw capture shards are read from one trace-store directory"):
+        load_traces([raw_stores["root"] / "retok", raw_stores["root"] / "capped"], "prefix_merging")
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(StoreNotFound):
+        load_traces([tmp_path / "nothing"], "prefix_merging")

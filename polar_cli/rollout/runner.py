@@ -582,6 +582,9 @@ class _Runner:
                                                  cwd=sandbox.workspace, timeout_s=120)
                     if applied.exit_code != 0:
                         raise RuntimeError(f"the patch does not apply: {applied.stderr[-_LOG_TAIL:]}")
+            if task.reward_file:
+                # A reward file the agent's patch planted must not pass for the verifier's.
+                await sandbox.exec(["rm", "-rf", "--", task.reward_file], cwd=sandbox.workspace, timeout_s=60)
             done = await sandbox.exec(task.verify or "true", env=env, cwd=sandbox.workspace,
                                       timeout_s=task.verify_timeout_s)
             self._write_log(session, "verifier.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")

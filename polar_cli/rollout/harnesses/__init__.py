@@ -18,8 +18,9 @@ _NOT_PRESETS = {"base"}
 
 def available_presets() -> list[str]:
     """The preset names ``get_preset`` accepts (module names, ``_`` spelled ``-``)."""
-    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(__path__)
-                  if m.name not in _NOT_PRESETS and not m.name.startswith("_"))
+    names = [m.name for m in pkgutil.iter_modules(__path__)
+             if m.name not in _NOT_PRESETS and m.name != "command" and not m.name.startswith("_")]  # command: cmd:
+    return sorted(n.replace("_", "-") for n in names if hasattr(importlib.import_module(f"{__name__}.{n}"), "make"))
 
 
 def get_preset(spec: str) -> HarnessPreset:

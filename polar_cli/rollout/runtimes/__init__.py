@@ -16,7 +16,9 @@ _NOT_RUNTIMES = {"base"}
 
 
 def available_runtimes() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_RUNTIMES and not m.name.startswith("_"))
+    """The runtime modules (those with a ``make``; helper modules of the package are not runtimes)."""
+    names = [m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_RUNTIMES and not m.name.startswith("_")]
+    return sorted(n for n in names if hasattr(importlib.import_module(f"{__name__}.{n}"), "make"))
 
 
 def get_runtime(name: str, **options: Any) -> Runtime:

@@ -1,0 +1,209 @@
+"""`polar rollout` end to end: the runner with the local runtime and a `cmd:` preset running a small agent written
+with the official openai SDK (tests/support/rollout_agent.py), through a real mitmdump + polar addon answering with
+the scripted engine. One proxy serves the library-level runs (as a running proxy: the control token is given);
+the CLI test starts its own, as users do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from polar_addon.store import read_records, read_sessions, validate_store
+from polar_cli.build.output import read_traces
+from polar_cli.rollout.proxy import ExternalProxy, StartedProxy, start_proxy
+from polar_cli.rollout.runner import RolloutConfig, RolloutResult, run_rollout
+from polar_cli.rollout.tasks import load_tasks
+from tests.support.proxy import REPO
+from tests.support.shards import wait_for_shards
+
+AGENT = REPO / "tests" / "support" / "rollout_agent.py"
+HARNESS = f"cmd:{sys.executable} {AGENT} {{instruction}}"
+HANG_DEADLINE_S = 25  # long enough for the agent's first call on a loaded 2-core machine
+
+
+def _script(root: Path, model_dir: Path) -> Path:
+    script = root / "script.json"
+    turns = [{"content": "", "tool_calls": [{"type": "function", "function": {
+                 "name": "write_file", "arguments": {"path": "answer.txt", "content": "42"}}}]},
+             {"content": "done"}]  # fmt: skip
+    script.write_text(json.dumps({"model_dir": str(model_dir), "turns": turns}))
+    return script
+
+
+def _tasks(root: Path, *entries: dict) -> Path:
+    workspace = root / "ws"
+    workspace.mkdir(exist_ok=True)
+    (workspace / "README").write_text("the task's starting tree\n")
+    path = root / "tasks.jsonl"
+    path.write_text("".join(json.dumps({"workspace": "ws", "verify": "true", **e}) + "\n" for e in entries))
+    return path
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("rollout-proxy")
+    with start_proxy(f"scripted:{_script(root, tiny_model_dir)}", str(root / "store"), confdir=root / "conf",
+                     log_dir=root, options={"polar_shard_seconds": "0.2"}) as started:
+        yield started
+
+
+def _run(proxy: StartedProxy, tasks: Path, **fields) -> RolloutResult:
+    external = ExternalProxy(f"http://127.0.0.1:{proxy.endpoints.forward_port}", proxy.control_token,
+                             f"http://127.0.0.1:{proxy.endpoints.reverse_port}", proxy.endpoints.ca)
+    config = RolloutConfig(tasks=load_tasks(tasks), harness=HARNESS, proxy=external, **fields)
+    return asyncio.run(run_rollout(config))
+
+
+def _store(proxy: StartedProxy) -> str:
+    return str(Path(proxy.log).parent / "store")
+
+
+def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: StartedProxy, tmp_path: Path) -> None:
+    marker = tmp_path / "setup-failed-once"
+    tasks = _tasks(tmp_path,
+        {"id": "pass", "instruction": "Write the answer.", "verify": 'test "$(cat answer.txt)" = 42'},
+        {"id": "fail", "instruction": "Write the answer.", "verify": 'test "$(cat answer.txt)" = 43'},
+        {"id": "crash", "instruction": "MODE=crash"},
+        {"id": "hang", "instruction": "MODE=hang", "timeouts": {"agent": HANG_DEADLINE_S}},
+        # The agent posts reward 0.77 for itself three ways; the verifier checks each was refused (401).
+        {"id": "self", "instruction": "MODE=self-reward", "verify": "grep -qx '401 401 401 401 401' self-reward.txt"},
+        {"id": "flaky-setup", "instruction": "Write the answer.", "verify": "test -f answer.txt",
+         "setup": f"test -e {marker} || {{ touch {marker}; exit 1; }}"},
+        {"id": "broken-setup", "instruction": "never runs", "setup": "echo no disk >&2; exit 3"},
+        # The agent writes answer.txt ("42"); a verifier that writes no reward file must not pass it off as one.
+        {"id": "planted", "instruction": "Write the answer.", "reward_file": "answer.txt"},
+    )  # fmt: skip
+    result = _run(proxy, tasks, samples=2, concurrency=4, ready=4, init_attempts=2, seed=11,
+                  logs_dir=tmp_path / "logs")
+    by_task: dict[str, list] = {}
+    for s in result.sessions:
+        by_task.setdefault(s.task_id, []).append(s)
+    statuses = {t: sorted(s.status for s in ss) for t, ss in by_task.items()}
+    assert statuses == {"pass": ["completed"] * 2, "fail": ["completed"] * 2, "crash": ["error"] * 2,
+                        "hang": ["timeout"] * 2, "self": ["completed"] * 2, "flaky-setup": ["completed"] * 2,
+                        "broken-setup": ["error"] * 2, "planted": ["error"] * 2}, [(s.session_id, s.task_id, s.reason) for s in result.sessions]
+    rewards = {t: sorted(s.reward for s in ss if s.reward is not None) for t, ss in by_task.items()}
+    assert rewards["pass"] == [1.0, 1.0] and rewards["fail"] == [0.0, 0.0] and rewards["self"] == [1.0, 1.0]
+    assert sorted(s.init_attempts for s in by_task["flaky-setup"]) == [1, 2]  # one session met the failure, retried
+    assert all(s.init_attempts == 2 and not s.ran and "exited 3" in (s.reason or "") for s in by_task["broken-setup"])
+    assert all(s.ran and s.exit_code not in (0, None) for s in by_task["crash"])
+    assert all(s.session_id.startswith("r11-") for s in result.sessions)
+    assert all("wrote no answer.txt" in (s.reason or "") for s in by_task["planted"])
+    assert result.summary()["statuses"] == {"completed": 8, "timeout": 2, "error": 6, "cancelled": 0}
+
+    store = _store(proxy)
+    wait_for_shards(store)
+    assert validate_store(store) == []  # the killed harness left no corrupt shard
+    sessions = {s.session_id: s for s in read_sessions(store)}
+    for s in result.sessions:
+        stored = sessions[s.session_id]
+        assert stored.status == s.status, s.session_id
+        assert stored.rewards == ({"reward": s.reward} if s.status == "completed" else {})
+        assert all(r.source == "proxy" for r in stored.reward_history)  # posted by the runner, never the agent
+        assert stored.metadata["task"] == s.task_id and stored.metadata["sample"] == s.sample
+        if s.task_id in ("pass", "fail", "self", "hang", "crash"):
+            records = read_records(store, [s.session_id])
+            assert records, f"{s.session_id} ({s.task_id}) has no captured call"
+            assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(s.task_id, s.task_id, s.sample)}
+    assert 0.77 not in {r.value for s in sessions.values() for r in s.reward_history}
+    # The hang's partial trace: its first call is kept, its status says how it ended.
+    assert all(len(read_records(store, [s.session_id])) == 1 for s in by_task["hang"])
+    patch = (tmp_path / "logs" / "sessions" / by_task["pass"][0].session_id / "patch.diff").read_text()
+    assert "+++ b/answer.txt" in patch and "+42" in patch
+
+
+def test_early_stop_cancels_the_stragglers(proxy: StartedProxy, tmp_path: Path) -> None:
+    # Sample 0 answers at once; samples 1 and 2 would wait 60 s. One RUN slot: sample 1 is cancelled while
+    # running, sample 2 before it ever runs.
+    tasks = _tasks(tmp_path, {"id": "race", "instruction": "MODE=slow-unless-0 write it", "verify": "test -f answer.txt"})
+    started = time.monotonic()
+    result = _run(proxy, tasks, samples=3, concurrency=1, ready=1, early_stop=1)
+    assert time.monotonic() - started < 50
+    got = {s.sample: (s.status, s.ran) for s in result.sessions}
+    assert got == {0: ("completed", True), 1: ("cancelled", True), 2: ("cancelled", False)}
+    store = _store(proxy)
+    wait_for_shards(store)
+    sessions = {s.session_id: s for s in read_sessions(store)}
+    cancelled = next(s for s in result.sessions if s.sample == 1)
+    assert sessions[cancelled.session_id].status == "error"  # masked: the store has no "cancelled" status
+    assert sessions[cancelled.session_id].metadata["cancelled"] is True
+    assert next(s for s in result.sessions if s.sample == 2).session_id not in sessions  # never ran, nothing posted
+
+
+def _polar(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "polar_cli.app", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **(env or {})})
+
+
+def test_polar_rollout_command_then_build(tiny_model_dir: Path, tmp_path: Path, proxy: StartedProxy) -> None:
+    tasks = _tasks(tmp_path,
+        {"id": "pass", "instruction": "Write the answer.", "verify": 'test "$(cat answer.txt)" = 42'},
+        {"id": "fail", "instruction": "Write the answer.", "verify": 'test "$(cat answer.txt)" = 43'})  # fmt: skip
+    store = tmp_path / "store"
+    done = _polar("rollout", str(tasks), "--harness", HARNESS, "--samples", "2", "--engine",
+                  f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "3",
+                  "--confdir", str(tmp_path / "conf"), "--set", "polar_shard_seconds=0.2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 sessions (4 completed)" in done.stdout
+    report = store / "rollouts" / "r3"
+    summary = json.loads((report / "rollout-summary.json").read_text())
+    manifest = json.loads((report / "rollout-manifest.json").read_text())
+    assert summary["groups"]["pass"]["rewards"] == [1.0, 1.0] and summary["groups"]["fail"]["mean"] == 0.0
+    assert manifest["seed"] == 3 and len(manifest["task_set_hash"]) == 64 and manifest["versions"]["polar"]
+    assert manifest["command"][1:3] == ["rollout", str(tasks)]
+
+    built = tmp_path / "built"
+    assert _polar("build", str(store), "--out", str(built)).returncode == 0
+    traces = read_traces(built)
+    assert sorted((t.group_id, t.sample_index, t.reward, t.trainable) for t in traces) == [
+        ("fail", 0, 0.0, True), ("fail", 1, 0.0, True), ("pass", 0, 1.0, True), ("pass", 1, 1.0, True)]
+
+    # Every session failing is a failed command; here through the running proxy and its control token.
+    broken = _tasks(tmp_path / "broken" if (tmp_path / "broken").mkdir() is None else tmp_path,
+                    {"id": "broken", "instruction": "x", "setup": "exit 1"})
+    failed = _polar("rollout", str(broken), "--harness", HARNESS, "--proxy",
+                    f"http://127.0.0.1:{proxy.endpoints.forward_port}", "--confdir", str(Path(proxy.endpoints.ca).parent),
+                    "--init-attempts", "1", "--report-dir", str(tmp_path / "report"),
+                    env={"POLAR_CONTROL_TOKEN": proxy.control_token})
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "no session was usable" in failed.stderr
+    assert json.loads((tmp_path / "report" / "rollout-summary.json").read_text())["statuses"]["error"] == 1
+
+
+def _harbor_task(root: Path, name: str, test_sh: str) -> None:
+    task = root / name
+    (task / "environment" / "app").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n')
+    (task / "instruction.md").write_text("<!-- harbor-canary GUID x -->\nWrite the answer into answer.txt.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nWORKDIR /app\nCOPY app/ /app/\n")
+    (task / "environment" / "app" / "README").write_text("start\n")
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\ncd /app\n" + test_sh)
+
+
+@pytest.mark.skipif(not shutil.which("bwrap") or not shutil.which("socat"), reason="bubblewrap/socat missing (make sandbox)")
+def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> None:
+    """Harbor directories unchanged: the workspace at the Dockerfile's WORKDIR, tests/ at /tests for the verifier
+    only, the reward from /logs/verifier (reward.txt, or reward.json's named rewards), the agent proxy-only."""
+    tasks = tmp_path / "harbor"
+    _harbor_task(tasks, "txt", 'test "$(cat answer.txt)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n')
+    _harbor_task(tasks, "json", 'test -e /tests/test.sh && test ! -e /app/tests && echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n')
+    _harbor_task(tasks, "silent", "true\n")  # writes no reward: an error, never a 0
+    result = _run(proxy, tasks, samples=1, concurrency=3, runtime="bwrap",
+                  read_only=[Path(sys.prefix).resolve(), Path(sys.base_prefix), REPO])
+    got = {s.task_id: (s.status, s.rewards) for s in result.sessions}
+    assert got["txt"] == ("completed", {"reward": 1.0})
+    assert got["json"] == ("completed", {"reward": 0.5, "tests": 1.0, "style": 0.0})
+    silent = next(s for s in result.sessions if s.task_id == "silent")
+    assert silent.status == "error" and "neither /logs/verifier/reward.txt nor reward.json" in (silent.reason or "")
+    # Local cannot place /tests: it says which runtimes can.
+    local = _run(proxy, tasks / "txt", samples=1, init_attempts=1)
+    assert local.sessions[0].status == "error" and "bwrap" in (local.sessions[0].reason or "")
