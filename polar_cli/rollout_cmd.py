@@ -59,14 +59,19 @@ def rollout(
                                             "temporary directory)."),
     keep_sessions: bool = typer.Option(False, help="Keep each session's workspace and home (debugging)."),
     init_attempts: int = typer.Option(3, help="Tries of a session's INIT (sandbox, workspace, setup)."),
+    read_only: list[Path] = typer.Option([], "--read-only", help="A host path the sandboxes see read-only at the "
+                                         "same path (repeatable), e.g. a virtualenv a cmd: agent runs from."),
     display: bool = typer.Option(True, "--progress/--no-progress", help="Live progress display."),
 ) -> None:
     """Run a harness over a task set: SAMPLES sessions per task, each in its own sandbox, verified in a fresh one,
     rewarded by the verifier only, grouped by task; every model call is captured into the store.
 
-    Stages: INIT (sandbox, workspace, setup, harness config; retried) -> READY (--ready) -> RUN (--concurrency,
-    --timeout) -> POSTRUN (the workspace's git diff verified in a fresh sandbox; reward and status posted with the
-    proxy's control token, which no sandbox sees). Exit status 1 when no session was usable.
+    Stages: INIT (sandbox, workspace, setup, harness config; retried)
+    -> READY (up to --ready prepared sessions)
+    -> RUN (--concurrency slots, one --timeout)
+    -> POSTRUN (the agent's git diff verified in a fresh sandbox; reward and status posted).
+
+    The proxy's control token never enters a sandbox. Exit status 1 when no session was usable, 2 on bad input.
     """
     from polar_cli.rollout.proxy import ExternalProxy
     from polar_cli.rollout.runner import RolloutConfig, RolloutProgress, run_rollout
@@ -116,11 +121,12 @@ def rollout(
         tasks=task_list, harness=preset, samples=samples, out=out, engine=engine, proxy=external, runtime=runtime,
         network=network, concurrency=concurrency, ready=ready, timeout_s=timeout, early_stop=early_stop, seed=seed,
         model=model, init_attempts=init_attempts, work_dir=work_dir, keep_sessions=keep_sessions,
+        read_only=[p.resolve() for p in read_only],
         logs_dir=report / "logs", confdir=confdir, proxy_options=options, run_id=run_id, progress=progress,
     )  # fmt: skip
     manifest = {
         "command": sys.argv, "run_id": run_id, "seed": seed, "tasks": str(tasks), "task_count": len(task_list),
-        "task_set_hash": task_set_hash(task_list), "harness": harness, "harness_version": preset.version(),
+        "task_set_hash": task_set_hash(task_list), "harness": harness, "harness_version": _harness_version(preset),
         "runtime": runtime, "network": network, "engine": engine, "proxy": proxy, "store": out, "samples": samples,
         "model": model, "concurrency": concurrency, "ready": ready, "timeout_s": timeout, "early_stop": early_stop,
         "versions": _versions(), "started_at": time.time(),
@@ -154,6 +160,26 @@ def _default_report_dir(out: str | None, run_id: str) -> Path:
 
     root = Output.local_root(out) if out else None
     return Path(root) / "rollouts" / run_id if root else Path("polar-rollouts") / run_id
+
+
+def _harness_version(preset: Any) -> str | None:
+    """The preset's own answer, else its CLI's ``--version`` (on PATH or in the repository's .harness)."""
+    import shutil
+    import subprocess
+
+    from polar_cli.mitm import REPO
+
+    known = preset.version()
+    if known or not preset.binaries:
+        return known
+    binary = shutil.which(preset.binaries[0]) or shutil.which(preset.binaries[0], path=str(REPO / ".harness" / "node_modules" / ".bin"))
+    if binary is None:
+        return None
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
 
 
 def _versions() -> dict[str, Any]:

@@ -36,11 +36,12 @@ def test_jsonl_tasks_resolve_paths_and_timeouts(tmp_path: Path) -> None:
                   {"id": "a", "instruction": "fix it", "workspace": "repo", "setup": "true", "verify": "pytest -q",
                    "timeouts": {"agent": 30, "verify": 5}, "metadata": {"level": 1}},
                   {"id": 7, "instruction": "clone", "repo": "repo", "revision": "v1", "verify": "true",
-                   "reward_file": "r.json"})  # fmt: skip
+                   "reward_file": "r.json", "verify_timeout_s": 9})  # fmt: skip
     a, b = load_tasks(path)
     assert (a.id, a.workspace, a.agent_timeout_s, a.verify_timeout_s, a.setup_timeout_s) == ("a", tmp_path / "repo", 30.0, 5.0, 300.0)
     assert a.metadata == {"level": 1} and a.source == f"{path}:3"
     assert (b.id, b.repo, b.revision, b.reward_file, b.workspace) == ("7", str(tmp_path / "repo"), "v1", "r.json", None)
+    assert b.verify_timeout_s == 9.0  # Task's own field name works at the top level too
     assert [t.id for t in load_tasks(path, limit=1)] == ["a"]
     assert [t.id for t in load_tasks(tmp_path)] == ["a", "7"]  # a directory of *.jsonl
 
@@ -54,6 +55,8 @@ def test_jsonl_tasks_resolve_paths_and_timeouts(tmp_path: Path) -> None:
     ('{"id": "a", "instruction": "x", "verify": "true"}', ":2: task id 'a' already used at"),
     ('{"id": "b", "instruction": "x", "verify": "true", "timeouts": {"agent": -1}}', ":2: timeouts.agent must be a positive"),
     ('{"id": "b", "instruction": "", "verify": "true"}', ":2: 'instruction' must be a non-empty string"),
+    ('{"id": "b", "instruction": "x", "verify": "true", "agent_timeout_s": 5, "timeouts": {"agent": 5}}',
+     ":2: agent_timeout_s given twice"),
 ])  # fmt: skip
 def test_bad_jsonl_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     path = _jsonl(tmp_path, {"id": "a", "instruction": "x", "verify": "true"}, line)

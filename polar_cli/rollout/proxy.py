@@ -75,15 +75,18 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
     confdir.mkdir(parents=True, exist_ok=True)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"mitmdump-{forward}.log"
+    # The sandboxes' only way out is this proxy: anything but a model call or the control paths is refused (a
+    # proxy-only agent could otherwise reach any host through the forward listener's pass-through).
+    options = {"polar_block_other": "true", **(options or {})}
     cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{forward}", f"reverse:{reverse_target}@{reverse}"],
-                           confdir=confdir, options=dict(options or {}))
+                           confdir=confdir, options=options)
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:
         for port in (forward, reverse):
             # A local engine loads its model before mitmdump listens.
             wait_for_port(port, timeout_s, process, log)
-        token = (options or {}).get("polar_control_token") or token_file(out, str(confdir)).read_text().strip()
+        token = options.get("polar_control_token") or token_file(out, str(confdir)).read_text().strip()
         yield StartedProxy(ProxyEndpoints(forward, reverse, confdir / "mitmproxy-ca-cert.pem"), token, log, process)
     finally:
         _stop(process)

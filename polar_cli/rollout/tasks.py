@@ -74,9 +74,10 @@ class TaskFileError(ValueError):
     """A task file that cannot be read as a task; the message starts with ``FILE:LINE:`` (or the directory)."""
 
 
-_JSONL_FIELDS = {"id", "instruction", "workspace", "repo", "revision", "setup", "verify", "reward_file", "timeouts",
-                 "metadata", "image", "workdir", "tests_dir"}
 _TIMEOUT_KEYS = {"agent": "agent_timeout_s", "verify": "verify_timeout_s", "setup": "setup_timeout_s"}
+# Task's own field names for the timeouts are accepted at the top level too (``"agent_timeout_s": 300``).
+_JSONL_FIELDS = {"id", "instruction", "workspace", "repo", "revision", "setup", "verify", "reward_file", "timeouts",
+                 "metadata", "image", "workdir", "tests_dir", *_TIMEOUT_KEYS.values()}
 # Harbor strips provenance canaries (HTML or hash comments naming a canary) from the top of instruction.md.
 _CANARY = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
 
@@ -177,13 +178,20 @@ def _jsonl_task(entry: dict[str, Any], base: Path, where: str) -> Task:
     timeouts = entry.get("timeouts") or {}
     if not isinstance(timeouts, dict):
         raise TaskFileError(f"{where}: 'timeouts' must be an object like {{\"agent\": 600, \"verify\": 300}}")
+    unknown_timeouts = set(timeouts) - set(_TIMEOUT_KEYS)
+    if unknown_timeouts:
+        raise TaskFileError(f"{where}: unknown timeout(s) {sorted(unknown_timeouts)}; known: {sorted(_TIMEOUT_KEYS)}")
+    given = {f"timeouts.{k}": (_TIMEOUT_KEYS[k], v) for k, v in timeouts.items()}
+    for name in _TIMEOUT_KEYS.values():
+        if name in entry:
+            if any(field == name for field, _ in given.values()):
+                raise TaskFileError(f"{where}: {name} given twice (top level and in 'timeouts')")
+            given[name] = (name, entry[name])
     limits: dict[str, float] = {}
-    for key, value in timeouts.items():
-        if key not in _TIMEOUT_KEYS:
-            raise TaskFileError(f"{where}: unknown timeout {key!r}; known: {sorted(_TIMEOUT_KEYS)}")
+    for label, (name, value) in given.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e7:
-            raise TaskFileError(f"{where}: timeouts.{key} must be a positive number of seconds")
-        limits[_TIMEOUT_KEYS[key]] = float(value)
+            raise TaskFileError(f"{where}: {label} must be a positive number of seconds")
+        limits[name] = float(value)
     metadata = entry.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise TaskFileError(f"{where}: 'metadata' must be an object")

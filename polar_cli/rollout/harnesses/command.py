@@ -5,6 +5,9 @@ also puts it in ``$POLAR_INSTRUCTION``), and ``{model}``, ``{session}``, ``{task
 same way. The environment points every common client at polar: the openai, anthropic and google-genai SDKs by base
 URL and a ``polar:`` API key that carries the session's identity, anything else by ``HTTPS_PROXY`` (with the identity
 as proxy credentials) and mitmproxy's CA in the usual CA variables.
+
+In a sandbox runtime the command sees only what the runtime shows it: every absolute host path the command names
+is made visible read-only at the same path (a Python venv as a whole, with the installation it was made from, so ``/path/.venv/bin/python agent.py`` runs).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class CommandPreset(HarnessPreset):
         if not template.strip():
             raise ValueError("cmd: needs a command, e.g. cmd:'python agent.py {instruction}'")
         self.template = template
+        self.read_only = named_host_paths(template)
 
     def configure(self, home: Path, ctx: SessionContext) -> None:
         """A plain command has no config files of its own."""
@@ -51,6 +55,38 @@ class CommandPreset(HarnessPreset):
         for name in PLACEHOLDERS:
             line = line.replace("{" + name + "}", shlex.quote(values[name]))
         return ["sh", "-c", line]
+
+
+def named_host_paths(template: str) -> tuple[Path, ...]:
+    """The host files and directories an absolute path in ``template`` names: a venv's root for a path inside one
+    (its interpreter needs ``pyvenv.cfg`` and ``lib/``), else the path itself."""
+    try:
+        words = shlex.split(template)
+    except ValueError:
+        words = template.split()
+    paths: list[Path] = []
+    for word in words:
+        if not word.startswith("/"):
+            continue
+        path = Path(word)
+        if not path.exists():
+            continue
+        venv = next((p for p in path.parents if (p / "pyvenv.cfg").is_file()), None)
+        for chosen in (venv, _base_prefix(venv)) if venv else (path,):
+            if chosen is not None and chosen not in paths:
+                paths.append(chosen)
+    return tuple(paths)
+
+
+def _base_prefix(venv: Path) -> Path | None:
+    """The Python installation a venv was made from (``home = PREFIX/bin`` in pyvenv.cfg), unless it is the
+    system's own under /usr, which every sandbox shows already."""
+    for line in (venv / "pyvenv.cfg").read_text(errors="replace").splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "home" and value.strip():
+            prefix = Path(value.strip()).resolve().parent
+            return None if prefix == Path("/usr") or Path("/usr") in prefix.parents else prefix
+    return None
 
 
 def make(arg: str | None = None) -> HarnessPreset:
