@@ -57,6 +57,8 @@ app.add_typer(shards_app, name="shards")
 app.command("reward")(reward)
 from polar_cli.rollout_cmd import rollout  # noqa: E402  (rollout)
 app.command("rollout")(rollout)
+from polar_cli.loop_cmd import register as register_loop  # noqa: E402  (loop)
+register_loop(app)
 
 
 def main() -> None:

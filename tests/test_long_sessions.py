@@ -217,3 +217,95 @@ def test_compaction_breaks_the_chain_with_cause_compaction():
     assert [t.calls_merged for t in result.traces] == [2, 1, 2]
     assert result.report.total.breaks == {"compaction": 2}
     assert [t.break_cause for t in result.traces] == ["compaction", None, None]
+
+
+# --- Codex through the forward proxy: it compacts remotely, through polar --------------------------
+
+CODEX_TOOL_TURN = {"content": None, "tool_calls": [{"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "seq 1 50"}}}]}
+
+
+@pytest.mark.harness
+def test_codex_default_provider_compacts_remotely_through_polar(tiny_model_dir, tmp_path):
+    """Codex 0.171 on its default (OpenAI) provider, over the Responses WebSocket, with an auto-compact
+    limit a few tool turns above its ~15k-token first prompt: it sends a compaction_trigger, polar has the
+    engine write the summary and answers one compaction item, Codex carries on from it and exits 0."""
+    from tests.support.harnesses import calls, harness, run
+
+    codex = harness("codex")
+    script = tmp_path / "script.json"
+    script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "turns": [CODEX_TOOL_TURN] * 8,
+                                     "summary": "Goal: count. Done: seq ran several times.",
+                                     "after_compaction": [{"content": "Counting is done."}]}))
+    out, home = tmp_path / "shards", tmp_path / "home"
+    (home / ".codex").mkdir(parents=True)
+    with run_mitmdump(f"scripted:{script}", out, options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}) as proxy:
+        env = {"CODEX_HOME": str(home / ".codex"), "RUST_LOG": "warn", "HTTPS_PROXY": proxy.proxy_url("codex-compact"),
+               "CODEX_CA_CERTIFICATE": str(proxy.ca), "SSL_CERT_FILE": str(proxy.ca), "OPENAI_API_KEY": "sk-not-a-real-key"}
+        # The first prompt is ~15.2k tokens of the tiny tokenizer; each tool turn adds ~120.
+        result = run([str(codex), "exec", "--skip-git-repo-check", "-m", "tiny", "-c", "model_auto_compact_token_limit=15400",
+                      "Count a few times."], env, home, timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
+        records = calls(out, "codex-compact")
+    assert "Counting is done." in result.stdout
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == "polar"]
+    summarised = [r.seq for r in records if summarised_history(r.messages) == "polar"]
+    assert len(asking) == 1 and summarised and min(summarised) == asking[0] + 1
+    assert all(r.seq < asking[0] for r in records if r.seq not in summarised and r.seq != asking[0])
+    # The compaction call extends the chain it summarises; the summarised history starts the next one.
+    result = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    assert result.report.total.breaks == {"compaction": 1}
+    first, second = result.traces
+    assert first.break_cause == "compaction" and first.calls_merged == asking[0] + 1
+    assert second.break_cause is None and second.calls_merged == len(summarised)
+
+
+# --- Claude Code: auto-compaction through polar ---------------------------------------------------
+
+GLOB_TURN = {"content": "Looking.", "tool_calls": [{"type": "function", "function": {"name": "Glob", "arguments": '{"pattern": "*.txt"}'}}]}
+
+
+def claude_run(tmp_path, script: dict, session: str, extra_env: dict[str, str]):
+    """Claude Code with a short system prompt and one tool (a small prompt for a CPU forward pass)."""
+    from tests.support.harnesses import calls, harness, run
+
+    claude = harness("claude")
+    path = tmp_path / "script.json"
+    path.write_bytes(orjson.dumps(script))
+    home, out = tmp_path / "home", tmp_path / "shards"
+    home.mkdir()
+    (home / "notes.txt").write_text("hello\n")
+    env = {"ANTHROPIC_API_KEY": f"polar:session={session}", "ANTHROPIC_MODEL": "tiny", "ANTHROPIC_DEFAULT_HAIKU_MODEL": "tiny",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "1", **extra_env}
+    with run_mitmdump(f"scripted:{path}", out, mode="reverse:https://api.anthropic.com", options={"polar_shard_seconds": "0.5"}) as proxy:
+        result = run([str(claude), "-p", "Which text files are here?", "--output-format", "json", "--tools", "Glob",
+                      "--system-prompt", "You are a file finder."], {**env, "ANTHROPIC_BASE_URL": proxy.url}, home, timeout=240)
+        records = calls(out, session, include_failed=True)
+        logs = proxy.logs()[-3000:]
+    return result, records, logs
+
+
+@pytest.mark.harness
+def test_claude_code_auto_compacts_through_polar(tiny_model_dir, tmp_path):
+    """The served window told through CLAUDE_CODE_AUTO_COMPACT_WINDOW (floor 100k) and
+    CLAUDE_AUTOCOMPACT_PCT_OVERRIDE=1 (compact past 1% = 1000 tokens, going by the usage polar reports):
+    after four ~60-token tool turns on a ~600-token prompt Claude Code compacts with its own prompt,
+    carries on from its summary and exits 0."""
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [GLOB_TURN] * 8,
+              "summary": "Goal: find text files. Found notes.txt.",
+              # Claude Code keeps the turn in flight after its summary: the answer is the second turn.
+              "after_compaction": [GLOB_TURN, {"content": "There is one text file: notes.txt."}]}
+    result, records, logs = claude_run(tmp_path, script, "cc-compact", {
+        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    assert orjson.loads(result.stdout)["result"] == "There is one text file: notes.txt."
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == "claude-code"]
+    summarised = [r.seq for r in records if summarised_history(r.messages) == "claude-code"]
+    assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
+    # The compaction call re-renders the earlier turns (Qwen's template drops their empty think blocks once
+    # a new user message follows), so it cannot extend the chain: the chain breaks at it, and again at the
+    # summarised history; both breaks are compactions.
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    assert built.report.total.breaks == {"compaction": 2}
+    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]

@@ -1,11 +1,10 @@
 """Harness presets (``polar_cli.rollout.harnesses``) drive the real CLIs through a swe_mini bug fix.
 
-For each of Claude Code, Codex, Qwen Code, Pi and Gemini CLI: the preset writes its config into a fresh HOME,
-its env and command run the real CLI (``.harness``) in a copy of a swe_mini workspace against one shared
-mitmdump (forward and reverse listeners) whose scripted engine replays that harness's own fix
-(``examples/swe_mini/scripts/HARNESS.json``: its own tool names and argument shapes; the tiny random model
-would never call a tool). The harness must exit 0, the task's verifier must pass (reward 1.0), and every call
-must be stored under the session, task, group and sample the preset gave it.
+For each of Claude Code, Codex, Qwen Code, Pi and Gemini CLI, ``polar rollout --runtime bwrap --network
+proxy-only`` runs the real CLI (``.harness``) on a swe_mini task against one shared mitmdump (forward and
+reverse listeners) whose scripted engine replays that harness's own fix (``examples/swe_mini/scripts/HARNESS.json``:
+its own tool names and argument shapes; the tiny random model would never call a tool). The harness must exit 0,
+the runner's verifier must give 1.0, and every call must be stored under the session, task, group and sample.
 
 The swe_mini tasks themselves are checked in both formats: each JSONL verifier and each Harbor ``tests/test.sh``
 (run in bubblewrap with ``/app``, ``/tests`` and ``/logs/verifier`` where Harbor puts them) gives 0 on the
@@ -28,17 +27,13 @@ import pytest
 from polar_addon.store.validate import validate_store
 from polar_cli.mitm import REPO, free_port, mitmdump_command, wait_for_port
 from polar_cli.rollout.harnesses.base import SessionContext
-from tests.support.harnesses import BIN
 from tests.support.shards import session_records
 
 SWE_MINI = REPO / "examples" / "swe_mini"
 SCRIPTS = SWE_MINI / "scripts"
 HARNESSES = ["claude-code", "codex", "qwen-code", "pi", "gemini-cli"]
 SYSTEM_PYTHON = "/usr/bin/python3"  # what a sandbox has; the verifiers use nothing else
-# Above every harness's prompt (Claude Code's is ~33k tokens), so no harness compacts mid-script.
 WINDOW, MAX_OUTPUT = 131072, 4096
-# Harnesses with an output-cap setting: each call they make asks for MAX_OUTPUT tokens (Codex has none).
-CAPPED = {"claude-code", "qwen-code", "pi", "gemini-cli"}
 
 
 def jsonl_tasks() -> dict[str, dict]:
@@ -61,18 +56,15 @@ class SharedProxy:
     ca: Path
     out: Path
     log: Path
-    sessions: Path  # SESSIONS/HARNESS/{workspace,home}: fixed paths, so the scripts can name files by them
 
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedProxy]:
     """One mitmdump for all five harnesses: its scripted engine picks each harness's turns by model name."""
     base = tmp_path_factory.mktemp("presets-proxy")
-    by_model = {}
-    for harness in HARNESSES:
-        # The scripts name files under {workspace}: the session's workspace as the harness sees it.
-        turns = json.dumps(script(harness)["turns"]).replace("{workspace}", str(base / "sessions" / harness / "workspace"))
-        by_model[model_name(harness)] = json.loads(turns)
+    # The scripts name files under {workspace}: the session's workspace as the harness sees it (bwrap: /workspace).
+    by_model = {model_name(h): json.loads(json.dumps(script(h)["turns"]).replace("{workspace}", "/workspace"))
+                for h in HARNESSES}
     (base / "script.json").write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model}))
     forward, reverse = free_port(), free_port()
     out, confdir, log = base / "shards", base / "conf", base / "mitmdump.log"
@@ -85,7 +77,7 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     try:
         for port in (forward, reverse):
             wait_for_port(port, 120, process, log)
-        yield SharedProxy(forward, reverse, confdir / "mitmproxy-ca-cert.pem", out, log, base / "sessions")
+        yield SharedProxy(forward, reverse, confdir / "mitmproxy-ca-cert.pem", out, log)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, 2)  # SIGINT: mitmdump seals its open shard
@@ -96,62 +88,48 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 process.wait()
 
 
-def run_preset(harness: str, ctx: SessionContext, instruction: str) -> subprocess.CompletedProcess:
-    """configure -> env -> command, as the runner does, with the CLI from ``.harness`` and nothing inherited
-    that would steer it (proxy variables)."""
-    preset = importlib.import_module(f"polar_cli.rollout.harnesses.{harness.replace('-', '_')}").make(None)
-    home = Path(ctx.home)
-    preset.configure(home, ctx)
-    argv = preset.command(instruction, ctx)
-    assert argv[0] in preset.binaries
-    binary = BIN / argv[0]
-    if not binary.exists():
-        pytest.skip(f"{binary} missing: run `make harnesses`")
-    base = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
-    env = {**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **preset.env(ctx)}
-    return subprocess.run([str(binary), *argv[1:]], env=env, cwd=ctx.workspace, capture_output=True, text=True,
-                          timeout=240, stdin=subprocess.DEVNULL)
-
-
 def verify(task: dict, workspace: Path) -> float:
     command = task["verify"].replace("python3", SYSTEM_PYTHON, 1)
     result = subprocess.run(command, shell=True, cwd=workspace, capture_output=True, text=True, timeout=60)
     return 1.0 if result.returncode == 0 else 0.0
 
 
-@pytest.mark.harness
 @pytest.mark.parametrize("harness", HARNESSES)
-def test_preset_runs_the_scripted_fix(harness: str, proxy: SharedProxy) -> None:
-    turns = script(harness)["turns"]
-    if harness == "qwen-code":
-        turns = turns[1:]  # its own startup acknowledgement (see the script's note)
-    task = jsonl_tasks()[script(harness)["task"]]
-    workspace, home = proxy.sessions / harness / "workspace", proxy.sessions / harness / "home"
-    shutil.copytree(SWE_MINI / task["workspace"], workspace)
-    home.mkdir()
-    assert verify(task, workspace) == 0.0  # the bug is there
-    session = f"{harness}-0"
-    ctx = SessionContext(session_id=session, task_id=task["id"], group_id=f"{task['id']}@grp", sample=3,
-                         model=model_name(harness), proxy_url=f"http://127.0.0.1:{proxy.forward}",
-                         reverse_url=f"http://127.0.0.1:{proxy.reverse}", ca_path=str(proxy.ca), home=str(home),
-                         workspace=str(workspace), context_window=WINDOW, max_output_tokens=MAX_OUTPUT)
-    result = run_preset(harness, ctx, task["instruction"])
-    log = result.stdout[-3000:] + result.stderr[-3000:] + proxy.log.read_text(errors="replace")[-3000:]
-    assert result.returncode == 0, log
-    assert verify(task, workspace) == 1.0, log
+def test_preset_writes_the_window(harness: str, tmp_path: Path) -> None:
+    """Each preset puts the served window and output cap where its CLI reads them (see the README's table)."""
+    preset = importlib.import_module(f"polar_cli.rollout.harnesses.{harness.replace('-', '_')}").make(None)
+    ctx = SessionContext(session_id="s", task_id="t", group_id="g", sample=0, model="m", proxy_url="http://127.0.0.1:1",
+                         reverse_url="http://127.0.0.1:2", ca_path="/ca.pem", home=str(tmp_path), workspace="/workspace",
+                         context_window=WINDOW, max_output_tokens=MAX_OUTPUT)
+    preset.configure(tmp_path, ctx)
+    env = preset.env(ctx)
+    if harness == "claude-code":
+        assert (env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"], env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == (str(WINDOW), str(MAX_OUTPUT))
+    elif harness == "codex":
+        import tomllib
 
-    records = sorted(session_records(proxy.out, session, at_least=len(turns)), key=lambda r: r.started_at)
-    summary = [(r.status, r.error, len(r.messages), r.response_message) for r in records]
-    assert [r.status for r in records] == ["ok"] * len(turns), summary
-    assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task["id"], f"{task['id']}@grp", 3)}
-    called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
-    assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns], summary
-    assert records[-1].response_message["content"] == turns[-1]["content"]
-    if harness in CAPPED:
-        assert {r.max_tokens for r in records} == {MAX_OUTPUT}
-    # Each call after the first carries the previous tool's real output back to the model.
-    assert all(len(r.messages) > len(records[0].messages) for r in records[1:])
-    assert validate_store(str(proxy.out)) == []
+        config = tomllib.loads((tmp_path / ".codex" / "config.toml").read_text())
+        assert (config["model_context_window"], config["model_auto_compact_token_limit"]) == (WINDOW, int(WINDOW * 0.8))
+        assert config["model"] == "m" and "HTTPS_PROXY" in env and "s:" in env["HTTPS_PROXY"]
+    elif harness == "qwen-code":
+        settings = json.loads((tmp_path / ".qwen" / "settings.json").read_text())
+        assert settings["model"]["generationConfig"]["contextWindowSize"] == WINDOW
+        assert env["QWEN_CODE_MAX_OUTPUT_TOKENS"] == str(MAX_OUTPUT)
+    elif harness == "pi":
+        (provider,) = json.loads((tmp_path / ".pi" / "agent" / "models.json").read_text())["providers"].values()
+        assert provider["models"] == [{"id": "m", "contextWindow": WINDOW, "maxTokens": MAX_OUTPUT}]
+    else:
+        settings = json.loads((tmp_path / ".gemini" / "settings.json").read_text())
+        assert settings["model"]["compressionThreshold"] * 1_048_576 == pytest.approx(0.5 * WINDOW)
+        (override,) = settings["modelConfigs"]["overrides"]
+        assert override["modelConfig"]["generateContentConfig"]["maxOutputTokens"] == MAX_OUTPUT
+    # No window given: no window setting written (the CLI keeps its own defaults).
+    bare = SessionContext(**{**ctx.__dict__, "context_window": None, "max_output_tokens": None})
+    home = tmp_path / "bare"
+    home.mkdir()
+    preset.configure(home, bare)
+    written = " ".join(p.read_text() for p in home.rglob("*") if p.is_file()) + json.dumps(preset.env(bare))
+    assert str(WINDOW) not in written and str(MAX_OUTPUT) not in written
 
 
 # --- the task set in both formats ---------------------------------------------------------------------------
@@ -196,3 +174,41 @@ def test_swe_mini_task_in_both_formats(task_id: str, tmp_path: Path) -> None:
     assert verify(task, app) == 1.0
     result = bwrap_harbor(harbor, app, logs, "/tests/test.sh")
     assert result.returncode == 0 and (logs / "reward.txt").read_text().strip() == "1", result.stderr
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("harness", HARNESSES)
+def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp_path: Path) -> None:
+    """The same fix end to end: `polar rollout` on the JSONL task set, the harness in a proxy-only bwrap sandbox
+    (it reaches the proxy and nothing else), verified by the runner in a fresh sandbox, rewarded through the
+    proxy's control channel, every call stored under the session, group (the task) and sample."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap missing (apt-get install bubblewrap)")
+    from polar_addon.control import token_file
+
+    task_id = script(harness)["task"]
+    tasks = tmp_path / "tasks.jsonl"
+    task = dict(jsonl_tasks()[task_id], workspace=str(SWE_MINI / jsonl_tasks()[task_id]["workspace"]))
+    tasks.write_text(json.dumps(task) + "\n")
+    report = tmp_path / "report"
+    token = token_file(str(proxy.out), str(proxy.ca.parent)).read_text().strip()
+    # Distinct seeds: session ids come from the seed and the task, and two harnesses share each task here.
+    cmd = [str(REPO / ".venv" / "bin" / "polar"), "rollout", str(tasks), "--harness", harness, "--samples", "1",
+           "--proxy", f"http://127.0.0.1:{proxy.forward}", "--reverse-url", f"http://127.0.0.1:{proxy.reverse}",
+           "--control-token", token, "--confdir", str(proxy.ca.parent), "--out", str(proxy.out),
+           "--runtime", "bwrap", "--network", "proxy-only", "--model", model_name(harness),
+           "--seed", str(HARNESSES.index(harness)), "--no-progress", "--report-dir", str(report)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((report / "logs").rglob("*")) if p.is_file()) \
+        if (report / "logs").exists() else ""
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    summary = json.loads((report / "rollout-summary.json").read_text())
+    (session,) = summary["session_results"]
+    assert (session["status"], session["reward"], session["exit_code"]) == ("completed", 1.0, 0), session
+    turns = script(harness)["turns"][1:] if harness == "qwen-code" else script(harness)["turns"]
+    records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
+    assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
+    assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
+    called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
+    assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
+    assert validate_store(str(proxy.out)) == []

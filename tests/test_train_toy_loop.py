@@ -1,25 +1,33 @@
-"""The toy loop learns on CPU: rollouts -> polar train -> reload -> rollouts (examples/toy_task)."""
+"""The toy loop learns on CPU through `polar loop` (the real runner, the `cmd:` preset running examples/toy_task's
+openai-SDK agent, its verifier, `polar train`, the local engine reloaded on each checkpoint)."""
 
 from __future__ import annotations
 
-import re
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from polar_cli.rollout.loop import IterationStats, rise
+
 REPO = Path(__file__).resolve().parent.parent
+TOY = REPO / "examples" / "toy_task"
 
 
 @pytest.mark.slow
 def test_toy_loop_reward_rises_far_outside_the_noise(tiny_model_dir: Path, tmp_path: Path) -> None:
-    loop = [sys.executable, str(REPO / "examples" / "toy_task" / "loop.py"), "--model", str(tiny_model_dir),
-            "--out", str(tmp_path / "run"), "--iterations", "4"]  # fmt: skip
-    done = subprocess.run(loop, cwd=REPO, capture_output=True, text=True, timeout=900)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(TOY / "tasks.jsonl"),
+           "--harness", f"cmd:{sys.executable} {TOY / 'agent.py'} {{instruction}}", "--model", str(tiny_model_dir),
+           "--iterations", "4", "--out", str(out), "--samples", "8", "--concurrency", "8", "--no-progress",
+           "--lr", "1e-2", "--epochs", "2", "--groups-per-step", "1", "--weight-decay", "0", "--eot-token-id", "2"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    means = [float(m) for m in re.findall(r"^iteration \d+: reward ([0-9.]+)", done.stdout, re.M)]
-    assert len(means) == 4 and means[-1] > means[0] + 0.05
-    z = float(re.search(r"([0-9.]+) standard errors", done.stdout).group(1))
-    assert z >= 5.0
-    assert (tmp_path / "run" / "iter-0" / "checkpoint" / "training_curves.png").is_file()
+    stats = [IterationStats(**r) for r in json.loads((out / "loop.json").read_text())["iterations"]]
+    assert len(stats) == 4 and all(s.rewarded == 32 for s in stats)
+    assert all(s.train and s.train["status"] == "trained" for s in stats[:3])
+    diff, z = rise(stats[0], stats[-1])
+    assert diff > 0.05 and z >= 5.0, [(s.reward_mean, s.reward_se) for s in stats]
+    assert (out / "iter-000" / "checkpoint" / "training_curves.png").is_file()

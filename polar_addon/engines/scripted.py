@@ -11,7 +11,8 @@ script of assistant turns instead, with genuine tokens and logprobs:
      "cycle": true,
      "latency_s": 0.0,                       # optional: each answer takes at least this long
      "max_len": 0,                           # optional: the served window in tokens (0: the model's)
-     "summary": "..."}                       # optional: the answer to a harness's compaction prompt
+     "summary": "...",                       # optional: the answer to a harness's compaction prompt
+     "after_compaction": [...]}              # optional: the turns of a history that starts from a summary
 
 The turn answered is chosen by the number of assistant messages already in the request, so
 parallel sessions replaying the same script stay deterministic (with ``cycle`` the script wraps
@@ -34,7 +35,7 @@ from typing import Any
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
-from polar_addon.context_compaction import compaction_prompt
+from polar_addon.context_compaction import compaction_prompt, summarised_history
 from polar_addon.engines.local import LocalEngine
 from polar_addon.tool_parsing import new_call_id, parse_assistant_text
 
@@ -88,6 +89,8 @@ class ScriptedEngine:
         self.latency_s = float(data.get("latency_s", 0.0))
         # A compaction call (context_compaction.compaction_prompt) is answered with this text, whatever turn is due.
         self.summary = data.get("summary")
+        # A compacted history holds no assistant turns yet: it replays these instead of starting over.
+        self.after_compaction = [_normalise_turn(t, i) for i, t in enumerate(data.get("after_compaction") or [])]
         self.local = LocalEngine(model_dir, max_len=int(data.get("max_len", 0)))
 
     def load(self) -> None:
@@ -96,10 +99,14 @@ class ScriptedEngine:
     def turn_for(self, request: CanonicalRequest) -> dict[str, Any]:
         if self.summary and compaction_prompt(request.messages) is not None:
             return {"role": "assistant", "content": self.summary}
-        turns = self.by_model.get(request.model, self.turns)
+        turns, messages = self.by_model.get(request.model, self.turns), request.messages
         if not turns:
             raise PolarError(400, "invalid_request", f"script has no turns for model {request.model!r}")
-        index = sum(1 for m in request.messages if m.get("role") == "assistant")
+        if self.after_compaction and summarised_history(messages) is not None:
+            # Counted from the summary on: a harness may re-add turns of its own around it.
+            turns = self.after_compaction
+            messages = messages[max(i for i, m in enumerate(messages) if summarised_history([m]) is not None):]
+        index = sum(1 for m in messages if m.get("role") == "assistant")
         if index >= len(turns):
             if not self.cycle:
                 raise PolarError(

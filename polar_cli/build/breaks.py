@@ -196,6 +196,10 @@ def relate_new_chain(
         return Relation(Break(BreakCause.OTHER, f"call {record.seq} has no captured messages"), None)
     olds = [conversation(tip, cache) for tip in tips]
 
+    compacted = _compaction_relation(new, tips, olds)
+    if compacted is not None:
+        return compacted
+
     # Same messages up to the tip's, same tools: the tokens changed under an unchanged history.
     continuing = [
         i for i, old in enumerate(olds)
@@ -211,10 +215,6 @@ def relate_new_chain(
         return Relation(
             Break(BreakCause.TEMPLATE_RERENDER, f"same messages rendered into different tokens: {where}"), i
         )
-
-    compacted = _compaction_relation(new, tips, olds)
-    if compacted is not None:
-        return compacted
 
     same_root = [
         i for i, old in enumerate(olds)
@@ -267,6 +267,15 @@ def _compaction_relation(new: Conversation, tips: list[CaptureRecord], olds: lis
     detail = (f"{asking} compaction call (asks for a summary){after}" if asking is not None
               else f"history replaced by a {summary} compaction summary{after}")
     return Relation(Break(BreakCause.COMPACTION, detail), i)
+
+
+def as_compaction(record: CaptureRecord, brk: Break) -> Break:
+    """A compaction call that could not extend its chain breaks it as a compaction, whatever token
+    difference the summarisation prompt made (e.g. the template re-rendering earlier turns)."""
+    harness = compaction_prompt(record.messages)
+    if harness is None or brk.cause == BreakCause.COMPACTION:
+        return brk
+    return Break(BreakCause.COMPACTION, f"{harness} compaction call (asks for a summary); {brk.cause.value}: {brk.detail}")
 
 
 def sub_agent_break(parent_seq: int) -> Break:

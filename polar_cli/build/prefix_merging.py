@@ -34,6 +34,7 @@ from polar_cli.build.breaks import (
     Conversation,
     Decode,
     Relation,
+    as_compaction,
     classify_rerendered_turn,
     relate_new_chain,
     sub_agent_break,
@@ -240,7 +241,7 @@ def reconstruct_session(
                 first_break = first_break or (chain, outcome)
             else:
                 assert first_break is not None
-                _new_chain(chains, record, first_break[1], first_break[0].index)
+                _new_chain(chains, record, as_compaction(record, first_break[1]), first_break[0].index)
             continue
         if not chains:
             _new_chain(chains, record, None, None)

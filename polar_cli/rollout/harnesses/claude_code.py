@@ -11,13 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from polar_cli.rollout.harnesses._files import no_arg, write_json
+from polar_cli.rollout.harnesses._install import InstalledHarness, executable
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 MODEL_VARS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
               "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")
 
 
-class ClaudeCode(HarnessPreset):
+class ClaudeCode(InstalledHarness):
     name = "claude-code"
     binaries = ("claude",)
 
@@ -46,7 +47,7 @@ class ClaudeCode(HarnessPreset):
         return env
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
-        return ["claude", "-p", instruction, "--permission-mode", "bypassPermissions", "--output-format", "json"]
+        return [executable("claude"), "-p", instruction, "--permission-mode", "bypassPermissions", "--output-format", "json"]
 
 
 def make(arg: str | None = None) -> HarnessPreset:

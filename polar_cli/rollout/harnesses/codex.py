@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from polar_cli.rollout.harnesses._install import InstalledHarness, executable
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 # Compact at this share of the window, leaving room for the summary turn and the next answer.
@@ -25,7 +26,7 @@ def _toml(value: object) -> str:
     return json.dumps(value)  # JSON strings, numbers and booleans are valid TOML
 
 
-class Codex(HarnessPreset):
+class Codex(InstalledHarness):
     name = "codex"
     binaries = ("codex",)
 
@@ -63,7 +64,7 @@ class Codex(HarnessPreset):
         return env
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
-        return ["codex", "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+        return [executable("codex"), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
                 "--color", "never", instruction]
 
 

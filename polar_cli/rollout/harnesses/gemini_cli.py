@@ -13,13 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from polar_cli.rollout.harnesses._files import no_arg, write_json
+from polar_cli.rollout.harnesses._install import InstalledHarness, executable
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 ASSUMED_WINDOW = 1_048_576  # tokenLimit() for a model name the CLI does not know
 COMPRESS_SHARE = 0.5  # the CLI's own default threshold, applied to the served window
 
 
-class GeminiCli(HarnessPreset):
+class GeminiCli(InstalledHarness):
     name = "gemini-cli"
     binaries = ("gemini",)
 
@@ -42,7 +43,7 @@ class GeminiCli(HarnessPreset):
                 "NODE_EXTRA_CA_CERTS": ctx.ca_path}
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
-        return ["gemini", "-p", instruction, "-m", ctx.model, "--yolo", "--skip-trust"]
+        return [executable("gemini"), "-p", instruction, "-m", ctx.model, "--yolo", "--skip-trust"]
 
 
 def make(arg: str | None = None) -> HarnessPreset:

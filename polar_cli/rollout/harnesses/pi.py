@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from polar_cli.rollout.harnesses._files import write_json
+from polar_cli.rollout.harnesses._install import InstalledHarness, executable
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 # api -> the path after the reverse proxy's URL that its SDK expects
@@ -18,7 +19,7 @@ API_PATHS = {"openai-completions": "/v1", "openai-responses": "/v1", "anthropic-
              "google-generative-ai": "/v1beta"}
 
 
-class Pi(HarnessPreset):
+class Pi(InstalledHarness):
     name = "pi"
     binaries = ("pi",)
 
@@ -42,7 +43,7 @@ class Pi(HarnessPreset):
         return {"PI_OFFLINE": "1", "NODE_EXTRA_CA_CERTS": ctx.ca_path}
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
-        return ["pi", "-p", "--provider", "polar", "--model", ctx.model, "--no-session", instruction]
+        return [executable("pi"), "-p", "--provider", "polar", "--model", ctx.model, "--no-session", instruction]
 
 
 def make(arg: str | None = None) -> HarnessPreset:

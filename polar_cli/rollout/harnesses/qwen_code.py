@@ -10,10 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from polar_cli.rollout.harnesses._files import no_arg, write_json
+from polar_cli.rollout.harnesses._install import InstalledHarness, executable
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 
-class QwenCode(HarnessPreset):
+class QwenCode(InstalledHarness):
     name = "qwen-code"
     binaries = ("qwen",)
 
@@ -38,7 +39,7 @@ class QwenCode(HarnessPreset):
         return env
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
-        return ["qwen", "--auth-type", "openai", "--yolo", "-p", instruction]
+        return [executable("qwen"), "--auth-type", "openai", "--yolo", "-p", instruction]
 
 
 def make(arg: str | None = None) -> HarnessPreset:

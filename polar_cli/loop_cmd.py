@@ -1,0 +1,156 @@
+"""`polar loop`: a thin Typer shell over :func:`polar_cli.rollout.loop.run_loop` (options -> LoopConfig, a rich table
+of reward per iteration, the exit code)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+LOOP_HELP = """Close the loop: rollout -> polar train -> engine reload -> rollout, ITERATIONS times.
+
+Each iteration runs SAMPLES sessions of every task (as `polar rollout`) into OUT/iter-NNN/shards, then trains the policy that sampled them on exactly those shards (`polar train`), and the checkpoint becomes the policy of the next rollout. The last iteration only rolls out: it measures the last training. Iterations where every reward is equal ("nothing to train") keep the policy.
+
+Every option polar loop does not know is passed to `polar train` as given (e.g. --lr 1e-2 --epochs 2 --groups-per-step 1); they are checked before the first rollout.
+
+Resumable: OUT/loop.json records each finished rollout and training; run the same command again after an interruption and it continues at the first unfinished phase (a half-done rollout is redone from scratch, so shards of two attempts never mix).
+
+Example (the toy task of examples/toy_task):
+
+polar loop examples/toy_task/tasks.jsonl --harness "cmd:python examples/toy_task/agent.py {instruction}" --model models/tiny --iterations 4 --out runs/toy --lr 1e-2 --epochs 2 --groups-per-step 1
+"""
+
+
+def loop(
+    ctx: typer.Context,
+    tasks: Path = typer.Argument(..., help="The task set (as `polar rollout`): a JSONL file, a Harbor task "
+                                 "directory, or a directory of either."),
+    harness: str = typer.Option(..., "--harness", "-H", help="claude-code, codex, qwen-code, pi, gemini-cli, or "
+                                "cmd:'ANY COMMAND {instruction}'."),
+    model: Path = typer.Option(..., "--model", "-m", help="The starting policy (a model directory)."),
+    iterations: int = typer.Option(..., "--iterations", "-k", help="Rollouts; a training between each two."),
+    out: Path = typer.Option(..., "--out", "-o", help="The loop's directory: iter-NNN/{shards,logs,checkpoint}, "
+                             "loop.json. Re-running with the same OUT resumes."),
+    samples: int = typer.Option(8, "--samples", "-n", help="Sessions per task per iteration (the GRPO group)."),
+    engine: str = typer.Option("local", help="local: the model runs in the proxy (restarted on each checkpoint); "
+                               "vllm: a vLLM server (.venv-vllm) started by the loop and restarted on each checkpoint."),
+    runtime: str = typer.Option("local", help="Where sessions run: local, bwrap, oci (as `polar rollout`)."),
+    network: Optional[str] = typer.Option(None, help="host or proxy-only (default: the runtime's)."),
+    concurrency: int = typer.Option(4, "--concurrency", "-c", help="Harness runs at once."),
+    timeout: Optional[float] = typer.Option(None, help="Seconds per harness run (default: each task's)."),
+    seed: int = typer.Option(0, help="Iteration i's rollout seed is SEED + i (session ids and task order)."),
+    served_model_name: str = typer.Option("policy", "--served-model", help="The model name harnesses ask for."),
+    option: list[str] = typer.Option([], "--set", help="Extra proxy option KEY=VALUE (repeatable), e.g. "
+                                     "--set polar_max_tokens=64."),
+    vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM flag with --engine vllm (repeatable)."),
+    display: bool = typer.Option(True, "--progress/--no-progress", help="Status lines while a phase runs."),
+) -> None:
+    from rich.console import Console
+
+    from polar_cli.rollout.harnesses import get_preset
+    from polar_cli.rollout.loop import LoopConfig, rise, run_loop
+    from polar_cli.rollout.tasks import TaskFileError, load_tasks
+
+    if engine not in ("local", "vllm"):
+        raise typer.BadParameter("local or vllm", param_hint="--engine")
+    if network not in (None, "host", "proxy-only"):
+        raise typer.BadParameter("host or proxy-only", param_hint="--network")
+    options: dict[str, str] = {}
+    for item in option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
+        options[key] = value
+    train_args = list(ctx.args)
+    _check_train_args(train_args)
+    try:
+        get_preset(harness)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--harness") from exc
+    try:
+        task_list = load_tasks(tasks)
+    except (TaskFileError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    console = Console()
+    status_console = Console(stderr=True)
+    config = LoopConfig(
+        tasks=task_list, harness=harness, model=model, iterations=iterations, out=out, samples=samples,
+        engine=engine, runtime=runtime, network=network, concurrency=concurrency, timeout_s=timeout,  # type: ignore[arg-type]
+        seed=seed, proxy_options=options, train_args=train_args, served_model_name=served_model_name,
+        vllm_args=vllm_arg,
+    )  # fmt: skip
+    shown: set[tuple[int, bool]] = set()
+
+    def on_iteration(stats: list[Any]) -> None:
+        key = (len(stats), stats[-1].train is not None)
+        if key not in shown:
+            shown.add(key)
+            console.print(_table(stats))
+
+    def say(line: str) -> None:
+        if display:
+            status_console.print(f"[dim]{line}[/]")
+
+    try:
+        stats = run_loop(config, on_iteration=on_iteration, progress=say)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except RuntimeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    console.print(_table(stats))
+    change = rise(stats[0], stats[-1])
+    if change is not None and len(stats) > 1:
+        diff, z = change
+        console.print(f"reward {stats[0].reward_mean:.3f} -> {stats[-1].reward_mean:.3f}: {diff:+.3f}, "
+                      f"{z:.1f} standard errors; loop.json in {out}")
+    else:
+        console.print(f"loop.json in {out}")
+
+
+def _check_train_args(args: list[str]) -> None:
+    """Parse the forwarded options with `polar train`'s own parser now, not after the first rollout."""
+    import click
+
+    from polar_cli.train_cmd import train
+
+    command = typer.main.get_command(_train_app(train))
+    try:
+        command.make_context("polar train", ["SHARDS", "--model", "M", "--output", "O", *args])
+    except click.UsageError as exc:
+        raise typer.BadParameter(f"{' '.join(args)}: {exc.format_message()}",
+                                 param_hint="polar train options") from exc
+    for flag in ("--model", "--output", "--resume"):
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            raise typer.BadParameter(f"polar loop sets {flag} of each training itself", param_hint=flag)
+
+
+def _train_app(train: Any) -> typer.Typer:
+    app = typer.Typer()
+    app.command()(train)
+    return app
+
+
+def _table(stats: list[Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="polar loop", title_justify="left")
+    for name in ("iter", "reward", "± se", "n", "statuses", "rollout s", "train", "train s"):
+        table.add_column(name, justify="right" if name not in ("statuses", "train") else "left")
+    for s in stats:
+        train = s.train or {}
+        statuses = " ".join(f"{k} {v}" for k, v in s.statuses.items() if v)
+        table.add_row(
+            str(s.iteration), "-" if s.reward_mean is None else f"{s.reward_mean:.3f}",
+            "-" if s.reward_se is None else f"{s.reward_se:.3f}", str(s.rewarded), statuses, f"{s.rollout_s:.0f}",
+            {"trained": "trained", "nothing_to_train": "nothing to train"}.get(train.get("status"), "-"),
+            f"{train['seconds']:.0f}" if "seconds" in train else "-",
+        )  # fmt: skip
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    app.command("loop", help=LOOP_HELP, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(loop)

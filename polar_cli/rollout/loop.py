@@ -1,0 +1,273 @@
+"""The closed loop: rollout -> ``polar train`` -> engine reload -> rollout, resumable.
+
+Each iteration ``i`` owns ``OUT/iter-NNN/``: ``shards/`` (this iteration's traces only), ``logs/`` (the rollout's
+per-session logs), ``checkpoint/`` (what ``polar train`` made of those shards, starting from the policy that
+produced them). ``OUT/loop.json`` records each finished phase (rollout stats, training outcome, timings); it is
+rewritten atomically after every phase, so an interrupted loop, re-run with the same command, starts again at the
+first unfinished phase: a half-done rollout is thrown away whole (its directory removed, so shards of two attempts
+never mix) and a half-done training is redone from the finished rollout's shards.
+
+The last iteration is a rollout only: it measures the policy the previous training made (a checkpoint trained on it
+would never be evaluated). Raising ``iterations`` later trains it first.
+
+Reload: the local engine lives in the proxy (``local:DIR``), so the next rollout's proxy simply starts on the new
+checkpoint; a vLLM engine is started once by this loop (``polar engine serve`` machinery) and restarted on each new
+checkpoint (``polar engine reload``), and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+from polar_cli.rollout.runner import RolloutConfig, RolloutResult, run_rollout
+from polar_cli.rollout.tasks import Task, task_set_hash
+
+EXIT_NOTHING_TO_TRAIN = 3  # polar train's exit status when every reward of every group is equal
+STATE_FILE = "loop.json"
+EngineKind = Literal["local", "vllm"]
+
+
+@dataclass
+class LoopConfig:
+    tasks: Sequence[Task]
+    harness: str  # a --harness spec (kept as a string: loop.json records it)
+    model: Path  # the starting policy
+    iterations: int
+    out: Path
+    samples: int = 8  # sessions per task (the GRPO group)
+    engine: EngineKind = "local"
+    runtime: str = "local"
+    network: str | None = None
+    concurrency: int = 4
+    timeout_s: float | None = None
+    seed: int = 0  # iteration i's rollout uses seed + i (its session ids are it{i}-...)
+    proxy_options: Mapping[str, str] = field(default_factory=dict)
+    train_args: Sequence[str] = ()  # extra `polar train` options, forwarded as given
+    served_model_name: str = "policy"  # what harnesses ask for
+    vllm_args: Sequence[str] = ()  # extra vLLM flags (--engine vllm)
+    vllm_port: int | None = None  # None: a free port
+    env: Mapping[str, str] = field(default_factory=dict)  # extra harness environment
+    read_only: Sequence[Path] = ()
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    policy: str  # the model directory the rollout sampled from
+    sessions: int
+    usable: int  # completed or timeout
+    rewarded: int  # completed with a reward (the ones the mean is over)
+    statuses: dict[str, int]
+    reward_mean: float | None
+    reward_se: float | None
+    rollout_s: float
+    train: dict[str, Any] | None = None  # {"status": "trained"|"nothing_to_train", "checkpoint", "seconds", ...}
+
+
+def mean_se(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """The mean and its standard error (sample std / sqrt(n)); (None, None) for no values, SE 0 for one."""
+    if not values:
+        return None, None
+    mean = statistics.fmean(values)
+    return mean, statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+def rise(first: IterationStats, last: IterationStats) -> tuple[float, float] | None:
+    """(last mean - first mean, that difference in standard errors of the difference), or None without rewards."""
+    if first.reward_mean is None or last.reward_mean is None:
+        return None
+    diff = last.reward_mean - first.reward_mean
+    se = math.hypot(first.reward_se or 0.0, last.reward_se or 0.0)
+    return diff, diff / se if se > 0 else (math.inf if diff > 0 else 0.0)
+
+
+def iteration_dir(out: Path, i: int) -> Path:
+    return out / f"iter-{i:03d}"
+
+
+# -- the state file --------------------------------------------------------------------------------------------------
+
+
+def load_state(out: Path) -> dict[str, Any]:
+    path = out / STATE_FILE
+    if not path.is_file():
+        return {"iterations": []}
+    return json.loads(path.read_text())
+
+
+def _save_state(out: Path, state: dict[str, Any]) -> None:
+    tmp = out / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, out / STATE_FILE)
+
+
+def _check_same_run(state: dict[str, Any], identity: dict[str, Any]) -> None:
+    """A resumed loop must be the same experiment: other tasks, harness or starting model would mix two runs."""
+    old = state.get("identity")
+    if old is None:
+        return
+    changed = [k for k in identity if old.get(k) != identity[k]]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} differ from the loop already in this directory "
+                         f"({', '.join(f'{k}={old.get(k)!r}' for k in changed)}): use another --out")
+
+
+# -- one phase each ----------------------------------------------------------------------------------------------------
+
+
+def stats_of(i: int, policy: Path, result: RolloutResult) -> IterationStats:
+    rewards = [s.reward for s in result.sessions if s.status == "completed" and s.reward is not None]
+    mean, se = mean_se(rewards)
+    counts = result.counts()
+    return IterationStats(
+        iteration=i, policy=str(policy), sessions=len(result.sessions),
+        usable=counts.get("completed", 0) + counts.get("timeout", 0), rewarded=len(rewards), statuses=counts,
+        reward_mean=mean, reward_se=se, rollout_s=result.ended_at - result.started_at,
+    )  # fmt: skip
+
+
+def train_command(shards: Path, policy: Path, output: Path, train_args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "polar_cli.app", "train", str(shards), "--model", str(policy), "--output",
+            str(output), "--no-progress", *train_args]  # fmt: skip
+
+
+def run_train(shards: Path, policy: Path, output: Path, train_args: Sequence[str], log: Path) -> dict[str, Any]:
+    """``polar train`` in its own process (its memory is gone when it ends); the outcome for loop.json."""
+    shutil.rmtree(output, ignore_errors=True)
+    started = time.monotonic()
+    with log.open("w") as f:
+        done = subprocess.run(train_command(shards, policy, output, train_args), stdout=f, stderr=subprocess.STDOUT)
+    seconds = time.monotonic() - started
+    if done.returncode == EXIT_NOTHING_TO_TRAIN:
+        shutil.rmtree(output, ignore_errors=True)
+        return {"status": "nothing_to_train", "seconds": seconds, "log": str(log)}
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"polar train exited {done.returncode} (log {log}):\n{tail}")
+    return {"status": "trained", "checkpoint": str(output), "seconds": seconds, "log": str(log)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Engine:
+    """The policy's engine across iterations: ``local:DIR`` per rollout, or one vLLM server restarted on reload."""
+
+    def __init__(self, config: LoopConfig, state_dir: Path) -> None:
+        self.config, self.state_dir = config, state_dir
+        self.server: Any = None
+        self.serving: Path | None = None
+
+    def spec(self, policy: Path, progress: Callable[[str], None]) -> str:
+        if self.config.engine == "local":
+            return f"local:{policy}"
+        from polar_cli.train.reload import reload_engine, serve_vllm
+
+        if self.server is None:
+            progress(f"starting vLLM on {policy}")
+            self.server = serve_vllm(
+                str(policy), port=self.config.vllm_port or _free_port(), served_model_name=self.config.served_model_name,
+                state_dir=self.state_dir, extra_args=list(self.config.vllm_args), dtype="auto",
+            )  # fmt: skip
+        elif self.serving != policy:
+            progress(f"reloading vLLM with {policy}")
+            reload_engine(self.server.spec, policy, state_dir=self.state_dir)
+        self.serving = policy
+        return self.server.spec
+
+    def close(self) -> None:
+        if self.server is not None:
+            from polar_cli.train.reload import stop_engine
+
+            stop_engine(self.server.url, state_dir=self.state_dir)
+            self.server = None
+
+
+def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], None] | None = None,
+             progress: Callable[[str], None] | None = None) -> list[IterationStats]:
+    """Run (or continue) the loop to ``config.iterations`` rollouts; returns every iteration's stats."""
+    if config.iterations < 1:
+        raise ValueError("iterations must be at least 1")
+    if not (config.model / "config.json").is_file():
+        raise ValueError(f"{config.model} is not a model directory (no config.json)")
+    say = progress or (lambda _line: None)
+    out = config.out
+    out.mkdir(parents=True, exist_ok=True)
+    state = load_state(out)
+    identity = {"tasks": task_set_hash(list(config.tasks)), "harness": config.harness,
+                "model": str(config.model.resolve()), "samples": config.samples}
+    _check_same_run(state, identity)
+    state["identity"] = identity
+    records: list[dict[str, Any]] = state["iterations"]
+    engine = _Engine(config, out / ".engines")
+    started = time.monotonic()
+    try:
+        for i in range(config.iterations):
+            idir = iteration_dir(out, i)
+            if i >= len(records):
+                shutil.rmtree(idir, ignore_errors=True)  # an interrupted attempt: start the iteration over whole
+                policy = _policy(records, config.model)
+                rollout = _rollout(config, i, policy, engine, say)
+                records.append(asdict(stats_of(i, policy, rollout)))
+                _save_state(out, state)
+                if on_iteration:
+                    on_iteration([IterationStats(**r) for r in records])
+            record = records[i]
+            if i < config.iterations - 1 and record.get("train") is None:
+                say(f"iteration {i}: polar train")
+                record["train"] = run_train(idir / "shards", Path(record["policy"]), idir / "checkpoint",
+                                            config.train_args, idir / "train.log")
+                _save_state(out, state)
+                if on_iteration:
+                    on_iteration([IterationStats(**r) for r in records])
+    finally:
+        engine.close()
+    state["seconds_this_run"] = time.monotonic() - started
+    _save_state(out, state)
+    return [IterationStats(**r) for r in records[: config.iterations]]
+
+
+def _policy(records: list[dict[str, Any]], start: Path) -> Path:
+    """The newest checkpoint a training made; iterations with nothing to train keep the policy before them."""
+    for record in reversed(records):
+        train = record.get("train") or {}
+        if train.get("status") == "trained":
+            return Path(train["checkpoint"])
+    return start
+
+
+def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None]) -> RolloutResult:
+    idir = iteration_dir(config.out, i)
+    idir.mkdir(parents=True)
+    spec = engine.spec(policy, say)
+    say(f"iteration {i}: rollout of {len(config.tasks)} tasks x {config.samples} samples on {policy}")
+    rollout = RolloutConfig(
+        tasks=config.tasks, harness=config.harness, samples=config.samples, out=str(idir / "shards"), engine=spec,
+        runtime=config.runtime, network=config.network, concurrency=config.concurrency,  # type: ignore[arg-type]
+        timeout_s=config.timeout_s, seed=config.seed + i, run_id=f"it{i:03d}", model=config.served_model_name,
+        logs_dir=idir / "logs", proxy_options=dict(config.proxy_options), env=dict(config.env),
+        read_only=tuple(config.read_only), work_dir=idir / "work",
+    )  # fmt: skip
+    try:
+        result = asyncio.run(run_rollout(rollout))
+    finally:
+        shutil.rmtree(idir / "work", ignore_errors=True)
+    (idir / "rollout-summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    if result.all_failed:
+        raise RuntimeError(f"iteration {i}: no session was usable (logs in {idir / 'logs'})")
+    return result
