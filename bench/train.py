@@ -106,12 +106,12 @@ def main() -> None:
     console = Console()
     shards = args.shards
     if shards is None:
-        from rollout import collect
+        from collect import collect
 
         shutil.rmtree(args.out, ignore_errors=True)
         shards = args.out / "capture" / "shards"
         t0 = time.perf_counter()
-        sessions = collect(args.model, shards, tag="bench", groups=args.groups, samples=args.samples,
+        sessions = collect(args.model, shards, groups=args.groups, samples=args.samples,
                            turns=args.turns, max_tokens=args.max_tokens)  # fmt: skip
         console.print(f"captured {len(sessions)} sessions x {args.turns} turns in {time.perf_counter() - t0:.0f} s")
     results = [train_once(s, shards, args) for s in STRATEGIES]

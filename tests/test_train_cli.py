@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples" / "toy_task"))
 
-from rollout import collect  # noqa: E402
+from collect import collect  # noqa: E402
 
 
 def polar(*args: str) -> subprocess.CompletedProcess:
@@ -27,7 +27,7 @@ def polar(*args: str) -> subprocess.CompletedProcess:
 def capture(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     shards = tmp_path_factory.mktemp("capture") / "shards"
     # 3 turns: 12 merges, of which about half re-tokenize a length-capped random turn (none: ~1e-3)
-    sessions = collect(tiny_model_dir, shards, tag="cli", groups=2, samples=3, turns=3, max_tokens=8)
+    sessions = collect(tiny_model_dir, shards, groups=2, samples=3, turns=3, max_tokens=8)
     assert len({s.reward for s in sessions}) > 1  # the shout verifier gives varied rewards
     return shards
 
@@ -78,7 +78,7 @@ def test_breaking_at_retokenized_turns_keeps_the_first_step_on_policy(
             break
         # About 1 capture in 1000 has no re-tokenized turn at all: sample a new one rather than skip.
         capture = tmp_path / f"resample-{attempt}" / "shards"
-        collect(tiny_model_dir, capture, tag=f"retok{attempt}", groups=2, samples=3, turns=3, max_tokens=8)
+        collect(tiny_model_dir, capture, groups=2, samples=3, turns=3, max_tokens=8, seed=attempt + 1)
         merged = totals(capture, "merge")
     broken = totals(capture, "break")
     n = merged["retokenized_merges"]
