@@ -32,6 +32,10 @@ MARKER = "polar-was-here"
 # polar_keepalive above any engine latency: every answer goes back whole, so the flow file keeps
 # each request body for the fidelity check (relayed streams leave none).
 OPTIONS = {"polar_shard_seconds": "0.5", "polar_keepalive": "600"}
+# Where bubblewrap is installed (make sandbox), Codex 0.171 runs its commands through it and its npm package's
+# `codex-linux-sandbox` helper is not found ("bwrap: execvp codex-linux-sandbox"): the tool loop runs unsandboxed,
+# as polar rollout's codex preset runs it (inside polar's own sandbox).
+NO_CODEX_SANDBOX = ("--dangerously-bypass-approvals-and-sandbox",)
 
 
 def script(tmp_path: Path, model_dir: Path) -> str:
@@ -80,7 +84,7 @@ def test_codex_default_provider_over_websocket(tiny_model_dir, tmp_path):
         env = codex_env(home, HTTPS_PROXY=proxy.proxy_url("codex-ws"), CODEX_CA_CERTIFICATE=str(proxy.ca),
                         SSL_CERT_FILE=str(proxy.ca), OPENAI_API_KEY="sk-not-a-real-key")
         started = time.monotonic()
-        result = run([str(codex), "exec", "--skip-git-repo-check", "-m", "tiny", PROMPT], env, home)
+        result = run([str(codex), "exec", "--skip-git-repo-check", *NO_CODEX_SANDBOX, "-m", "tiny", PROMPT], env, home)
         elapsed = time.monotonic() - started
         output = result.stdout + result.stderr
         assert result.returncode == 0, output + proxy.logs()[-3000:]
@@ -121,7 +125,7 @@ def test_codex_custom_provider_over_http(tiny_model_dir, tmp_path):
             f'base_url = "{proxy.url}/v1"\nenv_key = "POLAR_API_KEY"\nwire_api = "responses"\n'
             "supports_websockets = false\nrequest_max_retries = 0\nstream_max_retries = 0\n"
         )
-        result = run([str(codex), "exec", "--skip-git-repo-check", PROMPT], env, home)
+        result = run([str(codex), "exec", "--skip-git-repo-check", *NO_CODEX_SANDBOX, PROMPT], env, home)
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
         records = calls(out, "codex-http")
     assert "It printed polar-was-here." in result.stdout
