@@ -138,8 +138,8 @@ def test_early_stop_cancels_the_stragglers(proxy: StartedProxy, tmp_path: Path) 
     assert next(s for s in result.sessions if s.sample == 2).session_id not in sessions  # never ran, nothing posted
 
 
-def _polar(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "polar_cli.app", *args], cwd=REPO, capture_output=True, text=True,
+def _polar(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "polar_cli.app", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=600, env={**os.environ, **(env or {})})
 
 
@@ -148,9 +148,10 @@ def test_polar_rollout_command_then_build(tiny_model_dir: Path, tmp_path: Path, 
         {"id": "pass", "instruction": "Write the answer.", "verify": 'test "$(cat answer.txt)" = 42'},
         {"id": "fail", "instruction": "Write the answer.", "verify": 'test "$(cat answer.txt)" = 43'})  # fmt: skip
     store = tmp_path / "store"
+    # Relative --out and --work-dir, as `make demo` gives them: git and mitmdump run from other directories.
     done = _polar("rollout", str(tasks), "--harness", HARNESS, "--samples", "2", "--engine",
-                  f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "3",
-                  "--confdir", str(tmp_path / "conf"), "--set", "polar_shard_seconds=0.2")
+                  f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", "store", "--work-dir", "work", "--seed", "3",
+                  "--confdir", str(tmp_path / "conf"), "--set", "polar_shard_seconds=0.2", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 sessions (4 completed)" in done.stdout
     report = store / "rollouts" / "r3"

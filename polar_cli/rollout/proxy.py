@@ -68,6 +68,8 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
     confdir for a remote one)."""
     from polar_addon.control import token_file
 
+    if "://" not in out:
+        out = str(Path(out).resolve())  # mitmdump runs from the repository: a relative store would land there
     forward, reverse = free_port(), free_port()
     while reverse == forward:
         reverse = free_port()

@@ -215,7 +215,8 @@ async def run_rollout(config: RolloutConfig) -> RolloutResult:
     if config.seed is not None:
         random.Random(config.seed).shuffle(tasks)
     async with AsyncExitStack() as stack:
-        work_dir = config.work_dir
+        # Absolute: git, sandboxes and harnesses run with other working directories (a relative --out failed INIT).
+        work_dir = Path(config.work_dir).resolve() if config.work_dir is not None else None
         if work_dir is None:
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="polar-rollout-")))
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -629,7 +630,7 @@ class _Runner:
     def _write_log(self, session: _Session, name: str, text: str) -> None:
         if self.config.logs_dir is None:
             return
-        directory = Path(self.config.logs_dir) / "sessions" / session.session_id
+        directory = Path(self.config.logs_dir).resolve() / "sessions" / session.session_id
         directory.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(text)
 
