@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import typer
 
+from polar_cli.set_option import parse_set_options
+
 LOOP_HELP = """Close the loop: rollout -> polar train -> engine reload -> rollout, ITERATIONS times.
 
 Each iteration runs SAMPLES sessions of every task (as `polar rollout`) into OUT/iter-NNN/shards, then trains the policy that sampled them on exactly those shards (`polar train`), and the checkpoint becomes the policy of the next rollout. The last iteration only rolls out: it measures the last training. Iterations where every reward is equal ("nothing to train") keep the policy.
@@ -56,12 +58,7 @@ def loop(
         raise typer.BadParameter("local or vllm", param_hint="--engine")
     if network not in (None, "host", "proxy-only"):
         raise typer.BadParameter("host or proxy-only", param_hint="--network")
-    options: dict[str, str] = {}
-    for item in option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
-        options[key] = value
+    options = parse_set_options(option)
     train_args = list(ctx.args)
     _check_train_args(train_args)
     try:

@@ -17,6 +17,8 @@ from typing import Optional
 
 import typer
 
+from polar_cli.set_option import parse_set_options
+
 DEFAULT_PORT = 8080
 DEFAULT_REVERSE = "https://api.openai.com"
 DEFAULT_CONFDIR = "~/.mitmproxy"
@@ -83,12 +85,7 @@ def proxy(
     rport = reverse_port or port + 1
     if rport == port:
         raise typer.BadParameter("the reverse port must differ from the forward port", param_hint="--reverse-port")
-    extra: dict[str, str] = {"flow_detail": "0"}
-    for item in option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
-        extra[key] = value
+    extra = {"flow_detail": "0", **parse_set_options(option)}
     confdir = confdir.expanduser()
     cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{port}", f"reverse:{reverse}@{rport}"],
                            confdir=confdir, options=extra, quiet=False)

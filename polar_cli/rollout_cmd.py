@@ -15,6 +15,7 @@ from typing import Any, Optional
 import typer
 
 from polar_cli.rollout.tasks import TaskFileError
+from polar_cli.set_option import parse_set_options
 
 EXIT_ALL_FAILED = 1
 
@@ -86,12 +87,7 @@ def rollout(
                                  "rewards are posted with it", param_hint="--control-token")
     if network not in (None, "host", "proxy-only"):
         raise typer.BadParameter("host or proxy-only", param_hint="--network")
-    options: dict[str, str] = {}
-    for item in option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
-        options[key] = value
+    options = parse_set_options(option)
     try:
         task_list = load_tasks(tasks, limit=tasks_limit)
     except (TaskFileError, ValueError) as exc:
