@@ -8,19 +8,16 @@ module-level ``make(arg: str | None = None) -> HarnessPreset``; ``cmd:ANY COMMAN
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from polar_cli.rollout.harnesses.base import HarnessPreset
+from polar_cli.rollout.registry import find_make, modules_with_make
 
 _NOT_PRESETS = {"base"}
 
 
 def available_presets() -> list[str]:
     """The preset names ``get_preset`` accepts (module names, ``_`` spelled ``-``)."""
-    names = [m.name for m in pkgutil.iter_modules(__path__)
-             if m.name not in _NOT_PRESETS and m.name != "command" and not m.name.startswith("_")]  # command: cmd:
-    return sorted(n.replace("_", "-") for n in names if hasattr(importlib.import_module(f"{__name__}.{n}"), "make"))
+    # command is spelled cmd:
+    return sorted(n.replace("_", "-") for n in modules_with_make(__name__, __path__, _NOT_PRESETS | {"command"}))
 
 
 def get_preset(spec: str) -> HarnessPreset:
@@ -32,20 +29,11 @@ def get_preset(spec: str) -> HarnessPreset:
     else:
         name, _, rest = spec.partition(":")
         arg = rest or None
-    module_name = name.replace("-", "_")
-    if not module_name.isidentifier() or module_name in _NOT_PRESETS:
-        raise ValueError(f"unknown harness {name!r}; available: {', '.join(available_presets())}, or cmd:'COMMAND {{instruction}}'")
-    try:
-        module = importlib.import_module(f"{__name__}.{module_name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__name__}.{module_name}":
-            raise
-        raise ValueError(f"unknown harness {name!r}; available: {', '.join(available_presets())}, "
-                         "or cmd:'COMMAND {instruction}'") from None
-    make = getattr(module, "make", None)
-    if make is None:
-        raise ValueError(f"{module.__name__} has no make(arg) function: not a harness preset")
+    module, make = find_make(
+        __name__, name.replace("-", "_"), _NOT_PRESETS,
+        lambda: f"unknown harness {name!r}; available: {', '.join(available_presets())}, or cmd:'COMMAND {{instruction}}'",
+        "has no make(arg) function: not a harness preset")
     preset = make(arg)
     if not isinstance(preset, HarnessPreset):
-        raise TypeError(f"{module.__name__}.make returned {type(preset).__name__}, not a HarnessPreset")
+        raise TypeError(f"{module}.make returned {type(preset).__name__}, not a HarnessPreset")
     return preset
