@@ -76,7 +76,8 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
         # The agent posts reward 0.77 for itself three ways; the verifier checks each was refused (401).
         {"id": "self", "instruction": "MODE=self-reward", "verify": "grep -qx '401 401 401 401 401' self-reward.txt"},
         {"id": "flaky-setup", "instruction": "Write the answer.", "verify": "test -f answer.txt",
-         "setup": f"test -e {marker} || {{ touch {marker}; exit 1; }}"},
+         # mkdir is atomic: exactly one of the two concurrent setups fails once.
+         "setup": f"if mkdir {marker} 2>/dev/null; then exit 1; fi"},
         {"id": "broken-setup", "instruction": "never runs", "setup": "echo no disk >&2; exit 3"},
         # The agent writes answer.txt ("42"); a verifier that writes no reward file must not pass it off as one.
         {"id": "planted", "instruction": "Write the answer.", "reward_file": "answer.txt"},
