@@ -309,3 +309,77 @@ def test_claude_code_auto_compacts_through_polar(tiny_model_dir, tmp_path):
     built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
     assert built.report.total.breaks == {"compaction": 2}
     assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]
+
+
+# --- Qwen Code, Pi, Gemini CLI: their own compaction, with the window their rollout preset writes ----------
+
+
+def preset_run(preset, tmp_path, script: dict, session: str, window: int, instruction: str, target: str,
+               settings: tuple[str, dict] | None = None, extra_env: dict[str, str] | None = None, timeout: float = 240):
+    """Run a harness as its rollout preset configures it (``context_window=window``) against the scripted
+    engine behind a reverse proxy; ``settings`` = (a file under HOME, keys merged into what the preset wrote
+    there, if anything), e.g. to trim its prompt for a CPU forward pass."""
+    from polar_cli.rollout.harnesses.base import SessionContext
+    from tests.support.harnesses import calls, run
+
+    path = tmp_path / "script.json"
+    path.write_bytes(orjson.dumps(script))
+    home, out = tmp_path / "home", tmp_path / "shards"
+    home.mkdir()
+    with run_mitmdump(f"scripted:{path}", out, mode=f"reverse:{target}",
+                      options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}) as proxy:
+        ctx = SessionContext(session_id=session, task_id="t", group_id="g", sample=0, model="tiny", proxy_url=proxy.url,
+                             reverse_url=proxy.url, ca_path=str(proxy.ca), home=str(home), workspace=str(home),
+                             context_window=window)
+        preset.configure(home, ctx)
+        if settings is not None:
+            file = home / settings[0]
+            merged = orjson.loads(file.read_bytes()) if file.exists() else {}
+            file.parent.mkdir(parents=True, exist_ok=True)
+            for key, value in settings[1].items():
+                merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+            file.write_bytes(orjson.dumps(merged))
+        result = run(preset.command(instruction, ctx), {**preset.env(ctx), **(extra_env or {})}, home, timeout=timeout)
+        records = calls(out, session, include_failed=True)
+        logs = proxy.logs()[-3000:]
+    return result, records, logs
+
+
+def shell_turn(name: str, key: str, command: str) -> dict:
+    return {"content": None, "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {key: command}}}]}
+
+
+QWEN_TURN = shell_turn("run_shell_command", "command", "seq 1 300")  # ~1,130 tokens a round
+STATE_SNAPSHOT = "<state_snapshot>\n<overall_goal>Count.</overall_goal>\n<key_knowledge>seq ran.</key_knowledge>\n</state_snapshot>"
+
+
+@pytest.mark.harness
+def test_qwen_code_compresses_through_polar(tiny_model_dir, tmp_path):
+    """Qwen Code with the window its preset writes (``contextWindowSize``): past 70 % of it, before its next
+    call, it asks for a ``<state_snapshot>`` with its own compression prompt (as the system prompt), replaces
+    the older turns with the snapshot, carries on and exits 0. The trace breaks exactly there."""
+    from polar_cli.rollout.harnesses.qwen_code import QwenCode
+
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [QWEN_TURN] * 8, "summary": STATE_SNAPSHOT,
+              "after_compaction": [{"content": "Counting is done."}] * 8}
+    system = tmp_path / "system.md"
+    system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
+    # One tool and a short system prompt: the first prompt is ~10.3k tokens, each round adds ~1.1k; the window
+    # is such that 70 % of it (12.2k) is passed after the third round.
+    result, records, logs = preset_run(
+        QwenCode(), tmp_path, script, "qwen-compact", 17_400, "Count a few times.", "https://api.openai.com",
+        settings=(".qwen/settings.json", {"tools": {"approvalMode": "yolo", "core": ["run_shell_command"],
+                                                    "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"]}}),
+        extra_env={"QWEN_SYSTEM_MD": str(system)})
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    assert "Counting is done." in result.stdout
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == "qwen-code"]
+    # The compression prompt itself shows the <state_snapshot> structure: only later calls carry a summary.
+    summarised = [r.seq for r in records if summarised_history(r.messages) == "gemini-cli/qwen-code" and r.seq not in asking]
+    assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
+    assert len(records[asking[0] - 1].prompt_ids) > 0.7 * 17_400 > len(records[asking[0] - 2].prompt_ids)
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    # Its compression call has its own system prompt: it breaks the chain, and the summarised history starts another.
+    assert built.report.total.breaks == {"compaction": 2}
+    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]
