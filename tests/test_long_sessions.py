@@ -138,6 +138,34 @@ def test_token_counts_are_the_served_models(small_window_proxy, tiny_model_dir):
     assert gem.models.count_tokens(model="tiny", contents="hi").total_tokens == expected
 
 
+VLLM_WINDOW = 100_000  # the shared vLLM server's --max-model-len (tests/conftest.py)
+
+
+@pytest.mark.vllm
+def test_vllm_overflow_becomes_each_providers_error(vllm_server, tmp_path):
+    """A real vLLM CPU engine refuses a prompt past its ``--max-model-len``; polar reads the counts from its 400
+    and answers in the caller's provider shape (the shared server: a 100k window, so a ~100.5k-token prompt)."""
+    over = "word " * (VLLM_WINDOW + 500)  # one token per word in the tiny tokenizer
+    with run_mitmdump(f"vllm:{vllm_server}", tmp_path / "shards", options={"polar_shard_seconds": "0.2"}) as proxy:
+        chat = openai.OpenAI(api_key="sk-not-real", http_client=_http(proxy, "vllm-chat"), max_retries=0)
+        with pytest.raises(openai.BadRequestError) as chat_err:
+            list(chat.chat.completions.create(model="tiny", max_tokens=8, stream=True, messages=[{"role": "user", "content": over}]))
+        ant = anthropic.Anthropic(api_key="sk-ant-not-real", http_client=_http(proxy, "vllm-ant"), max_retries=0)
+        with pytest.raises(anthropic.BadRequestError) as ant_err:
+            ant.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": over}])
+        (chat_record,) = session_records(proxy.out, "vllm-chat", include_failed=True, at_least=1)
+        (ant_record,) = session_records(proxy.out, "vllm-ant", include_failed=True, at_least=1)
+    for record in (chat_record, ant_record):
+        assert record.status == "failed" and record.error.startswith("400 context_length_exceeded: prompt_tokens=")
+    prompt_tokens = int(ant_record.error.split("prompt_tokens=")[1].split()[0])
+    assert VLLM_WINDOW < prompt_tokens < VLLM_WINDOW + 600 and f"window={VLLM_WINDOW}" in ant_record.error
+    assert chat_err.value.code == "context_length_exceeded"
+    assert f"maximum context length is {VLLM_WINDOW} tokens" in chat_err.value.message
+    assert f"resulted in {prompt_tokens} tokens" in chat_err.value.message
+    assert ant_err.value.body["error"] == {"type": "invalid_request_error",
+                                           "message": f"prompt is too long: {prompt_tokens} tokens > {VLLM_WINDOW} maximum"}
+
+
 # --- Codex remote compaction, pure ------------------------------------------------------------
 
 
@@ -383,3 +411,126 @@ def test_qwen_code_compresses_through_polar(tiny_model_dir, tmp_path):
     # Its compression call has its own system prompt: it breaks the chain, and the summarised history starts another.
     assert built.report.total.breaks == {"compaction": 2}
     assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]
+
+
+def gemini_turns(n: int) -> list[dict]:
+    # Each command differs: the CLI stops a session that repeats one tool call (its loop detection).
+    return [shell_turn("run_shell_command", "command", f"seq {i} {i + 299}") for i in range(n)]  # ~1,400 tokens a round
+
+
+@pytest.mark.harness
+def test_gemini_cli_compresses_through_polar(tiny_model_dir, tmp_path):
+    """Gemini CLI with the threshold its preset writes (half the served window, as a share of the 1M tokens it
+    assumes for an unknown model): past it, before its next call, it asks for a ``<state_snapshot>`` and has it
+    checked (two calls with its compression prompt as the system prompt), counts the new history with
+    ``countTokens``, carries on from the snapshot and exits 0. The trace breaks there."""
+    from polar_cli.rollout.harnesses.gemini_cli import GeminiCli
+
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": gemini_turns(8), "summary": STATE_SNAPSHOT,
+              "after_compaction": [{"content": "Counting is done."}] * 8}
+    system = tmp_path / "system.md"
+    system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
+    # First prompt ~1.5k tokens with one tool; half the window (3.6k) is passed after the second round.
+    result, records, logs = preset_run(
+        GeminiCli(), tmp_path, script, "gemini-compact", 7_200, "Count a few times.", "https://generativelanguage.googleapis.com",
+        settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}), extra_env={"GEMINI_SYSTEM_MD": str(system)})
+    for r in records:
+        print(r.seq, r.status, len(r.prompt_ids), compaction_prompt(r.messages), summarised_history(r.messages), r.error)
+    assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
+    assert "Counting is done." in result.stdout
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == "gemini-cli"]
+    summarised = [r.seq for r in records if summarised_history(r.messages) == "gemini-cli/qwen-code" and r.seq not in asking]
+    assert len(asking) == 2 and asking[1] == asking[0] + 1  # the snapshot, then its check
+    assert summarised == list(range(asking[1] + 1, len(records)))
+    assert len(records[asking[0] - 1].prompt_ids) >= 3_600 > len(records[asking[0] - 2].prompt_ids)
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    print(built.report.total.breaks, [(t.calls_merged, t.break_cause) for t in built.traces])
+    assert built.report.total.breaks == {"compaction": 2}
+
+
+@pytest.mark.harness
+def test_codex_custom_provider_compacts_through_polar(tiny_model_dir, tmp_path):
+    """``codex:http`` (a custom provider: Responses over plain HTTP POSTs at the reverse proxy) with the window its
+    preset writes (auto-compact at 80 % of it): Codex compacts *locally* for a provider that is not OpenAI's, with
+    its own checkpoint prompt as a normal call, carries on from the summary and exits 0."""
+    from polar_cli.rollout.harnesses.codex import Codex
+
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [CODEX_TOOL_TURN] * 8,
+              "summary": "Goal: count. Done: seq ran several times.", "after_compaction": [{"content": "Counting is done."}] * 4}
+    # The first prompt is ~15.2k tokens, each tool turn adds ~120: 80 % of 19,250 is 15,400.
+    result, records, logs = preset_run(Codex(custom_provider=True), tmp_path, script, "codex-http-compact", 19_250,
+                                       "Count a few times.", "https://api.openai.com")
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    assert "Counting is done." in result.stdout
+    for r in records:
+        print(r.seq, r.status, r.api, len(r.prompt_ids), compaction_prompt(r.messages), summarised_history(r.messages))
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    assert {r.api for r in records} == {"openai_responses"}
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == "codex"]
+    summarised = [r.seq for r in records if summarised_history(r.messages) == "codex" and r.seq not in asking]
+    assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    print(built.report.total.breaks, [(t.calls_merged, t.break_cause) for t in built.traces])
+    assert built.report.total.breaks.get("compaction")
+
+
+PI_TURN = shell_turn("bash", "command", "seq 1 300")  # ~1,070 tokens a round
+PI_SUMMARY = "## Goal\nCount.\n## Progress\nseq ran three times."
+
+
+@pytest.mark.harness
+def test_pi_compacts_after_its_answer_in_print_mode(tiny_model_dir, tmp_path):
+    """Pi checks its window (``contextWindow`` from its preset, less ``compaction.reserveTokens`` = 16,384) only
+    when the agent stops: in print mode the threshold compaction comes after the answer, with its own
+    checkpoint prompt, and Pi exits 0. (The summary is for a next prompt, which ``pi -p`` never sends.)"""
+    from polar_cli.rollout.harnesses.pi import Pi
+
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [PI_TURN] * 3 + [{"content": "Done counting."}],
+              "summary": PI_SUMMARY}
+    # The last prompt is ~5.4k tokens, past 19,384 - 16,384 = 3,000.
+    result, records, logs = preset_run(Pi(), tmp_path, script, "pi-compact", 19_384, "Count a few times.", "https://api.openai.com")
+    assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
+    assert result.stdout.strip() == "Done counting."
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    assert [compaction_prompt(r.messages) for r in records] == [None] * 4 + ["pi"]
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    assert built.report.total.breaks == {"compaction": 1}
+
+
+@pytest.mark.harness
+def test_qwen_code_and_pi_recover_from_an_overflow(tiny_model_dir, tmp_path):
+    """The engine refuses a prompt as too long (the scripted engine's ``max_len`` under the harness's window):
+    Qwen Code reads the OpenAI ``context_length_exceeded`` error, compresses at once and retries; Pi recognises
+    "maximum context length is N tokens", compacts (keeping ``compaction.keepRecentTokens``) and retries. Both
+    exit 0 with the answer given after the summary; the refused call is recorded as failed."""
+    from polar_cli.rollout.harnesses.pi import Pi
+    from polar_cli.rollout.harnesses.qwen_code import QwenCode
+
+    system = tmp_path / "system.md"
+    system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
+    runs = {
+        # Qwen: prompts of ~10.3k, 11.4k, 12.5k tokens, then 13.6k > 13,500.
+        "qwen": (QwenCode(), "qwen-code", "gemini-cli/qwen-code", QWEN_TURN, STATE_SNAPSHOT, 13_500,
+                 (".qwen/settings.json", {"tools": {"approvalMode": "yolo", "core": ["run_shell_command"],
+                                                    "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"]}}),
+                 {"QWEN_SYSTEM_MD": str(system)}),
+        # Pi: prompts of ~2.2k, 3.3k, 4.4k tokens, then 5.4k > 5,000.
+        "pi": (Pi(), "pi", "pi", PI_TURN, PI_SUMMARY, 5_000, (".pi/agent/settings.json", {"compaction": {"keepRecentTokens": 1_000}}), {}),
+    }
+    for name, (preset, asks, summarises, turn, summary, max_len, settings, env) in runs.items():
+        script = {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": [turn] * 8,
+                  "summary": summary, "after_compaction": [{"content": "Counting is done."}] * 8}
+        (tmp_path / name).mkdir()
+        result, records, logs = preset_run(preset, tmp_path / name, script, f"{name}-overflow", 1_000_000, "Count a few times.",
+                                           "https://api.openai.com", settings=settings, extra_env=env)
+        for r in records:
+            print(name, r.seq, r.status, len(r.prompt_ids), compaction_prompt(r.messages), summarised_history(r.messages), (r.error or "")[:80])
+        assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
+        assert result.stdout.strip().endswith("Counting is done."), result.stdout
+        failed = [r for r in records if r.status == "failed"]
+        assert len(failed) == 1 and failed[0].error.startswith(f"400 context_length_exceeded: prompt_tokens=")
+        assert f"window={max_len}" in failed[0].error
+        after = records[failed[0].seq + 1:]
+        assert compaction_prompt(after[0].messages) == asks
+        assert after[1:] and all(summarised_history(r.messages) == summarises and r.status == "ok" for r in after[1:])
