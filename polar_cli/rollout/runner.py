@@ -13,6 +13,10 @@ Stages, each with its own bound:
   a FRESH sandbox of the task (the task's workspace, its setup, the patch; Harbor's tests at ``/tests``), the
   verifier's reward and the session's status posted to the proxy with the control token, teardown.
 
+The verifier also sees the harness's stdout (its final answer in print mode), as Harbor's verifiers see its agent
+logs: saved by the runner, outside the workspace, so the agent's patch cannot plant another. Every verify command
+gets its path in ``POLAR_AGENT_OUTPUT``; Harbor tasks also find it at ``/logs/agent/stdout.txt``.
+
 Statuses (``SessionResult.status``; what is posted to the store in brackets): ``completed`` (reward from the
 verifier), ``timeout`` (the deadline ended the harness; its traces so far are kept; the policy's failure, trained
 with reward 0), ``error`` (infrastructure, a harness that crashed or was killed, a verifier that gave no reward:
@@ -61,6 +65,9 @@ STATUSES: tuple[str, ...] = ("completed", "timeout", "error", "cancelled")
 USABLE = ("completed", "timeout")  # sessions a trainer learns from (error and cancelled are masked)
 STAGES = ("pending", "init", "ready", "run", "postrun", "done")
 _LOG_TAIL = 2000
+AGENT_OUTPUT_ENV = "POLAR_AGENT_OUTPUT"  # the verify command's path to the harness's stdout
+HARBOR_AGENT_DIR = "/logs/agent"  # Harbor's agent log directory (harbor/models/trial/paths.py)
+AGENT_OUTPUT_NAME = "stdout.txt"
 
 
 @dataclass
@@ -201,6 +208,7 @@ class _Session:
     ctx: SessionContext | None = None
     stage: str = "pending"
     ready_at: float = 0.0
+    agent_output: str = ""  # the harness's stdout, for the verifier
 
 
 def session_ids(tasks: Sequence[Task], samples: int, run_id: str) -> list[tuple[Task, int, str]]:
@@ -512,6 +520,7 @@ class _Runner:
         if done is None:
             return await self._end(session, "error", failure, {"reason": "runtime_failed"})
         session.result.exit_code = done.exit_code
+        session.agent_output = done.stdout
         self._write_log(session, "harness.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
         if done.cancelled and task.id in self.stopped_groups:
             return await self._end(session, "cancelled", "early stop: cancelled while running",
@@ -588,14 +597,21 @@ class _Runner:
         await ws.copy_template(await self._template(task), workspace)
         binds: dict[str, Path] = {}
         logs = vdir / "logs-verifier"
+        # The harness's stdout, in a directory of the verifier's own sandbox that the agent's patch never touches:
+        # Harbor's /logs/agent, else the verifier's fresh HOME (every runtime brings HOME in, local included).
+        agent_logs = vdir / "logs-agent" if task.format == "harbor" else home / ".polar-agent"
+        agent_logs.mkdir()
+        (agent_logs / AGENT_OUTPUT_NAME).write_text(session.agent_output)
         if task.format == "harbor":
             tests = vdir / "tests"
             assert task.tests_dir is not None
             await asyncio.to_thread(shutil.copytree, task.tests_dir, tests, symlinks=True)
             logs.mkdir()
-            binds = {"/tests": tests, "/logs/verifier": logs}
+            binds = {"/tests": tests, "/logs/verifier": logs, HARBOR_AGENT_DIR: agent_logs}
         env = resolve_env(dict(task.verify_env))
         sandbox = await self.runtime.start(self._spec(task, f"{session.session_id}-verify", workspace, home, binds))
+        inside = HARBOR_AGENT_DIR if task.format == "harbor" else f"{sandbox.home.rstrip('/')}/.polar-agent"
+        env[AGENT_OUTPUT_ENV] = f"{inside}/{AGENT_OUTPUT_NAME}"
         try:
             if task.setup:
                 done = await sandbox.exec(task.setup, cwd=sandbox.workspace, timeout_s=task.setup_timeout_s)
