@@ -18,6 +18,9 @@ import pytest
 
 from polar_addon.store import read_records, read_sessions, validate_store
 from polar_cli.build.output import read_traces
+from polar_cli.rollout.harnesses.base import SessionContext
+from polar_cli.rollout.harnesses.codex import Codex
+from polar_cli.rollout.harnesses.pi import Pi
 from polar_cli.rollout.proxy import ExternalProxy, StartedProxy, start_proxy
 from polar_cli.rollout.runner import RolloutConfig, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import load_tasks
@@ -58,7 +61,7 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 def _run(proxy: StartedProxy, tasks: Path, **fields) -> RolloutResult:
     external = ExternalProxy(f"http://127.0.0.1:{proxy.endpoints.forward_port}", proxy.control_token,
                              f"http://127.0.0.1:{proxy.endpoints.reverse_port}", proxy.endpoints.ca)
-    config = RolloutConfig(tasks=load_tasks(tasks), harness=HARNESS, proxy=external, **fields)
+    config = RolloutConfig(tasks=load_tasks(tasks), proxy=external, **{"harness": HARNESS, **fields})
     return asyncio.run(run_rollout(config))
 
 
@@ -216,3 +219,43 @@ def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> 
     # Local cannot place /tests: it says which runtimes can.
     local = _run(proxy, tasks / "txt", samples=1, init_attempts=1)
     assert local.sessions[0].status == "error" and "bwrap" in (local.sessions[0].reason or "")
+
+
+class _PiShowingItsConfig(Pi):
+    """Pi's own configure; its command prints the config the session's HOME holds instead of running Pi (what Pi
+    does with the window is tests/test_rollout_presets.py's)."""
+
+    def command(self, instruction: str, ctx: SessionContext) -> list[str]:
+        return ["cat", f"{ctx.home}/.pi/agent/models.json"]
+
+
+class _CodexShowingItsConfig(Codex):
+    def command(self, instruction: str, ctx: SessionContext) -> list[str]:
+        return ["cat", f"{ctx.home}/.codex/config.toml"]
+
+
+def _harness_stdout(logs: Path, result: RolloutResult) -> str:
+    (session,) = result.sessions
+    assert session.status == "completed", session.reason
+    log = (logs / "sessions" / session.session_id / "harness.log").read_text()
+    return log.split("--- stdout\n")[1].split("\n--- stderr\n")[0]
+
+
+def test_the_engines_window_reaches_the_harness_config(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """No --context-window: the started proxy's engine serves 3000 tokens (local:DIR?max_len), so Pi's models.json
+    in the session's HOME says so; --set polar_max_tokens is its output cap."""
+    tasks = _tasks(tmp_path, {"id": "window", "instruction": "x"})
+    config = RolloutConfig(tasks=load_tasks(tasks), harness=_PiShowingItsConfig(), out=str(tmp_path / "store"),
+                           engine=f"local:{tiny_model_dir}?max_len=3000", confdir=tmp_path / "conf",
+                           logs_dir=tmp_path / "logs", proxy_options={"polar_max_tokens": "256"})
+    result = asyncio.run(run_rollout(config))
+    models = json.loads(_harness_stdout(tmp_path / "logs", result))["providers"]["polar"]["models"]
+    assert models == [{"id": "policy", "contextWindow": 3000, "maxTokens": 256}]
+    assert (result.context_window, result.max_output_tokens) == (3000, 256)
+
+
+def test_a_given_window_reaches_the_harness_config(proxy: StartedProxy, tmp_path: Path) -> None:
+    tasks = _tasks(tmp_path, {"id": "window", "instruction": "x"})
+    result = _run(proxy, tasks, harness=_CodexShowingItsConfig(), context_window=5000, logs_dir=tmp_path / "logs")
+    config = _harness_stdout(tmp_path / "logs", result)
+    assert "model_context_window = 5000\n" in config and "model_auto_compact_token_limit = 4000\n" in config
