@@ -8,6 +8,10 @@ compaction, token counts, and compaction breaks in the built traces.
   ``model_auto_compact_token_limit``: it asks polar for a remote compaction (v2: a ``compaction_trigger``
   item), polar has the engine write the summary, Codex carries on from it and exits 0; the built trace
   breaks exactly there, with cause ``compaction``.
+- Claude Code, Qwen Code, Gemini CLI, Pi and Codex on a custom provider (``codex:http``), each with the window
+  its rollout preset writes, run past it on the scripted engine and compact by their own mechanism; Qwen Code
+  and Pi also recover from an overflow the engine forces (the others' reactions are in the README).
+- A real vLLM CPU engine's overflow becomes each provider's error through polar.
 """
 
 from __future__ import annotations
@@ -419,60 +423,29 @@ def gemini_turns(n: int) -> list[dict]:
 
 
 @pytest.mark.harness
-def test_gemini_cli_compresses_through_polar(tiny_model_dir, tmp_path):
-    """Gemini CLI with the threshold its preset writes (half the served window, as a share of the 1M tokens it
-    assumes for an unknown model): past it, before its next call, it asks for a ``<state_snapshot>`` and has it
-    checked (two calls with its compression prompt as the system prompt), counts the new history with
-    ``countTokens``, carries on from the snapshot and exits 0. The trace breaks there."""
+def test_gemini_cli_does_not_compress_a_one_prompt_session(tiny_model_dir, tmp_path):
+    """Gemini CLI checks its threshold (its preset: half the served window, as a share of the 1M tokens it assumes
+    for an unknown model) before each call, but splits the history only at a user message that is not a tool
+    result: a ``gemini -p`` session is one such message and then tool rounds, so there is nothing it may
+    compress. Past the threshold it sends no compression call and carries on with the whole history (until the
+    engine refuses it: then it exits 1, see the README)."""
     from polar_cli.rollout.harnesses.gemini_cli import GeminiCli
 
-    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": gemini_turns(8), "summary": STATE_SNAPSHOT,
-              "after_compaction": [{"content": "Counting is done."}] * 8}
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": gemini_turns(5) + [{"content": "Counting is done."}],
+              "summary": STATE_SNAPSHOT}
     system = tmp_path / "system.md"
     system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
-    # First prompt ~1.5k tokens with one tool; half the window (3.6k) is passed after the second round.
+    # First prompt ~1.5k tokens with one tool, ~1.4k more a round; half the window is 3.6k.
     result, records, logs = preset_run(
-        GeminiCli(), tmp_path, script, "gemini-compact", 7_200, "Count a few times.", "https://generativelanguage.googleapis.com",
+        GeminiCli(), tmp_path, script, "gemini-long", 7_200, "Count a few times.", "https://generativelanguage.googleapis.com",
         settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}), extra_env={"GEMINI_SYSTEM_MD": str(system)})
-    for r in records:
-        print(r.seq, r.status, len(r.prompt_ids), compaction_prompt(r.messages), summarised_history(r.messages), r.error)
     assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
     assert "Counting is done." in result.stdout
     assert all(r.status == "ok" for r in records), [r.error for r in records]
-    asking = [r.seq for r in records if compaction_prompt(r.messages) == "gemini-cli"]
-    summarised = [r.seq for r in records if summarised_history(r.messages) == "gemini-cli/qwen-code" and r.seq not in asking]
-    assert len(asking) == 2 and asking[1] == asking[0] + 1  # the snapshot, then its check
-    assert summarised == list(range(asking[1] + 1, len(records)))
-    assert len(records[asking[0] - 1].prompt_ids) >= 3_600 > len(records[asking[0] - 2].prompt_ids)
+    assert len(records) == 6 and sum(len(r.prompt_ids) >= 3_600 for r in records) >= 3
+    assert [compaction_prompt(r.messages) for r in records] == [None] * 6
     built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
-    print(built.report.total.breaks, [(t.calls_merged, t.break_cause) for t in built.traces])
-    assert built.report.total.breaks == {"compaction": 2}
-
-
-@pytest.mark.harness
-def test_codex_custom_provider_compacts_through_polar(tiny_model_dir, tmp_path):
-    """``codex:http`` (a custom provider: Responses over plain HTTP POSTs at the reverse proxy) with the window its
-    preset writes (auto-compact at 80 % of it): Codex compacts *locally* for a provider that is not OpenAI's, with
-    its own checkpoint prompt as a normal call, carries on from the summary and exits 0."""
-    from polar_cli.rollout.harnesses.codex import Codex
-
-    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [CODEX_TOOL_TURN] * 8,
-              "summary": "Goal: count. Done: seq ran several times.", "after_compaction": [{"content": "Counting is done."}] * 4}
-    # The first prompt is ~15.2k tokens, each tool turn adds ~120: 80 % of 19,250 is 15,400.
-    result, records, logs = preset_run(Codex(custom_provider=True), tmp_path, script, "codex-http-compact", 19_250,
-                                       "Count a few times.", "https://api.openai.com")
-    assert result.returncode == 0, result.stdout + result.stderr + logs
-    assert "Counting is done." in result.stdout
-    for r in records:
-        print(r.seq, r.status, r.api, len(r.prompt_ids), compaction_prompt(r.messages), summarised_history(r.messages))
-    assert all(r.status == "ok" for r in records), [r.error for r in records]
-    assert {r.api for r in records} == {"openai_responses"}
-    asking = [r.seq for r in records if compaction_prompt(r.messages) == "codex"]
-    summarised = [r.seq for r in records if summarised_history(r.messages) == "codex" and r.seq not in asking]
-    assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
-    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
-    print(built.report.total.breaks, [(t.calls_merged, t.break_cause) for t in built.traces])
-    assert built.report.total.breaks.get("compaction")
+    assert built.report.total.breaks == {} and [t.calls_merged for t in built.traces] == [6]
 
 
 PI_TURN = shell_turn("bash", "command", "seq 1 300")  # ~1,070 tokens a round
@@ -499,7 +472,8 @@ def test_pi_compacts_after_its_answer_in_print_mode(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.harness
-def test_qwen_code_and_pi_recover_from_an_overflow(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("name", ["qwen", "pi"])
+def test_qwen_code_and_pi_recover_from_an_overflow(name, tiny_model_dir, tmp_path):
     """The engine refuses a prompt as too long (the scripted engine's ``max_len`` under the harness's window):
     Qwen Code reads the OpenAI ``context_length_exceeded`` error, compresses at once and retries; Pi recognises
     "maximum context length is N tokens", compacts (keeping ``compaction.keepRecentTokens``) and retries. Both
@@ -515,22 +489,22 @@ def test_qwen_code_and_pi_recover_from_an_overflow(tiny_model_dir, tmp_path):
                  (".qwen/settings.json", {"tools": {"approvalMode": "yolo", "core": ["run_shell_command"],
                                                     "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"]}}),
                  {"QWEN_SYSTEM_MD": str(system)}),
-        # Pi: prompts of ~2.2k, 3.3k, 4.4k tokens, then 5.4k > 5,000.
-        "pi": (Pi(), "pi", "pi", PI_TURN, PI_SUMMARY, 5_000, (".pi/agent/settings.json", {"compaction": {"keepRecentTokens": 1_000}}), {}),
+        # Pi: prompts of ~2.2k, 3.3k, 4.4k tokens, then 5.4k > 5,000. It sizes what it keeps at 4 characters a
+        # token (a round here is ~300 by that count, ~1,070 real tokens): keeping 100 keeps the last round.
+        "pi": (Pi(), "pi", "pi", PI_TURN, PI_SUMMARY, 5_000, (".pi/agent/settings.json", {"compaction": {"keepRecentTokens": 100}}), {}),
     }
-    for name, (preset, asks, summarises, turn, summary, max_len, settings, env) in runs.items():
-        script = {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": [turn] * 8,
-                  "summary": summary, "after_compaction": [{"content": "Counting is done."}] * 8}
-        (tmp_path / name).mkdir()
-        result, records, logs = preset_run(preset, tmp_path / name, script, f"{name}-overflow", 1_000_000, "Count a few times.",
-                                           "https://api.openai.com", settings=settings, extra_env=env)
-        for r in records:
-            print(name, r.seq, r.status, len(r.prompt_ids), compaction_prompt(r.messages), summarised_history(r.messages), (r.error or "")[:80])
-        assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
-        assert result.stdout.strip().endswith("Counting is done."), result.stdout
-        failed = [r for r in records if r.status == "failed"]
-        assert len(failed) == 1 and failed[0].error.startswith(f"400 context_length_exceeded: prompt_tokens=")
-        assert f"window={max_len}" in failed[0].error
-        after = records[failed[0].seq + 1:]
-        assert compaction_prompt(after[0].messages) == asks
-        assert after[1:] and all(summarised_history(r.messages) == summarises and r.status == "ok" for r in after[1:])
+    preset, asks, summarises, turn, summary, max_len, settings, env = runs[name]
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": [turn] * 8,
+              "summary": summary, "after_compaction": [{"content": "Counting is done."}] * 8}
+    result, records, logs = preset_run(preset, tmp_path, script, f"{name}-overflow", 1_000_000, "Count a few times.",
+                                       "https://api.openai.com", settings=settings, extra_env=env)
+    for r in records:
+        print(name, r.seq, r.status, len(r.prompt_ids), compaction_prompt(r.messages), summarised_history(r.messages), (r.error or "")[:80])
+    assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
+    failed = [r for r in records if r.status == "failed"]
+    assert len(failed) == 1 and failed[0].error.startswith("400 context_length_exceeded: prompt_tokens=")
+    assert f"window={max_len}" in failed[0].error
+    after = records[failed[0].seq + 1:]
+    assert compaction_prompt(after[0].messages) == asks
+    assert after[1:] and all(summarised_history(r.messages) == summarises and r.status == "ok" for r in after[1:])
+    assert result.stdout.strip().endswith("Counting is done."), result.stdout
