@@ -28,11 +28,22 @@ WORK = REPO / ".mutation"
 MUTMUT = Path(sys.executable).with_name("mutmut")
 NOT_SLOW = ["-k", "not sigkill and not disk_full"]  # process-kill and tmpfs tests: minutes, not seconds
 
+PROVIDER_TESTS = [f"tests/test_provider_{name}.py"
+                  for name in ("anthropic_messages", "openai_chat", "openai_responses", "gemini")]
+
 # module -> (files to mutate, pytest selection: its fast unit tests)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "providers": (["polar_addon/providers/*"], ["tests/test_provider_anthropic_messages.py",
-                  "tests/test_provider_openai_chat.py", "tests/test_provider_openai_responses.py",
-                  "tests/test_provider_gemini.py", "tests/test_fidelity.py"]),
+    # One entry per provider: each is mutated against its own test file (and the fidelity round trips).
+    "providers.anthropic_messages": (["polar_addon/providers/anthropic_messages.py"],
+                                     ["tests/test_provider_anthropic_messages.py", "tests/test_fidelity.py"]),
+    "providers.openai_chat": (["polar_addon/providers/openai_chat.py"],
+                              ["tests/test_provider_openai_chat.py", "tests/test_fidelity.py"]),
+    "providers.openai_responses": (["polar_addon/providers/openai_responses.py"],
+                                   ["tests/test_provider_openai_responses.py", "tests/test_fidelity.py"]),
+    "providers.gemini": (["polar_addon/providers/gemini.py"],
+                         ["tests/test_provider_gemini.py", "tests/test_fidelity.py"]),
+    "providers.common": (["polar_addon/providers/common.py", "polar_addon/providers/__init__.py"],
+                         [*PROVIDER_TESTS, "tests/test_fidelity.py"]),
     "identity": (["polar_addon/identity.py"], ["tests/test_identity.py"]),
     "gateway": (["polar_addon/gateway.py"], ["tests/test_gateway_core.py"]),
     "store.journal": (["polar_addon/store/journal.py"],
@@ -54,7 +65,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-def _scratch(module: str) -> Path:
+def _scratch(module: str, timeout_multiplier: float) -> Path:
     """A fresh copy of the code and tests with a [tool.mutmut] section for this module."""
     files, tests = MODULES[module]
     work = WORK / module
@@ -70,6 +81,10 @@ def _scratch(module: str) -> Path:
         f"only_mutate = {json.dumps(files)}",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]',
+        # A mutant that deadlocks a writer thread burns no CPU: only mutmut's wall-clock limit,
+        # (its tests' clean-run time + 1 s) x this multiplier, ends it. mutmut's default, 15, let a
+        # few hung store mutants stall a run for minutes each.
+        f"timeout_multiplier = {timeout_multiplier}",
         "",
     ])
     (work / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text() + config)
@@ -91,8 +106,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run(module: str, lock: str | None, children: int) -> None:
-    work = _scratch(module)
+def run(module: str, lock: str | None, children: int, timeout_multiplier: float) -> None:
+    work = _scratch(module, timeout_multiplier)
     env = _env()
     env["POLAR_TEST_TINY_MODEL"] = str(_tiny_model())
     cmd = ["nice", "-n", "19", str(MUTMUT), "run", "--max-children", str(children)]
@@ -113,16 +128,16 @@ def score(module: str) -> dict[str, int] | None:
 
 
 def report() -> None:
-    print(f"{'module':22s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'no tests':>9s} {'score':>7s}")
+    print(f"{'module':28s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'no tests':>9s} {'score':>7s}")
     for module in MODULES:
         stats = score(module)
         if stats is None:
-            print(f"{module:22s} {'(not run)':>8s}")
+            print(f"{module:28s} {'(not run)':>8s}")
             continue
         caught = stats["killed"] + stats["timeout"] + stats["segfault"]
         total = stats["total"] - stats["skipped"]
         pct = 100.0 * caught / total if total else float("nan")
-        print(f"{module:22s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {pct:6.1f}%")
+        print(f"{module:28s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {pct:6.1f}%")
 
 
 def main() -> None:
@@ -131,6 +146,8 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only print the scores of earlier runs")
     parser.add_argument("--lock", help="flock this file around each module's run")
     parser.add_argument("--children", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--timeout-multiplier", type=float, default=6.0,
+                        help="a mutant is stopped after (its tests' clean time + 1 s) x this (default 6)")
     args = parser.parse_args()
     unknown = set(args.modules) - set(MODULES)
     if unknown:
@@ -138,7 +155,7 @@ def main() -> None:
     if not args.report:
         for module in args.modules or list(MODULES):
             print(f"mutating {module} ...", flush=True)
-            run(module, args.lock, args.children)
+            run(module, args.lock, args.children, args.timeout_multiplier)
     report()
 
 
