@@ -69,6 +69,7 @@ def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_
             root = store.journal_root
             probe = Path(store._own_dir.path) / ".probe"
             probe.mkdir()  # the journal probe cannot create its file (EISDIR): only a real write clears the error
+            probe_failed = f"cannot write the trace journal in {root}: [Errno 21] Is a directory: '{probe}'"
             await store.append(make_record("s", [1], [2], []))
 
             async def fail_once() -> None:
@@ -77,7 +78,8 @@ def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_
                     await store.append(make_record("s", [1, 2, 3], [4], []))
                 fault.on = False
                 assert caught.value.reason == f"cannot write the trace journal in {root}: [Errno 28] No space left on device"
-                assert _refused(store) == caught.value.reason
+                # The write's reason, or the failing probe's once the shard writer (woken by the failure) ran it.
+                assert _refused(store) in (caught.value.reason, probe_failed)
                 assert _refused(store, journal_too=False) is None  # writes still try: the write is the probe
 
             # Each kind of write is attempted while the journal error stands, and its success clears it.
@@ -94,7 +96,7 @@ def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_
             # With no write at all, the shard writer's probe finds the journal writable again.
             await fail_once()
             await _until(lambda: "[Errno 21]" in (_refused(store) or ""), "the failing probe's reason")
-            assert _refused(store) == f"cannot write the trace journal in {root}: [Errno 21] Is a directory: '{probe}'"
+            assert _refused(store) == probe_failed
             probe.rmdir()
             await _until(lambda: _refused(store) is None, "the probe to clear the journal error")
             assert not probe.exists()  # the probe removes its file
@@ -169,8 +171,12 @@ def test_an_unexpected_error_in_a_write_reaches_the_caller_inline_or_queued(tmp_
             await store.append(make_record("s", [1], [2], []))  # the writer thread builds the seq index
             await _until(lambda: _idle(store), "the writer thread to go idle")
             bug["on"] = True
-            with pytest.raises(RuntimeError, match="a bug in the journal"):
-                await store.append(make_record("s", [1, 2], [3], []))  # idle: inline
+            for _ in range(5):  # idle: inline, unless the writer thread happened to hold its lock
+                with pytest.raises(RuntimeError, match="a bug in the journal"):
+                    await store.append(make_record("s", [1, 2], [3], []))
+                if taken[-1]:
+                    break
+                await _until(lambda: _idle(store), "the writer thread to go idle")
             store._inline_after = time.monotonic() + 60  # as after a slow write: to the writer thread
             with pytest.raises(RuntimeError, match="a bug in the journal"):
                 await store.append(make_record("s", [1, 2], [3], []))
@@ -178,8 +184,9 @@ def test_an_unexpected_error_in_a_write_reaches_the_caller_inline_or_queued(tmp_
             await store.append(make_record("s", [1, 2], [3], []))
 
     asyncio.run(main())
-    assert taken == [False, True, False, False]
-    assert [r.message for r in caplog.records if r.name == "polar.store"] == ["journal write failed", "journal batch failed"]
+    assert taken[0] is False and taken[-3:] == [True, False, False]
+    logged = [r.message for r in caplog.records if r.name == "polar.store"]
+    assert logged == ["journal write failed" if inline else "journal batch failed" for inline in taken[1:-1]]
     assert [r.seq for r in read_records(str(tmp_path / "out"))] == [0, 1]
 
 
