@@ -8,18 +8,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import errno
+import hashlib
+import logging
 import os
+import re
 import time
 from pathlib import Path
 
 import orjson
+import pyarrow.parquet as pq
 import pytest
 
 import polar_addon.store.trace_store as trace_store
 from polar_addon.store import SESSION_STATUSES, StorageUnavailable, TraceStore, read_records, read_rewards, read_table
 from polar_addon.store.entries import row_entry
+from polar_addon.store.journal import SEGMENT_SUFFIX
 from polar_addon.store.shards import SESSIONS, Output
-from polar_addon.store.trace_store import entry_problem, quarantine_lines, split_segment
+from polar_addon.store.trace_store import default_journal_dir, entry_problem, quarantine_lines, split_segment
 from tests.test_store_basic import make_record
 
 DEADLINE_S = 10.0
@@ -107,7 +112,7 @@ def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_
     assert [r.value for r in read_rewards(str(tmp_path / "out"))] == [1.0]
 
 
-def test_a_failed_shard_write_refuses_until_the_output_probe_succeeds(tmp_path: Path, monkeypatch) -> None:
+def test_a_failed_shard_write_refuses_until_the_output_probe_succeeds(tmp_path: Path, monkeypatch, caplog) -> None:
     out = str(tmp_path / "out")
     broken = {"write": True, "probe": True}
 
@@ -132,6 +137,8 @@ def test_a_failed_shard_write_refuses_until_the_output_probe_succeeds(tmp_path: 
             await store.append(make_record("s", [1], [2], []))  # durable in the journal; its shard fails
             await _until(lambda: _refused(store, journal_too=False) is not None, "the output error")
             assert _refused(store) == f"cannot write shards to {out}: [Errno 30] Read-only file system"
+            assert f"cannot write shards to {out}: [Errno 30] Read-only file system" in [
+                r.getMessage() for r in caplog.records if r.name == "polar.store"]
             with pytest.raises(StorageUnavailable):
                 await store.append(make_record("s", [1, 2, 3], [4], []))
             assert store.pending_segments == 1
@@ -192,6 +199,8 @@ def test_an_unexpected_error_in_a_write_reaches_the_caller_inline_or_queued(tmp_
 
 def test_a_group_commit_numbers_each_sessions_calls_in_order(tmp_path: Path) -> None:
     sent = [make_record(sid, [i], [i], []) for i in range(4) for sid in ("a", "b")]
+    bad = make_record("a", [1], [2], [])
+    bad.top_k = "forty"  # type: ignore[assignment]
 
     async def main() -> None:
         async with TraceStore(str(tmp_path / "out")) as store:
@@ -199,11 +208,13 @@ def test_a_group_commit_numbers_each_sessions_calls_in_order(tmp_path: Path) -> 
             # While something else writes, appends queue up and the writer thread commits them as one batch;
             # the event loop itself never waits for that lock.
             store._write_lock.acquire()
-            tasks = [asyncio.create_task(store.append(r)) for r in sent]
+            tasks = [asyncio.create_task(store.append(r)) for r in [*sent[:3], bad, *sent[3:]]]
             await asyncio.sleep(0)  # every append is queued
             assert not any(t.done() for t in tasks)
             store._write_lock.release()
-            await asyncio.gather(*tasks)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            # The bad record fails alone: the ones after it in the batch are still written.
+            assert [type(r).__name__ for r in results] == ["NoneType"] * 3 + ["TypeError"] + ["NoneType"] * 5
 
     asyncio.run(main())
     assert [(r.session_id, r.seq) for r in sent] == [(sid, i + (sid == "a")) for i in range(4) for sid in "ab"]
@@ -273,3 +284,99 @@ def test_quarantine_helpers() -> None:
         b'{"segment":"seg-1","entry":1,"reason":"why","payload_b64":"' + base64.b64encode(b"ab") + b'"}\n'
         b'{"segment":"seg-1","entry":3,"reason":"bad","payload_b64":""}\n'
     )
+
+
+def test_the_journal_of_a_remote_store_lives_in_a_local_cache_named_after_its_uri(monkeypatch) -> None:
+    remote = Output(uri="s3://bucket/traces", fs=None, root="bucket/traces", local=False)  # type: ignore[arg-type]
+    digest = hashlib.sha256(b"s3://bucket/traces").hexdigest()[:16]
+    monkeypatch.setenv("POLAR_JOURNAL_DIR", "/j")
+    assert default_journal_dir(remote) == f"/j/{digest}"
+    monkeypatch.delenv("POLAR_JOURNAL_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/cache")
+    assert default_journal_dir(remote) == f"/cache/polar/journal/{digest}"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "/home/u")
+    assert default_journal_dir(remote) == f"/home/u/.cache/polar/journal/{digest}"
+    local = Output.from_uri("/data/out")
+    assert default_journal_dir(local) == "/data/out/_journal"
+
+
+def test_a_journal_that_cannot_be_created_is_storage_unavailable(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    journal_dir = tmp_path / "file" / "journal"
+    with pytest.raises(StorageUnavailable) as caught:
+        TraceStore(str(tmp_path / "out"), journal_dir=str(journal_dir))
+    assert caught.value.reason.startswith(f"cannot create the trace journal in {journal_dir}: [Errno 20] Not a directory")
+
+
+def test_a_closed_store_says_so(tmp_path: Path) -> None:
+    store = TraceStore(str(tmp_path / "out"))
+    store.close()
+    assert _refused(store, journal_too=False) == "the trace store is closed"
+
+
+def test_segments_are_cut_at_shard_max_records_and_named_by_writer_and_counter(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+
+    async def main() -> str:
+        async with TraceStore(str(out), shard_max_records=2) as store:
+            for i in range(5):
+                await store.append(make_record("s", list(range(i + 1)), [7], []))
+            return store.writer_id
+
+    writer = asyncio.run(main())
+    shards = sorted((out / "calls").glob("*.parquet"))
+    names = [re.fullmatch(r"\d{19}-(.+)-(\d{6})\.parquet", p.name) for p in shards]
+    assert [(m.group(1), m.group(2)) for m in names if m] == [(writer, "000001"), (writer, "000002"), (writer, "000003")]
+    assert [pq.read_metadata(p).num_rows for p in shards] == [2, 2, 1]  # the last one cut by close
+
+
+def _crash(store: TraceStore) -> None:
+    """The writer dies: no seal, no conversion, its journal directory stays behind unlocked."""
+    store._closed = True
+    store._own_dir.release(remove=False)
+
+
+def test_a_dead_writers_journal_is_kept_until_its_segments_reach_shards(tmp_path: Path, monkeypatch, caplog) -> None:
+    out = str(tmp_path / "out")
+    journal_root = Path(out) / "_journal"
+
+    async def dead_writer(records: int) -> str:
+        store = TraceStore(out, shard_max_records=10_000, shard_max_seconds=3600)
+        for i in range(records):
+            await store.append(make_record("s", list(range(i + 1)), [7], []))
+        _crash(store)
+        return store._own_dir.path
+
+    # A dead writer that wrote nothing: its directory is removed when the next store opens.
+    empty = asyncio.run(dead_writer(0))
+    TraceStore(out).close()
+    assert not os.path.exists(empty) and list(journal_root.iterdir()) == []
+
+    # One that wrote two calls, while the output cannot take shards: replay fails, the store refuses, and
+    # closing it keeps the dead writer's directory with its segment.
+    dead = asyncio.run(dead_writer(2))
+    [segment] = [p for p in Path(dead).iterdir() if p.name.endswith(SEGMENT_SUFFIX)]
+
+    def read_only(self, *args):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    write_shard = Output.write_shard
+    monkeypatch.setattr(Output, "write_shard", read_only)
+    caplog.set_level(logging.INFO, logger="polar.store")
+    store = TraceStore(out)
+    reason = f"cannot write shards to {out}: [Errno 30] Read-only file system"
+    assert _refused(store, journal_too=False) == reason
+    store.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == "polar.store"]
+    assert logged[:2] == [f"replay of {segment} failed: [Errno 30] Read-only file system",
+                          "1 journal segments wait for the output"]
+    assert logged[-1] == (f"trace store closed with 1 journal segments not in shards yet ({reason}): "
+                          f"{journal_root}")
+    assert segment.exists()
+
+    # With the output back, the next store replays it and removes the directory; a clean close leaves nothing.
+    monkeypatch.setattr(Output, "write_shard", write_shard)
+    TraceStore(out).close()
+    assert not os.path.exists(dead) and list(journal_root.iterdir()) == []
+    assert [(r.seq, r.prompt_ids) for r in read_records(out)] == [(0, [0]), (1, [0, 1])]
