@@ -43,6 +43,11 @@ def loop(
     timeout: Optional[float] = typer.Option(None, help="Seconds per harness run (default: each task's)."),
     seed: int = typer.Option(0, help="Iteration i's rollout seed is SEED + i (session ids and task order)."),
     served_model_name: str = typer.Option("policy", "--served-model", help="The model name harnesses ask for."),
+    context_window: Optional[int] = typer.Option(None, min=1, help="The context window each harness is told. "
+                                                 "Default: what the engine serves (the model's "
+                                                 "max_position_embeddings; vLLM's --max-model-len)."),
+    max_output_tokens: Optional[int] = typer.Option(None, min=1, help="The output cap each harness is told. "
+                                                    "Default: --set polar_max_tokens=N when given, else the harness's own."),
     option: list[str] = typer.Option([], "--set", help="Extra proxy option KEY=VALUE (repeatable), e.g. "
                                      "--set polar_max_tokens=64."),
     vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM flag with --engine vllm (repeatable)."),
@@ -76,7 +81,7 @@ def loop(
         tasks=task_list, harness=harness, model=model, iterations=iterations, out=out, samples=samples,
         engine=engine, runtime=runtime, network=network, concurrency=concurrency, timeout_s=timeout,  # type: ignore[arg-type]
         seed=seed, proxy_options=options, train_args=train_args, served_model_name=served_model_name,
-        vllm_args=vllm_arg,
+        vllm_args=vllm_arg, context_window=context_window, max_output_tokens=max_output_tokens,
     )  # fmt: skip
     shown: set[tuple[int, bool]] = set()
 

@@ -50,6 +50,12 @@ def rollout(
     tasks_limit: Optional[int] = typer.Option(None, help="Only the first K tasks."),
     seed: Optional[int] = typer.Option(None, help="Fixes session ids and task order (same seed, same ids)."),
     model: str = typer.Option("policy", help="The model name harnesses ask for."),
+    context_window: Optional[int] = typer.Option(None, min=1, help="The context window each harness is told (its "
+                                                 "compaction and token budgets). Default: what --engine serves (local: "
+                                                 "the model's max_position_embeddings, or ?max_len=N; vllm/sglang: "
+                                                 "max_model_len on /v1/models); with --proxy: the harness's own."),
+    max_output_tokens: Optional[int] = typer.Option(None, min=1, help="The output cap each harness is told. Default: "
+                                                    "--set polar_max_tokens=N when given, else the harness's own."),
     confdir: Path = typer.Option(Path("~/.mitmproxy"), help="mitmproxy's configuration directory (its CA)."),
     option: list[str] = typer.Option([], "--set", help="Extra mitmdump option KEY=VALUE for the started proxy "
                                      "(repeatable), e.g. --set polar_max_tokens=512."),
@@ -116,15 +122,16 @@ def rollout(
     config = RolloutConfig(
         tasks=task_list, harness=preset, samples=samples, out=out, engine=engine, proxy=external, runtime=runtime,
         network=network, concurrency=concurrency, ready=ready, timeout_s=timeout, early_stop=early_stop, seed=seed,
-        model=model, init_attempts=init_attempts, work_dir=work_dir, keep_sessions=keep_sessions,
-        read_only=[p.resolve() for p in read_only],
+        model=model, context_window=context_window, max_output_tokens=max_output_tokens, init_attempts=init_attempts,
+        work_dir=work_dir, keep_sessions=keep_sessions, read_only=[p.resolve() for p in read_only],
         logs_dir=report / "logs", confdir=confdir, proxy_options=options, run_id=run_id, progress=progress,
     )  # fmt: skip
     manifest = {
         "command": sys.argv, "run_id": run_id, "seed": seed, "tasks": str(tasks), "task_count": len(task_list),
         "task_set_hash": task_set_hash(task_list), "harness": harness, "harness_version": _harness_version(preset),
         "runtime": runtime, "network": network, "engine": engine, "proxy": proxy, "store": out, "samples": samples,
-        "model": model, "concurrency": concurrency, "ready": ready, "timeout_s": timeout, "early_stop": early_stop,
+        "model": model, "context_window": context_window, "max_output_tokens": max_output_tokens,
+        "concurrency": concurrency, "ready": ready, "timeout_s": timeout, "early_stop": early_stop,
         "versions": _versions(), "started_at": time.time(),
     }  # fmt: skip
     (report / "rollout-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -148,3 +148,9 @@ def test_errors_are_canonical(vllm_server):
             await down.close()
 
     run(scenario())
+
+
+def test_the_served_window_is_vllms_max_model_len(vllm_server):
+    from polar_cli.rollout.window import engine_window
+
+    assert engine_window(f"vllm:{vllm_server}") == 100000  # the fixture's --max-model-len

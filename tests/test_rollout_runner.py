@@ -18,6 +18,9 @@ import pytest
 
 from polar_addon.store import read_records, read_sessions, validate_store
 from polar_cli.build.output import read_traces
+from polar_cli.rollout.harnesses.base import SessionContext
+from polar_cli.rollout.harnesses.codex import Codex
+from polar_cli.rollout.harnesses.pi import Pi
 from polar_cli.rollout.proxy import ExternalProxy, StartedProxy, start_proxy
 from polar_cli.rollout.runner import RolloutConfig, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import load_tasks
@@ -59,7 +62,7 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 def _run(proxy: StartedProxy, tasks: Path, **fields) -> RolloutResult:
     external = ExternalProxy(f"http://127.0.0.1:{proxy.endpoints.forward_port}", proxy.control_token,
                              f"http://127.0.0.1:{proxy.endpoints.reverse_port}", proxy.endpoints.ca)
-    config = RolloutConfig(tasks=load_tasks(tasks), harness=HARNESS, proxy=external, **fields)
+    config = RolloutConfig(tasks=load_tasks(tasks), proxy=external, **{"harness": HARNESS, **fields})
     return asyncio.run(run_rollout(config))
 
 
@@ -82,6 +85,9 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
         {"id": "broken-setup", "instruction": "never runs", "setup": "echo no disk >&2; exit 3"},
         # The agent writes answer.txt ("42"); a verifier that writes no reward file must not pass it off as one.
         {"id": "planted", "instruction": "Write the answer.", "reward_file": "answer.txt"},
+        # The harness's final answer (its stdout, "done"), saved by the runner outside the workspace.
+        {"id": "stdout", "instruction": "Write the answer.",
+         "verify": 'test "$(cat "$POLAR_AGENT_OUTPUT")" = done && case "$POLAR_AGENT_OUTPUT" in "$PWD"/*) exit 1;; esac'},
     )  # fmt: skip
     result = _run(proxy, tasks, samples=2, concurrency=4, ready=4, init_attempts=2, seed=11,
                   logs_dir=tmp_path / "logs")
@@ -91,15 +97,16 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
     statuses = {t: sorted(s.status for s in ss) for t, ss in by_task.items()}
     assert statuses == {"pass": ["completed"] * 2, "fail": ["completed"] * 2, "crash": ["error"] * 2,
                         "hang": ["timeout"] * 2, "self": ["completed"] * 2, "flaky-setup": ["completed"] * 2,
-                        "broken-setup": ["error"] * 2, "planted": ["error"] * 2}, [(s.session_id, s.task_id, s.reason) for s in result.sessions]
+                        "broken-setup": ["error"] * 2, "planted": ["error"] * 2, "stdout": ["completed"] * 2}, [(s.session_id, s.task_id, s.reason) for s in result.sessions]
     rewards = {t: sorted(s.reward for s in ss if s.reward is not None) for t, ss in by_task.items()}
     assert rewards["pass"] == [1.0, 1.0] and rewards["fail"] == [0.0, 0.0] and rewards["self"] == [1.0, 1.0]
+    assert rewards["stdout"] == [1.0, 1.0]
     assert sorted(s.init_attempts for s in by_task["flaky-setup"]) == [1, 2]  # one session met the failure, retried
     assert all(s.init_attempts == 2 and not s.ran and "exited 3" in (s.reason or "") for s in by_task["broken-setup"])
     assert all(s.ran and s.exit_code not in (0, None) for s in by_task["crash"])
     assert all(s.session_id.startswith("r11-") for s in result.sessions)
     assert all("wrote no answer.txt" in (s.reason or "") for s in by_task["planted"])
-    assert result.summary()["statuses"] == {"completed": 8, "timeout": 2, "error": 6, "cancelled": 0}
+    assert result.summary()["statuses"] == {"completed": 10, "timeout": 2, "error": 6, "cancelled": 0}
 
     store = _store(proxy)
     wait_for_shards(store)
@@ -111,7 +118,7 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
         assert stored.rewards == ({"reward": s.reward} if s.status == "completed" else {})
         assert all(r.source == "proxy" for r in stored.reward_history)  # posted by the runner, never the agent
         assert stored.metadata["task"] == s.task_id and stored.metadata["sample"] == s.sample
-        if s.task_id in ("pass", "fail", "self", "hang", "crash"):
+        if s.task_id in ("pass", "fail", "self", "hang", "crash", "stdout"):
             records = read_records(store, [s.session_id])
             assert records, f"{s.session_id} ({s.task_id}) has no captured call"
             assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(s.task_id, s.task_id, s.sample)}
@@ -201,9 +208,12 @@ def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> 
     _harbor_task(tasks, "txt", 'test "$(cat answer.txt)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n')
     _harbor_task(tasks, "json", 'test -e /tests/test.sh && test ! -e /app/tests && echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n')
     _harbor_task(tasks, "silent", "true\n")  # writes no reward: an error, never a 0
+    # The harness's stdout at Harbor's /logs/agent, and in POLAR_AGENT_OUTPUT as for JSONL tasks.
+    _harbor_task(tasks, "stdout", 'test "$(cat /logs/agent/stdout.txt)" = done && test "$POLAR_AGENT_OUTPUT" = /logs/agent/stdout.txt && echo 1 > /logs/verifier/reward.txt\n')
     # The cmd: preset shows the venv and the agent script it names read-only inside; nothing else of the host.
     result = _run(proxy, tasks, samples=1, concurrency=3, runtime="bwrap")
     got = {s.task_id: (s.status, s.rewards) for s in result.sessions}
+    assert got["stdout"] == ("completed", {"reward": 1.0}), next(s.reason for s in result.sessions if s.task_id == "stdout")
     assert got["txt"] == ("completed", {"reward": 1.0})
     assert got["json"] == ("completed", {"reward": 0.5, "tests": 1.0, "style": 0.0})
     silent = next(s for s in result.sessions if s.task_id == "silent")
@@ -211,3 +221,43 @@ def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> 
     # Local cannot place /tests: it says which runtimes can.
     local = _run(proxy, tasks / "txt", samples=1, init_attempts=1)
     assert local.sessions[0].status == "error" and "bwrap" in (local.sessions[0].reason or "")
+
+
+class _PiShowingItsConfig(Pi):
+    """Pi's own configure; its command prints the config the session's HOME holds instead of running Pi (what Pi
+    does with the window is tests/test_rollout_presets.py's)."""
+
+    def command(self, instruction: str, ctx: SessionContext) -> list[str]:
+        return ["cat", f"{ctx.home}/.pi/agent/models.json"]
+
+
+class _CodexShowingItsConfig(Codex):
+    def command(self, instruction: str, ctx: SessionContext) -> list[str]:
+        return ["cat", f"{ctx.home}/.codex/config.toml"]
+
+
+def _harness_stdout(logs: Path, result: RolloutResult) -> str:
+    (session,) = result.sessions
+    assert session.status == "completed", session.reason
+    log = (logs / "sessions" / session.session_id / "harness.log").read_text()
+    return log.split("--- stdout\n")[1].split("\n--- stderr\n")[0]
+
+
+def test_the_engines_window_reaches_the_harness_config(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """No --context-window: the started proxy's engine serves 3000 tokens (local:DIR?max_len), so Pi's models.json
+    in the session's HOME says so; --set polar_max_tokens is its output cap."""
+    tasks = _tasks(tmp_path, {"id": "window", "instruction": "x"})
+    config = RolloutConfig(tasks=load_tasks(tasks), harness=_PiShowingItsConfig(), out=str(tmp_path / "store"),
+                           engine=f"local:{tiny_model_dir}?max_len=3000", confdir=tmp_path / "conf",
+                           logs_dir=tmp_path / "logs", proxy_options={"polar_max_tokens": "256"})
+    result = asyncio.run(run_rollout(config))
+    models = json.loads(_harness_stdout(tmp_path / "logs", result))["providers"]["polar"]["models"]
+    assert models == [{"id": "policy", "contextWindow": 3000, "maxTokens": 256}]
+    assert (result.context_window, result.max_output_tokens) == (3000, 256)
+
+
+def test_a_given_window_reaches_the_harness_config(proxy: StartedProxy, tmp_path: Path) -> None:
+    tasks = _tasks(tmp_path, {"id": "window", "instruction": "x"})
+    result = _run(proxy, tasks, harness=_CodexShowingItsConfig(), context_window=5000, logs_dir=tmp_path / "logs")
+    config = _harness_stdout(tmp_path / "logs", result)
+    assert "model_context_window = 5000\n" in config and "model_auto_compact_token_limit = 4000\n" in config

@@ -56,6 +56,8 @@ class LoopConfig:
     proxy_options: Mapping[str, str] = field(default_factory=dict)
     train_args: Sequence[str] = ()  # extra `polar train` options, forwarded as given
     served_model_name: str = "policy"  # what harnesses ask for
+    context_window: int | None = None  # None: what the engine serves (RolloutConfig.context_window)
+    max_output_tokens: int | None = None
     vllm_args: Sequence[str] = ()  # extra vLLM flags (--engine vllm)
     vllm_port: int | None = None  # None: a free port
     env: Mapping[str, str] = field(default_factory=dict)  # extra harness environment
@@ -261,7 +263,8 @@ def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Cal
         runtime=config.runtime, network=config.network, concurrency=config.concurrency,  # type: ignore[arg-type]
         timeout_s=config.timeout_s, seed=config.seed + i, run_id=f"it{i:03d}", model=config.served_model_name,
         logs_dir=idir / "logs", proxy_options=dict(config.proxy_options), env=dict(config.env),
-        read_only=tuple(config.read_only), work_dir=idir / "work",
+        read_only=tuple(config.read_only), work_dir=idir / "work", context_window=config.context_window,
+        max_output_tokens=config.max_output_tokens,
     )  # fmt: skip
     try:
         result = asyncio.run(run_rollout(rollout))

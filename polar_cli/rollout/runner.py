@@ -13,6 +13,10 @@ Stages, each with its own bound:
   a FRESH sandbox of the task (the task's workspace, its setup, the patch; Harbor's tests at ``/tests``), the
   verifier's reward and the session's status posted to the proxy with the control token, teardown.
 
+The verifier also sees the harness's stdout (its final answer in print mode), as Harbor's verifiers see its agent
+logs: saved by the runner, outside the workspace, so the agent's patch cannot plant another. Every verify command
+gets its path in ``POLAR_AGENT_OUTPUT``; Harbor tasks also find it at ``/logs/agent/stdout.txt``.
+
 Statuses (``SessionResult.status``; what is posted to the store in brackets): ``completed`` (reward from the
 verifier), ``timeout`` (the deadline ended the harness; its traces so far are kept; the policy's failure, trained
 with reward 0), ``error`` (infrastructure, a harness that crashed or was killed, a verifier that gave no reward:
@@ -52,6 +56,7 @@ from polar_cli.rollout.runtimes import get_runtime
 from polar_cli.rollout.runtimes.base import NetworkMode, ProxyEndpoints, Runtime, Sandbox, SandboxSpec
 from polar_cli.rollout.tasks import Task
 from polar_cli.rollout.verify import VerifierError, file_rewards, harbor_rewards, resolve_env
+from polar_cli.rollout.window import engine_window
 
 log = logging.getLogger("polar.rollout")
 
@@ -60,6 +65,9 @@ STATUSES: tuple[str, ...] = ("completed", "timeout", "error", "cancelled")
 USABLE = ("completed", "timeout")  # sessions a trainer learns from (error and cancelled are masked)
 STAGES = ("pending", "init", "ready", "run", "postrun", "done")
 _LOG_TAIL = 2000
+AGENT_OUTPUT_ENV = "POLAR_AGENT_OUTPUT"  # the verify command's path to the harness's stdout
+HARBOR_AGENT_DIR = "/logs/agent"  # Harbor's agent log directory (harbor/models/trial/paths.py)
+AGENT_OUTPUT_NAME = "stdout.txt"
 
 
 @dataclass
@@ -83,6 +91,10 @@ class RolloutConfig:
     early_stop: int | None = None  # cancel a group's stragglers once this many of its sessions are usable
     seed: int | None = None  # fixes session ids and task order
     model: str = "policy"  # the model name harnesses ask for (the proxy's engine answers whatever it is)
+    # The window and output cap each harness budgets by (compaction, max tokens). None: the window the started
+    # proxy's engine serves (polar_cli.rollout.window), the cap of ``--set polar_max_tokens``; else the harness's own.
+    context_window: int | None = None
+    max_output_tokens: int | None = None
     init_attempts: int = 3  # tries of INIT per session (infrastructure failures)
     verify_attempts: int = 2  # tries of starting the verifier's sandbox
     work_dir: Path | None = None  # scratch for session homes and workspaces; None: a temporary directory
@@ -121,6 +133,8 @@ class RolloutResult:
     started_at: float
     ended_at: float
     store: str | None
+    context_window: int | None = None  # what the harnesses were told (given or read from the engine)
+    max_output_tokens: int | None = None
 
     def counts(self) -> dict[str, int]:
         counts = Counter(s.status for s in self.sessions)
@@ -143,6 +157,7 @@ class RolloutResult:
         minutes = max(self.ended_at - self.started_at, 1e-9) / 60
         return {
             "run_id": self.run_id, "store": self.store, "sessions": len(self.sessions), "statuses": self.counts(),
+            "context_window": self.context_window, "max_output_tokens": self.max_output_tokens,
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "groups": {g: {"rewards": r, "mean": sum(r) / len(r) if r else None}
                        for g, r in sorted(self.group_rewards().items())},
@@ -193,6 +208,7 @@ class _Session:
     ctx: SessionContext | None = None
     stage: str = "pending"
     ready_at: float = 0.0
+    agent_output: str = ""  # the harness's stdout, for the verifier
 
 
 def session_ids(tasks: Sequence[Task], samples: int, run_id: str) -> list[tuple[Task, int, str]]:
@@ -224,11 +240,23 @@ async def run_rollout(config: RolloutConfig) -> RolloutResult:
         control = ControlClient(endpoints.forward_port, token)
         stack.push_async_callback(control.aclose)
         stack.push_async_callback(runtime.close)
-        runner = _Runner(config, preset, runtime, endpoints, control, work_dir, run_id)
+        window, output_cap = await _budget(config)
+        runner = _Runner(config, preset, runtime, endpoints, control, work_dir, run_id, window, output_cap)
         started = time.time()
         sessions = await runner.run(tasks)
         return RolloutResult(run_id, [s.result for s in sessions], started, time.time(),
-                             config.out if config.proxy is None else None)
+                             config.out if config.proxy is None else None, window, output_cap)
+
+
+async def _budget(config: RolloutConfig) -> tuple[int | None, int | None]:
+    """The window and output cap the harnesses are told: given, else what the started proxy serves."""
+    window = config.context_window
+    if window is None and config.engine is not None:
+        window = await asyncio.to_thread(engine_window, config.engine)
+    output_cap = config.max_output_tokens
+    if output_cap is None and config.engine is not None:
+        output_cap = int(config.proxy_options.get("polar_max_tokens") or 0) or None
+    return window, output_cap
 
 
 def _check(config: RolloutConfig) -> None:
@@ -244,6 +272,11 @@ def _check(config: RolloutConfig) -> None:
         raise ValueError(f"early_stop must be between 1 and samples ({config.samples})")
     if config.timeout_s is not None and config.timeout_s <= 0:
         raise ValueError("timeout must be positive")
+    for name in ("context_window", "max_output_tokens"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ValueError(f"{name.replace('_', ' ')} must be at least 1")
+    if config.context_window and config.max_output_tokens and config.max_output_tokens >= config.context_window:
+        raise ValueError("max output tokens must be below the context window (the prompt needs room)")
     if (config.engine is None) == (config.proxy is None):
         raise ValueError("give an engine (the runner starts a proxy) or a running proxy, not both")
     if config.engine is not None and not config.out:
@@ -267,8 +300,10 @@ async def _proxy(config: RolloutConfig, work_dir: Path) -> AsyncIterator[tuple[P
 
 class _Runner:
     def __init__(self, config: RolloutConfig, preset: HarnessPreset, runtime: Runtime, endpoints: ProxyEndpoints,
-                 control: ControlClient, work_dir: Path, run_id: str) -> None:
+                 control: ControlClient, work_dir: Path, run_id: str, context_window: int | None = None,
+                 max_output_tokens: int | None = None) -> None:
         self.config, self.preset, self.runtime = config, preset, runtime
+        self.context_window, self.max_output_tokens = context_window, max_output_tokens
         self.endpoints, self.control, self.work_dir, self.run_id = endpoints, control, work_dir, run_id
         self.network: NetworkMode = config.network or getattr(runtime, "default_network", "proxy-only")
         self.progress = config.progress or RolloutProgress()
@@ -438,7 +473,8 @@ class _Runner:
         session.ctx = SessionContext(
             session_id=session.session_id, task_id=task.id, group_id=task.id, sample=session.sample,
             model=self.config.model, proxy_url=sandbox.proxy_url, reverse_url=sandbox.reverse_url,
-            ca_path=sandbox.ca_path, home=sandbox.home, workspace=sandbox.workspace)  # fmt: skip
+            ca_path=sandbox.ca_path, home=sandbox.home, workspace=sandbox.workspace,
+            context_window=self.context_window, max_output_tokens=self.max_output_tokens)  # fmt: skip
         self.preset.configure(session.home, session.ctx)
 
     async def _workspace_view(self, session: _Session, name: str) -> Path:
@@ -484,6 +520,7 @@ class _Runner:
         if done is None:
             return await self._end(session, "error", failure, {"reason": "runtime_failed"})
         session.result.exit_code = done.exit_code
+        session.agent_output = done.stdout
         self._write_log(session, "harness.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
         if done.cancelled and task.id in self.stopped_groups:
             return await self._end(session, "cancelled", "early stop: cancelled while running",
@@ -560,14 +597,21 @@ class _Runner:
         await ws.copy_template(await self._template(task), workspace)
         binds: dict[str, Path] = {}
         logs = vdir / "logs-verifier"
+        # The harness's stdout, in a directory of the verifier's own sandbox that the agent's patch never touches:
+        # Harbor's /logs/agent, else the verifier's fresh HOME (every runtime brings HOME in, local included).
+        agent_logs = vdir / "logs-agent" if task.format == "harbor" else home / ".polar-agent"
+        agent_logs.mkdir()
+        (agent_logs / AGENT_OUTPUT_NAME).write_text(session.agent_output)
         if task.format == "harbor":
             tests = vdir / "tests"
             assert task.tests_dir is not None
             await asyncio.to_thread(shutil.copytree, task.tests_dir, tests, symlinks=True)
             logs.mkdir()
-            binds = {"/tests": tests, "/logs/verifier": logs}
+            binds = {"/tests": tests, "/logs/verifier": logs, HARBOR_AGENT_DIR: agent_logs}
         env = resolve_env(dict(task.verify_env))
         sandbox = await self.runtime.start(self._spec(task, f"{session.session_id}-verify", workspace, home, binds))
+        inside = HARBOR_AGENT_DIR if task.format == "harbor" else f"{sandbox.home.rstrip('/')}/.polar-agent"
+        env[AGENT_OUTPUT_ENV] = f"{inside}/{AGENT_OUTPUT_NAME}"
         try:
             if task.setup:
                 done = await sandbox.exec(task.setup, cwd=sandbox.workspace, timeout_s=task.setup_timeout_s)

@@ -1,6 +1,7 @@
 """A small tool-using agent for the rollout tests, written with the official openai SDK and unaware of polar: it
 reads OPENAI_API_KEY / OPENAI_BASE_URL from its environment (the cmd preset sets them), runs a chat loop with one
-tool, ``write_file``, executed in its working directory, and stops when the model answers without a tool call.
+tool, ``write_file``, executed in its working directory, and stops when the model answers without a tool call,
+printing that final answer (as harnesses do in print mode).
 
     python rollout_agent.py "INSTRUCTION"
 
@@ -62,6 +63,7 @@ def main() -> None:
         message = answer.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
+            print(message.content or "")
             break
         for call in message.tool_calls:
             args = json.loads(call.function.arguments)

@@ -10,11 +10,16 @@ Nothing else of the host is reachable where the runtime can prevent it (``networ
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Mapping, Sequence
 
 NetworkMode = Literal["host", "proxy-only", "none"]
+# Where an isolated sandbox (bwrap, oci) puts HOME and mitmproxy's CA certificate (only that file of its confdir).
+ISOLATED_HOME = "/home/polar"
+ISOLATED_RUN_DIR = "/run/polar"
+ISOLATED_CA = f"{ISOLATED_RUN_DIR}/mitmproxy-ca-cert.pem"
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,22 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def stop(self) -> None:
         """Tear everything down (idempotent)."""
+
+
+class IsolatedSandbox(Sandbox):
+    """A sandbox with its own filesystem and loopback (bwrap, oci): HOME at ``/home/polar``, the CA at
+    ``/run/polar``, the proxy at the host's ports on the sandbox's own loopback; and the process bookkeeping their
+    ``cancel``/``stop`` share."""
+
+    def __init__(self, spec: SandboxSpec) -> None:
+        self.spec = spec
+        self.home = ISOLATED_HOME
+        self.proxy_url = f"http://127.0.0.1:{spec.proxy.forward_port}"
+        self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
+        self.ca_path = ISOLATED_CA
+        self.running: set[asyncio.subprocess.Process] = set()
+        self.cancels = 0  # cancel() calls so far: an exec that began before one is killed even if not yet spawned
+        self.stopped = False
 
 
 class Runtime(abc.ABC):

@@ -43,13 +43,14 @@ from typing import Mapping, Sequence
 
 from polar_cli.rollout.runtimes import cgroups
 from polar_cli.rollout.runtimes.archive import extract_contained
-from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
+from polar_cli.rollout.runtimes.base import (ISOLATED_CA, ISOLATED_HOME, ISOLATED_RUN_DIR, ExecResult, IsolatedSandbox,
+                                             Runtime, RuntimeUnavailable, SandboxSpec)
 from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
 
-HOME = "/home/polar"
+HOME = ISOLATED_HOME
 WORKSPACE = "/workspace"
-RUN_DIR = "/run/polar"  # the bridge's Unix sockets and the CA, inside
-CA_INSIDE = f"{RUN_DIR}/mitmproxy-ca-cert.pem"
+RUN_DIR = ISOLATED_RUN_DIR  # the bridge's Unix sockets and the CA, inside
+CA_INSIDE = ISOLATED_CA
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
 # Host secrets under /etc, hidden behind empty files/directories: the sandbox's uid maps to the host user, so a
@@ -73,23 +74,16 @@ def find_bwrap() -> str | None:
     return str(candidate) if candidate.exists() else None
 
 
-class BwrapSandbox(Sandbox):
+class BwrapSandbox(IsolatedSandbox):
     def __init__(self, runtime: BwrapRuntime, spec: SandboxSpec, scratch: Path,
                  bridges: list[asyncio.subprocess.Process], cgroup: cgroups.Cgroup | None = None):
+        super().__init__(spec)
         self.runtime = runtime
         self.cgroup = cgroup  # cpus / memory_mb / pids, shared by every exec of the sandbox
-        self.spec = spec
         self.scratch = scratch
         self.bridges = bridges
         self.workspace = spec.workdir or WORKSPACE
         self.host_workspace = Path(spec.workspace)
-        self.home = HOME
-        self.proxy_url = f"http://127.0.0.1:{spec.proxy.forward_port}"
-        self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
-        self.ca_path = CA_INSIDE
-        self.running: set[asyncio.subprocess.Process] = set()
-        self.cancels = 0  # cancel() calls so far: an exec that began before one is killed even if not yet spawned
-        self.stopped = False
         # Inside path -> host path of everything writable, for error messages and the tests' view of the layout.
         self.mounts: dict[str, Path] = {self.workspace: spec.workspace, self.home: spec.home, "/tmp": scratch / "tmp",
                                         **{posixpath.normpath(k): Path(v) for k, v in spec.binds.items()}}

@@ -39,13 +39,14 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from polar_cli.rollout.runtimes.archive import extract_contained
-from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
+from polar_cli.rollout.runtimes.base import (ISOLATED_CA, ISOLATED_HOME, ExecResult, IsolatedSandbox, Runtime,
+                                             RuntimeUnavailable, SandboxSpec)
 from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
 from polar_cli.rollout.runtimes.bwrap import find_bwrap
 
-HOME = "/home/polar"
+HOME = ISOLATED_HOME
 WORKSPACE = "/workspace"
-CA_INSIDE = "/run/polar/mitmproxy-ca-cert.pem"
+CA_INSIDE = ISOLATED_CA
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # pid 1: sleeps until the container is removed; exits at once on SIGTERM.
 INIT = 'trap "exit 0" TERM; while :; do sleep 3600 & wait $!; done'
@@ -53,23 +54,16 @@ INIT = 'trap "exit 0" TERM; while :; do sleep 3600 & wait $!; done'
 KILL_ALL = "kill -9 -1 2>/dev/null; exit 0"
 
 
-class OciSandbox(Sandbox):
+class OciSandbox(IsolatedSandbox):
     def __init__(self, runtime: OciRuntime, spec: SandboxSpec, container: str, scratch: Path,
                  helpers: list[asyncio.subprocess.Process]):
+        super().__init__(spec)
         self.runtime = runtime
-        self.spec = spec
         self.container = container
         self.scratch = scratch
         self.helpers = helpers  # host-side bridge socats and the network-namespace holder
         self.workspace = spec.workdir or WORKSPACE
         self.host_workspace: Path | None = None  # set by start when the host directory is bound
-        self.home = HOME
-        self.proxy_url = f"http://127.0.0.1:{spec.proxy.forward_port}"
-        self.reverse_url = f"http://127.0.0.1:{spec.proxy.reverse_port}"
-        self.ca_path = CA_INSIDE
-        self.running: set[asyncio.subprocess.Process] = set()
-        self.cancels = 0  # cancel() calls so far: an exec that began before one is killed even if not yet spawned
-        self.stopped = False
 
     async def _cli(self, *args: str, stdin: bytes | None = None, timeout_s: float | None = None
                    ) -> tuple[int, bytes, bytes, bool, bool]:

@@ -1,0 +1,86 @@
+"""The context window an engine serves, read from its spec, so each session's harness budgets by it (compaction,
+output caps) when the user gives no ``--context-window``.
+
+- ``local:DIR`` (and a scripted engine's ``model_dir``): the model's ``max_position_embeddings``, lowered by
+  ``?max_len=N`` (the script's ``max_len``), as :class:`polar_addon.engines.local.LocalEngine` serves it;
+- ``vllm:URL`` / ``sglang:URL``: the ``max_model_len`` their ``/v1/models`` reports (vLLM's ``--max-model-len``);
+- a comma-separated pool: the smallest known window (a session may land on any engine).
+
+Unknown (a server that does not answer or report it, a model without the field): None, and the harness keeps its
+own default.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+
+from polar_cli.mitm import REPO
+
+
+def model_window(model_dir: Path) -> int | None:
+    """``max_position_embeddings`` of a model directory's config (its text model's, for a multimodal one)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _capped(native: int | None, max_len: int) -> int | None:
+    if native and max_len:
+        return min(native, max_len)
+    return native or max_len or None
+
+
+def _local_path(target: str) -> Path:
+    # The proxy runs mitmdump from the repository, so a relative model path there resolves against it too.
+    path = Path(target).expanduser()
+    return path if path.is_absolute() or path.exists() else REPO / path
+
+
+def served_window(url: str, timeout_s: float = 5.0) -> int | None:
+    """``max_model_len`` of the first model an OpenAI-compatible server lists on ``/v1/models``."""
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s)
+        models = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    for model in models:
+        value = model.get("max_model_len") if isinstance(model, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def engine_window(spec: str) -> int | None:
+    """The window ``spec`` (a ``polar_engine`` value) serves; None when it cannot be told."""
+    windows = []
+    for one in spec.split(","):
+        kind, _, target = one.strip().partition(":")
+        window: int | None = None
+        if kind == "local":
+            directory, _, query = target.partition("?")
+            options = dict(part.partition("=")[::2] for part in query.split("&") if part)
+            window = _capped(model_window(_local_path(directory)), int(options.get("max_len") or 0))
+        elif kind == "scripted":
+            script = _local_path(target)
+            try:
+                data = json.loads(script.read_text())
+                model_dir = Path(data["model_dir"])
+            except (OSError, ValueError, KeyError, TypeError):
+                data, model_dir = {}, None
+            if model_dir is not None:
+                window = _capped(model_window(model_dir if model_dir.is_absolute() else script.parent / model_dir),
+                                 int(data.get("max_len") or 0))
+        elif kind in ("vllm", "sglang"):
+            window = served_window(target)
+        if window:
+            windows.append(window)
+    return min(windows) if windows else None
