@@ -103,7 +103,8 @@ class Polar:
         self._allow_hosts_set: list[str] | None = None  # what we last put into allow_hosts
 
     def load(self, loader) -> None:
-        loader.add_option("polar_engine", str, "", "Inference engine spec(s), comma-separated: sglang:URL, vllm:URL, local:MODEL_DIR.")
+        loader.add_option("polar_engine", str, "", "Inference engine spec(s), comma-separated: sglang:URL, vllm:URL, local:MODEL_DIR. "
+                          "Each session stays on one engine; a failing engine is taken out and its sessions end as error.")
         loader.add_option("polar_out", str, "shards", "Where trace shards go: a directory or a pyarrow filesystem URI (s3://bucket/prefix).")
         loader.add_option("polar_hosts", Sequence[str], [], "Extra HOST or HOST:PORT whose model API calls are captured (besides the provider hosts).")
         loader.add_option("polar_block_other", bool, False, "Refuse all non-model traffic (403, CONNECT to other hosts and raw TCP included) instead of passing it through (sandboxes).")

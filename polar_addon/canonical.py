@@ -182,6 +182,15 @@ class PolarError(Exception):
         self.message = message
 
 
+class EngineFault(PolarError):
+    """The engine itself failed: unreachable, or an HTTP 5xx other than busy. Counts toward taking it out of
+    the proxy's pool (polar_addon.engines.affinity); ``refused``: nothing listens at its address."""
+
+    def __init__(self, status: int, kind: str, message: str, *, refused: bool = False) -> None:
+        super().__init__(status, kind, message)
+        self.refused = refused
+
+
 class ContextLengthExceeded(PolarError):
     """The prompt does not fit the served model's window: each provider words it the way its harness
     recognises (see the providers' ``render_error``). The counts are the engine's, when it said them."""

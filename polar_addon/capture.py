@@ -173,8 +173,10 @@ def record_failed(
     error: str,
     harness: str | None,
     started_at: float,
+    engine: str | None = None,
 ) -> CaptureRecord:
-    """A failed call is recorded (so no call disappears) but never becomes training data."""
+    """A failed call is recorded (so no call disappears) but never becomes training data. ``engine``: the
+    engine it was sent to, if it got that far."""
     fields = _request_fields(request) if request is not None else {}
     return CaptureRecord(
         record_id=new_record_id(),
@@ -189,5 +191,6 @@ def record_failed(
         started_at=started_at,
         finished_at=time.time(),
         error=error,
+        engine=engine,
         **fields,
     )

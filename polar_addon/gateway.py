@@ -307,25 +307,31 @@ class Gateway:
     async def _complete_and_record(self, provider: Provider, request: CanonicalRequest, call: IncomingCall) -> Completion:
         session = call.identity.session_id
         await self._note_session(call, request)
-        engine = self.pool.for_session(session)
+        try:
+            engine = self.pool.for_session(session)
+        except PolarError as err:  # its engine was taken out, or none is live
+            await self._record_failure(call, provider.name, request, err)
+            raise
         t0 = time.monotonic()
         try:
             # The client's model name is echoed back; engines send their own served name.
             completion = await engine.complete(request)
         except PolarError as err:
-            await self._record_failure(call, provider.name, request, err)
+            await self._record_failure(call, provider.name, request, err, engine=engine.name)
+            await self._end_lost_sessions(self.pool.failed(engine, err), engine.name)
             raise
         except Exception as exc:  # an engine bug must not take the proxy down with it
             log.exception("polar: engine %s failed", engine.name)
             # The exception text may name the engine's URL: it stays in the proxy log.
             err = PolarError(502, "api_error", f"engine error ({type(exc).__name__}); see the proxy log")
-            await self._record_failure(call, provider.name, request, err)
+            await self._record_failure(call, provider.name, request, err, engine=engine.name)
             raise err from exc
+        self.pool.succeeded(engine)
         problem = logprob_problem(completion.logprobs)
         if problem is not None:
             # A sentinel or impossible value would be trained on as if the engine had sampled with it.
             err = PolarError(502, "api_error", f"engine {engine.name} answered an unusable logprob: {problem}")
-            await self._record_failure(call, provider.name, request, err)
+            await self._record_failure(call, provider.name, request, err, engine=engine.name)
             raise err
         record = record_ok(identity=call.identity, seq=-1, request=request, completion=completion,
                            harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at,
@@ -357,12 +363,22 @@ class Gateway:
             return completion
         return replace(completion, finish_reason="stop")
 
-    async def _record_failure(self, call: IncomingCall, api: str, request: CanonicalRequest | None, err: PolarError) -> None:
+    async def _end_lost_sessions(self, sessions: list[str], engine: str) -> None:
+        """Sessions whose engine was taken out end as error now: their later calls are refused anyway."""
+        for session in sessions:
+            try:
+                await self.store.session_update(session, status="error", ended_at=time.time(),
+                                                metadata={"error": f"engine {engine} taken out mid-session"})
+            except StorageUnavailable as exc:
+                log.warning("polar: could not end session %r of a lost engine: %s", session, exc)
+
+    async def _record_failure(self, call: IncomingCall, api: str, request: CanonicalRequest | None, err: PolarError,
+                              *, engine: str | None = None) -> None:
         error = f"{err.status} {err.kind}: {err.message}"
         if isinstance(err, ContextLengthExceeded) and err.prompt_tokens is not None:
             # The prompt is not stored for a failed call: its length is, in a fixed shape (prompt_tokens=N window=M).
             error = f"{err.status} {err.kind}: prompt_tokens={err.prompt_tokens} window={err.window}: {err.message}"
-        record = record_failed(identity=call.identity, seq=-1, api=api, request=request, error=error,
+        record = record_failed(identity=call.identity, seq=-1, api=api, request=request, error=error, engine=engine,
                                harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at)
         try:
             await self._note_session(call, request)

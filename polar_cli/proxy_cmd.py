@@ -68,7 +68,10 @@ def reward_recipe(port: int, out: str, confdir: Path, explicit_token: bool = Fal
 
 
 def proxy(
-    engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL or local:MODEL_DIR (comma-separated: several)."),
+    engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL or local:MODEL_DIR; comma-separated for several "
+                                "engines: each session stays on one (the least loaded at its first call), and an "
+                                "engine that refuses connections or fails 3 calls in a row is taken out, its "
+                                "sessions ending as error, never moved."),
     out: str = typer.Option(..., "--out", "-o", help="The trace store: a directory or a URI such as s3://bucket/prefix."),
     port: int = typer.Option(DEFAULT_PORT, help="Forward proxy port (HTTPS_PROXY)."),
     reverse_port: Optional[int] = typer.Option(None, help="Reverse proxy port for base URLs (default: PORT + 1)."),

@@ -1,5 +1,5 @@
-"""Traffic policy and small gateway contracts: passthrough vs block, body limits, engine stickiness,
-and a deterministic tiny model."""
+"""Traffic policy and small gateway contracts: passthrough vs block, body limits, and a deterministic
+tiny model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from polar_addon.engines import EnginePool
 from polar_cli.tiny_model import build_tiny_model
 from tests.support.proxy import echo_server, run_mitmdump
 
@@ -40,20 +39,6 @@ def test_oversized_body_is_a_provider_shaped_413(tiny_model_dir, tmp_path):
         r = httpx.post(proxy.url + "/v1/messages", json=big, headers={"x-api-key": "polar:big"}, timeout=60)
     assert r.status_code == 413
     assert r.json()["type"] == "error" and "exceeds" in r.json()["error"]["message"]
-
-
-def test_sessions_stick_to_one_engine_and_spread_across_engines():
-    class Named:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-    pool = EnginePool([Named("e0"), Named("e1"), Named("e2")])  # type: ignore[list-item]
-    first = [pool.for_session(f"s{i}").name for i in range(6)]
-    assert first == ["e0", "e1", "e2", "e0", "e1", "e2"]
-    assert [pool.for_session(f"s{i}").name for i in range(6)] == first  # sticky
-    pool.release("s0")
-    pool.release("s3")
-    assert pool.for_session("new").name == "e0"  # least loaded
 
 
 def test_tiny_model_is_deterministic(tmp_path: Path):

@@ -25,6 +25,7 @@ from polar_cli.rollout.harnesses.pi import Pi
 from polar_cli.rollout.proxy import ExternalProxy, StartedProxy, start_proxy
 from polar_cli.rollout.runner import RolloutConfig, RolloutResult, run_rollout, session_ids
 from polar_cli.rollout.tasks import load_tasks
+from tests.support.prereq import missing
 from tests.support.proxy import REPO
 from tests.support.shards import session_records, wait_for_shards
 
@@ -199,10 +200,11 @@ def _harbor_task(root: Path, name: str, test_sh: str) -> None:
     (task / "tests" / "test.sh").write_text("#!/bin/bash\ncd /app\n" + test_sh)
 
 
-@pytest.mark.skipif(not shutil.which("bwrap") or not shutil.which("socat"), reason="bubblewrap/socat missing (make sandbox)")
 def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> None:
     """Harbor directories unchanged: the workspace at the Dockerfile's WORKDIR, tests/ at /tests for the verifier
     only, the reward from /logs/verifier (reward.txt, or reward.json's named rewards), the agent proxy-only."""
+    if not shutil.which("bwrap") or not shutil.which("socat"):
+        missing("bubblewrap/socat missing (make sandbox)")
     tasks = tmp_path / "harbor"
     _harbor_task(tasks, "txt", 'test "$(cat answer.txt)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n')
     _harbor_task(tasks, "json", 'test -e /tests/test.sh && test ! -e /app/tests && echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n')

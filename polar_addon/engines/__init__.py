@@ -3,15 +3,20 @@
 Engines never know which provider the client spoke. ``polar_engine`` is a comma-separated list
 of specs, e.g. ``sglang:http://gpu1:30000,sglang:http://gpu2:30000`` or ``vllm:http://127.0.0.1:8000``
 or ``local:models/tiny``. A session sticks to one engine (its prefix cache stays warm); new
-sessions go to the engine with the fewest sessions.
+sessions go to the live engine with the fewest sessions; an engine that fails is taken out and its
+sessions end as error (polar_addon.engines.affinity).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
+import time
 from typing import Protocol
 
-from polar_addon.canonical import CanonicalRequest, Completion
+from polar_addon.canonical import CanonicalRequest, Completion, EngineFault, PolarError
+from polar_addon.engines.affinity import MAX_SESSIONS, MAX_STRIKES, REVIVE_AFTER_S, Affinity, NoLiveEngine, SessionLost
+
+log = logging.getLogger("polar")
 
 
 class Engine(Protocol):
@@ -60,45 +65,53 @@ def make_engine(spec: str, *, timeout_s: float) -> Engine:
     raise ValueError(f"unknown engine kind {kind!r} in {spec!r}: use sglang, vllm, local or scripted")
 
 
-# A session forgotten here (idle while this many others started) only loses its engine affinity.
-MAX_SESSIONS = 100_000
-
-
 class EnginePool:
-    """Session-sticky assignment of sessions to engines."""
+    """The engines of one proxy, with each session sticky to one of them (rules: polar_addon.engines.affinity)."""
 
-    def __init__(self, engines: list[Engine], max_sessions: int = MAX_SESSIONS) -> None:
+    def __init__(self, engines: list[Engine], *, max_strikes: int = MAX_STRIKES, revive_after_s: float = REVIVE_AFTER_S,
+                 max_sessions: int = MAX_SESSIONS) -> None:
         if not engines:
             raise ValueError("at least one engine is required")
         self.engines = engines
-        self.max_sessions = max_sessions
-        # Most recently used last; sessions are released when they end, or forgotten oldest first.
-        self._by_session: OrderedDict[str, int] = OrderedDict()
-        self._load = [0] * len(engines)
+        self.affinity = Affinity(len(engines), max_strikes=max_strikes, revive_after_s=revive_after_s,
+                                 max_sessions=max_sessions)
 
     @classmethod
     def from_spec(cls, spec: str, *, timeout_s: float = 900.0) -> "EnginePool":
         return cls([make_engine(s, timeout_s=timeout_s) for s in spec.split(",") if s.strip()])
 
     def for_session(self, session_id: str) -> Engine:
-        index = self._by_session.get(session_id)
-        if index is None:
-            index = min(range(len(self.engines)), key=lambda i: (self._load[i], i))
-            self._by_session[session_id] = index
-            self._load[index] += 1
-            while len(self._by_session) > self.max_sessions:
-                self.release(next(iter(self._by_session)))
-        else:
-            self._by_session.move_to_end(session_id)
-        return self.engines[index]
+        """The session's engine. Raises PolarError when its engine was taken out, or no engine is live."""
+        try:
+            return self.engines[self.affinity.engine_for(session_id, time.monotonic())]
+        except SessionLost as exc:
+            # Clients never learn where the engine lives: its name goes to the proxy log only.
+            raise PolarError(502, "api_error", "the engine serving this session was taken out after failing; "
+                             "the session cannot go on (it is never moved to another engine mid-session)") from exc
+        except NoLiveEngine as exc:
+            raise PolarError(503, "overloaded", "every engine of this proxy is failing; retry later") from exc
+
+    def index(self, engine: Engine) -> int:
+        return next(i for i, e in enumerate(self.engines) if e is engine)
+
+    def succeeded(self, engine: Engine) -> None:
+        self.affinity.succeeded(self.index(engine))
+
+    def failed(self, engine: Engine, err: PolarError) -> list[str]:
+        """Count ``err`` against ``engine`` if it is the engine's own fault; the sessions lost if it is taken out."""
+        if not isinstance(err, EngineFault):
+            return []  # busy, timeout or a request it cannot take: the engine is alive
+        lost = self.affinity.failed(self.index(engine), time.monotonic(), refused=err.refused)
+        if lost is None:
+            return []
+        log.warning("polar: engine %s taken out (%s); %d session(s) on it end as error", engine.name, err.message, len(lost))
+        return lost
 
     def __len__(self) -> int:
-        return len(self._by_session)
+        return len(self.affinity)
 
     def release(self, session_id: str) -> None:
-        index = self._by_session.pop(session_id, None)
-        if index is not None:
-            self._load[index] -= 1
+        self.affinity.release(session_id)
 
     async def close(self) -> None:
         for engine in self.engines:

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, PolarError, ToolCall
+from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, EngineFault, PolarError, ToolCall
 from polar_addon.token_ids import IdText, pack_token_ids
 from polar_addon.tool_parsing import new_call_id
 
@@ -80,7 +80,7 @@ def engine_error(status: int, content: bytes) -> PolarError:
     if status in (429, 503):  # queue full / starting / paused for a weight update: retryable
         return PolarError(503, "overloaded", f"engine busy: {message}")
     if status >= 500:
-        return PolarError(502, "api_error", f"engine error {status}: {message}")
+        return EngineFault(502, "api_error", f"engine error {status}: {message}")
     if _CONTEXT_LENGTH_RE.search(message):
         return ContextLengthExceeded(message, prompt_tokens=_first_int(_PROMPT_RES, message),
                                      window=_first_int(_WINDOW_RES, message))
@@ -169,13 +169,15 @@ class HTTPEngine:
         except aiohttp.ServerTimeoutError as exc:  # includes the connect timeout
             if "connect" in str(exc).lower():
                 log.warning("polar: engine %s unreachable: connect timeout", self.url)
-                raise PolarError(503, "overloaded", "the engine is unreachable: connect timeout") from exc
+                raise EngineFault(503, "overloaded", "the engine is unreachable: connect timeout") from exc
             raise PolarError(504, "timeout", f"the engine did not answer within {self.timeout_s:g} s") from exc
         except asyncio.TimeoutError as exc:
             raise PolarError(504, "timeout", f"the engine did not answer within {self.timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:
             log.warning("polar: engine %s unreachable: %r", self.url, exc)
-            raise PolarError(503, "overloaded", f"the engine is unreachable ({type(exc).__name__})") from exc
+            # Refused: nothing listens there (the server is gone), unlike a dropped or reset connection.
+            refused = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
+            raise EngineFault(503, "overloaded", f"the engine is unreachable ({type(exc).__name__})", refused=refused) from exc
         if status >= 400:
             raise engine_error(status, content)
         return content
