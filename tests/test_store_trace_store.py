@@ -114,6 +114,7 @@ def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_
 
 def test_a_failed_shard_write_refuses_until_the_output_probe_succeeds(tmp_path: Path, monkeypatch, caplog) -> None:
     out = str(tmp_path / "out")
+    caplog.set_level(logging.INFO, logger="polar.store")
     broken = {"write": True, "probe": True}
 
     async def main() -> None:
@@ -150,6 +151,8 @@ def test_a_failed_shard_write_refuses_until_the_output_probe_succeeds(tmp_path: 
             broken["probe"] = False
             await _until(lambda: _refused(store) is None, "the probe to clear the output error")
             assert store.pending_segments == 0 and probes and probes[-1] is False
+            assert [r.getMessage() for r in caplog.records if "writable again" in r.getMessage()] == [
+                f"output {out} is writable again"]
             await store.append(make_record("s", [1, 2, 3], [4], []))
 
     asyncio.run(main())
