@@ -253,6 +253,9 @@ def _assistant(**fields: Any) -> dict[str, Any]:
         ({"max_tokens": 0}, "'max_tokens' must be >= 1"),
         ({"max_completion_tokens": 0}, "'max_completion_tokens' must be >= 1"),
         ({"n": 2}, "'n' > 1 is not supported: one choice per request"),
+        ({"n": 0}, "'n' must be >= 1"),
+        ({"seed": -(2**63)}, "'seed' must be >= -9223372036854775807"),
+        ({"seed": 2**63}, "'seed' must be <= 9223372036854775807"),
         ({"stop": [1]}, "'stop' must be a string or a list of strings"),
         ({"stream": "yes"}, "'stream' must be a boolean"),
         ({"stream_options": "usage"}, "'stream_options' must be an object"),
@@ -285,6 +288,9 @@ def test_history_details_the_api_allows() -> None:
     assert req.messages[1] == {"role": "assistant", "content": "a\nb",
                                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}]}
     assert req.tools == [{"type": "function", "function": {"name": "f"}}] and req.tool_choice == "none"
+    # The smallest counts, and seeds past int32 (clients send 64-bit seeds).
+    assert parse(n=1, max_tokens=1).sampling.max_tokens == parse(max_completion_tokens=1).sampling.max_tokens == 1
+    assert [parse(seed=seed).sampling.seed for seed in (-(2**40), 2**40)] == [-(2**40), 2**40]
 
 
 # ---------------------------------------------------------------- render_response
