@@ -288,6 +288,9 @@ def test_history_details_the_api_allows() -> None:
     assert req.messages[1] == {"role": "assistant", "content": "a\nb",
                                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}]}
     assert req.tools == [{"type": "function", "function": {"name": "f"}}] and req.tool_choice == "none"
+    # Reasoning sent back under vLLM's newer key "reasoning" is the same history.
+    thought = parse(messages=[USER, {"role": "assistant", "content": "a", "reasoning": "think"}]).messages[1]
+    assert thought == {"role": "assistant", "content": "a", "reasoning_content": "think"}
     # The smallest counts, and seeds past int32 (clients send 64-bit seeds).
     assert parse(n=1, max_tokens=1).sampling.max_tokens == parse(max_completion_tokens=1).sampling.max_tokens == 1
     assert [parse(seed=seed).sampling.seed for seed in (-(2**40), 2**40)] == [-(2**40), 2**40]
