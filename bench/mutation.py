@@ -184,7 +184,9 @@ def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
     statuses = _not_killed(work)
     env = _env()
     env["POLAR_TEST_TINY_MODEL"] = str(_tiny_model())
-    verdicts = {}
+    verdicts: dict[str, str] = {}
+    progress = work / "timeouts.partial.txt"  # one line per verdict as it comes (a long run can be read early)
+    progress.write_text("")
     for name in [n for n, status in statuses.items() if status == "timeout"]:
         cmd = ["nice", "-n", "19", sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
         try:
@@ -193,6 +195,8 @@ def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
             verdicts[name] = "killed" if done.returncode == 1 else "survived" if done.returncode == 0 else "error"
         except subprocess.TimeoutExpired:
             verdicts[name] = "hung"
+        with progress.open("a") as out:
+            out.write(f"    {name}: {verdicts[name]}\n")
     (work / "timeouts.txt").write_text("".join(f"    {n}: {v}\n" for n, v in verdicts.items()))
     stats = score(module)
     if stats is not None:
