@@ -88,6 +88,8 @@ def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_
                 # The write's reason, or the failing probe's once the shard writer (woken by the failure) ran it.
                 assert _refused(store) in (caught.value.reason, probe_failed)
                 assert _refused(store, journal_too=False) is None  # writes still try: the write is the probe
+                with pytest.raises(StorageUnavailable):
+                    store.check_writable()  # the journal counts unless the caller says otherwise
 
             # Each kind of write is attempted while the journal error stands, and its success clears it.
             await fail_once()
@@ -355,8 +357,10 @@ def test_a_dead_writers_journal_is_kept_until_its_segments_reach_shards(tmp_path
 
     # A dead writer that wrote nothing: its directory is removed when the next store opens.
     empty = asyncio.run(dead_writer(0))
-    TraceStore(out).close()
-    assert not os.path.exists(empty) and list(journal_root.iterdir()) == []
+    store = TraceStore(out)
+    assert not os.path.exists(empty)  # at open, not only at close
+    store.close()
+    assert list(journal_root.iterdir()) == []
 
     # One that wrote two calls, while the output cannot take shards: replay fails, the store refuses, and
     # closing it keeps the dead writer's directory with its segment.
