@@ -172,6 +172,39 @@ def rerun_not_killed(module: str, lock: str | None, children: int, timeout_multi
     (work / "mutants" / "mutmut-cicd-stats.json").write_text(json.dumps(stats, indent=4))
 
 
+def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
+    """Re-run each mutant mutmut stopped on time alone, with no CPU limit and a long wall limit.
+
+    mutmut counts a timeout as a kill; on a loaded machine a mutant whose tests merely ran slowly is
+    stopped too. Each is run again here: a test failure is a kill, a pass a survivor, and only a run past
+    ``limit_s`` a real hang. The verdicts go to ``timeouts.txt`` and a survivor is put back in the score.
+    """
+    work = WORK / module
+    _, tests = MODULES[module]
+    statuses = _not_killed(work)
+    env = _env()
+    env["POLAR_TEST_TINY_MODEL"] = str(_tiny_model())
+    verdicts: dict[str, str] = {}
+    progress = work / "timeouts.partial.txt"  # one line per verdict as it comes (a long run can be read early)
+    progress.write_text("")
+    for name in [n for n, status in statuses.items() if status == "timeout"]:
+        cmd = ["nice", "-n", "19", sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        try:
+            done = subprocess.run(cmd, cwd=work / "mutants", env=dict(env, MUTANT_UNDER_TEST=name),
+                                  capture_output=True, timeout=limit_s, check=False)
+            verdicts[name] = "killed" if done.returncode == 1 else "survived" if done.returncode == 0 else "error"
+        except subprocess.TimeoutExpired:
+            verdicts[name] = "hung"
+        with progress.open("a") as out:
+            out.write(f"    {name}: {verdicts[name]}\n")
+    (work / "timeouts.txt").write_text("".join(f"    {n}: {v}\n" for n, v in verdicts.items()))
+    stats = score(module)
+    if stats is not None:
+        back = sum(v == "survived" for v in verdicts.values())
+        stats.update(timeout=stats["timeout"] - back, survived=stats["survived"] + back, timeouts_verified=len(verdicts))
+        (work / "mutants" / "mutmut-cicd-stats.json").write_text(json.dumps(stats, indent=4))
+
+
 def score(module: str) -> dict[str, int] | None:
     path = WORK / module / "mutants" / "mutmut-cicd-stats.json"
     if not path.exists():
@@ -197,6 +230,8 @@ def main() -> None:
     parser.add_argument("modules", nargs="*", help=f"some of: {', '.join(MODULES)} (default: all)")
     parser.add_argument("--report", action="store_true", help="only print the scores of earlier runs")
     parser.add_argument("--lock", help="flock this file around each module's run")
+    parser.add_argument("--verify-timeouts", action="store_true",
+                        help="re-run each mutant mutmut stopped on time, without its time limits (see verify_timeouts)")
     parser.add_argument("--rerun-not-killed", action="store_true",
                         help="re-run only the mutants the last run of each module did not kill, with the current tests")
     parser.add_argument("--children", type=int, default=os.cpu_count() or 1)
@@ -209,8 +244,11 @@ def main() -> None:
     if not args.report:
         for module in args.modules or list(MODULES):
             print(f"mutating {module} ...", flush=True)
-            (rerun_not_killed if args.rerun_not_killed else run)(module, args.lock, args.children,
-                                                                  args.timeout_multiplier)
+            if args.verify_timeouts:
+                verify_timeouts(module)
+            else:
+                (rerun_not_killed if args.rerun_not_killed else run)(module, args.lock, args.children,
+                                                                      args.timeout_multiplier)
     report()
 
 

@@ -76,6 +76,7 @@ def sdk_stream_final(request: CanonicalRequest, comp: Completion, interleave: by
         ("POST", "/v1/messages", "generate"),
         ("POST", "/v1/messages/", "generate"),
         ("POST", "/v1/messages?beta=true?x", "generate"),  # the query is everything after the first '?'
+        ("POST", "/v1/messagesX", None),
         ("POST", "/anthropic/v1/messages", "generate"),
         ("POST", "/v1/messages/count_tokens?beta=true", "count_tokens"),
         ("GET", "/api/claude_code/policy_limits", "local"),
@@ -276,6 +277,7 @@ def test_sampling_and_stream() -> None:
     assert req.sampling == SamplingParams(temperature=0.6, top_p=0.95, top_k=20, max_tokens=321, stop=["</done>"])
     assert req.stream is True
     assert parse().stream is False and parse().sampling.temperature is None
+    assert parse(max_tokens=1).sampling.max_tokens == 1  # the smallest allowed
 
 
 def test_count_tokens_body_needs_no_max_tokens() -> None:
@@ -327,6 +329,7 @@ REFUSED_SYSTEM = "'system' must be a string or a list of text blocks"
     "patch,message",
     [
         ({"messages": []}, "'messages' is required and must be a non-empty list"),
+        ({"messages": "hi"}, "'messages' is required and must be a non-empty list"),
         ({"messages": [{"role": "system", "content": "x"}]}, "'messages' needs at least one user or assistant message"),
         ({"messages": ["hi"]}, "messages[0] must be an object"),
         ({"messages": [{"role": "tool", "content": "x"}]},

@@ -66,7 +66,8 @@ class Fault:
         monkeypatch.setattr(os, "fdatasync", fdatasync)
 
 
-def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_path: Path, monkeypatch) -> None:
+def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_path: Path, monkeypatch,
+                                                                            caplog) -> None:
     fault = Fault(monkeypatch)
 
     async def main() -> None:
@@ -83,9 +84,12 @@ def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_
                     await store.append(make_record("s", [1, 2, 3], [4], []))
                 fault.on = False
                 assert caught.value.reason == f"cannot write the trace journal in {root}: [Errno 28] No space left on device"
+                assert caplog.records[-1].getMessage() == caught.value.reason
                 # The write's reason, or the failing probe's once the shard writer (woken by the failure) ran it.
                 assert _refused(store) in (caught.value.reason, probe_failed)
                 assert _refused(store, journal_too=False) is None  # writes still try: the write is the probe
+                with pytest.raises(StorageUnavailable):
+                    store.check_writable()  # the journal counts unless the caller says otherwise
 
             # Each kind of write is attempted while the journal error stands, and its success clears it.
             await fail_once()
@@ -114,6 +118,7 @@ def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_
 
 def test_a_failed_shard_write_refuses_until_the_output_probe_succeeds(tmp_path: Path, monkeypatch, caplog) -> None:
     out = str(tmp_path / "out")
+    caplog.set_level(logging.INFO, logger="polar.store")
     broken = {"write": True, "probe": True}
 
     async def main() -> None:
@@ -150,6 +155,8 @@ def test_a_failed_shard_write_refuses_until_the_output_probe_succeeds(tmp_path: 
             broken["probe"] = False
             await _until(lambda: _refused(store) is None, "the probe to clear the output error")
             assert store.pending_segments == 0 and probes and probes[-1] is False
+            assert [r.getMessage() for r in caplog.records if "writable again" in r.getMessage()] == [
+                f"output {out} is writable again"]
             await store.append(make_record("s", [1, 2, 3], [4], []))
 
     asyncio.run(main())
@@ -350,8 +357,10 @@ def test_a_dead_writers_journal_is_kept_until_its_segments_reach_shards(tmp_path
 
     # A dead writer that wrote nothing: its directory is removed when the next store opens.
     empty = asyncio.run(dead_writer(0))
-    TraceStore(out).close()
-    assert not os.path.exists(empty) and list(journal_root.iterdir()) == []
+    store = TraceStore(out)
+    assert not os.path.exists(empty)  # at open, not only at close
+    store.close()
+    assert list(journal_root.iterdir()) == []
 
     # One that wrote two calls, while the output cannot take shards: replay fails, the store refuses, and
     # closing it keeps the dead writer's directory with its segment.
@@ -377,6 +386,8 @@ def test_a_dead_writers_journal_is_kept_until_its_segments_reach_shards(tmp_path
 
     # With the output back, the next store replays it and removes the directory; a clean close leaves nothing.
     monkeypatch.setattr(Output, "write_shard", write_shard)
-    TraceStore(out).close()
-    assert not os.path.exists(dead) and list(journal_root.iterdir()) == []
+    store = TraceStore(out)
+    assert not os.path.exists(dead)  # removed once its last segment is in shards, not only at close
+    store.close()
+    assert list(journal_root.iterdir()) == []
     assert [(r.seq, r.prompt_ids) for r in read_records(out)] == [(0, [0]), (1, [0, 1])]
