@@ -8,7 +8,7 @@ HARNESS_DIR := .harness
 TINY := models/tiny
 PYTEST_ARGS ?=
 
-.PHONY: install engine harnesses s3 browser sandbox model sglang-contract test test-fast demo bench mutation clean
+.PHONY: install engine harnesses s3 browser sandbox model sglang-contract test test-fast demo demo-harness bench mutation clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -79,6 +79,16 @@ demo: install model
 	$(BIN)/python examples/demo.py
 	rm -rf runs/toy_task
 	$(TOY_LOOP) --iterations 6 --out runs/toy_task
+
+# The same learning through a real, unmodified harness CLI: Pi (`pi -p`, its system prompt and tools) on the tiny
+# model served by vLLM CPU (restarted on each checkpoint; --enforce-eager skips torch.compile's ~45 s per restart),
+# scored on Pi's printed answer (examples/harness_shout). ~12 min on 2 cores.
+HARNESS_LOOP := $(BIN)/polar loop examples/harness_shout/tasks.jsonl --harness pi --model $(TINY) --engine vllm \
+	--vllm-arg=--enforce-eager --set polar_max_tokens=16 --samples 8 --concurrency 8 \
+	--lr 1e-2 --epochs 2 --groups-per-step 1 --weight-decay 0 --eot-token-id 2
+demo-harness: install engine harnesses model
+	rm -rf runs/harness_shout
+	$(HARNESS_LOOP) --iterations 4 --out runs/harness_shout
 
 bench: install model sandbox
 	$(BIN)/python bench/proxy_overhead.py

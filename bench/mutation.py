@@ -28,11 +28,22 @@ WORK = REPO / ".mutation"
 MUTMUT = Path(sys.executable).with_name("mutmut")
 NOT_SLOW = ["-k", "not sigkill and not disk_full"]  # process-kill and tmpfs tests: minutes, not seconds
 
+PROVIDER_TESTS = [f"tests/test_provider_{name}.py"
+                  for name in ("anthropic_messages", "openai_chat", "openai_responses", "gemini")]
+
 # module -> (files to mutate, pytest selection: its fast unit tests)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "providers": (["polar_addon/providers/*"], ["tests/test_provider_anthropic_messages.py",
-                  "tests/test_provider_openai_chat.py", "tests/test_provider_openai_responses.py",
-                  "tests/test_provider_gemini.py", "tests/test_fidelity.py"]),
+    # One entry per provider: each is mutated against its own test file (and the fidelity round trips).
+    "providers.anthropic_messages": (["polar_addon/providers/anthropic_messages.py"],
+                                     ["tests/test_provider_anthropic_messages.py", "tests/test_fidelity.py"]),
+    "providers.openai_chat": (["polar_addon/providers/openai_chat.py"],
+                              ["tests/test_provider_openai_chat.py", "tests/test_fidelity.py"]),
+    "providers.openai_responses": (["polar_addon/providers/openai_responses.py"],
+                                   ["tests/test_provider_openai_responses.py", "tests/test_fidelity.py"]),
+    "providers.gemini": (["polar_addon/providers/gemini.py"],
+                         ["tests/test_provider_gemini.py", "tests/test_fidelity.py"]),
+    "providers.common": (["polar_addon/providers/common.py", "polar_addon/providers/__init__.py"],
+                         [*PROVIDER_TESTS, "tests/test_fidelity.py"]),
     "identity": (["polar_addon/identity.py"], ["tests/test_identity.py"]),
     "gateway": (["polar_addon/gateway.py"], ["tests/test_gateway_core.py"]),
     "store.journal": (["polar_addon/store/journal.py"],
@@ -41,7 +52,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                          ["tests/test_store_compaction.py", "tests/test_store_basic.py", "tests/test_store_crash.py",
                           *NOT_SLOW]),
     "store.trace_store": (["polar_addon/store/trace_store.py"],
-                          ["tests/test_store_basic.py", "tests/test_store_crash.py", "tests/test_store_faults.py",
+                          ["tests/test_store_trace_store.py", "tests/test_store_basic.py", "tests/test_store_crash.py",
+                           "tests/test_store_quarantine.py",
+                           # test_store_faults.py runs its stores in child processes, the read-only one as
+                           # `nobody`, who cannot load mutmut's trampoline: both are left out.
                            *NOT_SLOW]),
     "build.prefix_merging": (["polar_cli/build/prefix_merging.py"],
                              ["tests/test_build_chains.py", "tests/test_build_prefix_merging.py"]),
@@ -54,26 +68,37 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
 }
 
 
-def _scratch(module: str) -> Path:
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+
+def _scratch(module: str, timeout_multiplier: float) -> Path:
     """A fresh copy of the code and tests with a [tool.mutmut] section for this module."""
-    files, tests = MODULES[module]
     work = WORK / module
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("polar_addon", "polar_cli", "tests"):
-        shutil.copytree(REPO / name, work / name, ignore=ignore)
+    for name in ("polar_addon", "polar_cli", "tests", "bench"):  # tests/test_fidelity.py imports bench/
+        shutil.copytree(REPO / name, work / name, ignore=_IGNORE)
+    _configure(module, work, timeout_multiplier)
+    return work
+
+
+def _configure(module: str, work: Path, timeout_multiplier: float) -> None:
+    files, tests = MODULES[module]
     config = "\n".join([
         "", "[tool.mutmut]",
         'source_paths = ["polar_addon", "polar_cli"]',
+        'also_copy = ["bench"]',
         f"only_mutate = {json.dumps(files)}",
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
         'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]',
+        # A mutant that deadlocks a writer thread burns no CPU: only mutmut's wall-clock limit,
+        # (its tests' clean-run time + 1 s) x this multiplier, ends it. mutmut's default, 15, let a
+        # few hung store mutants stall a run for minutes each.
+        f"timeout_multiplier = {timeout_multiplier}",
         "",
     ])
     (work / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text() + config)
-    return work
 
 
 def _tiny_model() -> Path:
@@ -91,18 +116,93 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run(module: str, lock: str | None, children: int) -> None:
-    work = _scratch(module)
+def _mutmut(work: Path, args: list[str], lock: str | None, log_name: str) -> None:
     env = _env()
     env["POLAR_TEST_TINY_MODEL"] = str(_tiny_model())
-    cmd = ["nice", "-n", "19", str(MUTMUT), "run", "--max-children", str(children)]
+    cmd = ["nice", "-n", "19", str(MUTMUT), "run", *args]
     if lock:
         cmd = ["flock", lock, *cmd]
-    with open(work / "run.log", "wb") as log:
+    with open(work / log_name, "wb") as log:
         subprocess.run(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
-    subprocess.run([str(MUTMUT), "export-cicd-stats"], cwd=work, env=env, capture_output=True, check=False)
-    results = subprocess.run([str(MUTMUT), "results"], cwd=work, env=env, capture_output=True, text=True, check=False)
+
+
+def _not_killed(work: Path) -> dict[str, str]:
+    """mutant -> status for every mutant not killed (``mutmut results`` lists only those)."""
+    results = subprocess.run([str(MUTMUT), "results"], cwd=work, env=_env(), capture_output=True, text=True,
+                             check=False)
     (work / "survivors.txt").write_text(results.stdout)
+    rows = (line.strip().rsplit(": ", 1) for line in results.stdout.splitlines() if ": " in line)
+    return {name: status for name, status in rows}
+
+
+def run(module: str, lock: str | None, children: int, timeout_multiplier: float) -> None:
+    work = _scratch(module, timeout_multiplier)
+    _mutmut(work, ["--max-children", str(children)], lock, "run.log")
+    subprocess.run([str(MUTMUT), "export-cicd-stats"], cwd=work, env=_env(), capture_output=True, check=False)
+    _not_killed(work)
+
+
+def rerun_not_killed(module: str, lock: str | None, children: int, timeout_multiplier: float) -> None:
+    """Run the mutants an earlier run did not kill against the current tests (new tests can only add kills).
+
+    The earlier run's mutants are kept; its tests and bench/ are replaced by the current ones. mutmut resets
+    every verdict when the test selection changes, so the score is merged here: killed before, or now.
+    """
+    work = WORK / module
+    before = _not_killed(work)
+    stats_before = score(module)
+    if stats_before is None:
+        raise SystemExit(f"{module} has not been run yet")
+    for base in (work, work / "mutants"):
+        for name in ("tests", "bench"):
+            shutil.rmtree(base / name, ignore_errors=True)
+            shutil.copytree(REPO / name, base / name, ignore=_IGNORE)
+    _configure(module, work, timeout_multiplier)
+    retried = [name for name, status in before.items() if status in ("survived", "no tests")]
+    _mutmut(work, ["--max-children", str(children), *retried], lock, "rerun.log")
+    after = _not_killed(work)
+    merged = {name: after.get(name, "killed") if name in retried else status for name, status in before.items()}
+    (work / "survivors.txt").write_text("".join(f"    {n}: {s}\n" for n, s in merged.items() if s != "killed"))
+    counts = {status: list(merged.values()).count(status) for status in set(merged.values())}
+    stats = dict(stats_before, survived=counts.get("survived", 0), no_tests=counts.get("no tests", 0),
+                 timeout=stats_before["timeout"] + sum(after.get(n) == "timeout" for n in retried))
+    stats["killed"] = (stats["total"] - stats["skipped"] - stats["survived"] - stats["no_tests"] - stats["timeout"]
+                       - stats["segfault"] - stats["suspicious"])
+    stats["rerun_of_not_killed"] = len(retried)
+    (work / "mutants" / "mutmut-cicd-stats.json").write_text(json.dumps(stats, indent=4))
+
+
+def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
+    """Re-run each mutant mutmut stopped on time alone, with no CPU limit and a long wall limit.
+
+    mutmut counts a timeout as a kill; on a loaded machine a mutant whose tests merely ran slowly is
+    stopped too. Each is run again here: a test failure is a kill, a pass a survivor, and only a run past
+    ``limit_s`` a real hang. The verdicts go to ``timeouts.txt`` and a survivor is put back in the score.
+    """
+    work = WORK / module
+    _, tests = MODULES[module]
+    statuses = _not_killed(work)
+    env = _env()
+    env["POLAR_TEST_TINY_MODEL"] = str(_tiny_model())
+    verdicts: dict[str, str] = {}
+    progress = work / "timeouts.partial.txt"  # one line per verdict as it comes (a long run can be read early)
+    progress.write_text("")
+    for name in [n for n, status in statuses.items() if status == "timeout"]:
+        cmd = ["nice", "-n", "19", sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        try:
+            done = subprocess.run(cmd, cwd=work / "mutants", env=dict(env, MUTANT_UNDER_TEST=name),
+                                  capture_output=True, timeout=limit_s, check=False)
+            verdicts[name] = "killed" if done.returncode == 1 else "survived" if done.returncode == 0 else "error"
+        except subprocess.TimeoutExpired:
+            verdicts[name] = "hung"
+        with progress.open("a") as out:
+            out.write(f"    {name}: {verdicts[name]}\n")
+    (work / "timeouts.txt").write_text("".join(f"    {n}: {v}\n" for n, v in verdicts.items()))
+    stats = score(module)
+    if stats is not None:
+        back = sum(v == "survived" for v in verdicts.values())
+        stats.update(timeout=stats["timeout"] - back, survived=stats["survived"] + back, timeouts_verified=len(verdicts))
+        (work / "mutants" / "mutmut-cicd-stats.json").write_text(json.dumps(stats, indent=4))
 
 
 def score(module: str) -> dict[str, int] | None:
@@ -113,16 +213,16 @@ def score(module: str) -> dict[str, int] | None:
 
 
 def report() -> None:
-    print(f"{'module':22s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'no tests':>9s} {'score':>7s}")
+    print(f"{'module':28s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'no tests':>9s} {'score':>7s}")
     for module in MODULES:
         stats = score(module)
         if stats is None:
-            print(f"{module:22s} {'(not run)':>8s}")
+            print(f"{module:28s} {'(not run)':>8s}")
             continue
         caught = stats["killed"] + stats["timeout"] + stats["segfault"]
         total = stats["total"] - stats["skipped"]
         pct = 100.0 * caught / total if total else float("nan")
-        print(f"{module:22s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {pct:6.1f}%")
+        print(f"{module:28s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {pct:6.1f}%")
 
 
 def main() -> None:
@@ -130,7 +230,13 @@ def main() -> None:
     parser.add_argument("modules", nargs="*", help=f"some of: {', '.join(MODULES)} (default: all)")
     parser.add_argument("--report", action="store_true", help="only print the scores of earlier runs")
     parser.add_argument("--lock", help="flock this file around each module's run")
+    parser.add_argument("--verify-timeouts", action="store_true",
+                        help="re-run each mutant mutmut stopped on time, without its time limits (see verify_timeouts)")
+    parser.add_argument("--rerun-not-killed", action="store_true",
+                        help="re-run only the mutants the last run of each module did not kill, with the current tests")
     parser.add_argument("--children", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--timeout-multiplier", type=float, default=6.0,
+                        help="a mutant is stopped after (its tests' clean time + 1 s) x this (default 6)")
     args = parser.parse_args()
     unknown = set(args.modules) - set(MODULES)
     if unknown:
@@ -138,7 +244,11 @@ def main() -> None:
     if not args.report:
         for module in args.modules or list(MODULES):
             print(f"mutating {module} ...", flush=True)
-            run(module, args.lock, args.children)
+            if args.verify_timeouts:
+                verify_timeouts(module)
+            else:
+                (rerun_not_killed if args.rerun_not_killed else run)(module, args.lock, args.children,
+                                                                      args.timeout_multiplier)
     report()
 
 

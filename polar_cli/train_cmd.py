@@ -5,6 +5,7 @@ Heavy imports (torch, TRL) happen inside the commands so `polar --help` stays fa
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import fields
@@ -78,6 +79,8 @@ def train(
     save_steps: int = typer.Option(_d("save_steps"), help="Write OUTPUT/checkpoint-N every N steps (0: only the end)."),
     plot: bool = typer.Option(_d("plot"), help="Write training_curves.png."),
     progress: bool = typer.Option(_d("progress"), help="Rich progress bar."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log which traces each process trains at each step "
+                                 "(to stderr; with `accelerate launch`, one line per process)."),
     overwrite: bool = typer.Option(False, help="Replace OUTPUT if it exists and is not empty (as `polar build`)."),
 ) -> None:
     """Train the policy with GRPO (TRL) on captured traces; write a checkpoint, metrics.jsonl and curves."""
@@ -103,6 +106,11 @@ def train(
         plot=plot, progress=progress,
     )  # fmt: skip
     console = Console(stderr=True)
+    if verbose:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("polar.train: %(message)s"))
+        logging.getLogger("polar.train").addHandler(handler)
+        logging.getLogger("polar.train").setLevel(logging.INFO)
     try:
         result = run_training(cfg)
     except NothingToTrain as exc:

@@ -24,6 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.prereq import missing
+
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 VLLM_MODEL_NAME = "tiny"
@@ -70,7 +72,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if not VLLM_PYTHON.exists():
-        pytest.skip(f"vLLM CPU venv missing ({VLLM_PYTHON}); run `make engine`")
+        missing(f"vLLM CPU venv missing ({VLLM_PYTHON}); run `make engine`")
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")

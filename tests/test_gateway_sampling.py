@@ -20,6 +20,7 @@ from polar_addon.engines.sglang import SGLangEngine
 from polar_addon.gateway import Gateway, GatewayConfig, IncomingCall
 from polar_addon.store import TraceStore, read_records
 from polar_cli.view import logprob_color
+from tests.support.prereq import missing
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
@@ -80,7 +81,7 @@ def sglang(tiny_model_dir):
     try:
         protocol = load_protocol()
     except ContractUnavailable as exc:
-        pytest.skip(f"SGLang 0.5.23 protocol unavailable: {exc}")
+        missing(f"SGLang 0.5.23 protocol unavailable: {exc}")
     with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=protocol, context_len=4096) as srv:
         yield srv
 

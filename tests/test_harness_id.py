@@ -10,6 +10,7 @@ import pytest
 
 from polar_addon.canonical import CanonicalRequest
 from polar_addon.harness_id import harness_name
+from tests.support.prereq import missing
 
 PI_PROMPT = Path(__file__).resolve().parents[1] / ".harness/node_modules/@mariozechner/pi-coding-agent/dist/core/system-prompt.js"
 
@@ -21,7 +22,7 @@ def request(system: str | None) -> CanonicalRequest:
 
 def pi_system_prompt() -> str:
     if not PI_PROMPT.is_file():
-        pytest.skip(f"{PI_PROMPT} missing: run `make harnesses`")
+        missing(f"{PI_PROMPT} missing: run `make harnesses`")
     # The template literal Pi builds its prompt from, up to its first interpolation.
     match = re.search(r"let prompt = `([^`$]+)", PI_PROMPT.read_text())
     assert match, "Pi's system prompt template moved"

@@ -12,6 +12,7 @@ from anthropic.types import Message
 from polar_addon.canonical import (
     CanonicalRequest,
     Completion,
+    ContextLengthExceeded,
     PolarError,
     SamplingParams,
     ToolCall,
@@ -73,6 +74,9 @@ def sdk_stream_final(request: CanonicalRequest, comp: Completion, interleave: by
     [
         ("POST", "/v1/messages?beta=true", "generate"),
         ("POST", "/v1/messages", "generate"),
+        ("POST", "/v1/messages/", "generate"),
+        ("POST", "/v1/messages?beta=true?x", "generate"),  # the query is everything after the first '?'
+        ("POST", "/v1/messagesX", None),
         ("POST", "/anthropic/v1/messages", "generate"),
         ("POST", "/v1/messages/count_tokens?beta=true", "count_tokens"),
         ("GET", "/api/claude_code/policy_limits", "local"),
@@ -96,7 +100,12 @@ def test_local_answers_for_claude_code_account_calls() -> None:
     assert settings["status"] == 200 and settings["body"]["settings"] == {}
     assert isinstance(settings["body"]["uuid"], str) and isinstance(settings["body"]["checksum"], str)
     other = PROVIDER.route("GET", "/api/oauth/profile").params
-    assert other["status"] == 404 and other["body"]["error"]["type"] == "not_found_error"
+    assert other == {"status": 404, "body": {"type": "error", "error": {
+        "type": "not_found_error", "message": "/api/oauth/profile is not served by polar"}}}
+    # The 404 is an error body the SDK reads as such.
+    client = client_for(404, orjson.dumps(other["body"]), "application/json")
+    with pytest.raises(anthropic.NotFoundError, match="is not served by polar"):
+        client.messages.create(model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}])
 
 
 # ---------------------------------------------------------------- parse_request
@@ -268,6 +277,7 @@ def test_sampling_and_stream() -> None:
     assert req.sampling == SamplingParams(temperature=0.6, top_p=0.95, top_k=20, max_tokens=321, stop=["</done>"])
     assert req.stream is True
     assert parse().stream is False and parse().sampling.temperature is None
+    assert parse(max_tokens=1).sampling.max_tokens == 1  # the smallest allowed
 
 
 def test_count_tokens_body_needs_no_max_tokens() -> None:
@@ -310,6 +320,96 @@ def test_invalid_requests_are_400(patch: dict[str, Any]) -> None:
     assert err.value.status == 400 and err.value.kind == "invalid_request" and err.value.message
 
 
+USER_FIRST = {"role": "user", "content": "hi"}
+REFUSED_TOOL_CHOICE = "'tool_choice' must be {type: auto|any|none} or {type: tool, name}"
+REFUSED_SYSTEM = "'system' must be a string or a list of text blocks"
+
+
+@pytest.mark.parametrize(
+    "patch,message",
+    [
+        ({"messages": []}, "'messages' is required and must be a non-empty list"),
+        ({"messages": "hi"}, "'messages' is required and must be a non-empty list"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "'messages' needs at least one user or assistant message"),
+        ({"messages": ["hi"]}, "messages[0] must be an object"),
+        ({"messages": [{"role": "tool", "content": "x"}]},
+         "messages[0]: role must be 'user', 'assistant' or 'system', got 'tool'"),
+        ({"messages": [{"role": "user", "content": 3}]},
+         "messages[0]: content must be a string or a list of content blocks"),
+        ({"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+         "messages[0]: unsupported content block type 'video'"),
+        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+         "messages[0]: image blocks are not supported by this engine (text only)"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages[0]: text block needs a string 'text'"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+         "messages[0]: tool_result block needs a string 'tool_use_id'"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]},
+         "messages[0]: content must be a string or a list of content blocks"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                     "content": [{"type": "text"}]}]}]},
+         "messages[0]: text block needs a string 'text'"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                     "content": [{"type": "document"}]}]}]},
+         "messages[0] tool_result: document blocks are not supported by this engine (text only)"),
+        ({"messages": [USER_FIRST, {"role": "assistant", "content": 3}]},
+         "messages[1]: content must be a string or a list of content blocks"),
+        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "text", "text": 1}]}]},
+         "messages[1]: text block needs a string 'text'"),
+        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "thinking"}]}]},
+         "messages[1]: thinking block needs a string 'thinking'"),
+        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]},
+         "messages[1]: tool_use block needs a string 'id'"),
+        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]},
+         "messages[1]: tool_use block needs a string 'name'"),
+        ({"messages": [USER_FIRST, {"role": "assistant",
+                                    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]},
+         "messages[1]: tool_use input must be an object"),
+        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "image"}]}]},
+         "messages[1]: image blocks are not supported by this engine (text only)"),
+        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "video"}]}]},
+         "messages[1]: unsupported content block type 'video'"),
+        ({"model": ""}, "'model' is required and must be a non-empty string"),
+        ({"max_tokens": None}, "'max_tokens' is required"),
+        ({"max_tokens": "many"}, "'max_tokens' must be an integer"),
+        ({"max_tokens": 0}, "'max_tokens' must be >= 1"),
+        ({"top_k": True}, "'top_k' must be an integer"),
+        ({"temperature": True}, "'temperature' must be a number"),
+        ({"system": 5}, REFUSED_SYSTEM),
+        ({"system": ["plain"]}, REFUSED_SYSTEM),
+        ({"system": [{"type": "image"}]}, REFUSED_SYSTEM),
+        ({"system": [{"type": "text", "text": 5}]}, REFUSED_SYSTEM),
+        ({"messages": [{"role": "system", "content": 5}, USER_FIRST]}, REFUSED_SYSTEM),
+        ({"stop_sequences": "END"}, "'stop_sequences' must be a list of strings"),
+        ({"stop_sequences": ["END", 1]}, "'stop_sequences' must be a string or a list of strings"),
+        ({"tool_choice": {"type": "sometimes"}}, REFUSED_TOOL_CHOICE),
+        ({"tool_choice": {"type": "sometimes", "name": "Bash"}}, REFUSED_TOOL_CHOICE),
+        ({"tool_choice": {"type": "tool"}}, REFUSED_TOOL_CHOICE),
+        ({"tool_choice": "auto"}, REFUSED_TOOL_CHOICE),
+        ({"thinking": {"type": "maybe"}}, "'thinking.type' must be 'enabled', 'adaptive' or 'disabled'"),
+        ({"thinking": "enabled"}, "'thinking.type' must be 'enabled', 'adaptive' or 'disabled'"),
+        ({"tools": "Bash"}, "'tools' must be a list"),
+        ({"tools": ["Bash"]}, "tools[0] must be an object"),
+        ({"tools": [{"input_schema": {}}]}, "tools[0]: 'name' is required"),
+        # A server tool is skipped, not the end of the list.
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}, {"input_schema": {}}]},
+         "tools[1]: 'name' is required"),
+    ],
+)
+def test_invalid_requests_say_what_and_where(patch: dict[str, Any], message: str) -> None:
+    body = {"model": "m", "max_tokens": 10, "messages": [USER_FIRST], **patch}
+    with pytest.raises(PolarError) as err:
+        PROVIDER.parse_request({k: v for k, v in body.items() if v is not None}, GENERATE)
+    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request", message)
+
+
+def test_a_tool_use_without_input_has_empty_arguments_and_server_tools_anywhere_are_dropped() -> None:
+    req = parse(messages=[USER_FIRST, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}],
+                tools=[{"type": "web_search_20250305", "name": "web_search"}, BASH])
+    assert req.messages[1]["tool_calls"] == [{"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    assert [t["function"]["name"] for t in req.tools] == ["Bash"]
+
+
 def test_non_object_body_is_400() -> None:
     with pytest.raises(PolarError):
         PROVIDER.parse_request([1], GENERATE)  # type: ignore[arg-type]
@@ -330,6 +430,7 @@ def test_non_object_body_is_400() -> None:
         ("length", True, None, ("max_tokens", None)),
         ("content_filter", False, None, ("refusal", None)),
         ("abort", False, None, ("max_tokens", None)),
+        ("tool_calls", False, None, ("end_turn", None)),  # no call was parsed: a plain end of turn
     ],
 )
 def test_stop_reason_mapping(finish: str, tools: bool, matched: str | None, expected: tuple[str, str | None]) -> None:
@@ -513,6 +614,15 @@ def test_stream_event_sequence() -> None:
     opened = [e.data["index"] for e in events if e.event == "content_block_start"]
     closed = [e.data["index"] for e in events if e.event == "content_block_stop"]
     assert opened == closed == [0, 1, 2, 3]
+    # The spec's opening of each block kind: empty thinking and signature, empty text, input {} (filled by deltas).
+    assert [e.data for e in events if e.event == "content_block_start"] == [
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
+        {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_start", "index": 2,
+         "content_block": {"type": "tool_use", "id": "toolu_call_1", "name": "Bash", "input": {}}},
+        {"type": "content_block_start", "index": 3,
+         "content_block": {"type": "tool_use", "id": "toolu_call_2", "name": "Read", "input": {}}},
+    ]
     deltas = [e.data["delta"]["type"] for e in events if e.event == "content_block_delta" and e.data["index"] == 0]
     assert deltas[-1] == "signature_delta" and set(deltas[:-1]) == {"thinking_delta"}
     json_pieces = [
@@ -561,6 +671,9 @@ def test_context_length_error_reads_as_prompt_too_long() -> None:
     assert err == {"type": "invalid_request_error", "message": "prompt is too long: 40000 tokens > 32768 maximum"}
     same = PROVIDER.render_error(PolarError(400, "context_length_exceeded", "prompt is too long: 5 tokens > 4 maximum"))
     assert same["error"]["message"] == "prompt is too long: 5 tokens > 4 maximum"
+    # With the engine's counts, the exact shape Claude Code parses its two numbers from.
+    counted = ContextLengthExceeded("engine said so", prompt_tokens=40000, window=32768)
+    assert PROVIDER.render_error(counted)["error"]["message"] == "prompt is too long: 40000 tokens > 32768 maximum"
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import openai
 import orjson
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from polar_addon.canonical import Completion, PolarError, ToolCall
+from polar_addon.canonical import Completion, ContextLengthExceeded, PolarError, ToolCall
 from polar_addon.providers import ResponseContext, Route
 from polar_addon.providers.openai_chat import PROVIDER
 from tests.support.providers import canned_http, completion, sse_bytes
@@ -70,6 +70,9 @@ def sdk_stream_final(request, comp: Completion, prefix: bytes = b"") -> dict[str
         ("POST", "/v1/responses", None),
         ("POST", "/v1/messages", None),
         ("POST", "/v1/chat/completions/extra", None),
+        ("POST", "/v1/chat/completions/", "generate"),
+        ("POST", "/v1/chat/completions?a=1?b", "generate"),  # the query is everything after the first '?'
+        ("POST", "/v1/chat/completionsX", None),
     ],
 )
 def test_route(method: str, path: str, expected: str | None) -> None:
@@ -208,6 +211,91 @@ def test_invalid_requests_are_400(body: Any) -> None:
     assert err.value.status == 400 and err.value.kind == "invalid_request" and err.value.message
 
 
+USER = {"role": "user", "content": "hi"}
+REFUSED_TOOL_CHOICE = "'tool_choice' must be 'auto', 'none', 'required' or {type: function, function: {name}}"
+NOT_A_CALL = "messages[1]: each tool call needs function.name"
+
+
+def _assistant(**fields: Any) -> dict[str, Any]:
+    return {"messages": [USER, {"role": "assistant", **fields}]}
+
+
+@pytest.mark.parametrize(
+    "patch,message",
+    [
+        ({"messages": None}, "'messages' is required and must be a non-empty list"),
+        ({"messages": "hi"}, "'messages' is required and must be a non-empty list"),
+        ({"messages": ["hi"]}, "messages[0] must be an object"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]: unsupported role 'wizard'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]: tool messages need a string 'tool_call_id'"),
+        ({"messages": [{"role": "user", "content": 5}]},
+         "messages[0]: content must be a string or a list of content parts"),
+        ({"messages": [{"role": "system", "content": 5}]},
+         "messages[0]: content must be a string or a list of content parts"),
+        ({"messages": [USER, {"role": "tool", "tool_call_id": "c", "content": 5}]},
+         "messages[1]: content must be a string or a list of content parts"),
+        *[({"messages": [{"role": "user", "content": [{"type": kind}]}]},
+           f"messages[0]: {kind} parts are not supported by this engine (text only)")
+          for kind in ("image_url", "input_audio", "file")],
+        ({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
+         "messages[0]: unsupported content part type 'refusal'"),
+        (_assistant(content=[{"type": "image_url"}]),
+         "messages[1]: image_url parts are not supported by this engine (text only)"),
+        (_assistant(content=[{"type": "refusal"}]), "messages[1]: refusal part needs a string 'refusal'"),
+        (_assistant(content="x", reasoning_content=5), "messages[1]: reasoning_content must be a string"),
+        (_assistant(tool_calls="bash"), "messages[1]: tool_calls must be a list"),
+        (_assistant(tool_calls=["bash"]), NOT_A_CALL),
+        (_assistant(tool_calls=[{"id": "c"}]), NOT_A_CALL),
+        (_assistant(tool_calls=[{"id": "c", "function": {"arguments": "{}"}}]), NOT_A_CALL),
+        (_assistant(tool_calls=[{"function": {"name": "f"}}]), "messages[1]: each tool call needs an 'id'"),
+        ({"model": ""}, "'model' is required and must be a non-empty string"),
+        ({"temperature": "hot"}, "'temperature' must be a number"),
+        ({"max_tokens": 0}, "'max_tokens' must be >= 1"),
+        ({"max_completion_tokens": 0}, "'max_completion_tokens' must be >= 1"),
+        ({"n": 2}, "'n' > 1 is not supported: one choice per request"),
+        ({"n": 0}, "'n' must be >= 1"),
+        ({"seed": -(2**63)}, "'seed' must be >= -9223372036854775807"),
+        ({"seed": 2**63}, "'seed' must be <= 9223372036854775807"),
+        ({"stop": [1]}, "'stop' must be a string or a list of strings"),
+        ({"stream": "yes"}, "'stream' must be a boolean"),
+        ({"stream_options": "usage"}, "'stream_options' must be an object"),
+        ({"tool_choice": "sometimes"}, REFUSED_TOOL_CHOICE),
+        ({"tool_choice": {"type": "function"}}, REFUSED_TOOL_CHOICE),
+        ({"tool_choice": {"type": "function", "function": "f"}}, REFUSED_TOOL_CHOICE),
+        ({"tools": "bash"}, "'tools' must be a list"),
+        ({"tools": ["bash"]}, "tools[0]: only function tools are supported"),
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0]: only function tools are supported"),
+        ({"tools": [{"type": "function"}]}, "tools[0]: function.name is required"),
+        ({"tools": [{"type": "function", "function": {"description": "d"}}]}, "tools[0]: function.name is required"),
+    ],
+)
+def test_invalid_requests_say_what_and_where(patch: dict[str, Any], message: str) -> None:
+    body = {"model": "m", "messages": [USER], **patch}
+    with pytest.raises(PolarError) as err:
+        PROVIDER.parse_request({k: v for k, v in body.items() if v is not None}, GENERATE)
+    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request", message)
+    with pytest.raises(PolarError, match="request body must be a JSON object"):
+        PROVIDER.parse_request([body], GENERATE)  # type: ignore[arg-type]
+
+
+def test_history_details_the_api_allows() -> None:
+    req = parse(
+        messages=[USER, {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}],
+                         "tool_calls": [{"id": "c", "function": {"name": "f"}}]}],
+        tools=[{"function": {"name": "f"}}],  # "type" defaults to "function"
+        tool_choice="none",
+    )
+    assert req.messages[1] == {"role": "assistant", "content": "a\nb",
+                               "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}]}
+    assert req.tools == [{"type": "function", "function": {"name": "f"}}] and req.tool_choice == "none"
+    # Reasoning sent back under vLLM's newer key "reasoning" is the same history.
+    thought = parse(messages=[USER, {"role": "assistant", "content": "a", "reasoning": "think"}]).messages[1]
+    assert thought == {"role": "assistant", "content": "a", "reasoning_content": "think"}
+    # The smallest counts, and seeds past int32 (clients send 64-bit seeds).
+    assert parse(n=1, max_tokens=1).sampling.max_tokens == parse(max_completion_tokens=1).sampling.max_tokens == 1
+    assert [parse(seed=seed).sampling.seed for seed in (-(2**40), 2**40)] == [-(2**40), 2**40]
+
+
 # ---------------------------------------------------------------- render_response
 
 
@@ -221,6 +309,7 @@ def test_invalid_requests_are_400(body: Any) -> None:
         ("content_filter", False, "content_filter"),
         ("abort", False, "length"),
         ("length", True, "length"),
+        ("tool_calls", False, "stop"),  # no call was parsed: a plain stop
     ],
 )
 def test_finish_reason_mapping(finish: str, has_tools: bool, expected: str) -> None:
@@ -334,6 +423,23 @@ def test_stream_shape() -> None:
     assert [e.data for e in PROVIDER.render_stream(request, comp, CTX)] == [e.data for e in events]
 
 
+def test_every_chunk_is_a_chat_completion_chunk_of_the_api() -> None:
+    """Each chunk validated by the SDK's own ChatCompletionChunk type (its literals included); with
+    include_usage every chunk carries "usage": null except the last, which carries only the usage."""
+    comp = STREAM_CASES["parallel_tools"]
+    chunks = [e.data for e in PROVIDER.render_stream(parse(stream=True, stream_options={"include_usage": True}), comp, CTX)]
+    assert chunks[-1] == "[DONE]"
+    for chunk in chunks[:-1]:
+        ChatCompletionChunk.model_validate(chunk, strict=True)
+    assert all(c["usage"] is None for c in chunks[:-2])
+    assert chunks[-2] == {"id": "chatcmpl-test1", "object": "chat.completion.chunk", "created": 1_700_000_000,
+                          "model": "qwen-test", "choices": [],
+                          "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
+                                    "prompt_tokens_details": {"cached_tokens": 8}}}
+    assert {(c["id"], c["object"], c["created"], c["model"]) for c in chunks[:-1]} == {
+        ("chatcmpl-test1", "chat.completion.chunk", 1_700_000_000, "qwen-test")}
+
+
 def test_text_is_streamed_in_several_pieces() -> None:
     events = list(PROVIDER.render_stream(parse(stream=True), STREAM_CASES["text"], CTX))
     contents = [e.data["choices"][0]["delta"].get("content") for e in events[1:-2]]
@@ -383,6 +489,10 @@ def test_an_unknown_error_kind_is_a_server_error() -> None:
 def test_context_length_error_code() -> None:
     err = PROVIDER.render_error(PolarError(400, "context_length_exceeded", "too long"))["error"]
     assert (err["type"], err["code"]) == ("invalid_request_error", "context_length_exceeded")
+    # With the engine's counts, OpenAI's own wording (clients match "maximum context length").
+    counted = PROVIDER.render_error(ContextLengthExceeded("x", prompt_tokens=40000, window=32768))["error"]
+    assert counted["message"] == ("This model's maximum context length is 32768 tokens. However, your messages "
+                                  "resulted in 40000 tokens. Please reduce the length of the messages.")
 
 
 @pytest.mark.parametrize(
@@ -414,5 +524,6 @@ def test_sdk_raises_on_stream_error_event() -> None:
 
 
 def test_no_count_tokens_route() -> None:
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError) as err:
         PROVIDER.render_count_tokens(3)
+    assert str(err.value) == "OpenAI Chat Completions has no token-count route"

@@ -27,6 +27,7 @@ import pytest
 from polar_addon.store import read_records, read_sessions
 from polar_cli.proxy_cmd import recipes
 from tests.conftest import free_port
+from tests.support.prereq import missing
 from tests.support.proxy import wait_for_port
 from tests.test_train_engine import chat, hf_logprobs
 
@@ -120,7 +121,7 @@ HARNESS_NAMES = {"Claude Code": "claude-cli/", "Codex": "codex_exec/", "Qwen Cod
 @pytest.mark.harness
 def test_every_harness_recipe_through_polar_proxy(tiny_model_dir: Path, tmp_path: Path) -> None:
     if not BIN.exists():
-        pytest.skip("harness CLIs missing: run `make harnesses`")
+        missing("harness CLIs missing: run `make harnesses`")
     script = tmp_path / "script.json"
     script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True,
                                      "turns": [{"content": "Here are the files: none."}]}))
@@ -179,7 +180,7 @@ def test_serve_capture_reward_build_train_reload_stop(tiny_model_dir: Path, tmp_
     """The README's engine, capture, store and train blocks in order, in a directory laid out as the README
     assumes (models/tiny, the repo's polar_addon/), on free ports."""
     if not (REPO / ".venv-vllm" / "bin" / "python").exists():
-        pytest.skip("vLLM CPU venv missing; run `make engine`")
+        missing("vLLM CPU venv missing; run `make engine`")
     work, home = tmp_path / "work", tmp_path / "home"
     (work / "models").mkdir(parents=True)
     (work / "models" / "tiny").symlink_to(tiny_model_dir)

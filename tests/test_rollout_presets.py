@@ -28,6 +28,7 @@ from polar_addon.store.validate import validate_store
 from polar_cli.mitm import REPO, free_port, mitmdump_command, wait_for_port
 from polar_cli.rollout.harnesses.base import SessionContext
 from tests.support.shards import session_records
+from tests.support.prereq import missing
 
 SWE_MINI = REPO / "examples" / "swe_mini"
 SCRIPTS = SWE_MINI / "scripts"
@@ -149,7 +150,7 @@ def bwrap_harbor(task_dir: Path, app: Path, logs: Path, script_path: str) -> sub
 @pytest.mark.parametrize("task_id", sorted(jsonl_tasks()))
 def test_swe_mini_task_in_both_formats(task_id: str, tmp_path: Path) -> None:
     if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap missing (apt-get install bubblewrap)")
+        missing("bubblewrap missing (make sandbox)")
     task = jsonl_tasks()[task_id]
     harbor = SWE_MINI / "harbor" / task_id
     assert (SWE_MINI / task["workspace"]).resolve() == (harbor / "environment" / "app").resolve()
@@ -183,7 +184,7 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     (it reaches the proxy and nothing else), verified by the runner in a fresh sandbox, rewarded through the
     proxy's control channel, every call stored under the session, group (the task) and sample."""
     if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap missing (apt-get install bubblewrap)")
+        missing("bubblewrap missing (make sandbox)")
     from polar_addon.control import token_file
 
     task_id = script(harness)["task"]

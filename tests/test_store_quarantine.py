@@ -53,7 +53,8 @@ def test_an_integer_past_int64_is_refused_at_append_and_the_store_keeps_writing(
     assert validate_store(str(tmp_path / "out")) == []
 
 
-def test_a_journaled_bad_record_is_quarantined_and_replay_after_restart_heals(tmp_path: Path, monkeypatch) -> None:
+def test_a_journaled_bad_record_is_quarantined_and_replay_after_restart_heals(tmp_path: Path, monkeypatch,
+                                                                            caplog) -> None:
     """A journal written by a polar that still accepted such a record (forged here by skipping the append-time
     check) is replayed by the next store: the bad entry goes to quarantine, the rest of its segment to shards."""
     out = tmp_path / "out"
@@ -89,4 +90,6 @@ def test_a_journaled_bad_record_is_quarantined_and_replay_after_restart_heals(tm
     quarantined = list((out / "_quarantine").glob("*.jsonl"))
     assert len(quarantined) == 1
     line = orjson.loads(quarantined[0].read_bytes().splitlines()[0])
-    assert line["entry"] == 1 and line["payload_b64"]
+    assert line["entry"] == 1 and line["payload_b64"] and line["segment"] == quarantined[0].stem
+    assert [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()] == [
+        f"segment {quarantined[0].stem}: 1 entries quarantined ({line['reason']})"]

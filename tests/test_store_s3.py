@@ -25,6 +25,7 @@ from polar_addon.store.entries import call_entry
 from polar_addon.store.validate import validate_store
 from polar_cli.app import app
 from tests.test_store_basic import Agent, assert_same
+from tests.support.prereq import missing
 
 REPO = Path(__file__).resolve().parent.parent
 MOTO = REPO / ".venv-s3" / "bin" / "moto_server"
@@ -39,7 +40,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def moto_port() -> Iterator[int]:
     if not MOTO.exists():
-        pytest.skip("needs the moto S3 server venv: run `make s3` (creates .venv-s3 with moto[server])")
+        missing("needs the moto S3 server venv: run `make s3` (creates .venv-s3 with moto[server])")
     port = _free_port()
     proc = subprocess.Popen([str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -17,6 +17,7 @@ from polar_addon.store import TraceStore
 from polar_cli.app import app
 from polar_cli.build import SessionInfo, build_session, detect_eot
 from polar_cli.view import render_session
+from tests.support.prereq import missing
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -119,8 +120,9 @@ def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
 def test_polar_view_in_headless_chromium(tmp_path: Path) -> None:
+    if CHROMIUM is None:
+        missing("chromium not installed (make browser)")
     sim, _ = _session()
     store = tmp_path / "store"
     tok_dir = tmp_path / "tok"

@@ -141,7 +141,6 @@ class TraceStore:
         self.journal_root = os.path.abspath(os.path.expanduser(journal_dir or default_journal_dir(self.output)))
         self.shard_max_records = shard_max_records
         self.shard_max_seconds = shard_max_seconds
-        self.max_cached_sessions = max_cached_sessions
 
         self._closed = False
         self._output_error: str | None = None

@@ -12,6 +12,8 @@ JSONL, one task per line (``#`` lines and blank lines are skipped)::
 ``workspace`` is a directory relative to the JSONL file (or absolute); instead, ``repo`` (a git URL or path) with an
 optional ``revision`` is cloned. ``verify`` exits 0 for reward 1.0, else 0.0, unless it writes ``reward_file``
 (relative to the workspace: a float, or a flat JSON object name -> number).
+``verify`` reads the harness's stdout (its final answer in print mode) from the file ``$POLAR_AGENT_OUTPUT`` names
+(the runner's copy, outside the workspace; Harbor tasks: ``/logs/agent/stdout.txt``).
 
 Harbor task directories (``task.toml``, ``instruction.md``, ``environment/Dockerfile``, ``tests/test.sh``), the format
 of the ``harbor`` package 0.25 (read from its ``models/task`` and ``verifier`` sources; not a dependency): TASKS is

@@ -23,6 +23,7 @@ accelerate/DDP. What is replaced, and why:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import identity, nanmax, nanmin, use_adapter
 
 from polar_cli.train.dataset import NothingToTrain, TrainData, TrainRow, length_buckets, partition_rows
+
+log = logging.getLogger("polar.train")
 
 # GRPOConfig insists on num_generations >= 2 dividing the generation batch. Neither value is used
 # here (our sampler and advantages replace TRL's), so both are set to the smallest it accepts.
@@ -169,6 +172,9 @@ class TraceGRPOTrainer(GRPOTrainer):
         nproc, rank = self.accelerator.num_processes, self.accelerator.process_index
         bins = partition_rows([r.num_tokens for r in rows], nproc * grad_accum)
         mine = bins[rank * grad_accum : (rank + 1) * grad_accum]
+        # `polar train --verbose`: which traces each process trains (under DDP, each a different share of the step).
+        log.info("process %d of %d, step %d: traces %s", rank, nproc, self.state.global_step,
+                 " ".join(rows[i].trace_id for b in mine for i in b))
         # The loss normalizer counts the whole step's trainable tokens, over all processes; every
         # process knows the whole step, so no collective is needed.
         num_items = torch.tensor(float(sum(r.num_trainable for r in rows)), device=self.accelerator.device)
