@@ -448,6 +448,32 @@ def test_gemini_cli_does_not_compress_a_one_prompt_session(tiny_model_dir, tmp_p
     assert built.report.total.breaks == {} and [t.calls_merged for t in built.traces] == [6]
 
 
+@pytest.mark.harness
+def test_codex_custom_provider_compacts_through_polar(tiny_model_dir, tmp_path):
+    """``codex:http`` (a custom provider: Responses over plain HTTP POSTs at the reverse proxy) with the window its
+    preset writes (auto-compact at 80 % of it): Codex compacts *locally* for a provider that is not OpenAI's, with
+    its own checkpoint prompt as a normal call, carries on from the summary and exits 0."""
+    from polar_cli.rollout.harnesses.codex import Codex
+
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [CODEX_TOOL_TURN] * 8,
+              "summary": "Goal: count. Done: seq ran several times.", "after_compaction": [{"content": "Counting is done."}] * 4}
+    # The first prompt is ~15.2k tokens, each tool turn adds ~120: 80 % of 19,250 is 15,400.
+    result, records, logs = preset_run(Codex(custom_provider=True), tmp_path, script, "codex-http-compact", 19_250,
+                                       "Count a few times.", "https://api.openai.com")
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    assert "Counting is done." in result.stdout
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    assert {r.api for r in records} == {"openai_responses"}
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == "codex"]
+    summarised = [r.seq for r in records if summarised_history(r.messages) == "codex" and r.seq not in asking]
+    assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    # As for Claude Code: the compaction call re-renders the earlier turns, so it breaks the chain, and the
+    # summarised history starts another.
+    assert built.report.total.breaks == {"compaction": 2}
+    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]
+
+
 PI_TURN = shell_turn("bash", "command", "seq 1 300")  # ~1,070 tokens a round
 PI_SUMMARY = "## Goal\nCount.\n## Progress\nseq ran three times."
 
