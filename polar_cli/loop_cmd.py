@@ -57,6 +57,8 @@ def loop(
 
     from polar_cli.rollout.harnesses import get_preset
     from polar_cli.rollout.loop import LoopConfig, rise, run_loop
+    from polar_cli.rollout.runner import RolloutInterrupted
+    from polar_cli.rollout_cmd import interrupted_exit_code
     from polar_cli.rollout.tasks import TaskFileError, load_tasks
 
     if engine not in ("local", "vllm"):
@@ -100,6 +102,9 @@ def loop(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    except RolloutInterrupted as exc:
+        typer.echo(f"error: {exc}; run the same command to resume", err=True)
+        raise typer.Exit(interrupted_exit_code(exc.signal_name)) from exc
     except RuntimeError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

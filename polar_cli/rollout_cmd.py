@@ -79,6 +79,8 @@ def rollout(
     -> POSTRUN (the agent's git diff verified in a fresh sandbox; reward and status posted).
 
     The proxy's control token never enters a sandbox. Exit status 1 when no session was usable, 2 on bad input.
+    Ctrl-C (SIGINT) or SIGTERM: no new session starts, running ones are killed and stored as error (metadata
+    cancelled), the summary is written, exit status 130 (143).
     """
     from polar_cli.rollout.proxy import ExternalProxy
     from polar_cli.rollout.runner import RolloutConfig, RolloutProgress, run_rollout
@@ -147,15 +149,28 @@ def rollout(
     summary["task_set_hash"] = manifest["task_set_hash"]
     summary_path = report / "rollout-summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    manifest.update(ended_at=result.ended_at, interrupted=result.interrupted)
+    (report / "rollout-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     counts = ", ".join(f"{n} {s}" for s, n in result.counts().items() if n)
     mean = summary["reward_mean"]
     typer.echo(f"polar rollout {run_id}: {len(result.sessions)} sessions ({counts}); reward mean "
                f"{'-' if mean is None else f'{mean:.3f}'}; {summary['sessions_per_minute']:.1f} sessions/min; "
                f"summary {summary_path}")
+    if result.interrupted:
+        typer.echo(f"error: interrupted by {result.interrupted}: the sessions it caught are cancelled (stored as "
+                   "error with metadata.cancelled)", err=True)
+        raise typer.Exit(interrupted_exit_code(result.interrupted))
     if result.all_failed:
         typer.echo("error: no session was usable (see the errors in the summary and the logs in "
                    f"{report / 'logs'})", err=True)
         raise typer.Exit(EXIT_ALL_FAILED)
+
+
+def interrupted_exit_code(signal_name: str) -> int:
+    """128 + the signal's number, as a shell reports a process the signal ended (130 for SIGINT)."""
+    import signal
+
+    return 128 + int(signal.Signals[signal_name])
 
 
 def _default_report_dir(out: str | None, run_id: str) -> Path:

@@ -8,6 +8,10 @@ compaction, token counts, and compaction breaks in the built traces.
   ``model_auto_compact_token_limit``: it asks polar for a remote compaction (v2: a ``compaction_trigger``
   item), polar has the engine write the summary, Codex carries on from it and exits 0; the built trace
   breaks exactly there, with cause ``compaction``.
+- Claude Code, Qwen Code, Gemini CLI, Pi and Codex on a custom provider (``codex:http``), each with the window
+  its rollout preset writes, run past it on the scripted engine and compact by their own mechanism; Qwen Code
+  and Pi also recover from an overflow the engine forces (the others' reactions are in the README).
+- A real vLLM CPU engine's overflow becomes each provider's error through polar.
 """
 
 from __future__ import annotations
@@ -136,6 +140,34 @@ def test_token_counts_are_the_served_models(small_window_proxy, tiny_model_dir):
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == expected
     gem = genai.Client(api_key="not-a-real-key", http_options=types.HttpOptions(httpx_client=_http(small_window_proxy, "count")))
     assert gem.models.count_tokens(model="tiny", contents="hi").total_tokens == expected
+
+
+VLLM_WINDOW = 100_000  # the shared vLLM server's --max-model-len (tests/conftest.py)
+
+
+@pytest.mark.vllm
+def test_vllm_overflow_becomes_each_providers_error(vllm_server, tmp_path):
+    """A real vLLM CPU engine refuses a prompt past its ``--max-model-len``; polar reads the counts from its 400
+    and answers in the caller's provider shape (the shared server: a 100k window, so a ~100.5k-token prompt)."""
+    over = "word " * (VLLM_WINDOW + 500)  # one token per word in the tiny tokenizer
+    with run_mitmdump(f"vllm:{vllm_server}", tmp_path / "shards", options={"polar_shard_seconds": "0.2"}) as proxy:
+        chat = openai.OpenAI(api_key="sk-not-real", http_client=_http(proxy, "vllm-chat"), max_retries=0)
+        with pytest.raises(openai.BadRequestError) as chat_err:
+            list(chat.chat.completions.create(model="tiny", max_tokens=8, stream=True, messages=[{"role": "user", "content": over}]))
+        ant = anthropic.Anthropic(api_key="sk-ant-not-real", http_client=_http(proxy, "vllm-ant"), max_retries=0)
+        with pytest.raises(anthropic.BadRequestError) as ant_err:
+            ant.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": over}])
+        (chat_record,) = session_records(proxy.out, "vllm-chat", include_failed=True, at_least=1)
+        (ant_record,) = session_records(proxy.out, "vllm-ant", include_failed=True, at_least=1)
+    for record in (chat_record, ant_record):
+        assert record.status == "failed" and record.error.startswith("400 context_length_exceeded: prompt_tokens=")
+    prompt_tokens = int(ant_record.error.split("prompt_tokens=")[1].split()[0])
+    assert VLLM_WINDOW < prompt_tokens < VLLM_WINDOW + 600 and f"window={VLLM_WINDOW}" in ant_record.error
+    assert chat_err.value.code == "context_length_exceeded"
+    assert f"maximum context length is {VLLM_WINDOW} tokens" in chat_err.value.message
+    assert f"resulted in {prompt_tokens} tokens" in chat_err.value.message
+    assert ant_err.value.body["error"] == {"type": "invalid_request_error",
+                                           "message": f"prompt is too long: {prompt_tokens} tokens > {VLLM_WINDOW} maximum"}
 
 
 # --- Codex remote compaction, pure ------------------------------------------------------------
@@ -309,3 +341,176 @@ def test_claude_code_auto_compacts_through_polar(tiny_model_dir, tmp_path):
     built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
     assert built.report.total.breaks == {"compaction": 2}
     assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]
+
+
+# --- Qwen Code, Pi, Gemini CLI: their own compaction, with the window their rollout preset writes ----------
+
+
+def preset_run(preset, tmp_path, script: dict, session: str, window: int, instruction: str, target: str,
+               settings: tuple[str, dict] | None = None, extra_env: dict[str, str] | None = None, timeout: float = 240):
+    """Run a harness as its rollout preset configures it (``context_window=window``) against the scripted
+    engine behind a reverse proxy; ``settings`` = (a file under HOME, keys merged into what the preset wrote
+    there, if anything), e.g. to trim its prompt for a CPU forward pass."""
+    from polar_cli.rollout.harnesses.base import SessionContext
+    from tests.support.harnesses import calls, run
+
+    path = tmp_path / "script.json"
+    path.write_bytes(orjson.dumps(script))
+    home, out = tmp_path / "home", tmp_path / "shards"
+    home.mkdir()
+    with run_mitmdump(f"scripted:{path}", out, mode=f"reverse:{target}",
+                      options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}) as proxy:
+        ctx = SessionContext(session_id=session, task_id="t", group_id="g", sample=0, model="tiny", proxy_url=proxy.url,
+                             reverse_url=proxy.url, ca_path=str(proxy.ca), home=str(home), workspace=str(home),
+                             context_window=window)
+        preset.configure(home, ctx)
+        if settings is not None:
+            file = home / settings[0]
+            merged = orjson.loads(file.read_bytes()) if file.exists() else {}
+            file.parent.mkdir(parents=True, exist_ok=True)
+            for key, value in settings[1].items():
+                merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
+            file.write_bytes(orjson.dumps(merged))
+        result = run(preset.command(instruction, ctx), {**preset.env(ctx), **(extra_env or {})}, home, timeout=timeout)
+        records = calls(out, session, include_failed=True)
+        logs = proxy.logs()[-3000:]
+    return result, records, logs
+
+
+def shell_turn(name: str, key: str, command: str) -> dict:
+    return {"content": None, "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {key: command}}}]}
+
+
+QWEN_TURN = shell_turn("run_shell_command", "command", "seq 1 300")  # ~1,130 tokens a round
+STATE_SNAPSHOT = "<state_snapshot>\n<overall_goal>Count.</overall_goal>\n<key_knowledge>seq ran.</key_knowledge>\n</state_snapshot>"
+
+
+@pytest.mark.harness
+def test_qwen_code_compresses_through_polar(tiny_model_dir, tmp_path):
+    """Qwen Code with the window its preset writes (``contextWindowSize``): past 70 % of it, before its next
+    call, it asks for a ``<state_snapshot>`` with its own compression prompt (as the system prompt), replaces
+    the older turns with the snapshot, carries on and exits 0. The trace breaks exactly there."""
+    from polar_cli.rollout.harnesses.qwen_code import QwenCode
+
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [QWEN_TURN] * 8, "summary": STATE_SNAPSHOT,
+              "after_compaction": [{"content": "Counting is done."}] * 8}
+    system = tmp_path / "system.md"
+    system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
+    # One tool and a short system prompt: the first prompt is ~10.3k tokens, each round adds ~1.1k; the window
+    # is such that 70 % of it (12.2k) is passed after the third round.
+    result, records, logs = preset_run(
+        QwenCode(), tmp_path, script, "qwen-compact", 17_400, "Count a few times.", "https://api.openai.com",
+        settings=(".qwen/settings.json", {"tools": {"approvalMode": "yolo", "core": ["run_shell_command"],
+                                                    "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"]}}),
+        extra_env={"QWEN_SYSTEM_MD": str(system)})
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    assert "Counting is done." in result.stdout
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == "qwen-code"]
+    # The compression prompt itself shows the <state_snapshot> structure: only later calls carry a summary.
+    summarised = [r.seq for r in records if summarised_history(r.messages) == "gemini-cli/qwen-code" and r.seq not in asking]
+    assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
+    assert len(records[asking[0] - 1].prompt_ids) > 0.7 * 17_400 > len(records[asking[0] - 2].prompt_ids)
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    # Its compression call has its own system prompt: it breaks the chain, and the summarised history starts another.
+    assert built.report.total.breaks == {"compaction": 2}
+    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]
+
+
+def gemini_turns(n: int) -> list[dict]:
+    # Each command differs: the CLI stops a session that repeats one tool call (its loop detection).
+    return [shell_turn("run_shell_command", "command", f"seq {i} {i + 299}") for i in range(n)]  # ~1,400 tokens a round
+
+
+@pytest.mark.harness
+def test_gemini_cli_does_not_compress_a_one_prompt_session(tiny_model_dir, tmp_path):
+    """Gemini CLI checks its threshold (its preset: half the served window, as a share of the 1M tokens it assumes
+    for an unknown model) before each call, but splits the history only at a user message that is not a tool
+    result: a ``gemini -p`` session is one such message and then tool rounds, so there is nothing it may
+    compress. Past the threshold it sends no compression call and carries on with the whole history (until the
+    engine refuses it: then it exits 1, see the README)."""
+    from polar_cli.rollout.harnesses.gemini_cli import GeminiCli
+
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": gemini_turns(5) + [{"content": "Counting is done."}],
+              "summary": STATE_SNAPSHOT}
+    system = tmp_path / "system.md"
+    system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
+    # First prompt ~1.5k tokens with one tool, ~1.4k more a round; half the window is 3.6k.
+    result, records, logs = preset_run(
+        GeminiCli(), tmp_path, script, "gemini-long", 7_200, "Count a few times.", "https://generativelanguage.googleapis.com",
+        settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}), extra_env={"GEMINI_SYSTEM_MD": str(system)})
+    assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
+    assert "Counting is done." in result.stdout
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    assert len(records) == 6 and sum(len(r.prompt_ids) >= 3_600 for r in records) >= 3
+    assert [compaction_prompt(r.messages) for r in records] == [None] * 6
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    assert built.report.total.breaks == {} and [t.calls_merged for t in built.traces] == [6]
+
+
+PI_TURN = shell_turn("bash", "command", "seq 1 300")  # ~1,070 tokens a round
+PI_SUMMARY = "## Goal\nCount.\n## Progress\nseq ran three times."
+
+
+@pytest.mark.harness
+def test_pi_compacts_after_its_answer_in_print_mode(tiny_model_dir, tmp_path):
+    """Pi checks its window (``contextWindow`` from its preset, less ``compaction.reserveTokens`` = 16,384) only
+    when the agent stops: in print mode the threshold compaction comes after the answer, with its own
+    checkpoint prompt, and Pi exits 0. (The summary is for a next prompt, which ``pi -p`` never sends.)"""
+    from polar_cli.rollout.harnesses.pi import Pi
+
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [PI_TURN] * 3 + [{"content": "Done counting."}],
+              "summary": PI_SUMMARY}
+    # The last prompt is ~5.4k tokens, past 19,384 - 16,384 = 3,000.
+    result, records, logs = preset_run(Pi(), tmp_path, script, "pi-compact", 19_384, "Count a few times.", "https://api.openai.com")
+    assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
+    assert result.stdout.strip() == "Done counting."
+    assert all(r.status == "ok" for r in records), [r.error for r in records]
+    assert [compaction_prompt(r.messages) for r in records] == [None] * 4 + ["pi"]
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    assert built.report.total.breaks == {"compaction": 1}
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("name", ["qwen", "pi"])
+def test_qwen_code_and_pi_recover_from_an_overflow(name, tiny_model_dir, tmp_path):
+    """The engine refuses a prompt as too long (the scripted engine's ``max_len`` under the harness's window):
+    Qwen Code reads the OpenAI ``context_length_exceeded`` error, compresses at once and retries; Pi recognises
+    "maximum context length is N tokens", compacts (keeping ``compaction.keepRecentTokens``) and retries. Both
+    exit 0 after a retry on the summary that succeeds (Pi's print mode does not print it); the refused call is
+    recorded as failed."""
+    from polar_cli.rollout.harnesses.pi import Pi
+    from polar_cli.rollout.harnesses.qwen_code import QwenCode
+
+    system = tmp_path / "system.md"
+    system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
+    runs = {
+        # Qwen: prompts of ~10.3k, 11.4k, 12.5k tokens, then 13.6k > 13,500.
+        "qwen": (QwenCode(), "qwen-code", "gemini-cli/qwen-code", QWEN_TURN, STATE_SNAPSHOT, 13_500,
+                 (".qwen/settings.json", {"tools": {"approvalMode": "yolo", "core": ["run_shell_command"],
+                                                    "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"]}}),
+                 {"QWEN_SYSTEM_MD": str(system)}),
+        # Pi: prompts of ~2.2k, 3.3k, 4.4k tokens, then 5.4k > 5,000. It sizes what it keeps at 4 characters a
+        # token (a round here is ~300 by that count, ~1,070 real tokens): keeping 100 keeps the last round.
+        "pi": (Pi(), "pi", "pi", PI_TURN, PI_SUMMARY, 5_000, (".pi/agent/settings.json", {"compaction": {"keepRecentTokens": 100}}), {}),
+    }
+    preset, asks, summarises, turn, summary, max_len, settings, env = runs[name]
+    script = {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": [turn] * 8,
+              "summary": summary, "after_compaction": [{"content": "Counting is done."}] * 8}
+    result, records, logs = preset_run(preset, tmp_path, script, f"{name}-overflow", 1_000_000, "Count a few times.",
+                                       "https://api.openai.com", settings=settings, extra_env=env)
+    for r in records:
+        print(name, r.seq, r.status, len(r.prompt_ids), compaction_prompt(r.messages), summarised_history(r.messages), (r.error or "")[:80])
+    assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
+    failed = [r for r in records if r.status == "failed"]
+    assert len(failed) == 1 and failed[0].error.startswith("400 context_length_exceeded: prompt_tokens=")
+    assert f"window={max_len}" in failed[0].error
+    after = records[failed[0].seq + 1:]
+    assert compaction_prompt(after[0].messages) == asks
+    assert after[1:] and all(summarised_history(r.messages) == summarises and r.status == "ok" for r in after[1:])
+    if name == "qwen":
+        assert result.stdout.strip().endswith("Counting is done."), result.stdout
+    else:
+        # ``pi -p`` reads its answer when the first attempt ends; the compaction and the retry run after that, so
+        # the retried answer ("Counting is done.") is captured but never printed.
+        assert result.stdout.strip() == "", result.stdout

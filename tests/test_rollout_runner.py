@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -22,11 +23,11 @@ from polar_cli.rollout.harnesses.base import SessionContext
 from polar_cli.rollout.harnesses.codex import Codex
 from polar_cli.rollout.harnesses.pi import Pi
 from polar_cli.rollout.proxy import ExternalProxy, StartedProxy, start_proxy
-from polar_cli.rollout.runner import RolloutConfig, RolloutResult, run_rollout
+from polar_cli.rollout.runner import RolloutConfig, RolloutResult, run_rollout, session_ids
 from polar_cli.rollout.tasks import load_tasks
 from tests.support.prereq import missing
 from tests.support.proxy import REPO
-from tests.support.shards import wait_for_shards
+from tests.support.shards import session_records, wait_for_shards
 
 AGENT = REPO / "tests" / "support" / "rollout_agent.py"
 HARNESS = f"cmd:{sys.executable} {AGENT} {{instruction}}"
@@ -261,3 +262,56 @@ def test_a_given_window_reaches_the_harness_config(proxy: StartedProxy, tmp_path
     result = _run(proxy, tasks, harness=_CodexShowingItsConfig(), context_window=5000, logs_dir=tmp_path / "logs")
     config = _harness_stdout(tmp_path / "logs", result)
     assert "model_context_window = 5000\n" in config and "model_auto_compact_token_limit = 4000\n" in config
+
+
+def test_sigint_mid_run_cancels_every_session_and_keeps_the_traces(proxy: StartedProxy, tmp_path: Path) -> None:
+    """Ctrl-C on `polar rollout` while two harnesses hang after their first call and a third session waits: the
+    harnesses' process trees die, no session stays `running` in the store, the captured calls are kept, the summary
+    says so, and the exit status is 130."""
+    marker = f"sigint-{os.getpid()}-{time.monotonic_ns()}"  # in each agent's command line
+    tasks = _tasks(tmp_path, {"id": "hangs", "instruction": f"MODE=hang {marker}"})
+    report = tmp_path / "report"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", HARNESS, "--samples", "3",
+         "--concurrency", "2", "--seed", "7", "--proxy", f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+         "--reverse-url", f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
+         "--confdir", str(Path(proxy.endpoints.ca).parent), "--report-dir", str(report), "--no-progress"],
+        cwd=REPO, env={**os.environ, "POLAR_CONTROL_TOKEN": proxy.control_token},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    store = _store(proxy)
+    ids = [sid for _, _, sid in session_ids(load_tasks(tasks), 3, "r7")]
+    try:
+        running = []
+        deadline = time.monotonic() + 180
+        while len(running) < 2:  # two RUN slots: the first two sessions to start made their call and now hang
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"{process.communicate(timeout=5)}: {list((report / 'logs').rglob('*.log'))} "
+                                     f"{(report / 'rollout-summary.json').read_text()[-3000:]}")
+            running = [sid for sid in ids if session_records(store, sid, timeout=10)]
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, out + err
+    assert "interrupted by SIGINT" in err
+    summary = json.loads((report / "rollout-summary.json").read_text())
+    assert summary["interrupted"] == "SIGINT" and summary["statuses"]["cancelled"] == 3
+    assert sorted(s["ran"] for s in summary["session_results"]) == [False, True, True]
+    assert json.loads((report / "rollout-manifest.json").read_text())["interrupted"] == "SIGINT"
+    wait_for_shards(store)
+    stored = {s.session_id: s for s in read_sessions(store) if s.session_id in ids}
+    assert sorted(stored) == sorted(running)  # the session that never ran made no call and is not stored
+    for sid in running:
+        assert stored[sid].status == "error" and stored[sid].metadata["cancelled"] is True
+        assert stored[sid].metadata["signal"] == "SIGINT" and stored[sid].metadata["stage"] == "run"
+        assert len(read_records(store, [sid])) == 1  # the call made before the signal is kept
+    alive = [p for p in Path("/proc").glob("[0-9]*/cmdline") if marker.encode() in _read_or_empty(p)]
+    assert alive == [], "a harness outlived the interrupted rollout"
+
+
+def _read_or_empty(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""

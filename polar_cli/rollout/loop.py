@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from polar_cli.rollout.runner import RolloutConfig, RolloutResult, run_rollout
+from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import Task, task_set_hash
 
 EXIT_NOTHING_TO_TRAIN = 3  # polar train's exit status when every reward of every group is equal
@@ -271,6 +271,10 @@ def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Cal
     finally:
         shutil.rmtree(idir / "work", ignore_errors=True)
     (idir / "rollout-summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    if result.interrupted:
+        # Not recorded: re-running the loop starts this iteration over.
+        raise RolloutInterrupted(f"iteration {i}: interrupted by {result.interrupted} (summary in {idir})",
+                                 result.interrupted)
     if result.all_failed:
         raise RuntimeError(f"iteration {i}: no session was usable (logs in {idir / 'logs'})")
     return result

@@ -25,6 +25,10 @@ masked), ``cancelled`` (``early_stop``: the group already had enough usable sess
 never ran (cancelled or failed before RUN) made no calls; a failed one is still posted as ``error`` so the store
 knows its group lost a member.
 
+Interruption: SIGINT/SIGTERM (``stop_on_signals``) stop the run: nothing new starts, running harnesses and
+verifiers are killed, every unfinished session ends ``cancelled`` (posted as ``error`` with ``metadata.cancelled``
+when it ran, so none stays ``running`` in the store), and ``RolloutResult.interrupted`` names the signal.
+
 Rewards come from the verifier only: the control token never enters a sandbox, and the harness gets no way to post
 one (the proxy refuses posts without the token).
 
@@ -40,13 +44,14 @@ import logging
 import random
 import secrets
 import shutil
+import signal
 import tempfile
 import time
 from collections import Counter, deque
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Sequence
 
 from polar_cli.rollout import workspace as ws
 from polar_cli.rollout.harnesses import get_preset
@@ -106,6 +111,8 @@ class RolloutConfig:
     read_only: Sequence[Path] = ()  # host paths visible read-only in sandboxes (harness installs)
     run_id: str | None = None  # prefix of session ids; None: from the seed, else random
     progress: "RolloutProgress | None" = None  # live counters for a display (mutated in place)
+    # SIGINT/SIGTERM interrupt the rollout (see run_rollout); False leaves the process's signal handling alone.
+    stop_on_signals: bool = True
 
 
 @dataclass
@@ -135,6 +142,7 @@ class RolloutResult:
     store: str | None
     context_window: int | None = None  # what the harnesses were told (given or read from the engine)
     max_output_tokens: int | None = None
+    interrupted: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM), None when it ran out
 
     def counts(self) -> dict[str, int]:
         counts = Counter(s.status for s in self.sessions)
@@ -158,6 +166,7 @@ class RolloutResult:
         return {
             "run_id": self.run_id, "store": self.store, "sessions": len(self.sessions), "statuses": self.counts(),
             "context_window": self.context_window, "max_output_tokens": self.max_output_tokens,
+            "interrupted": self.interrupted,
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
             "groups": {g: {"rewards": r, "mean": sum(r) / len(r) if r else None}
                        for g, r in sorted(self.group_rewards().items())},
@@ -189,8 +198,12 @@ class RolloutProgress:
         return done / max((time.time() - self.started_at) / 60, 1e-9)
 
 
-class _Cancelled(Exception):
-    """The session's group was stopped early before it ran."""
+class RolloutInterrupted(RuntimeError):
+    """A rollout stopped by a signal (its sessions ended, their statuses posted)."""
+
+    def __init__(self, message: str, signal_name: str) -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
 
 
 @dataclass
@@ -243,9 +256,30 @@ async def run_rollout(config: RolloutConfig) -> RolloutResult:
         window, output_cap = await _budget(config)
         runner = _Runner(config, preset, runtime, endpoints, control, work_dir, run_id, window, output_cap)
         started = time.time()
-        sessions = await runner.run(tasks)
+        with _signals_interrupt(runner, config.stop_on_signals):
+            sessions = await runner.run(tasks)
         return RolloutResult(run_id, [s.result for s in sessions], started, time.time(),
-                             config.out if config.proxy is None else None, window, output_cap)
+                             config.out if config.proxy is None else None, window, output_cap, runner.interrupted)
+
+
+@contextmanager
+def _signals_interrupt(runner: "_Runner", enabled: bool) -> Iterator[None]:
+    """While the sessions run, SIGINT and SIGTERM interrupt the runner instead of killing the process (whose
+    sessions would stay ``running`` in the store, their sandboxes and harnesses alive)."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    if enabled:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, runner.interrupt, sig.name)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such support
+                continue
+            installed.append(sig)
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
 
 
 async def _budget(config: RolloutConfig) -> tuple[int | None, int | None]:
@@ -315,6 +349,19 @@ class _Runner:
         self.stopped_groups: set[str] = set()
         self.running: dict[str, list[_Session]] = {}
         self.cancels: set[asyncio.Task] = set()  # early-stop cancels in flight (held so they are not collected)
+        self.interrupted: str | None = None  # the signal that stopped the run
+        self.pipeline: asyncio.Task | None = None
+
+    def interrupt(self, reason: str) -> None:
+        """Stop the run: nothing new starts, running harnesses and verifiers are killed; :meth:`run` then ends every
+        session as ``cancelled`` and returns."""
+        if self.interrupted is not None:
+            log.warning("polar rollout: %s again: already stopping", reason)
+            return
+        log.warning("polar rollout: %s: stopping (running sessions are cancelled, their statuses posted)", reason)
+        self.interrupted = reason
+        if self.pipeline is not None:
+            self.pipeline.cancel()
 
     # -- the pipeline -------------------------------------------------------------------------------------------
 
@@ -363,21 +410,54 @@ class _Runner:
                     slots.release()
 
         init_workers = self.config.init_concurrency or min(self.ready_n, self.config.concurrency)
-        runners = [asyncio.create_task(run_slot()) for _ in range(self.config.concurrency)]
-        try:
+        runners: list[asyncio.Task] = []
+        inits: list[asyncio.Task] = []
+
+        async def pipeline() -> None:
+            runners.extend(asyncio.create_task(run_slot()) for _ in range(self.config.concurrency))
             if self.ready_n > 0:
-                await asyncio.gather(*(init_worker() for _ in range(max(init_workers, 1))))
+                inits.extend(asyncio.create_task(init_worker()) for _ in range(max(init_workers, 1)))
+                await asyncio.gather(*inits)
                 for _ in runners:
                     await ready.put(None)
             await asyncio.gather(*runners)
             while postruns:
                 await asyncio.gather(*list(postruns))
+
+        self.pipeline = asyncio.create_task(pipeline())
+        try:
+            await self.pipeline
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self.interrupted is None or (current is not None and current.cancelling()):
+                raise  # the caller cancelled us, not a signal
         finally:
-            for job in [*runners, *postruns]:
+            jobs = [job for job in (*runners, *inits, *postruns) if not job.done()]
+            for job in jobs:
                 job.cancel()
+            if jobs:
+                # Their own cleanup first: each kills its harness's or verifier's process tree.
+                await asyncio.wait(jobs, timeout=60)
             for session in sessions:  # an interrupted run leaves no sandbox behind
                 await self._teardown(session)
+        if self.interrupted is not None:
+            await self._end_interrupted(sessions)
         return sessions
+
+    async def _end_interrupted(self, sessions: list[_Session]) -> None:
+        """Every session the interruption caught ends ``cancelled``; each that ran (so the store knows it) gets a
+        final status, which nothing else would post: no session stays ``running`` in the store."""
+        for session in sessions:
+            if session.stage != "done":
+                stage = session.stage
+                self._finish(session, "cancelled", f"interrupted by {self.interrupted} in {stage.upper()}")
+                if session.result.ran:
+                    await self._post_status(session, "error", {"reason": "interrupted", "cancelled": True,
+                                                               "signal": self.interrupted, "stage": stage})
+            elif session.result.ran and not session.result.posted:  # it ended, but the interruption cut its post
+                status = session.result.status
+                await self._post_status(session, "error" if status == "cancelled" else status,
+                                        {"reason": "interrupted", "signal": self.interrupted})
 
     def _move(self, session: _Session, stage: str) -> None:
         self.progress.move(session.stage, stage)
