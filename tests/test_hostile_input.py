@@ -197,7 +197,7 @@ def test_engine_pool_session_table_is_bounded_and_released() -> None:
     pool = EnginePool([Named("e0"), Named("e1")], max_sessions=100)  # type: ignore[list-item]
     for i in range(1000):
         pool.for_session(f"s{i}")
-    assert len(pool) == 100 and sum(pool._load) == 100
+    assert len(pool) == 100 and sum(pool.affinity.load()) == 100
     pool.release("s999")
     assert len(pool) == 99
 
