@@ -10,7 +10,8 @@ compaction, token counts, and compaction breaks in the built traces.
   breaks exactly there, with cause ``compaction``.
 - Claude Code, Qwen Code, Gemini CLI, Pi and Codex on a custom provider (``codex:http``), each with the window
   its rollout preset writes, run past it on the scripted engine and compact by their own mechanism; Qwen Code
-  and Pi also recover from an overflow the engine forces (the others' reactions are in the README).
+  and Pi also recover from an overflow the engine forces; Claude Code, Codex (default provider) and Gemini CLI
+  meet one and end with their own message, exit 1, within a bounded time.
 - A real vLLM CPU engine's overflow becomes each provider's error through polar.
 """
 
@@ -297,7 +298,7 @@ def test_codex_default_provider_compacts_remotely_through_polar(tiny_model_dir, 
 GLOB_TURN = {"content": "Looking.", "tool_calls": [{"type": "function", "function": {"name": "Glob", "arguments": '{"pattern": "*.txt"}'}}]}
 
 
-def claude_run(tmp_path, script: dict, session: str, extra_env: dict[str, str]):
+def claude_run(tmp_path, script: dict, session: str, extra_env: dict[str, str], timeout: float = 240):
     """Claude Code with a short system prompt and one tool (a small prompt for a CPU forward pass)."""
     from tests.support.harnesses import calls, harness, run
 
@@ -311,7 +312,7 @@ def claude_run(tmp_path, script: dict, session: str, extra_env: dict[str, str]):
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "1", **extra_env}
     with run_mitmdump(f"scripted:{path}", out, mode="reverse:https://api.anthropic.com", options={"polar_shard_seconds": "0.5"}) as proxy:
         result = run([str(claude), "-p", "Which text files are here?", "--output-format", "json", "--tools", "Glob",
-                      "--system-prompt", "You are a file finder."], {**env, "ANTHROPIC_BASE_URL": proxy.url}, home, timeout=240)
+                      "--system-prompt", "You are a file finder."], {**env, "ANTHROPIC_BASE_URL": proxy.url}, home, timeout=timeout)
         records = calls(out, session, include_failed=True)
         logs = proxy.logs()[-3000:]
     return result, records, logs
@@ -540,3 +541,87 @@ def test_qwen_code_and_pi_recover_from_an_overflow(name, tiny_model_dir, tmp_pat
         # ``pi -p`` reads its answer when the first attempt ends; the compaction and the retry run after that, so
         # the retried answer ("Counting is done.") is captured but never printed.
         assert result.stdout.strip() == "", result.stdout
+
+
+def _refused_as_too_long(records, max_len: int) -> list:
+    """The session's calls, every one captured (the proxy numbers them as they arrive), with those the engine
+    refused recorded failed with their prompt length and the window in the error text."""
+    assert [r.seq for r in records] == list(range(len(records)))
+    failed = [r for r in records if r.status == "failed"]
+    assert failed and all(r.status == "ok" for r in records[:failed[0].seq]), [(r.status, r.error) for r in records]
+    for r in failed:
+        assert r.error.startswith("400 context_length_exceeded: prompt_tokens="), r.error
+        assert int(r.error.split("prompt_tokens=")[1].split()[0]) > max_len and f"window={max_len}" in r.error
+    return failed
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("name", ["claude-code", "codex", "gemini-cli"])
+def test_claude_codex_and_gemini_end_cleanly_on_an_overflow(name, tiny_model_dir, tmp_path):
+    """The engine refuses a prompt as too long mid-session (the scripted engine's ``max_len`` under the window the
+    harness assumes): each harness recognises its provider's context error and ends with its own message within
+    a bounded time, never hangs. Claude Code compacts reactively on ``prompt is too long``, its summary prompt
+    overflows too, it drops the oldest messages and retries, then gives up with "Prompt is too long"; Codex (default
+    provider, Responses WebSocket) reads ``response.failed`` / ``context_length_exceeded`` as "ran out of room";
+    Gemini CLI has no reactive compression: the 400 ends the run."""
+    from polar_addon.store.validate import validate_store
+    from polar_cli.rollout.harnesses.gemini_cli import GeminiCli
+    from tests.support.harnesses import calls, harness, run
+
+    if name == "claude-code":
+        # ~600-token prompts, ~60 more a Glob round: the fourth or fifth call passes 800.
+        max_len = 800
+        script = {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": [GLOB_TURN] * 8,
+                  "summary": "Goal: find text files."}
+        result, records, logs = claude_run(tmp_path, script, "cc-overflow", {}, timeout=120)
+        out = tmp_path / "shards"
+    elif name == "codex":
+        # The first prompt is ~15.2k tokens, a tool round adds ~120: the second call passes 15,300.
+        max_len = 15_300
+        codex = harness("codex")
+        path, out, home = tmp_path / "script.json", tmp_path / "shards", tmp_path / "home"
+        path.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len,
+                                       "turns": [CODEX_TOOL_TURN] * 8}))
+        (home / ".codex").mkdir(parents=True)
+        with run_mitmdump(f"scripted:{path}", out, options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}) as proxy:
+            env = {"CODEX_HOME": str(home / ".codex"), "RUST_LOG": "warn", "HTTPS_PROXY": proxy.proxy_url("codex-overflow"),
+                   "CODEX_CA_CERTIFICATE": str(proxy.ca), "SSL_CERT_FILE": str(proxy.ca), "OPENAI_API_KEY": "sk-not-a-real-key"}
+            result = run([str(codex), "exec", "--skip-git-repo-check", "-m", "tiny", "Count a few times."], env, home, timeout=120)
+            records = calls(out, "codex-overflow", include_failed=True)
+            logs = proxy.logs()[-3000:]
+    else:
+        # First prompt ~1.5k tokens with one tool, ~1.4k more a round: the third call passes 3,500.
+        max_len = 3_500
+        system = tmp_path / "system.md"
+        system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
+        script = {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": gemini_turns(6)}
+        result, records, logs = preset_run(
+            GeminiCli(), tmp_path, script, "gemini-overflow", 1_000_000, "Count a few times.",
+            "https://generativelanguage.googleapis.com", settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}),
+            extra_env={"GEMINI_SYSTEM_MD": str(system)}, timeout=120)
+        out = tmp_path / "shards"
+    for r in records:
+        print(name, r.seq, r.status, len(r.prompt_ids), compaction_prompt(r.messages), (r.error or "")[:90])
+    # ``run`` raises TimeoutExpired past its bound: a harness that hung on the error fails here.
+    assert result.returncode == 1, result.stdout + result.stderr[-1500:] + logs
+    assert validate_store(str(out)) == []
+    failed = _refused_as_too_long(records, max_len)
+    first = failed[0]
+    if name == "claude-code":
+        # The first refusal is a normal turn; every call after it is Claude Code's own compaction prompt (its
+        # summary request adds ~2.1k tokens, so it is refused too), and then it gives up with its own verdict.
+        assert compaction_prompt(first.messages) is None
+        assert records[first.seq + 1:] and all(r.status == "failed" and compaction_prompt(r.messages) == "claude-code"
+                                               for r in records[first.seq + 1:])
+        answer = orjson.loads(result.stdout)
+        assert (answer["is_error"], answer["result"], answer["terminal_reason"]) == (True, "Prompt is too long", "prompt_too_long")
+    else:
+        # No reactive compaction: the refused call is the last one, and the run ends with the harness's message.
+        assert failed == [records[-1]] and first.seq > 0
+        if name == "codex":
+            assert "ERROR: Codex ran out of room in the model's context window." in result.stderr, result.stderr[-1500:]
+        else:
+            prompt_tokens = first.error.split("prompt_tokens=")[1].split()[0]
+            assert (f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens allowed ({max_len})."
+                    in result.stderr), result.stderr[-1500:]
+            assert "An unexpected critical error occurred" in result.stderr, result.stderr[-1500:]
