@@ -36,6 +36,17 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
+def parse_local_target(target: str, spec: str = "") -> tuple[str, int]:
+    """``DIR?max_len=N`` of a ``local:`` spec: the model directory and the window it serves (0: the model's own;
+    a smaller one for long-session tests)."""
+    model_dir, _, query = target.partition("?")
+    options = dict(part.partition("=")[::2] for part in query.split("&") if part)
+    unknown = set(options) - {"max_len"}
+    if unknown:
+        raise ValueError(f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} (local takes max_len)")
+    return model_dir, int(options.get("max_len") or 0)
+
+
 def make_engine(spec: str, *, timeout_s: float) -> Engine:
     kind, _, target = spec.strip().partition(":")
     if not target:
@@ -51,13 +62,8 @@ def make_engine(spec: str, *, timeout_s: float) -> Engine:
     if kind == "local":
         from polar_addon.engines.local import LocalEngine
 
-        # local:DIR?max_len=N serves a smaller window than the model's own (long-session tests).
-        model_dir, _, query = target.partition("?")
-        options = dict(part.partition("=")[::2] for part in query.split("&") if part)
-        unknown = set(options) - {"max_len"}
-        if unknown:
-            raise ValueError(f"engine spec {spec!r}: unknown option(s) {sorted(unknown)} (local takes max_len)")
-        return LocalEngine(model_dir, max_len=int(options.get("max_len") or 0))
+        model_dir, max_len = parse_local_target(target, spec)
+        return LocalEngine(model_dir, max_len=max_len)
     if kind == "scripted":
         from polar_addon.engines.scripted import ScriptedEngine
 

@@ -29,6 +29,13 @@ from polar_addon.tool_parsing import parse_assistant_text
 DEFAULT_MAX_TOKENS = 256
 
 
+def served_window(native: int | None, max_len: int) -> int | None:
+    """The window served: the model's own (``max_position_embeddings``), lowered to ``max_len`` when one is given."""
+    if native and max_len:
+        return min(native, max_len)
+    return native or max_len or None
+
+
 class LocalEngine:
     kind = "local"
 
@@ -76,7 +83,7 @@ class LocalEngine:
             eos.add(int(tokenizer.eos_token_id))
         self._tokenizer, self._model, self._eos_ids = tokenizer, model, eos
         native = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-        self._max_len = min(native, self.max_len_override) if native and self.max_len_override else native or self.max_len_override
+        self._max_len = served_window(native, self.max_len_override) or 0
 
     def reload(self, model_dir: str | Path, weight_version: str | None = None) -> None:
         """Swap in new weights (e.g. a training checkpoint); later completions carry ``weight_version``."""

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from polar_addon.engines import parse_local_target
+from polar_addon.engines.local import served_window as served_window_of
 from polar_cli.mitm import REPO
 
 
@@ -31,12 +33,6 @@ def model_window(model_dir: Path) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-def _capped(native: int | None, max_len: int) -> int | None:
-    if native and max_len:
-        return min(native, max_len)
-    return native or max_len or None
 
 
 def _local_path(target: str) -> Path:
@@ -66,9 +62,11 @@ def engine_window(spec: str) -> int | None:
         kind, _, target = one.strip().partition(":")
         window: int | None = None
         if kind == "local":
-            directory, _, query = target.partition("?")
-            options = dict(part.partition("=")[::2] for part in query.split("&") if part)
-            window = _capped(model_window(_local_path(directory)), int(options.get("max_len") or 0))
+            try:
+                directory, max_len = parse_local_target(target)
+            except ValueError:
+                continue  # the proxy refuses such a spec itself
+            window = served_window_of(model_window(_local_path(directory)), max_len)
         elif kind == "scripted":
             script = _local_path(target)
             try:
@@ -77,8 +75,8 @@ def engine_window(spec: str) -> int | None:
             except (OSError, ValueError, KeyError, TypeError):
                 data, model_dir = {}, None
             if model_dir is not None:
-                window = _capped(model_window(model_dir if model_dir.is_absolute() else script.parent / model_dir),
-                                 int(data.get("max_len") or 0))
+                window = served_window_of(model_window(model_dir if model_dir.is_absolute() else script.parent / model_dir),
+                                    int(data.get("max_len") or 0))
         elif kind in ("vllm", "sglang"):
             window = served_window(target)
         if window:
