@@ -476,6 +476,9 @@ H = [{"parts": [{"text": "hi"}]}]
         ({"contents": [{"role": "wizard", "parts": []}]}, "contents[0]: role must be 'user' or 'model', got 'wizard'"),
         ({"contents": [{"parts": "hi"}]}, "contents[0]: 'parts' must be a list of objects"),
         ({"contents": [{"parts": [{"text": 5}]}]}, "contents[0].parts[0]: 'text' must be a string"),
+        ({"contents": [{"role": "model", "parts": [{"text": "a"}, {"text": 5}]}]}, "contents[0].parts[1]: 'text' must be a string"),
+        ({"contents": [{"parts": ["hi"]}]}, "contents[0]: 'parts' must be a list of objects"),
+        ({"contents": [{"parts": 5}]}, "contents[0]: 'parts' must be a list of objects"),
         # Inline and file data under either spelling, with or without a thought signature beside them.
         *[({"contents": [{"role": role, "parts": [{"thoughtSignature": "c2ln", kind: {}}]}]},
            "contents[0].parts[0]: inline or file data parts are not supported by this engine (text only)")
@@ -557,6 +560,7 @@ def test_history_details_the_api_allows() -> None:
             {"role": "model", "parts": [
                 {"thoughtSignature": "c2ln"},  # a signature on its own is skipped
                 {"thought_signature": "c2ln", "thought": True},
+                {"thought": True, "thoughtSignature": "c2ln", "thought_signature": "c2ln"},
                 {"functionCall": {"name": "f"}},  # no args: an empty object
                 {"function_call": {"name": "g", "args": {}}},
             ]},
@@ -570,12 +574,12 @@ def test_history_details_the_api_allows() -> None:
         {"role": "user", "content": ""},
         {"role": "assistant", "content": None},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_2_2", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-            {"id": "call_2_3", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+            {"id": "call_2_3", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "call_2_4", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_3_0", "content": "{}"},
-        {"role": "tool", "tool_call_id": "call_2_3", "content": "{}"},
+        {"role": "tool", "tool_call_id": "call_2_4", "content": "{}"},
         # Tool results come before the user's text of the same turn; user text parts are paragraphs.
-        {"role": "tool", "tool_call_id": "call_2_2", "content": '{"ok":1}'},
+        {"role": "tool", "tool_call_id": "call_2_3", "content": '{"ok":1}'},
         {"role": "user", "content": "a\nb"},
     ]
     # An answered call is closed: a second response of that name answers nothing open.
