@@ -200,3 +200,10 @@ def test_hostile_messages_container() -> None:
     request = new_request()
     set_args(request, deep)
     assert isinstance(check_continuity(previous(), RETURNED, request), Diverged)
+    # Sampled arguments nested as deep as a JSON reader allows, replayed re-serialized: no RecursionError.
+    nested = '{"a": ' * 1000 + "1" + "}" * 1000
+    returned = AssistantMessage(content=None, tool_calls=[ToolCall(id="c", name="bash", arguments=nested)])
+    request = previous()
+    request.messages += [returned.to_openai(), {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    request.messages[4]["tool_calls"][0]["function"]["arguments"] = nested.replace(" ", "")
+    assert isinstance(check_continuity(previous(), returned, request), (Continues, Diverged))
