@@ -93,3 +93,42 @@ def test_async_refuses_a_vllm_engine_and_an_unknown_drain(tiny_model_dir: Path, 
     drain = subprocess.run([*base, "--drain", "later"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert drain.returncode == 2 and "wait or cut" in drain.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_cut_ends_the_running_sessions_as_masked_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Drain "cut": the rollout's stop event interrupts it as a signal would; sessions that ran are posted as error
+    (masked from training), none stays running in the store."""
+    import asyncio
+
+    from polar_addon.store import read_sessions
+    from polar_cli.rollout.proxy import start_proxy
+    from polar_cli.rollout.runner import RolloutConfig, RolloutProgress, run_rollout
+    from polar_cli.rollout.tasks import load_tasks
+
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "turns": [{"content": "hi"}]}))
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "hang", "instruction": "MODE=hang", "verify": "true"}) + "\n")
+    agent = REPO / "tests" / "support" / "rollout_agent.py"
+    store = tmp_path / "store"
+    progress = RolloutProgress()
+
+    async def cut_once_running() -> object:
+        stop = asyncio.Event()
+        config = RolloutConfig(tasks=load_tasks(tasks), harness=f"cmd:{sys.executable} {agent} {{instruction}}",
+                               samples=2, concurrency=1, engine=f"scripted:{script}", out=str(store),
+                               confdir=tmp_path / "conf", logs_dir=tmp_path / "logs", progress=progress, stop=stop,
+                               stop_on_signals=False, proxy_options={"polar_shard_seconds": "0.2"})  # fmt: skip
+        rollout = asyncio.create_task(run_rollout(config))
+        while progress.stages.get("run", 0) < 1 and not rollout.done():
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        stop.set()
+        return await asyncio.wait_for(rollout, 120)
+
+    result = asyncio.run(cut_once_running())
+    assert result.interrupted == "stop"
+    assert sorted((s.status, s.ran) for s in result.sessions) == [("cancelled", False), ("cancelled", True)]
+    (ran,) = [s for s in result.sessions if s.ran]
+    stored = {s.session_id: s for s in read_sessions(str(store))}
+    assert stored[ran.session_id].status == "error" and stored[ran.session_id].metadata.get("cancelled") is True
