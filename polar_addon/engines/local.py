@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
-from polar_addon.tool_parsing import parse_assistant_text
+from polar_addon.tool_parsers.hermes import parse_assistant_text
 
 DEFAULT_MAX_TOKENS = 256
 
