@@ -132,3 +132,14 @@ def test_a_cut_ends_the_running_sessions_as_masked_errors(tiny_model_dir: Path, 
     (ran,) = [s for s in result.sessions if s.ran]
     stored = {s.session_id: s for s in read_sessions(str(store))}
     assert stored[ran.session_id].status == "error" and stored[ran.session_id].metadata.get("cancelled") is True
+
+
+def test_a_local_engine_spec_tags_its_calls_with_a_weight_version(tmp_path: Path) -> None:
+    from polar_addon.engines import make_engine, parse_local_target
+
+    engine = make_engine(f"local:{tmp_path}?weight_version=3&max_len=64", timeout_s=10)
+    assert engine.weight_version == "3" and engine.max_len_override == 64  # type: ignore[attr-defined]
+    assert make_engine(f"local:{tmp_path}", timeout_s=10).weight_version is None  # type: ignore[attr-defined]
+    assert parse_local_target(f"{tmp_path}?weight_version=3") == (str(tmp_path), 0)
+    with pytest.raises(ValueError, match="weight_version"):
+        parse_local_target(f"{tmp_path}?version=3")
