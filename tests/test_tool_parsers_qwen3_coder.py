@@ -99,6 +99,26 @@ def test_typed_value(value, spec, known, expected):
     assert typed_value(value, spec, known=known) == expected
 
 
+@pytest.mark.parametrize("keyword", ["anyOf", "oneOf", "allOf"])
+@pytest.mark.parametrize(("kind", "value", "expected"), [("integer", "42", 42), ("boolean", "true", True),
+                                                         ("object", '{"x": 1}', {"x": 1}), ("array", "[1, 2]", [1, 2])])
+def test_sglang_composite_parameter_schemas(keyword, kind, value, expected):
+    # SGLang's cases: the parameters schema is a composite of object schemas; their properties type the values.
+    tools = [{"type": "function", "function": {"name": "example_function", "parameters": {
+        keyword: [{"type": "object", "properties": {"value": {"type": kind}}}]}}}]
+    text = f"<tool_call><function=example_function><parameter=value>{value}</parameter></function></tool_call>"
+    [call] = parse(text, tools).message.tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("example_function", {"value": expected})
+
+
+def test_sglang_nullable_array_parameter():
+    # SGLang's "cities" case: anyOf [array of strings, null] reads the value as JSON.
+    tools = [_tool("get_weather", {"cities": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}], "default": None}})]
+    text = '<tool_call>\n<function=get_weather>\n<parameter=cities>\n["Paris", "Rome"]\n</parameter>\n</function>\n</tool_call>'
+    [call] = parse(text, tools).message.tool_calls
+    assert json.loads(call.arguments) == {"cities": ["Paris", "Rome"]}
+
+
 def test_think_block_and_calls():
     turn = parse("<think>\nneed weather\n</think>\n\nChecking." + DALLAS, TOOLS)
     assert turn.message.reasoning == "need weather"

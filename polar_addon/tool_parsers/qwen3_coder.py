@@ -14,7 +14,8 @@ trailing newline (the template's framing) and is typed against the tool's JSON s
 ``Qwen3CoderToolParser._convert_param_value`` does: ``null`` is None whatever the type; string-like
 types stay text; integer/number types become numbers (integral floats become ints); booleans accept
 ``true``/``false``; object/array types are JSON, then a Python literal; a parameter the schema does
-not name stays text. ``arguments`` is ``json.dumps(..., ensure_ascii=False)``, byte-equal to vLLM's.
+not name stays text. A parameter typed only through anyOf/oneOf/allOf takes its first non-null branch's
+type, and a composite parameters schema merges its branches' properties (as SGLang reads them). ``arguments`` is ``json.dumps(..., ensure_ascii=False)``, byte-equal to vLLM's.
 
 Where vLLM guesses, this parser reads the block as not a call, so the turn is visibly a failed parse
 (the block stays in ``content`` and in ``ParsedTurn.failed``): an unclosed ``<tool_call>`` or
@@ -109,22 +110,39 @@ def _parse_block(body: str) -> list[tuple[str, dict[str, str]]] | None:
         functions.append((name, params))
 
 
+_COMPOSITE = ("anyOf", "oneOf", "allOf")
+
+
 def _properties(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The tool's parameter schemas by name; a composite schema (anyOf/oneOf/allOf of objects) merges its branches'."""
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict) and fn.get("name") == name:
             params = fn.get("parameters")
-            if isinstance(params, dict):
-                props = params.get("properties", params)
-                return props if isinstance(props, dict) else {}
-            return {}
+            if not isinstance(params, dict):
+                return {}
+            if isinstance(params.get("properties"), dict):
+                return params["properties"]
+            merged: dict[str, Any] = {}
+            for keyword in _COMPOSITE:
+                for branch in params.get(keyword) or []:
+                    if isinstance(branch, dict) and isinstance(branch.get("properties"), dict):
+                        merged = {**branch["properties"], **merged}
+            return merged
     return {}
 
 
 def _schema_type(spec: Any) -> str:
-    kind = spec.get("type") if isinstance(spec, dict) else None
-    if isinstance(kind, list):  # ["integer", "null"]: the non-null type
+    """The type a parameter's value is read as: its ``type`` (the non-null one of a list), else the first
+    non-null type among its anyOf/oneOf/allOf branches (``anyOf: [{type: array}, {type: null}]``), else string."""
+    if not isinstance(spec, dict):
+        return "string"
+    kind = spec.get("type")
+    if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
+    if kind is None:
+        branches = [b for keyword in _COMPOSITE for b in spec.get(keyword) or [] if isinstance(b, dict)]
+        kind = next((_schema_type(b) for b in branches if b.get("type") not in (None, "null")), None)
     return str(kind or "string").strip().lower()
 
 
