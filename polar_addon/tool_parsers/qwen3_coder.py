@@ -14,13 +14,14 @@ trailing newline (the template's framing) and is typed against the tool's JSON s
 ``Qwen3CoderToolParser._convert_param_value`` does: ``null`` is None whatever the type; string-like
 types stay text; integer/number types become numbers (integral floats become ints); booleans accept
 ``true``/``false``; object/array types are JSON, then a Python literal; a parameter the schema does
-not name stays text. A parameter typed only through anyOf/oneOf/allOf takes its first non-null branch's
-type, and a composite parameters schema merges its branches' properties (as SGLang reads them). ``arguments`` is ``json.dumps(..., ensure_ascii=False)``, byte-equal to vLLM's.
+not name stays text. A parameter typed only through anyOf/oneOf/allOf takes its first non-null
+branch's type, and a composite parameters schema merges its branches' properties (as SGLang reads
+them). ``arguments`` is ``json.dumps(..., ensure_ascii=False)``, byte-equal to vLLM's.
 
 Where vLLM guesses, this parser reads the block as not a call, so the turn is visibly a failed parse
 (the block stays in ``content`` and in ``ParsedTurn.failed``): an unclosed ``<tool_call>`` or
-``<parameter=`` (a block ends at its first ``</tool_call>``, so a value cannot hold that text), a bare ``<function=`` without ``<tool_call>``, text between parameters, a repeated
-parameter name. A boolean other than true/false stays text (vLLM makes it false: an invented value),
+``<parameter=`` (a block ends at its first ``</tool_call>``, so a value cannot hold that text), a
+bare ``<function=`` without ``<tool_call>``, text between parameters, a repeated parameter name. A boolean other than true/false stays text (vLLM makes it false: an invented value),
 and a non-finite number stays text (as in vLLM).
 """
 
