@@ -22,7 +22,7 @@ import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, EngineFault, PolarError, ToolCall
 from polar_addon.token_ids import IdText, pack_token_ids
-from polar_addon.tool_parsing import new_call_id
+from polar_addon.tool_parsers.calls import new_call_id
 
 log = logging.getLogger("polar")
 
