@@ -9,8 +9,9 @@
   ``http://127.0.0.1:PORT`` (append ``/v1`` for OpenAI clients). Started on first use (~60-75 s),
   stopped at session end. It runs with ``--enable-auto-tool-choice --tool-call-parser hermes`` and
   ``--logprobs-mode processed_logprobs``, so reported logprobs are log_softmax(logits / T).
-- ``vllm_small_window_server`` (module: stopped after the module that uses it, ``@pytest.mark.vllm``): the same with ``--max-model-len 8192``
-  (``VLLM_SMALL_WINDOW``) and ``--enforce-eager``, for harness sessions that meet a real engine's window.
+- ``vllm_small_window_server`` (module scope: stopped after the module that uses it; ``@pytest.mark.vllm``): the
+  same with ``--max-model-len 8192`` (``VLLM_SMALL_WINDOW``) and ``--enforce-eager``, for harness sessions that
+  meet a real engine's window (tests/test_long_sessions_vllm.py).
 """
 
 from __future__ import annotations
