@@ -81,6 +81,8 @@ def test_async_loop_trains_while_rolling_out_and_drops_groups_past_the_bound(tin
 
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "does not resume" in again.stderr
+    sync = subprocess.run([c for c in cmd if c != "--async"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert sync.returncode == 2 and "holds an async loop" in sync.stderr
 
 
 def test_async_refuses_a_vllm_engine_and_an_unknown_drain(tiny_model_dir: Path, tmp_path: Path) -> None:
