@@ -43,10 +43,11 @@ def test_busy_fraction_counts_overlaps_once_and_clips_to_the_window() -> None:
 
 def test_async_loop_trains_while_rolling_out_and_drops_groups_past_the_bound(tiny_model_dir: Path, tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
-    # A reward that varies with the answer (the toy task's fraction of capitals), so every training has a signal.
-    (line,) = [ln for ln in (REPO / "examples" / "toy_task" / "tasks.jsonl").read_text().splitlines()
-               if ln.startswith("{")][:1]
-    tasks.write_text(line + "\n")
+    # The toy task's question, but a random reward: two 4-token answers of the tiny model often score the same
+    # fraction of capitals (nothing to train, no new version); the loop's mechanics are what is tested here.
+    task = {"id": "shout-0", "instruction": "what is the capital of france", "reward_file": "reward.txt",
+            "verify": "python3 -c 'import random; print(random.random())' > reward.txt"}
+    tasks.write_text(json.dumps(task) + "\n")
     out = tmp_path / "loop"
     harness = f"cmd:{sys.executable} {AGENT} --turns 1 --max-tokens 4 {{instruction}}"
     # --max-staleness 0: batch 1 starts the moment batch 0 ends, before training 0 can have made version 1, so it is
