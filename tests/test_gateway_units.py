@@ -282,3 +282,28 @@ def test_sampled_arguments_are_remembered_per_session_within_bounds(script: Path
         assert [c["function"]["arguments"] for c in other.messages[1]["tool_calls"]] == ['{"n":0}', '{"n":2}', '{"n":0}']
 
     run(script, tmp_path / "shards", steps)
+
+
+def test_sessions_of_a_lost_engine_end_as_error(script: Path, tmp_path: Path, caplog) -> None:
+    out = tmp_path / "shards"
+
+    async def steps(gateway: Gateway) -> None:
+        await gateway._end_lost_sessions(["x", "y"], "vllm:a")
+        real_update = gateway.store.session_update
+
+        async def full(session: str, **fields: Any) -> None:
+            if session == "z":
+                raise StorageUnavailable("disk full")
+            await real_update(session, **fields)
+
+        gateway.store.session_update = full  # type: ignore[method-assign]
+        with caplog.at_level("WARNING", logger="polar"):
+            await gateway._end_lost_sessions(["z", "w"], "vllm:b")  # one refused: the others still end
+        assert [r.getMessage() for r in caplog.records] == ["polar: could not end session 'z' of a lost engine: disk full"]
+
+    run(script, out, steps)
+    rows = {r["session_id"]: r for r in read_table(str(out), "sessions").to_pylist()}
+    assert sorted(rows) == ["w", "x", "y"]
+    for session, engine in (("x", "vllm:a"), ("y", "vllm:a"), ("w", "vllm:b")):
+        assert rows[session]["status"] == "error" and rows[session]["ended_at"] is not None
+        assert orjson.loads(rows[session]["metadata_json"]) == {"error": f"engine {engine} taken out mid-session"}
