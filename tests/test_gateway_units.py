@@ -307,3 +307,24 @@ def test_sessions_of_a_lost_engine_end_as_error(script: Path, tmp_path: Path, ca
     for session, engine in (("x", "vllm:a"), ("y", "vllm:a"), ("w", "vllm:b")):
         assert rows[session]["status"] == "error" and rows[session]["ended_at"] is not None
         assert orjson.loads(rows[session]["metadata_json"]) == {"error": f"engine {engine} taken out mid-session"}
+
+
+def test_a_failed_engine_call_is_recorded_with_the_call_it_was(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+    incoming = call(MESSAGES, anthropic(max_tokens=12), session="f1")
+
+    async def steps(gateway: Gateway) -> FullReply:
+        async def overloaded(request: Any) -> Any:
+            raise PolarError(503, "overloaded", "engine busy")
+
+        gateway.pool.engines[0].complete = overloaded  # type: ignore[method-assign]
+        return await gateway.handle(incoming)
+
+    reply = run(script, out, steps)
+    assert (reply.status, orjson.loads(reply.body)) == (503, {"type": "error", "error": {"type": "overloaded_error",
+                                                                                      "message": "engine busy"}})
+    [record] = read_records(str(out))
+    assert (record.status, record.seq, record.api, record.error) == ("failed", 0, "anthropic_messages", "503 overloaded: engine busy")
+    assert (record.engine, record.harness, record.started_at) == (f"scripted:{script}", "claude-cli/2.1.197", incoming.started_at)
+    assert (record.requested_model, record.max_tokens, orjson.loads(record.messages_json)) == (
+        "tiny", 12, [{"role": "user", "content": "hi"}])
