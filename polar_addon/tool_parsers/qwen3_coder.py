@@ -10,24 +10,20 @@
     </tool_call>
 
 Any number of blocks per turn, after an optional ``<think>`` block. A value loses one leading and one
-trailing newline (the template's framing) and is typed against the tool's JSON schema the way vLLM's
-``Qwen3CoderToolParser._convert_param_value`` does: ``null`` is None whatever the type; string-like
-types stay text; integer/number types become numbers (integral floats become ints); booleans accept
-``true``/``false``; object/array types are JSON, then a Python literal; a parameter the schema does
-not name stays text. A parameter typed only through anyOf/oneOf/allOf takes its first non-null
-branch's type, and a composite parameters schema merges its branches' properties (as SGLang reads
-them). ``arguments`` is ``json.dumps(..., ensure_ascii=False)``, byte-equal to vLLM's.
+trailing newline (the template's framing) and is typed against the tool's JSON schema the way the vLLM
+polar serves does (``coerce_to_schema_type``, see :func:`typed_value`); a parameter the schema does not
+name stays text. A composite parameters schema (anyOf/oneOf/allOf of objects) merges its branches'
+properties, as SGLang reads it. ``arguments`` is ``json.dumps(..., ensure_ascii=False)``, byte-equal to
+vLLM's for the same call.
 
 Where vLLM guesses, this parser reads the block as not a call, so the turn is visibly a failed parse
 (the block stays in ``content`` and in ``ParsedTurn.failed``): an unclosed ``<tool_call>`` or
 ``<parameter=`` (a block ends at its first ``</tool_call>``, so a value cannot hold that text), a
-bare ``<function=`` without ``<tool_call>``, text between parameters, a repeated parameter name. A boolean other than true/false stays text (vLLM makes it false: an invented value),
-and a non-finite number stays text (as in vLLM).
+bare ``<function=`` without ``<tool_call>``, text between parameters, a repeated parameter name (vLLM keeps the last).
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 from collections.abc import Sequence
@@ -42,10 +38,17 @@ FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 _WHITESPACE = " \t\r\n"
 
-_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
-_INT_PREFIXES = ("int", "uint", "long", "short", "unsigned")
-_BOOL_TYPES = {"boolean", "bool", "binary"}
-_JSON_TYPES = {"object", "array", "arr"}
+# vLLM's spellings of JSON Schema types (vllm/tool_parsers/utils.py _TYPE_ALIASES).
+_TYPE_ALIASES = {
+    "str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
+    "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",
+    "uint64": "integer", "long": "integer", "short": "integer", "unsigned": "integer",
+    "float": "number", "float32": "number", "float64": "number", "double": "number",
+    "bool": "boolean", "dict": "object", "arr": "array", "list": "array", "sequence": "array",
+}
+# The order vLLM tries a value's possible types in.
+_PRIORITY = ("null", "integer", "number", "boolean", "object", "array", "string")
+_ENUM_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"), (dict, "object"))
 
 
 def _skip_space(text: str, at: int) -> int:
@@ -133,64 +136,70 @@ def _properties(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
     return {}
 
 
-def _schema_type(spec: Any) -> str:
-    """The type a parameter's value is read as: its ``type`` (the non-null one of a list), else the first
-    non-null type among its anyOf/oneOf/allOf branches (``anyOf: [{type: array}, {type: null}]``), else string."""
+def schema_types(spec: Any) -> set[str]:
+    """Every type a parameter's schema allows: ``type`` (a name or a list), the types of its ``enum`` values,
+    and those of its anyOf/oneOf/allOf branches; ``{"string"}`` when it says none (vLLM's reading)."""
     if not isinstance(spec, dict):
-        return "string"
+        return {"string"}
+    types: set[str] = set()
     kind = spec.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), None)
-    if kind is None:
-        branches = [b for keyword in _COMPOSITE for b in spec.get(keyword) or [] if isinstance(b, dict)]
-        kind = next((_schema_type(b) for b in branches if b.get("type") not in (None, "null")), None)
-    return str(kind or "string").strip().lower()
+    for name in kind if isinstance(kind, list) else [kind]:
+        if isinstance(name, str):
+            types.add(_TYPE_ALIASES.get(name.strip().lower(), name.strip().lower()))
+    enum = spec.get("enum")
+    for value in enum if isinstance(enum, list) else []:
+        types.add("null" if value is None else next((t for cls, t in _ENUM_TYPES if isinstance(value, cls)), "string"))
+    for keyword in _COMPOSITE:
+        branches = spec.get(keyword)
+        for branch in branches if isinstance(branches, list) else []:
+            types |= schema_types(branch)
+    return types or {"string"}
 
 
-def _json_representable(value: Any) -> bool:
+def _finite_json(text: str) -> tuple[bool, Any]:
     try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        return False
-    return True
+        value = json.loads(text)
+        json.dumps(value, allow_nan=False)  # 1e999 reads as inf, which has no JSON form
+    except (ValueError, RecursionError):
+        return False, None
+    return True, value
 
 
 def typed_value(value: str, spec: Any, *, known: bool) -> Any:
-    """One parameter's text typed against its schema ``spec`` (``known``: the schema names it)."""
-    if value.lower() == "null":
-        return None
+    """One parameter's text typed against its schema ``spec`` (``known``: the schema names it), as vLLM's
+    ``coerce_to_schema_type`` does: each allowed type in the order null, integer, number (finite only;
+    integral values become ints), boolean (true/false/1/0), object, array, string; the first that reads the
+    text wins; if none does, the text as JSON when it is finite JSON, else the text."""
     if not known:
         return value
-    kind = _schema_type(spec)
-    if kind in _STRING_TYPES:
-        return value
-    if kind.startswith(_INT_PREFIXES):
-        try:
-            return int(value)
-        except ValueError:
+    types = schema_types(spec)
+    for kind in _PRIORITY:
+        if kind not in types:
+            continue
+        if kind == "null" and value.lower() == "null":
+            return None
+        if kind == "string":
             return value
-    if kind.startswith(("num", "float")):
-        try:
-            number = float(value)
-        except ValueError:
-            return value
-        if not math.isfinite(number):
-            return value
-        return int(number) if number.is_integer() else number
-    if kind in _BOOL_TYPES:
-        lowered = value.lower()
-        return lowered == "true" if lowered in ("true", "false") else value
-    if kind in _JSON_TYPES or kind.startswith(("dict", "list")):
-        try:
-            return json.loads(value)
-        except (ValueError, RecursionError):
-            pass
-    try:
-        # Models write Python literals (['a', 'b'], True) where JSON was meant; vLLM reads them the same way.
-        literal = ast.literal_eval(value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return value
-    return literal if _json_representable(literal) else value
+        if kind == "integer":
+            try:
+                return int(value)
+            except ValueError:
+                continue
+        if kind == "number":
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            if math.isfinite(number):
+                return int(number) if number.is_integer() else number
+        if kind == "boolean" and value.lower().strip() in ("true", "1", "false", "0"):
+            return value.lower().strip() in ("true", "1")
+        if kind in ("object", "array"):
+            ok, parsed = _finite_json(value)
+            if ok:
+                return parsed
+    ok, parsed = _finite_json(value)
+    return parsed if ok else value
 
 
 def _call(name: str, params: dict[str, str], tools: Sequence[dict[str, Any]]) -> ToolCall:
