@@ -43,10 +43,11 @@ def test_busy_fraction_counts_overlaps_once_and_clips_to_the_window() -> None:
 
 def test_async_loop_trains_while_rolling_out_and_drops_groups_past_the_bound(tiny_model_dir: Path, tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
-    # A reward that varies with the answer (the toy task's fraction of capitals), so every training has a signal.
-    (line,) = [ln for ln in (REPO / "examples" / "toy_task" / "tasks.jsonl").read_text().splitlines()
-               if ln.startswith("{")][:1]
-    tasks.write_text(line + "\n")
+    # The toy task's question, but a random reward: two 4-token answers of the tiny model often score the same
+    # fraction of capitals (nothing to train, no new version); the loop's mechanics are what is tested here.
+    task = {"id": "shout-0", "instruction": "what is the capital of france", "reward_file": "reward.txt",
+            "verify": "python3 -c 'import random; print(random.random())' > reward.txt"}
+    tasks.write_text(json.dumps(task) + "\n")
     out = tmp_path / "loop"
     harness = f"cmd:{sys.executable} {AGENT} --turns 1 --max-tokens 4 {{instruction}}"
     # --max-staleness 0: batch 1 starts the moment batch 0 ends, before training 0 can have made version 1, so it is
@@ -81,6 +82,8 @@ def test_async_loop_trains_while_rolling_out_and_drops_groups_past_the_bound(tin
 
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "does not resume" in again.stderr
+    sync = subprocess.run([c for c in cmd if c != "--async"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert sync.returncode == 2 and "holds an async loop" in sync.stderr
 
 
 def test_async_refuses_a_vllm_engine_and_an_unknown_drain(tiny_model_dir: Path, tmp_path: Path) -> None:
