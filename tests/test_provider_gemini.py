@@ -511,6 +511,7 @@ H = [{"parts": [{"text": "hi"}]}]
          "tools[0].functionDeclarations[0]: parameters must be an object"),
         ({"contents": H, "tools": [{"functionDeclarations": [{"name": "f", "parametersJsonSchema": True}]}]},
          "tools[0].functionDeclarations[0]: parameters must be an object"),
+        ({"contents": H, "toolConfig": "ANY"}, "'toolConfig' must be an object"),
         ({"contents": H, "toolConfig": {"functionCallingConfig": 1}}, "'toolConfig.functionCallingConfig' must be an object"),
         ({"contents": H, "toolConfig": {"functionCallingConfig": {"mode": "sometimes"}}},
          "unsupported functionCallingConfig.mode 'sometimes'"),
@@ -582,6 +583,13 @@ def test_history_details_the_api_allows() -> None:
         {"role": "tool", "tool_call_id": "call_2_3", "content": '{"ok":1}'},
         {"role": "user", "content": "a\nb"},
     ]
+    # A response's own id wins over the order of the calls, even before any model turn.
+    by_id = parse(contents=[
+        {"parts": [{"functionResponse": {"name": "f"}}]},
+        {"role": "model", "parts": [{"functionCall": {"id": "a", "name": "f"}}, {"functionCall": {"id": "b", "name": "f"}}]},
+        {"parts": [{"functionResponse": {"id": "b", "name": "f"}}, {"functionResponse": {"name": "f"}}]},
+    ]).messages
+    assert [m.get("tool_call_id") for m in by_id] == ["call_0_0", None, "b", "a"]
     # An answered call is closed: a second response of that name answers nothing open.
     again = parse(contents=[
         {"role": "model", "parts": [{"functionCall": {"name": "f"}}]},

@@ -235,7 +235,9 @@ def _tools(raw: Any) -> tuple[list[dict[str, Any]], list[str]]:
 def _tool_choice(raw: Any) -> str | dict[str, Any] | None:
     if raw is None:
         return None
-    config = _get(raw, "functionCallingConfig") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise invalid("'toolConfig' must be an object")
+    config = _get(raw, "functionCallingConfig")
     if config is None:
         return None
     if not isinstance(config, dict):
