@@ -18,6 +18,8 @@ Every option polar loop does not know is passed to `polar train` as given (e.g. 
 
 Resumable: OUT/loop.json records each finished rollout and training; run the same command again after an interruption and it continues at the first unfinished phase (a half-done rollout is redone from scratch, so shards of two attempts never mix).
 
+--async: rollouts keep running while the trainer trains on finished batches (local engine). A batch's groups are trained only if every call's weight_version is within --max-staleness versions of the policy being trained (staler ones are dropped and counted); each new checkpoint is pushed as the next version (a new proxy on it) with --drain wait (the batch in flight finishes on the old weights) or cut (it is cancelled, its running sessions masked as error). polar train's truncated importance sampling against the captured logprobs corrects the bounded staleness. loop.json records batches, steps and the rollout/trainer utilisation (fraction of wall time busy). Not resumable: rerun into a fresh --out.
+
 Example (the toy task of examples/toy_task):
 
 polar loop examples/toy_task/tasks.jsonl --harness "cmd:python examples/toy_task/agent.py {instruction}" --model models/tiny --iterations 4 --out runs/toy --lr 1e-2 --epochs 2 --groups-per-step 1
@@ -52,6 +54,15 @@ def loop(
                                      "--set polar_max_tokens=64."),
     vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM flag with --engine vllm (repeatable)."),
     display: bool = typer.Option(True, "--progress/--no-progress", help="Status lines while a phase runs."),
+    asynchronous: bool = typer.Option(False, "--async", help="Rollouts keep running while the trainer trains "
+                                      "(see above); --engine local only."),
+    max_staleness: Optional[int] = typer.Option(None, "--max-staleness", min=0, help="--async: train a group only "
+                                                "if its calls were sampled at most this many weight versions before "
+                                                "the policy being trained (default 1). Without --async it is passed "
+                                                "to polar train."),
+    drain: str = typer.Option("wait", "--drain", help="--async, when new weights are pushed: wait (the batch in "
+                              "flight finishes on the old weights) or cut (its running sessions are cancelled and "
+                              "masked as error)."),
 ) -> None:
     from rich.console import Console
 
@@ -65,9 +76,16 @@ def loop(
         raise typer.BadParameter("local or vllm", param_hint="--engine")
     if network not in (None, "host", "proxy-only"):
         raise typer.BadParameter("host or proxy-only", param_hint="--network")
+    if drain not in ("wait", "cut"):
+        raise typer.BadParameter("wait or cut", param_hint="--drain")
+    if asynchronous and engine != "local":
+        raise typer.BadParameter("--async needs --engine local (a vLLM reload restarts the server, cutting every "
+                                 "running session)", param_hint="--engine")
     options = parse_set_options(option)
     train_args = list(ctx.args)
-    _check_train_args(train_args)
+    if max_staleness is not None and not asynchronous:
+        train_args += ["--max-staleness", str(max_staleness)]
+    _check_train_args(train_args, asynchronous)
     try:
         get_preset(harness)
     except ValueError as exc:
@@ -97,6 +115,9 @@ def loop(
         if display:
             status_console.print(f"[dim]{line}[/]")
 
+    if asynchronous:
+        _run_async(config, 1 if max_staleness is None else max_staleness, drain, console, say)
+        return
     try:
         stats = run_loop(config, on_iteration=on_iteration, progress=say)
     except ValueError as exc:
@@ -118,7 +139,56 @@ def loop(
         console.print(f"loop.json in {out}")
 
 
-def _check_train_args(args: list[str]) -> None:
+def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: Any) -> None:
+    from polar_cli.rollout.async_loop import run_async_loop
+    from polar_cli.rollout.runner import RolloutInterrupted
+    from polar_cli.rollout_cmd import interrupted_exit_code
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event["kind"] == "batch":
+            b = event["batch"]
+            reward = "-" if b.reward_mean is None else f"{b.reward_mean:.3f} ± {b.reward_se:.3f}"
+            console.print(f"batch {b.index}: version {b.version}, reward {reward} (n {b.rewarded}), "
+                          f"{b.ended_at - b.started_at:.0f} s{', cut' if b.cut else ''}")
+        else:
+            s = event["step"]
+            console.print(f"step {s.step}: {s.status.replace('_', ' ')} on version {s.version} from batches "
+                          f"{s.batches} ({s.groups_kept} groups, {s.groups_dropped} dropped as stale), "
+                          f"{s.ended_at - s.started_at:.0f} s")
+
+    try:
+        state = run_async_loop(config, max_staleness, drain, on_event=on_event, progress=say)  # type: ignore[arg-type]
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except RolloutInterrupted as exc:
+        typer.echo(f"error: {exc} (the async loop does not resume: rerun into a fresh --out)", err=True)
+        raise typer.Exit(interrupted_exit_code(exc.signal_name)) from exc
+    except RuntimeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    console.print(_async_table(state))
+    s = state["summary"]
+    final = "-" if s["final_reward_mean"] is None else f"{s['final_reward_mean']:.3f} ± {s['final_reward_se']:.3f}"
+    console.print(f"{s['wall_s']:.0f} s: rollout busy {s['rollout_util']:.0%}, trainer busy {s['trainer_util']:.0%}; "
+                  f"{s['batches']} batches ({s['batches_cut']} cut), {s['groups_dropped']} groups dropped as stale; "
+                  f"version {s['final_version']} reward {final}; loop.json in {config.out}")
+
+
+def _async_table(state: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="polar loop --async", title_justify="left")
+    for name in ("step", "version", "batches", "groups", "dropped", "train s", "rollout busy", "trainer busy"):
+        table.add_column(name, justify="right")
+    for s in state["steps"]:
+        table.add_row(str(s["step"]), str(s["version"]), ",".join(map(str, s["batches"])), str(s["groups_kept"]),
+                      str(s["groups_dropped"]), f"{s['ended_at'] - s['started_at']:.0f}", f"{s['rollout_util']:.0%}",
+                      f"{s['trainer_util']:.0%}")  # fmt: skip
+    return table
+
+
+def _check_train_args(args: list[str], asynchronous: bool = False) -> None:
     """Parse the forwarded options with `polar train`'s own parser now, not after the first rollout."""
     import click
 
@@ -130,7 +200,7 @@ def _check_train_args(args: list[str]) -> None:
     except click.UsageError as exc:
         raise typer.BadParameter(f"{' '.join(args)}: {exc.format_message()}",
                                  param_hint="polar train options") from exc
-    for flag in ("--model", "--output", "--resume"):
+    for flag in ("--model", "--output", "--resume", *(("--current-weight-version",) if asynchronous else ())):
         if any(a == flag or a.startswith(flag + "=") for a in args):
             raise typer.BadParameter(f"polar loop sets {flag} of each training itself", param_hint=flag)
 

@@ -9,10 +9,13 @@
   ``http://127.0.0.1:PORT`` (append ``/v1`` for OpenAI clients). Started on first use (~60-75 s),
   stopped at session end. It runs with ``--enable-auto-tool-choice --tool-call-parser hermes`` and
   ``--logprobs-mode processed_logprobs``, so reported logprobs are log_softmax(logits / T).
+- ``vllm_small_window_server`` (module: stopped after the module that uses it, ``@pytest.mark.vllm``): the same with ``--max-model-len 8192``
+  (``VLLM_SMALL_WINDOW``) and ``--enforce-eager``, for harness sessions that meet a real engine's window.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -71,18 +74,36 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with _vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm"), ["--max-model-len", "100000"]) as url:
+        yield url
+
+
+VLLM_SMALL_WINDOW = 8192
+
+
+@pytest.fixture(scope="module")
+def vllm_small_window_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second vLLM server with an 8k ``--max-model-len``: the harnesses meet a real engine's own window (its
+    refusals, its counts). ``--enforce-eager`` skips the compile step on CPU; an 8k window needs little KV cache."""
+    with _vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-8k"),
+               ["--max-model-len", str(VLLM_SMALL_WINDOW), "--enforce-eager"], kv_cache_gib=1) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _vllm(model_dir: Path, log_dir: Path, extra_args: list[str], kv_cache_gib: int = 2) -> Iterator[str]:
     if not VLLM_PYTHON.exists():
         missing(f"vLLM CPU venv missing ({VLLM_PYTHON}); run `make engine`")
     port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+    log_path = log_dir / "server.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
     cmd = [
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(tiny_model_dir), "--served-model-name", VLLM_MODEL_NAME,
+        "--model", str(model_dir), "--served-model-name", VLLM_MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
-        "--gpu-memory-utilization", "0.2", "--dtype", "float32", "--max-model-len", "100000",
+        "--gpu-memory-utilization", "0.2", "--dtype", "float32",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode", "processed_logprobs", *extra_args,
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         # Own process group: vLLM forks an engine-core process that must stop with it.

@@ -12,7 +12,7 @@ compaction, token counts, and compaction breaks in the built traces.
   its rollout preset writes, run past it on the scripted engine and compact by their own mechanism; Qwen Code
   and Pi also recover from an overflow the engine forces; Claude Code, Codex (default provider) and Gemini CLI
   meet one and end with their own message, exit 1, within a bounded time.
-- A real vLLM CPU engine's overflow becomes each provider's error through polar.
+- A real vLLM CPU engine's overflow, and real harnesses against its small window: tests/test_long_sessions_vllm.py.
 """
 
 from __future__ import annotations
@@ -141,34 +141,6 @@ def test_token_counts_are_the_served_models(small_window_proxy, tiny_model_dir):
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == expected
     gem = genai.Client(api_key="not-a-real-key", http_options=types.HttpOptions(httpx_client=_http(small_window_proxy, "count")))
     assert gem.models.count_tokens(model="tiny", contents="hi").total_tokens == expected
-
-
-VLLM_WINDOW = 100_000  # the shared vLLM server's --max-model-len (tests/conftest.py)
-
-
-@pytest.mark.vllm
-def test_vllm_overflow_becomes_each_providers_error(vllm_server, tmp_path):
-    """A real vLLM CPU engine refuses a prompt past its ``--max-model-len``; polar reads the counts from its 400
-    and answers in the caller's provider shape (the shared server: a 100k window, so a ~100.5k-token prompt)."""
-    over = "word " * (VLLM_WINDOW + 500)  # one token per word in the tiny tokenizer
-    with run_mitmdump(f"vllm:{vllm_server}", tmp_path / "shards", options={"polar_shard_seconds": "0.2"}) as proxy:
-        chat = openai.OpenAI(api_key="sk-not-real", http_client=_http(proxy, "vllm-chat"), max_retries=0)
-        with pytest.raises(openai.BadRequestError) as chat_err:
-            list(chat.chat.completions.create(model="tiny", max_tokens=8, stream=True, messages=[{"role": "user", "content": over}]))
-        ant = anthropic.Anthropic(api_key="sk-ant-not-real", http_client=_http(proxy, "vllm-ant"), max_retries=0)
-        with pytest.raises(anthropic.BadRequestError) as ant_err:
-            ant.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": over}])
-        (chat_record,) = session_records(proxy.out, "vllm-chat", include_failed=True, at_least=1)
-        (ant_record,) = session_records(proxy.out, "vllm-ant", include_failed=True, at_least=1)
-    for record in (chat_record, ant_record):
-        assert record.status == "failed" and record.error.startswith("400 context_length_exceeded: prompt_tokens=")
-    prompt_tokens = int(ant_record.error.split("prompt_tokens=")[1].split()[0])
-    assert VLLM_WINDOW < prompt_tokens < VLLM_WINDOW + 600 and f"window={VLLM_WINDOW}" in ant_record.error
-    assert chat_err.value.code == "context_length_exceeded"
-    assert f"maximum context length is {VLLM_WINDOW} tokens" in chat_err.value.message
-    assert f"resulted in {prompt_tokens} tokens" in chat_err.value.message
-    assert ant_err.value.body["error"] == {"type": "invalid_request_error",
-                                           "message": f"prompt is too long: {prompt_tokens} tokens > {VLLM_WINDOW} maximum"}
 
 
 # --- Codex remote compaction, pure ------------------------------------------------------------

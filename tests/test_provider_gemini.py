@@ -10,7 +10,7 @@ import pytest
 from google import genai
 from google.genai import errors, types
 
-from polar_addon.canonical import Completion, PolarError, ToolCall
+from polar_addon.canonical import Completion, ContextLengthExceeded, PolarError, ToolCall
 from polar_addon.providers import ResponseContext, Route, all_providers
 from polar_addon.providers.gemini import PROVIDER, json_schema
 from tests.support.providers import completion as qwen_completion
@@ -460,3 +460,246 @@ def test_sdk_raises_on_stream_error_event() -> None:
 def test_sdk_count_tokens() -> None:
     client = Recorder(200, orjson.dumps(PROVIDER.render_count_tokens(42)), "application/json").client()
     assert client.models.count_tokens(model="gem-test", contents="hi").total_tokens == 42
+
+
+# ---------------------------------------------------------------- exact messages, details and bodies
+
+
+H = [{"parts": [{"text": "hi"}]}]
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"contents": [5]}, "contents[0] must be an object"),
+        ({"contents": []}, "'contents' is required and must be a non-empty list"),
+        ({"contents": [{"role": "wizard", "parts": []}]}, "contents[0]: role must be 'user' or 'model', got 'wizard'"),
+        ({"contents": [{"parts": "hi"}]}, "contents[0]: 'parts' must be a list of objects"),
+        ({"contents": [{"parts": [{"text": 5}]}]}, "contents[0].parts[0]: 'text' must be a string"),
+        ({"contents": [{"role": "model", "parts": [{"text": "a"}, {"text": 5}]}]}, "contents[0].parts[1]: 'text' must be a string"),
+        ({"contents": [{"parts": ["hi"]}]}, "contents[0]: 'parts' must be a list of objects"),
+        ({"contents": [{"parts": 5}]}, "contents[0]: 'parts' must be a list of objects"),
+        # Inline and file data under either spelling, with or without a thought signature beside them.
+        *[({"contents": [{"role": role, "parts": [{"thoughtSignature": "c2ln", kind: {}}]}]},
+           "contents[0].parts[0]: inline or file data parts are not supported by this engine (text only)")
+          for kind in ("inlineData", "inline_data", "fileData", "file_data") for role in ("user", "model")],
+        ({"contents": [{"parts": [{"thought": True, "thoughtSignature": "c2ln", "executableCode": {}}]}]},
+         "contents[0].parts[0]: unsupported part ['executableCode']"),
+        ({"contents": [{"role": "model", "parts": [{"executableCode": {}, "codeExecutionResult": {}}]}]},
+         "contents[0].parts[0]: unsupported part ['executableCode', 'codeExecutionResult']"),
+        # A user turn holds no thoughts.
+        ({"contents": [{"parts": [{"text": "t", "thought": True}]}]}, "contents[0].parts[0]: unsupported part ['text']"),
+        ({"contents": [{"role": "model", "parts": [{"text": "a"}, {"functionCall": "f"}]}]},
+         "contents[0].parts[1]: functionCall needs a string 'name'"),
+        ({"contents": [{"role": "model", "parts": [{"text": "a"}, {"functionCall": {"name": "f", "args": [1]}}]}]},
+         "contents[0].parts[1]: functionCall 'args' must be an object"),
+        ({"contents": [{"parts": [{"text": "a"}, {"functionResponse": {"name": 1}}]}]},
+         "contents[0].parts[1]: functionResponse needs a string 'name'"),
+        ({"contents": H, "systemInstruction": 5}, "'systemInstruction' must be a Content object"),
+        ({"contents": H, "systemInstruction": {"parts": [{"text": "a"}, {"inlineData": {}}]}},
+         "systemInstruction.parts[1]: inline or file data parts are not supported by this engine (text only)"),
+        ({"contents": H, "systemInstruction": {"parts": [{"text": "a"}, {"text": 1}]}},
+         "systemInstruction.parts[1]: 'text' must be a string"),
+        ({"contents": H, "systemInstruction": {"parts": "a"}}, "systemInstruction: 'parts' must be a list of objects"),
+        ({"contents": H, "tools": {}}, "'tools' must be a list"),
+        ({"contents": H, "tools": [{"googleSearch": {}}, 1]}, "tools[1] must be an object"),
+        ({"contents": H, "tools": [{"googleSearch": {}}, {"teleport_me": {}}]}, "tools[1]: unsupported tool 'teleport_me'"),
+        ({"contents": H, "tools": [{"functionDeclarations": {"name": "f"}}]}, "tools[0]: functionDeclarations must be a list"),
+        ({"contents": H, "tools": [{"functionDeclarations": [{"name": "f"}, {"description": "x"}]}]},
+         "tools[0].functionDeclarations[1]: 'name' is required"),
+        ({"contents": H, "tools": [{"functionDeclarations": [{"name": "f", "parameters": [1]}]}]},
+         "tools[0].functionDeclarations[0]: parameters must be an object"),
+        ({"contents": H, "tools": [{"functionDeclarations": [{"name": "f", "parametersJsonSchema": True}]}]},
+         "tools[0].functionDeclarations[0]: parameters must be an object"),
+        ({"contents": H, "toolConfig": {"functionCallingConfig": 1}}, "'toolConfig.functionCallingConfig' must be an object"),
+        ({"contents": H, "toolConfig": {"functionCallingConfig": {"mode": "sometimes"}}},
+         "unsupported functionCallingConfig.mode 'sometimes'"),
+        ({"contents": H, "generationConfig": 1}, "'generationConfig' must be an object"),
+        ({"contents": H, "generationConfig": {"candidateCount": 2}},
+         "generationConfig.candidateCount > 1 is not supported: one candidate per request"),
+        ({"contents": H, "generationConfig": {"maxOutputTokens": 0}}, "generationConfig.maxOutputTokens must be >= 1"),
+        ({"contents": H, "generationConfig": {"topK": 1.5}}, "generationConfig.topK must be an integer"),
+        ({"contents": H, "generationConfig": {"topK": True}}, "generationConfig.topK must be an integer"),
+        ({"contents": H, "generationConfig": {"topP": True}}, "generationConfig.topP must be a number"),
+        ({"contents": H, "generationConfig": {"temperature": "hot"}}, "generationConfig.temperature must be a number"),
+        ({"contents": H, "generationConfig": {"topK": 2**31}}, "'generationConfig.topK' must be <= 2147483647"),
+        ({"contents": H, "generationConfig": {"top_k": -(2**31)}}, "'generationConfig.topK' must be >= -2147483647"),
+        ({"contents": H, "generationConfig": {"max_output_tokens": 2**31}},
+         "'generationConfig.maxOutputTokens' must be <= 2147483647"),
+        ({"contents": H, "generationConfig": {"seed": 2**63}}, "'generationConfig.seed' must be <= 9223372036854775807"),
+        ({"contents": H, "generationConfig": {"seed": -(2**63)}}, "'generationConfig.seed' must be >= -9223372036854775807"),
+        ({"contents": H, "generationConfig": {"candidate_count": 2**31}},
+         "'generationConfig.candidateCount' must be <= 2147483647"),
+        ({"contents": H, "generationConfig": {"thinkingConfig": 1}}, "generationConfig.thinkingConfig must be an object"),
+        ({"contents": H, "generationConfig": {"stopSequences": 1}},
+         "'generationConfig.stopSequences' must be a string or a list of strings"),
+    ],
+)
+def test_invalid_requests_say_what_and_where(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(PolarError) as err:
+        PROVIDER.parse_request(body, route())
+    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request", message)
+
+
+def test_a_body_that_is_not_an_object_and_a_route_without_a_model() -> None:
+    with pytest.raises(PolarError) as err:
+        PROVIDER.parse_request([{"contents": H}], route())  # type: ignore[arg-type]
+    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request", "request body must be a JSON object")
+    with pytest.raises(PolarError) as err:
+        PROVIDER.parse_request({"contents": H}, Route(kind="generate"))
+    assert (err.value.status, err.value.kind, err.value.message) == (
+        400, "invalid_request", "the model must be named in the path: /models/{model}:generateContent")
+
+
+def test_history_details_the_api_allows() -> None:
+    req = parse(
+        systemInstruction="plain text",
+        contents=[
+            {"role": "user", "parts": []},  # an empty user turn is an empty message
+            {"role": "model"},  # no parts at all
+            {"role": "model", "parts": [
+                {"thoughtSignature": "c2ln"},  # a signature on its own is skipped
+                {"thought_signature": "c2ln", "thought": True},
+                {"thought": True, "thoughtSignature": "c2ln", "thought_signature": "c2ln"},
+                {"functionCall": {"name": "f"}},  # no args: an empty object
+                {"function_call": {"name": "g", "args": {}}},
+            ]},
+            # A response to no open call keeps a positional id; `function` is the older role of responses.
+            {"role": "function", "parts": [{"functionResponse": {"name": "h"}}, {"functionResponse": {"name": "g", "response": None}}]},
+            {"role": "user", "parts": [{"functionResponse": {"name": "f", "response": {"ok": 1}}}, {"text": "a"}, {"text": "b"}]},
+        ],
+    )
+    assert req.messages == [
+        {"role": "system", "content": "plain text"},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": None},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_2_3", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "call_2_4", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_3_0", "content": "{}"},
+        {"role": "tool", "tool_call_id": "call_2_4", "content": "{}"},
+        # Tool results come before the user's text of the same turn; user text parts are paragraphs.
+        {"role": "tool", "tool_call_id": "call_2_3", "content": '{"ok":1}'},
+        {"role": "user", "content": "a\nb"},
+    ]
+    # An answered call is closed: a second response of that name answers nothing open.
+    again = parse(contents=[
+        {"role": "model", "parts": [{"functionCall": {"name": "f"}}]},
+        {"parts": [{"functionResponse": {"name": "f"}}]},
+        {"parts": [{"functionResponse": {"name": "f"}}]},
+    ]).messages
+    assert [m.get("tool_call_id") for m in again] == [None, "call_0_0", "call_2_0"]
+
+
+def test_tool_details_the_api_allows() -> None:
+    req = parse(tools=[{"functionDeclarations": [
+        {"name": "a", "description": None, "parameters": {"type": "OBJECT", "anyOf": [{"type": "STRING"}, {"type": "custom"}]}},
+        {"name": "b", "parameters_json_schema": {"type": "OBJECT"}},  # JSON Schema is passed on as it is
+    ]}, {"functionDeclarations": []}, {"google_search_retrieval": {}, "url_context": {}}])
+    assert req.tools == [
+        {"type": "function", "function": {"name": "a", "parameters": {"type": "object", "anyOf": [{"type": "string"}, {"type": "custom"}]}}},
+        {"type": "function", "function": {"name": "b", "parameters": {"type": "OBJECT"}}},
+    ]
+    assert req.extra == {"dropped_tools": ["googleSearchRetrieval", "urlContext"]}
+    assert json_schema([{"type": "NULL"}, 3]) == [{"type": "null"}, 3]
+
+
+@pytest.mark.parametrize(
+    "config,expected",
+    [
+        ({"functionCallingConfig": {"mode": "any", "allowed_function_names": ["f"]}}, {"type": "function", "function": {"name": "f"}}),
+        ({"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["f", "g"]}}, "required"),
+        ({"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": [1]}}, "required"),
+        ({"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": "f"}}, "required"),
+        ({"functionCallingConfig": {"mode": "MODE_UNSPECIFIED"}}, None),
+        ({"functionCallingConfig": {"mode": "auto"}}, "auto"),
+        ({"function_calling_config": None}, None),
+        ({}, None),
+    ],
+)
+def test_tool_config_details(config: dict, expected: Any) -> None:
+    assert parse(tools=[{"functionDeclarations": [READ_FILE]}], toolConfig=config).tool_choice == expected
+    # With no function tools nothing can be chosen: an engine refuses a choice without tools.
+    assert parse(toolConfig=config).tool_choice is None
+
+
+def test_generation_config_details() -> None:
+    s = parse(generationConfig={"temperature": 1, "topP": 1, "maxOutputTokens": 1, "stopSequences": "END", "seed": 2**40}).sampling
+    assert (s.temperature, s.top_p, s.max_tokens, s.stop, s.seed) == (1.0, 1.0, 1, ["END"], 2**40)
+    assert isinstance(s.temperature, float) and isinstance(s.top_p, float)
+    assert parse(generationConfig={"seed": -(2**40), "top_k": -(2**31 - 1)}).sampling.seed == -(2**40)
+    assert parse(generationConfig={"topK": 2**31 - 1}).sampling.top_k == 2**31 - 1
+    s = parse(generationConfig={"candidateCount": None, "temperature": None}).sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.seed) == (None, None, None, None, [], None)
+    assert parse(generationConfig=None).sampling == s
+    assert parse(generationConfig={"thinkingConfig": {"thinkingLevel": "LOW"}}).enable_thinking is True
+    assert parse(generationConfig={"thinkingConfig": {"thinking_level": "HIGH", "thinkingBudget": None}}).enable_thinking is True
+    assert parse(generationConfig={"thinkingConfig": {"thinkingBudget": -1}}).enable_thinking is True
+    assert parse(generationConfig={"thinking_config": None}).enable_thinking is None
+
+
+def test_count_tokens_body_forms() -> None:
+    count = route("/v1beta/models/gem-test:countTokens")
+    # A generateContentRequest wrapper only means something to countTokens, and only as an object.
+    assert PROVIDER.parse_request({"generate_content_request": {"contents": [{"parts": [{"text": "w"}]}]}, "contents": H},
+                                  count).messages == [{"role": "user", "content": "w"}]
+    assert PROVIDER.parse_request({"generateContentRequest": {"contents": [{"parts": [{"text": "w"}]}]}, "contents": H},
+                                  route()).messages == [{"role": "user", "content": "hi"}]
+    assert PROVIDER.parse_request({"generateContentRequest": "w", "contents": H}, count).messages == [{"role": "user", "content": "hi"}]
+
+
+def test_routes_read_the_query_parameters_exactly() -> None:
+    assert route("/v1beta/models/gem:streamGenerateContent?alt=sse&key=k").params == {"sse": True}
+    assert route("/v1beta/models/gem:streamGenerateContent?alt=sseX").params == {"sse": False}
+    assert route("/v1beta/models/gem:generateContent?alt=sse").stream_hint is False
+    assert PROVIDER.route("post", "/v1beta/models/gem:generateContent") is not None
+    assert PROVIDER.route("POST", "/v1beta/models/gem:generateContent/x") is None
+
+
+# The body of generateContent as the API reference writes it (GenerateContentResponse: candidates[].content
+# with role "model", index, finishReason; usageMetadata; modelVersion; responseId), by hand.
+def test_non_stream_body_is_the_api_shape() -> None:
+    body = PROVIDER.render_response(parse(), CASES["tools"], CTX)
+    assert body == {
+        "candidates": [{
+            "content": {"role": "model", "parts": [
+                {"text": "Let me look."},
+                {"functionCall": {"id": "call_1", "name": "read_file", "args": {"path": "src/main.py", "lines": [1, 2]}}},
+                {"functionCall": {"id": "call_2", "name": "ls", "args": {}}},
+            ]},
+            "index": 0,
+            "finishReason": "STOP",
+        }],
+        "modelVersion": "gem-test",
+        "responseId": CTX.response_id,
+        "usageMetadata": {"promptTokenCount": 11, "candidatesTokenCount": 7, "totalTokenCount": 18, "cachedContentTokenCount": 4},
+    }
+    types.GenerateContentResponse.model_validate(body)
+    thinking = PROVIDER.render_response(parse(), completion(content="", reasoning="hm"), CTX)
+    assert thinking["candidates"][0]["content"]["parts"] == [{"text": "hm", "thought": True}, {"text": ""}]
+    assert "cachedContentTokenCount" not in thinking["usageMetadata"]
+    # A finish reason Gemini has no name for is a plain STOP.
+    assert PROVIDER.render_response(parse(), completion(finish_reason="other"), CTX)["candidates"][0]["finishReason"] == "STOP"
+
+
+def test_stream_chunks_are_the_api_shape() -> None:
+    request = parse("/v1beta/models/gem-test:streamGenerateContent?alt=sse")
+    chunks = [e.data for e in PROVIDER.render_stream(request, completion(content="", reasoning="x" * 17), CTX)]
+    head = {"modelVersion": "gem-test", "responseId": CTX.response_id}
+    assert chunks == [
+        {"candidates": [{"content": {"role": "model", "parts": [{"text": "x" * 16, "thought": True}]}, "index": 0}], **head},
+        # An empty answer text streams no piece: the last thought piece carries the finish.
+        {"candidates": [{"content": {"role": "model", "parts": [{"text": "x", "thought": True}]}, "index": 0,
+                         "finishReason": "STOP"}], **head,
+         "usageMetadata": {"promptTokenCount": 11, "candidatesTokenCount": 7, "totalTokenCount": 18}},
+    ]
+    # An empty answer is still one chunk, with one empty text part.
+    empty = [e.data for e in PROVIDER.render_stream(request, completion(content=None), CTX)]
+    assert [c["candidates"][0]["content"]["parts"] for c in empty] == [[{"text": ""}]]
+
+
+def test_context_length_message_in_gemini_wording() -> None:
+    counted = PROVIDER.render_error(ContextLengthExceeded("x", prompt_tokens=40000, window=32768))
+    assert counted == {"error": {"code": 400, "status": "INVALID_ARGUMENT", "message":
+                                 "The input token count (40000) exceeds the maximum number of tokens allowed (32768)."}}
+    assert PROVIDER.render_error(ContextLengthExceeded("too long"))["error"]["message"] == "too long"

@@ -10,9 +10,10 @@ import orjson
 import pytest
 from openai.types.responses import Response
 
-from polar_addon.canonical import PolarError, ToolCall
+from polar_addon.canonical import ContextLengthExceeded, PolarError, ToolCall
+from polar_addon.context_compaction import POLAR_COMPACTION_PROMPT, encode_summary, summary_message
 from polar_addon.providers import ResponseContext, Route, StreamEvent, all_providers
-from polar_addon.providers.openai_responses import PROVIDER, OpenAIResponsesProvider, custom_input
+from polar_addon.providers.openai_responses import PROVIDER, OpenAIResponsesProvider, ResponseHistory, custom_input
 from tests.support.providers import canned_http, completion, sse_bytes
 
 GENERATE = Route(kind="generate")
@@ -661,3 +662,347 @@ def test_parse_does_not_mutate_the_body() -> None:
     before = copy.deepcopy(body)
     PROVIDER.parse_request(body, GENERATE)
     assert body == before
+
+
+# ---------------------------------------------------------------- exact messages and details
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"input": "hi"}, "'model' is required and must be a non-empty string"),
+        ({"model": "m"}, "'input' is required and must be a string or a list of items"),
+        ({"model": "m", "input": 5}, "'input' is required and must be a string or a list of items"),
+        ({"model": "m", "input": [5]}, "input[0] must be an object"),
+        ({"model": "m", "input": [{"type": "message", "role": "wizard", "content": "x"}]},
+         "input[0]: unsupported role 'wizard'"),
+        ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+         "input[0]: input_image parts are not supported by this engine (text only)"),
+        ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+         "input[0]: input_file parts are not supported by this engine (text only)"),
+        ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+         "input[0]: input_audio parts are not supported by this engine (text only)"),
+        ({"model": "m", "input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+         "input[0]: unsupported content part type 'output_text'"),
+        ({"model": "m", "input": [{"role": "system", "content": [{"type": "output_text", "text": "x"}]}]},
+         "input[0]: unsupported content part type 'output_text'"),
+        ({"model": "m", "input": [{"role": "assistant", "content": [{"type": "reasoning_text", "text": "x"}]}]},
+         "input[0]: unsupported content part type 'reasoning_text'"),
+        ({"model": "m", "input": [{"type": "reasoning", "summary": [{"text": 1}]}]},
+         "input[0]: reasoning summary parts need a string 'text'"),
+        ({"model": "m", "input": [{"type": "reasoning", "summary": ["x"]}]},
+         "input[0]: reasoning summary parts need a string 'text'"),
+        ({"model": "m", "input": [{"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]}]},
+         "input[0]: unsupported reasoning part type 'output_text'"),
+        ({"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+         "input[0]: 'function_call' needs a string 'call_id'"),
+        ({"model": "m", "input": [{"type": "function_call", "call_id": "", "name": "f"}]},
+         "input[0]: 'function_call' needs a string 'call_id'"),
+        ({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": ""}]},
+         "input[0]: 'function_call' needs a string 'name'"),
+        ({"model": "m", "input": [{"type": "function_call_output", "output": "x"}]},
+         "input[0]: 'function_call_output' needs a string 'call_id'"),
+        ({"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
+         "input[0]: input_image parts are not supported by this engine (text only)"),
+        ({"model": "m", "input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": {}}]},
+         "input[0]: custom_tool_call 'input' must be a string"),
+        ({"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]},
+         "input[0]: item_reference needs server-side item storage, which polar does not keep; send the item itself"),
+        ({"model": "m", "input": [{"type": "local_shell_call", "action": {}}]},
+         "input[0]: 'local_shell_call' needs a string 'call_id'"),
+        ({"model": "m", "input": [{"type": "additional_tools", "tools": {}}]},
+         "input[0]: additional_tools needs a list 'tools'"),
+        ({"model": "m", "input": [{"type": "teleport_call"}]},
+         "input[0]: unsupported input item type 'teleport_call'"),
+        ({"model": "m", "input": [{"content": "no type no role"}]}, "input[0]: unsupported input item type None"),
+        ({"model": "m", "input": "hi", "tools": [{"type": "function"}]},
+         "tools[0]: 'function' needs a string 'name'"),
+        ({"model": "m", "input": "hi", "tools": [5]}, "tools[0] must be an object"),
+        ({"model": "m", "input": "hi", "tools": [{"type": 5}]}, "tools[0]: 'type' must be a string"),
+        ({"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": [1]}]},
+         "tools[0]: 'parameters' must be an object"),
+        ({"model": "m", "input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": {}}]},
+         "tools[0]: namespace tools need a list 'tools'"),
+        ({"model": "m", "input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "namespace", "name": "m", "tools": []}]}]},
+         "tools[0].tools[0]: unsupported tool type 'namespace'"),
+        ({"model": "m", "input": "hi", "tools": [{"type": "teleport", "name": "x"}]},
+         "tools[0]: unsupported tool type 'teleport'"),
+        ({"model": "m", "input": "hi", "tools": {"type": "function", "name": "f"}}, "'tools' must be a list"),
+        ({"model": "m", "input": "hi", "tool_choice": "sometimes"},
+         "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}"),
+        ({"model": "m", "input": "hi", "tool_choice": {"type": "allowed_tools", "mode": "none"}},
+         "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}"),
+        ({"model": "m", "input": "hi", "temperature": "hot"}, "'temperature' must be a number"),
+        ({"model": "m", "input": "hi", "top_p": True}, "'top_p' must be a number"),
+        ({"model": "m", "input": "hi", "max_output_tokens": 0}, "'max_output_tokens' must be >= 1"),
+        ({"model": "m", "input": "hi", "max_output_tokens": 2147483648},
+         "'max_output_tokens' must be <= 2147483647"),
+        ({"model": "m", "input": "hi", "stream": "yes"}, "'stream' must be a boolean"),
+        ({"model": "m", "input": "hi", "previous_response_id": 7}, "'previous_response_id' must be a string"),
+        ({"model": "m", "input": "hi", "instructions": [{"role": "user", "content": "x"}]},
+         "'instructions' may hold only system or developer messages"),
+        ({"model": "m", "input": "hi", "instructions": 5}, "'instructions' must be a string or a list of messages"),
+        ({"model": "m", "input": "hi", "reasoning": "high"}, "'reasoning' must be an object"),
+    ],
+)
+def test_invalid_requests_say_what_and_where(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(PolarError) as err:
+        OpenAIResponsesProvider().parse_request(body, GENERATE)
+    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request", message)
+
+
+def test_a_body_that_is_not_an_object_and_an_unknown_previous_response_are_named() -> None:
+    with pytest.raises(PolarError) as err:
+        PROVIDER.parse_request([{"model": "m", "input": "hi"}], GENERATE)  # type: ignore[arg-type]
+    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request", "request body must be a JSON object")
+    with pytest.raises(PolarError) as err:
+        parse(OpenAIResponsesProvider(), previous_response_id="resp_x")
+    assert (err.value.status, err.value.kind, err.value.message) == (
+        400, "previous_response_not_found", "Previous response with id 'resp_x' not found.")
+
+
+def test_the_response_object_echoes_the_request_settings() -> None:
+    """Every field of the Response object as the API reference lists it, written by hand."""
+    provider = OpenAIResponsesProvider()
+    first = parse(provider)
+    provider.render_response(first, completion(), ResponseContext("resp_prev", 1, "qwen-test"))
+    request = parse(provider, previous_response_id="resp_prev", tools=[EXEC], tool_choice={"type": "function", "name": "exec_command"},
+                    parallel_tool_calls=False, store=False, temperature=0.5, top_p=0.25, max_output_tokens=9,
+                    reasoning={"effort": "high", "generate_summary": "concise"})
+    body = provider.render_response(request, completion(content="ok"), CTX)
+    assert body == {
+        "id": "resp_test1", "object": "response", "created_at": 1_700_000_000, "status": "completed", "error": None,
+        "incomplete_details": None, "instructions": None, "max_output_tokens": 9, "model": "qwen-test",
+        "output": [{"id": "msg_test1", "type": "message", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": "ok", "annotations": [], "logprobs": []}]}],
+        "parallel_tool_calls": False, "previous_response_id": "resp_prev",
+        "reasoning": {"effort": "high", "summary": "concise"}, "store": False, "temperature": 0.5,
+        "text": {"format": {"type": "text"}}, "tool_choice": {"type": "function", "name": "exec_command"}, "tools": [],
+        "top_p": 0.25, "truncation": "disabled",
+        "usage": {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                  "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 18},
+        "metadata": {},
+    }
+    Response.model_validate(body)
+    plain_body = PROVIDER.render_response(parse(reasoning={"summary": "none"}), completion(finish_reason="abort"), CTX)
+    assert (plain_body["tool_choice"], plain_body["parallel_tool_calls"], plain_body["store"], plain_body["reasoning"]) == (
+        "auto", True, True, {"effort": None, "summary": None})
+    assert (plain_body["status"], plain_body["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert [PROVIDER.render_response(parse(tools=[EXEC], tool_choice=c), completion(), CTX)["tool_choice"]
+            for c in ("none", "required")] == ["none", "required"]
+
+
+def test_reasoning_settings() -> None:
+    assert parse(reasoning={"effort": "minimal", "summary": "detailed"}).extra["reasoning_summary"] == "detailed"
+    assert parse(reasoning={"summary": "none"}).extra["reasoning_summary"] is None
+    assert parse(reasoning={"generate_summary": "auto"}).extra["reasoning_summary"] == "auto"
+    assert parse(reasoning={}).enable_thinking is None and "reasoning_effort" not in parse(reasoning={}).extra
+    request = parse(reasoning={"effort": "none", "summary": "auto"})
+    assert (request.enable_thinking, request.extra["reasoning_effort"]) == (False, "none")
+    # A summary is rendered only when asked for.
+    body = PROVIDER.render_response(parse(reasoning={"generate_summary": "auto"}), completion(reasoning="r"), CTX)
+    assert body["output"][0] == {"id": "rs_test1", "type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}],
+                                 "content": [{"type": "reasoning_text", "text": "r"}], "encrypted_content": None}
+
+
+def test_items_the_api_allows() -> None:
+    req = parse(tools=[{"type": "custom", "name": "free"}, {"type": "function", "name": "bare"},
+                       {"type": "function", "name": "bare", "description": "a second definition is ignored"},
+                       {"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "raw", "description": None,
+                                                                      "format": {"type": "grammar", "definition": "x"}}]},
+                       {"type": "file_search"}],
+                input=[
+                    {"type": "message", "role": "developer", "content": "one"},
+                    {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "two"}]},
+                    {"type": "reasoning", "summary": [{"text": "s1"}, {"type": "text", "text": "s2"}]},
+                    {"type": "reasoning", "content": [], "summary": []},  # nothing readable: no assistant turn from it
+                    {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                    {"type": "message", "role": "assistant", "content": "again"},
+                    {"type": "function_call", "call_id": "c1", "name": "bare"},  # no arguments
+                    {"type": "custom_tool_call", "call_id": "c2", "name": "free"},  # no input
+                    {"type": "local_shell_call", "call_id": "c3", "action": "ls"},
+                    {"type": "tool_search_call", "call_id": "c4"},
+                    {"type": "function_call_output", "call_id": "c1"},
+                    {"type": "tool_search_output", "tools": [{"type": "function", "name": "late"}]},  # no call_id: no tool message
+                    {"type": "custom_tool_call_output", "call_id": "c2", "output": [{"type": "output_text", "text": "o"},
+                                                                                    {"type": "text", "text": "p"}]},
+                    {"type": "compaction_summary"}, {"type": "ghost_snapshot"},
+                    {"type": "reasoning", "summary": [{"text": "after"}]},
+                ])
+    assert req.messages == [
+        {"role": "system", "content": "one\n\ntwo"},
+        {"role": "assistant", "content": "no\n\nagain", "reasoning_content": "s1\n\ns2", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "bare", "arguments": ""}},
+            {"id": "c2", "type": "function", "function": {"name": "free", "arguments": '{"input":""}'}},
+            {"id": "c3", "type": "function", "function": {"name": "local_shell", "arguments": "ls"}},
+            {"id": "c4", "type": "function", "function": {"name": "tool_search", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": ""},
+        {"role": "tool", "tool_call_id": "c2", "content": "o\np"},
+        {"role": "assistant", "content": None, "reasoning_content": "after"},
+    ]
+    free = {"type": "object", "properties": {"input": {"type": "string", "description": "The raw input of this tool (free text)."}},
+            "required": ["input"], "additionalProperties": False}
+    assert req.tools == [
+        {"type": "function", "function": {"name": "free", "parameters": free}},
+        {"type": "function", "function": {"name": "bare", "parameters": {"type": "object", "properties": {}}}},
+        {"type": "function", "function": {"name": "ns.raw", "parameters": {**free, "properties": {"input": {
+            "type": "string", "description": "The raw input of this tool, written in this  grammar:\nx"}}}}},
+        {"type": "function", "function": {"name": "late", "parameters": {"type": "object", "properties": {}}}},
+    ]
+    assert req.extra == {"store": True, "parallel_tool_calls": True, "reasoning_summary": None, "custom_tools": ["free", "ns.raw"],
+                         "namespaced_tools": {"ns.raw": "ns"}, "dropped_tools": ["file_search"],
+                         "dropped_items": ["compaction_summary", "ghost_snapshot"]}
+    # A custom tool whose format is not a grammar is free text.
+    text_format = parse(tools=[{"type": "custom", "name": "t", "format": {"type": "text"}}]).tools[0]
+    assert text_format["function"]["parameters"]["properties"]["input"]["description"] == "The raw input of this tool (free text)."
+    # Instructions as a list of system messages; input as an empty list.
+    listed = parse(instructions=[{"role": "system", "content": "a"}, {"role": "developer", "content": "b"}], input=[])
+    assert listed.messages == [{"role": "system", "content": "a\n\nb"}]
+    # A user message and an agent message each end the assistant turn before them.
+    turns = parse(input=[{"role": "assistant", "content": "x"}, {"role": "user", "content": "u"},
+                         {"role": "assistant", "content": "y"}, {"type": "agent_message", "content": "z"},
+                         {"role": "assistant", "content": "w"}]).messages
+    assert [m["content"] for m in turns] == ["x", "u", "y", "z", "w"]
+
+
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        ("auto", "auto"),
+        ({"type": "function", "name": "close_agent", "namespace": "multi_agent_v1"},
+         {"type": "function", "function": {"name": "multi_agent_v1.close_agent"}}),
+        ({"type": "allowed_tools", "mode": "auto", "tools": []}, "auto"),
+    ],
+)
+def test_tool_choice_details(raw: Any, expected: Any) -> None:
+    assert parse(tools=[EXEC, NAMESPACE], tool_choice=raw).tool_choice == expected
+
+
+def test_rendered_calls_the_api_allows() -> None:
+    request = parse(tools=[APPLY_PATCH, {"type": "namespace", "name": "ns", "tools": [APPLY_PATCH]}])
+    calls = [ToolCall("c1", "apply_patch", "raw text"), ToolCall("c2", "ns.apply_patch", '{"input": "x"}')]
+    body = PROVIDER.render_response(request, completion(content=None, tool_calls=calls), CTX)
+    assert body["output"] == [
+        {"id": "ctc_test1_0", "type": "custom_tool_call", "status": "completed", "call_id": "c1", "name": "apply_patch",
+         "input": "raw text"},
+        {"id": "ctc_test1_1", "type": "custom_tool_call", "status": "completed", "call_id": "c2", "name": "apply_patch",
+         "input": "x", "namespace": "ns"},
+    ]
+    fn = PROVIDER.render_response(parse(tools=[EXEC]), completion(content="a", tool_calls=[ToolCall("c", "exec_command", "{}")]), CTX)
+    assert fn["output"][1] == {"id": "fc_test1_0", "type": "function_call", "status": "completed", "call_id": "c",
+                               "name": "exec_command", "arguments": "{}"}
+
+
+def test_custom_input_of_one_string_among_others() -> None:
+    assert custom_input('{"a": "x", "b": 1}') == '{"a": "x", "b": 1}'  # two keys: the model's own text
+    assert custom_input('{"a": 1}') == '{"a": 1}'
+    assert custom_input('"just a string"') == '"just a string"'
+
+
+def test_overflow_messages_in_openai_wording() -> None:
+    counted = PROVIDER.render_error(ContextLengthExceeded("x", prompt_tokens=40000, window=32768))["error"]
+    assert counted == {"message": "Your input exceeds the context window of this model. (40000 input tokens > 32768 maximum) "
+                                  "Please adjust your input and try again.",
+                       "type": "invalid_request_error", "param": None, "code": "context_length_exceeded"}
+    plain_overflow = PROVIDER.render_error(ContextLengthExceeded("prompt too long"))["error"]["message"]
+    assert plain_overflow == "Your input exceeds the context window of this model. (prompt too long) Please adjust your input and try again."
+
+
+def test_a_stream_error_in_full() -> None:
+    provider = OpenAIResponsesProvider()
+    ctx = ResponseContext("resp_f", 7, "qwen-test")
+    events = list(provider.render_stream_error(PolarError(503, "overloaded", "busy"), ctx))
+    start = {"id": "resp_f", "object": "response", "created_at": 7, "status": "in_progress", "error": None,
+             "incomplete_details": None, "instructions": None, "max_output_tokens": None, "model": "qwen-test", "output": [],
+             "parallel_tool_calls": True, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+             "store": True, "temperature": None, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
+             "top_p": None, "truncation": "disabled", "usage": None, "metadata": {}}
+    assert [(e.event, e.data) for e in events] == [
+        ("response.created", {"type": "response.created", "sequence_number": 0, "response": start}),
+        ("response.in_progress", {"type": "response.in_progress", "sequence_number": 1, "response": start}),
+        ("response.failed", {"type": "response.failed", "sequence_number": 2, "response": {
+            **start, "status": "failed", "error": {"code": "server_is_overloaded", "message": "busy"}}}),
+    ]
+    # After three keep-alives (created, in_progress, then two in_progress) only the failure is left, numbered on.
+    provider.keepalive(parse(provider, stream=True), ctx)
+    provider.keepalive(parse(provider, stream=True), ctx)
+    [failed] = provider.render_stream_error(PolarError(500, "brand_new", "x"), ctx)
+    assert failed.data["sequence_number"] == 3 and failed.data["response"]["error"] == {"code": "server_error", "message": "x"}
+
+
+def test_keepalive_bytes() -> None:
+    provider = OpenAIResponsesProvider()
+    ctx = ResponseContext("resp_k", 3, "qwen-test")
+    request = parse(provider, stream=True)
+    first, second = provider.keepalive(request, ctx), provider.keepalive(request, ctx)
+    assert first.startswith(b"event: response.created\ndata: ") and first.count(b"\n\n") == 2
+    assert b'"sequence_number":0' in first and b'"sequence_number":1' in first
+    assert second.startswith(b"event: response.in_progress\ndata: ") and second.count(b"\n\n") == 1
+    assert b'"sequence_number":2' in second and ctx.stream_state == {"next_sequence_number": 3}
+    assert [e.data["sequence_number"] for e in provider.render_stream(request, completion(content="a"), ctx)][0] == 3
+
+
+def test_compaction_calls() -> None:
+    provider = OpenAIResponsesProvider()
+    user = {"type": "message", "role": "user", "content": "fix it"}
+    body = {"model": "m", "stream": True, "tool_choice": "required", "tools": [EXEC],
+            "input": [user, {"role": "assistant", "content": "ok"}, "not an item"]}
+    with pytest.raises(PolarError, match=r"^input\[2\] must be an object$"):
+        provider.parse_request(body, provider.route("POST", "/v1/responses/compact"))
+    body["input"] = body["input"][:2] + [{"role": "user", "content": [{"type": "input_text", "text": "more"}]}]
+    compact = provider.parse_request(body, provider.route("POST", "/v1/responses/compact"))
+    assert (compact.stream, compact.tool_choice, compact.extra["compaction"]) == (False, "none", "remote_v1")
+    answer = provider.render_response(compact, completion(content="  summary \n"), ResponseContext("resp_c", 0, "m"))
+    assert answer == {"output": [user, body["input"][2], {"id": "cmp_c", "type": "compaction",
+                                                          "encrypted_content": encode_summary("summary")}]}
+    assert provider.history.get("resp_c") is None  # a compaction answer starts no chain
+    trigger = provider.parse_request({**body, "input": [user, {"type": "compaction_trigger"}]}, GENERATE)
+    assert (trigger.stream, trigger.tool_choice, trigger.extra["compaction"]) == (True, "none", "remote_v2")
+    assert trigger.messages[-1] == {"role": "user", "content": POLAR_COMPACTION_PROMPT}
+    assert trigger.extra["dropped_items"] == ["compaction_trigger"]
+    [item] = provider.render_response(trigger, completion(content=None), ResponseContext("resp_d", 0, "m"))["output"]
+    assert item == {"id": "cmp_d", "type": "compaction", "encrypted_content": encode_summary("")}
+    # Our own compaction item reads back as the summary; an empty one too.
+    again = provider.parse_request({"model": "m", "input": [{"type": "compaction", "encrypted_content": encode_summary("S")}]}, GENERATE)
+    assert again.messages == [summary_message("S")] and "dropped_items" not in again.extra
+    assert provider.parse_request({"model": "m", "input": [item]}, GENERATE).messages == [summary_message("")]
+
+
+def test_response_history_bounds_in_detail() -> None:
+    history = ResponseHistory(size=3, max_bytes=100, session_bytes=50)
+    history.remember("a1", [{"n": 1}], session="a", cost=20)
+    history.remember("a2", [{"n": 2}], session="a", cost=20)
+    assert (len(history), history.total_bytes, history.get("a1")) == (2, 40, [{"n": 1}])
+    history.remember("a3", [], session="a", cost=20)  # 60 > 50 for session a: its least recently used goes
+    assert (history.get("a2"), history.total_bytes, len(history)) == (None, 40, 2)
+    history.remember("a3", [], session="a", cost=5)  # the same id again replaces its entry
+    assert (history.total_bytes, len(history)) == (25, 2)
+    history.remember("b1", [], session="b", cost=50)  # exactly at both bounds: kept
+    assert history.get("b1") == [] and history.total_bytes == 75
+    history.get("a1")  # used: a3 is now the least recently used
+    history.remember("c1", [], session="c", cost=1)  # a fourth entry: over the count
+    assert [r for r in ("a1", "a3", "b1", "c1") if history.get(r) is not None] == ["a1", "b1", "c1"]
+    history.remember("d1", [], session="d", cost=49)  # 20 + 50 + 1 + 49 > 100: the least recently used goes
+    assert (history.total_bytes, history.get("a1"), history.get("d1")) == (100, None, [])
+    history.remember("big", [], session="e", cost=51)  # over one session's share: not remembered at all
+    assert history.get("big") is None
+    # One prewarm per session: a second replaces the first, a real turn stays.
+    history = ResponseHistory(size=10, max_bytes=1000, session_bytes=1000)
+    history.remember("t", [], session="s", cost=1)
+    history.remember("p1", [], session="s", cost=1, prewarm=True)
+    history.remember("p2", [], session="s", cost=1, prewarm=True)
+    history.remember("q", [], session="other", cost=1, prewarm=True)
+    assert [r for r in ("t", "p1", "p2", "q") if history.get(r) is not None] == ["t", "p2", "q"]
+    assert history.total_bytes == 3
+    # An entry's cost: the request body and every earlier body and output of its chain.
+    provider = OpenAIResponsesProvider()
+    first = provider.parse_request({"model": "m", "input": "hi"}, Route(kind="generate", session="s", body_bytes=100))
+    provider.render_response(first, completion(content="a"), ResponseContext("resp_1", 0, "m"))
+    one = provider.history.entry("resp_1")
+    out = provider.history.get("resp_1")[-1:]
+    assert (one.session, one.cost, one.prewarm) == ("s", 100 + len(orjson.dumps(out)), False)
+    second = provider.parse_request({"model": "m", "input": "more", "previous_response_id": "resp_1"},
+                                    Route(kind="generate", session="s", body_bytes=10))
+    provider.remember(second, "resp_2", [], prewarm=True)
+    two = provider.history.entry("resp_2")
+    assert (two.cost, two.prewarm, len(two.items)) == (one.cost + 10, True, 3)

@@ -213,3 +213,48 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
     assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
     assert validate_store(str(proxy.out)) == []
+
+
+# Where an offline user pre-loads the base image that swe_mini's Dockerfiles name (`FROM python:3.11-slim`):
+# podman resolves that short name to this full one, and pulls only when it is missing.
+PYTHON_BASE = "docker.io/library/python:3.11-slim"
+
+
+@pytest.mark.harness
+def test_polar_rollout_codex_on_oci_harbor_task(proxy: SharedProxy, tmp_path: Path) -> None:
+    """Codex, unmodified, in a podman container of a Harbor task whose unchanged Dockerfile says `FROM
+    python:3.11-slim`, that name pre-loaded offline with an image built from the host's binaries (bash, Python,
+    node; the harness install bound read-only): the harness runs the scripted fix inside the container (proxy-only
+    network), the verifier's `tests/test.sh` gives 1.0 in a fresh container of the task, every call is stored under
+    the session, group and sample."""
+    if shutil.which("podman") is None or shutil.which("runc") is None:
+        missing("podman or runc missing (make sandbox)")
+    from polar_addon.control import token_file
+    from tests.support.oci_image import build_harness_image
+
+    image = build_harness_image()
+    subprocess.run(["podman", "tag", image, PYTHON_BASE], check=True, capture_output=True)
+    harness = "codex"
+    task_id = script(harness)["task"]
+    report = tmp_path / "report"
+    token = token_file(str(proxy.out), str(proxy.ca.parent)).read_text().strip()
+    cmd = [str(REPO / ".venv" / "bin" / "polar"), "rollout", str(SWE_MINI / "harbor" / task_id), "--harness", harness,
+           "--samples", "1", "--proxy", f"http://127.0.0.1:{proxy.forward}", "--reverse-url",
+           f"http://127.0.0.1:{proxy.reverse}", "--control-token", token, "--confdir", str(proxy.ca.parent),
+           "--out", str(proxy.out), "--runtime", "oci", "--network", "proxy-only", "--model", model_name(harness),
+           "--seed", "100", "--no-progress", "--report-dir", str(report)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((report / "logs").rglob("*")) if p.is_file()) \
+        if (report / "logs").exists() else ""
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    summary = json.loads((report / "rollout-summary.json").read_text())
+    (session,) = summary["session_results"]
+    assert (session["status"], session["reward"], session["exit_code"]) == ("completed", 1.0, 0), (session, logs)
+    assert "OK" in logs  # the verifier's unittest run, inside the container
+    turns = script(harness)["turns"]
+    records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
+    assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
+    assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
+    called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
+    assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
+    assert validate_store(str(proxy.out)) == []

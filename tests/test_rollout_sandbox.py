@@ -404,6 +404,39 @@ def test_oci_limits_host_untouched_and_dockerfile_built_once(oci_image, tmp_path
     assert gone != 0  # stop removed the container
 
 
+def test_oci_task_image_is_rebuilt_when_its_base_changes(oci_image, tmp_path):
+    """An offline user re-loads the base a Dockerfile names (same name, new image): the task's image is rebuilt on
+    it, not taken from the cache built on the old one; and the build does not try to pull the local base."""
+    base = f"localhost/polar-base-probe:{uuid.uuid4().hex[:12]}"
+    context = tmp_path / "environment"
+    context.mkdir()
+    (context / "Dockerfile").write_text(f"FROM --platform=linux/amd64 {base}\nWORKDIR /app\n")
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    (newer / "Dockerfile").write_text(f"FROM {oci_image}\nRUN echo newer > /base-version\n")
+    tags: list[str] = []
+
+    async def main() -> str:
+        rt = oci.make()
+        spec = spec_for(tmp_path, "b", endpoints(tmp_path), network="none", dockerfile=context / "Dockerfile")
+        subprocess.run(["podman", "tag", oci_image, base], check=True)
+        tags.append(await rt.image_for(spec))
+        subprocess.run(["podman", "build", *rt._engine_flags(), "-t", base, str(newer)], check=True, capture_output=True)
+        tags.append(await oci.make().image_for(spec))
+        box = await rt.start(spec)
+        try:
+            return (await box.exec("cat /base-version")).stdout
+        finally:
+            await box.stop()
+
+    try:
+        seen = run(main())
+    finally:
+        subprocess.run(["podman", "rmi", "-f", *tags, base], capture_output=True)
+    assert tags[0] != tags[1] and seen == "newer\n"
+    assert oci.from_images(f"FROM a AS x\nRUN true\nfrom --platform=p b\nFROM x\n") == ["a", "b", "x"]
+
+
 def test_bwrap_limits_hold_for_the_sandbox(tmp_path):
     # 60 background sleeps against a pids limit of 30; a 200 MiB buffer (tail holds a line without newline)
     # against 64 MiB. The same commands without limits succeed, so the failures are the limits'.

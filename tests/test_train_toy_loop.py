@@ -22,7 +22,7 @@ def test_toy_loop_reward_rises_far_outside_the_noise(tiny_model_dir: Path, tmp_p
     cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(TOY / "tasks.jsonl"),
            "--harness", f"cmd:{sys.executable} {TOY / 'agent.py'} {{instruction}}", "--model", str(tiny_model_dir),
            "--iterations", "4", "--out", str(out), "--samples", "8", "--concurrency", "8", "--no-progress",
-           "--lr", "1e-2", "--epochs", "2", "--groups-per-step", "1", "--weight-decay", "0", "--eot-token-id", "2"]  # fmt: skip
+           "--lr", "5e-3", "--epochs", "2", "--groups-per-step", "1", "--weight-decay", "0", "--eot-token-id", "2"]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     stats = [IterationStats(**r) for r in json.loads((out / "loop.json").read_text())["iterations"]]

@@ -36,14 +36,21 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
-def parse_local_target(target: str, spec: str = "") -> tuple[str, int]:
-    """``DIR?max_len=N`` of a ``local:`` spec: the model directory and the window it serves (0: the model's own;
-    a smaller one for long-session tests)."""
+def local_options(target: str, spec: str = "") -> tuple[str, dict[str, str]]:
+    """``DIR?max_len=N&weight_version=V`` of a ``local:`` spec: the model directory and its options."""
     model_dir, _, query = target.partition("?")
     options = dict(part.partition("=")[::2] for part in query.split("&") if part)
-    unknown = set(options) - {"max_len"}
+    unknown = set(options) - {"max_len", "weight_version"}
     if unknown:
-        raise ValueError(f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} (local takes max_len)")
+        raise ValueError(f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} "
+                         "(local takes max_len, weight_version)")
+    return model_dir, options
+
+
+def parse_local_target(target: str, spec: str = "") -> tuple[str, int]:
+    """The model directory of a ``local:`` spec and the window it serves (0: the model's own; a smaller one for
+    long-session tests)."""
+    model_dir, options = local_options(target, spec)
     return model_dir, int(options.get("max_len") or 0)
 
 
@@ -63,7 +70,8 @@ def make_engine(spec: str, *, timeout_s: float) -> Engine:
         from polar_addon.engines.local import LocalEngine
 
         model_dir, max_len = parse_local_target(target, spec)
-        return LocalEngine(model_dir, max_len=max_len)
+        # weight_version: what a loop that restarts the proxy on each checkpoint tags its captures with.
+        return LocalEngine(model_dir, max_len=max_len, weight_version=local_options(target, spec)[1].get("weight_version"))
     if kind == "scripted":
         from polar_addon.engines.scripted import ScriptedEngine
 

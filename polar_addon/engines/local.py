@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
-from polar_addon.tool_parsing import parse_assistant_text
+from polar_addon.tool_parsers.hermes import parse_assistant_text
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -39,14 +39,15 @@ def served_window(native: int | None, max_len: int) -> int | None:
 class LocalEngine:
     kind = "local"
 
-    def __init__(self, model_dir: str | Path, *, default_max_tokens: int = DEFAULT_MAX_TOKENS, max_len: int = 0) -> None:
+    def __init__(self, model_dir: str | Path, *, default_max_tokens: int = DEFAULT_MAX_TOKENS, max_len: int = 0,
+                 weight_version: str | None = None) -> None:
         self.model_dir = str(model_dir)
         self.name = f"{self.kind}:{self.model_dir}"
         # A served window smaller than the model's own (vLLM's --max-model-len): long-session tests
         # overflow it in a few turns. 0: the model's max_position_embeddings.
         self.max_len_override = max_len
         self.default_max_tokens = default_max_tokens
-        self.weight_version: str | None = None
+        self.weight_version = weight_version
         # Tokenizers and the model are not safe to share across threads: every use holds the lock.
         self.lock = threading.Lock()
         self._model: Any = None

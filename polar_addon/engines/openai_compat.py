@@ -22,7 +22,7 @@ import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, EngineFault, PolarError, ToolCall
 from polar_addon.token_ids import IdText, pack_token_ids
-from polar_addon.tool_parsing import new_call_id
+from polar_addon.tool_parsers.calls import new_call_id
 
 log = logging.getLogger("polar")
 
@@ -33,6 +33,7 @@ _CONTEXT_LENGTH_RE = re.compile(
 # vLLM: "This model's maximum context length is M tokens. However, your prompt contains N input tokens";
 # SGLang: "The input (N tokens) is longer than the model's context length (M tokens)."
 _WINDOW_RES = [re.compile(r"maximum context length is (\d+)", re.I), re.compile(r"context length \((\d+) tokens\)", re.I)]
+_AT_LEAST_RE = re.compile(r"at least \d+ input tokens", re.I)
 _PROMPT_RES = [re.compile(r"(?:contains|has) (?:at least )?(\d+) input tokens", re.I), re.compile(r"input \((\d+) tokens\)", re.I)]
 _FINISH_REASONS = {
     "stop": "stop",
@@ -200,10 +201,23 @@ class HTTPEngine:
         """Engine-specific request fields asking for token ids."""
         return {}
 
+    async def count_tokens(self, request: CanonicalRequest) -> int:
+        raise PolarError(501, "invalid_request", f"{self.kind} engines cannot count tokens")
+
     async def complete(self, request: CanonicalRequest) -> Completion:
         body = chat_body(request, await self.served_model())
         body.update(self.extra_body())
-        content = await self.request_bytes("POST", "/v1/chat/completions", body)
+        try:
+            content = await self.request_bytes("POST", "/v1/chat/completions", body)
+        except ContextLengthExceeded as err:
+            if err.prompt_tokens is None or _AT_LEAST_RE.search(err.message):
+                # vLLM stops tokenizing one token past its window and says "at least N"; its /tokenize (SGLang's
+                # too) counts the whole prompt, so the refused call is recorded, and answered, with its real length.
+                try:
+                    err.prompt_tokens = await self.count_tokens(request)
+                except PolarError as count_err:
+                    log.info("polar: could not count a refused prompt on %s: %s", self.url, count_err)
+            raise
         cut = cut_prompt_ids(content)
         if cut is None:
             parsed = parse_chat_response(self._json(content))

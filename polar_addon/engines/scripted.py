@@ -37,7 +37,8 @@ import orjson
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
 from polar_addon.context_compaction import compaction_prompt, summarised_history
 from polar_addon.engines.local import LocalEngine
-from polar_addon.tool_parsing import new_call_id, parse_assistant_text
+from polar_addon.tool_parsers.calls import new_call_id
+from polar_addon.tool_parsers.hermes import parse_assistant_text
 
 
 def _normalise_turn(turn: Any, index: int) -> dict[str, Any]:

@@ -211,6 +211,8 @@ def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], 
     out = config.out
     out.mkdir(parents=True, exist_ok=True)
     state = load_state(out)
+    if state.get("mode") == "async":
+        raise ValueError(f"{out} holds an async loop (polar loop --async): use another --out")
     identity = {"tasks": task_set_hash(list(config.tasks)), "harness": config.harness,
                 "model": str(config.model.resolve()), "samples": config.samples}
     _check_same_run(state, identity)

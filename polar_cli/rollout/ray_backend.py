@@ -168,6 +168,8 @@ async def run_rollout_ray(config: RolloutConfig, options: RayOptions) -> Rollout
     progress = config.progress or RolloutProgress()
     progress.total = len(plan)
     progress.stages["pending"] = len(plan)
+    if config.stop is not None:
+        raise ValueError("--ray does not take a stop event yet (polar loop --async runs locally)")
     shipped = replace(config, out=out, progress=None, tasks=(), proxy=None,
                       logs_dir=Path(config.logs_dir).resolve() if config.logs_dir else None,
                       work_dir=Path(config.work_dir).resolve() if config.work_dir else None)

@@ -113,6 +113,8 @@ class RolloutConfig:
     progress: "RolloutProgress | None" = None  # live counters for a display (mutated in place)
     # SIGINT/SIGTERM interrupt the rollout (see run_rollout); False leaves the process's signal handling alone.
     stop_on_signals: bool = True
+    # Set, it interrupts the rollout as a signal would (reason "stop"): the async loop's drain "cut".
+    stop: asyncio.Event | None = None
     status_metadata: Mapping[str, Any] = field(default_factory=dict)  # merged into every posted status's metadata
 
 
@@ -280,7 +282,7 @@ async def run_rollout(config: RolloutConfig) -> RolloutResult:
         window, output_cap = await budget(config)
         runner = _Runner(config, preset, runtime, endpoints, control, work_dir, run_id, window, output_cap)
         started = time.time()
-        with _signals_interrupt(runner, config.stop_on_signals):
+        with _signals_interrupt(runner, config.stop_on_signals), _stop_interrupts(runner, config.stop):
             sessions = await runner.run(plan)
         return RolloutResult(run_id, [s.result for s in sessions], started, time.time(),
                              config.out if config.proxy is None else None, window, output_cap, runner.interrupted)
@@ -304,6 +306,20 @@ def _signals_interrupt(runner: "_Runner", enabled: bool) -> Iterator[None]:
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+@contextmanager
+def _stop_interrupts(runner: "_Runner", stop: asyncio.Event | None) -> Iterator[None]:
+    async def watch(event: asyncio.Event) -> None:
+        await event.wait()
+        runner.interrupt("stop")
+
+    watcher = asyncio.create_task(watch(stop)) if stop is not None else None
+    try:
+        yield
+    finally:
+        if watcher is not None:
+            watcher.cancel()
 
 
 async def budget(config: RolloutConfig) -> tuple[int | None, int | None]:

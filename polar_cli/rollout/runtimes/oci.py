@@ -1,5 +1,7 @@
 """The ``oci`` runtime: each session in a podman (default) or docker container, for tasks that bring an image
-(``spec.image``, or ``spec.dockerfile`` built once per distinct build context and cached by content hash).
+(``spec.image``, or ``spec.dockerfile`` built once per distinct build context and base images, cached by content
+hash). The build pulls a base image only when it is missing: offline, load it first under the full name its
+``FROM`` resolves to (``python:3.11-slim`` is ``docker.io/library/python:3.11-slim``).
 
 One long-lived container per sandbox (its pid 1 a shell that sleeps); :meth:`OciSandbox.exec` is ``podman exec``,
 so setup, harness and patch extraction share the container's filesystem and processes. The workspace is bound at
@@ -52,6 +54,19 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 INIT = 'trap "exit 0" TERM; while :; do sleep 3600 & wait $!; done'
 # Kills everything but pid 1 and itself (kill -1 spares both).
 KILL_ALL = "kill -9 -1 2>/dev/null; exit 0"
+
+
+def from_images(dockerfile: str) -> list[str]:
+    """The images a Dockerfile's ``FROM`` lines name (flags such as ``--platform`` skipped; a name that is an
+    earlier stage is kept: inspecting it finds nothing, which changes nothing)."""
+    images = []
+    for line in dockerfile.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0].upper() == "FROM":
+            names = [w for w in words[1:] if not w.startswith("--")]
+            if names:
+                images.append(names[0])
+    return images
 
 
 class OciSandbox(IsolatedSandbox):
@@ -197,7 +212,8 @@ class OciRuntime(Runtime):
         return proc.returncode, out.decode(errors="replace")
 
     async def image_for(self, spec: SandboxSpec) -> str:
-        """The spec's image, building ``spec.dockerfile`` once per distinct build context (content hash tag)."""
+        """The spec's image, building ``spec.dockerfile`` once per distinct build context and base images (content
+        hash tag)."""
         if spec.dockerfile is None:
             image = spec.image or self.image
             if not image:
@@ -208,6 +224,10 @@ class OciRuntime(Runtime):
         digest = hashlib.sha256()
         for path in sorted(p for p in context.rglob("*") if p.is_file()):
             digest.update(str(path.relative_to(context)).encode() + b"\0" + path.read_bytes() + b"\0")
+        # The base images too: an offline user who loads a new `python:3.11-slim` gets a rebuild, not the old one.
+        for base in from_images(dockerfile.read_text(errors="replace")):
+            code, image_id = await self._run("image", "inspect", "--format", "{{.Id}}", base)
+            digest.update(base.encode() + b"\0" + (image_id.strip().encode() if code == 0 else b"") + b"\0")
         tag = f"localhost/polar-task:{digest.hexdigest()[:16]}"
         lock = self.build_locks.setdefault(tag, asyncio.Lock())
         async with lock:
@@ -220,7 +240,9 @@ class OciRuntime(Runtime):
                     build += self._engine_flags()
                 code, log = await self._run(*build, str(context))
                 if code != 0:
-                    raise RuntimeUnavailable(f"oci runtime: building {dockerfile} failed:\n{log[-4000:]}")
+                    raise RuntimeUnavailable(f"oci runtime: building {dockerfile} failed (offline? load its base "
+                                             f"image under its full name, e.g. docker.io/library/python:3.11-slim):"
+                                             f"\n{log[-4000:]}")
             self.built[tag] = tag
             return tag
 

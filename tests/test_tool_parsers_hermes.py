@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import orjson
 
-from polar_addon.tool_parsing import parse_assistant_text, parse_tool_calls, split_reasoning
+from polar_addon.tool_parsers.hermes import parse, parse_assistant_text, parse_tool_calls
+from polar_addon.tool_parsers.reasoning import split_reasoning
 
 
 def test_plain_text_is_content_untouched():
@@ -79,3 +80,11 @@ def test_tool_call_inside_reasoning_is_not_a_call():
     msg = parse_assistant_text('<think><tool_call>{"name": "f", "arguments": {}}</tool_call></think>done')
     assert msg.tool_calls == []
     assert msg.content == "done"
+
+
+def test_failed_blocks_are_reported_and_stay_in_content():
+    bad = '<tool_call>{"name": "f", "arguments": {oops}</tool_call>'
+    turn = parse(f'<think>x</think>{bad}<tool_call>{{"name": "g", "arguments": {{}}}}</tool_call>')
+    assert turn.failed == [bad] and turn.parse_failed
+    assert turn.message.content == bad and turn.message.reasoning == "x"
+    assert parse("plain").failed == [] and not parse("plain").parse_failed

@@ -1,13 +1,7 @@
-"""Turn raw generated text into an AssistantMessage (Hermes / Qwen conventions).
+"""Hermes / Qwen2.5 tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, any number.
 
-Engines that decode text themselves (local, scripted) use this; SGLang and vLLM run their own
-parsers server-side. The conventions are the ones the tiny model's chat template renders and
-vLLM's ``hermes`` / SGLang's ``qwen25`` parsers read:
-
-- reasoning: ``<think>...</think>`` before the answer. The opening tag may be missing (Qwen3
-  templates put it in the generation prompt), so everything before ``</think>`` is reasoning.
-  An unclosed ``<think>`` (generation cut off while thinking) makes the whole rest reasoning.
-- tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, any number.
+The format the tiny model's chat template renders and vLLM's ``hermes`` / SGLang's ``qwen25`` parsers
+read. Reasoning is a ``<think>`` block before the answer (:mod:`polar_addon.tool_parsers.reasoning`).
 
 Malformed blocks (invalid JSON, no string ``name``, arguments neither object nor JSON text) are
 not calls: they stay in ``content`` verbatim, so the trajectory filter can still see a literal
@@ -19,35 +13,16 @@ fails; keeping the good ones loses nothing the text would not show.)
 from __future__ import annotations
 
 import re
-import secrets
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
 from polar_addon.canonical import AssistantMessage, ToolCall
+from polar_addon.tool_parsers.calls import ParsedTurn, new_call_id
+from polar_addon.tool_parsers.reasoning import split_reasoning
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
-
-
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """Return (reasoning or None, the text after the reasoning block)."""
-    close = text.find(THINK_CLOSE)
-    if close >= 0:
-        head = text[:close]
-        open_at = head.find(THINK_OPEN)
-        if open_at >= 0:
-            head = head[open_at + len(THINK_OPEN) :]
-        return head.strip() or None, text[close + len(THINK_CLOSE) :].lstrip()
-    open_at = text.find(THINK_OPEN)
-    if open_at >= 0 and not text[:open_at].strip():
-        return text[open_at + len(THINK_OPEN) :].strip() or None, ""
-    return None, text
 
 
 def _parse_call_body(body: str) -> ToolCall | None:
@@ -69,26 +44,38 @@ def _parse_call_body(body: str) -> ToolCall | None:
     return ToolCall(id=new_call_id(), name=data["name"], arguments=orjson.dumps(arguments).decode())
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Extract well-formed ``<tool_call>`` blocks; return (remaining content, calls)."""
+def _extract(text: str) -> tuple[str | None, list[ToolCall], list[str]]:
     calls: list[ToolCall] = []
+    failed: list[str] = []
 
     def replace(match: re.Match[str]) -> str:
         call = _parse_call_body(match.group(1))
         if call is None:
+            failed.append(match.group(0))
             return match.group(0)
         calls.append(call)
         return ""
 
     remaining = _TOOL_CALL_RE.sub(replace, text)
     if not calls:
-        return text, []
+        return text, [], failed
     remaining = remaining.strip()
-    return (remaining or None), calls
+    return (remaining or None), calls, failed
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Extract well-formed ``<tool_call>`` blocks; return (remaining content, calls)."""
+    content, calls, _ = _extract(text)
+    return content, calls
+
+
+def parse(text: str, tools: Sequence[dict[str, Any]] = ()) -> ParsedTurn:
+    """Split decoded model output into reasoning, content and calls; ``tools`` is unused (JSON carries types)."""
+    reasoning, rest = split_reasoning(text)
+    content, calls, failed = _extract(rest)
+    return ParsedTurn(AssistantMessage(content=content, reasoning=reasoning, tool_calls=calls), failed)
 
 
 def parse_assistant_text(text: str) -> AssistantMessage:
     """Split decoded model output into reasoning, content and tool calls."""
-    reasoning, rest = split_reasoning(text)
-    content, calls = parse_tool_calls(rest)
-    return AssistantMessage(content=content, reasoning=reasoning, tool_calls=calls)
+    return parse(text).message

@@ -1,0 +1,114 @@
+"""Fleet benchmark: the asynchronous loop against the synchronous one on the toy task, in one run.
+
+Both run `polar loop` for real (the runner, mitmdump, the local engine, examples/toy_task's openai-SDK agent and its
+verifier, `polar train` in its own process) from the same starting model, tasks and training options; then one table
+puts side by side the wall-clock of each iteration (sync: its rollout + its training; async: the time between two
+trainings ending, then the last measuring batch; sync's rollout time excludes starting its proxy, async's batches
+include it, so the end-to-end time of each `polar loop` is the fair total), the reward per policy version (mean ± standard error of the first
+whole batch on it), and the fraction of wall time the rollout side and the trainer were busy (Polar's figure 5).
+
+    .venv/bin/python bench/fleet.py                                # 4 tasks x 8 samples, 4 iterations
+    .venv/bin/python bench/fleet.py --tasks 2 --samples 2 --iterations 3 --turns 1 --max-tokens 4   # small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TOY = REPO / "examples" / "toy_task"
+
+
+def run_loop(out: Path, args: argparse.Namespace, model: Path, tasks: Path, extra: list[str]) -> float:
+    harness = f"cmd:{sys.executable} {TOY / 'agent.py'} --turns {args.turns} --max-tokens {args.max_tokens} {{instruction}}"
+    cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", harness, "--model", str(model),
+           "--iterations", str(args.iterations), "--out", str(out), "--samples", str(args.samples),
+           "--concurrency", str(args.concurrency), "--no-progress", "--lr", str(args.lr), "--epochs", "2",
+           "--groups-per-step", "1", "--weight-decay", "0", "--eot-token-id", "2", *extra]  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(cmd[3:5])} {' '.join(extra)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return time.monotonic() - started
+
+
+def sync_rows(state: dict[str, Any]) -> tuple[list[float], list[str], float, float, float]:
+    its = state["iterations"]
+    walls = [r["rollout_s"] + ((r.get("train") or {}).get("seconds") or 0.0) for r in its]
+    rewards = [_reward(r["reward_mean"], r["reward_se"]) for r in its]
+    wall = sum(walls)
+    rollout = sum(r["rollout_s"] for r in its) / wall
+    trainer = sum((r.get("train") or {}).get("seconds") or 0.0 for r in its) / wall
+    return walls, rewards, wall, rollout, trainer
+
+
+def async_rows(state: dict[str, Any]) -> tuple[list[float], list[str], float, float, float]:
+    steps, batches, summary = state["steps"], state["batches"], state["summary"]
+    start = min(b["started_at"] for b in batches)
+    ends = [s["ended_at"] for s in steps] + [batches[-1]["ended_at"]]
+    walls = [b - a for a, b in zip([start, *ends[:-1]], ends)]
+    rewards = []
+    for version in range(summary["final_version"] + 1):
+        on = [b for b in batches if b["version"] == version and not b["cut"]]
+        rewards.append(_reward(on[0]["reward_mean"], on[0]["reward_se"]) if on else "-")
+    return walls, rewards, summary["wall_s"], summary["rollout_util"], summary["trainer_util"]
+
+
+def _reward(mean: float | None, se: float | None) -> str:
+    return "-" if mean is None else f"{mean:.3f} ± {se or 0.0:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=int, default=4, help="the first N tasks of examples/toy_task")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--drain", default="wait")
+    parser.add_argument("--model", type=Path, help="default: a fresh tiny model (polar_cli.tiny_model)")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="polar-fleet-") as tmp:
+        root = Path(tmp)
+        model = args.model
+        if model is None:
+            from polar_cli.tiny_model import build_tiny_model
+
+            model = build_tiny_model(root / "tiny", generation_defaults="qwen3")
+        lines = [ln for ln in (TOY / "tasks.jsonl").read_text().splitlines() if ln.startswith("{")][: args.tasks]
+        tasks = root / "tasks.jsonl"
+        tasks.write_text("\n".join(lines) + "\n")
+        sync_s = run_loop(root / "sync", args, model, tasks, [])
+        async_s = run_loop(root / "async", args, model, tasks,
+                           ["--async", "--max-staleness", str(args.max_staleness), "--drain", args.drain])
+        sync = sync_rows(json.loads((root / "sync" / "loop.json").read_text()))
+        asyn = async_rows(json.loads((root / "async" / "loop.json").read_text()))
+
+    print(f"toy task: {len(lines)} tasks x {args.samples} samples, {args.iterations} iterations, "
+          f"async --max-staleness {args.max_staleness} --drain {args.drain}")
+    print(f"{'iter':>4}  {'sync s':>7}  {'async s':>7}  {'sync reward':>15}  {'async reward':>15}")
+    for i in range(args.iterations):
+        def cell(rows: list, j: int, fmt: str = "{:7.0f}") -> str:
+            return fmt.format(rows[j]) if j < len(rows) and not isinstance(rows[j], str) else (rows[j] if j < len(rows) else "-")
+
+        print(f"{i:>4}  {cell(sync[0], i):>7}  {cell(asyn[0], i):>7}  {cell(sync[1], i):>15}  {cell(asyn[1], i):>15}")
+    # The end-to-end times are the fair comparison: sync's per-iteration rollout time starts once its proxy is up,
+    # async's batches include starting their proxy (that is its reload).
+    print(f"end to end: sync {sync_s:.0f} s, async {async_s:.0f} s (async/sync {async_s / sync_s:.2f}); "
+          f"sum of phases: sync {sync[2]:.0f} s, async {asyn[2]:.0f} s")
+    print(f"busy: rollout sync {sync[3]:.0%} async {asyn[3]:.0%}; trainer sync {sync[4]:.0%} async {asyn[4]:.0%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Does a call continue the previous call of its session, token for token?
+
+A call continues when its request is the previous request, plus the assistant message polar returned
+for it (as the harness sent it back), plus new messages (tool results, user turns), with the same
+tools, sampling distribution, model and thinking switch. Then the engine prompt can be the previous
+prompt ids + the sampled ids + only the new messages rendered (:mod:`polar_addon.continuity_tokens`),
+and the whole session stays one exactly on-policy trace.
+
+What harnesses do to replayed history is tolerated, because none of it changes what the model was
+shown or what it sampled:
+
+- tool-call arguments re-serialized: whitespace, key order, JSON text vs an object (Anthropic's
+  ``input``, Gemini's ``args``), numbers re-written (``1.0`` as ``1``), unicode escapes; arguments the
+  model wrote as broken JSON come back as ``{"raw": text}`` (what ``arguments_object`` sends out);
+- reasoning not sent back (Chat Completions clients drop ``reasoning_content``; Gemini CLI drops thought
+  parts); reasoning sent back must be the sampled reasoning;
+- whitespace at either end of a message's text, text split into several parts, markers on parts
+  (``cache_control``), ``None`` vs empty content;
+- tool-call ids and ``tool_call_id`` re-keyed (polar's ids go out as ``toolu_…`` to Anthropic clients;
+  Gemini calls may carry none): ids are not part of the prompt in the templates served here.
+
+Anything else is a real change and the call diverges with a reason (compaction, edited history, a new
+system prompt, changed tools, changed sampling, other). Input is attacker-controlled: anything not of
+the expected shape compares unequal, nothing raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from polar_addon.canonical import AssistantMessage, CanonicalRequest
+from polar_addon.context_compaction import compaction_prompt, summarised_history
+
+# Roles that may follow the replayed turn: what the harness adds between two model calls.
+NEW_MESSAGE_ROLES = ("tool", "user")
+
+
+class DivergeReason(StrEnum):
+    COMPACTION = "compaction"
+    EDITED_HISTORY = "edited_history"
+    NEW_SYSTEM_PROMPT = "new_system_prompt"
+    CHANGED_TOOLS = "changed_tools"
+    CHANGED_SAMPLING = "changed_sampling"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Continues:
+    """The call continues; ``new_messages`` are the messages after the replayed assistant turn."""
+
+    new_messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Diverged:
+    reason: DivergeReason
+    detail: str
+
+
+Continuity = Continues | Diverged
+
+# Parameters that shape the sampled distribution; max_tokens, stop and seed do not.
+_DISTRIBUTION = ("temperature", "top_p", "top_k", "min_p")
+
+
+def _text(content: Any) -> str | None:
+    """Message text with its parts joined; None when the content is not text (never equal to anything)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                return None
+            if part.get("type", "text") != "text":
+                return None
+            texts.append(part["text"])
+        return "".join(texts)
+    return None
+
+
+def _same_text(a: Any, b: Any) -> bool:
+    left, right = _text(a), _text(b)
+    return left is not None and right is not None and left.strip() == right.strip()
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """JSON values equal as JSON: bool is not a number, 1 == 1.0, object key order does not matter."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b and not (isinstance(a, float) and math.isnan(a))
+    if isinstance(a, str) or isinstance(b, str) or a is None or b is None:
+        return type(a) is type(b) and a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+    return False
+
+
+def _arguments_value(arguments: Any) -> tuple[bool, Any]:
+    """(is JSON, value) of a call's arguments: text parsed, an object as it is."""
+    if isinstance(arguments, dict):
+        return True, arguments
+    if not isinstance(arguments, str):
+        return False, arguments
+    if not arguments.strip():
+        return True, {}
+    try:
+        return True, orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return False, arguments
+
+
+def _same_arguments(sampled: Any, sent: Any) -> bool:
+    try:
+        return _arguments_match(sampled, sent)
+    except RecursionError:  # an object nested deeper than any JSON reader accepts: not what polar returned
+        return False
+
+
+def _arguments_match(sampled: Any, sent: Any) -> bool:
+    if isinstance(sampled, str) and sampled == sent:
+        return True
+    ok_a, value_a = _arguments_value(sampled)
+    ok_b, value_b = _arguments_value(sent)
+    if ok_a and ok_b:
+        return _json_equal(value_a, value_b)
+    # Broken JSON goes out to object-typed APIs as {"raw": text} and comes back so.
+    if not ok_a and ok_b and isinstance(value_b, dict):
+        return value_b.keys() == {"raw"} and value_b["raw"] == sampled
+    return False
+
+
+def _calls(message: dict[str, Any]) -> list[tuple[Any, Any]] | None:
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        return None
+    out = []
+    for call in calls:
+        if not isinstance(call, dict):
+            return None
+        fn = call.get("function", call)
+        if not isinstance(fn, dict):
+            return None
+        out.append((fn.get("name"), fn.get("arguments", "")))
+    return out
+
+
+def _same_reasoning(a: Any, b: Any) -> bool:
+    """Equal, or one side not sent (harnesses drop reasoning; the prompt keeps what was sampled)."""
+    left, right = _text(a), _text(b)
+    if left is None or right is None:
+        return False
+    return not left.strip() or not right.strip() or left.strip() == right.strip()
+
+
+def _reasoning(message: dict[str, Any]) -> Any:
+    value = message.get("reasoning_content")
+    return message.get("reasoning") if value is None else value
+
+
+def same_message(a: Any, b: Any) -> bool:
+    """Two canonical messages say the same thing to the model, up to what harnesses do to a replay."""
+    if not isinstance(a, dict) or not isinstance(b, dict) or a.get("role") != b.get("role"):
+        return False
+    if not _same_text(a.get("content"), b.get("content")):
+        return False
+    if a.get("role") != "assistant":
+        return True
+    if not _same_reasoning(_reasoning(a), _reasoning(b)):
+        return False
+    calls_a, calls_b = _calls(a), _calls(b)
+    if calls_a is None or calls_b is None or len(calls_a) != len(calls_b):
+        return False
+    return all(
+        isinstance(na, str) and na == nb and _same_arguments(aa, ab) for (na, aa), (nb, ab) in zip(calls_a, calls_b)
+    )
+
+
+def _system(messages: Sequence[Any]) -> Any:
+    first = messages[0] if messages else None
+    if isinstance(first, dict) and first.get("role") in ("system", "developer"):
+        return _text(first.get("content"))
+    return None
+
+
+def _tool_key(tool: Any) -> Any:
+    """A tool without per-request markers (Anthropic's cache_control) that do not reach the template."""
+    if not isinstance(tool, dict):
+        return tool
+    return {k: v for k, v in tool.items() if k != "cache_control"}
+
+
+def _same_tools(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return len(a) == len(b) and all(_json_equal(_tool_key(x), _tool_key(y)) for x, y in zip(a, b))
+
+
+def _sampling_change(previous: CanonicalRequest, new: CanonicalRequest) -> str | None:
+    for name in _DISTRIBUTION:
+        before, after = getattr(previous.sampling, name), getattr(new.sampling, name)
+        if before != after:
+            return f"{name} changed from {before!r} to {after!r}"
+    return None
+
+
+def check_continuity(previous: CanonicalRequest, returned: AssistantMessage, new: CanonicalRequest) -> Continuity:
+    """Whether ``new`` continues ``previous`` after polar answered it with ``returned``.
+
+    Pass both requests as the gateway sends them on (sampling defaults filled), so that a parameter the
+    client leaves out compares as the value the engine used.
+    """
+    if new.model != previous.model:
+        return Diverged(DivergeReason.OTHER, f"model changed from {previous.model!r} to {new.model!r}")
+    if new.enable_thinking != previous.enable_thinking:
+        return Diverged(DivergeReason.OTHER, "the thinking switch changed")
+    if not _same_tools(previous.tools, new.tools):
+        return Diverged(DivergeReason.CHANGED_TOOLS, "the tools list changed")
+    if not _json_equal(previous.tool_choice, new.tool_choice):
+        return Diverged(DivergeReason.CHANGED_TOOLS, "tool_choice changed")
+    changed = _sampling_change(previous, new)
+    if changed:
+        return Diverged(DivergeReason.CHANGED_SAMPLING, changed)
+
+    old, messages = previous.messages, new.messages
+    if not isinstance(messages, list) or not isinstance(old, list):
+        return Diverged(DivergeReason.OTHER, "messages are not a list")
+    if not all(isinstance(m, dict) for m in messages):
+        return Diverged(DivergeReason.OTHER, "a message is not an object")
+    if _system(old) != _system(messages):
+        return Diverged(DivergeReason.NEW_SYSTEM_PROMPT, "the system prompt changed")
+    harness = compaction_prompt(messages)
+    if harness is not None and compaction_prompt(old) is None:
+        return Diverged(DivergeReason.COMPACTION, f"{harness} asks for a summary of the conversation")
+    for index, message in enumerate(old):
+        if index >= len(messages) or not same_message(message, messages[index]):
+            summarised = summarised_history(messages)
+            if summarised is not None and summarised_history(old) is None:
+                return Diverged(DivergeReason.COMPACTION, f"the history is a {summarised} summary")
+            if index >= len(messages):
+                return Diverged(DivergeReason.EDITED_HISTORY, f"the history is shorter ({len(messages)} messages, was {len(old)})")
+            return Diverged(DivergeReason.EDITED_HISTORY, f"message {index} changed")
+    at = len(old)
+    if at >= len(messages):
+        return Diverged(DivergeReason.OTHER, "the previous request again (a retry or another sample)")
+    if not same_message(returned.to_openai(), messages[at]):
+        return Diverged(DivergeReason.EDITED_HISTORY, f"message {at} is not the assistant turn polar returned")
+    new_messages = messages[at + 1 :]
+    if not new_messages:
+        return Diverged(DivergeReason.OTHER, "no new messages after the returned turn (a retry or another sample)")
+    for offset, message in enumerate(new_messages, start=at + 1):
+        if message.get("role") not in NEW_MESSAGE_ROLES:
+            role = message.get("role")
+            return Diverged(DivergeReason.EDITED_HISTORY, f"message {offset} is a new {role!r} message, not a tool result or user turn")
+        if _text(message.get("content")) is None:
+            return Diverged(DivergeReason.OTHER, f"message {offset} has content that is not text")
+    return Continues(list(new_messages))

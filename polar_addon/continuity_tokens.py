@@ -1,0 +1,99 @@
+"""The next prompt of a continuing session, in tokens: the previous prompt, the sampled turn, and only the
+new messages rendered as a delta with the model's own chat template.
+
+A full re-render of the history can differ from what the model saw and sampled: Qwen3 templates drop
+earlier ``<think>`` blocks, and BPE re-tokenizes sampled text (``[fish, ing]`` becomes ``[fishing]``).
+The continuation keeps every earlier token as it was, so a session is one exactly on-policy trace:
+
+    next prompt = previous prompt ids + sampled ids + delta ids
+
+The delta is the template's own text after the assistant's end-of-turn token (its glue, e.g. ``\\n``
+after ``<|im_end|>``), the new messages and the generation prompt. It is found by rendering the
+conversation with the previous assistant turn replaced by a one-time marker: the text after
+``marker + end token`` is the delta. A second render with the real turn must end with the same
+delta right after the same end token, or the template renders the new messages depending on the
+earlier turn and no delta is given. The end token is an added token, which tokenizers always split
+on, so the delta's ids are the ids a full render gives the same text.
+
+No delta (the caller renders in full and starts a new chain) when the sampled turn did not end with
+the template's end-of-turn token (a length cut or a stop string), or the template does not fit.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DeltaPrompt:
+    prompt_ids: list[int]  # previous prompt + sampled + delta
+    delta_ids: list[int]  # end-of-turn glue + the new messages + the generation prompt
+
+
+@dataclass(frozen=True)
+class NoDelta:
+    reason: str
+
+
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: Sequence[dict[str, Any]],
+    enable_thinking: bool | None,
+    chat_template: str | None,
+) -> str:
+    kwargs: dict[str, Any] = {}
+    if enable_thinking is not None:
+        kwargs["enable_thinking"] = enable_thinking
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    return tokenizer.apply_chat_template(
+        messages, tools=list(tools) or None, add_generation_prompt=True, tokenize=False, **kwargs
+    )
+
+
+def continuation_prompt(
+    tokenizer: Any,
+    *,
+    prompt_ids: Sequence[int],
+    sampled_ids: Sequence[int],
+    history: list[dict[str, Any]],
+    new_messages: list[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] = (),
+    enable_thinking: bool | None = None,
+    chat_template: str | None = None,
+) -> DeltaPrompt | NoDelta:
+    """The next prompt ids, or why there is none.
+
+    ``history`` is the conversation up to and including the assistant turn that ``sampled_ids`` are
+    (as the continuity check accepted it); ``new_messages`` follow it. ``tokenizer`` is a Hugging Face
+    tokenizer; ``chat_template`` overrides its own template.
+    """
+    if not sampled_ids:
+        return NoDelta("no sampled tokens")
+    if not history or not isinstance(history[-1], dict) or history[-1].get("role") != "assistant":
+        return NoDelta("the history does not end with the sampled assistant turn")
+    end_text = tokenizer.convert_ids_to_tokens(int(sampled_ids[-1]))
+    if not isinstance(end_text, str) or end_text not in tokenizer.get_added_vocab():
+        return NoDelta("the sampled turn did not end with an end-of-turn token (cut by length or a stop string)")
+    # A fresh marker per call: no message text can contain it by chance or by design.
+    marker = f"polar-turn-{secrets.token_hex(16)}"
+    try:
+        marked = _render(tokenizer, [*history[:-1], {"role": "assistant", "content": marker}, *new_messages],
+                         tools, enable_thinking, chat_template)
+        real = _render(tokenizer, [*history, *new_messages], tools, enable_thinking, chat_template)
+    except Exception as exc:  # jinja raises its own errors for messages a template rejects
+        return NoDelta(f"chat template failed: {type(exc).__name__}: {exc}")
+    if marked.count(marker) != 1:
+        return NoDelta("the template does not render the assistant turn's text once")
+    after = marked[marked.index(marker) + len(marker) :]
+    if not after.startswith(end_text):
+        return NoDelta(f"the sampled turn ended with {end_text!r}, the template ends a turn otherwise")
+    delta = after[len(end_text) :]
+    if not delta or not real.endswith(delta) or not real[: len(real) - len(delta)].endswith(end_text):
+        return NoDelta("the template renders the new messages differently after the real turn")
+    delta_ids = list(tokenizer(delta, add_special_tokens=False)["input_ids"])
+    return DeltaPrompt([*map(int, prompt_ids), *map(int, sampled_ids), *delta_ids], delta_ids)

@@ -1,0 +1,34 @@
+"""Tool-call parsers by format, chosen per served model by name.
+
+Engines that decode text themselves (local, scripted, and any engine given token input) turn the
+sampled text into an AssistantMessage with one of these; SGLang and vLLM chat endpoints parse
+server-side with their own parser of the same name. Names follow vLLM's ``--tool-call-parser``
+(SGLang's ``qwen25`` is hermes, its ``qwen3_coder`` the same as vLLM's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from polar_addon.tool_parsers import hermes, qwen3_coder
+from polar_addon.tool_parsers.calls import ParsedTurn, new_call_id
+
+ToolParser = Callable[[str, Sequence[dict[str, Any]]], ParsedTurn]
+
+PARSERS: dict[str, ToolParser] = {
+    "hermes": hermes.parse,
+    "qwen25": hermes.parse,
+    "qwen3_coder": qwen3_coder.parse,
+}
+
+
+def get_parser(name: str) -> ToolParser:
+    """The parser registered as ``name``; ValueError naming the known ones otherwise."""
+    try:
+        return PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None
+
+
+__all__ = ["PARSERS", "ParsedTurn", "ToolParser", "get_parser", "new_call_id"]

@@ -1,0 +1,363 @@
+"""The asynchronous loop (``polar loop --async``): rollouts keep running while the trainer trains on finished groups.
+
+Two coroutines share one event loop:
+
+- the rollout side runs batch after batch (every task x ``samples``, as one ``polar rollout`` into
+  ``OUT/batch-NNN/shards``), each on the newest policy pushed when it starts. The local engine lives in the proxy, so
+  a reload is a new proxy on the new checkpoint (``local:CKPT?weight_version=V``): every call it serves records
+  ``weight_version`` V. At most ``AHEAD`` finished batches wait for the trainer; past that the rollout side waits
+  (a bounded window, as Polar's figure 5: rollout stalls when the trainer is the bottleneck).
+- the trainer takes every finished batch, keeps the groups whose calls were all sampled within ``max_staleness``
+  versions of the policy it trains (:func:`select_groups`; staler groups are dropped and counted), runs ``polar
+  train`` on them (TIS against the captured logprobs is always on in ``polar train``: it is what keeps
+  stale-but-bounded traces correct; ``--current-weight-version``/``--max-staleness`` make it refuse anything past
+  the bound), and pushes the checkpoint as version V+1.
+
+Drain when new weights are pushed: ``wait``: the batch in flight finishes on the old weights (its groups stay usable
+within the bound) and the next batch starts on the new ones; ``cut``: the batch in flight is interrupted, its running
+sessions cancelled and posted as ``error`` (masked); what it finished before the cut is kept.
+
+``iterations`` counts as in the synchronous loop: ``iterations - 1`` trainings, then a batch on the last policy
+measures it. ``OUT/loop.json`` records every batch and training step with wall-clock times, and per step (and for
+the run) the fraction of wall time the rollout side and the trainer were busy. Not resumable: an interrupted async
+loop is rerun into a fresh ``--out``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+from polar_cli.rollout.loop import EXIT_NOTHING_TO_TRAIN, STATE_FILE, LoopConfig, mean_se, train_command
+from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
+from polar_cli.rollout.tasks import task_set_hash
+
+Drain = Literal["wait", "cut"]
+DRAINS: tuple[str, ...] = ("wait", "cut")
+AHEAD = 1  # finished batches that may wait for the trainer before the rollout side pauses
+
+
+@dataclass
+class GroupSelection:
+    kept: list[str]
+    stale: dict[str, int]  # dropped group -> versions behind (its oldest call)
+    untagged: list[str]  # dropped: a call without a weight version cannot be bounded
+
+
+def select_groups(versions: Mapping[str, Sequence[str | None]], current: int, max_staleness: int) -> GroupSelection:
+    """Which groups the trainer of version ``current`` may learn from: a group is kept only if every one of its calls
+    was sampled by a version in ``[current - max_staleness, current]``; groups are kept or dropped whole (GRPO's
+    advantages are over the whole group)."""
+    if max_staleness < 0:
+        raise ValueError("max staleness must be 0 or more")
+    kept, stale, untagged = [], {}, []
+    for group, tags in sorted(versions.items()):
+        if not tags or any(t is None or not str(t).lstrip("-").isdigit() for t in tags):
+            untagged.append(group)
+            continue
+        behind = current - min(int(t) for t in tags)  # type: ignore[arg-type]
+        if behind < 0:
+            raise ValueError(f"group {group!r} was sampled by version {current - behind}, newer than {current}")
+        if behind > max_staleness:
+            stale[group] = behind
+        else:
+            kept.append(group)
+    return GroupSelection(kept, stale, untagged)
+
+
+def busy_fraction(intervals: Sequence[tuple[float, float]], start: float, end: float) -> float:
+    """The fraction of ``[start, end]`` covered by the union of ``intervals`` (overlaps counted once)."""
+    if end <= start:
+        return 0.0
+    clipped = sorted((max(a, start), min(b, end)) for a, b in intervals if min(b, end) > max(a, start))
+    covered, reach = 0.0, start
+    for a, b in clipped:
+        if b > reach:
+            covered += b - max(a, reach)
+            reach = b
+    return covered / (end - start)
+
+
+def group_versions(store: str) -> dict[str, list[str | None]]:
+    """Every group's calls' ``weight_version`` tags, from the trace store."""
+    from polar_addon.store.reader import read_table
+
+    table = read_table(store, columns=["group_id", "weight_version"])
+    out: dict[str, list[str | None]] = {}
+    for group, version in zip(table.column("group_id").to_pylist(), table.column("weight_version").to_pylist()):
+        if group is not None:
+            out.setdefault(group, []).append(version)
+    return out
+
+
+@dataclass
+class Batch:
+    index: int
+    version: int
+    policy: str
+    shards: str
+    started_at: float  # wall clock (time.time)
+    ended_at: float
+    sessions: int
+    statuses: dict[str, int]
+    rewarded: int
+    reward_mean: float | None
+    reward_se: float | None
+    cut: bool = False  # interrupted by a push with drain "cut"
+    step: int | None = None  # the training step that took it
+    dropped_groups: dict[str, int] = field(default_factory=dict)  # group -> versions behind, when dropped
+
+
+@dataclass
+class Step:
+    step: int
+    version: int  # the policy trained (its groups' staleness is measured against it)
+    batches: list[int]
+    groups_kept: int
+    groups_dropped: int
+    started_at: float
+    ended_at: float
+    status: str  # trained | nothing_to_train
+    checkpoint: str | None
+    log: str
+    rollout_util: float = 0.0  # busy fraction of the wall time since the previous step ended
+    trainer_util: float = 0.0
+
+
+class _Shared:
+    """What the two sides share (one event loop: no locks)."""
+
+    def __init__(self, model: Path, trainings: int) -> None:
+        self.version, self.policy = 0, model
+        self.waiting: list[Batch] = []
+        self.changed = asyncio.Condition()
+        self.training_done = trainings == 0
+        self.in_flight: asyncio.Event | None = None  # the running batch's stop (drain "cut")
+
+
+def run_async_loop(config: LoopConfig, max_staleness: int = 1, drain: Drain = "wait",
+                   on_event: Callable[[dict[str, Any]], None] | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the async loop to ``config.iterations - 1`` trainings and a last measuring batch; returns loop.json."""
+    if config.iterations < 1:
+        raise ValueError("iterations must be at least 1")
+    if max_staleness < 0:
+        raise ValueError("--max-staleness must be 0 or more")
+    if drain not in DRAINS:
+        raise ValueError(f"--drain must be one of {', '.join(DRAINS)}")
+    if config.engine != "local":
+        raise ValueError("--async needs --engine local: a vLLM reload restarts the server, which would cut every "
+                         "running session whatever the drain")
+    if not (config.model / "config.json").is_file():
+        raise ValueError(f"{config.model} is not a model directory (no config.json)")
+    if (config.out / STATE_FILE).exists():
+        raise ValueError(f"{config.out} already holds a loop ({STATE_FILE}): the async loop does not resume; "
+                         "use another --out")
+    config.out.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(_AsyncLoop(config, max_staleness, drain, on_event, progress).run())
+
+
+class _AsyncLoop:
+    def __init__(self, config: LoopConfig, max_staleness: int, drain: Drain,
+                 on_event: Callable[[dict[str, Any]], None] | None, progress: Callable[[str], None] | None) -> None:
+        self.config, self.max_staleness, self.drain = config, max_staleness, drain
+        self.on_event = on_event or (lambda _e: None)
+        self.say = progress or (lambda _line: None)
+        self.batches: list[Batch] = []
+        self.steps: list[Step] = []
+        self.started_at = time.time()
+        self.state: dict[str, Any] = {
+            "mode": "async", "max_staleness": max_staleness, "drain": drain,
+            "identity": {"tasks": task_set_hash(list(config.tasks)), "harness": config.harness,
+                         "model": str(config.model.resolve()), "samples": config.samples},
+        }  # fmt: skip
+
+    async def run(self) -> dict[str, Any]:
+        shared = _Shared(self.config.model, self.config.iterations - 1)
+        rollouts = asyncio.create_task(self._rollouts(shared))
+        trainer = asyncio.create_task(self._trainer(shared))
+        try:
+            # The first failure (a rollout with no usable session, a training that fails) stops both sides.
+            done, _ = await asyncio.wait({rollouts, trainer}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+            await asyncio.gather(rollouts, trainer)
+        finally:
+            for task in (rollouts, trainer):
+                task.cancel()
+            await asyncio.gather(rollouts, trainer, return_exceptions=True)
+            self._save(final=True)
+        return self.state
+
+    # -- the rollout side ---------------------------------------------------------------------------------------
+
+    async def _rollouts(self, shared: _Shared) -> None:
+        index = 0
+        while True:
+            async with shared.changed:
+                await shared.changed.wait_for(lambda: shared.training_done or len(shared.waiting) < AHEAD)
+            last = shared.training_done  # the policy is final: this batch measures it
+            version, policy = shared.version, shared.policy
+            stop = asyncio.Event()
+            shared.in_flight = stop
+            batch = await self._batch(index, version, policy, stop)
+            shared.in_flight = None
+            self.batches.append(batch)
+            self._save()
+            self.on_event({"kind": "batch", "batch": batch})
+            if last:
+                return
+            async with shared.changed:
+                if not shared.training_done:
+                    shared.waiting.append(batch)
+                shared.changed.notify_all()
+            index += 1
+
+    async def _batch(self, index: int, version: int, policy: Path, stop: asyncio.Event) -> Batch:
+        config = self.config
+        bdir = config.out / f"batch-{index:03d}"
+        shutil.rmtree(bdir, ignore_errors=True)
+        bdir.mkdir(parents=True)
+        self.say(f"batch {index}: {len(config.tasks)} tasks x {config.samples} samples on version {version} ({policy})")
+        rollout = RolloutConfig(
+            tasks=config.tasks, harness=config.harness, samples=config.samples, out=str(bdir / "shards"),
+            engine=f"local:{policy}?weight_version={version}", runtime=config.runtime, network=config.network,  # type: ignore[arg-type]
+            concurrency=config.concurrency, timeout_s=config.timeout_s, seed=config.seed + index, run_id=f"b{index:03d}",
+            model=config.served_model_name, logs_dir=bdir / "logs", proxy_options=dict(config.proxy_options),
+            env=dict(config.env), read_only=tuple(config.read_only), work_dir=bdir / "work",
+            context_window=config.context_window, max_output_tokens=config.max_output_tokens, stop=stop,
+        )  # fmt: skip
+        started = time.time()
+        try:
+            result = await run_rollout(rollout)
+        finally:
+            shutil.rmtree(bdir / "work", ignore_errors=True)
+        (bdir / "rollout-summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+        cut = result.interrupted == "stop"
+        if result.interrupted and not cut:
+            raise RolloutInterrupted(f"batch {index}: interrupted by {result.interrupted} (summary in {bdir})",
+                                     result.interrupted)
+        if result.all_failed and not cut:
+            raise RuntimeError(f"batch {index}: no session was usable (logs in {bdir / 'logs'})")
+        return _batch_of(index, version, policy, bdir / "shards", started, time.time(), result, cut)
+
+    # -- the trainer ----------------------------------------------------------------------------------------------
+
+    async def _trainer(self, shared: _Shared) -> None:
+        for step in range(self.config.iterations - 1):
+            taken: list[Batch] = []
+            kept: list[Batch] = []
+            while not kept:  # every group too stale: wait for batches on newer weights
+                async with shared.changed:
+                    await shared.changed.wait_for(lambda: bool(shared.waiting))
+                    new, shared.waiting = shared.waiting, []
+                    shared.changed.notify_all()
+                taken += new
+                kept += [b for b in new if self._select(b, shared.version, step)]
+            started = time.time()
+            idir = self.config.out / f"train-{step:03d}"
+            idir.mkdir(parents=True, exist_ok=True)
+            self.say(f"step {step}: polar train on version {shared.version} with batches {[b.index for b in kept]}")
+            status = await self._train([Path(b.shards) for b in kept], shared.policy, shared.version, idir)
+            ended = time.time()
+            record = Step(
+                step=step, version=shared.version, batches=[b.index for b in kept],
+                groups_kept=sum(len(_kept_groups(b)) for b in kept),
+                groups_dropped=sum(len(b.dropped_groups) for b in taken), started_at=started, ended_at=ended,
+                status=status, checkpoint=str(idir / "checkpoint") if status == "trained" else None,
+                log=str(idir / "train.log"),
+            )  # fmt: skip
+            self.steps.append(record)
+            async with shared.changed:
+                if status == "trained":
+                    shared.version, shared.policy = shared.version + 1, idir / "checkpoint"
+                    if self.drain == "cut" and shared.in_flight is not None:
+                        shared.in_flight.set()
+                if step == self.config.iterations - 2:
+                    shared.training_done = True
+                shared.changed.notify_all()
+            self._save()
+            self.on_event({"kind": "step", "step": record})
+
+    def _select(self, batch: Batch, version: int, step: int) -> bool:
+        """Mark ``batch`` taken by ``step``; False when none of its groups is within the bound."""
+        batch.step = step
+        chosen = select_groups(group_versions(batch.shards), version, self.max_staleness)
+        batch.dropped_groups = {**chosen.stale, **{g: -1 for g in chosen.untagged}}
+        if chosen.stale or chosen.untagged:
+            self.say(f"step {step}: batch {batch.index} (version {batch.version}): dropped "
+                     f"{len(batch.dropped_groups)} group(s) beyond --max-staleness {self.max_staleness}")
+        # A batch is one store sampled by one version, so its groups share their staleness; one dropped group leaves
+        # the batch out whole (polar train, told the bound, would refuse the store anyway).
+        return bool(chosen.kept) and not batch.dropped_groups
+
+    async def _train(self, shards: list[Path], policy: Path, version: int, idir: Path) -> str:
+        """``polar train`` in its own process (killed when the loop is cancelled)."""
+        output, log = idir / "checkpoint", idir / "train.log"
+        shutil.rmtree(output, ignore_errors=True)
+        command = train_command(shards[0], policy, output, [
+            *self.config.train_args, "--current-weight-version", str(version),
+            "--max-staleness", str(self.max_staleness)])  # fmt: skip
+        command[5:5] = [str(s) for s in shards[1:]]  # after the first store (train_command takes one)
+        with log.open("w") as f:
+            proc = await asyncio.create_subprocess_exec(*command, stdout=f, stderr=asyncio.subprocess.STDOUT)
+            try:
+                code = await proc.wait()
+            except asyncio.CancelledError:
+                proc.kill()
+                await proc.wait()
+                raise
+        if code == EXIT_NOTHING_TO_TRAIN:
+            shutil.rmtree(output, ignore_errors=True)
+            return "nothing_to_train"
+        if code != 0:
+            raise RuntimeError(f"polar train exited {code} (log {log}):\n{log.read_text(errors='replace')[-3000:]}")
+        return "trained"
+
+    # -- loop.json ------------------------------------------------------------------------------------------------
+
+    def _save(self, final: bool = False) -> None:
+        rollout = [(b.started_at, b.ended_at) for b in self.batches]
+        trainer = [(s.started_at, s.ended_at) for s in self.steps]
+        previous = self.started_at
+        for s in self.steps:
+            s.rollout_util = busy_fraction(rollout, previous, s.ended_at)
+            s.trainer_util = busy_fraction(trainer, previous, s.ended_at)
+            previous = s.ended_at
+        self.state["batches"] = [asdict(b) for b in self.batches]
+        self.state["steps"] = [asdict(s) for s in self.steps]
+        if final:
+            end = max([self.started_at, *(b for _, b in rollout), *(b for _, b in trainer)])
+            measured = [b for b in self.batches if b.version == len([s for s in self.steps if s.status == "trained"])]
+            self.state["summary"] = {
+                "wall_s": end - self.started_at,
+                "rollout_util": busy_fraction(rollout, self.started_at, end),
+                "trainer_util": busy_fraction(trainer, self.started_at, end),
+                "batches": len(self.batches), "batches_cut": sum(b.cut for b in self.batches),
+                "groups_dropped": sum(len(b.dropped_groups) for b in self.batches),
+                "final_version": len([s for s in self.steps if s.status == "trained"]),
+                "final_reward_mean": measured[-1].reward_mean if measured else None,
+                "final_reward_se": measured[-1].reward_se if measured else None,
+            }  # fmt: skip
+        tmp = self.config.out / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
+        os.replace(tmp, self.config.out / STATE_FILE)
+
+
+def _kept_groups(batch: Batch) -> list[str]:
+    return [g for g in group_versions(batch.shards) if g not in batch.dropped_groups]
+
+
+def _batch_of(index: int, version: int, policy: Path, shards: Path, started: float, ended: float,
+              result: RolloutResult, cut: bool) -> Batch:
+    rewards = [s.reward for s in result.sessions if s.status == "completed" and s.reward is not None]
+    mean, se = mean_se(rewards)
+    return Batch(index=index, version=version, policy=str(policy), shards=str(shards), started_at=started,
+                 ended_at=ended, sessions=len(result.sessions), statuses=result.counts(), rewarded=len(rewards),
+                 reward_mean=mean, reward_se=se, cut=cut)  # fmt: skip

@@ -1,0 +1,284 @@
+"""The gateway's own decisions, one at a time, in-process: what it refuses before the engine and how
+(status, the caller's error shape, the failed record), the max_tokens cap, the stream's two paths, what it
+remembers per session and its small helpers. Real providers, the scripted engine on the tiny model's
+tokenizer, a real TraceStore."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+import polar_addon.gateway as gateway_module
+from polar_addon.canonical import ContextLengthExceeded, PolarError, ToolCall
+from polar_addon.capture import Identity
+from polar_addon.engines import EnginePool
+from polar_addon.engines.scripted import ScriptedEngine
+from polar_addon.gateway import (
+    FullReply,
+    Gateway,
+    GatewayConfig,
+    IncomingCall,
+    StreamReply,
+    _canonical_arguments,
+    _json_depth,
+    _printable_headers,
+    _response_id,
+)
+from polar_addon.providers import all_providers
+from polar_addon.store import StorageUnavailable, TraceStore, read_records, read_table
+from tests.support.providers import completion
+
+MESSAGES = "/v1/messages"
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture()
+def script(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "script.json"
+    path.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "Hi there."}]}))
+    return path
+
+
+def call(path: str, body: Any, session: str = "s1", raw: bytes | None = None) -> IncomingCall:
+    return IncomingCall(method="POST", path=path, headers={"user-agent": "claude-cli/2.1.197"},
+                        body=raw if raw is not None else orjson.dumps(body), identity=Identity(session_id=session, source="header"))
+
+
+def anthropic(**body: Any) -> dict[str, Any]:
+    return {"model": "tiny", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}], **body}
+
+
+def run(script: Path, out: Path, steps, config: GatewayConfig | None = None) -> Any:
+    """Run ``steps(gateway)`` against a fresh gateway, closing it (and flushing the store) after."""
+
+    async def main() -> Any:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(out)), config)
+        try:
+            return await steps(gateway)
+        finally:
+            await gateway.close()
+
+    return asyncio.run(main())
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def test_json_depth_counts_levels_and_stops_past_the_limit() -> None:
+    assert [_json_depth(v, 10) for v in ({}, [], {"a": 1}, {"a": [1, {"b": []}]}, [[], [[[]]]])] == [1, 1, 1, 4, 4]
+    deep: Any = []
+    for _ in range(50):
+        deep = [deep]
+    assert _json_depth(deep, 100) == 51
+    assert _json_depth(deep, 5) == 6  # counted only up to limit + 1
+    assert _json_depth({"a": {"b": 1}, "c": [[1]]}, 2) == 3
+
+
+def test_canonical_arguments_sort_keys_and_keep_what_is_not_json() -> None:
+    assert _canonical_arguments('{"b": 1, "a": {"d": 2, "c": 3}}') == '{"a":{"c":3,"d":2},"b":1}'
+    assert _canonical_arguments("not json") == "not json"
+    assert _canonical_arguments("") == ""
+
+
+def test_header_values_become_printable_text() -> None:
+    assert _printable_headers({"user-agent": "ok", "x": "caf\udcc3\udca9 \udcff"}) == {"user-agent": "ok", "x": "café \ufffd"}
+
+
+def test_response_ids_in_each_providers_shape() -> None:
+    ids = {p.name: _response_id(p) for p in all_providers()}
+    prefixes = {"openai_chat": "chatcmpl-", "anthropic_messages": "msg_", "openai_responses": "resp_", "gemini": ""}
+    for name, prefix in prefixes.items():
+        assert ids[name].startswith(prefix) and len(ids[name]) == len(prefix) + 24
+        int(ids[name][len(prefix):], 16)
+
+
+# ---------------------------------------------------------------- refused before the engine
+
+
+def test_requests_refused_before_the_engine(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+    deep: Any = "x"
+    for _ in range(gateway_module.MAX_JSON_DEPTH - 2):  # the body object and "metadata" make two more levels
+        deep = [deep]
+
+    async def steps(gateway: Gateway) -> list[tuple[int, Any]]:
+        assert gateway.owns("POST", MESSAGES) and not gateway.owns("POST", "/v1/embeddings")
+        replies = [
+            await gateway.handle(call("/v1/embeddings", {})),
+            await gateway.handle(call(MESSAGES, None, raw=b"x" * 1001)),
+            await gateway.handle(call(MESSAGES, None, raw=b"{nope")),
+            await gateway.handle(call(MESSAGES, [1])),
+            await gateway.handle(call(MESSAGES, None, raw=b"")),
+            await gateway.handle(call(CHAT, {"model": "m", "messages": [], "metadata": [deep]})),
+            await gateway.handle(call(CHAT, {"model": "m", "messages": [], "metadata": [[deep]]})),
+        ]
+        assert all(isinstance(r, FullReply) and r.content_type == "application/json" for r in replies)
+        return [(r.status, orjson.loads(r.body)) for r in replies]
+
+    got = run(script, out, steps, GatewayConfig(max_body_bytes=1000))
+    assert got[0] == (404, {"error": {"type": "not_found", "message": "polar: no provider route for POST /v1/embeddings"}})
+    assert got[1] == (413, {"type": "error", "error": {"type": "invalid_request_error",
+                                                      "message": "request body of 1001 bytes exceeds the proxy limit of 1000"}})
+    status, body = got[2]
+    assert status == 400 and body["error"]["message"].startswith("request body is not valid JSON: ")
+    assert got[3] == got[4] == (400, {"type": "error", "error": {"type": "invalid_request_error",
+                                                                "message": "request body must be a JSON object"}})
+    # A body of exactly MAX_JSON_DEPTH levels reaches the translator (which wants messages); one more does not.
+    assert got[5][0] == 400 and got[5][1]["error"]["message"] != "request body is nested deeper than 128 levels"
+    assert got[6] == (400, {"error": {"message": "request body is nested deeper than 128 levels", "type": "invalid_request_error",
+                                      "param": None, "code": None}})
+    records = read_records(str(out))
+    # Every refused call of a provider route is recorded as failed, with its status and kind.
+    assert [r.error.split(":")[0] for r in records] == ["413 invalid_request", "400 invalid_request", "400 invalid_request",
+                                                       "400 invalid_request", "400 invalid_request", "400 invalid_request"]
+    assert all(r.status == "failed" and r.api in ("anthropic_messages", "openai_chat") for r in records)
+    [session] = read_table(str(out), "sessions").to_pylist()
+    assert (session["session_id"], session["status"], session["harness"]) == ("s1", "running", "claude-cli/2.1.197")
+
+
+def test_error_reply_uses_the_owners_shape_or_a_plain_one(script: Path, tmp_path: Path) -> None:
+    async def steps(gateway: Gateway) -> list[FullReply]:
+        err = PolarError(429, "overloaded", "busy")
+        return [gateway.error_reply("POST", MESSAGES, err), gateway.error_reply("POST", "/other", err)]
+
+    owned, other = run(script, tmp_path / "shards", steps)
+    assert (owned.status, orjson.loads(owned.body)) == (429, {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})
+    assert (other.status, orjson.loads(other.body)) == (429, {"error": {"type": "overloaded", "message": "busy"}})
+
+
+def test_an_unexpected_error_is_a_500_in_the_callers_shape_and_a_failed_record(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+
+    async def steps(gateway: Gateway) -> FullReply:
+        async def broken(incoming: IncomingCall) -> Any:
+            raise RuntimeError("bug")
+
+        gateway._handle = broken  # type: ignore[method-assign]
+        assert (await gateway.handle(call("/v1/embeddings", {}))).status == 500  # no provider: nothing to record
+        return await gateway.handle(call(MESSAGES, anthropic()))
+
+    reply = run(script, out, steps)
+    assert (reply.status, orjson.loads(reply.body)) == (
+        500, {"type": "error", "error": {"type": "api_error", "message": "polar internal error (RuntimeError)"}})
+    [record] = read_records(str(out))
+    assert (record.status, record.api, record.error) == ("failed", "anthropic_messages",
+                                                         "500 api_error: polar internal error (RuntimeError)")
+
+
+# ---------------------------------------------------------------- the cap, the record, the stream
+
+
+def test_max_tokens_cap_clamps_and_fills_in(script: Path, tmp_path: Path) -> None:
+    async def steps(gateway: Gateway) -> list[tuple[Any, Any]]:
+        provider, route = gateway.match("POST", CHAT)
+        seen = []
+        for body in ({"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                     {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
+                     {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5},
+                     {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 6}):
+            request = gateway._parse(provider, route, call(CHAT, body))
+            seen.append((request.sampling.max_tokens, request.extra.get("client_max_tokens", "absent")))
+        return seen
+
+    assert run(script, tmp_path / "a", steps, GatewayConfig(max_tokens_cap=5)) == [(5, None), (3, 3), (5, 5), (5, 6)]
+    assert run(script, tmp_path / "b", steps, GatewayConfig(max_tokens_cap=0)) == [(None, "absent"), (3, "absent"), (5, "absent"),
+                                                                                  (6, "absent")]
+
+
+def test_a_counted_overflow_is_recorded_with_its_counts(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+
+    async def steps(gateway: Gateway) -> None:
+        await gateway._record_failure(call(MESSAGES, {}, session="o1"), "anthropic_messages", None,
+                                      ContextLengthExceeded("too long", prompt_tokens=9000, window=8192))
+        await gateway._record_failure(call(MESSAGES, {}, session="o2"), "anthropic_messages", None,
+                                      ContextLengthExceeded("too long", window=8192))
+
+    run(script, out, steps)
+    assert [r.error for r in read_records(str(out))] == [
+        "400 context_length_exceeded: prompt_tokens=9000 window=8192: too long", "400 context_length_exceeded: too long"]
+
+
+def test_stream_answered_whole_when_ready_else_kept_alive(script: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.3, "turns": [{"content": "Hi there."}]}))
+
+    async def main(path: Path, keepalive_s: float) -> tuple[FullReply | StreamReply, bytes]:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(path))]), TraceStore(str(tmp_path / f"shards-{keepalive_s}")),
+                          GatewayConfig(keepalive_s=keepalive_s))
+        reply = await gateway.handle(call(MESSAGES, anthropic(stream=True)))
+        body = reply.body if isinstance(reply, FullReply) else b"".join([c async for c in reply.chunks])
+        await gateway.close()
+        return reply, body
+
+    fast, fast_body = asyncio.run(main(script, 30.0))
+    assert isinstance(fast, FullReply) and (fast.status, fast.content_type) == (200, "text/event-stream")
+    assert fast_body.startswith(b"event: message_start\n") and fast_body.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    kept, kept_body = asyncio.run(main(slow, 0.05))
+    assert isinstance(kept, StreamReply) and (kept.status, kept.content_type) == (200, "text/event-stream")
+    ping = b'event: ping\ndata: {"type": "ping"}\n\n'
+    # Pings while the engine works, then the very events of the answer (message ids differ per call).
+    assert kept_body.startswith(ping + ping) and kept_body.count(b"event: message_start") == 1
+    fast_id, kept_id = (b.split(b'"id":"')[1].split(b'"')[0] for b in (fast_body, kept_body))
+    assert kept_body.replace(ping, b"") == fast_body.replace(fast_id, kept_id)
+
+
+def test_a_store_that_refuses_the_record(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+
+    async def steps(gateway: Gateway) -> list[tuple[int, Any]]:
+        real_append = gateway.store.append
+        failures = iter([StorageUnavailable("disk full"), ValueError("column overflow")])
+
+        async def append(record: Any) -> None:
+            if record.status == "ok":
+                raise next(failures)
+            await real_append(record)
+
+        gateway.store.append = append  # type: ignore[method-assign]
+        replies = [await gateway.handle(call(MESSAGES, anthropic())) for _ in range(2)]
+        return [(r.status, orjson.loads(r.body)["error"]) for r in replies]
+
+    assert run(script, out, steps) == [
+        (503, {"type": "api_error",
+               "message": "polar could not persist this call (disk full); retry later"}),
+        (500, {"type": "api_error", "message": "polar could not record this call (ValueError)"}),
+    ]
+    [failed] = read_records(str(out))
+    assert failed.error == "500 api_error: polar could not record this call (ValueError)"
+
+
+# ---------------------------------------------------------------- what the gateway remembers
+
+
+def test_sampled_arguments_are_remembered_per_session_within_bounds(script: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(gateway_module, "MAX_REMEMBERED_CALLS", 2)
+    monkeypatch.setattr(gateway_module, "MAX_REMEMBERED_SESSIONS", 2)
+
+    async def steps(gateway: Gateway) -> None:
+        calls = [ToolCall(f"c{i}", "ls", f'{{"n": {i}}}') for i in range(3)]
+        gateway._remember_sampled_arguments("a", completion(tool_calls=calls))
+        assert list(gateway._sampled_arguments["a"].items()) == [(("ls", '{"n":1}'), '{"n": 1}'), (("ls", '{"n":2}'), '{"n": 2}')]
+        gateway._remember_sampled_arguments("b", completion(tool_calls=calls[:1]))
+        gateway._remember_sampled_arguments("none", completion())  # no calls: nothing to remember
+        gateway._remember_sampled_arguments("a", completion(tool_calls=calls[:1]))  # "a" used again: "b" is older
+        gateway._remember_sampled_arguments("c", completion(tool_calls=calls[:1]))
+        assert list(gateway._sampled_arguments) == ["a", "c"]
+        # The history's re-serialized arguments get the sampled text back; others are left alone.
+        provider, route = gateway.match("POST", MESSAGES)
+        history = anthropic(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "ls", "input": {"n": 0}},
+            {"type": "tool_use", "id": "t2", "name": "ls", "input": {"n": 2}},
+            {"type": "tool_use", "id": "t3", "name": "cat", "input": {"n": 0}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": t, "content": "ok"} for t in ("t1", "t2", "t3")]}])
+        request = gateway._parse(provider, route, call(MESSAGES, history, session="a"))
+        assert [c["function"]["arguments"] for c in request.messages[1]["tool_calls"]] == ['{"n": 0}', '{"n": 2}', '{"n":0}']
+        other = gateway._parse(provider, route, call(MESSAGES, history, session="zzz"))
+        assert [c["function"]["arguments"] for c in other.messages[1]["tool_calls"]] == ['{"n":0}', '{"n":2}', '{"n":0}']
+
+    run(script, tmp_path / "shards", steps)
