@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,fleet]'
 	# PyPI's torchvision/torchaudio break transformers next to torch 2.13 CPU (machine.md).
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

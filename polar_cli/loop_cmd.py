@@ -3,8 +3,9 @@ of reward per iteration, the exit code)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import typer
 
@@ -68,8 +69,6 @@ def loop(
 
     from polar_cli.rollout.harnesses import get_preset
     from polar_cli.rollout.loop import LoopConfig, rise, run_loop
-    from polar_cli.rollout.runner import RolloutInterrupted
-    from polar_cli.rollout_cmd import interrupted_exit_code
     from polar_cli.rollout.tasks import TaskFileError, load_tasks
 
     if engine not in ("local", "vllm"):
@@ -118,17 +117,8 @@ def loop(
     if asynchronous:
         _run_async(config, 1 if max_staleness is None else max_staleness, drain, console, say)
         return
-    try:
+    with _exit_codes("; run the same command to resume"):
         stats = run_loop(config, on_iteration=on_iteration, progress=say)
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    except RolloutInterrupted as exc:
-        typer.echo(f"error: {exc}; run the same command to resume", err=True)
-        raise typer.Exit(interrupted_exit_code(exc.signal_name)) from exc
-    except RuntimeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
     console.print(_table(stats))
     change = rise(stats[0], stats[-1])
     if change is not None and len(stats) > 1:
@@ -139,10 +129,27 @@ def loop(
         console.print(f"loop.json in {out}")
 
 
-def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: Any) -> None:
-    from polar_cli.rollout.async_loop import run_async_loop
+@contextmanager
+def _exit_codes(resume_hint: str) -> Iterator[None]:
+    """A loop's errors as exit codes: 2 for bad input, 130/143 for a signal (with how to go on), 1 otherwise."""
     from polar_cli.rollout.runner import RolloutInterrupted
     from polar_cli.rollout_cmd import interrupted_exit_code
+
+    try:
+        yield
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except RolloutInterrupted as exc:
+        typer.echo(f"error: {exc}{resume_hint}", err=True)
+        raise typer.Exit(interrupted_exit_code(exc.signal_name)) from exc
+    except RuntimeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: Any) -> None:
+    from polar_cli.rollout.async_loop import run_async_loop
 
     def on_event(event: dict[str, Any]) -> None:
         if event["kind"] == "batch":
@@ -156,17 +163,8 @@ def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: A
                           f"{s.batches} ({s.groups_kept} groups, {s.groups_dropped} dropped as stale), "
                           f"{s.ended_at - s.started_at:.0f} s")
 
-    try:
+    with _exit_codes(" (the async loop does not resume: rerun into a fresh --out)"):
         state = run_async_loop(config, max_staleness, drain, on_event=on_event, progress=say)  # type: ignore[arg-type]
-    except ValueError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-    except RolloutInterrupted as exc:
-        typer.echo(f"error: {exc} (the async loop does not resume: rerun into a fresh --out)", err=True)
-        raise typer.Exit(interrupted_exit_code(exc.signal_name)) from exc
-    except RuntimeError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
     console.print(_async_table(state))
     s = state["summary"]
     final = "-" if s["final_reward_mean"] is None else f"{s['final_reward_mean']:.3f} ± {s['final_reward_se']:.3f}"

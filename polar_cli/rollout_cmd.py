@@ -69,6 +69,13 @@ def rollout(
     read_only: list[Path] = typer.Option([], "--read-only", help="A host path the sandboxes see read-only at the "
                                          "same path (repeatable), e.g. a virtualenv a cmd: agent runs from."),
     display: bool = typer.Option(True, "--progress/--no-progress", help="Live progress display."),
+    ray_address: Optional[str] = typer.Option(None, "--ray", help="Run the sessions on a Ray cluster (its address, "
+                                              "e.g. 127.0.0.1:6379, or auto): one worker per node, each with its own "
+                                              "proxy writing to --out, which every node must see (a shared directory "
+                                              "or s3://...). --concurrency and --ready are then per node. Needs "
+                                              "Ray (the pip extra fleet)."),
+    ray_resource: Optional[str] = typer.Option(None, help="With --ray: only the nodes offering this custom resource "
+                                               "(ray start --resources); default: every node with a CPU."),
 ) -> None:
     """Run a harness over a task set: SAMPLES sessions per task, each in its own sandbox, verified in a fresh one,
     rewarded by the verifier only, grouped by task; every model call is captured into the store.
@@ -81,6 +88,9 @@ def rollout(
     The proxy's control token never enters a sandbox. Exit status 1 when no session was usable, 2 on bad input.
     Ctrl-C (SIGINT) or SIGTERM: no new session starts, running ones are killed and stored as error (metadata
     cancelled), the summary is written, exit status 130 (143).
+
+    On a Ray cluster (--ray ADDRESS): the same stages on every node, the queue on this machine; a node that dies
+    loses only the sessions it held (stored as error, metadata reason worker_lost); the others are run elsewhere.
     """
     from polar_cli.rollout.proxy import ExternalProxy
     from polar_cli.rollout.runner import RolloutConfig, RolloutProgress, run_rollout
@@ -90,6 +100,10 @@ def rollout(
         raise typer.BadParameter("give --engine (start a proxy) or --proxy (use a running one)", param_hint="--engine")
     if engine is not None and not out:
         raise typer.BadParameter("--engine needs --out (the trace store)", param_hint="--out")
+    if ray_address is not None and engine is None:
+        raise typer.BadParameter("--ray starts a proxy on every node: give --engine (not --proxy)", param_hint="--ray")
+    if ray_address is not None and early_stop is not None:
+        raise typer.BadParameter("--early-stop is not supported with --ray yet", param_hint="--early-stop")
     if proxy is not None and not control_token:
         raise typer.BadParameter("--proxy needs the proxy's control token (--control-token or POLAR_CONTROL_TOKEN): "
                                  "rewards are posted with it", param_hint="--control-token")
@@ -134,11 +148,18 @@ def rollout(
         "runtime": runtime, "network": network, "engine": engine, "proxy": proxy, "store": out, "samples": samples,
         "model": model, "context_window": context_window, "max_output_tokens": max_output_tokens,
         "concurrency": concurrency, "ready": ready, "timeout_s": timeout, "early_stop": early_stop,
+        "ray": ray_address, "ray_resource": ray_resource,
         "versions": _versions(), "started_at": time.time(),
     }  # fmt: skip
     (report / "rollout-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     try:
-        result = asyncio.run(_run_with_display(run_rollout(config), progress, display))
+        if ray_address is not None:
+            from polar_cli.rollout.ray_backend import RayOptions, run_rollout_ray
+
+            job = run_rollout_ray(config, RayOptions(ray_address, ray_resource))
+        else:
+            job = run_rollout(config)
+        result = asyncio.run(_run_with_display(job, progress, display))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -236,6 +257,8 @@ def _render(progress: Any) -> Any:
                                                 ("pending", "init", "ready", "run", "postrun", "done")))
     table.add_row("[bold]statuses[/]", "  ".join(f"{k} {v}" for k, v in sorted(progress.statuses.items())) or "-")
     table.add_row("[bold]rate[/]", f"{progress.sessions_per_minute():.1f} sessions/min")
+    if progress.nodes:
+        table.add_row("[bold]nodes[/]", "  ".join(f"{node} {n}" for node, n in sorted(progress.nodes.items())))
     for group, rewards in list(progress.group_rewards.items())[-8:]:
         mean = f"{sum(rewards) / len(rewards):.2f}" if rewards else "-"
         table.add_row(f"  {group[:40]}", f"reward mean {mean} over {len(rewards)}")

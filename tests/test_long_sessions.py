@@ -324,8 +324,7 @@ def preset_run(preset, tmp_path, script: dict, session: str, window: int, instru
     """Run a harness as its rollout preset configures it (``context_window=window``) against the scripted
     engine behind a reverse proxy; ``settings`` = (a file under HOME, keys merged into what the preset wrote
     there, if anything), e.g. to trim its prompt for a CPU forward pass."""
-    from polar_cli.rollout.harnesses.base import SessionContext
-    from tests.support.harnesses import calls, run
+    from tests.support.harnesses import calls, configured_session, run
 
     path = tmp_path / "script.json"
     path.write_bytes(orjson.dumps(script))
@@ -333,17 +332,7 @@ def preset_run(preset, tmp_path, script: dict, session: str, window: int, instru
     home.mkdir()
     with run_mitmdump(f"scripted:{path}", out, mode=f"reverse:{target}",
                       options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}) as proxy:
-        ctx = SessionContext(session_id=session, task_id="t", group_id="g", sample=0, model="tiny", proxy_url=proxy.url,
-                             reverse_url=proxy.url, ca_path=str(proxy.ca), home=str(home), workspace=str(home),
-                             context_window=window)
-        preset.configure(home, ctx)
-        if settings is not None:
-            file = home / settings[0]
-            merged = orjson.loads(file.read_bytes()) if file.exists() else {}
-            file.parent.mkdir(parents=True, exist_ok=True)
-            for key, value in settings[1].items():
-                merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
-            file.write_bytes(orjson.dumps(merged))
+        ctx = configured_session(preset, proxy, home, session, window, settings)
         result = run(preset.command(instruction, ctx), {**preset.env(ctx), **(extra_env or {})}, home, timeout=timeout)
         records = calls(out, session, include_failed=True)
         logs = proxy.logs()[-3000:]

@@ -33,25 +33,14 @@ def vllm_run(preset, tmp_path, url: str, session: str, commands, mode: str | Non
              settings: tuple[str, dict] | None = None, extra_env: dict[str, str] | None = None, timeout: float = 180):
     """Run ``preset`` as a rollout would (its config, its env, the window polar reads from the engine) against vLLM
     through a real mitmdump: ``commands(ctx)`` gives the command lines, run one after the other in the same HOME."""
-    from polar_cli.rollout.harnesses.base import SessionContext
-    from tests.support.harnesses import calls, run
+    from tests.support.harnesses import calls, configured_session, run
 
     home, out = tmp_path / "home", tmp_path / "shards"
     home.mkdir()
     window = engine_window(f"vllm:{url}")
     assert window == VLLM_SMALL_WINDOW  # what vLLM's /v1/models reports as max_model_len
     with run_mitmdump(f"vllm:{url}", out, mode=mode, options=PROXY_OPTIONS) as proxy:
-        ctx = SessionContext(session_id=session, task_id="t", group_id="g", sample=0, model="tiny", proxy_url=proxy.url,
-                             reverse_url=proxy.url, ca_path=str(proxy.ca), home=str(home), workspace=str(home),
-                             context_window=window)
-        preset.configure(home, ctx)
-        if settings is not None:
-            file = home / settings[0]
-            merged = orjson.loads(file.read_bytes()) if file.exists() else {}
-            file.parent.mkdir(parents=True, exist_ok=True)
-            for key, value in settings[1].items():
-                merged[key] = {**merged.get(key, {}), **value} if isinstance(value, dict) else value
-            file.write_bytes(orjson.dumps(merged))
+        ctx = configured_session(preset, proxy, home, session, window, settings)
         # ``run`` raises TimeoutExpired past its bound: a harness that hangs on the error fails the test.
         results = [run(cmd, {**preset.env(ctx), **(extra_env or {})}, home, timeout=timeout) for cmd in commands(ctx)]
         records = calls(out, session, include_failed=True)

@@ -115,6 +115,7 @@ class RolloutConfig:
     stop_on_signals: bool = True
     # Set, it interrupts the rollout as a signal would (reason "stop"): the async loop's drain "cut".
     stop: asyncio.Event | None = None
+    status_metadata: Mapping[str, Any] = field(default_factory=dict)  # merged into every posted status's metadata
 
 
 @dataclass
@@ -133,6 +134,7 @@ class SessionResult:
     patch_bytes: int = 0
     posted: bool = False  # status (and reward) stored through the proxy
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage: init, wait, run, postrun
+    node: str | None = None  # the Ray node that ran it (``polar rollout --ray``)
 
 
 @dataclass
@@ -189,6 +191,7 @@ class RolloutProgress:
     errors: deque = field(default_factory=lambda: deque(maxlen=5))  # (session, reason), most recent last
     started_at: float = field(default_factory=time.time)
     ran: int = 0
+    nodes: Counter = field(default_factory=Counter)  # finished sessions per Ray node (``--ray``; empty otherwise)
 
     def move(self, before: str | None, after: str) -> None:
         if before is not None:
@@ -226,6 +229,29 @@ class _Session:
     agent_output: str = ""  # the harness's stdout, for the verifier
 
 
+@dataclass(frozen=True)
+class PlannedSession:
+    """One session of a rollout's plan: what an executor (this module's, or ``ray_backend``'s) runs."""
+
+    task: Task
+    sample: int
+    session_id: str
+    index: int
+
+
+def rollout_run_id(config: RolloutConfig) -> str:
+    return config.run_id or (f"r{config.seed}" if config.seed is not None else f"r{secrets.token_hex(4)}")
+
+
+def plan_sessions(config: RolloutConfig, run_id: str) -> list[PlannedSession]:
+    """Every session of ``config``, in the order they start (``seed`` shuffles the tasks)."""
+    tasks = list(config.tasks)
+    if config.seed is not None:
+        random.Random(config.seed).shuffle(tasks)
+    return [PlannedSession(task, sample, sid, i)
+            for i, (task, sample, sid) in enumerate(session_ids(tasks, config.samples, run_id))]
+
+
 def session_ids(tasks: Sequence[Task], samples: int, run_id: str) -> list[tuple[Task, int, str]]:
     """(task, sample, session id) for every session; ids are ``RUN-TASKHASH-SAMPLE`` (task ids may hold characters a
     session id may not)."""
@@ -238,13 +264,11 @@ def session_ids(tasks: Sequence[Task], samples: int, run_id: str) -> list[tuple[
 
 async def run_rollout(config: RolloutConfig) -> RolloutResult:
     """Run every session of ``config`` to an end (completed, timeout, error or cancelled) and return them all."""
-    _check(config)
+    check_config(config)
     preset = get_preset(config.harness) if isinstance(config.harness, str) else config.harness
     runtime = get_runtime(config.runtime, **dict(config.runtime_options)) if isinstance(config.runtime, str) else config.runtime
-    run_id = config.run_id or (f"r{config.seed}" if config.seed is not None else f"r{secrets.token_hex(4)}")
-    tasks = list(config.tasks)
-    if config.seed is not None:
-        random.Random(config.seed).shuffle(tasks)
+    run_id = rollout_run_id(config)
+    plan = plan_sessions(config, run_id)
     async with AsyncExitStack() as stack:
         # Absolute: git, sandboxes and harnesses run with other working directories (a relative --out failed INIT).
         work_dir = Path(config.work_dir).resolve() if config.work_dir is not None else None
@@ -255,11 +279,11 @@ async def run_rollout(config: RolloutConfig) -> RolloutResult:
         control = ControlClient(endpoints.forward_port, token)
         stack.push_async_callback(control.aclose)
         stack.push_async_callback(runtime.close)
-        window, output_cap = await _budget(config)
+        window, output_cap = await budget(config)
         runner = _Runner(config, preset, runtime, endpoints, control, work_dir, run_id, window, output_cap)
         started = time.time()
         with _signals_interrupt(runner, config.stop_on_signals), _stop_interrupts(runner, config.stop):
-            sessions = await runner.run(tasks)
+            sessions = await runner.run(plan)
         return RolloutResult(run_id, [s.result for s in sessions], started, time.time(),
                              config.out if config.proxy is None else None, window, output_cap, runner.interrupted)
 
@@ -298,7 +322,7 @@ def _stop_interrupts(runner: "_Runner", stop: asyncio.Event | None) -> Iterator[
             watcher.cancel()
 
 
-async def _budget(config: RolloutConfig) -> tuple[int | None, int | None]:
+async def budget(config: RolloutConfig) -> tuple[int | None, int | None]:
     """The window and output cap the harnesses are told: given, else what the started proxy serves."""
     window = config.context_window
     if window is None and config.engine is not None:
@@ -309,7 +333,7 @@ async def _budget(config: RolloutConfig) -> tuple[int | None, int | None]:
     return window, output_cap
 
 
-def _check(config: RolloutConfig) -> None:
+def check_config(config: RolloutConfig) -> None:
     if not config.tasks:
         raise ValueError("no tasks")
     if config.samples < 1:
@@ -381,10 +405,9 @@ class _Runner:
 
     # -- the pipeline -------------------------------------------------------------------------------------------
 
-    async def run(self, tasks: list[Task]) -> list[_Session]:
-        plan = session_ids(tasks, self.config.samples, self.run_id)
-        sessions = [_Session(task, sample, sid, i, SessionResult(sid, task.id, task.id, sample, "error"))
-                    for i, (task, sample, sid) in enumerate(plan)]  # fmt: skip
+    async def run(self, plan: Sequence[PlannedSession]) -> list[_Session]:
+        sessions = [_Session(p.task, p.sample, p.session_id, p.index,
+                             SessionResult(p.session_id, p.task.id, p.task.id, p.sample, "error")) for p in plan]
         self.progress.total = len(sessions)
         self.progress.stages["pending"] = len(sessions)
         pending: deque[_Session] = deque(sessions)
@@ -459,6 +482,28 @@ class _Runner:
         if self.interrupted is not None:
             await self._end_interrupted(sessions)
         return sessions
+
+    async def run_one(self, planned: PlannedSession, run_slots: asyncio.Semaphore) -> SessionResult:
+        """One session through INIT -> READY -> RUN (under ``run_slots``) -> POSTRUN, for an executor that hands out
+        sessions one at a time (``ray_backend``: as many at once as RUN slots plus READY). Cancelled (an
+        interrupt), it ends ``cancelled``, posted as ``error`` when the harness ran, as :meth:`run` does."""
+        p = planned
+        session = _Session(p.task, p.sample, p.session_id, p.index,
+                           SessionResult(p.session_id, p.task.id, p.task.id, p.sample, "error"))
+        self.progress.total += 1
+        self.progress.stages["pending"] += 1
+        try:
+            if await self._init(session):
+                self._move(session, "ready")
+                async with run_slots:
+                    go_on = await self._run(session)
+                if go_on:
+                    await self._postrun(session)
+        except asyncio.CancelledError:
+            await self._teardown(session)
+            self.interrupted = self.interrupted or "cancelled"
+            await self._end_interrupted([session])
+        return session.result
 
     async def _end_interrupted(self, sessions: list[_Session]) -> None:
         """Every session the interruption caught ends ``cancelled``; each that ran (so the store knows it) gets a
@@ -759,7 +804,7 @@ class _Runner:
 
     async def _post_status(self, session: _Session, status: str, metadata: dict[str, Any]) -> None:
         full = {"rollout": self.run_id, "task": session.task.id, "group": session.task.id, "sample": session.sample,
-                "harness": self.preset.name, **metadata}
+                "harness": self.preset.name, **self.config.status_metadata, **metadata}
         try:
             await self.control.status(session.session_id, status, full)
             session.result.posted = True
