@@ -328,3 +328,39 @@ def test_a_failed_engine_call_is_recorded_with_the_call_it_was(script: Path, tmp
     assert (record.engine, record.harness, record.started_at) == (f"scripted:{script}", "claude-cli/2.1.197", incoming.started_at)
     assert (record.requested_model, record.max_tokens, orjson.loads(record.messages_json)) == (
         "tiny", 12, [{"role": "user", "content": "hi"}])
+
+
+def test_slow_streams_keep_alive_in_each_providers_words(tiny_model_dir: Path, tmp_path: Path, monkeypatch, caplog) -> None:
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.3, "turns": [{"content": "Hi."}]}))
+
+    async def main(gateway: Gateway, incoming: IncomingCall) -> bytes:
+        reply = await gateway.handle(incoming)
+        assert isinstance(reply, StreamReply)
+        return b"".join([c async for c in reply.chunks])
+
+    async def both() -> tuple[bytes, bytes]:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(slow))]), TraceStore(str(tmp_path / "shards")), GatewayConfig(keepalive_s=0.05))
+        responses = await main(gateway, call("/v1/responses", {"model": "tiny", "input": "hi", "stream": True}))
+        provider, _ = gateway.match("POST", MESSAGES)
+
+        def broken(*args: Any) -> Any:
+            raise ValueError("cannot render")
+
+        monkeypatch.setattr(provider, "render_stream", broken)
+        with caplog.at_level("ERROR", logger="polar"):
+            failed = await main(gateway, call(MESSAGES, anthropic(stream=True)))
+        await gateway.close()
+        return responses, failed
+
+    responses, failed = asyncio.run(both())
+    # Responses: the keep-alives are the stream's own prelude, then in_progress; numbering runs on unbroken.
+    events = [orjson.loads(line[6:]) for line in responses.split(b"\n") if line.startswith(b"data: ")]
+    assert [e["type"] for e in events[:3]] == ["response.created", "response.in_progress", "response.in_progress"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events))) and events[-1]["type"] == "response.completed"
+    assert events[0]["response"]["model"] == "tiny" and events[-1]["response"]["output"][0]["content"][0]["text"] == "Hi."
+    # A rendering failure after the headers: the stream ends in the provider's own error event, and it is logged.
+    ping = b'event: ping\ndata: {"type": "ping"}\n\n'
+    assert failed.startswith(ping) and failed.replace(ping, b"") == (
+        b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"polar internal error (ValueError)"}}\n\n')
+    assert [r.getMessage() for r in caplog.records] == ["polar: rendering a stream failed"]
