@@ -241,7 +241,7 @@ class Polar:
         counted: CountedBody | None = flow.metadata.get("polar_counted")
         if streamed and counted is not None and counted.seen > counted.cap and self._is_ours(flow) \
                 and self.gateway.owns(flow.request.method, flow.request.path):
-            err = PolarError(413, "invalid_request", f"request body of {counted.seen} bytes exceeds the proxy limit of {counted.cap}")
+            err = PolarError(413, "request_too_large", f"request body of {counted.seen} bytes exceeds the proxy limit of {counted.cap}")
             reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
             flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
         else:

@@ -171,7 +171,7 @@ class Completion:
 class PolarError(Exception):
     """An error with an HTTP status, rendered by each provider in its own shape.
 
-    ``kind`` is canonical: invalid_request, authentication, not_found, context_length_exceeded,
+    ``kind`` is canonical: invalid_request, request_too_large, authentication, not_found, context_length_exceeded,
     overloaded (engine down/busy: retryable), timeout, api_error, storage_unavailable.
     """
 

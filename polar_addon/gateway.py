@@ -197,7 +197,7 @@ class Gateway:
 
     def _parse(self, provider: Provider, route: Route, call: IncomingCall) -> CanonicalRequest:
         if len(call.body) > self.config.max_body_bytes:
-            raise PolarError(413, "invalid_request", f"request body of {len(call.body)} bytes exceeds the proxy limit of {self.config.max_body_bytes}")
+            raise PolarError(413, "request_too_large", f"request body of {len(call.body)} bytes exceeds the proxy limit of {self.config.max_body_bytes}")
         try:
             body = orjson.loads(call.body) if call.body else None
         except orjson.JSONDecodeError as exc:

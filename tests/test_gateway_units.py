@@ -122,7 +122,7 @@ def test_requests_refused_before_the_engine(script: Path, tmp_path: Path) -> Non
 
     got = run(script, out, steps, GatewayConfig(max_body_bytes=1000))
     assert got[0] == (404, {"error": {"type": "not_found", "message": "polar: no provider route for POST /v1/embeddings"}})
-    assert got[1] == (413, {"type": "error", "error": {"type": "invalid_request_error",
+    assert got[1] == (413, {"type": "error", "error": {"type": "request_too_large",
                                                       "message": "request body of 1001 bytes exceeds the proxy limit of 1000"}})
     status, body = got[2]
     assert status == 400 and body["error"]["message"].startswith("request body is not valid JSON: ")
@@ -134,7 +134,7 @@ def test_requests_refused_before_the_engine(script: Path, tmp_path: Path) -> Non
                                       "param": None, "code": None}})
     records = read_records(str(out))
     # Every refused call of a provider route is recorded as failed, with its status and kind.
-    assert [r.error.split(":")[0] for r in records] == ["413 invalid_request", "400 invalid_request", "400 invalid_request",
+    assert [r.error.split(":")[0] for r in records] == ["413 request_too_large", "400 invalid_request", "400 invalid_request",
                                                        "400 invalid_request", "400 invalid_request", "400 invalid_request"]
     assert all(r.status == "failed" and r.api in ("anthropic_messages", "openai_chat") for r in records)
     [session] = read_table(str(out), "sessions").to_pylist()

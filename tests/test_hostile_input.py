@@ -318,6 +318,9 @@ def test_bodies_over_every_limit_get_a_provider_shaped_413_declared_or_chunked(e
         assert response.status_code == 413, (api, how, response.text[:300])
         assert is_provider_error(api, 413, response.content), (api, how, response.text[:300])
         assert str(len(huge)) in response.json()["error"]["message"], (api, how, response.text[:300])
+        # Anthropic's own 413 says request_too_large; OpenAI has no such type.
+        expected = "request_too_large" if api == "anthropic_messages" else "invalid_request_error"
+        assert response.json()["error"]["type"] == expected, (api, how, response.text[:300])
     assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["role"] == "assistant", plain.text[:300]
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text[-300:]
     assert after.status_code == 200, after.text[:300]

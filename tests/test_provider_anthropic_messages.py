@@ -32,6 +32,7 @@ BASH = {
 }
 ERROR_KINDS = [
     "invalid_request",
+    "request_too_large",
     "authentication",
     "not_found",
     "context_length_exceeded",
@@ -642,6 +643,7 @@ def test_stream_event_sequence() -> None:
 # kind -> Anthropic error type (docs.anthropic.com "Errors"); written out, not read from the translator.
 ANTHROPIC_ERRORS = {
     "invalid_request": "invalid_request_error",
+    "request_too_large": "request_too_large",
     "authentication": "authentication_error",
     "not_found": "not_found_error",
     "context_length_exceeded": "invalid_request_error",

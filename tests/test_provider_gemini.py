@@ -21,7 +21,7 @@ def completion(*args: Any, **kwargs: Any) -> Completion:
     return qwen_completion(*args, served_model="gem-test", **kwargs)
 
 CTX = ResponseContext(response_id="4f1c2d3e4f5a6b7c8d9e0f1a", created=1_700_000_000, model="gem-test")
-ERROR_KINDS = ["invalid_request", "authentication", "not_found", "context_length_exceeded", "overloaded", "timeout",
+ERROR_KINDS = ["invalid_request", "request_too_large", "authentication", "not_found", "context_length_exceeded", "overloaded", "timeout",
                "api_error", "storage_unavailable"]
 READ_FILE = {"name": "read_file", "description": "Read a file.",
              "parameters": {"type": "OBJECT", "properties": {"path": {"type": "STRING"}, "lines": {"type": "ARRAY", "items": {"type": "INTEGER"}}},
@@ -416,6 +416,7 @@ def test_keepalive_is_invisible_to_the_sdk() -> None:
 # kind -> (HTTP code the engines raise it with, google.rpc status), as Google's API reports them.
 GOOGLE_ERRORS = {
     "invalid_request": (400, "INVALID_ARGUMENT"),
+    "request_too_large": (413, "INVALID_ARGUMENT"),
     "authentication": (401, "UNAUTHENTICATED"),
     "not_found": (404, "NOT_FOUND"),
     "context_length_exceeded": (400, "INVALID_ARGUMENT"),

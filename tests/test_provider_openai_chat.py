@@ -19,6 +19,7 @@ GENERATE = Route(kind="generate")
 CTX = ResponseContext(response_id="chatcmpl-test1", created=1_700_000_000, model="qwen-test")
 ERROR_KINDS = [
     "invalid_request",
+    "request_too_large",
     "authentication",
     "not_found",
     "context_length_exceeded",
@@ -461,6 +462,7 @@ def test_keepalive_is_ignored_by_the_sdk() -> None:
 # kind -> (type, code) as OpenAI's API documents them; written out, not read from the translator.
 OPENAI_ERRORS = {
     "invalid_request": ("invalid_request_error", None),
+    "request_too_large": ("invalid_request_error", None),
     "authentication": ("authentication_error", "invalid_api_key"),
     "not_found": ("invalid_request_error", "not_found"),
     "context_length_exceeded": ("invalid_request_error", "context_length_exceeded"),

@@ -20,6 +20,7 @@ GENERATE = Route(kind="generate")
 CTX = ResponseContext(response_id="resp_test1", created=1_700_000_000, model="qwen-test")
 ERROR_KINDS = [
     "invalid_request",
+    "request_too_large",
     "authentication",
     "not_found",
     "previous_response_not_found",
@@ -583,6 +584,7 @@ def test_stream_keepalive_sends_the_prelude_then_in_progress_and_numbering_conti
 # kind -> (type, code); Codex reads the code (context_length_exceeded: compact; anything else: retry).
 RESPONSES_ERRORS = {
     "invalid_request": ("invalid_request_error", None),
+    "request_too_large": ("invalid_request_error", None),
     "authentication": ("authentication_error", "invalid_api_key"),
     "not_found": ("invalid_request_error", "not_found"),
     "previous_response_not_found": ("invalid_request_error", "previous_response_not_found"),

@@ -60,6 +60,7 @@ REMOTE_SETTINGS_BODY: dict[str, Any] = {
 
 _ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
+    "request_too_large": "request_too_large",  # the type Anthropic's own 413 carries
     "authentication": "authentication_error",
     "not_found": "not_found_error",
     "context_length_exceeded": "invalid_request_error",

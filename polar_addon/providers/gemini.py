@@ -44,6 +44,7 @@ HOSTED_TOOLS = ("googleSearch", "googleSearchRetrieval", "codeExecution", "urlCo
 _FINISH = {"stop": "STOP", "tool_calls": "STOP", "length": "MAX_TOKENS", "abort": "MAX_TOKENS", "content_filter": "SAFETY"}
 _STATUS = {
     "invalid_request": "INVALID_ARGUMENT",
+    "request_too_large": "INVALID_ARGUMENT",
     "authentication": "UNAUTHENTICATED",
     "not_found": "NOT_FOUND",
     "context_length_exceeded": "INVALID_ARGUMENT",

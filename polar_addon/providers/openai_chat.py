@@ -31,6 +31,7 @@ from polar_addon.providers.common import (
 # kind -> (OpenAI error type, code)
 _ERROR_TYPES: dict[str, tuple[str, str | None]] = {
     "invalid_request": ("invalid_request_error", None),
+    "request_too_large": ("invalid_request_error", None),
     "authentication": ("authentication_error", "invalid_api_key"),
     "not_found": ("invalid_request_error", "not_found"),
     "context_length_exceeded": ("invalid_request_error", "context_length_exceeded"),

@@ -110,6 +110,7 @@ DROPPED_ITEMS = frozenset(
 # compact or stop, anything else is retried.
 _ERROR_TYPES: dict[str, tuple[str, str | None]] = {
     "invalid_request": ("invalid_request_error", None),
+    "request_too_large": ("invalid_request_error", None),
     "authentication": ("authentication_error", "invalid_api_key"),
     "not_found": ("invalid_request_error", "not_found"),
     "previous_response_not_found": ("invalid_request_error", "previous_response_not_found"),
