@@ -177,6 +177,38 @@ def test_swe_mini_task_in_both_formats(task_id: str, tmp_path: Path) -> None:
     assert result.returncode == 0 and (logs / "reward.txt").read_text().strip() == "1", result.stderr
 
 
+def rollout_through(proxy: SharedProxy, tasks: Path, harness: str, runtime: str, seed: int, report: Path
+                    ) -> tuple[dict, str]:
+    """`polar rollout` of one sample of ``tasks`` through the shared proxy in a proxy-only ``runtime`` sandbox;
+    returns the session's summary (asserted completed with reward 1.0) and the tail of its logs."""
+    from polar_addon.control import token_file
+
+    token = token_file(str(proxy.out), str(proxy.ca.parent)).read_text().strip()
+    cmd = [str(REPO / ".venv" / "bin" / "polar"), "rollout", str(tasks), "--harness", harness, "--samples", "1",
+           "--proxy", f"http://127.0.0.1:{proxy.forward}", "--reverse-url", f"http://127.0.0.1:{proxy.reverse}",
+           "--control-token", token, "--confdir", str(proxy.ca.parent), "--out", str(proxy.out),
+           "--runtime", runtime, "--network", "proxy-only", "--model", model_name(harness),
+           "--seed", str(seed), "--no-progress", "--report-dir", str(report)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((report / "logs").rglob("*")) if p.is_file()) \
+        if (report / "logs").exists() else ""
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    summary = json.loads((report / "rollout-summary.json").read_text())
+    (session,) = summary["session_results"]
+    assert (session["status"], session["reward"], session["exit_code"]) == ("completed", 1.0, 0), (session, logs)
+    return session, logs
+
+
+def assert_scripted_calls_stored(proxy: SharedProxy, session: dict, task_id: str, turns: list[dict]) -> None:
+    """Every scripted turn is one ok call under (task, group = task, sample 0), calling the scripted tools."""
+    records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
+    assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
+    assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
+    called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
+    assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
+    assert validate_store(str(proxy.out)) == []
+
+
 @pytest.mark.harness
 @pytest.mark.parametrize("harness", HARNESSES)
 def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp_path: Path) -> None:
@@ -185,34 +217,14 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     proxy's control channel, every call stored under the session, group (the task) and sample."""
     if shutil.which("bwrap") is None:
         missing("bubblewrap missing (make sandbox)")
-    from polar_addon.control import token_file
-
     task_id = script(harness)["task"]
     tasks = tmp_path / "tasks.jsonl"
     task = dict(jsonl_tasks()[task_id], workspace=str(SWE_MINI / jsonl_tasks()[task_id]["workspace"]))
     tasks.write_text(json.dumps(task) + "\n")
-    report = tmp_path / "report"
-    token = token_file(str(proxy.out), str(proxy.ca.parent)).read_text().strip()
     # Distinct seeds: session ids come from the seed and the task, and two harnesses share each task here.
-    cmd = [str(REPO / ".venv" / "bin" / "polar"), "rollout", str(tasks), "--harness", harness, "--samples", "1",
-           "--proxy", f"http://127.0.0.1:{proxy.forward}", "--reverse-url", f"http://127.0.0.1:{proxy.reverse}",
-           "--control-token", token, "--confdir", str(proxy.ca.parent), "--out", str(proxy.out),
-           "--runtime", "bwrap", "--network", "proxy-only", "--model", model_name(harness),
-           "--seed", str(HARNESSES.index(harness)), "--no-progress", "--report-dir", str(report)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
-    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((report / "logs").rglob("*")) if p.is_file()) \
-        if (report / "logs").exists() else ""
-    assert result.returncode == 0, result.stdout + result.stderr + logs
-    summary = json.loads((report / "rollout-summary.json").read_text())
-    (session,) = summary["session_results"]
-    assert (session["status"], session["reward"], session["exit_code"]) == ("completed", 1.0, 0), session
+    session, _ = rollout_through(proxy, tasks, harness, "bwrap", HARNESSES.index(harness), tmp_path / "report")
     turns = script(harness)["turns"][1:] if harness == "qwen-code" else script(harness)["turns"]
-    records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
-    assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
-    assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
-    called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
-    assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
-    assert validate_store(str(proxy.out)) == []
+    assert_scripted_calls_stored(proxy, session, task_id, turns)
 
 
 # Where an offline user pre-loads the base image that swe_mini's Dockerfiles name (`FROM python:3.11-slim`):
@@ -229,32 +241,12 @@ def test_polar_rollout_codex_on_oci_harbor_task(proxy: SharedProxy, tmp_path: Pa
     the session, group and sample."""
     if shutil.which("podman") is None or shutil.which("runc") is None:
         missing("podman or runc missing (make sandbox)")
-    from polar_addon.control import token_file
     from tests.support.oci_image import build_harness_image
 
     image = build_harness_image()
     subprocess.run(["podman", "tag", image, PYTHON_BASE], check=True, capture_output=True)
     harness = "codex"
     task_id = script(harness)["task"]
-    report = tmp_path / "report"
-    token = token_file(str(proxy.out), str(proxy.ca.parent)).read_text().strip()
-    cmd = [str(REPO / ".venv" / "bin" / "polar"), "rollout", str(SWE_MINI / "harbor" / task_id), "--harness", harness,
-           "--samples", "1", "--proxy", f"http://127.0.0.1:{proxy.forward}", "--reverse-url",
-           f"http://127.0.0.1:{proxy.reverse}", "--control-token", token, "--confdir", str(proxy.ca.parent),
-           "--out", str(proxy.out), "--runtime", "oci", "--network", "proxy-only", "--model", model_name(harness),
-           "--seed", "100", "--no-progress", "--report-dir", str(report)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
-    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((report / "logs").rglob("*")) if p.is_file()) \
-        if (report / "logs").exists() else ""
-    assert result.returncode == 0, result.stdout + result.stderr + logs
-    summary = json.loads((report / "rollout-summary.json").read_text())
-    (session,) = summary["session_results"]
-    assert (session["status"], session["reward"], session["exit_code"]) == ("completed", 1.0, 0), (session, logs)
+    session, logs = rollout_through(proxy, SWE_MINI / "harbor" / task_id, harness, "oci", 100, tmp_path / "report")
     assert "OK" in logs  # the verifier's unittest run, inside the container
-    turns = script(harness)["turns"]
-    records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
-    assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
-    assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
-    called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
-    assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
-    assert validate_store(str(proxy.out)) == []
+    assert_scripted_calls_stored(proxy, session, task_id, script(harness)["turns"])
