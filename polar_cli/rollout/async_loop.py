@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from polar_cli.rollout.loop import EXIT_NOTHING_TO_TRAIN, STATE_FILE, LoopConfig, mean_se, train_command
-from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
+from polar_cli.rollout.loop import (EXIT_NOTHING_TO_TRAIN, STATE_FILE, LoopConfig, mean_se, rollout_config, save_state,
+                                    train_command)
+from polar_cli.rollout.runner import RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import task_set_hash
 
 Drain = Literal["wait", "cut"]
@@ -225,14 +225,8 @@ class _AsyncLoop:
         shutil.rmtree(bdir, ignore_errors=True)
         bdir.mkdir(parents=True)
         self.say(f"batch {index}: {len(config.tasks)} tasks x {config.samples} samples on version {version} ({policy})")
-        rollout = RolloutConfig(
-            tasks=config.tasks, harness=config.harness, samples=config.samples, out=str(bdir / "shards"),
-            engine=f"local:{policy}?weight_version={version}", runtime=config.runtime, network=config.network,  # type: ignore[arg-type]
-            concurrency=config.concurrency, timeout_s=config.timeout_s, seed=config.seed + index, run_id=f"b{index:03d}",
-            model=config.served_model_name, logs_dir=bdir / "logs", proxy_options=dict(config.proxy_options),
-            env=dict(config.env), read_only=tuple(config.read_only), work_dir=bdir / "work",
-            context_window=config.context_window, max_output_tokens=config.max_output_tokens, stop=stop,
-        )  # fmt: skip
+        rollout = rollout_config(config, bdir, f"local:{policy}?weight_version={version}", config.seed + index,
+                                 f"b{index:03d}", stop)
         started = time.time()
         try:
             result = await run_rollout(rollout)
@@ -301,10 +295,9 @@ class _AsyncLoop:
         """``polar train`` in its own process (killed when the loop is cancelled)."""
         output, log = idir / "checkpoint", idir / "train.log"
         shutil.rmtree(output, ignore_errors=True)
-        command = train_command(shards[0], policy, output, [
+        command = train_command(shards, policy, output, [
             *self.config.train_args, "--current-weight-version", str(version),
             "--max-staleness", str(self.max_staleness)])  # fmt: skip
-        command[5:5] = [str(s) for s in shards[1:]]  # after the first store (train_command takes one)
         with log.open("w") as f:
             proc = await asyncio.create_subprocess_exec(*command, stdout=f, stderr=asyncio.subprocess.STDOUT)
             try:
@@ -345,9 +338,7 @@ class _AsyncLoop:
                 "final_reward_mean": measured[-1].reward_mean if measured else None,
                 "final_reward_se": measured[-1].reward_se if measured else None,
             }  # fmt: skip
-        tmp = self.config.out / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
-        os.replace(tmp, self.config.out / STATE_FILE)
+        save_state(self.config.out, self.state)
 
 
 def _kept_groups(batch: Batch) -> list[str]:

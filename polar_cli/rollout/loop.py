@@ -109,7 +109,7 @@ def load_state(out: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _save_state(out: Path, state: dict[str, Any]) -> None:
+def save_state(out: Path, state: dict[str, Any]) -> None:
     tmp = out / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state, indent=2) + "\n")
     os.replace(tmp, out / STATE_FILE)
@@ -140,8 +140,8 @@ def stats_of(i: int, policy: Path, result: RolloutResult) -> IterationStats:
     )  # fmt: skip
 
 
-def train_command(shards: Path, policy: Path, output: Path, train_args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "polar_cli.app", "train", str(shards), "--model", str(policy), "--output",
+def train_command(shards: Sequence[Path], policy: Path, output: Path, train_args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "polar_cli.app", "train", *map(str, shards), "--model", str(policy), "--output",
             str(output), "--no-progress", *train_args]  # fmt: skip
 
 
@@ -150,7 +150,7 @@ def run_train(shards: Path, policy: Path, output: Path, train_args: Sequence[str
     shutil.rmtree(output, ignore_errors=True)
     started = time.monotonic()
     with log.open("w") as f:
-        done = subprocess.run(train_command(shards, policy, output, train_args), stdout=f, stderr=subprocess.STDOUT)
+        done = subprocess.run(train_command([shards], policy, output, train_args), stdout=f, stderr=subprocess.STDOUT)
     seconds = time.monotonic() - started
     if done.returncode == EXIT_NOTHING_TO_TRAIN:
         shutil.rmtree(output, ignore_errors=True)
@@ -228,7 +228,7 @@ def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], 
                 policy = _policy(records, config.model)
                 rollout = _rollout(config, i, policy, engine, say)
                 records.append(asdict(stats_of(i, policy, rollout)))
-                _save_state(out, state)
+                save_state(out, state)
                 if on_iteration:
                     on_iteration([IterationStats(**r) for r in records])
             record = records[i]
@@ -236,13 +236,13 @@ def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], 
                 say(f"iteration {i}: polar train")
                 record["train"] = run_train(idir / "shards", Path(record["policy"]), idir / "checkpoint",
                                             config.train_args, idir / "train.log")
-                _save_state(out, state)
+                save_state(out, state)
                 if on_iteration:
                     on_iteration([IterationStats(**r) for r in records])
     finally:
         engine.close()
     state["seconds_this_run"] = time.monotonic() - started
-    _save_state(out, state)
+    save_state(out, state)
     return [IterationStats(**r) for r in records[: config.iterations]]
 
 
@@ -255,19 +255,25 @@ def _policy(records: list[dict[str, Any]], start: Path) -> Path:
     return start
 
 
+def rollout_config(config: LoopConfig, directory: Path, engine: str, seed: int, run_id: str,
+                   stop: asyncio.Event | None = None) -> RolloutConfig:
+    """One rollout of the loop's tasks into ``directory`` (shards/, logs/, a work/ scratch dir)."""
+    return RolloutConfig(
+        tasks=config.tasks, harness=config.harness, samples=config.samples, out=str(directory / "shards"),
+        engine=engine, runtime=config.runtime, network=config.network, concurrency=config.concurrency,  # type: ignore[arg-type]
+        timeout_s=config.timeout_s, seed=seed, run_id=run_id, model=config.served_model_name,
+        logs_dir=directory / "logs", proxy_options=dict(config.proxy_options), env=dict(config.env),
+        read_only=tuple(config.read_only), work_dir=directory / "work", context_window=config.context_window,
+        max_output_tokens=config.max_output_tokens, stop=stop,
+    )  # fmt: skip
+
+
 def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None]) -> RolloutResult:
     idir = iteration_dir(config.out, i)
     idir.mkdir(parents=True)
     spec = engine.spec(policy, say)
     say(f"iteration {i}: rollout of {len(config.tasks)} tasks x {config.samples} samples on {policy}")
-    rollout = RolloutConfig(
-        tasks=config.tasks, harness=config.harness, samples=config.samples, out=str(idir / "shards"), engine=spec,
-        runtime=config.runtime, network=config.network, concurrency=config.concurrency,  # type: ignore[arg-type]
-        timeout_s=config.timeout_s, seed=config.seed + i, run_id=f"it{i:03d}", model=config.served_model_name,
-        logs_dir=idir / "logs", proxy_options=dict(config.proxy_options), env=dict(config.env),
-        read_only=tuple(config.read_only), work_dir=idir / "work", context_window=config.context_window,
-        max_output_tokens=config.max_output_tokens,
-    )  # fmt: skip
+    rollout = rollout_config(config, idir, spec, config.seed + i, f"it{i:03d}")
     try:
         result = asyncio.run(run_rollout(rollout))
     finally:
