@@ -66,7 +66,7 @@ $(TINY)/config.json:
 	$(BIN)/polar tiny-model $(TINY)
 
 test: install engine harnesses s3 browser sandbox model sglang-contract
-	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --no-loadscope-reorder --durations=40 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs --durations=40 $(PYTEST_ARGS)
 
 # Unit and in-process tests only: no vLLM, no harness CLIs.
 test-fast: install sglang-contract
