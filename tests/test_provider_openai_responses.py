@@ -1100,6 +1100,7 @@ def test_routes_with_a_trailing_slash_or_a_question_mark_in_the_query() -> None:
     assert PROVIDER.route("POST", "/v1/responses/") == Route(kind="generate")
     assert PROVIDER.route("POST", "/v1/responses/compact/") == Route(kind="compact")
     assert PROVIDER.route("POST", "/v1/responses?api-version=1?x") == Route(kind="generate")
+    assert PROVIDER.route("POST", "/v1/responsesX") is None  # only slashes are trimmed
 
 
 def test_a_reasoning_part_without_a_type_is_read_as_its_fields_kind() -> None:
@@ -1146,3 +1147,14 @@ def test_a_compact_request_whose_inputs_are_gone_keeps_no_window() -> None:
     copy_of = dataclasses.replace(compact)  # not the object parsed: its inputs are not known
     answer = provider.render_response(copy_of, completion(content="S"), ResponseContext("resp_w", 0, "m"))
     assert answer == {"output": [{"id": "cmp_w", "type": "compaction", "encrypted_content": encode_summary("S")}]}
+
+
+def test_a_streamed_compaction_assembles_as_the_spec_says() -> None:
+    provider = OpenAIResponsesProvider()
+    request = provider.parse_request({"model": "m", "stream": True, "input": [
+        {"role": "user", "content": "fix it"}, {"type": "compaction_trigger"}]}, GENERATE)
+    events = list(provider.render_stream(request, completion(content="summary"), CTX))
+    for event in events:
+        STREAM_EVENT.validate_python(event.data, strict=True)
+    item = {"id": "cmp_test1", "type": "compaction", "encrypted_content": encode_summary("summary")}
+    assert _assemble(events) == events[-1].data["response"]["output"] == [item]
