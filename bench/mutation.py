@@ -9,6 +9,7 @@ modules can be re-run one at a time. Prints killed / mutants per module; survivo
     .venv/bin/python bench/mutation.py                 # every module (tens of minutes on 2 cores)
     .venv/bin/python bench/mutation.py identity gateway  # some modules
     .venv/bin/python bench/mutation.py --report        # print the table of what has been run
+    .venv/bin/python bench/mutation.py --resume gateway  # take an interrupted run up where it stopped
 
 Mutants are CPU work: the runs are ``nice -n 19``; ``--lock FILE`` holds an flock around each module.
 """

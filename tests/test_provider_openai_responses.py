@@ -1158,3 +1158,9 @@ def test_a_streamed_compaction_assembles_as_the_spec_says() -> None:
         STREAM_EVENT.validate_python(event.data, strict=True)
     item = {"id": "cmp_test1", "type": "compaction", "encrypted_content": encode_summary("summary")}
     assert _assemble(events) == events[-1].data["response"]["output"] == [item]
+
+
+def test_a_grammar_tool_names_its_syntax_and_its_definition() -> None:
+    request = parse(tools=[APPLY_PATCH])
+    assert request.tools[0]["function"]["parameters"]["properties"]["input"]["description"] == (
+        "The raw input of this tool, written in this lark grammar:\n" + APPLY_PATCH["format"]["definition"])
