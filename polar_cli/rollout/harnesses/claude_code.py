@@ -3,11 +3,14 @@ on the API key (its API client cannot use a proxy URL that carries credentials),
 model, ``claude -p`` with permissions bypassed.
 
 Window: ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` is Claude Code's context window for a model whose name does not start
-with ``claude-``; ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` caps each answer. Claude Code 2.1 auto-compacts once a call's
-usage passes ``window - min(max output, 20000) - 13000`` (read from its binary: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW``
-only lowers the window, with a 100k floor, and ``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE`` only lowers the threshold). Its
-default output cap for an unknown model leaves no room below a served window under ~65k, so when the user gives no
-cap the preset sets one at :data:`OUTPUT_SHARE` of the window; below ~15k no cap leaves a positive threshold.
+with ``claude-``; ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` caps each answer. Read from Claude Code 2.1's binary: it
+compacts *proactively* only when its auto-compact window comes from somewhere other than its own default (with
+that default it relies on reactive compaction after a "prompt is too long"), so the preset also sets
+``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` (Claude Code takes ``min(context window, max(it, 100000))``: the served window
+below 100k). It then compacts once a call's usage passes ``window - min(output cap, 20000) - 13000``
+(``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE`` only lowers that). Its own output cap for an unknown model (32,000) leaves
+no room below a window under ~33k, so when the user gives no cap the preset sets one at :data:`OUTPUT_SHARE` of
+the window; below ~15k no cap leaves a positive threshold.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class ClaudeCode(InstalledHarness):
         })
         if ctx.context_window:
             env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(ctx.context_window)
+            env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(ctx.context_window)
         if ctx.max_output_tokens:
             env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(ctx.max_output_tokens)
         elif ctx.context_window:
