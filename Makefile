@@ -66,7 +66,7 @@ $(TINY)/config.json:
 	$(BIN)/polar tiny-model $(TINY)
 
 test: install engine harnesses s3 browser sandbox model sglang-contract
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs --durations=40 $(PYTEST_ARGS)
 
 # Unit and in-process tests only: no vLLM, no harness CLIs.
 test-fast: install sglang-contract
