@@ -25,7 +25,7 @@ from typing import Any
 
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
 from polar_addon.continuity_tokens import DeltaPrompt, NoDelta, continuation_prompt
-from polar_addon.tool_parsers.hermes import parse_assistant_text
+from polar_addon.tool_parsers import ParserChoice
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -49,6 +49,8 @@ class LocalEngine:
         self.max_len_override = max_len
         self.default_max_tokens = default_max_tokens
         self.weight_version = weight_version
+        # How sampled text becomes content, reasoning and tool calls (polar_tool_parser).
+        self.tool_parsers = ParserChoice()
         # Tokenizers and the model are not safe to share across threads: every use holds the lock.
         self.lock = threading.Lock()
         self._model: Any = None
@@ -234,7 +236,7 @@ class LocalEngine:
                 max_tokens = min(max_tokens, self._max_len - len(prompt_ids))
             ids, logprobs, finish, matched, text = self.sample(prompt_ids, sampling, max_tokens)
             weight_version = self.weight_version
-        message = parse_assistant_text(text)
+        message = self.tool_parsers.for_model(self.served_model)(text, request.tools).message
         if message.tool_calls and finish == "stop":
             finish = "tool_calls"
         return Completion(

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from polar_addon.canonical import CanonicalRequest, PolarError
-from polar_addon.engines.openai_compat import HTTPEngine
+from polar_addon.canonical import CanonicalRequest, Completion, PolarError
+from polar_addon.engines.openai_compat import HTTPEngine, ParsedChat, parse_completion_response, sampling_body
 
 
 class VLLMEngine(HTTPEngine):
@@ -23,6 +23,21 @@ class VLLMEngine(HTTPEngine):
 
     def extra_body(self) -> dict[str, Any]:
         return {"return_token_ids": True}
+
+    async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
+        """Token input: ``/v1/completions`` with the prompt as token ids. vLLM parses no tool calls or reasoning
+        there; the proxy does (polar_tool_parser)."""
+        body: dict[str, Any] = {"model": await self.served_model(), "prompt": list(prompt_ids)}
+        body.update(sampling_body(request))
+        # logprobs=1: the sampled token's logprob (plus one alternative, ignored); return_token_ids: the prompt
+        # ids the engine used and the sampled ids.
+        body.update(logprobs=1, return_token_ids=True, stream=False)
+        data = await self.request_json("POST", "/v1/completions", body)
+        text, parsed = parse_completion_response(data)
+        parsed.message = self.parse_text(request, text)
+        if parsed.message.tool_calls and parsed.finish_reason == "stop":
+            parsed.finish_reason = "tool_calls"
+        return parsed.to_completion(engine=self.name, default_model=self._model or request.model)
 
     async def count_tokens(self, request: CanonicalRequest) -> int:
         """vLLM's ``POST /tokenize`` renders the chat template exactly as a completion would."""
