@@ -1,4 +1,5 @@
-"""Fleet benchmark: the asynchronous loop against the synchronous one on the toy task, in one run.
+"""Fleet benchmark, in one run: the asynchronous loop against the synchronous one on the toy task, and `polar rollout
+--ray` sessions per minute with 1 and with 2 Ray worker nodes.
 
 Both run `polar loop` for real (the runner, mitmdump, the local engine, examples/toy_task's openai-SDK agent and its
 verifier, `polar train` in its own process) from the same starting model, tasks and training options; then one table
@@ -7,8 +8,14 @@ trainings ending, then the last measuring batch; sync's rollout time excludes st
 include it, so the end-to-end time of each `polar loop` is the fair total), the reward per policy version (mean ± standard error of the first
 whole batch on it), and the fraction of wall time the rollout side and the trainer were busy (Polar's figure 5).
 
+Ray: a real cluster on this machine's loopback (tests/support/ray_cluster.py: a head without CPUs and two worker
+nodes, each `ray start` in its own process session); the same toy rollout (the local engine on the starting model,
+one proxy per node) runs on worker 0 only (`--ray-resource`), then on both. On one machine the two "nodes" share its
+cores, so this measures the backend's overhead and scaling on this box, not a fleet's.
+
     .venv/bin/python bench/fleet.py                                # 4 tasks x 8 samples, 4 iterations
     .venv/bin/python bench/fleet.py --tasks 2 --samples 2 --iterations 3 --turns 1 --max-tokens 4   # small
+    .venv/bin/python bench/fleet.py --no-loops --ray-samples 8     # only the Ray part
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +45,35 @@ def run_loop(out: Path, args: argparse.Namespace, model: Path, tasks: Path, extr
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd[3:5])} {' '.join(extra)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return time.monotonic() - started
+
+
+def run_ray_rollout(cluster: Any, resource: str, out: Path, args: argparse.Namespace, model: Path,
+                    tasks: Path) -> dict[str, Any]:
+    harness = f"cmd:{sys.executable} {TOY / 'agent.py'} --turns {args.turns} --max-tokens {args.max_tokens} {{instruction}}"
+    cmd = [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", harness, "--samples",
+           str(args.ray_samples), "--engine", f"local:{model}", "--out", str(out), "--seed", "0", "--ray",
+           cluster.address, "--ray-resource", resource, "--concurrency", str(args.ray_concurrency), "--no-progress",
+           "--confdir", str(out.parent / "conf")]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"polar rollout --ray --ray-resource {resource} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads((out / "rollouts" / "r0" / "rollout-summary.json").read_text())
+
+
+def ray_rows(root: Path, args: argparse.Namespace, model: Path, tasks: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(workers, rollout summary) with 1 and 2 Ray worker nodes, on one cluster started here."""
+    sys.path.insert(0, str(REPO))
+    from tests.support.ray_cluster import RayCluster
+
+    cluster = RayCluster(root / "ray")
+    (root / "ray").mkdir()
+    try:
+        # polar_all on both: the two-worker run; polar_w0 on the first only: the one-worker run.
+        cluster.start([{"polar_w0": 1, "polar_all": 1}, {"polar_all": 1}])
+        return [(1, run_ray_rollout(cluster, "polar_w0", root / "ray1" / "store", args, model, tasks)),
+                (2, run_ray_rollout(cluster, "polar_all", root / "ray2" / "store", args, model, tasks))]
+    finally:
+        cluster.stop()
 
 
 def sync_rows(state: dict[str, Any]) -> tuple[list[float], list[str], float, float, float]:
@@ -77,6 +114,10 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--drain", default="wait")
     parser.add_argument("--model", type=Path, help="default: a fresh tiny model (polar_cli.tiny_model)")
+    parser.add_argument("--no-loops", action="store_true", help="skip the async vs sync loops")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray rollouts")
+    parser.add_argument("--ray-samples", type=int, default=8, help="Ray rollouts: sessions per task")
+    parser.add_argument("--ray-concurrency", type=int, default=4, help="Ray rollouts: harnesses at once per node")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="polar-fleet-") as tmp:
@@ -89,13 +130,30 @@ def main() -> None:
         lines = [ln for ln in (TOY / "tasks.jsonl").read_text().splitlines() if ln.startswith("{")][: args.tasks]
         tasks = root / "tasks.jsonl"
         tasks.write_text("\n".join(lines) + "\n")
-        sync_s = run_loop(root / "sync", args, model, tasks, [])
-        async_s = run_loop(root / "async", args, model, tasks,
-                           ["--async", "--max-staleness", str(args.max_staleness), "--drain", args.drain])
-        sync = sync_rows(json.loads((root / "sync" / "loop.json").read_text()))
-        asyn = async_rows(json.loads((root / "async" / "loop.json").read_text()))
+        if not args.no_loops:
+            sync_s = run_loop(root / "sync", args, model, tasks, [])
+            async_s = run_loop(root / "async", args, model, tasks,
+                               ["--async", "--max-staleness", str(args.max_staleness), "--drain", args.drain])
+            sync = sync_rows(json.loads((root / "sync" / "loop.json").read_text()))
+            asyn = async_rows(json.loads((root / "async" / "loop.json").read_text()))
+        ray = [] if args.no_ray else ray_rows(root, args, model, tasks)
 
-    print(f"toy task: {len(lines)} tasks x {args.samples} samples, {args.iterations} iterations, "
+    if not args.no_loops:
+        print_loops(args, len(lines), sync_s, async_s, sync, asyn)
+    if ray:
+        print(f"polar rollout --ray, toy task: {len(lines)} tasks x {args.ray_samples} samples, --concurrency "
+              f"{args.ray_concurrency} per node, local engine (a proxy per node)")
+        print(f"{'workers':>7}  {'sessions':>8}  {'seconds':>7}  {'sessions/min':>12}  per node")
+        for workers, summary in ray:
+            per_node = sorted(Counter(s["node"][:6] for s in summary["session_results"]).values())
+            print(f"{workers:>7}  {summary['sessions']:>8}  {summary['seconds']:>7.0f}  "
+                  f"{summary['sessions_per_minute']:>12.1f}  {per_node}")
+        print(f"2 workers / 1 worker: {ray[1][1]['sessions_per_minute'] / ray[0][1]['sessions_per_minute']:.2f}x "
+              "sessions/min (seconds: from the driver's start, the nodes' proxy starts included)")
+
+
+def print_loops(args: argparse.Namespace, tasks: int, sync_s: float, async_s: float, sync: tuple, asyn: tuple) -> None:
+    print(f"toy task: {tasks} tasks x {args.samples} samples, {args.iterations} iterations, "
           f"async --max-staleness {args.max_staleness} --drain {args.drain}")
     print(f"{'iter':>4}  {'sync s':>7}  {'async s':>7}  {'sync reward':>15}  {'async reward':>15}")
     for i in range(args.iterations):

@@ -25,6 +25,8 @@ from polar_addon import identity
 from polar_addon.canonical import PolarError, SamplingDefaults
 from polar_addon.control import CONTROL_HOST, MAX_CONTROL_BODY_BYTES, ControlPlane, check_token, is_control_path, load_or_create_token, token_file
 from polar_addon.engines import EnginePool
+from polar_addon.engines.tito import accepts_tokens, tito_mode
+from polar_addon.tool_parsers import ParserChoice
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
 from polar_addon.relay import STREAM_PREFIX, CountedBody, StreamRelay, one_chunk
 from polar_addon.responses_websocket import ResponsesWebSocket, is_responses_upgrade
@@ -58,6 +60,27 @@ def _sampling_defaults() -> SamplingDefaults:
         )
     except ValueError as exc:
         raise exceptions.OptionsError(f"polar: sampling defaults (polar_temperature, polar_top_p, polar_top_k, polar_min_p): {exc}") from None
+
+
+def _tito() -> str:
+    try:
+        return tito_mode(ctx.options.polar_tito)
+    except ValueError as exc:
+        raise exceptions.OptionsError(f"polar: {exc}") from None
+
+
+def _engine_options(pool: EnginePool) -> None:
+    """polar_tool_parser and polar_tokenizer onto the engines that decode or render themselves."""
+    try:
+        parsers = ParserChoice(ctx.options.polar_tool_parser)
+    except ValueError as exc:
+        raise exceptions.OptionsError(f"polar: polar_tool_parser: {exc}") from None
+    for engine in pool.engines:
+        target = getattr(engine, "local", engine)  # the scripted engine decodes with its local engine
+        if hasattr(target, "tool_parsers"):
+            target.tool_parsers = parsers
+        if hasattr(engine, "tokenizer_dir"):
+            engine.tokenizer_dir = ctx.options.polar_tokenizer or None
 
 
 def start_banner(engine: str, store: TraceStore, modes: list[str], host: str, port: int | None) -> str:
@@ -116,6 +139,12 @@ class Polar:
         loader.add_option("polar_top_p", str, "1.0", "top_p of calls whose client sets none; below 1 truncates sampling, which polar train refuses.")
         loader.add_option("polar_top_k", int, 0, "top_k of calls whose client sets none; 0 is off (above 0 truncates, which polar train refuses).")
         loader.add_option("polar_min_p", str, "0.0", "min_p of calls whose client sets none; above 0 truncates, which polar train refuses.")
+        loader.add_option("polar_tito", str, "auto", "Token continuity across a session's turns: auto (on for engines that take token input), "
+                          "on, off. A continuing call's prompt is the previous prompt + the sampled ids + only the new messages' tokens.")
+        loader.add_option("polar_tool_parser", str, "hermes", "How the proxy parses tool calls and reasoning out of text it decodes itself "
+                          "(local engines, and every engine given token input): hermes, qwen25, qwen3_coder, or MODEL=NAME,... per served model.")
+        loader.add_option("polar_tokenizer", str, "", "Tokenizer directory of the model an HTTP engine serves, for token continuity "
+                          "(default: the served model name when it is a local directory).")
         loader.add_option("polar_max_body_mb", int, 32, "Largest request body accepted, in MiB.")
         loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
@@ -133,6 +162,7 @@ class Polar:
             raise exceptions.OptionsError("polar: set --set polar_engine=sglang:URL|vllm:URL|local:MODEL_DIR")
         if self.gateway is not None and not updated & {"polar_engine", "polar_out", "polar_shard_records", "polar_shard_seconds", "polar_engine_timeout"}:
             self.gateway.config = self._gateway_config()
+            _engine_options(self.gateway.pool)
             if "polar_control_token" in updated and self.control is not None:
                 self.control.token = self._control_token()
             return
@@ -153,8 +183,13 @@ class Polar:
                 except PolarError as exc:
                     raise exceptions.OptionsError(f"polar: {exc.message}") from exc
                 log.warning("polar: %s loaded in %.1f s", engine.name, time.monotonic() - started)
+        _engine_options(pool)
         store = TraceStore(opts.polar_out, shard_max_records=opts.polar_shard_records, shard_max_seconds=_seconds("polar_shard_seconds"))
         self.gateway = Gateway(pool, store, self._gateway_config())
+        if self.gateway.config.tito == "on":
+            for engine in pool.engines:
+                if not accepts_tokens(engine):
+                    log.warning("polar: polar_tito=on, but engine %s takes no token input: its calls are rendered in full", engine.name)
         self.control = ControlPlane(store, self._control_token(), on_session_end=pool.release)
 
     def _control_token(self) -> str:
@@ -185,6 +220,7 @@ class Polar:
             keepalive_s=_seconds("polar_keepalive"),
             max_body_bytes=opts.polar_max_body_mb * 1024 * 1024,
             max_tokens_cap=opts.polar_max_tokens,
+            tito=_tito(),
             sampling_defaults=_sampling_defaults(),
         )
 

@@ -67,6 +67,10 @@ class CaptureRecord:
     tool_choice_json: str = "null"
     response_json: str = "null"
     error: str | None = None  # why a failed call failed
+    # Where the engine prompt came from: "continuity" (previous prompt + sampled ids + the new messages' tokens)
+    # or "fresh" (a full render), and why (engines.tito: the divergence, "first_call", "state_lost", ...).
+    prompt_source: str | None = None
+    prompt_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies every token list (~50 ms for an 8k-token record).
@@ -137,6 +141,8 @@ def record_ok(
     harness: str | None,
     started_at: float,
     engine_latency_s: float,
+    prompt_source: str | None = None,
+    prompt_reason: str | None = None,
 ) -> CaptureRecord:
     return CaptureRecord(
         record_id=new_record_id(),
@@ -160,6 +166,8 @@ def record_ok(
         matched_stop=completion.matched_stop,
         weight_version=completion.weight_version,
         response_json=orjson.dumps(asdict(completion.message)).decode(),
+        prompt_source=prompt_source,
+        prompt_reason=prompt_reason,
         **_request_fields(request),
     )
 

@@ -36,6 +36,7 @@ import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
 from polar_addon.context_compaction import compaction_prompt, summarised_history
+from polar_addon.providers.common import arguments_object
 
 # Roles that may follow the replayed turn: what the harness adds between two model calls.
 NEW_MESSAGE_ROLES = ("tool", "user")
@@ -133,12 +134,11 @@ def _arguments_match(sampled: Any, sent: Any) -> bool:
         return True
     ok_a, value_a = _arguments_value(sampled)
     ok_b, value_b = _arguments_value(sent)
-    if ok_a and ok_b:
-        return _json_equal(value_a, value_b)
-    # Broken JSON goes out to object-typed APIs as {"raw": text} and comes back so.
-    if not ok_a and ok_b and isinstance(value_b, dict):
-        return value_b.keys() == {"raw"} and value_b["raw"] == sampled
-    return False
+    if ok_a and ok_b and _json_equal(value_a, value_b):
+        return True
+    # Object-typed APIs (Anthropic input, Gemini args) get what arguments_object makes of the sampled text,
+    # {"raw": text} for anything not a JSON object, and echo that back.
+    return isinstance(sampled, str) and ok_b and _json_equal(value_b, arguments_object(sampled))
 
 
 def _calls(message: dict[str, Any]) -> list[tuple[Any, Any]] | None:

@@ -24,7 +24,8 @@ import orjson
 
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingDefaults, with_defaults
 from polar_addon.capture import Identity, logprob_problem, record_failed, record_ok
-from polar_addon.engines import EnginePool
+from polar_addon.engines import Engine, EnginePool
+from polar_addon.engines.tito import FRESH, NO_TOKEN_INPUT, TITO_OFF, Chain, PromptPlan, TitoStore, accepts_tokens, plan_prompt
 from polar_addon.harness_id import harness_name
 from polar_addon.providers import Provider, ResponseContext, Route, all_providers, encode_sse
 from polar_addon.store import StorageUnavailable, TraceStore
@@ -51,6 +52,8 @@ class GatewayConfig:
     max_tokens_cap: int = 0  # 0: no cap; else clamp (and fill in) max_tokens
     # What a call samples with where the client said nothing; sent to the engine and recorded.
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # Token continuity across a session's turns (engines.tito.tito_mode): auto | on | off.
+    tito: str = "auto"
 
 
 @dataclass
@@ -133,6 +136,7 @@ class Gateway:
         self._seen_sessions: OrderedDict[str, None] = OrderedDict()
         # session -> {(tool name, canonical arguments): arguments text exactly as sampled}
         self._sampled_arguments: OrderedDict[str, OrderedDict[tuple[str, str], str]] = OrderedDict()
+        self.tito = TitoStore()
 
     def match(self, method: str, path: str) -> tuple[Provider, Route] | None:
         for provider in self.providers:
@@ -312,10 +316,14 @@ class Gateway:
         except PolarError as err:  # its engine was taken out, or none is live
             await self._record_failure(call, provider.name, request, err)
             raise
+        plan = await self._plan_prompt(session, request, engine)
         t0 = time.monotonic()
         try:
             # The client's model name is echoed back; engines send their own served name.
-            completion = await engine.complete(request)
+            if plan.prompt_ids is not None:
+                completion = await engine.complete_tokens(request, plan.prompt_ids)  # type: ignore[attr-defined]
+            else:
+                completion = await engine.complete(request)
         except PolarError as err:
             await self._record_failure(call, provider.name, request, err, engine=engine.name)
             await self._end_lost_sessions(self.pool.failed(engine, err), engine.name)
@@ -335,7 +343,7 @@ class Gateway:
             raise err
         record = record_ok(identity=call.identity, seq=-1, request=request, completion=completion,
                            harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at,
-                           engine_latency_s=time.monotonic() - t0)
+                           engine_latency_s=time.monotonic() - t0, prompt_source=plan.source, prompt_reason=plan.reason)
         try:
             await self.store.append(record)
         except StorageUnavailable as exc:
@@ -347,7 +355,21 @@ class Gateway:
             await self._record_failure(call, provider.name, None, err)
             raise err from exc
         self._remember_sampled_arguments(session, completion)
+        if accepts_tokens(engine) and self.config.tito != "off":
+            chain = Chain(request, completion.message, completion.prompt_ids, completion.response_ids,
+                          completion.finish_reason, engine.name)
+            self.tito.remember(session, chain, replaces=plan.continued)
         return self._as_client_sees(request, completion)
+
+    async def _plan_prompt(self, session: str, request: CanonicalRequest, engine: Engine) -> PromptPlan:
+        """Continue the session's token chain when the request continues it (engines.tito), else render in full."""
+        if self.config.tito == "off":
+            return PromptPlan(None, FRESH, TITO_OFF)
+        if not accepts_tokens(engine):
+            return PromptPlan(None, FRESH, NO_TOKEN_INPUT)
+        chains = self.tito.chains(session)
+        # Rendering the delta runs the chat template twice: off the event loop.
+        return await asyncio.to_thread(plan_prompt, chains, request, engine.name, engine.continuation)  # type: ignore[attr-defined]
 
     @staticmethod
     def _as_client_sees(request: CanonicalRequest, completion: Completion) -> Completion:

@@ -19,6 +19,8 @@ Every option polar loop does not know is passed to `polar train` as given (e.g. 
 
 Resumable: OUT/loop.json records each finished rollout and training; run the same command again after an interruption and it continues at the first unfinished phase (a half-done rollout is redone from scratch, so shards of two attempts never mix).
 
+--ray ADDRESS: each rollout runs on a Ray cluster as `polar rollout --ray` does (a worker with its own proxy per node, all writing OUT/iter-NNN/shards); OUT, --model and the checkpoints must be at the same path on every node; `polar train` runs on this machine.
+
 --async: rollouts keep running while the trainer trains on finished batches (local engine). A batch's groups are trained only if every call's weight_version is within --max-staleness versions of the policy being trained (staler ones are dropped and counted); each new checkpoint is pushed as the next version (a new proxy on it) with --drain wait (the batch in flight finishes on the old weights) or cut (it is cancelled, its running sessions masked as error). polar train's truncated importance sampling against the captured logprobs corrects the bounded staleness. loop.json records batches, steps and the rollout/trainer utilisation (fraction of wall time busy). Not resumable: rerun into a fresh --out.
 
 Example (the toy task of examples/toy_task):
@@ -64,6 +66,12 @@ def loop(
     drain: str = typer.Option("wait", "--drain", help="--async, when new weights are pushed: wait (the batch in "
                               "flight finishes on the old weights) or cut (its running sessions are cancelled and "
                               "masked as error)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray", help="Run each rollout on this Ray cluster (as polar "
+                                              "rollout --ray: a worker and proxy per node, --concurrency per node). "
+                                              "OUT, --model and the checkpoints must be at the same path on every "
+                                              "node (a shared directory); training runs here. Needs the pip extra "
+                                              "fleet."),
+    ray_resource: Optional[str] = typer.Option(None, help="With --ray: only the nodes offering this custom resource."),
 ) -> None:
     from rich.console import Console
 
@@ -80,6 +88,14 @@ def loop(
     if asynchronous and engine != "local":
         raise typer.BadParameter("--async needs --engine local (a vLLM reload restarts the server, cutting every "
                                  "running session)", param_hint="--engine")
+    if ray_address is not None and asynchronous:
+        raise typer.BadParameter("--ray runs the synchronous loop's rollouts; --async runs locally",
+                                 param_hint="--ray")
+    if ray_address is not None and engine != "local":
+        raise typer.BadParameter("--ray needs --engine local (each node's proxy loads the policy; the loop's vLLM "
+                                 "server listens on this machine's loopback only)", param_hint="--engine")
+    if ray_resource is not None and ray_address is None:
+        raise typer.BadParameter("--ray-resource needs --ray", param_hint="--ray-resource")
     options = parse_set_options(option)
     train_args = list(ctx.args)
     if max_staleness is not None and not asynchronous:
@@ -101,6 +117,7 @@ def loop(
         engine=engine, runtime=runtime, network=network, concurrency=concurrency, timeout_s=timeout,  # type: ignore[arg-type]
         seed=seed, proxy_options=options, train_args=train_args, served_model_name=served_model_name,
         vllm_args=vllm_arg, context_window=context_window, max_output_tokens=max_output_tokens,
+        ray=ray_address, ray_resource=ray_resource,
     )  # fmt: skip
     shown: set[tuple[int, bool]] = set()
 

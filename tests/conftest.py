@@ -10,8 +10,13 @@
   stopped at session end. It runs with ``--enable-auto-tool-choice --tool-call-parser hermes`` and
   ``--logprobs-mode processed_logprobs``, so reported logprobs are log_softmax(logits / T).
 - ``vllm_small_window_server`` (module scope: stopped after the module that uses it; ``@pytest.mark.vllm``): the
-  same with ``--max-model-len 8192`` (``VLLM_SMALL_WINDOW``) and ``--enforce-eager``, for harness sessions that
+  same with ``--max-model-len 20480`` (``VLLM_SMALL_WINDOW``) and ``--enforce-eager``, for harness sessions that
   meet a real engine's window (tests/test_long_sessions_vllm.py).
+
+Parallel runs (``make test`` runs ``pytest -n 2 --dist loadgroup``): ``pytest_collection_modifyitems`` puts each
+test in an xdist group, so an expensive fixture starts in one worker only: every test using ``vllm_server`` in one
+group, ``vllm_small_window_server`` in another, the podman and Ray modules each in one, and every other test in its
+module's group (module-scoped fixtures, e.g. a module's proxy, start once).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _pytest.nodeid import NodeId
 
 from tests.support.prereq import missing
 
@@ -34,6 +40,65 @@ REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 VLLM_MODEL_NAME = "tiny"
 VLLM_START_TIMEOUT_S = 300.0
+
+
+# Modules that share host-global state (podman's image tags and storage, a local Ray cluster's ports): one
+# worker runs all of them.
+_SHARED_STATE_GROUPS = {
+    "test_rollout_sandbox.py": "podman", "test_rollout_presets.py": "podman",
+    "test_rollout_ray.py": "ray",
+}
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The one xdist group ``item`` runs in: keyed on its fixture closure, so a new test using an engine joins
+    that engine's worker without a marker."""
+    fixtures = set(item.fixturenames)
+    if "vllm_small_window_server" in fixtures:
+        return "vllm-8k"
+    if "vllm_server" in fixtures:
+        return "vllm"
+    module = item.path.name
+    return _SHARED_STATE_GROUPS.get(module, module)
+
+
+# Rough seconds, only to order the groups for two workers: the longest first, so the short ones fill in at the end
+# (xdist's default order, by number of tests, would leave a 2-test Ray group or a 1-test training run to last).
+_START_COST_S = {"vllm": 75.0, "vllm-8k": 110.0, "ray": 120.0, "podman": 60.0}
+
+
+def _cost_estimate_s(item: pytest.Item) -> float:
+    if any(item.get_closest_marker(m) for m in ("vllm", "harness", "slow")):
+        return 20.0
+    return 5.0 if "tiny_model_dir" in item.fixturenames else 0.2
+
+
+def _group(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("xdist_group")
+    return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Here, not in pytest_collection_modifyitems: xdist's worker reads the markers into the node ids in that hook.
+    if item.get_closest_marker("xdist_group") is None:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not getattr(config.option, "loadgroup", False):
+        return  # a serial run keeps pytest's own order
+    cost: dict[str, float] = {}
+    for item in items:
+        group = _group(item)
+        cost[group] = cost.get(group, _START_COST_S.get(group, 0.0)) + _cost_estimate_s(item)
+    items.sort(key=lambda item: -cost[_group(item)])  # stable: a group keeps its own order
+    for item in items:
+        # xdist 3.8 names the group in the node id by setting ``item._nodeid``, which pytest 9.2 no longer reads
+        # (its node id lives in ``_id``): without this every test is its own unit and the groups mean nothing.
+        suffix = f"@{_group(item)}"
+        if not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)
 
 
 @pytest.fixture(scope="session")
@@ -79,14 +144,15 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield url
 
 
-VLLM_SMALL_WINDOW = 8192
+VLLM_SMALL_WINDOW = 20480
 
 
 @pytest.fixture(scope="module")
 def vllm_small_window_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A second vLLM server with an 8k ``--max-model-len``: the harnesses meet a real engine's own window (its
-    refusals, its counts). ``--enforce-eager`` skips the compile step on CPU; an 8k window needs little KV cache."""
-    with _vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-8k"),
+    """A second vLLM server with a 20k ``--max-model-len``, above every harness's own first prompt: the harnesses
+    run past a real engine's own window (its refusals, its counts). ``--enforce-eager`` skips the compile step on
+    CPU; a 20k window of the tiny model needs little KV cache."""
+    with _vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-small-window"),
                ["--max-model-len", str(VLLM_SMALL_WINDOW), "--enforce-eager"], kv_cache_gib=1) as url:
         yield url
 

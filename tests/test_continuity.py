@@ -158,6 +158,19 @@ def test_broken_arguments_come_back_as_raw_object() -> None:
     assert isinstance(check_continuity(prev, returned, request), Diverged)
 
 
+@pytest.mark.parametrize("sampled", ['[1, 2]', '"ls"', '42', 'null'])
+def test_json_that_is_not_an_object_comes_back_as_raw_object(sampled: str) -> None:
+    # arguments_object sends any non-object JSON out as {"raw": text} too; an object-typed client echoes it.
+    returned = AssistantMessage(content=None, tool_calls=[ToolCall(id="c", name="bash", arguments=sampled)])
+    prev = previous()
+    request = previous()
+    request.messages += [returned.to_openai(), {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    request.messages[4]["tool_calls"][0]["function"]["arguments"] = {"raw": sampled}
+    assert isinstance(check_continuity(prev, returned, request), Continues)
+    request.messages[4]["tool_calls"][0]["function"]["arguments"] = {"raw": sampled + " "}
+    assert isinstance(check_continuity(prev, returned, request), Diverged)
+
+
 def test_the_check_is_not_fooled_by_python_equalities() -> None:
     # True == 1 == 1.0 in Python; as JSON they differ (except 1 and 1.0), and NaN never equals itself.
     assert not same_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": '{"a": true}'}}]},

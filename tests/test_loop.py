@@ -71,6 +71,16 @@ def test_loop_refuses_unknown_train_options_and_another_run_in_the_same_director
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--lr-typo" in done.stderr
     assert not (tmp_path / "o" / "loop.json").exists()  # refused before any rollout
+    from typer.testing import CliRunner
+
+    from polar_cli.app import app
+
+    base = ["loop", str(tasks), "--harness", "cmd:true", "--model", str(tiny_model_dir), "--iterations", "2",
+            "--out", str(tmp_path / "o"), "--ray", "127.0.0.1:1"]  # fmt: skip
+    for extra, said in ((["--async"], "--async runs locally"), (["--engine", "vllm"], "--ray needs --engine local")):
+        refused = CliRunner().invoke(app, [*base, *extra])
+        assert refused.exit_code == 2 and said in " ".join(refused.output.replace("│", " ").split()), refused.output
+    assert not (tmp_path / "o" / "loop.json").exists()
 
     from polar_cli.rollout.loop import _check_same_run
 

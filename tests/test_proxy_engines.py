@@ -1,18 +1,23 @@
-"""Several engines behind one proxy (``polar_engine=a,b``), end to end: a real mitmdump with the polar addon,
-the official SDKs as clients, and two engine servers answering like SGLang (the SGLang contract server, real
-tokens from the scripted engine over the tiny model underneath; SGLang itself needs a GPU).
+"""Two proxies and two engines behind one store (``polar_engine=a,b`` on each proxy, as every node of a fleet runs
+its own), end to end: two real mitmdumps with the polar addon writing one store, the official SDKs as clients
+(each session always through the same proxy, as a session stays on its node), and two engine servers answering like
+SGLang (the SGLang contract server, real tokens from the scripted engine over the tiny model underneath; SGLang
+itself needs a GPU).
 
-Each session's calls all go to one engine, sessions spread over both; when one engine's server stops, only
-the sessions on it get errors (in their provider's shape, recorded failed, session status error), the others
-and new sessions go on on the live engine, and the store validates."""
+Each session's calls all go to one engine (recorded per call), sessions spread over both; when one engine's server
+stops, only the sessions on it get errors (in their provider's shape, recorded failed, session status error, on
+both proxies), never moved to the other engine mid-session; the others and new sessions go on on the live engine; a
+status ``completed`` the rollout runner posts afterwards does not turn such a session back; the store validates."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from typer.testing import CliRunner
@@ -43,14 +48,23 @@ def _call(url: str, session: str, history: list[dict]) -> str:
     return reply.choices[0].message.content or ""
 
 
-def _turn(url: str, session: str, histories: dict[str, list[dict]]) -> None:
+def _proxy_of(session: str, proxies: list) -> Any:
+    """The proxy a session always talks to: the first half of the sessions through one, the rest through the other
+    (each proxy then holds both shapes on both engines)."""
+    if not session.startswith("s-"):
+        return proxies[int(session.rsplit("-", 1)[1]) % len(proxies)]
+    return proxies[int(session.rsplit("-", 1)[1]) * len(proxies) // SESSIONS]
+
+
+def _turn(proxies: list, session: str, histories: dict[str, list[dict]]) -> None:
+    url = _proxy_of(session, proxies).url
     history = histories.setdefault(session, [])
     history.append({"role": "user", "content": f"step {len(history) // 2} of {session}"})
     history.append({"role": "assistant", "content": _call(url, session, history)})
 
 
 @pytest.mark.timeout(300)
-def test_sessions_stay_on_one_engine_and_a_dead_engine_fails_only_its_sessions(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_two_proxies_keep_sessions_on_one_engine_and_a_dead_engine_fails_only_its_sessions(tiny_model_dir: Path, tmp_path: Path) -> None:
     from tests.support.sglang_contract_server import SGLangContractServer, load_protocol
 
     protocol = load_protocol()
@@ -62,13 +76,16 @@ def test_sessions_stay_on_one_engine_and_a_dead_engine_fails_only_its_sessions(t
     b = SGLangContractServer(ScriptedEngine(script), protocol=protocol).__enter__()
     b_stopped = False
     try:
-        with run_mitmdump(f"sglang:{a.url},sglang:{b.url}", out, mode="reverse:https://api.anthropic.com",
-                          options={"polar_shard_seconds": "0.2"}) as proxy:
+        engines, options = f"sglang:{a.url},sglang:{b.url}", {"polar_shard_seconds": "0.2"}
+        # Started one after the other: the first creates the store's control token and the CA the second reuses.
+        with run_mitmdump(engines, out, mode="reverse:https://api.anthropic.com", options=options) as first, \
+                run_mitmdump(engines, out, mode="reverse:https://api.anthropic.com", options=options) as second:
+            proxies = [first, second]
             histories: dict[str, list[dict]] = {}
             sessions = [f"s-{i}" for i in range(SESSIONS)]
             for _ in range(TURNS):  # interleaved: each round, every session makes its next call
                 for session in sessions:
-                    _turn(proxy.url, session, histories)
+                    _turn(proxies, session, histories)
             wait_for_shards(out)
             engine_of = {}
             for session in sessions:
@@ -84,7 +101,7 @@ def test_sessions_stay_on_one_engine_and_a_dead_engine_fails_only_its_sessions(t
             errors = {}
             for session in sessions:
                 try:
-                    _turn(proxy.url, session, histories)
+                    _turn(proxies, session, histories)
                 except (anthropic.APIStatusError, openai.APIStatusError) as exc:
                     errors[session] = exc
             assert sorted(errors) == on_b  # only the dead engine's sessions fail, each in its provider's shape
@@ -98,10 +115,16 @@ def test_sessions_stay_on_one_engine_and_a_dead_engine_fails_only_its_sessions(t
                 assert b.url.split("//")[1] not in str(exc.body)  # the engine's address stays in the proxy log
             # Its sessions stay ended: never moved to engine a mid-session.
             with pytest.raises(anthropic.APIStatusError) as again:
-                _turn(proxy.url, next(s for s in on_b if _speaks_anthropic(s)), histories)
+                _turn(proxies, next(s for s in on_b if _speaks_anthropic(s)), histories)
             assert again.value.status_code == 502 and "taken out" in again.value.message
             for i in range(4):  # new sessions go to the live engine
-                _turn(proxy.url, f"new-{i}", histories)
+                _turn(proxies, f"new-{i}", histories)
+            # The rollout runner posts how the harness ended (it exited 0) after the proxy ended the session: the
+            # proxy's error stands.
+            late = on_b[0]
+            posted = httpx.post(f"{_proxy_of(late, proxies).url}/sessions/{late}/status", json={"status": "completed"},
+                                headers=first.control_headers(), timeout=30)
+            assert posted.status_code == 200, posted.text
             wait_for_shards(out)
     finally:
         a.__exit__(None, None, None)
@@ -119,6 +142,6 @@ def test_sessions_stay_on_one_engine_and_a_dead_engine_fails_only_its_sessions(t
             assert {r.engine for r in mine} == {f"sglang:{a.url}"}
     assert {r.engine for r in records if r.session_id.startswith("new-")} == {f"sglang:{a.url}"}
     status = {s.session_id: s.status for s in read_sessions(str(out))}
-    assert {s for s in sessions if status[s] == "error"} == set(on_b)
+    assert {s for s in sessions if status[s] == "error"} == set(on_b)  # on_b[0] too, posted completed after
     result = CliRunner().invoke(app, ["shards", "validate", str(out)])
     assert result.exit_code == 0, result.output

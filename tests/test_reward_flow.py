@@ -4,6 +4,7 @@ completed; `polar reward --status` says how a session ended otherwise; "nothing 
 
 from __future__ import annotations
 
+import json
 import os
 import ssl
 import subprocess
@@ -41,6 +42,21 @@ def test_a_reward_completes_a_running_session_unless_a_status_said_otherwise() -
     updates.append({"session_id": "b", "status": "timeout"})
     sessions = {s.session_id: s for s in merge_sessions(updates, [_reward("a", 1.0), _reward("b", 0.5)], [])}
     assert (sessions["a"].status, sessions["b"].status, sessions["c"].status) == ("completed", "timeout", "running")
+
+
+def test_an_error_status_is_never_overwritten_by_a_later_status() -> None:
+    # The proxy ends a session of an engine it took out as error; the runner posts completed (and a reward) after.
+    lost = {"error": "engine vllm:a taken out mid-session"}
+    updates = [{"session_id": "lost", "status": "running", "started_at": 1.0, "updated_at": 1.0},
+               {"session_id": "lost", "status": "error", "ended_at": 2.0, "updated_at": 2.0, "metadata_json": json.dumps(lost)},
+               {"session_id": "lost", "status": "completed", "ended_at": 3.0, "updated_at": 3.0,
+                "metadata_json": json.dumps({"harness": "cmd"})},
+               {"session_id": "late", "status": "completed", "updated_at": 1.0},
+               {"session_id": "late", "status": "error", "updated_at": 2.0}]  # fmt: skip
+    sessions = {s.session_id: s for s in merge_sessions(updates, [_reward("lost", 1.0)], [])}
+    assert sessions["lost"].status == "error" and sessions["lost"].rewards == {"reward": 1.0}
+    assert sessions["lost"].metadata == {**lost, "harness": "cmd"}  # metadata still merges
+    assert sessions["late"].status == "error"
 
 
 def _trace(session: str, group: str, reward: float, trainable: bool, status: str) -> Trace:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
-from polar_addon.tool_parsers.hermes import parse_assistant_text
+from polar_addon.continuity_tokens import DeltaPrompt, NoDelta, continuation_prompt
+from polar_addon.tool_parsers import ParserChoice
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -48,6 +49,8 @@ class LocalEngine:
         self.max_len_override = max_len
         self.default_max_tokens = default_max_tokens
         self.weight_version = weight_version
+        # How sampled text becomes content, reasoning and tool calls (polar_tool_parser).
+        self.tool_parsers = ParserChoice()
         # Tokenizers and the model are not safe to share across threads: every use holds the lock.
         self.lock = threading.Lock()
         self._model: Any = None
@@ -212,7 +215,14 @@ class LocalEngine:
 
     # --- Engine protocol ----------------------------------------------------------------------
 
-    def _complete_sync(self, request: CanonicalRequest) -> Completion:
+    def continuation(self, **kwargs: Any) -> DeltaPrompt | NoDelta:
+        """The next prompt of a continuing session (continuity_tokens.continuation_prompt with this model's
+        tokenizer and template)."""
+        with self.lock:
+            self._ensure_loaded()
+            return continuation_prompt(self._tokenizer, **kwargs)
+
+    def _complete_sync(self, request: CanonicalRequest, given_prompt: list[int] | None = None) -> Completion:
         sampling = request.sampling
         if sampling.temperature is not None and sampling.temperature < 0:
             raise PolarError(400, "invalid_request", "temperature must be >= 0")
@@ -220,13 +230,13 @@ class LocalEngine:
         if max_tokens < 1:
             raise PolarError(400, "invalid_request", "max_tokens must be at least 1")
         with self.lock:
-            prompt_ids = self.prompt_ids(request)
+            prompt_ids = self.prompt_ids(request) if given_prompt is None else list(given_prompt)
             self.check_context(len(prompt_ids))
             if self._max_len:
                 max_tokens = min(max_tokens, self._max_len - len(prompt_ids))
             ids, logprobs, finish, matched, text = self.sample(prompt_ids, sampling, max_tokens)
             weight_version = self.weight_version
-        message = parse_assistant_text(text)
+        message = self.tool_parsers.for_model(self.served_model)(text, request.tools).message
         if message.tool_calls and finish == "stop":
             finish = "tool_calls"
         return Completion(
@@ -243,6 +253,10 @@ class LocalEngine:
 
     async def complete(self, request: CanonicalRequest) -> Completion:
         return await asyncio.to_thread(self._complete_sync, request)
+
+    async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
+        """Sample after exactly ``prompt_ids`` (token input); ``request`` gives the sampling parameters."""
+        return await asyncio.to_thread(self._complete_sync, request, prompt_ids)
 
     def _count_sync(self, request: CanonicalRequest) -> int:
         with self.lock:

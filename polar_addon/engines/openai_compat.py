@@ -12,7 +12,9 @@ from __future__ import annotations
 import array
 import asyncio
 import logging
+import os
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +23,9 @@ import aiohttp
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, EngineFault, PolarError, ToolCall
+from polar_addon.continuity_tokens import DeltaPrompt, NoDelta, continuation_prompt
 from polar_addon.token_ids import IdText, pack_token_ids
+from polar_addon.tool_parsers import ParserChoice
 from polar_addon.tool_parsers.calls import new_call_id
 
 log = logging.getLogger("polar")
@@ -45,14 +49,10 @@ _FINISH_REASONS = {
 }
 
 
-def chat_body(request: CanonicalRequest, model: str) -> dict[str, Any]:
-    """The engine-neutral part of the /v1/chat/completions body (non-streaming, logprobs on)."""
+def sampling_body(request: CanonicalRequest) -> dict[str, Any]:
+    """The sampling fields every engine request carries (chat, completions)."""
     sampling = request.sampling
-    body: dict[str, Any] = {"model": model, "messages": request.messages}
-    if request.tools:
-        body["tools"] = request.tools
-        if request.tool_choice is not None:
-            body["tool_choice"] = request.tool_choice
+    body: dict[str, Any] = {}
     for key in ("max_tokens", "seed"):
         value = getattr(sampling, key)
         if value is not None:
@@ -68,6 +68,17 @@ def chat_body(request: CanonicalRequest, model: str) -> dict[str, Any]:
     body["repetition_penalty"] = 1.0
     if sampling.stop:
         body["stop"] = list(sampling.stop)
+    return body
+
+
+def chat_body(request: CanonicalRequest, model: str) -> dict[str, Any]:
+    """The engine-neutral part of the /v1/chat/completions body (non-streaming, logprobs on)."""
+    body: dict[str, Any] = {"model": model, "messages": request.messages}
+    if request.tools:
+        body["tools"] = request.tools
+        if request.tool_choice is not None:
+            body["tool_choice"] = request.tool_choice
+    body.update(sampling_body(request))
     if request.enable_thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": request.enable_thinking}
     body["logprobs"] = True
@@ -132,6 +143,12 @@ class HTTPEngine:
         # own budget (bench/proxy_overhead.py). Created on first use, inside the running loop.
         self._session: aiohttp.ClientSession | None = None
         self._model: str | None = None
+        # Token input (engines.tito) renders deltas with the served model's own tokenizer and template, read from
+        # tokenizer_dir (polar_tokenizer), else from the served model name when that is a local directory.
+        self.tokenizer_dir: str | None = None
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self.tool_parsers = ParserChoice()
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -200,6 +217,30 @@ class HTTPEngine:
     def extra_body(self) -> dict[str, Any]:
         """Engine-specific request fields asking for token ids."""
         return {}
+
+    def tokenizer(self) -> Any | None:
+        """The served model's tokenizer, or None when polar cannot know it (no polar_tokenizer, and the served
+        name is no local directory). Call off the event loop."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                source = self.tokenizer_dir or (self._model if self._model and os.path.isdir(self._model) else None)
+                if source is None:
+                    return None
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(source)
+            return self._tokenizer
+
+    def continuation(self, **kwargs: Any) -> DeltaPrompt | NoDelta:
+        tokenizer = self.tokenizer()
+        if tokenizer is None:
+            return NoDelta("no tokenizer for the served model (set polar_tokenizer)")
+        with self._tokenizer_lock:  # Hugging Face tokenizers are not safe to share across threads
+            return continuation_prompt(tokenizer, **kwargs)
+
+    def parse_text(self, request: CanonicalRequest, text: str) -> AssistantMessage:
+        """Sampled text (token input: the engine parsed nothing) as content, reasoning and tool calls."""
+        return self.tool_parsers.for_model(self._model or request.model)(text, request.tools).message
 
     async def count_tokens(self, request: CanonicalRequest) -> int:
         raise PolarError(501, "invalid_request", f"{self.kind} engines cannot count tokens")
@@ -350,6 +391,55 @@ def _tool_calls(raw: Any) -> list[ToolCall]:
     return calls
 
 
+def _first_choice(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise _bad("not a JSON object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise _bad("no choices")
+    return choices[0]
+
+
+def parse_completion_response(data: Any) -> tuple[str, ParsedChat]:
+    """A vLLM ``/v1/completions`` answer to a token prompt (``return_token_ids``, ``logprobs``): the sampled text,
+    and everything else as for a chat answer (its message left empty for the caller's tool parser)."""
+    choice = _first_choice(data)
+    text = choice.get("text")
+    if not isinstance(text, str):
+        raise _bad("choices[0].text missing")
+    prompt_ids = _id_array(choice.get("prompt_token_ids"), "choices[0].prompt_token_ids")
+    if not prompt_ids:
+        raise _bad("no prompt token ids (is the engine new enough to return them?)")
+    response_ids = _int_list(choice.get("token_ids"), "choices[0].token_ids")
+    if response_ids is None:
+        raise _bad("no response token ids")
+    block = choice.get("logprobs")
+    values = block.get("token_logprobs") if isinstance(block, dict) else None
+    if not isinstance(values, list):
+        raise _bad("no logprobs (was logprobs honoured?)")
+    logprobs = _float_list(values, "choices[0].logprobs.token_logprobs")
+    if len(logprobs) != len(response_ids):
+        raise _bad(f"{len(logprobs)} logprobs for {len(response_ids)} response tokens")
+    finish = _FINISH_REASONS.get(str(choice.get("finish_reason")))
+    if finish is None:
+        raise _bad(f"unknown finish_reason {choice.get('finish_reason')!r}")
+    matched = choice.get("stop_reason")
+    usage = data.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return text, ParsedChat(
+        message=AssistantMessage(),
+        finish_reason=finish,
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        logprobs=logprobs,
+        served_model=data.get("model") if isinstance(data.get("model"), str) else None,
+        matched_stop=matched if isinstance(matched, str) else None,
+        weight_version=None,
+        cached_tokens=int(cached) if isinstance(cached, int) else None,
+    )
+
+
 def parse_chat_response(data: Any, prompt_ids: Sequence[int] | None = None) -> ParsedChat:
     """Read a non-streaming chat completion with token ids from SGLang or vLLM.
 
@@ -363,12 +453,7 @@ def parse_chat_response(data: Any, prompt_ids: Sequence[int] | None = None) -> P
     Logprobs: the triples when present (they carry their own ids, which must equal the response
     ids), else ``choices[0].logprobs.content[].logprob`` (must have one entry per id).
     """
-    if not isinstance(data, dict):
-        raise _bad("not a JSON object")
-    choices = data.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise _bad("no choices")
-    choice = choices[0]
+    choice = _first_choice(data)
     message = choice.get("message")
     if not isinstance(message, dict):
         raise _bad("choices[0].message missing")

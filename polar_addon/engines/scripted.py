@@ -35,6 +35,7 @@ from typing import Any
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
+from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
 from polar_addon.context_compaction import compaction_prompt, summarised_history
 from polar_addon.engines.local import LocalEngine
 from polar_addon.tool_parsers.calls import new_call_id
@@ -116,7 +117,11 @@ class ScriptedEngine:
             index %= len(turns)
         return turns[index]
 
-    def _complete_sync(self, request: CanonicalRequest) -> Completion:
+    def continuation(self, **kwargs: Any) -> DeltaPrompt | NoDelta:
+        return self.local.continuation(**kwargs)
+
+    def _complete_sync(self, request: CanonicalRequest, given_prompt: list[int] | None = None) -> Completion:
+        """``given_prompt`` (token input): the scripted turn's tokens are scored, and reported, after exactly it."""
         turn = self.turn_for(request)
         local = self.local
         temperature = request.sampling.effective_temperature()
@@ -131,6 +136,9 @@ class ScriptedEngine:
                     502, "api_error", "scripted turn: the chat template does not render it as a continuation of the prompt"
                 )
             tail = full[len(prompt) :]
+            if given_prompt is not None:
+                prompt = list(given_prompt)
+                local.check_context(len(prompt))
             end = next((i for i, token in enumerate(tail) if token in local.eos_ids), None)
             if end is None:
                 raise PolarError(502, "api_error", "scripted turn: the chat template rendered no end-of-turn token")
@@ -167,6 +175,11 @@ class ScriptedEngine:
 
     async def complete(self, request: CanonicalRequest) -> Completion:
         completion, _ = await asyncio.gather(asyncio.to_thread(self._complete_sync, request), asyncio.sleep(self.latency_s))
+        return completion
+
+    async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
+        completion, _ = await asyncio.gather(asyncio.to_thread(self._complete_sync, request, prompt_ids),
+                                             asyncio.sleep(self.latency_s))
         return completion
 
     async def count_tokens(self, request: CanonicalRequest) -> int:

@@ -60,7 +60,8 @@ def merge_sessions(
 ) -> list[SessionRecord]:
     """``updates`` are sessions-shard rows oldest first, ``rewards`` oldest first, ``calls`` rows with
     session_id, seq, status, task_id, group_id, sample_index, harness, started_at, prompt_len, response_len.
-    An explicit update wins over what the calls imply; a reward ends a session still ``running`` as completed."""
+    An explicit update wins over what the calls imply, later over earlier, except that ``error`` is final (no later
+    status replaces it); a reward ends a session still ``running`` as completed."""
     sessions: dict[str, SessionRecord] = {}
 
     def get(sid: str) -> SessionRecord:
@@ -79,6 +80,11 @@ def merge_sessions(
         record = get(update["session_id"])
         for name in _MERGED:
             if update.get(name) is not None:
+                if name == "status" and record.status == "error" and update[name] != "error":
+                    # An error is final: the proxy ends a session whose engine died (or a Ray driver one whose
+                    # node died) while its runner may still post completed with a reward afterwards; that
+                    # session's traces are broken and must stay masked.
+                    continue
                 setattr(record, name, update[name])
         if metadata:
             record.metadata.update(metadata)

@@ -25,7 +25,7 @@ QUARANTINE_DIR = "_quarantine"
 _TOKENS = pa.list_(pa.int32())
 
 # Columns added after the first release: older shards lack them, and readers see nulls there.
-LATER_COLUMNS = frozenset({"min_p"})
+LATER_COLUMNS = frozenset({"min_p", "prompt_source", "prompt_reason"})
 
 CALLS_SCHEMA = pa.schema(
     [
@@ -70,6 +70,8 @@ CALLS_SCHEMA = pa.schema(
         pa.field("tool_choice_json", pa.string()),
         pa.field("response_json", pa.string()),
         pa.field("error", pa.string()),
+        pa.field("prompt_source", pa.string()),
+        pa.field("prompt_reason", pa.string()),
     ]
 )
 

@@ -31,4 +31,28 @@ def get_parser(name: str) -> ToolParser:
         raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(sorted(PARSERS))}") from None
 
 
-__all__ = ["PARSERS", "ParsedTurn", "ToolParser", "get_parser", "new_call_id"]
+class ParserChoice:
+    """``polar_tool_parser``: one parser name for every model, or ``MODEL=NAME,...`` per served model (a bare
+    NAME among them is the default for the others; hermes when none is given)."""
+
+    def __init__(self, spec: str = "hermes") -> None:
+        self.default = "hermes"
+        self.by_model: dict[str, str] = {}
+        for part in (p.strip() for p in spec.split(",")):
+            if not part:
+                continue
+            model, sep, name = part.rpartition("=")
+            get_parser(name.strip())  # an unknown name fails at start, not on the first call
+            if sep:
+                self.by_model[model.strip()] = name.strip()
+            else:
+                self.default = name.strip()
+
+    def name_for(self, model: str) -> str:
+        return self.by_model.get(model, self.default)
+
+    def for_model(self, model: str) -> ToolParser:
+        return get_parser(self.name_for(model))
+
+
+__all__ = ["PARSERS", "ParsedTurn", "ParserChoice", "ToolParser", "get_parser", "new_call_id"]

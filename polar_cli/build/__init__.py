@@ -114,6 +114,8 @@ def build_session(
         traces=len(traces),
         traces_trainable=sum(t.trainable for t in traces),
         reward_reasons=dict(Counter(d.reason for d in decisions)),
+        prompt_sources=dict(Counter(r.prompt_source for r in usable if r.prompt_source)),
+        fresh_reasons=dict(Counter(r.prompt_reason for r in usable if r.prompt_source == "fresh" and r.prompt_reason)),
         prompt_tokens=sum(len(t.prompt_ids) for t in traces),
         completion_tokens=sum(len(t.completion_ids) for t in traces),
         trainable_tokens=sum(sum(t.loss_mask) for t in traces if t.trainable),

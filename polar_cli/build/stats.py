@@ -9,6 +9,10 @@
 - ``retokenized_merges``: merges where the next prompt re-tokenized a sampled turn (same text,
   other ids), merged as the paper does; the drift that remains inside merged traces. A build
   that does not merge them (``--retokenized break``) counts each under ``breaks`` instead.
+- ``prompt_sources``: calls by where their engine prompt came from (``continuity``: the previous prompt
+  and sampled ids plus the new messages' tokens; ``fresh``: a full render), and ``fresh_reasons``
+  why a call was rendered fresh (polar_addon.engines.tito); calls captured before polar recorded it
+  count under neither.
 - Token counts: what a trainer processes (prompt + completion per trace) and what it learns
   from (loss-mask-1 tokens of trainable traces).
 """
@@ -36,6 +40,8 @@ class BuildStats:
     traces: int = 0
     traces_trainable: int = 0
     reward_reasons: dict[str, int] = field(default_factory=dict)  # decision reason -> traces
+    prompt_sources: dict[str, int] = field(default_factory=dict)  # continuity | fresh -> calls
+    fresh_reasons: dict[str, int] = field(default_factory=dict)  # why fresh -> calls
     prompt_tokens: int = 0
     completion_tokens: int = 0
     trainable_tokens: int = 0
@@ -101,6 +107,15 @@ def harness_name(session_harness: str | None, user_agent: str | None) -> str:
     return label.split()[0].split("/")[0] or "unknown"
 
 
+def top_reasons(reasons: dict[str, int], n: int = 3) -> str:
+    """The ``n`` most frequent reasons as "reason count, ..." (a NoDelta's detail cut to its kind)."""
+    kinds: Counter[str] = Counter()
+    for reason, count in reasons.items():
+        kinds[reason.split(":", 1)[0]] += count
+    ranked = sorted(kinds.items(), key=lambda item: (-item[1], item[0]))[:n]
+    return ", ".join(f"{reason} {count}" for reason, count in ranked) or "-"
+
+
 def report_table(report: BuildReport, title: str = "Reconstruction") -> Any:
     """A rich Table: one column per harness plus the total, one row per figure."""
     from rich.table import Table
@@ -128,6 +143,9 @@ def report_table(report: BuildReport, title: str = "Reconstruction") -> Any:
     row("re-tokenized merges", lambda s: str(s.retokenized_merges))
     for cause in BreakCause:
         row(f"break: {cause.value}", lambda s, c=cause.value: str(s.breaks.get(c, 0)))
+    row("prompt: continuity", lambda s: str(s.prompt_sources.get("continuity", 0)))
+    row("prompt: fresh", lambda s: str(s.prompt_sources.get("fresh", 0)))
+    row("  top fresh reasons", lambda s: markup_safe(top_reasons(s.fresh_reasons)))
     row("traces (trainable)", lambda s: f"{s.traces} ({s.traces_trainable})")
     row("tokens processed", lambda s: f"{s.processed_tokens:,}")
     row("tokens trained", lambda s: f"{s.trainable_tokens:,}")

@@ -62,6 +62,10 @@ class LoopConfig:
     vllm_port: int | None = None  # None: a free port
     env: Mapping[str, str] = field(default_factory=dict)  # extra harness environment
     read_only: Sequence[Path] = ()
+    # Each rollout on this Ray cluster (``polar rollout --ray``): OUT, the model and every checkpoint must be at the
+    # same path on every node (a shared directory); training stays on this machine.
+    ray: str | None = None
+    ray_resource: str | None = None
 
 
 @dataclass
@@ -268,6 +272,13 @@ def rollout_config(config: LoopConfig, directory: Path, engine: str, seed: int, 
     )  # fmt: skip
 
 
+async def _ray_rollout(rollout: RolloutConfig, config: LoopConfig) -> RolloutResult:
+    from polar_cli.rollout.ray_backend import RayOptions, run_rollout_ray
+
+    assert config.ray is not None
+    return await run_rollout_ray(rollout, RayOptions(config.ray, config.ray_resource))
+
+
 def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None]) -> RolloutResult:
     idir = iteration_dir(config.out, i)
     idir.mkdir(parents=True)
@@ -275,7 +286,7 @@ def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Cal
     say(f"iteration {i}: rollout of {len(config.tasks)} tasks x {config.samples} samples on {policy}")
     rollout = rollout_config(config, idir, spec, config.seed + i, f"it{i:03d}")
     try:
-        result = asyncio.run(run_rollout(rollout))
+        result = asyncio.run(run_rollout(rollout) if config.ray is None else _ray_rollout(rollout, config))
     finally:
         shutil.rmtree(idir / "work", ignore_errors=True)
     (idir / "rollout-summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")

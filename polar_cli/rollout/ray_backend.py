@@ -1,6 +1,6 @@
 """``polar rollout --ray ADDRESS``: the rollout's sessions run on a Ray cluster, one worker actor per node.
 
-Each actor (pinned to its node with a hard node-affinity strategy, so exactly one per node) starts its own proxy on
+Each actor (pinned to its node, exactly one per node: see Placement below) starts its own proxy on
 that node's loopback (mitmdump + the polar addon, as the local runner does) writing to the one shared store (a
 directory every node sees at the same path, or an ``s3://`` URI), and runs the sessions the driver hands it through
 the same stages and code as the local runner (``runner._Runner.run_one``): at most ``concurrency`` harnesses at once
@@ -12,6 +12,16 @@ its queued sessions were never handed out (other nodes take them); the sessions 
 driver straight into the store (metadata ``reason: worker_lost``, masked for training) once Ray reports the actor
 dead. The dead proxy's journal holds everything it acknowledged; the driver's store adopts and seals it (the trace
 store's crash recovery), so nothing acknowledged is lost and nothing is written twice.
+
+Placement: a hard pin per node (``NodeAffinitySchedulingStrategy``), not Ray's ``SPREAD``. SPREAD is best effort:
+two actors may land on one node (say a node still joining, or another job's tasks in flux), which then runs two
+proxies and twice ``concurrency`` harnesses while another node idles: the over-packing that pushed a public run's
+errors from 4% to 54% (128 containers on one node). A ``STRICT_SPREAD`` placement group would give one bundle per
+node, but it waits until every bundle fits at once (one busy node holds the whole run back) and re-places a dead
+node's bundle elsewhere. The pin gives exactly one worker, one proxy and ``concurrency`` RUN slots per node; the
+sessions themselves are spread by the driver's queue (a node takes one whenever a slot frees, so faster nodes take
+more), and per-session Ray tasks are not used because each would need its own proxy. Nodes that join after the
+start are not used by that run.
 
 Nodes: every alive node with at least one CPU (start a head node with ``--num-cpus 0`` to keep sessions off it), or
 the nodes offering ``resource`` when given. Ray itself is the optional ``fleet`` extra.

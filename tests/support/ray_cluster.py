@@ -77,6 +77,24 @@ class RayNode:
                     pass
         return len(pids)
 
+    def processes(self) -> dict[int, str]:
+        """pid -> command line of every process of this node (its raylet, workers, proxy, harnesses)."""
+        out = {}
+        for pid in _session_pids(self.process.pid):
+            try:
+                out[pid] = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+        return out
+
+    def node_id(self) -> str:
+        """This node's Ray node id, read off its raylet's command line (no driver needed to ask the cluster)."""
+        for cmdline in self.processes().values():
+            for arg in cmdline.split():
+                if arg.startswith("--node_id="):
+                    return arg.split("=", 1)[1]
+        raise RuntimeError(f"no raylet with --node_id among the node's processes:\n{self.log.read_text()[-2000:]}")
+
 
 @dataclass
 class RayCluster:
@@ -104,10 +122,22 @@ class RayCluster:
                             "--temp-dir", str(self.temp / "h")], "head")
         self._wait(head)
         # Each node its own temp dir: nodes on one machine sharing the head's would share socket names.
-        started = [self._start(["--address", self.address, "--num-cpus", "2", "--resources", json.dumps(res),
-                                "--temp-dir", str(self.temp / f"w{i}")], f"worker{i}") for i, res in enumerate(workers)]
-        for node in started:
-            self._wait(node)
+        def worker(i: int, attempt: int) -> RayNode:
+            return self._start(["--address", self.address, "--num-cpus", "2", "--resources", json.dumps(workers[i]),
+                                "--temp-dir", str(self.temp / f"w{i}-{attempt}")], f"worker{i}-{attempt}")
+
+        started = [worker(i, 0) for i in range(len(workers))]
+        for i, node in enumerate(started):
+            try:
+                self._wait(node)
+            except RuntimeError:
+                # `ray start` gives a node 30 s (not configurable) to register with the head; on a loaded machine
+                # it can miss that once. Its leftovers die, and a fresh node takes its place in the list.
+                node.kill()
+                retry = worker(i, 1)
+                self.nodes.remove(retry)
+                self.nodes[self.nodes.index(node)] = retry
+                self._wait(retry)
 
     @staticmethod
     def _wait(node: RayNode, timeout_s: float = 180) -> None:

@@ -1,0 +1,133 @@
+"""Token-in/token-out across turns ("TITO"): what each session's engine prompt was, so its next prompt
+can be that prompt + the sampled ids + only the new messages' tokens (polar_addon.continuity_tokens).
+
+Plain bookkeeping, no I/O: the gateway remembers a :class:`Chain` after every ok call and asks
+:func:`plan_prompt` for the next call's prompt. A session keeps a few chains (a harness interleaves
+side calls, e.g. Claude Code's title and quota calls with their own system prompt, which must not end
+the main chain). Memory is bounded (least recently used sessions are forgotten): a forgotten session,
+like every session after a proxy restart, gets a full render and a new chain, never a wrong prompt.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from polar_addon.canonical import AssistantMessage, CanonicalRequest
+from polar_addon.continuity import Continues, check_continuity
+from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
+
+MAX_SESSIONS = 10_000
+CHAINS_PER_SESSION = 4
+
+CONTINUITY = "continuity"
+FRESH = "fresh"
+# prompt_reason of a fresh call that had nothing to continue.
+FIRST_CALL = "first_call"
+STATE_LOST = "state_lost"  # the history holds assistant turns this proxy has no tokens of (restart, eviction)
+TITO_OFF = "tito_off"
+NO_TOKEN_INPUT = "no_token_input"  # the engine takes no token prompt (polar_tito=auto)
+NO_DELTA = "no_delta"
+
+# Computes the continuation prompt with the engine's tokenizer and template (Engine.continuation).
+Continuation = Callable[..., DeltaPrompt | NoDelta]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The last call of a chain: the request as sent on, what polar returned, and its exact tokens."""
+
+    request: CanonicalRequest
+    returned: AssistantMessage
+    prompt_ids: Sequence[int]
+    sampled_ids: Sequence[int]
+    finish_reason: str
+    engine: str
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    prompt_ids: list[int] | None  # None: the engine renders the request in full
+    source: str  # CONTINUITY | FRESH
+    reason: str  # why fresh (a DivergeReason, NO_DELTA: ..., FIRST_CALL, ...); "continues" otherwise
+    continued: Chain | None = None  # the chain this call continues
+
+
+def _has_assistant_turn(request: CanonicalRequest) -> bool:
+    return any(isinstance(m, dict) and m.get("role") == "assistant" for m in request.messages)
+
+
+def plan_prompt(chains: Sequence[Chain], request: CanonicalRequest, engine: str, continuation: Continuation) -> PromptPlan:
+    """The prompt of ``request``: a continuation of the newest chain it continues, else a fresh render and why.
+
+    ``chains`` newest first. The reason of a fresh call is the newest chain's: that is the one a linear
+    session continues.
+    """
+    if not chains:
+        return PromptPlan(None, FRESH, STATE_LOST if _has_assistant_turn(request) else FIRST_CALL)
+    reason: str | None = None
+    for chain in chains:
+        if chain.engine != engine:
+            found = "engine_changed"
+        else:
+            verdict = check_continuity(chain.request, chain.returned, request)
+            if isinstance(verdict, Continues):
+                at = len(chain.request.messages)
+                delta = continuation(
+                    prompt_ids=chain.prompt_ids, sampled_ids=chain.sampled_ids,
+                    history=request.messages[: at + 1], new_messages=verdict.new_messages,
+                    tools=request.tools, enable_thinking=request.enable_thinking,
+                )
+                if isinstance(delta, DeltaPrompt):
+                    return PromptPlan(delta.prompt_ids, CONTINUITY, "continues", chain)
+                found = f"{NO_DELTA}: {delta.reason}"
+            else:
+                found = verdict.reason.value
+        reason = reason or found
+    return PromptPlan(None, FRESH, reason or FIRST_CALL)
+
+
+class TitoStore:
+    """Chains per session, bounded; most recently used session last."""
+
+    def __init__(self, *, max_sessions: int = MAX_SESSIONS, chains_per_session: int = CHAINS_PER_SESSION) -> None:
+        self.max_sessions = max_sessions
+        self.chains_per_session = chains_per_session
+        self._sessions: OrderedDict[str, list[Chain]] = OrderedDict()
+
+    def chains(self, session: str) -> list[Chain]:
+        """Newest first."""
+        chains = self._sessions.get(session)
+        if chains is None:
+            return []
+        self._sessions.move_to_end(session)
+        return list(chains)
+
+    def remember(self, session: str, chain: Chain, *, replaces: Chain | None = None) -> None:
+        """``chain`` as the newest of ``session``; it replaces the chain it continued."""
+        chains = [c for c in self._sessions.pop(session, []) if c is not replaces]
+        chains.insert(0, chain)
+        self._sessions[session] = chains[: self.chains_per_session]
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def forget(self, session: str) -> None:
+        self._sessions.pop(session, None)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+def tito_mode(value: str) -> str:
+    """``polar_tito``: auto (on for engines that take token input), on (the same, and say so for those that
+    cannot), off."""
+    mode = value.strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"polar_tito must be auto, on or off, not {value!r}")
+    return mode
+
+
+def accepts_tokens(engine: Any) -> bool:
+    return callable(getattr(engine, "complete_tokens", None)) and callable(getattr(engine, "continuation", None))

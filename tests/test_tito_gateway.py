@@ -1,0 +1,174 @@
+"""Token continuity in the gateway, in-process: the real openai_chat provider, the scripted engine on Qwen3's
+template, a real TraceStore. Calls that do not continue their chain are rendered fresh and say why; a new
+Gateway (what a proxy restart is) falls back to a fresh render; the per-session memory is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from polar_addon.canonical import AssistantMessage, CanonicalRequest
+from polar_addon.capture import Identity
+from polar_addon.engines import EnginePool
+from polar_addon.engines.scripted import ScriptedEngine
+from polar_addon.engines.tito import Chain, TitoStore, plan_prompt, tito_mode
+from polar_addon.gateway import Gateway, GatewayConfig, IncomingCall
+from polar_addon.store import TraceStore, read_records
+from polar_addon.tool_parsers import ParserChoice
+from polar_cli.build import build_traces
+from polar_cli.build.stats import top_reasons
+from tests.support.tito_sessions import TOOLS, qwen3_model, write_script
+
+
+@pytest.fixture(scope="module")
+def script(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tito-gw")
+    return write_script(qwen3_model(tiny_model_dir, root), root / "script.json")
+
+
+def chat_call(session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] = TOOLS, **body: Any) -> IncomingCall:
+    payload = {"model": "tiny", "max_tokens": 64, "messages": messages, "tools": tools, **body}
+    return IncomingCall(method="POST", path="/v1/chat/completions", headers={"user-agent": "OpenAI/Python 2.0"},
+                        body=orjson.dumps(payload), identity=Identity(session_id=session, source="header"))
+
+
+async def turn(gateway: Gateway, session: str, messages: list[dict[str, Any]], **body: Any) -> list[dict[str, Any]]:
+    """One call; the history with the returned assistant message (and a tool result per call) appended."""
+    reply = await gateway.handle(chat_call(session, messages, **body))
+    assert reply.status == 200, reply.body
+    message = orjson.loads(reply.body)["choices"][0]["message"]
+    sent = {"role": "assistant", "content": message.get("content"), **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {})}
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in message.get("tool_calls") or []]
+    return [*messages, sent, *results]
+
+
+START = [{"role": "system", "content": "You are a file assistant."}, {"role": "user", "content": "What is here?"}]
+
+
+def reasons(out: Path, session: str) -> list[tuple[str | None, str | None]]:
+    return [(r.prompt_source, r.prompt_reason) for r in read_records(str(out)) if r.session_id == session]
+
+
+def test_diverging_calls_are_fresh_with_their_reason(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+
+    async def main() -> None:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(out)))
+        history = await turn(gateway, "edit", START)
+        edited = copy.deepcopy(history)
+        edited[1]["content"] = "What is there?"
+        await turn(gateway, "edit", edited)
+        history = await turn(gateway, "system", START)
+        await turn(gateway, "system", [{"role": "system", "content": "You are a sub-agent."}, *history[1:]])
+        history = await turn(gateway, "tools", START)
+        await turn(gateway, "tools", history, tools=TOOLS[:1])
+        history = await turn(gateway, "sampling", START)
+        await turn(gateway, "sampling", history, temperature=0.5)
+        history = await turn(gateway, "retry", START)
+        await turn(gateway, "retry", START)  # the same request again: another sample, not a continuation
+        await gateway.close()
+
+    asyncio.run(main())
+    assert reasons(out, "edit") == [("fresh", "first_call"), ("fresh", "edited_history")]
+    assert reasons(out, "system") == [("fresh", "first_call"), ("fresh", "new_system_prompt")]
+    assert reasons(out, "tools") == [("fresh", "first_call"), ("fresh", "changed_tools")]
+    assert reasons(out, "sampling") == [("fresh", "first_call"), ("fresh", "changed_sampling")]
+    assert reasons(out, "retry") == [("fresh", "first_call"), ("fresh", "other")]
+    # polar stats: prompt sources per harness, with the top reasons.
+    report = build_traces(read_records(str(out)), {}).report
+    assert report.total.prompt_sources == {"fresh": 10}
+    assert top_reasons(report.total.fresh_reasons) == "first_call 5, changed_sampling 1, changed_tools 1"
+
+
+def test_a_restarted_proxy_renders_fresh_and_starts_a_new_chain(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+
+    async def main() -> None:
+        engine = ScriptedEngine(str(script))
+        gateway = Gateway(EnginePool([engine]), TraceStore(str(out)))
+        history = await turn(gateway, "s", START)
+        history = await turn(gateway, "s", history)
+        await gateway.store.aclose()
+        restarted = Gateway(EnginePool([engine]), TraceStore(str(out)))  # the token state is gone
+        history = await turn(restarted, "s", history)  # the answer: a new user turn follows
+        await turn(restarted, "s", [*history, {"role": "user", "content": "And now?"}])
+        await restarted.close()
+
+    asyncio.run(main())
+    assert reasons(out, "s") == [("fresh", "first_call"), ("continuity", "continues"), ("fresh", "state_lost"),
+                                 ("continuity", "continues")]
+    records = read_records(str(out))
+    # The fresh render after the restart is the engine's own full render of the history, not a guess.
+    assert records[2].prompt_ids[:1] == records[0].prompt_ids[:1]
+
+
+def test_side_calls_do_not_end_the_main_chain(script: Path, tmp_path: Path) -> None:
+    # Claude Code interleaves title and quota calls with their own system prompt in the same session.
+    out = tmp_path / "shards"
+
+    async def main() -> None:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(out)))
+        history = await turn(gateway, "main", START)
+        await turn(gateway, "main", [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "hi"}])
+        await turn(gateway, "main", history)
+        await gateway.close()
+
+    asyncio.run(main())
+    assert reasons(out, "main") == [("fresh", "first_call"), ("fresh", "new_system_prompt"), ("continuity", "continues")]
+
+
+def test_tito_off_renders_every_call_fresh(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+
+    async def main() -> None:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(out)), GatewayConfig(tito="off"))
+        await turn(gateway, "off", await turn(gateway, "off", START))
+        await gateway.close()
+
+    asyncio.run(main())
+    assert reasons(out, "off") == [("fresh", "tito_off"), ("fresh", "tito_off")]
+
+
+def test_the_store_is_bounded_and_keeps_a_few_chains_per_session() -> None:
+    store = TitoStore(max_sessions=2, chains_per_session=2)
+    chain = [Chain(CanonicalRequest("openai_chat", "m", []), AssistantMessage("x"), [1], [2], "stop", "e") for _ in range(3)]
+    for c in chain:
+        store.remember("a", c)
+    assert store.chains("a") == [chain[2], chain[1]]
+    store.remember("a", chain[0], replaces=chain[1])
+    assert store.chains("a") == [chain[0], chain[2]]
+    store.remember("b", chain[0])
+    store.remember("c", chain[0])
+    assert len(store) == 2 and store.chains("a") == []
+
+
+def test_a_session_on_another_engine_does_not_continue() -> None:
+    request = CanonicalRequest("openai_chat", "m", [{"role": "user", "content": "hi"}])
+    chain = Chain(request, AssistantMessage("x"), [1], [2], "stop", "engine-a")
+    nxt = CanonicalRequest("openai_chat", "m", [*request.messages, {"role": "assistant", "content": "x"},
+                                                {"role": "user", "content": "more"}])
+    plan = plan_prompt([chain], nxt, "engine-b", lambda **_: pytest.fail("no delta is computed"))
+    assert (plan.prompt_ids, plan.source, plan.reason) == (None, "fresh", "engine_changed")
+
+
+def test_tito_mode_values() -> None:
+    assert [tito_mode(v) for v in ("auto", " ON ", "off")] == ["auto", "on", "off"]
+    with pytest.raises(ValueError, match="auto, on or off"):
+        tito_mode("yes")
+
+
+def test_the_tool_parser_option_picks_a_parser_per_served_model() -> None:
+    choice = ParserChoice("qwen3_coder, coder-7b=hermes")
+    assert (choice.name_for("other"), choice.name_for("coder-7b")) == ("qwen3_coder", "hermes")
+    assert ParserChoice("").name_for("any") == "hermes"
+    turn = choice.for_model("coder-7b")('<tool_call>{"name": "ls", "arguments": {"path": "."}}</tool_call>', TOOLS)
+    assert [(c.name, c.arguments) for c in turn.message.tool_calls] == [("ls", '{"path":"."}')]
+    broken = choice.for_model("coder-7b")('<tool_call>{"name": "ls", "arguments": </tool_call>', TOOLS)
+    assert broken.parse_failed and "<tool_call>" in (broken.message.content or "")
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        ParserChoice("m=nope")
