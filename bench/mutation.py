@@ -234,9 +234,10 @@ def report() -> None:
         # An interrupted run (see --resume) leaves mutants with no verdict: counted, never as killed.
         not_run = (total - caught - stats["survived"] - stats["no_tests"] - stats["suspicious"]
                    - stats["check_was_interrupted_by_user"])
-        pct = 100.0 * caught / total if total else float("nan")
+        # Of the mutants run: a partial run's score is marked, never read as the module's.
+        pct = 100.0 * caught / (total - not_run) if total > not_run else float("nan")
         print(f"{module:28s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {not_run:8d}"
-              f" {pct:6.1f}%")
+              f" {pct:6.1f}%{' (partial)' if not_run else ''}")
 
 
 def main() -> None:
