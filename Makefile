@@ -7,6 +7,10 @@ BIN := $(VENV)/bin
 HARNESS_DIR := .harness
 TINY := models/tiny
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`; tests/conftest.py groups the tests so each engine/server fixture starts in
+# one worker only (--dist loadgroup), heaviest groups first (--no-loadscope-reorder keeps that order).
+PYTEST_WORKERS ?= 1
+XDIST_ARGS = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 .PHONY: install engine harnesses s3 browser sandbox model sglang-contract test test-fast demo demo-harness bench mutation clean
 
@@ -66,7 +70,7 @@ $(TINY)/config.json:
 	$(BIN)/polar tiny-model $(TINY)
 
 test: install engine harnesses s3 browser sandbox model sglang-contract
-	$(BIN)/python -m pytest -q -rs --durations=40 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs $(XDIST_ARGS) --durations=40 $(PYTEST_ARGS)
 
 # Unit and in-process tests only: no vLLM, no harness CLIs.
 test-fast: install sglang-contract

@@ -20,6 +20,8 @@ from polar_addon.engines.tito import Chain, TitoStore, plan_prompt, tito_mode
 from polar_addon.gateway import Gateway, GatewayConfig, IncomingCall
 from polar_addon.store import TraceStore, read_records
 from polar_addon.tool_parsers import ParserChoice
+from polar_cli.build import build_traces
+from polar_cli.build.stats import top_reasons
 from tests.support.tito_sessions import TOOLS, qwen3_model, write_script
 
 
@@ -77,6 +79,10 @@ def test_diverging_calls_are_fresh_with_their_reason(script: Path, tmp_path: Pat
     assert reasons(out, "tools") == [("fresh", "first_call"), ("fresh", "changed_tools")]
     assert reasons(out, "sampling") == [("fresh", "first_call"), ("fresh", "changed_sampling")]
     assert reasons(out, "retry") == [("fresh", "first_call"), ("fresh", "other")]
+    # polar stats: prompt sources per harness, with the top reasons.
+    report = build_traces(read_records(str(out)), {}).report
+    assert report.total.prompt_sources == {"fresh": 10}
+    assert top_reasons(report.total.fresh_reasons) == "first_call 5, changed_sampling 1, changed_tools 1"
 
 
 def test_a_restarted_proxy_renders_fresh_and_starts_a_new_chain(script: Path, tmp_path: Path) -> None:

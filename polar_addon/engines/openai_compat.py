@@ -391,15 +391,19 @@ def _tool_calls(raw: Any) -> list[ToolCall]:
     return calls
 
 
-def parse_completion_response(data: Any) -> tuple[str, ParsedChat]:
-    """A vLLM ``/v1/completions`` answer to a token prompt (``return_token_ids``, ``logprobs``): the sampled text,
-    and everything else as for a chat answer (its message left empty for the caller's tool parser)."""
+def _first_choice(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise _bad("not a JSON object")
     choices = data.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise _bad("no choices")
-    choice = choices[0]
+    return choices[0]
+
+
+def parse_completion_response(data: Any) -> tuple[str, ParsedChat]:
+    """A vLLM ``/v1/completions`` answer to a token prompt (``return_token_ids``, ``logprobs``): the sampled text,
+    and everything else as for a chat answer (its message left empty for the caller's tool parser)."""
+    choice = _first_choice(data)
     text = choice.get("text")
     if not isinstance(text, str):
         raise _bad("choices[0].text missing")
@@ -449,12 +453,7 @@ def parse_chat_response(data: Any, prompt_ids: Sequence[int] | None = None) -> P
     Logprobs: the triples when present (they carry their own ids, which must equal the response
     ids), else ``choices[0].logprobs.content[].logprob`` (must have one entry per id).
     """
-    if not isinstance(data, dict):
-        raise _bad("not a JSON object")
-    choices = data.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise _bad("no choices")
-    choice = choices[0]
+    choice = _first_choice(data)
     message = choice.get("message")
     if not isinstance(message, dict):
         raise _bad("choices[0].message missing")
