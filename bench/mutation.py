@@ -9,6 +9,7 @@ modules can be re-run one at a time. Prints killed / mutants per module; survivo
     .venv/bin/python bench/mutation.py                 # every module (tens of minutes on 2 cores)
     .venv/bin/python bench/mutation.py identity gateway  # some modules
     .venv/bin/python bench/mutation.py --report        # print the table of what has been run
+    .venv/bin/python bench/mutation.py --resume gateway  # take an interrupted run up where it stopped
 
 Mutants are CPU work: the runs are ``nice -n 19``; ``--lock FILE`` holds an flock around each module.
 """
@@ -135,8 +136,17 @@ def _not_killed(work: Path) -> dict[str, str]:
     return {name: status for name, status in rows}
 
 
-def run(module: str, lock: str | None, children: int, timeout_multiplier: float) -> None:
-    work = _scratch(module, timeout_multiplier)
+def run(module: str, lock: str | None, children: int, timeout_multiplier: float, resume: bool = False) -> None:
+    """Mutate the module and run every mutant; ``resume`` keeps an interrupted run's verdicts and runs the rest.
+
+    mutmut saves each verdict as it comes, so a big module (the gateway: hundreds of mutants at seconds each)
+    can be stopped and taken up again later instead of restarted.
+    """
+    work = WORK / module
+    if resume and (work / "mutants").exists():
+        _configure(module, work, timeout_multiplier)
+    else:
+        work = _scratch(module, timeout_multiplier)
     _mutmut(work, ["--max-children", str(children)], lock, "run.log")
     subprocess.run([str(MUTMUT), "export-cicd-stats"], cwd=work, env=_env(), capture_output=True, check=False)
     _not_killed(work)
@@ -213,7 +223,7 @@ def score(module: str) -> dict[str, int] | None:
 
 
 def report() -> None:
-    print(f"{'module':28s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'no tests':>9s} {'score':>7s}")
+    print(f"{'module':28s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'no tests':>9s} {'not run':>8s} {'score':>7s}")
     for module in MODULES:
         stats = score(module)
         if stats is None:
@@ -221,8 +231,13 @@ def report() -> None:
             continue
         caught = stats["killed"] + stats["timeout"] + stats["segfault"]
         total = stats["total"] - stats["skipped"]
-        pct = 100.0 * caught / total if total else float("nan")
-        print(f"{module:28s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {pct:6.1f}%")
+        # An interrupted run (see --resume) leaves mutants with no verdict: counted, never as killed.
+        not_run = (total - caught - stats["survived"] - stats["no_tests"] - stats["suspicious"]
+                   - stats["check_was_interrupted_by_user"])
+        # Of the mutants run: a partial run's score is marked, never read as the module's.
+        pct = 100.0 * caught / (total - not_run) if total > not_run else float("nan")
+        print(f"{module:28s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {not_run:8d}"
+              f" {pct:6.1f}%{' (partial)' if not_run else ''}")
 
 
 def main() -> None:
@@ -234,6 +249,8 @@ def main() -> None:
                         help="re-run each mutant mutmut stopped on time, without its time limits (see verify_timeouts)")
     parser.add_argument("--rerun-not-killed", action="store_true",
                         help="re-run only the mutants the last run of each module did not kill, with the current tests")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the verdicts of an interrupted run of each module and run only the mutants it left")
     parser.add_argument("--children", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout-multiplier", type=float, default=6.0,
                         help="a mutant is stopped after (its tests' clean time + 1 s) x this (default 6)")
@@ -246,9 +263,10 @@ def main() -> None:
             print(f"mutating {module} ...", flush=True)
             if args.verify_timeouts:
                 verify_timeouts(module)
+            elif args.rerun_not_killed:
+                rerun_not_killed(module, args.lock, args.children, args.timeout_multiplier)
             else:
-                (rerun_not_killed if args.rerun_not_killed else run)(module, args.lock, args.children,
-                                                                      args.timeout_multiplier)
+                run(module, args.lock, args.children, args.timeout_multiplier, resume=args.resume)
     report()
 
 

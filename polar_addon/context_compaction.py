@@ -71,7 +71,8 @@ def summary_message(summary: str) -> dict[str, Any]:
     return {"role": "user", "content": f"{POLAR_SUMMARY_PREFIX}\n\n{summary}"}
 
 
-def _text(content: Any) -> str:
+def message_text(content: Any) -> str:
+    """The text of a message's content: a string, or the text parts of a list of parts."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -87,12 +88,12 @@ def compaction_prompt(messages: list[dict[str, Any]]) -> str | None:
     """Which harness's compaction call this is (None: not one): its prompt is the last user message,
     or the system prompt (Gemini CLI, Qwen Code)."""
     if messages and messages[0].get("role") in ("system", "developer"):
-        found = _find(_text(messages[0].get("content")), PROMPT_MARKERS)
+        found = _find(message_text(messages[0].get("content")), PROMPT_MARKERS)
         if found is not None:
             return found
     for message in reversed(messages):
         if message.get("role") == "user":
-            return _find(_text(message.get("content")), PROMPT_MARKERS)
+            return _find(message_text(message.get("content")), PROMPT_MARKERS)
         if message.get("role") == "assistant":
             return None
     return None
@@ -102,7 +103,7 @@ def summarised_history(messages: list[dict[str, Any]]) -> str | None:
     """Which harness's compaction summary the conversation carries (None: an uncompacted history)."""
     for message in messages:
         if message.get("role") in ("user", "system", "developer"):
-            found = _find(_text(message.get("content")), SUMMARY_MARKERS)
+            found = _find(message_text(message.get("content")), SUMMARY_MARKERS)
             if found is not None:
                 return found
     return None

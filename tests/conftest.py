@@ -10,7 +10,7 @@
   stopped at session end. It runs with ``--enable-auto-tool-choice --tool-call-parser hermes`` and
   ``--logprobs-mode processed_logprobs``, so reported logprobs are log_softmax(logits / T).
 - ``vllm_small_window_server`` (module scope: stopped after the module that uses it; ``@pytest.mark.vllm``): the
-  same with ``--max-model-len 8192`` (``VLLM_SMALL_WINDOW``) and ``--enforce-eager``, for harness sessions that
+  same with ``--max-model-len 20480`` (``VLLM_SMALL_WINDOW``) and ``--enforce-eager``, for harness sessions that
   meet a real engine's window (tests/test_long_sessions_vllm.py).
 
 Parallel runs (``make test`` runs ``pytest -n 2 --dist loadgroup``): ``pytest_collection_modifyitems`` puts each
@@ -144,14 +144,15 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield url
 
 
-VLLM_SMALL_WINDOW = 8192
+VLLM_SMALL_WINDOW = 20480
 
 
 @pytest.fixture(scope="module")
 def vllm_small_window_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A second vLLM server with an 8k ``--max-model-len``: the harnesses meet a real engine's own window (its
-    refusals, its counts). ``--enforce-eager`` skips the compile step on CPU; an 8k window needs little KV cache."""
-    with _vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-8k"),
+    """A second vLLM server with a 20k ``--max-model-len``, above every harness's own first prompt: the harnesses
+    run past a real engine's own window (its refusals, its counts). ``--enforce-eager`` skips the compile step on
+    CPU; a 20k window of the tiny model needs little KV cache."""
+    with _vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-small-window"),
                ["--max-model-len", str(VLLM_SMALL_WINDOW), "--enforce-eager"], kv_cache_gib=1) as url:
         yield url
 

@@ -224,6 +224,32 @@ def test_compaction_breaks_the_chain_with_cause_compaction():
     assert [t.break_cause for t in result.traces] == ["compaction", None, None]
 
 
+GEMINI_PROMPT = "You are a component that specializes in distilling chat history into a structured XML <state_snapshot>."
+
+
+@pytest.mark.parametrize("summary, cause", [("no snapshot format, just words from a small model", "compaction"),
+                                            ("short", "rewritten_history")])
+def test_a_summary_without_its_marker_is_known_by_the_compaction_calls_answer(summary, cause):
+    """Gemini CLI's shape with a model that ignores the ``<state_snapshot>`` format: the history after the
+    compaction call carries that call's answer as it came, which alone marks it as the summary (an answer too
+    short to tell apart from chance text does not)."""
+    from tests.build_helpers import AgentSim, Turn
+
+    sim = AgentSim("compacting-unmarked")
+    system = {"role": "system", "content": "You are a counting agent."}
+    messages = [system, {"role": "user", "content": "count"}]
+    first = sim.call(messages, Turn(content="1 2 3"))
+    history = messages + [sim.sent_back(first)]
+    sim.call([{"role": "system", "content": GEMINI_PROMPT}, *history[1:], {"role": "user", "content": "Summarise."}],
+             Turn(content=summary), tools=[])
+    compressed = [system, {"role": "user", "content": summary}, {"role": "assistant", "content": "Got it."},
+                  {"role": "user", "content": "go on"}]
+    sim.call(compressed, Turn(content="4 5 6"))
+    built = build_traces(sim.records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    assert [t.calls_merged for t in built.traces] == [1, 1, 1]
+    assert built.report.total.breaks == ({"compaction": 2} if cause == "compaction" else {"compaction": 1, cause: 1})
+
+
 # --- Codex through the forward proxy: it compacts remotely, through polar --------------------------
 
 CODEX_TOOL_TURN = {"content": None, "tool_calls": [{"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "seq 1 50"}}}]}

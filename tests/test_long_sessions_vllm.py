@@ -1,11 +1,14 @@
-"""Real harnesses meet a real engine's own window: vLLM CPU with ``--max-model-len 8192``
-(``vllm_small_window_server``) behind a real mitmdump, each harness configured by its rollout preset with the
-window polar reads from vLLM's ``/v1/models``.
+"""Real harnesses meet a real engine's own window: vLLM CPU with ``--max-model-len 20480``
+(``vllm_small_window_server``: above every harness's own first prompt, Codex's ~15k the largest) behind a real
+mitmdump, each harness configured by its rollout preset with the window polar reads from vLLM's ``/v1/models``.
 
-The tiny random model never calls a tool, so a session cannot grow by tool rounds here: the harness's own
-prompt and a long instruction pass the window on the first call (Claude Code, Codex, Qwen Code), or a second
-prompt in the same session does (Pi, which sends each of several ``-p`` messages in turn). What each harness does
-then is the README's "Long sessions" table, now against vLLM's refusal and vLLM's counts.
+The tiny random model never calls a tool, so a session cannot grow by tool rounds here (the scripted engine's
+tool loops in tests/test_long_sessions.py do that): a first run with a long instruction passes the harness's
+compaction threshold, a second run continues the same session (``--continue``, ``exec resume``, ``--resume``; Pi
+sends several ``-p`` messages in one run), and the harness compacts by its own mechanism before that turn,
+answers from the summary and exits 0. The built traces break exactly at the compaction. Qwen Code, Gemini CLI
+and the forced overflows (a prompt past vLLM's window) run the same way in ``bench/long_sessions.py``, by hand:
+they would take this module past its time budget.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import pytest
 
 from polar_addon.context_compaction import compaction_prompt, summarised_history
 from polar_addon.store.validate import validate_store
+from polar_cli.build import build_traces
 from polar_cli.rollout.window import engine_window
+from tests.build_helpers import tiny_tokenizer
 from tests.conftest import VLLM_SMALL_WINDOW
 from tests.support.proxy import run_mitmdump
 
@@ -30,15 +35,16 @@ PROXY_OPTIONS = {"polar_shard_seconds": "0.5", "polar_keepalive": "600", "polar_
 
 
 def vllm_run(preset, tmp_path, url: str, session: str, commands, mode: str | None,
-             settings: tuple[str, dict] | None = None, extra_env: dict[str, str] | None = None, timeout: float = 180):
-    """Run ``preset`` as a rollout would (its config, its env, the window polar reads from the engine) against vLLM
-    through a real mitmdump: ``commands(ctx)`` gives the command lines, run one after the other in the same HOME."""
+             settings: tuple[str, dict] | None = None, extra_env: dict[str, str] | None = None, timeout: float = 180,
+             window: int | None = VLLM_SMALL_WINDOW):
+    """Run ``preset`` as a rollout would (its config, its env, the window polar reads from the engine; ``window=None``:
+    none told) against vLLM through a real mitmdump: ``commands(ctx)`` gives the command lines, run one after the
+    other in the same HOME."""
     from tests.support.harnesses import calls, configured_session, run
 
     home, out = tmp_path / "home", tmp_path / "shards"
     home.mkdir()
-    window = engine_window(f"vllm:{url}")
-    assert window == VLLM_SMALL_WINDOW  # what vLLM's /v1/models reports as max_model_len
+    assert engine_window(f"vllm:{url}") == VLLM_SMALL_WINDOW  # what vLLM's /v1/models reports as max_model_len
     with run_mitmdump(f"vllm:{url}", out, mode=mode, options=PROXY_OPTIONS) as proxy:
         ctx = configured_session(preset, proxy, home, session, window, settings)
         # ``run`` raises TimeoutExpired past its bound: a harness that hangs on the error fails the test.
@@ -76,7 +82,7 @@ def test_vllm_overflow_becomes_each_providers_error(vllm_small_window_server, ti
 
     from tests.support.shards import session_records
 
-    messages = [{"role": "user", "content": "Read this:" + WORD * 4500}]
+    messages = [{"role": "user", "content": "Read this:" + WORD * 10_500}]
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected = len(tok(text, add_special_tokens=False)["input_ids"])
@@ -92,7 +98,7 @@ def test_vllm_overflow_becomes_each_providers_error(vllm_small_window_server, ti
             ant.messages.create(model="tiny", max_tokens=8, messages=messages)
         (chat_record,) = session_records(proxy.out, "vllm-chat", include_failed=True, at_least=1)
         (ant_record,) = session_records(proxy.out, "vllm-ant", include_failed=True, at_least=1)
-    assert "at least 8193 input tokens" in chat_record.error  # vLLM's own words, kept
+    assert f"at least {VLLM_SMALL_WINDOW + 1} input tokens" in chat_record.error  # vLLM's own words, kept
     assert refused(chat_record) == refused(ant_record) == expected
     assert chat_err.value.code == "context_length_exceeded"
     assert f"maximum context length is {VLLM_SMALL_WINDOW} tokens" in chat_err.value.message
@@ -101,105 +107,89 @@ def test_vllm_overflow_becomes_each_providers_error(vllm_small_window_server, ti
                                            "message": f"prompt is too long: {expected} tokens > {VLLM_SMALL_WINDOW} maximum"}
 
 
-def test_claude_code_meets_vllms_window(vllm_small_window_server, tmp_path):
-    """Claude Code (its preset: ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` = vLLM's 8,192) with its own system prompt and
-    tools and a ~12k-token instruction: vLLM refuses the first call; a one-exchange conversation cannot be
-    compacted, so Claude Code ends at once with its own verdict, exit 1."""
-    from polar_cli.rollout.harnesses.claude_code import ClaudeCode
+def compacted_once(records, results, asks: str, summarises: str | None, side_calls: int = 0) -> list[int]:
+    """Every run exited 0 and every call was answered; the harness compacted once: one call, or a run of calls
+    back to back (Gemini CLI's snapshot and its self-check, Pi's history and turn-prefix summaries), asks for a
+    summary with its own prompt (``asks``), the calls after it carry the summary (``summarises``; None where the
+    summary is the tiny model's own text, which has no fixed marker: the build knows it as the compaction call's
+    answer). The built traces break at the compaction, with cause compaction, and elsewhere only where the proxy's
+    16-token cap cut an answer before its end-of-turn token (cause ``other``) or at ``side_calls`` side calls
+    (cause ``sub_agent``: Qwen Code's next-speaker check). Returns the compaction calls' seqs."""
+    for result in results:
+        assert result.returncode == 0, result.stdout[-1500:] + result.stderr[-1500:]
+    assert all(r.status == "ok" for r in records), [(r.seq, r.error) for r in records]
+    asking = [r.seq for r in records if compaction_prompt(r.messages) == asks]
+    assert asking and asking == list(range(asking[0], asking[-1] + 1)), asking
+    after = records[asking[-1] + 1:]
+    assert after, "nothing was sent after the compaction"
+    if summarises is not None:
+        assert all(summarised_history(r.messages) == summarises for r in after), [summarised_history(r.messages) for r in after]
+    built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
+    seq_of = {r.record_id: r.seq for r in records}
+    starts = sorted(seq_of[t.record_ids[0]] for t in built.traces)
+    print("trace starts", starts, built.report.total.breaks)
+    assert sum(t.calls_merged for t in built.traces) == len(records)
+    cut = {seq for seq in starts if seq and records[seq - 1].finish_reason == "length"}
+    assert {0, asking[0], asking[-1] + 1} <= set(starts), starts  # broken at the compaction, both sides
+    extra = set(starts) - {0, *asking, asking[-1] + 1}
+    breaks = dict(built.report.total.breaks)
+    assert breaks.pop("compaction") >= 1 and breaks.pop("sub_agent", 0) == side_calls
+    assert breaks.get("other", 0) <= len(cut) and set(breaks) <= {"other"}, built.report.total.breaks
+    assert len(extra) <= len(cut) + side_calls, (starts, cut)
+    return asking
 
-    preset = ClaudeCode()
-    (result,), records, logs = vllm_run(preset, tmp_path, vllm_small_window_server, "cc-8k",
-                                        lambda ctx: [preset.command("Summarise this text:" + WORD * 6000, ctx)],
-                                        mode="reverse:https://api.anthropic.com")
-    assert result.returncode == 1, result.stdout + result.stderr[-1500:] + logs
-    (call,) = records
-    prompt_tokens = refused(call)
-    assert prompt_tokens > 12_000
-    answer = orjson.loads(result.stdout)
-    assert (answer["is_error"], answer["terminal_reason"]) == (True, "prompt_too_long")
-    # It reads polar's "prompt is too long: N tokens > M maximum" (N: vLLM's count of the whole prompt).
-    said = answer["result"].replace(",", "")
-    assert said.startswith(f"Prompt is too long · the request is ~{prompt_tokens} tokens (limit {VLLM_SMALL_WINDOW})"), said
-    assert "A single-exchange conversation cannot be compacted" in answer["result"]
 
-
-def test_claude_code_continued_meets_vllms_window(vllm_small_window_server, tmp_path):
-    """Claude Code with a short system prompt and one tool: a first ``claude -p`` (~3.6k tokens) is answered,
-    then ``claude -p --continue`` adds a ~4.8k-token prompt to that conversation and vLLM refuses it. Claude Code
-    does not compact there (no summary call is sent): it ends with "Prompt is too long", exit 1."""
+def test_claude_code_compacts_on_vllm_and_exits_0(vllm_small_window_server, tmp_path):
+    """Claude Code (its preset: ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` = ``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` = 20,480
+    and an output cap of 2,560, so it compacts past 20,480 - 2,560 - 13,000 = 4,920 tokens of usage) with a short
+    system prompt and one tool: a first ``claude -p`` of ~5.6k tokens is answered. Past the threshold Claude Code
+    routes its compaction through its reactive path, which keeps the latest exchange and bails while nothing older
+    is left to summarise: the first ``claude -p --continue`` is sent as it is; the second compacts first with its
+    own summary prompt, answers on the summary and exits 0. (Without the auto-compact window Claude Code skips
+    proactive compaction altogether.)"""
     from polar_cli.rollout.harnesses.claude_code import ClaudeCode
 
     preset = ClaudeCode()
     short = ["--system-prompt", "You are a file finder.", "--tools", "Glob"]
-    (first, second), records, logs = vllm_run(
-        preset, tmp_path, vllm_small_window_server, "cc-8k-continued",
-        lambda ctx: [preset.command("Remember this:" + WORD * 1500, ctx) + short,
-                     preset.command("And this:" + WORD * 2400, ctx) + short + ["--continue"]],
+    results, records, logs = vllm_run(
+        preset, tmp_path, vllm_small_window_server, "cc-20k",
+        lambda ctx: [preset.command("Remember this:" + WORD * 2500, ctx) + short,
+                     preset.command("And now?", ctx) + short + ["--continue"],
+                     preset.command("And then?", ctx) + short + ["--continue"]],
         mode="reverse:https://api.anthropic.com")
-    assert first.returncode == 0, first.stdout + first.stderr[-1500:] + logs
-    assert second.returncode == 1, second.stdout + second.stderr[-1500:] + logs
-    answered, too_long = records
-    assert answered.status == "ok" and orjson.loads(first.stdout)["usage"]["input_tokens"] == len(answered.prompt_ids)
-    assert refused(too_long) > len(answered.prompt_ids) + 4_800
-    assert compaction_prompt(too_long.messages) is None
-    answer = orjson.loads(second.stdout)
-    assert (answer["is_error"], answer["result"], answer["terminal_reason"]) == (True, "Prompt is too long", "prompt_too_long")
+    assert 4_920 < len(records[0].prompt_ids) < VLLM_SMALL_WINDOW
+    assert compacted_once(records, results, "claude-code", "claude-code") == [2]
+    assert orjson.loads(results[2].stdout)["is_error"] is False
 
 
-def test_codex_meets_vllms_window(vllm_small_window_server, tmp_path):
+def test_codex_compacts_on_vllm_and_exits_0(vllm_small_window_server, tmp_path):
     """Codex on its default provider (Responses over the WebSocket, through the forward proxy; its preset:
-    ``model_context_window`` = 8,192): its own first prompt (~15k tokens of instructions and tools) is past
-    vLLM's window; the streamed ``response.failed`` / ``context_length_exceeded`` ends the run, exit 1."""
+    ``model_context_window`` = 20,480, auto-compact at 16,384): a first ``codex exec`` of ~16.6k tokens is
+    answered; ``codex exec resume --last`` compacts remotely through polar first (polar has vLLM write the
+    summary), answers on it and exits 0."""
     from polar_cli.rollout.harnesses.codex import Codex
 
     preset = Codex()
-    (result,), records, logs = vllm_run(preset, tmp_path, vllm_small_window_server, "codex-8k",
-                                        lambda ctx: [preset.command("Say hello.", ctx)], mode=None)
-    assert result.returncode == 1, result.stdout + result.stderr[-1500:] + logs
-    (call,) = records
-    assert call.api == "openai_responses" and refused(call) > 12_000
-    assert "ERROR: Codex ran out of room in the model's context window." in result.stderr, result.stderr[-1500:]
+    results, records, logs = vllm_run(
+        preset, tmp_path, vllm_small_window_server, "codex-20k",
+        lambda ctx: [preset.command("Remember this:" + WORD * 900, ctx),
+                     preset.command("Go on.", ctx)[:-1] + ["resume", "--last", "Go on."]], mode=None)
+    assert 16_384 < len(records[0].prompt_ids) < VLLM_SMALL_WINDOW
+    compacted_once(records, results, "polar", "polar")
 
 
-def test_qwen_code_meets_vllms_window(vllm_small_window_server, tmp_path):
-    """Qwen Code (its preset: ``contextWindowSize`` = 8,192) with its default system prompt and tools: they alone
-    pass vLLM's window. Qwen reads the overflow, compresses at once (its compression call, no tools, fits) and
-    retries; the retry is refused again (the system prompt and tools are not compressible) and the run ends with
-    its API error, exit 1, no hang."""
-    from polar_cli.rollout.harnesses.qwen_code import QwenCode
-
-    preset = QwenCode()
-    (result,), records, logs = vllm_run(preset, tmp_path, vllm_small_window_server, "qwen-8k",
-                                        lambda ctx: [preset.command("Say hello.", ctx)], mode="reverse:https://api.openai.com")
-    assert result.returncode == 1, result.stdout + result.stderr[-1500:] + logs
-    first, compression, retry = records
-    assert refused(first) > 20_000 and refused(retry) > 20_000  # Qwen's own prompt: ~30k tokens
-    assert compression.status == "ok" and compaction_prompt(compression.messages) == "qwen-code"
-    assert len(compression.prompt_ids) < VLLM_SMALL_WINDOW
-    assert (f"[API Error: 400 This model's maximum context length is {VLLM_SMALL_WINDOW} tokens. However, your messages "
-            f"resulted in {refused(retry)} tokens") in result.stderr, result.stderr[-1500:]
-
-
-def test_pi_meets_vllms_window(vllm_small_window_server, tmp_path):
-    """Pi (its preset: ``contextWindow`` = 8,192; ``reserveTokens`` 1,024 so it does not compact before the
-    overflow, ``keepRecentTokens`` 100) sends three prompts in one ``pi -p`` session: the first (~5.3k tokens) is
-    answered, the second passes vLLM's window. Pi recognises "maximum context length is N tokens", compacts with
-    its own checkpoint prompt (which fits) and retries on the summary, which vLLM answers; ``pi -p`` had already
-    read the refused turn, so it prints vLLM's error and exits 1."""
+def test_pi_compacts_on_vllm_and_exits_0(vllm_small_window_server, tmp_path):
+    """Pi (its preset: ``contextWindow`` = 20,480; ``reserveTokens`` 16,384, so it compacts past 4,096) sends three
+    prompts in one ``pi -p`` session: the first (~3.5k tokens) is answered, the second passes 4,096; Pi compacts
+    when that turn ends (its checkpoint prompt, keeping the second turn), and the third runs on the summary, below
+    the threshold again; exit 0."""
     from polar_cli.rollout.harnesses.pi import Pi
 
     preset = Pi()
-    (result,), records, logs = vllm_run(
-        preset, tmp_path, vllm_small_window_server, "pi-8k",
-        lambda ctx: [preset.command("Remember this:" + WORD * 1500, ctx) + ["And this:" + WORD * 1500, "Done?"]],
+    results, records, logs = vllm_run(
+        preset, tmp_path, vllm_small_window_server, "pi-20k",
+        lambda ctx: [preset.command("Remember this:" + WORD * 600, ctx) + ["And this:" + WORD * 600, "Done?"]],
         mode="reverse:https://api.openai.com",
-        settings=(".pi/agent/settings.json", {"compaction": {"reserveTokens": 1024, "keepRecentTokens": 100}}))
-    assert result.returncode == 1, result.stdout + result.stderr[-1500:] + logs
-    assert f"maximum context length is {VLLM_SMALL_WINDOW} tokens" in result.stderr, result.stderr[-1500:]
-    assert records[0].status == "ok" and 5_000 < len(records[0].prompt_ids) < VLLM_SMALL_WINDOW
-    failed = [r for r in records if r.status == "failed"]
-    assert failed[0].seq == 1 and all(refused(r) > len(records[0].prompt_ids) + 3_000 for r in failed)
-    (compaction,) = [r for r in records if compaction_prompt(r.messages) == "pi"]
-    assert compaction.status == "ok" and compaction.seq > 1 and len(compaction.prompt_ids) < VLLM_SMALL_WINDOW
-    retried = records[compaction.seq + 1:]
-    assert retried and all(r.status == "ok" and summarised_history(r.messages) == "pi" for r in retried)
+        settings=(".pi/agent/settings.json", {"compaction": {"reserveTokens": 16_384, "keepRecentTokens": 100}}))
+    assert len(records[0].prompt_ids) < 4_096 < len(records[1].prompt_ids)
+    assert compacted_once(records, results, "pi", "pi")[0] == 2

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import openai
 import orjson
 import pytest
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from polar_addon.canonical import ContextLengthExceeded, PolarError, ToolCall
 from polar_addon.context_compaction import POLAR_COMPACTION_PROMPT, encode_summary, summary_message
@@ -694,6 +696,8 @@ def test_parse_does_not_mutate_the_body() -> None:
          "input[0]: reasoning summary parts need a string 'text'"),
         ({"model": "m", "input": [{"type": "reasoning", "summary": ["x"]}]},
          "input[0]: reasoning summary parts need a string 'text'"),
+        ({"model": "m", "input": [{"type": "reasoning", "content": {"type": "reasoning_text", "text": "x"}}]},
+         "input[0]: reasoning 'content' must be a list"),
         ({"model": "m", "input": [{"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]}]},
          "input[0]: unsupported reasoning part type 'output_text'"),
         ({"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
@@ -1008,3 +1012,155 @@ def test_response_history_bounds_in_detail() -> None:
     provider.remember(second, "resp_2", [], prewarm=True)
     two = provider.history.entry("resp_2")
     assert (two.cost, two.prewarm, len(two.items)) == (one.cost + 10, True, 3)
+
+
+# ---------------------------------------------------------------- the stream as the spec assembles it
+
+STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+def _assemble(events: list[StreamEvent]) -> list[dict[str, Any]]:
+    """The output items as a client following the Responses streaming reference builds them: an item
+    starts as output_item.added announces it, a part as its *part.added event opens it, text grows by
+    the deltas, and each *.done event must carry exactly what was assembled so far."""
+    items: dict[int, dict[str, Any]] = {}
+    done: list[dict[str, Any]] = []
+    for event in events:
+        d = event.data
+        assert event.event == d["type"]  # the SSE event name is the data's type
+        kind = d["type"]
+        if kind == "response.output_item.added":
+            assert d["output_index"] == len(items)
+            items[d["output_index"]] = copy.deepcopy(d["item"])
+            continue
+        if "output_index" not in d:
+            continue
+        item = items[d["output_index"]]
+        assert kind == "response.output_item.done" or d["item_id"] == item["id"]
+        if kind in ("response.content_part.added", "response.reasoning_summary_part.added"):
+            parts = item["content" if kind == "response.content_part.added" else "summary"]
+            assert d["content_index" if "content_index" in d else "summary_index"] == len(parts)
+            parts.append(copy.deepcopy(d["part"]))
+        elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+            item["content"][d["content_index"]]["text"] += d["delta"]
+        elif kind == "response.reasoning_summary_text.delta":
+            item["summary"][d["summary_index"]]["text"] += d["delta"]
+        elif kind in ("response.output_text.done", "response.reasoning_text.done"):
+            assert d["text"] == item["content"][d["content_index"]]["text"]
+        elif kind == "response.reasoning_summary_text.done":
+            assert d["text"] == item["summary"][d["summary_index"]]["text"]
+        elif kind == "response.content_part.done":
+            assert d["part"] == item["content"][d["content_index"]]
+        elif kind == "response.reasoning_summary_part.done":
+            assert d["part"] == item["summary"][d["summary_index"]]
+        elif kind == "response.function_call_arguments.delta":
+            item["arguments"] += d["delta"]
+        elif kind == "response.function_call_arguments.done":
+            assert (d["name"], d["arguments"]) == (item["name"], item["arguments"])
+        elif kind == "response.custom_tool_call_input.delta":
+            item["input"] += d["delta"]
+        elif kind == "response.custom_tool_call_input.done":
+            assert d["input"] == item["input"]
+        elif kind == "response.output_item.done":
+            # Only the status moves on (in_progress -> completed); everything else was streamed.
+            assert {**item, "status": d["item"].get("status")} == {**d["item"], "status": d["item"].get("status")}
+            done.append(d["item"])
+        else:
+            raise AssertionError(f"unexpected event {kind}")
+    return done
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_CASES))
+def test_stream_events_assemble_the_final_items_as_the_spec_says(name: str) -> None:
+    """Every event validates strictly as the SDK's own ResponseStreamEvent (literal types, required
+    fields, logprobs a list); the items assembled from the events are the completed response's output;
+    an item is announced empty (no text, no parts, in_progress) and filled by the events that follow."""
+    request = parse(**STREAM_REQUEST)
+    events = list(PROVIDER.render_stream(request, STREAM_CASES[name], CTX))
+    for event in events:
+        STREAM_EVENT.validate_python(event.data, strict=True)
+    completed = events[-1].data["response"]
+    assert _assemble(events) == completed["output"]
+    for event in events:
+        if event.data["type"] == "response.output_item.added":
+            item = event.data["item"]
+            if item["type"] == "reasoning":
+                assert (item["summary"], item["content"]) == ([], [])
+            elif item["type"] == "message":
+                assert (item["status"], item["content"]) == ("in_progress", [])
+            elif item["type"] == "function_call":
+                assert (item["status"], item["arguments"]) == ("in_progress", "")
+            else:
+                assert (item["status"], item["input"]) == ("in_progress", "")
+        if event.data["type"].endswith("part.added"):
+            assert event.data["part"]["text"] == ""
+
+
+def test_routes_with_a_trailing_slash_or_a_question_mark_in_the_query() -> None:
+    assert PROVIDER.route("POST", "/v1/responses/") == Route(kind="generate")
+    assert PROVIDER.route("POST", "/v1/responses/compact/") == Route(kind="compact")
+    assert PROVIDER.route("POST", "/v1/responses?api-version=1?x") == Route(kind="generate")
+    assert PROVIDER.route("POST", "/v1/responsesX") is None  # only slashes are trimmed
+
+
+def test_a_reasoning_part_without_a_type_is_read_as_its_fields_kind() -> None:
+    request = parse(input=[{"type": "reasoning", "content": [{"text": "plan"}]}, {"role": "assistant", "content": "ok"}])
+    assert request.messages[-1] == {"role": "assistant", "content": "ok", "reasoning_content": "plan"}
+
+
+def test_a_custom_tool_whose_format_is_not_an_object_takes_free_text() -> None:
+    request = parse(tools=[{"type": "custom", "name": "note", "format": "text"}])
+    assert request.tools[0]["function"]["parameters"]["properties"]["input"] == {
+        "type": "string", "description": "The raw input of this tool (free text)."}
+
+
+def _sse_blocks(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of each SSE event, read as the SSE format defines it: blocks end in a blank line."""
+    *blocks, tail = raw.split(b"\n\n")
+    assert tail == b""
+    out = []
+    for block in blocks:
+        event, data = block.split(b"\n")
+        assert event.startswith(b"event: ") and data.startswith(b"data: ")
+        out.append((event[len(b"event: "):].decode(), orjson.loads(data[len(b"data: "):])))
+    return out
+
+
+def test_keepalives_are_whole_valid_events_of_the_stream() -> None:
+    provider = OpenAIResponsesProvider()
+    ctx = ResponseContext("resp_k2", 3, "qwen-test")
+    request = parse(provider, stream=True, temperature=0.5)
+    first = _sse_blocks(provider.keepalive(request, ctx))
+    later = _sse_blocks(provider.keepalive(request, ctx))
+    assert [name for name, _ in first] == ["response.created", "response.in_progress"] and [n for n, _ in later] == ["response.in_progress"]
+    for name, data in first + later:
+        STREAM_EVENT.validate_python(data, strict=True)
+        assert data["type"] == name and data["response"]["status"] == "in_progress"
+        assert (data["response"]["id"], data["response"]["temperature"]) == ("resp_k2", 0.5)
+    assert [d["sequence_number"] for _, d in first + later] == [0, 1, 2]
+    assert later[0][1]["response"] == first[1][1]["response"]
+
+
+def test_a_compact_request_whose_inputs_are_gone_keeps_no_window() -> None:
+    provider = OpenAIResponsesProvider()
+    compact = provider.parse_request({"model": "m", "input": "fix it"}, provider.route("POST", "/v1/responses/compact"))
+    copy_of = dataclasses.replace(compact)  # not the object parsed: its inputs are not known
+    answer = provider.render_response(copy_of, completion(content="S"), ResponseContext("resp_w", 0, "m"))
+    assert answer == {"output": [{"id": "cmp_w", "type": "compaction", "encrypted_content": encode_summary("S")}]}
+
+
+def test_a_streamed_compaction_assembles_as_the_spec_says() -> None:
+    provider = OpenAIResponsesProvider()
+    request = provider.parse_request({"model": "m", "stream": True, "input": [
+        {"role": "user", "content": "fix it"}, {"type": "compaction_trigger"}]}, GENERATE)
+    events = list(provider.render_stream(request, completion(content="summary"), CTX))
+    for event in events:
+        STREAM_EVENT.validate_python(event.data, strict=True)
+    item = {"id": "cmp_test1", "type": "compaction", "encrypted_content": encode_summary("summary")}
+    assert _assemble(events) == events[-1].data["response"]["output"] == [item]
+
+
+def test_a_grammar_tool_names_its_syntax_and_its_definition() -> None:
+    request = parse(tools=[APPLY_PATCH])
+    assert request.tools[0]["function"]["parameters"]["properties"]["input"]["description"] == (
+        "The raw input of this tool, written in this lark grammar:\n" + APPLY_PATCH["format"]["definition"])

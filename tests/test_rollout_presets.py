@@ -105,7 +105,8 @@ def test_preset_writes_the_window(harness: str, tmp_path: Path) -> None:
     preset.configure(tmp_path, ctx)
     env = preset.env(ctx)
     if harness == "claude-code":
-        assert (env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"], env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == (str(WINDOW), str(MAX_OUTPUT))
+        assert (env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"], env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"],
+                env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == (str(WINDOW), str(WINDOW), str(MAX_OUTPUT))
     elif harness == "codex":
         import tomllib
 
@@ -131,6 +132,19 @@ def test_preset_writes_the_window(harness: str, tmp_path: Path) -> None:
     preset.configure(home, bare)
     written = " ".join(p.read_text() for p in home.rglob("*") if p.is_file()) + json.dumps(preset.env(bare))
     assert str(WINDOW) not in written and str(MAX_OUTPUT) not in written
+
+
+def test_claude_code_caps_its_output_so_it_can_compact_below_the_window() -> None:
+    """Claude Code compacts proactively only with an auto-compact window set, past ``window - min(output cap,
+    20000) - 13000``: with its own 32k default cap a 32k window leaves a negative threshold, so with a window and
+    no cap given the preset caps answers at an eighth."""
+    from polar_cli.rollout.harnesses.claude_code import ClaudeCode
+
+    ctx = SessionContext(session_id="s", task_id="t", group_id="g", sample=0, model="m", proxy_url="http://127.0.0.1:1",
+                         reverse_url="http://127.0.0.1:2", ca_path="/ca.pem", home="/h", workspace="/w", context_window=32_768)
+    env = ClaudeCode().env(ctx)
+    assert (env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"], env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"],
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == ("32768", "32768", "4096")
 
 
 # --- the task set in both formats ---------------------------------------------------------------------------

@@ -15,7 +15,9 @@ of that ideal, and each gets one cause:
   turn, a re-serialized tool call, reasoning not sent back, changed tool definitions.
 - ``compaction``: the harness compacted the conversation: the call asks for a summary (its compaction
   prompt), or its history is a summary of the chain before it. Recognised by each harness's own fixed
-  texts (``polar_addon.context_compaction``); it starts a chain and cuts the one it summarised.
+  texts (``polar_addon.context_compaction``), or, for a summary without its harness's fixed text (a model that
+  ignored the summary format), by carrying what a captured compaction call answered; it starts a chain and cuts
+  the one it summarised.
 - ``sub_agent``: a different conversation in the same session (another system prompt, or another
   first user message while the parent conversation carries on). It starts a chain but cuts none.
 - ``other``: a repeated prompt (retry, parallel sample), a changed sampling temperature, no
@@ -33,7 +35,7 @@ from enum import StrEnum
 from typing import Any
 
 from polar_addon.capture import CaptureRecord
-from polar_addon.context_compaction import compaction_prompt, summarised_history
+from polar_addon.context_compaction import compaction_prompt, message_text, summarised_history
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -257,6 +259,8 @@ def _compaction_relation(new: Conversation, tips: list[CaptureRecord], olds: lis
                                    for old in olds):
         summary = None  # continues (or re-sends) a chain that already starts from this summary
     if asking is None and summary is None:
+        summary = _summary_answered_by(new, tips, olds)
+    if asking is None and summary is None:
         return None
     related = [i for i, old in enumerate(olds) if old.system == new.system] or list(range(len(olds)))
     if summary is not None:
@@ -267,6 +271,24 @@ def _compaction_relation(new: Conversation, tips: list[CaptureRecord], olds: lis
     detail = (f"{asking} compaction call (asks for a summary){after}" if asking is not None
               else f"history replaced by a {summary} compaction summary{after}")
     return Relation(Break(BreakCause.COMPACTION, detail), i)
+
+
+# Shorter answers could turn up in a history by chance.
+MIN_SUMMARY_CHARS = 16
+
+
+def _summary_answered_by(new: Conversation, tips: list[CaptureRecord], olds: list[Conversation]) -> str | None:
+    """The harness whose compaction call (a chain tip) answered the summary ``new``'s history carries, found by the
+    answer's text in a user or system message: Gemini CLI and Qwen Code put the model's summary in the history as
+    it came, so one that ignored the ``<state_snapshot>`` format has no fixed text to recognise."""
+    texts = [message_text(m.get("content")) for m in new.messages if m.get("role") in ("user", "system", "developer")]
+    for tip, old in zip(reversed(tips), reversed(olds)):
+        harness = compaction_prompt(old.messages)
+        answer = ((tip.response_message or {}).get("content") or "") if harness is not None else ""
+        answer = answer.strip() if isinstance(answer, str) else ""
+        if len(answer) >= MIN_SUMMARY_CHARS and any(answer in text for text in texts):
+            return harness
+    return None
 
 
 def as_compaction(record: CaptureRecord, brk: Break) -> Break:

@@ -3,7 +3,14 @@ on the API key (its API client cannot use a proxy URL that carries credentials),
 model, ``claude -p`` with permissions bypassed.
 
 Window: ``CLAUDE_CODE_MAX_CONTEXT_TOKENS`` is Claude Code's context window for a model whose name does not start
-with ``claude-`` (its auto-compaction works from it); ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` caps each answer.
+with ``claude-``; ``CLAUDE_CODE_MAX_OUTPUT_TOKENS`` caps each answer. Read from Claude Code 2.1's binary: it
+compacts *proactively* only when its auto-compact window comes from somewhere other than its own default (with
+that default it relies on reactive compaction after a "prompt is too long"), so the preset also sets
+``CLAUDE_CODE_AUTO_COMPACT_WINDOW`` (Claude Code takes ``min(context window, max(it, 100000))``: the served window
+below 100k). It then compacts once a call's usage passes ``window - min(output cap, 20000) - 13000``
+(``CLAUDE_AUTOCOMPACT_PCT_OVERRIDE`` only lowers that). Its own output cap for an unknown model (32,000) leaves
+no room below a window under ~33k, so when the user gives no cap the preset sets one at :data:`OUTPUT_SHARE` of
+the window; below ~15k no cap leaves a positive threshold.
 """
 
 from __future__ import annotations
@@ -16,6 +23,10 @@ from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 MODEL_VARS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
               "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")
+
+
+# Claude Code's default output cap for a model it does not know is 32,000 (it reserves up to 20,000 of it).
+OUTPUT_SHARE = 0.125
 
 
 class ClaudeCode(InstalledHarness):
@@ -42,8 +53,11 @@ class ClaudeCode(InstalledHarness):
         })
         if ctx.context_window:
             env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(ctx.context_window)
+            env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(ctx.context_window)
         if ctx.max_output_tokens:
             env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(ctx.max_output_tokens)
+        elif ctx.context_window:
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max(1, int(ctx.context_window * OUTPUT_SHARE)))
         return env
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
