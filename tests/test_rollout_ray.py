@@ -78,8 +78,8 @@ def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayClus
     _, w0, w1 = cluster.nodes  # head, worker 0 (polar_w0), worker 1 (polar_w1)
     survivor, victim = w0.node_id(), w1.node_id()
     store = tmp_path / "store"
-    # Each harness waits 2 s before its first call: the victim holds a running session when it dies.
-    harness = f"cmd:sleep 2; {sys.executable} {AGENT} {{instruction}}"
+    # Each harness waits 4 s before its first call: the victim still runs one when its finished one is seen stored.
+    harness = f"cmd:sleep 4; {sys.executable} {AGENT} {{instruction}}"
     rollout = subprocess.Popen(
         [sys.executable, "-m", "polar_cli.app", "rollout", str(SWE_MINI), "--harness", harness, "--samples", "2",
          "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "5",

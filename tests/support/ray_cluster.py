@@ -128,16 +128,20 @@ class RayCluster:
 
         started = [worker(i, 0) for i in range(len(workers))]
         for i, node in enumerate(started):
-            try:
-                self._wait(node)
-            except RuntimeError:
-                # `ray start` gives a node 30 s (not configurable) to register with the head; on a loaded machine
-                # it can miss that once. Its leftovers die, and a fresh node takes its place in the list.
-                node.kill()
-                retry = worker(i, 1)
-                self.nodes.remove(retry)
-                self.nodes[self.nodes.index(node)] = retry
-                self._wait(retry)
+            for attempt in range(1, 4):
+                try:
+                    self._wait(node)
+                    break
+                except RuntimeError:
+                    # `ray start` gives a node 30 s (not configurable) to register with the head; on a loaded
+                    # machine it can miss that. Its leftovers die, and a fresh node takes its place in the list.
+                    if attempt == 3:
+                        raise
+                    node.kill()
+                    retry = worker(i, attempt)
+                    self.nodes.remove(retry)
+                    self.nodes[self.nodes.index(node)] = retry
+                    node = retry
 
     @staticmethod
     def _wait(node: RayNode, timeout_s: float = 180) -> None:
