@@ -12,7 +12,6 @@ from __future__ import annotations
 import array
 import asyncio
 import logging
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -144,7 +143,7 @@ class HTTPEngine:
         self._session: aiohttp.ClientSession | None = None
         self._model: str | None = None
         # Token input (engines.tito) renders deltas with the served model's own tokenizer and template, read from
-        # tokenizer_dir (polar_tokenizer), else from the served model name when that is a local directory.
+        # tokenizer_dir (polar_tokenizer); without it every call is rendered by the engine in full.
         self.tokenizer_dir: str | None = None
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
@@ -219,16 +218,14 @@ class HTTPEngine:
         return {}
 
     def tokenizer(self) -> Any | None:
-        """The served model's tokenizer, or None when polar cannot know it (no polar_tokenizer, and the served
-        name is no local directory). Call off the event loop."""
+        """The served model's tokenizer, or None without polar_tokenizer. Call off the event loop."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                source = self.tokenizer_dir or (self._model if self._model and os.path.isdir(self._model) else None)
-                if source is None:
+                if not self.tokenizer_dir:
                     return None
                 from transformers import AutoTokenizer
 
-                self._tokenizer = AutoTokenizer.from_pretrained(source)
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
             return self._tokenizer
 
     def continuation(self, **kwargs: Any) -> DeltaPrompt | NoDelta:
