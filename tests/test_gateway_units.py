@@ -364,3 +364,27 @@ def test_slow_streams_keep_alive_in_each_providers_words(tiny_model_dir: Path, t
     assert failed.startswith(ping) and failed.replace(ping, b"") == (
         b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"polar internal error (ValueError)"}}\n\n')
     assert [r.getMessage() for r in caplog.records] == ["polar: rendering a stream failed"]
+
+
+def test_a_stream_that_fails_to_render_tells_its_status_in_geminis_words(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Gemini's error object carries the HTTP status (``code``): a rendering failure after the headers is a 500."""
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.2, "turns": [{"content": "Hi."}]}))
+    path = "/v1beta/models/tiny:streamGenerateContent?alt=sse"
+
+    async def main() -> bytes:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(slow))]), TraceStore(str(tmp_path / "shards")), GatewayConfig(keepalive_s=0.05))
+        provider, _ = gateway.match("POST", path)
+
+        def broken(*args: Any) -> Any:
+            raise ValueError("cannot render")
+
+        monkeypatch.setattr(provider, "render_stream", broken)
+        reply = await gateway.handle(call(path, {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}))
+        assert isinstance(reply, StreamReply)
+        body = b"".join([c async for c in reply.chunks])
+        await gateway.close()
+        return body
+
+    body = asyncio.run(main())
+    assert body.lstrip(b"\n") == b'data: {"error":{"code":500,"message":"polar internal error (ValueError)","status":"INTERNAL"}}\n\n'
