@@ -9,7 +9,7 @@ TINY := models/tiny
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`; tests/conftest.py groups the tests so each engine/server fixture starts in
 # one worker only (--dist loadgroup), heaviest groups first (--no-loadscope-reorder keeps that order).
-PYTEST_WORKERS ?= 1
+PYTEST_WORKERS ?= 2
 XDIST_ARGS = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 .PHONY: install engine harnesses s3 browser sandbox model sglang-contract test test-fast demo demo-harness bench mutation clean
