@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import orjson
 import pytest
 
 import polar_addon.gateway as gateway_module
-from polar_addon.canonical import ContextLengthExceeded, PolarError, ToolCall
+from polar_addon.canonical import ContextLengthExceeded, EngineFault, PolarError, ToolCall
 from polar_addon.capture import Identity
 from polar_addon.engines import EnginePool
 from polar_addon.engines.scripted import ScriptedEngine
@@ -388,3 +389,200 @@ def test_a_stream_that_fails_to_render_tells_its_status_in_geminis_words(tiny_mo
 
     body = asyncio.run(main())
     assert body.lstrip(b"\n") == b'data: {"error":{"code":500,"message":"polar internal error (ValueError)","status":"INTERNAL"}}\n\n'
+
+
+# ---------------------------------------------------------------- engine failures, end to end in-process
+
+
+PI_SYSTEM = "You are an expert coding assistant operating inside pi, a coding agent harness. Be brief."
+
+
+def test_an_engine_taken_out_ends_its_sessions_and_refuses_their_next_calls(script: Path, tmp_path: Path) -> None:
+    """Two engines, one strike takes one out: the sessions on it end as error, and a later call of one of them is
+    refused in the caller's shape and recorded as the failed call it was (its request, its harness)."""
+    out = tmp_path / "shards"
+    second = tmp_path / "script2.json"
+    second.write_bytes(script.read_bytes())
+
+    async def steps(gateway: Gateway) -> list[tuple[int, Any]]:
+        first = gateway.pool.engines[0]
+        replies = [await gateway.handle(call(MESSAGES, anthropic(), session=s)) for s in ("a", "b")]  # e0, e1
+
+        async def unreachable(request: Any) -> Any:
+            raise EngineFault(502, "api_error", "engine unreachable", refused=True)
+
+        first.complete = unreachable  # type: ignore[method-assign]
+        replies.append(await gateway.handle(call(MESSAGES, anthropic(), session="c")))  # e0 (tie on load): it fails
+        replies.append(await gateway.handle(call(MESSAGES, anthropic(max_tokens=9), session="a")))  # its engine is out
+        return [(r.status, orjson.loads(r.body)) for r in replies]
+
+    pool = EnginePool([ScriptedEngine(str(script)), ScriptedEngine(str(second))], max_strikes=1)
+
+    async def main() -> list[tuple[int, Any]]:
+        gateway = Gateway(pool, TraceStore(str(out)))
+        try:
+            return await steps(gateway)
+        finally:
+            await gateway.close()
+
+    replies = asyncio.run(main())
+    assert [status for status, _ in replies] == [200, 200, 502, 502]
+    assert replies[2][1] == {"type": "error", "error": {"type": "api_error", "message": "engine unreachable"}}
+    assert replies[3][1]["error"]["message"].startswith("the engine serving this session was taken out after failing")
+    rows = {r["session_id"]: r for r in read_table(str(out), "sessions").to_pylist()}
+    for session in ("a", "c"):  # both were on the engine taken out
+        assert rows[session]["status"] == "error" and rows[session]["ended_at"] is not None
+        assert orjson.loads(rows[session]["metadata_json"]) == {"error": f"engine scripted:{script} taken out mid-session"}
+    assert rows["b"]["status"] == "running"
+    failed = sorted((r for r in read_records(str(out)) if r.status == "failed"), key=lambda r: r.session_id)
+    assert [(r.session_id, r.api, r.engine) for r in failed] == [("a", "anthropic_messages", None),
+                                                                 ("c", "anthropic_messages", f"scripted:{script}")]
+    refused = failed[0]
+    assert refused.error.startswith("502 api_error: the engine serving this session was taken out")
+    assert (refused.seq, refused.requested_model, refused.max_tokens, refused.harness) == (1, "tiny", 9, "claude-cli/2.1.197")
+    assert orjson.loads(refused.messages_json) == [{"role": "user", "content": "hi"}]
+
+
+def test_an_engine_bug_or_an_unusable_logprob_is_recorded_with_the_engine_and_the_call(script: Path, tmp_path: Path,
+                                                                                       caplog) -> None:
+    out = tmp_path / "shards"
+
+    async def steps(gateway: Gateway) -> list[tuple[int, Any]]:
+        engine = gateway.pool.engines[0]
+        real_complete = engine.complete
+
+        async def broken(request: Any) -> Any:
+            raise KeyError("choices")
+
+        async def nan_logprob(request: Any) -> Any:
+            done = await real_complete(request)
+            return replace(done, logprobs=[float("nan"), *done.logprobs[1:]])
+
+        replies = []
+        for fault, session in ((broken, "bug"), (nan_logprob, "nan")):
+            engine.complete = fault  # type: ignore[method-assign]
+            with caplog.at_level("ERROR", logger="polar"):
+                replies.append(await gateway.handle(call(MESSAGES, anthropic(max_tokens=7), session=session)))
+        return [(r.status, orjson.loads(r.body)) for r in replies]
+
+    replies = run(script, out, steps)
+    engine = f"scripted:{script}"
+    unusable = f"engine {engine} answered an unusable logprob: token 0 has logprob nan (not finite)"
+    assert replies == [
+        (502, {"type": "error", "error": {"type": "api_error", "message": "engine error (KeyError); see the proxy log"}}),
+        (502, {"type": "error", "error": {"type": "api_error", "message": unusable}}),
+    ]
+    # The engine's own words (they may name its URL) stay in the proxy log, with the engine named.
+    assert [r.getMessage() for r in caplog.records] == [f"polar: engine {engine} failed"]
+    records = sorted(read_records(str(out)), key=lambda r: r.session_id)
+    assert [(r.session_id, r.status, r.error) for r in records] == [
+        ("bug", "failed", "502 api_error: engine error (KeyError); see the proxy log"),
+        ("nan", "failed", f"502 api_error: {unusable}")]  # sorted by session
+    for record in records:
+        assert (record.api, record.engine, record.requested_model, record.max_tokens) == ("anthropic_messages", engine, "tiny", 7)
+        assert orjson.loads(record.messages_json) == [{"role": "user", "content": "hi"}]
+
+
+def test_a_harness_named_by_its_system_prompt_is_recorded_on_the_session_and_on_a_failed_call(script: Path,
+                                                                                               tmp_path: Path) -> None:
+    """Pi speaks through the SDK's User-Agent; its system prompt names it, on the session row and on each record."""
+    out = tmp_path / "shards"
+
+    def pi_call(session: str) -> IncomingCall:
+        incoming = call(MESSAGES, anthropic(system=PI_SYSTEM), session=session)
+        return replace(incoming, headers={"user-agent": "Anthropic/JS 0.60.0"})
+
+    async def steps(gateway: Gateway) -> list[int]:
+        statuses = [(await gateway.handle(pi_call("ok"))).status]
+
+        async def busy(request: Any) -> Any:
+            raise PolarError(503, "overloaded", "engine busy")
+
+        gateway.pool.engines[0].complete = busy  # type: ignore[method-assign]
+        statuses.append((await gateway.handle(pi_call("busy"))).status)
+        return statuses
+
+    assert run(script, out, steps) == [200, 503]
+    pi = "pi (Anthropic/JS 0.60.0)"
+    assert {r["session_id"]: r["harness"] for r in read_table(str(out), "sessions").to_pylist()} == {"ok": pi, "busy": pi}
+    assert sorted((r.session_id, r.status, r.harness) for r in read_records(str(out))) == [("busy", "failed", pi), ("ok", "ok", pi)]
+
+
+def test_a_failed_call_whose_record_cannot_be_stored_is_logged(script: Path, tmp_path: Path, caplog) -> None:
+    """The failure is answered either way; losing its record is said in the log, with the session."""
+    out = tmp_path / "shards"
+
+    async def steps(gateway: Gateway) -> list[int]:
+        failures = iter([StorageUnavailable("disk full"), ValueError("column overflow")])
+
+        async def append(record: Any) -> None:
+            raise next(failures)
+
+        gateway.store.append = append  # type: ignore[method-assign]
+        with caplog.at_level("WARNING", logger="polar"):
+            return [(await gateway.handle(call(MESSAGES, None, raw=b"{nope", session=s))).status for s in ("w1", "w2")]
+
+    assert run(script, out, steps) == [400, 400]
+    assert [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+        ("WARNING", "polar: could not record failed call for session 'w1': disk full", False),
+        ("ERROR", "polar: could not record failed call for session 'w2'", True)]
+
+
+def test_an_engine_error_after_the_keepalives_ends_a_responses_stream_in_its_failed_event(tiny_model_dir: Path,
+                                                                                          tmp_path: Path) -> None:
+    """Headers are out: the engine's own error (its kind, its message) is told as ``response.failed``, numbered
+    on from the keep-alives and naming the response the prelude announced."""
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.2, "turns": [{"content": "Hi."}]}))
+
+    async def main() -> bytes:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(slow))]), TraceStore(str(tmp_path / "shards")), GatewayConfig(keepalive_s=0.05))
+        engine = gateway.pool.engines[0]
+
+        async def busy(request: Any) -> Any:
+            await asyncio.sleep(0.2)  # past the first keep-alives
+            raise PolarError(503, "overloaded", "engine busy")
+
+        engine.complete = busy  # type: ignore[method-assign]
+        reply = await gateway.handle(call("/v1/responses", {"model": "tiny", "input": "hi", "stream": True}))
+        assert isinstance(reply, StreamReply)
+        body = b"".join([c async for c in reply.chunks])
+        await gateway.close()
+        return body
+
+    events = [orjson.loads(line[6:]) for line in asyncio.run(main()).split(b"\n") if line.startswith(b"data: ")]
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    failed = events[-1]
+    assert failed["type"] == "response.failed" and events[-2]["type"] == "response.in_progress"
+    assert failed["response"]["id"] == events[0]["response"]["id"] and failed["response"]["model"] == "tiny"
+    assert failed["response"]["error"] == {"code": "server_is_overloaded", "message": "engine busy"}
+
+
+def test_a_continued_session_hands_the_engine_its_planned_token_prompt(script: Path, tmp_path: Path) -> None:
+    """Token continuity: the second call of a session continues the first one's tokens, and the engine is given
+    exactly that prompt (recorded as a continuity prompt); another session starts fresh."""
+    out = tmp_path / "shards"
+    given: list[list[int]] = []
+
+    async def steps(gateway: Gateway) -> None:
+        engine = gateway.pool.engines[0]
+        real = engine.complete_tokens
+
+        async def spy(request: Any, prompt_ids: list[int]) -> Any:
+            given.append(list(prompt_ids))
+            return await real(request, prompt_ids)
+
+        engine.complete_tokens = spy  # type: ignore[method-assign]
+        first = orjson.loads((await gateway.handle(call(MESSAGES, anthropic(), session="t"))).body)
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first["content"]},
+                   {"role": "user", "content": "and then?"}]
+        for session in ("t", "u"):
+            assert (await gateway.handle(call(MESSAGES, anthropic(messages=history), session=session))).status == 200
+
+    run(script, out, steps)
+    first, continued, other = sorted(read_records(str(out)), key=lambda r: (r.session_id, r.seq))
+    assert [(r.session_id, r.prompt_source, r.prompt_reason) for r in (first, continued, other)] == [
+        ("t", "fresh", "first_call"), ("t", "continuity", "continues"), ("u", "fresh", "state_lost")]
+    assert given == [continued.prompt_ids]
+    assert continued.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
