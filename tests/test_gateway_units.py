@@ -586,3 +586,31 @@ def test_a_continued_session_hands_the_engine_its_planned_token_prompt(script: P
         ("t", "fresh", "first_call"), ("t", "continuity", "continues"), ("u", "fresh", "state_lost")]
     assert given == [continued.prompt_ids]
     assert continued.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+
+
+@pytest.mark.parametrize(("tito", "token_input", "reason"), [("off", True, "tito_off"), ("auto", False, "no_token_input")])
+def test_without_token_continuity_every_call_is_rendered_fresh_and_says_why(script: Path, tmp_path: Path, tito: str,
+                                                                           token_input: bool, reason: str) -> None:
+    """``polar_tito=off``, or an engine that takes no token prompt: each call is rendered in full (never through
+    ``complete_tokens``), recorded as fresh with the reason, and no chain is kept for the session."""
+    out = tmp_path / "shards"
+    given: list[list[int]] = []
+
+    async def steps(gateway: Gateway) -> Any:
+        engine = gateway.pool.engines[0]
+        real = engine.complete_tokens
+
+        async def spy(request: Any, prompt_ids: list[int]) -> Any:
+            given.append(list(prompt_ids))
+            return await real(request, prompt_ids)
+
+        engine.complete_tokens = spy if token_input else None  # type: ignore[method-assign]
+        first = orjson.loads((await gateway.handle(call(MESSAGES, anthropic(), session="t"))).body)
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first["content"]},
+                   {"role": "user", "content": "and then?"}]
+        assert (await gateway.handle(call(MESSAGES, anthropic(messages=history), session="t"))).status == 200
+        return gateway.tito.chains("t")
+
+    assert run(script, out, steps, GatewayConfig(tito=tito)) == []
+    assert given == []
+    assert [(r.prompt_source, r.prompt_reason) for r in read_records(str(out))] == [("fresh", reason)] * 2
