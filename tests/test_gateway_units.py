@@ -229,12 +229,12 @@ def test_stream_answered_whole_when_ready_else_kept_alive(script: Path, tiny_mod
     assert kept_body.replace(ping, b"") == fast_body.replace(fast_id, kept_id)
 
 
-def test_a_store_that_refuses_the_record(script: Path, tmp_path: Path) -> None:
+def test_a_store_that_refuses_the_record(script: Path, tmp_path: Path, caplog) -> None:
     out = tmp_path / "shards"
 
     async def steps(gateway: Gateway) -> list[tuple[int, Any]]:
         real_append = gateway.store.append
-        failures = iter([StorageUnavailable("disk full"), ValueError("column overflow")])
+        failures = iter([StorageUnavailable("disk full"), ValueError("column overflow"), StorageUnavailable("disk full")])
 
         async def append(record: Any) -> None:
             if record.status == "ok":
@@ -242,16 +242,24 @@ def test_a_store_that_refuses_the_record(script: Path, tmp_path: Path) -> None:
             await real_append(record)
 
         gateway.store.append = append  # type: ignore[method-assign]
-        replies = [await gateway.handle(call(MESSAGES, anthropic())) for _ in range(2)]
+        with caplog.at_level("ERROR", logger="polar"):
+            replies = [await gateway.handle(call(MESSAGES, anthropic(), session=s)) for s in ("s1", "s2")]
+        # OpenAI's error carries the kind as its code (Anthropic's type is api_error for both).
+        replies.append(await gateway.handle(call(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]})))
         return [(r.status, orjson.loads(r.body)["error"]) for r in replies]
 
     assert run(script, out, steps) == [
         (503, {"type": "api_error",
                "message": "polar could not persist this call (disk full); retry later"}),
         (500, {"type": "api_error", "message": "polar could not record this call (ValueError)"}),
+        (503, {"type": "server_error", "code": "storage_unavailable", "param": None,
+               "message": "polar could not persist this call (disk full); retry later"}),
     ]
+    assert [(r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
+        ("polar: the store refused a record of session s2", True)]
     [failed] = read_records(str(out))
-    assert failed.error == "500 api_error: polar could not record this call (ValueError)"
+    assert (failed.session_id, failed.api, failed.error) == ("s2", "anthropic_messages",
+                                                             "500 api_error: polar could not record this call (ValueError)")
 
 
 # ---------------------------------------------------------------- what the gateway remembers
@@ -579,12 +587,18 @@ def test_a_continued_session_hands_the_engine_its_planned_token_prompt(script: P
                    {"role": "user", "content": "and then?"}]
         for session in ("t", "u"):
             assert (await gateway.handle(call(MESSAGES, anthropic(messages=history), session=session))).status == 200
+        # The continued chain replaces the one it continued: one chain per session, holding the whole history.
+        [chain] = gateway.tito.chains("t")
+        assert len(chain.request.messages) == 3 and chain.engine == engine.name
 
     run(script, out, steps)
     first, continued, other = sorted(read_records(str(out)), key=lambda r: (r.session_id, r.seq))
     assert [(r.session_id, r.prompt_source, r.prompt_reason) for r in (first, continued, other)] == [
         ("t", "fresh", "first_call"), ("t", "continuity", "continues"), ("u", "fresh", "state_lost")]
     assert given == [continued.prompt_ids]
+    for record in (first, continued, other):  # what every answered call records besides its tokens
+        assert record.harness == "claude-cli/2.1.197" and record.started_at <= record.finished_at
+        assert 0 <= record.engine_latency_s <= record.finished_at - record.started_at
     assert continued.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
 
 
