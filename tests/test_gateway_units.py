@@ -628,3 +628,185 @@ def test_without_token_continuity_every_call_is_rendered_fresh_and_says_why(scri
     assert run(script, out, steps, GatewayConfig(tito=tito)) == []
     assert given == []
     assert [(r.prompt_source, r.prompt_reason) for r in read_records(str(out))] == [("fresh", reason)] * 2
+
+
+# ---------------------------------------------------------------- routes and shapes the engine never sees
+
+
+def test_claude_codes_account_calls_are_answered_locally(script: Path, tmp_path: Path) -> None:
+    from polar_addon.providers.anthropic_messages import POLICY_LIMITS_BODY
+
+    async def steps(gateway: Gateway) -> list[tuple[int, Any]]:
+        replies = [await gateway.handle(IncomingCall("GET", path, {}, b"", Identity(session_id="s1", source="header")))
+                   for path in ("/api/claude_code/policy_limits?x=1", "/api/oauth/profile")]
+        return [(r.status, orjson.loads(r.body)) for r in replies]
+
+    out = tmp_path / "shards"
+    assert run(script, out, steps) == [
+        (200, POLICY_LIMITS_BODY),
+        (404, {"type": "error", "error": {"type": "not_found_error", "message": "/api/oauth/profile is not served by polar"}})]
+    assert read_records(str(out)) == []  # not a model call: nothing recorded
+
+
+def test_count_tokens_asks_the_sessions_own_engine(script: Path, tmp_path: Path) -> None:
+    """``/v1/messages/count_tokens``: the count of the engine the session is on, in Anthropic's shape; an engine
+    error in the caller's shape; nothing recorded."""
+    second = tmp_path / "script2.json"
+    second.write_bytes(script.read_bytes())
+    out = tmp_path / "shards"
+    counting = "/v1/messages/count_tokens"
+
+    async def main() -> list[tuple[int, Any]]:
+        pool = EnginePool([ScriptedEngine(str(script)), ScriptedEngine(str(second))])
+        gateway = Gateway(pool, TraceStore(str(out)))
+        replies = [await gateway.handle(call(counting, anthropic(), session=s)) for s in ("a", "b")]  # e0, e1
+        seen: list[Any] = []
+
+        async def counted(request: Any) -> int:
+            seen.append(request.messages)
+            return 4242
+
+        async def busy(request: Any) -> int:
+            raise PolarError(503, "overloaded", "engine busy")
+
+        pool.engines[1].count_tokens = counted  # type: ignore[method-assign]
+        replies.append(await gateway.handle(call(counting, anthropic(), session="b")))
+        pool.engines[0].count_tokens = busy  # type: ignore[method-assign]
+        replies.append(await gateway.handle(call(counting, anthropic(), session="a")))
+        await gateway.close()
+        assert seen == [[{"role": "user", "content": "hi"}]]
+        return [(r.status, orjson.loads(r.body)) for r in replies]
+
+    replies = asyncio.run(main())
+    (s0, first), (s1, second_count) = replies[:2]
+    assert s0 == s1 == 200 and first == second_count and isinstance(first["input_tokens"], int) and first["input_tokens"] > 0
+    assert replies[2:] == [(200, {"input_tokens": 4242}),
+                           (503, {"type": "error", "error": {"type": "overloaded_error", "message": "engine busy"}})]
+    assert read_records(str(out)) == []
+
+
+def test_a_large_body_is_read_off_the_event_loop_with_the_same_result(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+    # Large but few tokens (the tiny model's window is small): the bulk is in metadata.
+    body = anthropic(metadata={"user_id": "x" * (gateway_module.PARSE_OFF_LOOP_BYTES + 10)})
+
+    async def steps(gateway: Gateway) -> int:
+        return (await gateway.handle(call(MESSAGES, body, session="big"))).status
+
+    assert run(script, out, steps) == 200
+    [record] = read_records(str(out))
+    assert (record.session_id, record.status, orjson.loads(record.messages_json)) == ("big", "ok", [{"role": "user", "content": "hi"}])
+
+
+def test_what_parse_checks_at_its_edges(script: Path, tmp_path: Path, caplog) -> None:
+    """A body of exactly the size limit is read; a translator crash on odd input is a 400 naming the exception
+    (logged); a cap of 1 token applies; the Responses history is kept under the call's session."""
+    out = tmp_path / "shards"
+    body = orjson.dumps(anthropic())
+
+    async def steps(gateway: Gateway) -> list[Any]:
+        provider, route = gateway.match("POST", MESSAGES)
+        exact = gateway._parse(provider, route, call(MESSAGES, None, raw=body))
+
+        def crash(body: Any, route: Any) -> Any:
+            raise TypeError("unhashable type: 'dict'")
+
+        responses, responses_route = gateway.match("POST", "/v1/responses")
+        original = provider.parse_request
+        provider.parse_request = crash  # type: ignore[method-assign]
+        with caplog.at_level("INFO", logger="polar"):
+            crashed = await gateway.handle(call(MESSAGES, anthropic()))
+        provider.parse_request = original  # type: ignore[method-assign]
+        reply = await gateway.handle(call("/v1/responses", {"model": "tiny", "input": "hi"}, session="r1"))
+        response_id = orjson.loads(reply.body)["id"]
+        return [exact.sampling.max_tokens, (crashed.status, orjson.loads(crashed.body)), response_id,
+                dict(responses.history._by_session)]
+
+    cap, crashed, response_id, by_session = run(script, out, steps, GatewayConfig(max_body_bytes=len(body), max_tokens_cap=1))
+    assert cap == 1
+    assert crashed == (400, {"type": "error", "error": {"type": "invalid_request_error",
+                                                        "message": "request could not be read (TypeError: unhashable type: 'dict')"}})
+    assert [r.getMessage() for r in caplog.records if r.levelname == "INFO"] == [
+        "polar: anthropic_messages could not read a request: TypeError: unhashable type: 'dict'"]
+    assert list(by_session) == ["r1"] and list(by_session["r1"]) == [response_id]
+
+
+def test_errors_before_the_first_keepalive_are_plain_replies_except_a_responses_overflow(script: Path, tmp_path: Path) -> None:
+    """A stream whose engine fails before any byte left is answered whole: a JSON error with its status, except
+    a context overflow on Responses, which Codex only reads as a ``response.failed`` event."""
+    out = tmp_path / "shards"
+
+    async def steps(gateway: Gateway) -> list[FullReply]:
+        engine = gateway.pool.engines[0]
+        failures = iter([PolarError(503, "overloaded", "engine busy"), PolarError(503, "overloaded", "engine busy"),
+                         ContextLengthExceeded("too long", prompt_tokens=9000, window=8192),
+                         ContextLengthExceeded("too long", prompt_tokens=9000, window=8192)])
+
+        async def failing(request: Any) -> Any:
+            raise next(failures)
+
+        engine.complete = failing  # type: ignore[method-assign]
+        replies = []
+        for path, body in ((MESSAGES, anthropic(stream=True)), ("/v1/responses", {"model": "tiny", "input": "hi", "stream": True}),
+                           (MESSAGES, anthropic(stream=True)), ("/v1/responses", {"model": "tiny", "input": "hi", "stream": True})):
+            reply = await gateway.handle(call(path, body))
+            assert isinstance(reply, FullReply)
+            replies.append(reply)
+        return replies
+
+    busy_anthropic, busy_responses, long_anthropic, long_responses = run(script, out, steps, GatewayConfig(keepalive_s=30.0))
+    assert (busy_anthropic.status, busy_anthropic.content_type, orjson.loads(busy_anthropic.body)) == (
+        503, "application/json", {"type": "error", "error": {"type": "overloaded_error", "message": "engine busy"}})
+    assert (busy_responses.status, busy_responses.content_type) == (503, "application/json")
+    assert orjson.loads(busy_responses.body)["error"]["code"] == "server_is_overloaded"
+    assert (long_anthropic.status, long_anthropic.content_type) == (400, "application/json")
+    assert orjson.loads(long_anthropic.body)["error"]["type"] == "invalid_request_error"
+    assert (long_responses.status, long_responses.content_type) == (200, "text/event-stream")
+    events = [orjson.loads(line[6:]) for line in long_responses.body.split(b"\n") if line.startswith(b"data: ")]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert events[-1]["response"]["error"]["code"] == "context_length_exceeded"
+    assert "9000 input tokens > 8192 maximum" in events[-1]["response"]["error"]["message"]
+
+
+def test_replies_carry_the_request_and_the_call_time(script: Path, tmp_path: Path) -> None:
+    """The rendered answer is of this request (Responses echoes its settings) and of this call's start time."""
+    out = tmp_path / "shards"
+    incoming = [call("/v1/responses", {"model": "tiny", "input": "hi", "temperature": 0.25, "stream": stream})
+                for stream in (False, True)]
+    incoming.append(call(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}))
+
+    async def steps(gateway: Gateway) -> list[FullReply]:
+        return [await gateway.handle(c) for c in incoming]
+
+    plain, streamed, chat = run(script, out, steps, GatewayConfig(keepalive_s=30.0))
+    response = orjson.loads(plain.body)
+    assert (response["temperature"], response["created_at"]) == (0.25, int(incoming[0].started_at))
+    completed = [orjson.loads(line[6:]) for line in streamed.body.split(b"\n") if line.startswith(b"data: ")][-1]
+    assert (completed["response"]["temperature"], completed["response"]["created_at"]) == (0.25, int(incoming[1].started_at))
+    assert orjson.loads(chat.body)["created"] == int(incoming[2].started_at)
+
+
+def test_an_unexpected_error_is_logged_with_the_method_and_the_path_without_its_query(script: Path, tmp_path: Path,
+                                                                                       caplog) -> None:
+    async def steps(gateway: Gateway) -> int:
+        async def broken(incoming: IncomingCall) -> Any:
+            raise RuntimeError("bug")
+
+        gateway._handle = broken  # type: ignore[method-assign]
+        with caplog.at_level("ERROR", logger="polar"):
+            return (await gateway.handle(call(MESSAGES + "?beta=true?x", anthropic()))).status
+
+    assert run(script, tmp_path / "shards", steps) == 500
+    assert [r.getMessage() for r in caplog.records][0] == "polar: unexpected error answering POST /v1/messages"
+
+
+def test_header_values_are_made_printable_before_anything_reads_them(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+    incoming = replace(call(MESSAGES, anthropic()), headers={"user-agent": "claude-cli/2.1.197 caf\udcc3\udca9"})
+
+    async def steps(gateway: Gateway) -> int:
+        return (await gateway.handle(incoming)).status
+
+    assert run(script, out, steps) == 200
+    [record] = read_records(str(out))
+    assert record.harness == "claude-cli/2.1.197 café"
