@@ -698,18 +698,22 @@ def test_a_large_body_is_read_off_the_event_loop_with_the_same_result(script: Pa
     assert (record.session_id, record.status, orjson.loads(record.messages_json)) == ("big", "ok", [{"role": "user", "content": "hi"}])
 
 
+# Most of its bytes are metadata, which no history item holds: only the body's own size makes the cost reach it.
+RESPONSES_BODY = {"model": "tiny", "input": "hi", "metadata": {"note": "m" * 400}}
+
+
 def test_what_parse_checks_at_its_edges(script: Path, tmp_path: Path, caplog) -> None:
     """A body of exactly the size limit is read; a translator crash on odd input is a 400 naming the exception
     (logged); a cap of 1 token applies; the Responses history is kept under the call's session."""
     out = tmp_path / "shards"
-    body = orjson.dumps(anthropic())
+    body = orjson.dumps(anthropic(metadata={"user_id": "u" * 500}))  # the size limit; larger than the Responses body
 
     async def steps(gateway: Gateway) -> list[Any]:
         provider, route = gateway.match("POST", MESSAGES)
         exact = gateway._parse(provider, route, call(MESSAGES, None, raw=body))
 
         def crash(body: Any, route: Any) -> Any:
-            raise TypeError("unhashable type: 'dict'")
+            raise TypeError("unhashable type: 'dict'" + " x" * 150)  # the message is cut at 200 characters
 
         responses, responses_route = gateway.match("POST", "/v1/responses")
         original = provider.parse_request
@@ -717,18 +721,21 @@ def test_what_parse_checks_at_its_edges(script: Path, tmp_path: Path, caplog) ->
         with caplog.at_level("INFO", logger="polar"):
             crashed = await gateway.handle(call(MESSAGES, anthropic()))
         provider.parse_request = original  # type: ignore[method-assign]
-        reply = await gateway.handle(call("/v1/responses", {"model": "tiny", "input": "hi"}, session="r1"))
+        reply = await gateway.handle(call("/v1/responses", RESPONSES_BODY, session="r1"))
         response_id = orjson.loads(reply.body)["id"]
         return [exact.sampling.max_tokens, (crashed.status, orjson.loads(crashed.body)), response_id,
-                dict(responses.history._by_session)]
+                dict(responses.history._by_session), responses.history._items[response_id].cost]
 
-    cap, crashed, response_id, by_session = run(script, out, steps, GatewayConfig(max_body_bytes=len(body), max_tokens_cap=1))
+    cap, crashed, response_id, by_session, cost = run(script, out, steps,
+                                                      GatewayConfig(max_body_bytes=len(body), max_tokens_cap=1))
+    reason = "unhashable type: 'dict'" + " x" * 150
     assert cap == 1
     assert crashed == (400, {"type": "error", "error": {"type": "invalid_request_error",
-                                                        "message": "request could not be read (TypeError: unhashable type: 'dict')"}})
+                                                        "message": f"request could not be read (TypeError: {reason[:200]})"}})
     assert [r.getMessage() for r in caplog.records if r.levelname == "INFO"] == [
-        "polar: anthropic_messages could not read a request: TypeError: unhashable type: 'dict'"]
+        f"polar: anthropic_messages could not read a request: TypeError: {reason}"]
     assert list(by_session) == ["r1"] and list(by_session["r1"]) == [response_id]
+    assert cost >= len(orjson.dumps(RESPONSES_BODY))  # the history's byte bounds count the request body
 
 
 def test_errors_before_the_first_keepalive_are_plain_replies_except_a_responses_overflow(script: Path, tmp_path: Path) -> None:
@@ -810,3 +817,16 @@ def test_header_values_are_made_printable_before_anything_reads_them(script: Pat
     assert run(script, out, steps) == 200
     [record] = read_records(str(out))
     assert record.harness == "claude-cli/2.1.197 café"
+
+
+def test_a_sampled_empty_argument_string_is_given_back_to_a_call_echoed_without_arguments(script: Path, tmp_path: Path) -> None:
+    async def steps(gateway: Gateway) -> Any:
+        gateway._remember_sampled_arguments("s", completion(tool_calls=[ToolCall("c0", "ls", "")]))
+        provider, route = gateway.match("POST", CHAT)
+        history = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                   "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "ls"}}]},
+                   {"role": "tool", "tool_call_id": "c0", "content": "ok"}]}
+        request = gateway._parse(provider, route, call(CHAT, history, session="s"))
+        return request.messages[1]["tool_calls"][0]["function"].get("arguments", "absent")
+
+    assert run(script, tmp_path / "shards", steps) == ""
