@@ -186,7 +186,8 @@ def rerun_not_killed(module: str, lock: str | None, children: int, timeout_multi
 
 
 def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
-    """Re-run each mutant mutmut stopped on time alone, with no CPU limit and a long wall limit.
+    """Re-run each mutant mutmut stopped on time alone, with no CPU limit and a long wall limit, against the
+    tests mutmut recorded as reaching its function.
 
     mutmut counts a timeout as a kill; on a loaded machine a mutant whose tests merely ran slowly is
     stopped too. Each is run again here: a test failure is a kill, a pass a survivor, and only a run past
@@ -200,8 +201,13 @@ def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
     verdicts: dict[str, str] = {}
     progress = work / "timeouts.partial.txt"  # one line per verdict as it comes (a long run can be read early)
     progress.write_text("")
+    # Only the tests mutmut itself ran against the mutant (those that reach its function), as mutmut does:
+    # the whole selection per mutant took minutes each on the shared VM (trace_store's has fault tests).
+    stats_path = work / "mutants" / "mutmut-stats.json"
+    covering = json.loads(stats_path.read_text())["tests_by_mangled_function_name"] if stats_path.exists() else {}
     for name in [n for n, status in statuses.items() if status == "timeout"]:
-        cmd = ["nice", "-n", str(NICE), sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+        selection = sorted(covering.get(name.rsplit("__mutmut_", 1)[0], [])) or tests
+        cmd = ["nice", "-n", str(NICE), sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *selection]
         try:
             done = subprocess.run(cmd, cwd=work / "mutants", env=dict(env, MUTANT_UNDER_TEST=name),
                                   capture_output=True, timeout=limit_s, check=False)
