@@ -769,6 +769,7 @@ def test_errors_before_the_first_keepalive_are_plain_replies_except_a_responses_
     assert (long_anthropic.status, long_anthropic.content_type) == (400, "application/json")
     assert orjson.loads(long_anthropic.body)["error"]["type"] == "invalid_request_error"
     assert (long_responses.status, long_responses.content_type) == (200, "text/event-stream")
+    assert all(block.startswith(b"event: ") for block in long_responses.body.split(b"\n\n")[:-1])  # whole SSE events
     events = [orjson.loads(line[6:]) for line in long_responses.body.split(b"\n") if line.startswith(b"data: ")]
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
     assert events[-1]["response"]["error"]["code"] == "context_length_exceeded"
@@ -830,3 +831,44 @@ def test_a_sampled_empty_argument_string_is_given_back_to_a_call_echoed_without_
         return request.messages[1]["tool_calls"][0]["function"].get("arguments", "absent")
 
     assert run(script, tmp_path / "shards", steps) == ""
+
+
+def test_a_sessions_row_holds_its_identity_and_its_first_calls_start(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "shards"
+    identity = Identity(session_id="g1", task_id="task-7", group_id="grp-2", sample_index=3, source="proxy_auth")
+    first = replace(call(MESSAGES, anthropic()), identity=identity)
+
+    async def steps(gateway: Gateway) -> list[int]:
+        return [(await gateway.handle(c)).status for c in (first, replace(first, started_at=first.started_at + 5))]
+
+    assert run(script, out, steps) == [200, 200]
+    [row] = read_table(str(out), "sessions").to_pylist()
+    assert (row["session_id"], row["task_id"], row["group_id"], row["sample_index"], row["status"]) == (
+        "g1", "task-7", "grp-2", 3, "running")
+    assert row["started_at"] == pytest.approx(first.started_at)
+
+
+def test_a_gateway_answers_only_for_the_providers_it_was_given(script: Path, tmp_path: Path) -> None:
+    from polar_addon.providers.anthropic_messages import PROVIDER as ANTHROPIC
+
+    async def main() -> list[bool]:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(tmp_path / "shards")), providers=[ANTHROPIC])
+        owned = [gateway.owns("POST", MESSAGES), gateway.owns("POST", CHAT)]
+        await gateway.close()
+        return owned
+
+    assert asyncio.run(main()) == [True, False]
+
+
+def test_an_unwritable_store_is_refused_before_the_engine_in_openais_code(script: Path, tmp_path: Path) -> None:
+    async def steps(gateway: Gateway) -> tuple[int, Any]:
+        def full(**kwargs: Any) -> None:
+            raise StorageUnavailable("disk full")
+
+        gateway.store.check_writable = full  # type: ignore[method-assign]
+        reply = await gateway.handle(call(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+        return reply.status, orjson.loads(reply.body)
+
+    assert run(script, tmp_path / "shards", steps) == (503, {"error": {
+        "type": "server_error", "code": "storage_unavailable", "param": None,
+        "message": "polar cannot persist captured calls right now (disk full); retry later"}})
