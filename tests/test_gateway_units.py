@@ -820,19 +820,6 @@ def test_header_values_are_made_printable_before_anything_reads_them(script: Pat
     assert record.harness == "claude-cli/2.1.197 café"
 
 
-def test_a_sampled_empty_argument_string_is_given_back_to_a_call_echoed_without_arguments(script: Path, tmp_path: Path) -> None:
-    async def steps(gateway: Gateway) -> Any:
-        gateway._remember_sampled_arguments("s", completion(tool_calls=[ToolCall("c0", "ls", "")]))
-        provider, route = gateway.match("POST", CHAT)
-        history = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
-                   "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "ls"}}]},
-                   {"role": "tool", "tool_call_id": "c0", "content": "ok"}]}
-        request = gateway._parse(provider, route, call(CHAT, history, session="s"))
-        return request.messages[1]["tool_calls"][0]["function"].get("arguments", "absent")
-
-    assert run(script, tmp_path / "shards", steps) == ""
-
-
 def test_a_sessions_row_holds_its_identity_and_its_first_calls_start(script: Path, tmp_path: Path) -> None:
     out = tmp_path / "shards"
     identity = Identity(session_id="g1", task_id="task-7", group_id="grp-2", sample_index=3, source="proxy_auth")
