@@ -7,8 +7,12 @@ session builds into one trace whose first-step importance ratios are 1 within 1e
 The shared tiny model never ends a turn (every answer is cut by length, and a length-cut turn is rendered in
 full), so this module serves the ending model (tests/support/ending_model.py: same architecture and tokenizer,
 Qwen3's chat template and sampling defaults in generation_config.json), stored in bf16 as released checkpoints are
-and served with ``--dtype float32`` as the trainer computes on CPU (in bf16, vLLM's own rounding moves the ratios
-by ~1e-2: bench/continuity.py --vllm --serve-dtype bfloat16). One server for the module.
+and served with ``--dtype float32`` as the trainer computes on CPU (served in bf16, vLLM's own rounding moves the
+ratios to 0.970..1.022: bench/continuity.py --vllm --serve-dtype bfloat16). One server for the module; ~50 s.
+
+Planted bugs it catches: the continuation's first delta token (the template's glue after ``<|im_end|>``) dropped
+(the prompt no longer matches vLLM's full render), and continuation calls that leave top_k out (vLLM falls back to
+the model's top_k 20: ratios down to 0.43).
 """
 
 from __future__ import annotations
