@@ -25,7 +25,7 @@ from polar_addon import identity
 from polar_addon.canonical import PolarError, SamplingDefaults
 from polar_addon.control import CONTROL_HOST, MAX_CONTROL_BODY_BYTES, ControlPlane, check_token, is_control_path, load_or_create_token, token_file
 from polar_addon.engines import EnginePool
-from polar_addon.engines.tito import accepts_tokens, tito_mode
+from polar_addon.engines.tito import tito_mode, token_input_engine
 from polar_addon.tool_parsers import ParserChoice
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
 from polar_addon.relay import STREAM_PREFIX, CountedBody, StreamRelay, one_chunk
@@ -188,7 +188,7 @@ class Polar:
         self.gateway = Gateway(pool, store, self._gateway_config())
         if self.gateway.config.tito == "on":
             for engine in pool.engines:
-                if not accepts_tokens(engine):
+                if token_input_engine(engine, "on") is None:
                     log.warning("polar: polar_tito=on, but engine %s takes no token input: its calls are rendered in full", engine.name)
         self.control = ControlPlane(store, self._control_token(), on_session_end=pool.release)
 
