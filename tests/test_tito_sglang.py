@@ -9,11 +9,21 @@ tiny model samples after a token prompt in tests/test_engine_sglang.py."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 
+import orjson
 import pytest
+from typer.testing import CliRunner
 
+from polar_addon.capture import Identity
+from polar_addon.engines import EnginePool
 from polar_addon.engines.scripted import ScriptedEngine
+from polar_addon.engines.sglang import SGLangEngine
+from polar_addon.gateway import Gateway, IncomingCall
+from polar_addon.store import TraceStore
+from polar_cli.app import app
 from tests.support.proxy import run_mitmdump
 from tests.support.tito_sessions import (
     anthropic_session, build, figures, openai_session, qwen3_model, sampled_tokens_are_trained, write_script,
@@ -59,3 +69,74 @@ def test_sglang_sessions_continue_in_tokens_the_engine_saw(protocol, tiny_model_
         assert stats.traces == 1 and stats.off_policy_tokens == 0, (session, stats)
     by_id = {r.record_id: r for r in records}
     assert all(sampled_tokens_are_trained(t, by_id) for t in traces)
+
+
+# Turn 1's call never closes its JSON: hermes cannot read it. Turn 3 only mentions Qwen3-Coder's tag in prose, which
+# a markup test would fail but polar's hermes parser rightly reads as text.
+FAILED_PARSE_TURNS = [
+    {"tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
+    {"content": 'Reading it. <tool_call>{"name": "read", "arguments": {"path": "a.txt"</tool_call>'},
+    {"tool_calls": [{"type": "function", "function": {"name": "read", "arguments": '{"path": "a.txt"}'}}]},
+    {"content": "Done. (Qwen3-Coder would have written <function=read> here.)"},
+]
+START = [{"role": "system", "content": "You are a file assistant."}, {"role": "user", "content": "What does a.txt say?"}]
+
+
+async def _turn(gateway, session: str, messages: list[dict]) -> list[dict]:
+    """One Chat Completions call through the gateway; the history with the answer (and a result per call) appended."""
+    from tests.support.tito_sessions import TOOLS
+
+    body = orjson.dumps({"model": "tiny", "max_tokens": 64, "messages": messages, "tools": TOOLS})
+    reply = await gateway.handle(IncomingCall(method="POST", path="/v1/chat/completions", headers={"user-agent": "OpenAI/Python 2.0"},
+                                              body=body, identity=Identity(session_id=session, source="header")))
+    assert reply.status == 200, reply.body
+    message = orjson.loads(reply.body)["choices"][0]["message"]
+    calls = message.get("tool_calls") or []
+    sent = {"role": "assistant", "content": message.get("content"), **({"tool_calls": calls} if calls else {})}
+    return [*messages, sent, *({"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls)]
+
+
+def test_a_call_polar_cannot_parse_scores_0_but_stays_trainable(protocol, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Parser -> record -> shard -> build -> stats: the malformed call of a token-input turn is counted on its
+    record, its trace gets reward 0 and stays trainable, and `polar stats` shows it."""
+    from tests.support.sglang_contract_server import SGLangContractServer
+
+    model = qwen3_model(tiny_model_dir, tmp_path)
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"model_dir": str(model), "cycle": False, "turns": FAILED_PARSE_TURNS}))
+    out = tmp_path / "shards"
+    with SGLangContractServer(ScriptedEngine(script), protocol=protocol) as server:
+        engine = SGLangEngine(server.url, timeout_s=60)
+        engine.tokenizer_dir = str(model)
+
+        async def main() -> None:
+            gateway = Gateway(EnginePool([engine]), TraceStore(str(out)))
+            await _turn(gateway, "bad", await _turn(gateway, "bad", START))  # turns 0 (chat) and 1 (tokens)
+            # "good" starts from a history of two assistant turns (fresh: state_lost), then continues in tokens.
+            history = [*START, {"role": "assistant", "content": "Looking."}, {"role": "user", "content": "Go on."},
+                       {"role": "assistant", "content": "Still looking."}, {"role": "user", "content": "Read it."}]
+            await _turn(gateway, "good", await _turn(gateway, "good", history))  # turns 2 (chat) and 3 (tokens)
+            for session in ("bad", "good"):
+                await gateway.store.session_update(session, status="completed")
+                await gateway.store.add_reward(session, 1.0)
+            await gateway.close()
+
+        asyncio.run(main())
+
+    records, traces = build(out)
+    by_key = {(r.session_id, r.seq): r for r in records}
+    assert [by_key[("bad", 1)].prompt_source, by_key[("good", 1)].prompt_source] == ["continuity", "continuity"]
+    bad, good = by_key[("bad", 1)], by_key[("good", 1)]
+    assert bad.parse_failures == 1 and '<tool_call>{"name": "read"' in bad.response_message["content"]
+    assert good.parse_failures == 0 and "<function=read>" in good.response_message["content"]
+    assert by_key[("bad", 0)].parse_failures is None  # SGLang's chat endpoint parsed it: polar counted nothing
+    rewards = {t.session_id: (t.reward, t.trainable) for t in traces}
+    assert rewards == {"bad": (0.0, True), "good": (1.0, True)}
+
+    stats = CliRunner().invoke(app, ["stats", str(out), "--tokenizer", str(model), "--json"])
+    assert stats.exit_code == 0, stats.output
+    total = orjson.loads(stats.stdout)["total"]
+    assert total["parse_failed_calls"] == 1
+    assert total["reward_reasons"] == {"outcome reward": 1, "parser-invalid tool call": 1}
+    table = CliRunner().invoke(app, ["stats", str(out), "--tokenizer", str(model)])
+    assert "failed tool-call parses" in table.output
