@@ -143,8 +143,8 @@ class Polar:
                           "on, off. A continuing call's prompt is the previous prompt + the sampled ids + only the new messages' tokens.")
         loader.add_option("polar_tool_parser", str, "hermes", "How the proxy parses tool calls and reasoning out of text it decodes itself "
                           "(local engines, and every engine given token input): hermes, qwen25, qwen3_coder, or MODEL=NAME,... per served model.")
-        loader.add_option("polar_tokenizer", str, "", "Tokenizer directory of the model a vLLM engine serves: turns on its token input "
-                          "(token continuity); without it vLLM renders every call in full.")
+        loader.add_option("polar_tokenizer", str, "", "Tokenizer directory of the model a vLLM or SGLang engine serves: turns on its token "
+                          "input (token continuity); without it the engine renders every call in full.")
         loader.add_option("polar_max_body_mb", int, 32, "Largest request body accepted, in MiB.")
         loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
