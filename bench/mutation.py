@@ -198,14 +198,20 @@ def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
     statuses = _not_killed(work)
     env = _env()
     env["POLAR_TEST_TINY_MODEL"] = str(_tiny_model())
+    # Verdicts already reached (an earlier call on a run still going, or one stopped) are kept: the mutants
+    # do not change within a scratch copy.
     verdicts: dict[str, str] = {}
     progress = work / "timeouts.partial.txt"  # one line per verdict as it comes (a long run can be read early)
-    progress.write_text("")
+    for earlier in (work / "timeouts.txt", progress):
+        if earlier.exists():
+            rows = (line.strip().rsplit(": ", 1) for line in earlier.read_text().splitlines() if ": " in line)
+            verdicts.update({name: verdict for name, verdict in rows})
+    progress.write_text("".join(f"    {n}: {v}\n" for n, v in verdicts.items()))
     # Only the tests mutmut itself ran against the mutant (those that reach its function), as mutmut does:
     # the whole selection per mutant took minutes each on the shared VM (trace_store's has fault tests).
     stats_path = work / "mutants" / "mutmut-stats.json"
     covering = json.loads(stats_path.read_text())["tests_by_mangled_function_name"] if stats_path.exists() else {}
-    for name in [n for n, status in statuses.items() if status == "timeout"]:
+    for name in [n for n, status in statuses.items() if status == "timeout" and n not in verdicts]:
         selection = sorted(covering.get(name.rsplit("__mutmut_", 1)[0], [])) or tests
         cmd = ["nice", "-n", str(NICE), sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *selection]
         try:
@@ -216,11 +222,16 @@ def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
             verdicts[name] = "hung"
         with progress.open("a") as out:
             out.write(f"    {name}: {verdicts[name]}\n")
+    timed_out = {n for n, status in statuses.items() if status == "timeout"}
+    verdicts = {n: v for n, v in verdicts.items() if n in timed_out}
     (work / "timeouts.txt").write_text("".join(f"    {n}: {v}\n" for n, v in verdicts.items()))
     stats = score(module)
     if stats is not None:
         back = sum(v == "survived" for v in verdicts.values())
-        stats.update(timeout=stats["timeout"] - back, survived=stats["survived"] + back, timeouts_verified=len(verdicts))
+        # From mutmut's own counts each time, so verifying again (more timeouts, or none new) never subtracts twice.
+        before = {key: stats.get(f"{key}_before_verify", stats[key]) for key in ("timeout", "survived")}
+        stats.update(timeout=before["timeout"] - back, survived=before["survived"] + back, timeouts_verified=len(verdicts),
+                     timeout_before_verify=before["timeout"], survived_before_verify=before["survived"])
         (work / "mutants" / "mutmut-cicd-stats.json").write_text(json.dumps(stats, indent=4))
 
 
