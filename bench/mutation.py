@@ -267,6 +267,8 @@ def main() -> None:
     parser.add_argument("--lock", help="flock this file around each module's run")
     parser.add_argument("--verify-timeouts", action="store_true",
                         help="re-run each mutant mutmut stopped on time, without its time limits (see verify_timeouts)")
+    parser.add_argument("--verify-limit", type=float, default=300.0,
+                        help="with --verify-timeouts: seconds after which a mutant's run counts as a hang (default 300)")
     parser.add_argument("--rerun-not-killed", action="store_true",
                         help="re-run only the mutants the last run of each module did not kill, with the current tests")
     parser.add_argument("--resume", action="store_true",
@@ -282,7 +284,7 @@ def main() -> None:
         for module in args.modules or list(MODULES):
             print(f"mutating {module} ...", flush=True)
             if args.verify_timeouts:
-                verify_timeouts(module)
+                verify_timeouts(module, args.verify_limit)
             elif args.rerun_not_killed:
                 rerun_not_killed(module, args.lock, args.children, args.timeout_multiplier)
             else:
