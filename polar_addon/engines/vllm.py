@@ -49,7 +49,8 @@ class VLLMEngine(HTTPEngine):
         parsed.message = self.parse_text(request, text)
         if parsed.message.tool_calls and parsed.finish_reason == "stop":
             parsed.finish_reason = "tool_calls"
-        return parsed.to_completion(engine=self.name, default_model=self._model or request.model)
+        return parsed.to_completion(engine=self.name, default_model=self._model or request.model,
+                                    default_weight_version=self.weight_version)
 
     async def window(self) -> int:
         """The served window (``max_model_len`` in vLLM's /v1/models), read once."""

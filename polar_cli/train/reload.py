@@ -397,6 +397,8 @@ def reload_engine(
     if not (checkpoint / "config.json").is_file():
         raise EngineError(f"{checkpoint} is not a model checkpoint (no config.json)")
     kind, _, target = spec.strip().partition(":")
+    if kind in ("sglang", "vllm"):
+        target = target.partition("?")[0]  # a proxy's spec (URL?weight_version=V) names the same server
     ckpt = str(checkpoint.resolve())
     if kind == "sglang":
         from polar_addon.engines.sglang import SGLangEngine
