@@ -273,3 +273,87 @@ def test_a_local_engine_spec_tags_its_calls_with_a_weight_version(tmp_path: Path
     assert parse_local_target(f"{tmp_path}?weight_version=3") == (str(tmp_path), 0)
     with pytest.raises(ValueError, match="weight_version"):
         parse_local_target(f"{tmp_path}?version=3")
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line holds ``text`` (this test's own tmp path: only processes this test started)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL mid-run (after the first training, while the second trains or a batch runs), then the same command:
+    the run goes on from version 1 (not 0), every recorded step and batch is kept as it was, no batch is trained
+    twice, the batch in flight is redone in a fresh directory, and the killed run's training died with it."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "loop"
+    cmd = _random_reward_loop(tmp_path, tiny_model_dir, out, 3, "--max-staleness", "1")
+    state_file = out / "loop.json"
+    killed = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and killed.poll() is None:
+            if state_file.is_file() and json.loads(state_file.read_text()).get("steps"):
+                break
+            time.sleep(0.2)
+        assert killed.poll() is None, "the loop ended before it could be killed"
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait()
+        before = json.loads(state_file.read_text())
+        # polar train dies with the loop (PR_SET_PDEATHSIG): nothing trains into out/train-NNN behind the resumed run.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and [p for p in _processes_mentioning(str(out)) if
+                                               b" train " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]:
+            time.sleep(0.2)
+        trainers = [p for p in _processes_mentioning(str(out))
+                    if b" train " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]
+        assert not trainers, "a training outlived the killed loop"
+
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finally:
+        for pid in _processes_mentioning(str(out)):  # the killed run's proxy and harnesses (their own sessions)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    after = json.loads(state_file.read_text())
+    steps, batches = after["steps"], after["batches"]
+    assert len(after["runs"]) == 2 and after["summary"]["complete"] and after["summary"]["runs"] == 2
+    assert [s["step"] for s in steps] == [0, 1] and [s["version"] for s in steps] == [0, 1]
+    assert all(s["status"] == "trained" for s in steps)
+    # What the killed run finished is kept as it was: step 0 is not redone, its batches are not rerun.
+    assert steps[0] == before["steps"][0]
+    for old in before["batches"]:
+        new = batches[old["index"]]
+        assert {k: new[k] for k in ("shards", "started_at", "ended_at", "version")} == \
+            {k: old[k] for k in ("shards", "started_at", "ended_at", "version")}
+    # No batch trained twice; each step's batches are exactly those marked with it.
+    trained = [i for s in steps for i in s["batches"]]
+    assert len(trained) == len(set(trained)) and [b["index"] for b in batches] == list(range(len(batches)))
+    for s in steps:
+        assert sorted(s["batches"]) == sorted(b["index"] for b in batches if b["step"] == s["step"]
+                                              and not b["dropped_groups"])
+    # The resumed run went on from version 1: its batches sampled step 0's checkpoint or later, never the model.
+    resumed_at = after["runs"][1]["started_at"]
+    fresh = [b for b in batches if b["started_at"] >= resumed_at]
+    assert fresh and all(b["version"] >= 1 for b in fresh)
+    assert all(b["policy"] == steps[0]["checkpoint"] for b in batches if b["version"] == 1)
+    assert batches[-1]["final"] and batches[-1]["version"] == 2
+    tagged = [sorted({v for vs in group_versions(b["shards"]).values() for v in vs}) for b in batches]
+    assert tagged == [[str(b["version"])] for b in batches]
+    # The batch the kill interrupted (if one ran) was redone in a new directory, never mixed with the old one.
+    interrupted = len(before["batches"])
+    if (out / f"batch-{interrupted:03d}").exists() and interrupted < len(batches):
+        assert batches[interrupted]["shards"] == str(out / f"batch-{interrupted:03d}-attempt2" / "shards")

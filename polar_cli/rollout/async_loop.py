@@ -33,7 +33,8 @@ Resumable: loop.json is rewritten after every finished batch and step. Run again
 Ctrl-C, SIGTERM or a kill), the loop continues from the last finished step: the policy is its checkpoint and the
 version the number of finished trainings; finished batches a finished step took stay taken (never trained twice);
 finished batches no finished step took (the interrupted step's, or ones not taken yet) wait for the trainer again;
-the batch that was in flight is redone whole under its index (its directory removed, so shards never mix). An
+the batch that was in flight is redone whole under its index, in a new directory (``batch-NNN-attemptK``: the
+killed run's proxy may still write into the old one), so shards never mix. An
 engine a killed run left running (recorded in ``OUT/.engines``) is stopped first. Utilisation is over the time the
 runs ran (``runs`` in loop.json), not the time between them.
 """
@@ -285,7 +286,12 @@ class _AsyncLoop:
     async def _batch(self, index: int, version: int, policy: Path, spec: str, stop: asyncio.Event) -> Batch:
         config = self.config
         bdir = config.out / f"batch-{index:03d}"
-        shutil.rmtree(bdir, ignore_errors=True)
+        attempt = 1
+        while bdir.exists():
+            # An interrupted attempt at this batch (a killed run): never reused, as the killed run's proxy, in its
+            # own session, may still be writing there; its shards are never read.
+            attempt += 1
+            bdir = config.out / f"batch-{index:03d}-attempt{attempt}"
         bdir.mkdir(parents=True)
         self.say(f"batch {index}: {len(config.tasks)} tasks x {config.samples} samples on version {version} ({policy})")
         rollout = rollout_config(config, bdir, spec, config.seed + index, f"b{index:03d}", stop)
