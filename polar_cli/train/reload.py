@@ -417,7 +417,11 @@ def reload_engine(
             target, ckpt, state_dir=state_dir, weight_version=weight_version, ready_timeout_s=timeout_s,
             progress=progress,
         )
-        return f"vllm {server.url}: restarted as {server.served_model_name!r} with {ckpt} (pid {server.pid})"
+        line = f"vllm {server.url}: restarted as {server.served_model_name!r} with {ckpt} (pid {server.pid})"
+        if weight_version is not None:
+            # vLLM answers carry no version: a proxy tags them when its spec says which version the server holds.
+            line += f"; proxies tag its calls with --engine '{server.spec}?weight_version={weight_version}'"
+        return line
     if kind == "local":
         raise EngineError(
             "the local engine runs inside the proxy process: restart the proxy with "
