@@ -357,3 +357,21 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
     interrupted = len(before["batches"])
     if (out / f"batch-{interrupted:03d}").exists() and interrupted < len(batches):
         assert batches[interrupted]["shards"] == str(out / f"batch-{interrupted:03d}-attempt2" / "shards")
+
+
+def test_a_batch_without_weight_versions_stops_the_loop_instead_of_spinning(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls with no version cannot be bounded; as every later batch of that engine would be the same, the trainer
+    stops the loop with the reason rather than waiting forever for a usable batch."""
+    from polar_cli.rollout import async_loop
+    from polar_cli.rollout.loop import LoopConfig
+
+    config = LoopConfig(tasks=[], harness="cmd:true", model=tmp_path, iterations=2, out=tmp_path / "o", engine="vllm")
+    loop = async_loop._AsyncLoop(config, 1, "wait", None, None)
+    batch = async_loop.Batch(index=0, version=0, policy=str(tmp_path), shards=str(tmp_path / "s"), started_at=0.0,
+                             ended_at=1.0, sessions=2, statuses={}, rewarded=2, reward_mean=0.5, reward_se=0.1)
+    monkeypatch.setattr(async_loop, "group_versions", lambda _store: {"g": ["0", None]})
+    with pytest.raises(RuntimeError, match="carry no numeric weight_version"):
+        loop._select(batch, 0, 0)
+    monkeypatch.setattr(async_loop, "group_versions", lambda _store: {"g": ["0", "0"]})
+    assert loop._select(batch, 0, 0) and batch.step == 0

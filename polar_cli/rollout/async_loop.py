@@ -352,6 +352,10 @@ class _AsyncLoop:
         """Mark ``batch`` taken by ``step``; False when none of its groups is within the bound."""
         batch.step = step
         chosen = select_groups(group_versions(batch.shards), version, self.max_staleness)
+        if chosen.untagged:
+            # Every batch after it would be untagged too: dropping them would spin the loop forever.
+            raise RuntimeError(f"batch {batch.index}: calls of group(s) {chosen.untagged[:3]} carry no numeric "
+                               f"weight_version (engine {self.config.engine}): their staleness cannot be bounded")
         batch.dropped_groups = {**chosen.stale, **{g: -1 for g in chosen.untagged}}
         if chosen.stale or chosen.untagged:
             self.say(f"step {step}: batch {batch.index} (version {batch.version}): dropped "
