@@ -25,7 +25,7 @@ from polar_addon import identity
 from polar_addon.canonical import PolarError, SamplingDefaults
 from polar_addon.control import CONTROL_HOST, MAX_CONTROL_BODY_BYTES, ControlPlane, check_token, is_control_path, load_or_create_token, token_file
 from polar_addon.engines import EnginePool
-from polar_addon.engines.tito import accepts_tokens, tito_mode
+from polar_addon.engines.tito import tito_mode, token_input_engine
 from polar_addon.tool_parsers import ParserChoice
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
 from polar_addon.relay import STREAM_PREFIX, CountedBody, StreamRelay, one_chunk
@@ -143,8 +143,8 @@ class Polar:
                           "on, off. A continuing call's prompt is the previous prompt + the sampled ids + only the new messages' tokens.")
         loader.add_option("polar_tool_parser", str, "hermes", "How the proxy parses tool calls and reasoning out of text it decodes itself "
                           "(local engines, and every engine given token input): hermes, qwen25, qwen3_coder, or MODEL=NAME,... per served model.")
-        loader.add_option("polar_tokenizer", str, "", "Tokenizer directory of the model a vLLM engine serves: turns on its token input "
-                          "(token continuity); without it vLLM renders every call in full.")
+        loader.add_option("polar_tokenizer", str, "", "Tokenizer directory of the model a vLLM or SGLang engine serves: turns on its token "
+                          "input (token continuity); without it the engine renders every call in full.")
         loader.add_option("polar_max_body_mb", int, 32, "Largest request body accepted, in MiB.")
         loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
@@ -188,7 +188,7 @@ class Polar:
         self.gateway = Gateway(pool, store, self._gateway_config())
         if self.gateway.config.tito == "on":
             for engine in pool.engines:
-                if not accepts_tokens(engine):
+                if token_input_engine(engine, "on") is None:
                     log.warning("polar: polar_tito=on, but engine %s takes no token input: its calls are rendered in full", engine.name)
         self.control = ControlPlane(store, self._control_token(), on_session_end=pool.release)
 

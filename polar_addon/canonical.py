@@ -158,6 +158,9 @@ class Completion:
     matched_stop: str | None = None  # the stop string that ended generation, when one did
     weight_version: str | None = None
     cached_tokens: int | None = None
+    # Tool-call blocks polar's own parser (polar_tool_parser) could not read in this turn; None where the engine
+    # parsed the text itself (SGLang's and vLLM's chat endpoints report no failures).
+    parse_failures: int | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -71,6 +71,10 @@ class CaptureRecord:
     # or "fresh" (a full render), and why (engines.tito: the divergence, "first_call", "state_lost", ...).
     prompt_source: str | None = None
     prompt_reason: str | None = None
+    # Tool-call blocks in the response that polar's own parser (polar_tool_parser) could not read: > 0 is a failed
+    # parse, which the build scores 0 but keeps trainable (polar_cli.build.rewards). None: the engine parsed the
+    # text itself (SGLang's and vLLM's chat endpoints), or the record predates the field.
+    parse_failures: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies every token list (~50 ms for an 8k-token record).
@@ -168,6 +172,7 @@ def record_ok(
         response_json=orjson.dumps(asdict(completion.message)).decode(),
         prompt_source=prompt_source,
         prompt_reason=prompt_reason,
+        parse_failures=completion.parse_failures,
         **_request_fields(request),
     )
 

@@ -24,8 +24,10 @@ import orjson
 
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingDefaults, with_defaults
 from polar_addon.capture import Identity, logprob_problem, record_failed, record_ok
-from polar_addon.engines import Engine, EnginePool
-from polar_addon.engines.tito import FRESH, NO_TOKEN_INPUT, TITO_OFF, Chain, PromptPlan, TitoStore, accepts_tokens, plan_prompt
+from polar_addon.engines import EnginePool, TokenInputEngine
+from polar_addon.engines.tito import (
+    FRESH, NO_TOKEN_INPUT, TITO_OFF, Chain, PromptPlan, TitoStore, plan_prompt, token_input_engine,
+)
 from polar_addon.harness_id import harness_name
 from polar_addon.providers import Provider, ResponseContext, Route, all_providers, encode_sse
 from polar_addon.store import StorageUnavailable, TraceStore
@@ -316,12 +318,14 @@ class Gateway:
         except PolarError as err:  # its engine was taken out, or none is live
             await self._record_failure(call, provider.name, request, err)
             raise
-        plan = await self._plan_prompt(session, request, engine)
+        # The tito gate: None when this call's tokens neither continue nor start a chain.
+        token_engine = token_input_engine(engine, self.config.tito)
+        plan = await self._plan_prompt(session, request, token_engine)
         t0 = time.monotonic()
         try:
             # The client's model name is echoed back; engines send their own served name.
-            if plan.prompt_ids is not None:
-                completion = await engine.complete_tokens(request, plan.prompt_ids)  # type: ignore[attr-defined]
+            if token_engine is not None and plan.prompt_ids is not None:
+                completion = await token_engine.complete_tokens(request, plan.prompt_ids)
             else:
                 completion = await engine.complete(request)
         except PolarError as err:
@@ -355,21 +359,20 @@ class Gateway:
             await self._record_failure(call, provider.name, None, err)
             raise err from exc
         self._remember_sampled_arguments(session, completion)
-        if accepts_tokens(engine) and self.config.tito != "off":
+        if token_engine is not None:
             chain = Chain(request, completion.message, completion.prompt_ids, completion.response_ids,
                           completion.finish_reason, engine.name)
             self.tito.remember(session, chain, replaces=plan.continued)
         return self._as_client_sees(request, completion)
 
-    async def _plan_prompt(self, session: str, request: CanonicalRequest, engine: Engine) -> PromptPlan:
-        """Continue the session's token chain when the request continues it (engines.tito), else render in full."""
-        if self.config.tito == "off":
-            return PromptPlan(None, FRESH, TITO_OFF)
-        if not accepts_tokens(engine):
-            return PromptPlan(None, FRESH, NO_TOKEN_INPUT)
+    async def _plan_prompt(self, session: str, request: CanonicalRequest, engine: TokenInputEngine | None) -> PromptPlan:
+        """Continue the session's token chain when the request continues it (engines.tito), else render in full.
+        ``engine``: the session's engine past the tito gate (token_input_engine), None where continuity is off."""
+        if engine is None:
+            return PromptPlan(None, FRESH, TITO_OFF if self.config.tito == "off" else NO_TOKEN_INPUT)
         chains = self.tito.chains(session)
         # Rendering the delta runs the chat template twice: off the event loop.
-        return await asyncio.to_thread(plan_prompt, chains, request, engine.name, engine.continuation)  # type: ignore[attr-defined]
+        return await asyncio.to_thread(plan_prompt, chains, request, engine.name, engine.continuation)
 
     @staticmethod
     def _as_client_sees(request: CanonicalRequest, completion: Completion) -> Completion:

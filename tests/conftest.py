@@ -22,6 +22,7 @@ module's group (module-scoped fixtures, e.g. a module's proxy, start once).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -62,8 +63,11 @@ def xdist_group_of(item: pytest.Item) -> str:
     return _SHARED_STATE_GROUPS.get(module, module)
 
 
-# Rough seconds, only to order the groups for two workers: the longest first, so the short ones fill in at the end
-# (xdist's default order, by number of tests, would leave a 2-test Ray group or a 1-test training run to last).
+# Seconds per test (setup + call + teardown, shared fixture starts included) measured by a full two-worker run with
+# POLAR_RECORD_DURATIONS=tests/durations.json, only to order the groups for two workers: the longest first, so the
+# short ones fill in at the end (xdist's default order, by number of tests, would leave a 2-test Ray group or a
+# 1-test training run to last). A test the file does not know yet gets a rough estimate.
+DURATIONS = Path(__file__).with_name("durations.json")
 _START_COST_S = {"vllm": 75.0, "vllm-8k": 110.0, "ray": 120.0, "podman": 60.0}
 
 
@@ -71,6 +75,20 @@ def _cost_estimate_s(item: pytest.Item) -> float:
     if any(item.get_closest_marker(m) for m in ("vllm", "harness", "slow")):
         return 20.0
     return 5.0 if "tiny_model_dir" in item.fixturenames else 0.2
+
+
+def _measured_durations() -> dict[str, float]:
+    try:
+        data = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+
+
+def _plain_nodeid(nodeid: str) -> str:
+    """The node id without the ``@group`` suffix this conftest appends (groups are ``[\\w.-]+``)."""
+    head, at, tail = nodeid.rpartition("@")
+    return head if at and tail and all(c.isalnum() or c in "._-" for c in tail) else nodeid
 
 
 def _group(item: pytest.Item) -> str:
@@ -88,10 +106,13 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not getattr(config.option, "loadgroup", False):
         return  # a serial run keeps pytest's own order
+    measured = _measured_durations()
     cost: dict[str, float] = {}
     for item in items:
         group = _group(item)
-        cost[group] = cost.get(group, _START_COST_S.get(group, 0.0)) + _cost_estimate_s(item)
+        known = measured.get(_plain_nodeid(item.nodeid))
+        start = 0.0 if measured else _START_COST_S.get(group, 0.0)  # measured figures include the starts
+        cost[group] = cost.get(group, start) + (known if known is not None else _cost_estimate_s(item))
     items.sort(key=lambda item: -cost[_group(item)])  # stable: a group keeps its own order
     for item in items:
         # xdist 3.8 names the group in the node id by setting ``item._nodeid``, which pytest 9.2 no longer reads
@@ -99,6 +120,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         suffix = f"@{_group(item)}"
         if not item.nodeid.endswith(suffix):
             item._id = NodeId.parse(item.nodeid + suffix)
+
+
+_recorded: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("POLAR_RECORD_DURATIONS"):  # the controller sees every worker's reports
+        key = _plain_nodeid(report.nodeid)
+        _recorded[key] = _recorded.get(key, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    out = os.environ.get("POLAR_RECORD_DURATIONS")
+    if out and _recorded and not hasattr(session.config, "workerinput"):
+        Path(out).write_text(json.dumps({k: round(v, 2) for k, v in sorted(_recorded.items())}, indent=0) + "\n")
 
 
 @pytest.fixture(scope="session")

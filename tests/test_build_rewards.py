@@ -100,6 +100,21 @@ def test_invalid_tool_call_markers_and_empty_tool_calls_finish() -> None:
     assert not invalid_tool_call(no_message)
 
 
+def test_polar_parsed_turns_are_judged_by_their_parse_failures() -> None:
+    """Where polar parsed the turn (parse_failures set) its count decides; the markup test only for engine-parsed ones."""
+    prose = _call("Qwen3-Coder writes <function=f> here.")
+    assert invalid_tool_call(prose)  # engine-parsed (null): markup in the text fails it
+    prose.parse_failures = 0
+    assert not invalid_tool_call(prose)  # polar's hermes parser read it as text
+    clean_looking = _call("Done.")
+    clean_looking.parse_failures = 1
+    assert invalid_tool_call(clean_looking)
+    # A tool_calls finish without a call is invalid whoever parsed it.
+    empty = _call(None, finish="tool_calls", calls=[])
+    empty.parse_failures = 0
+    assert invalid_tool_call(empty)
+
+
 def test_calls_without_a_session_row_are_not_trained() -> None:
     sim = _session()
     [trace] = build_traces(sim.records, []).traces

@@ -352,3 +352,67 @@ def test_thinking_flag_reaches_a_template_that_reads_it(protocol, thinking_model
         generation_bodies = [r for r in srv.requests if "max_tokens" in r]
         assert generation_bodies[1]["chat_template_kwargs"] == {"enable_thinking": False}
     assert prompts[False] == prompts[None] + local.encode("<think>\n\n</think>\n\n")
+
+
+# --- token input: /v1/completions with a token-id prompt (engines.tito) ------------------------------------------
+
+
+def _prompt_ids(tiny_model_dir) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = tok.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+async def _tokens(url: str, req: CanonicalRequest, prompt_ids: list[int]):
+    engine = SGLangEngine(url, timeout_s=60)
+    try:
+        return await engine.complete_tokens(req, prompt_ids)
+    finally:
+        await engine.close()
+
+
+def test_token_input_request_and_answer(server, tiny_model_dir):
+    """The body SGLang's CompletionRequest validated, and an answer equal to the same seeded chat call's."""
+    prompt = _prompt_ids(tiny_model_dir)
+    req = request(temperature=0.8, top_p=0.95, max_tokens=12, seed=4)
+    completion = asyncio.run(_tokens(server.url, req, prompt))
+    assert server.requests[-1] == {
+        "model": "tiny", "prompt": prompt, "max_tokens": 12, "seed": 4, "temperature": 0.8, "top_p": 0.95, "top_k": -1,
+        "min_p": 0.0, "repetition_penalty": 1.0, "logprobs": 0, "return_token_ids": True, "stream": False,
+    }  # fmt: skip
+    assert list(completion.prompt_ids) == prompt == server.completion_prompts[-1]
+    # The chat render of the same messages is this prompt: the same seeded request samples the same tokens.
+    direct = asyncio.run(LocalEngine(tiny_model_dir).complete(req))
+    assert completion.response_ids == direct.response_ids
+    assert completion.logprobs == pytest.approx(direct.logprobs, abs=1e-6)
+    assert completion.message.content == direct.message.content  # polar parsed the text SGLang detokenized
+    assert (completion.finish_reason, completion.weight_version, completion.parse_failures) == ("length", "default", 0)
+    assert completion.engine == f"sglang:{server.url}" and completion.served_model == "tiny"
+
+
+def test_token_input_without_max_tokens_asks_for_the_rest_of_the_window(protocol, tiny_model_dir):
+    from tests.support.sglang_contract_server import SGLangContractServer
+
+    prompt = _prompt_ids(tiny_model_dir)
+    # CompletionRequest reads a missing max_tokens as 16; the chat endpoint as the rest of the window.
+    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=protocol, context_len=len(prompt) + 5) as srv:
+        completion = asyncio.run(_tokens(srv.url, request(temperature=1.0, seed=3), prompt))
+        assert srv.requests[-1]["max_tokens"] == 5
+    assert len(completion.response_ids) <= 5
+
+
+@pytest.mark.parametrize(
+    "fail,expected",
+    [("internal", (502, "api_error")), ("misaligned", (502, "api_error")), ("no_ids", (502, "api_error")),
+     ("not_json", (502, "api_error"))],  # fmt: skip
+)
+def test_token_input_faults(server, tiny_model_dir, fail, expected):
+    with server.configured(fail=fail), pytest.raises(PolarError) as err:
+        asyncio.run(_tokens(server.url, request(max_tokens=3), _prompt_ids(tiny_model_dir)))
+    assert (err.value.status, err.value.kind) == expected
+
+
+def test_token_input_past_the_window_is_a_context_length_error(server):
+    with pytest.raises(PolarError) as err:
+        asyncio.run(_tokens(server.url, request(max_tokens=3), [1] * 5000))
+    assert (err.value.status, err.value.kind) == (400, "context_length_exceeded")

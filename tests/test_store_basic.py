@@ -390,3 +390,28 @@ def test_round_trip_after_a_sessions_tips_were_evicted(tmp_path: Path) -> None:
     assert a2["prompt_prefix_len"] == len(sent[2].prompt_ids) + len(sent[2].response_ids)  # its tip: prompt + answer
     assert b1["prompt_ref"] is None  # evicted by a
     assert validate_store(str(tmp_path)) == []
+
+
+def test_parse_failures_round_trip_and_older_shards_without_the_column_read_as_null(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    rng = random.Random(9)
+    agent = Agent("p", rng)
+    sent = [agent.next_call() for _ in range(3)]
+    sent[0].parse_failures, sent[1].parse_failures = 2, 0  # the third: parsed by the engine (null)
+
+    async def main() -> None:
+        async with TraceStore(str(tmp_path)) as store:
+            for record in sent:
+                await store.append(record)
+
+    run(main())
+    stored = read_records(str(tmp_path))
+    assert [r.parse_failures for r in sorted(stored, key=lambda r: r.seq)] == [2, 0, None]
+    assert_same(stored, sent)
+    # A shard written before the column existed: every reader sees null there, and the store still validates.
+    for path in (tmp_path / "calls").glob("*.parquet"):
+        table = pq.read_table(path)
+        pq.write_table(table.drop_columns(["parse_failures"]), path)
+    assert [r.parse_failures for r in read_records(str(tmp_path))] == [None] * 3
+    assert validate_store(str(tmp_path)) == []

@@ -88,3 +88,15 @@ def test_failed_blocks_are_reported_and_stay_in_content():
     assert turn.failed == [bad] and turn.parse_failed
     assert turn.message.content == bad and turn.message.reasoning == "x"
     assert parse("plain").failed == [] and not parse("plain").parse_failed
+
+
+def test_an_unclosed_call_is_a_failed_parse():
+    good = '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    cut = '<tool_call>{"name": "f", "arguments": {"a": 1}}'
+    turn = parse(f"{good} then {cut}")
+    assert [c.name for c in turn.message.tool_calls] == ["g"]
+    assert turn.failed == [cut] and turn.message.content == f"then {cut}"
+    alone = parse(f"text {cut}")
+    assert alone.failed == [cut] and alone.message.content == f"text {cut}" and alone.message.tool_calls == []
+    # Another format's tag in prose is no hermes markup: nothing failed.
+    assert parse("Qwen3-Coder writes <function=f> instead.").failed == []

@@ -180,6 +180,10 @@ def test_bare_function_without_tool_call_is_text():
     text = "<function=get_current_weather>\n<parameter=city>\nDallas\n</parameter>\n</function>"
     assert parse(text, TOOLS).message.tool_calls == []
     assert parse(text, TOOLS).message.content == text
+    # ... and reports it as a failed parse, from the tag to the next block, also next to a good call.
+    assert parse(text, TOOLS).failed == [text]
+    mixed = parse(DALLAS + "\nand " + text, TOOLS)
+    assert [c.name for c in mixed.message.tool_calls] == ["get_current_weather"] and mixed.failed == [text]
 
 
 @pytest.mark.parametrize("text", ["<tool_call>" * 1000, "<tool_call><function=" * 500, "<parameter=" * 1000,

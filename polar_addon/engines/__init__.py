@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from polar_addon.canonical import CanonicalRequest, Completion, EngineFault, PolarError
+from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
 from polar_addon.engines.affinity import MAX_SESSIONS, MAX_STRIKES, REVIVE_AFTER_S, Affinity, NoLiveEngine, SessionLost
 
 log = logging.getLogger("polar")
@@ -34,6 +35,25 @@ class Engine(Protocol):
         """Prompt token count of ``request`` under the engine's chat template."""
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class TokenInputEngine(Engine, Protocol):
+    """An engine that samples after a prompt given as token ids (token continuity, engines.tito)."""
+
+    async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
+        """Like ``complete``, but after exactly ``prompt_ids``; ``request`` gives the sampling parameters and tools.
+        The engine parses nothing: tool calls and reasoning come from polar_tool_parser, whose failed blocks the
+        Completion counts (``parse_failures``)."""
+
+    def continuation(self, **kwargs: Any) -> DeltaPrompt | NoDelta:
+        """The next prompt of a continuing session with the served model's tokenizer and template
+        (continuity_tokens.continuation_prompt's keyword arguments). Blocking: call off the event loop."""
+
+
+def takes_token_input(engine: Engine) -> TypeGuard[TokenInputEngine]:
+    """Whether ``engine`` samples after token ids. Only the gate (engines.tito.token_input_engine) asks."""
+    return isinstance(engine, TokenInputEngine)
 
 
 def local_options(target: str, spec: str = "") -> tuple[str, dict[str, str]]:

@@ -236,7 +236,8 @@ class LocalEngine:
                 max_tokens = min(max_tokens, self._max_len - len(prompt_ids))
             ids, logprobs, finish, matched, text = self.sample(prompt_ids, sampling, max_tokens)
             weight_version = self.weight_version
-        message = self.tool_parsers.for_model(self.served_model)(text, request.tools).message
+        turn = self.tool_parsers.for_model(self.served_model)(text, request.tools)
+        message = turn.message
         if message.tool_calls and finish == "stop":
             finish = "tool_calls"
         return Completion(
@@ -249,6 +250,7 @@ class LocalEngine:
             engine=self.name,
             matched_stop=matched,
             weight_version=weight_version,
+            parse_failures=len(turn.failed),
         )
 
     async def complete(self, request: CanonicalRequest) -> Completion:

@@ -24,7 +24,7 @@ import orjson
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, EngineFault, PolarError, ToolCall
 from polar_addon.continuity_tokens import DeltaPrompt, NoDelta, continuation_prompt
 from polar_addon.token_ids import IdText, pack_token_ids
-from polar_addon.tool_parsers import ParserChoice
+from polar_addon.tool_parsers import ParsedTurn, ParserChoice
 from polar_addon.tool_parsers.calls import new_call_id
 
 log = logging.getLogger("polar")
@@ -142,6 +142,7 @@ class HTTPEngine:
         # own budget (bench/proxy_overhead.py). Created on first use, inside the running loop.
         self._session: aiohttp.ClientSession | None = None
         self._model: str | None = None
+        self._window: int | None = None
         # Token input (engines.tito) renders deltas with the served model's own tokenizer and template, read from
         # tokenizer_dir (polar_tokenizer); without it every call is rendered by the engine in full.
         self.tokenizer_dir: str | None = None
@@ -237,9 +238,43 @@ class HTTPEngine:
         with self._tokenizer_lock:  # Hugging Face tokenizers are not safe to share across threads
             return continuation_prompt(tokenizer, **kwargs)
 
-    def parse_text(self, request: CanonicalRequest, text: str) -> AssistantMessage:
-        """Sampled text (token input: the engine parsed nothing) as content, reasoning and tool calls."""
-        return self.tool_parsers.for_model(self._model or request.model)(text, request.tools).message
+    def parse_text(self, request: CanonicalRequest, text: str) -> ParsedTurn:
+        """Sampled text (token input: the engine parsed nothing) as content, reasoning and tool calls, with the
+        blocks that did not parse."""
+        return self.tool_parsers.for_model(self._model or request.model)(text, request.tools)
+
+    async def window(self) -> int:
+        """The served window (``max_model_len`` in /v1/models, vLLM and SGLang alike), read once."""
+        if self._window is None:
+            data = await self.request_json("GET", "/v1/models")
+            try:
+                self._window = int(data["data"][0]["max_model_len"])
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise PolarError(502, "api_error", "the engine's /v1/models gives no max_model_len") from exc
+        return self._window
+
+    async def complete_prompt_ids(self, request: CanonicalRequest, prompt_ids: list[int], logprobs: int) -> Completion:
+        """``POST /v1/completions`` with the prompt as token ids (vLLM and SGLang 0.5.23 read it the same way):
+        ``return_token_ids`` answers with the prompt ids the engine used and the sampled ids, ``logprobs`` one
+        ``token_logprobs`` entry per sampled token. The engine parses no tool calls or reasoning there; polar does
+        (polar_tool_parser), and counts the blocks it could not read."""
+        body: dict[str, Any] = {"model": await self.served_model(), "prompt": list(prompt_ids)}
+        body.update(sampling_body(request))
+        if request.sampling.max_tokens is None:
+            # The completions endpoint reads a missing max_tokens as 16 (both engines), the chat endpoint as the
+            # rest of the window: send the rest of the window, as a chat call of the same request gets.
+            body["max_tokens"] = max(1, await self.window() - len(prompt_ids))
+        body.update(logprobs=logprobs, return_token_ids=True, stream=False)
+        data = await self.request_json("POST", "/v1/completions", body)
+        text, parsed = parse_completion_response(data)
+        turn = self.parse_text(request, text)
+        parsed.message = turn.message
+        if parsed.message.tool_calls and parsed.finish_reason == "stop":
+            parsed.finish_reason = "tool_calls"
+        completion = parsed.to_completion(engine=self.name, default_model=self._model or request.model,
+                                          default_weight_version=self.weight_version)
+        completion.parse_failures = len(turn.failed)
+        return completion
 
     async def count_tokens(self, request: CanonicalRequest) -> int:
         raise PolarError(501, "invalid_request", f"{self.kind} engines cannot count tokens")
@@ -402,7 +437,7 @@ def _first_choice(data: Any) -> dict[str, Any]:
 
 
 def parse_completion_response(data: Any) -> tuple[str, ParsedChat]:
-    """A vLLM ``/v1/completions`` answer to a token prompt (``return_token_ids``, ``logprobs``): the sampled text,
+    """A vLLM or SGLang ``/v1/completions`` answer to a token prompt (``return_token_ids``, ``logprobs``): the sampled text,
     and everything else as for a chat answer (its message left empty for the caller's tool parser)."""
     choice = _first_choice(data)
     text = choice.get("text")
@@ -424,10 +459,13 @@ def parse_completion_response(data: Any) -> tuple[str, ParsedChat]:
     finish = _FINISH_REASONS.get(str(choice.get("finish_reason")))
     if finish is None:
         raise _bad(f"unknown finish_reason {choice.get('finish_reason')!r}")
-    matched = choice.get("stop_reason")
+    # vLLM: stop_reason; SGLang: matched_stop. An int is a stop token id, not a stop string.
+    matched = choice.get("matched_stop", choice.get("stop_reason"))
     usage = data.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    metadata = data.get("metadata")  # SGLang: {"weight_version": ...}
+    weight_version = metadata.get("weight_version") if isinstance(metadata, dict) else None
     return text, ParsedChat(
         message=AssistantMessage(),
         finish_reason=finish,
@@ -436,7 +474,7 @@ def parse_completion_response(data: Any) -> tuple[str, ParsedChat]:
         logprobs=logprobs,
         served_model=data.get("model") if isinstance(data.get("model"), str) else None,
         matched_stop=matched if isinstance(matched, str) else None,
-        weight_version=None,
+        weight_version=str(weight_version) if weight_version is not None else None,
         cached_tokens=int(cached) if isinstance(cached, int) else None,
     )
 

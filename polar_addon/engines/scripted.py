@@ -39,7 +39,7 @@ from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
 from polar_addon.context_compaction import compaction_prompt, summarised_history
 from polar_addon.engines.local import LocalEngine
 from polar_addon.tool_parsers.calls import new_call_id
-from polar_addon.tool_parsers.hermes import parse_assistant_text
+from polar_addon.tool_parsers.hermes import parse
 
 
 def _normalise_turn(turn: Any, index: int) -> dict[str, Any]:
@@ -150,8 +150,10 @@ class ScriptedEngine:
             logprobs = local.score(prompt, response, temperature)
             text = local.decode(response) if truncated else ""
             weight_version = local.weight_version
+        parse_failures: int | None = None  # a scripted turn is given parsed; only a cut one is decoded and parsed
         if truncated:
-            message, finish = parse_assistant_text(text), "length"
+            parsed = parse(text)
+            message, finish, parse_failures = parsed.message, "length", len(parsed.failed)
         else:
             message = AssistantMessage(
                 content=turn.get("content"),
@@ -171,6 +173,7 @@ class ScriptedEngine:
             served_model=local.served_model,
             engine=self.name,
             weight_version=weight_version,
+            parse_failures=parse_failures,
         )
 
     async def complete(self, request: CanonicalRequest) -> Completion:

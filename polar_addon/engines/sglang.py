@@ -5,13 +5,23 @@ The request asks for every token-id extra 0.5.23 knows (``return_token_ids``,
 differently named fields, all of which ``parse_chat_response`` reads. Logprobs are
 log_softmax(logits / T) of the sampled token, not renormalised for top-p/top-k (SGLang's
 sampler), unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``.
+
+Token input (engines.tito, once ``polar_tokenizer`` names the served model's tokenizer): ``/v1/completions``
+with the prompt as token ids. SGLang 0.5.23's ``CompletionRequest`` takes ``prompt: List[int]`` (passed on as
+``GenerateReqInput.input_ids``) and ``return_token_ids``, which answers with ``choices[0].prompt_token_ids`` (the
+ids after tokenization: the given ones) and ``choices[0].token_ids`` (``output_ids``); ``logprobs: 0`` sets
+``return_logprob`` with no alternatives, one ``logprobs.token_logprobs`` entry per sampled token, the same
+values as the chat endpoint's ``meta_info.output_token_logprobs``. ``metadata.weight_version`` names the
+weights. (The native ``/generate`` takes ``input_ids`` too, but its request class, ``io_struct.GenerateReqInput``,
+cannot be loaded without torch and most of SGLang, so no contract test could hold it to the wire format; this
+endpoint's classes can, and its errors are the ``ErrorResponse`` already read.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from polar_addon.canonical import CanonicalRequest, PolarError
+from polar_addon.canonical import CanonicalRequest, Completion, PolarError
 from polar_addon.engines.openai_compat import HTTPEngine
 
 
@@ -20,6 +30,10 @@ class SGLangEngine(HTTPEngine):
 
     def extra_body(self) -> dict[str, Any]:
         return {"return_token_ids": True, "return_prompt_token_ids": True, "return_meta_info": True}
+
+    async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
+        """Token input: ``/v1/completions`` with the prompt as token ids (HTTPEngine.complete_prompt_ids)."""
+        return await self.complete_prompt_ids(request, prompt_ids, logprobs=0)
 
     async def count_tokens(self, request: CanonicalRequest) -> int:
         """SGLang's ``POST /v1/tokenize`` with messages renders them as for a chat completion."""

@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
 from polar_addon.continuity import Continues, check_continuity
 from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
+from polar_addon.engines import Engine, TokenInputEngine, takes_token_input
 
 MAX_SESSIONS = 10_000
 CHAINS_PER_SESSION = 4
@@ -129,5 +128,10 @@ def tito_mode(value: str) -> str:
     return mode
 
 
-def accepts_tokens(engine: Any) -> bool:
-    return callable(getattr(engine, "complete_tokens", None)) and callable(getattr(engine, "continuation", None))
+def token_input_engine(engine: Engine, mode: str) -> TokenInputEngine | None:
+    """The tito gate, the one place it is decided: ``engine`` as a token-input engine when continuity applies to
+    its calls (it takes token input and ``polar_tito`` is not off), else None (every call rendered in full, no
+    chain remembered)."""
+    if mode == "off" or not takes_token_input(engine):
+        return None
+    return engine

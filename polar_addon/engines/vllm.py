@@ -19,48 +19,19 @@ from __future__ import annotations
 from typing import Any
 
 from polar_addon.canonical import CanonicalRequest, Completion, PolarError
-from polar_addon.engines.openai_compat import HTTPEngine, ParsedChat, parse_completion_response, sampling_body
+from polar_addon.engines.openai_compat import HTTPEngine
 
 
 class VLLMEngine(HTTPEngine):
     kind = "vllm"
 
-    def __init__(self, url: str, timeout_s: float = 900.0) -> None:
-        super().__init__(url, timeout_s)
-        self._window: int | None = None
-
     def extra_body(self) -> dict[str, Any]:
         return {"return_token_ids": True}
 
     async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
-        """Token input: ``/v1/completions`` with the prompt as token ids. vLLM parses no tool calls or reasoning
-        there; the proxy does (polar_tool_parser)."""
-        body: dict[str, Any] = {"model": await self.served_model(), "prompt": list(prompt_ids)}
-        body.update(sampling_body(request))
-        if request.sampling.max_tokens is None:
-            # The completions endpoint reads a missing (or null) max_tokens as 16, the chat endpoint as the rest of
-            # the window: send the rest of the window, as a chat call of the same request gets.
-            body["max_tokens"] = max(1, await self.window() - len(prompt_ids))
-        # logprobs=1: the sampled token's logprob (plus one alternative, ignored); return_token_ids: the prompt
-        # ids the engine used and the sampled ids.
-        body.update(logprobs=1, return_token_ids=True, stream=False)
-        data = await self.request_json("POST", "/v1/completions", body)
-        text, parsed = parse_completion_response(data)
-        parsed.message = self.parse_text(request, text)
-        if parsed.message.tool_calls and parsed.finish_reason == "stop":
-            parsed.finish_reason = "tool_calls"
-        return parsed.to_completion(engine=self.name, default_model=self._model or request.model,
-                                    default_weight_version=self.weight_version)
-
-    async def window(self) -> int:
-        """The served window (``max_model_len`` in vLLM's /v1/models), read once."""
-        if self._window is None:
-            data = await self.request_json("GET", "/v1/models")
-            try:
-                self._window = int(data["data"][0]["max_model_len"])
-            except (KeyError, IndexError, TypeError, ValueError) as exc:
-                raise PolarError(502, "api_error", "the engine's /v1/models gives no max_model_len") from exc
-        return self._window
+        """Token input: ``/v1/completions`` with the prompt as token ids (HTTPEngine.complete_prompt_ids).
+        ``logprobs: 1``: the sampled token's logprob (plus one alternative, ignored)."""
+        return await self.complete_prompt_ids(request, prompt_ids, logprobs=1)
 
     async def count_tokens(self, request: CanonicalRequest) -> int:
         """vLLM's ``POST /tokenize`` renders the chat template exactly as a completion would."""

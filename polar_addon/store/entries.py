@@ -37,6 +37,7 @@ PLAIN_FIELDS = (
     "requested_model", "served_model", "engine", "started_at", "engine_latency_s", "finished_at",
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "finish_reason", "matched_stop", "weight_version",
     "tools_json", "tool_choice_json", "response_json", "error", "prompt_source", "prompt_reason",
+    "parse_failures",
 )
 
 

@@ -25,7 +25,7 @@ QUARANTINE_DIR = "_quarantine"
 _TOKENS = pa.list_(pa.int32())
 
 # Columns added after the first release: older shards lack them, and readers see nulls there.
-LATER_COLUMNS = frozenset({"min_p", "prompt_source", "prompt_reason"})
+LATER_COLUMNS = frozenset({"min_p", "prompt_source", "prompt_reason", "parse_failures"})
 
 CALLS_SCHEMA = pa.schema(
     [
@@ -72,6 +72,7 @@ CALLS_SCHEMA = pa.schema(
         pa.field("error", pa.string()),
         pa.field("prompt_source", pa.string()),
         pa.field("prompt_reason", pa.string()),
+        pa.field("parse_failures", pa.int64()),  # tool-call blocks polar's parser could not read; null: not parsed by polar
     ]
 )
 

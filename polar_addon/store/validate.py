@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from polar_addon.store.compaction import ShardIntegrityError, expand_session
@@ -48,7 +49,8 @@ def _check_schemas(out: Output) -> tuple[list[str], dict[str, list[str]]]:
 
 def _read(out: Output, kind: str, paths: list[str], segments: list[tuple[str, list[bytes]]]) -> list[dict[str, Any]]:
     """Rows of the readable shards, then the journal's rows that no shard (readable or not) holds yet."""
-    tables = [pq.read_table(p, filesystem=out.fs, columns=SCHEMAS[kind].names) for p in paths]
+    # Through a dataset with the current schema: a shard from before a LATER_COLUMNS column reads as nulls there.
+    tables = [ds.dataset(p, schema=SCHEMAS[kind], format="parquet", filesystem=out.fs).to_table() for p in paths]
     names = {os.path.basename(p).removesuffix(".parquet") for p in out.list_shards(kind)}
     tables.append(pending_table(segments, kind, names).select(SCHEMAS[kind].names))
     return pa.concat_tables([t.cast(tables[-1].schema) for t in tables]).to_pylist()

@@ -3,8 +3,8 @@
 The format the tiny model's chat template renders and vLLM's ``hermes`` / SGLang's ``qwen25`` parsers
 read. Reasoning is a ``<think>`` block before the answer (:mod:`polar_addon.tool_parsers.reasoning`).
 
-Malformed blocks (invalid JSON, no string ``name``, arguments neither object nor JSON text) are
-not calls: they stay in ``content`` verbatim, so the trajectory filter can still see a literal
+Malformed blocks (invalid JSON, no string ``name``, arguments neither object nor JSON text, a
+``<tool_call>`` never closed) are not calls: they stay in ``content`` verbatim, so the trajectory filter can still see a literal
 ``<tool_call>`` and score the turn as parser-invalid, while well-formed blocks in the same
 message become calls. (vLLM's hermes parser instead drops every call of a message when one
 fails; keeping the good ones loses nothing the text would not show.)
@@ -57,6 +57,12 @@ def _extract(text: str) -> tuple[str | None, list[ToolCall], list[str]]:
         return ""
 
     remaining = _TOOL_CALL_RE.sub(replace, text)
+    # An opening tag no </tool_call> closes (a block ends at the first one) is a call that did not parse too:
+    # everything from it on, as the text holds it.
+    closed = text.rfind("</tool_call>")
+    unclosed = text.find("<tool_call>", closed + len("</tool_call>") if closed >= 0 else 0)
+    if unclosed >= 0:
+        failed.append(text[unclosed:])
     if not calls:
         return text, [], failed
     remaining = remaining.strip()

@@ -19,7 +19,8 @@ vLLM's for the same call.
 Where vLLM guesses, this parser reads the block as not a call, so the turn is visibly a failed parse
 (the block stays in ``content`` and in ``ParsedTurn.failed``): an unclosed ``<tool_call>`` or
 ``<parameter=`` (a block ends at its first ``</tool_call>``, so a value cannot hold that text), a
-bare ``<function=`` without ``<tool_call>``, text between parameters, a repeated parameter name (vLLM keeps the last).
+bare ``<function=`` without ``<tool_call>`` (failed from the tag to the next block), text between parameters,
+a repeated parameter name (vLLM keeps the last).
 """
 
 from __future__ import annotations
@@ -212,8 +213,10 @@ def _extract(text: str, tools: Sequence[dict[str, Any]]) -> tuple[str | None, li
     calls: list[ToolCall] = []
     failed: list[str] = []
     kept: list[str] = []
+    between: list[str] = []  # the text outside blocks
     at = 0
     while (start := text.find(TOOL_OPEN, at)) >= 0:
+        between.append(text[at:start])
         kept.append(text[at:start])
         # A block ends at the first </tool_call>, as in vLLM: an unclosed parameter cannot swallow the next call.
         end = text.find(TOOL_CLOSE, start)
@@ -224,7 +227,11 @@ def _extract(text: str, tools: Sequence[dict[str, Any]]) -> tuple[str | None, li
             kept.append(text[start:at])
             continue
         calls.extend(_call(name, params, tools) for name, params in functions)
+    between.append(text[at:])
     kept.append(text[at:])
+    # Between blocks, a bare <function= is a call written without its <tool_call> (vLLM reads it as one): a
+    # failed parse, from the tag to the next block.
+    failed.extend(segment[segment.index(FUNC_OPEN):] for segment in between if FUNC_OPEN in segment)
     if not calls:
         return text, [], failed
     remaining = "".join(kept).strip()

@@ -4,7 +4,10 @@
 - An agent timeout (session status ``timeout``) or an agent that exited with an error
   (``agent_error``) is the policy's failure: reward 0, still trainable.
 - A trace containing a tool call the parser could not read is the policy's failure too:
-  reward 0, still trainable, whatever the session scored.
+  reward 0, still trainable, whatever the session scored. Where polar parsed the turn itself
+  (``CaptureRecord.parse_failures`` set: local and scripted engines, every engine given token input)
+  its count of unreadable blocks decides; where the engine parsed it (null), call markup left in
+  the content does.
 - An infrastructure failure (status ``error``), a session still ``running``, a session with no
   outcome reward yet, and a call with no session row are not training data: ``trainable`` is
   False and the trace's loss mask is all 0 (the trainer never sees a token of it).
@@ -48,11 +51,16 @@ class RewardDecision:
 
 
 def invalid_tool_call(record: CaptureRecord) -> bool:
-    """Polar's training_filter: a tool_calls finish with no parsed call, or call markup left in text."""
+    """Polar's training_filter: a tool_calls finish with no parsed call, a call polar's own parser could not read
+    (``parse_failures``), or, in a turn the engine parsed, call markup left in text."""
     message = record.response_message or {}
     calls = message.get("tool_calls") or []
     if record.finish_reason == "tool_calls" and not calls:
         return True
+    if record.parse_failures is not None:
+        # Polar's parser read this turn and reported every block it could not read (unclosed ones included); the
+        # markup test would also fail a turn that only mentions another format's tags in prose.
+        return record.parse_failures > 0
     content = message.get("content") or ""
     return isinstance(content, str) and any(marker in content for marker in _UNPARSED_MARKERS)
 

@@ -13,6 +13,9 @@
   and sampled ids plus the new messages' tokens; ``fresh``: a full render), and ``fresh_reasons``
   why a call was rendered fresh (polar_addon.engines.tito); calls captured before polar recorded it
   count under neither.
+- ``parse_failed_calls``: calls with a tool call polar's own parser could not read (``parse_failures``;
+  their traces get reward 0 but stay trainable, polar_cli.build.rewards); calls the engine parsed count
+  under ``reward_reasons`` only.
 - Token counts: what a trainer processes (prompt + completion per trace) and what it learns
   from (loss-mask-1 tokens of trainable traces).
 """
@@ -42,6 +45,7 @@ class BuildStats:
     reward_reasons: dict[str, int] = field(default_factory=dict)  # decision reason -> traces
     prompt_sources: dict[str, int] = field(default_factory=dict)  # continuity | fresh -> calls
     fresh_reasons: dict[str, int] = field(default_factory=dict)  # why fresh -> calls
+    parse_failed_calls: int = 0  # calls whose parse_failures > 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     trainable_tokens: int = 0
@@ -146,6 +150,7 @@ def report_table(report: BuildReport, title: str = "Reconstruction") -> Any:
     row("prompt: continuity", lambda s: str(s.prompt_sources.get("continuity", 0)))
     row("prompt: fresh", lambda s: str(s.prompt_sources.get("fresh", 0)))
     row("  top fresh reasons", lambda s: markup_safe(top_reasons(s.fresh_reasons)))
+    row("failed tool-call parses", lambda s: str(s.parse_failed_calls))
     row("traces (trainable)", lambda s: f"{s.traces} ({s.traces_trainable})")
     row("tokens processed", lambda s: f"{s.processed_tokens:,}")
     row("tokens trained", lambda s: f"{s.trainable_tokens:,}")

@@ -12,7 +12,13 @@ with real tokens and logprobs from the in-process ``LocalEngine`` underneath:
 - ``prompt_token_ids`` / ``response_token_ids`` / ``meta_info`` / ``sglext`` per request flag
   (and the ``x-sglext-return-*-ids: 1`` headers);
 - errors as ``ErrorResponse`` with SGLang's messages (context length, streaming + token ids,
-  validation), ``/v1/tokenize``, ``/update_weights_from_disk``, ``/v1/models``, ``/health``.
+  validation), ``/v1/tokenize``, ``/update_weights_from_disk``, ``/v1/models``, ``/health``;
+- ``/v1/completions`` with a token-id prompt (token input), read as ``CompletionRequest`` and answered as
+  ``serving_completions._build_completion_response`` builds a ``CompletionResponse``: ``text`` (special tokens
+  skipped, a stop string trimmed), ``logprobs.token_logprobs`` from the same triples, ``token_ids`` and
+  ``prompt_token_ids`` with ``return_token_ids``, ``metadata.weight_version``. Under a ``ScriptedEngine`` it
+  replays the script's turn due at that prompt (the number of assistant turns the prompt holds) as the tokens
+  the template writes for it, scored after exactly the given ids; ``completion_prompts`` keeps every prompt.
 
 ``server.configured(variant=...)`` picks the shape of another SGLang build for the same request:
 ``release`` (0.5.23, default), ``token_ids`` (main-branch naming of mid-2026: ``token_ids`` instead
@@ -46,7 +52,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from polar_addon.canonical import CanonicalRequest, PolarError, SamplingParams
+from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, SamplingParams
 from polar_addon.engines.local import LocalEngine
 from polar_addon.engines.scripted import ScriptedEngine
 
@@ -189,6 +195,7 @@ class SGLangContractServer:
         self.context_len = context_len
         self.weight_version = weight_version
         self.requests: list[dict[str, Any]] = []  # raw bodies received, for assertions
+        self.completion_prompts: list[list[int]] = []  # the token-id prompts /v1/completions sampled after
         self.url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -230,6 +237,7 @@ class SGLangContractServer:
     async def _start(self) -> None:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/tokenize", self.tokenize)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
@@ -363,6 +371,115 @@ class SGLangContractServer:
                 choice.pop(key, None)
             data.pop("sglext", None)
         return self._json(data)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        """``OpenAIServingCompletion`` for one token-id prompt, not streamed."""
+        try:
+            body, req = await self._read(request, self.p.CompletionRequest)
+        except _Reply as reply:
+            return reply.response
+        fail = self.fail
+        await asyncio.sleep(self.delay_s)
+        if fail == "internal":
+            return self._error("Internal server error: CUDA error: an illegal memory access", "InternalServerError", 500)
+        if fail == "not_json":
+            return web.Response(text="<html>502 Bad Gateway</html>", status=200, content_type="text/html")
+        prompt = req.prompt
+        if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):  # _validate_request
+            return self._error("Prompt cannot be empty")
+        if req.stream or req.n != 1 or req.echo or not all(isinstance(t, int) for t in prompt):
+            return self._error("contract server: only one token-id prompt, not streamed, is reproduced", "BadRequest")
+        prompt_ids = list(prompt)
+        if len(prompt_ids) >= self.context_len:  # TokenizerManager._validate_one_request
+            return self._error(f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
+                               f"({self.context_len} tokens).")
+        stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                                  max_tokens=req.max_tokens, stop=stop, seed=req.seed)
+        try:
+            completion, text = await asyncio.to_thread(self._sample_after, prompt_ids, sampling, req.skip_special_tokens)
+        except ValueError as exc:
+            return self._error(str(exc))
+        except PolarError as exc:
+            return self._error(exc.message, status=exc.status)
+        self.completion_prompts.append(prompt_ids)
+        ret = self._ret_item(completion, return_logprob=req.logprobs is not None)
+        meta = ret["meta_info"]
+        logprobs = None
+        if req.logprobs is not None:  # to_openai_style_logprobs over the output triples
+            logprobs = self.p.LogProbs(
+                text_offset=[-1] * len(meta["output_token_logprobs"]),
+                token_logprobs=[lp for lp, _, _ in meta["output_token_logprobs"]],
+                tokens=[text for _, _, text in meta["output_token_logprobs"]],
+                top_logprobs=[],  # output_top_logprobs only with top_logprobs_num > 0
+            )
+        finish = meta["finish_reason"]
+        choice = self.p.CompletionResponseChoice(
+            index=0,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish["type"],
+            matched_stop=finish.get("matched"),
+            token_ids=ret["output_ids"] if req.return_token_ids else None,
+            prompt_token_ids=ret["prompt_token_ids"] if req.return_token_ids else None,
+        )
+        usage = self.p.UsageInfo(prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
+                                 total_tokens=meta["prompt_tokens"] + meta["completion_tokens"])
+        response = self.p.CompletionResponse(id=meta["id"], model=req.model, created=int(time.time()), choices=[choice],
+                                             usage=usage, metadata={"weight_version": meta["weight_version"]})
+        data = response.model_dump()
+        if fail == "misaligned":
+            data["choices"][0]["logprobs"]["token_logprobs"].pop()
+        if fail == "sentinel_logprob":
+            data["choices"][0]["logprobs"]["token_logprobs"][0] = -9999.0
+        if fail == "no_ids":
+            for key in ("prompt_token_ids", "token_ids"):
+                data["choices"][0].pop(key, None)
+        return self._json(data)
+
+    def _sample_after(self, prompt_ids: list[int], sampling: SamplingParams, skip_special_tokens: bool) -> tuple[Any, str]:
+        """The completion after exactly ``prompt_ids``, and its text as SGLang detokenizes it."""
+        local = self.local
+        canonical = CanonicalRequest(api="sglang", model=self.served_model, messages=[], sampling=sampling)
+        if isinstance(self.engine, ScriptedEngine):
+            completion = self._replay_after(prompt_ids, canonical)
+        else:
+            completion = local._complete_sync(canonical, prompt_ids)
+        with local.lock:
+            if skip_special_tokens:
+                text = local.decode(list(completion.response_ids))
+            else:
+                text = "".join(local.token_texts(list(completion.response_ids)))
+        if isinstance(completion.matched_stop, str):  # no_stop_trim=False: the stop string is cut from the text
+            text = text[: text.find(completion.matched_stop)]
+        return completion, text
+
+    def _replay_after(self, prompt_ids: list[int], canonical: CanonicalRequest) -> Completion:
+        """The scripted turn due after ``prompt_ids``, as the tokens the chat template writes for it after a generation
+        prompt, up to its end-of-turn token: what a model that made this turn samples."""
+        engine, local = self.engine, self.local
+        assert isinstance(engine, ScriptedEngine)
+        with local.lock:
+            local.check_context(len(prompt_ids))
+            rendered = "".join(local.token_texts(prompt_ids))
+            index = rendered.count("<|im_start|>assistant") - 1  # the last one is the generation prompt
+            if index < 0 or (index >= len(engine.turns) and not engine.cycle):
+                raise ValueError(f"contract server: no scripted turn for a prompt with {index} assistant turns")
+            turn = engine.turns[index % len(engine.turns)]
+            user = [{"role": "user", "content": "."}]
+            head = local.render_ids(user, [], add_generation_prompt=True, enable_thinking=None)
+            full = local.render_ids([*user, turn], [], add_generation_prompt=False, enable_thinking=None)
+            tail = full[len(head):]
+            end = next(i for i, token in enumerate(tail) if token in local.eos_ids)
+            response = tail[: end + 1]
+            max_tokens = canonical.sampling.max_tokens
+            finish = "stop"
+            if max_tokens is not None and len(response) > max_tokens:
+                response, finish = response[:max_tokens], "length"
+            logprobs = local.score(prompt_ids, response, canonical.sampling.effective_temperature())
+        return Completion(message=AssistantMessage(), finish_reason=finish, prompt_ids=prompt_ids,  # type: ignore[arg-type]
+                          response_ids=response, logprobs=logprobs, served_model=self.served_model, engine=engine.name,
+                          weight_version=self.weight_version)
 
     def _ret_item(self, completion: Any, *, return_logprob: bool) -> dict[str, Any]:
         """What TokenizerManager hands serving_chat: text, output_ids, meta_info, prompt_token_ids."""
