@@ -289,7 +289,7 @@ def _processes_mentioning(text: str) -> list[int]:
 
 
 def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """SIGKILL mid-run (after the first training, while the second trains or a batch runs), then the same command:
+    """SIGKILL mid-run (after the first training, while the second trains on a batch), then the same command:
     the run goes on from version 1 (not 0), every recorded step and batch is kept as it was, no batch is trained
     twice, the batch in flight is redone in a fresh directory, and the killed run's training died with it."""
     import os
@@ -302,15 +302,18 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
     killed = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:
+        # Killed once step 1 has taken a batch (recorded when the next batch finishes) and is still training.
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and killed.poll() is None:
-            if state_file.is_file() and json.loads(state_file.read_text()).get("steps"):
+            seen = json.loads(state_file.read_text()) if state_file.is_file() else {}
+            if len(seen.get("steps", [])) == 1 and any(b["step"] == 1 for b in seen["batches"]):
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
         assert killed.poll() is None, "the loop ended before it could be killed"
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
         before = json.loads(state_file.read_text())
+        taken_by_the_killed_step = [b["index"] for b in before["batches"] if b["step"] == 1]
         # polar train dies with the loop (PR_SET_PDEATHSIG): nothing trains into out/train-NNN behind the resumed run.
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and [p for p in _processes_mentioning(str(out)) if
@@ -345,6 +348,9 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
     for s in steps:
         assert sorted(s["batches"]) == sorted(b["index"] for b in batches if b["step"] == s["step"]
                                               and not b["dropped_groups"])
+    # The batches the killed step had taken waited for the trainer again and the resumed step 1 trained them.
+    assert len(before["steps"]) == 1 and taken_by_the_killed_step
+    assert set(taken_by_the_killed_step) <= set(steps[1]["batches"])
     # The resumed run went on from version 1: its batches sampled step 0's checkpoint or later, never the model.
     resumed_at = after["runs"][1]["started_at"]
     fresh = [b for b in batches if b["started_at"] >= resumed_at]
