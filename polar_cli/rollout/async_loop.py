@@ -11,7 +11,7 @@ Two coroutines share one event loop:
   call records the ``weight_version`` that sampled it. At most ``AHEAD`` finished batches wait for the trainer; past
   that the rollout side waits (a bounded window, as Polar's figure 5: rollout stalls when the trainer is the
   bottleneck).
-- the trainer takes every finished batch, keeps the groups whose calls were all sampled within ``max_staleness``
+- the trainer takes the oldest finished batch (one per step: ``polar train`` reads one trace store), keeps the groups whose calls were all sampled within ``max_staleness``
   versions of the policy it trains (:func:`select_groups`; staler groups are dropped and counted), runs ``polar
   train`` on them (TIS against the captured logprobs is always on in ``polar train``: it is what keeps
   stale-but-bounded traces correct; ``--current-weight-version``/``--max-staleness`` make it refuse anything past
@@ -316,12 +316,16 @@ class _AsyncLoop:
             taken: list[Batch] = []
             kept: list[Batch] = []
             while not kept:  # every group too stale: wait for batches on newer weights
+                # One batch per step, the oldest first: polar train reads one trace store (one batch's shards).
+                # More than one waits only after a resume (the interrupted step's batch and the next).
                 async with shared.changed:
                     await shared.changed.wait_for(lambda: bool(shared.waiting))
-                    new, shared.waiting = shared.waiting, []
+                    batch = shared.waiting.pop(0)
                     shared.changed.notify_all()
-                taken += new
-                kept += [b for b in new if self._select(b, shared.version, step)]
+                taken.append(batch)
+                if self._select(batch, shared.version, step):
+                    kept.append(batch)
+            self._save()  # loop.json shows what the running step trains (a resumed run gives it back to the trainer)
             started = time.time()
             idir = self.config.out / f"train-{step:03d}"
             idir.mkdir(parents=True, exist_ok=True)
