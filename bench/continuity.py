@@ -18,6 +18,16 @@ second user turn (``claude --continue``, ``codex exec resume --last``, ``qwen --
 whether every main-chain trace trains exactly the sampled ids.
 
     .venv/bin/python bench/continuity.py --harnesses claude,codex,qwen,pi,gemini
+
+``--vllm``: the same comparison on real vLLM CPU (started here, as `polar engine serve` does) serving the ending
+model (tests/support/ending_model.py: the tiny model made to end its turns, Qwen3's chat template, stored in bf16),
+chat sessions (no tool calls: a random model makes none) from both SDKs at T=0.6, and two more rows: the first-step
+importance ratios exp(trainer logprob - vLLM logprob) over every trainable token (the trainer's fp32 forward, TRL's
+log-softmax of logits / T, against vLLM's processed logprobs), and how many calls' stored prompt ids are the ones
+vLLM itself reported (read by a recording forwarder between the proxy and vLLM). ``--serve-dtype`` picks how vLLM
+computes (float32, bfloat16 or both, one server each).
+
+    .venv/bin/python bench/continuity.py --vllm --sessions 4 --user-turns 4 --serve-dtype float32,bfloat16
 """
 
 from __future__ import annotations
@@ -97,6 +107,57 @@ def harness_table(model_dir: Path, harnesses: list[str]) -> None:
         print(f"{short:8}{tito:5}" + "".join(f"{c:>10}" for c in cells) + f"  {reasons}")
 
 
+def vllm_columns(model: Path, root: Path, serve_dtype: str, sessions: int, user_turns: int) -> dict[str, dict]:
+    from polar_cli.mitm import free_port
+    from polar_cli.train.reload import serve_vllm, stop_process
+    from tests.support.slow_forwarder import slow_forwarder
+    from tests.support.tito_vllm import anthropic_chat, engine_answers, first_step_ratios, openai_chat, trainer_logprobs
+
+    logprobs = trainer_logprobs(model)
+    server = serve_vllm(str(model), port=free_port(), served_model_name="tiny", state_dir=root / "engines",
+                        dtype=serve_dtype, max_model_len=4096, extra_args=["--enforce-eager"], kvcache_gib="1")
+    columns: dict[str, dict] = {}
+    try:
+        for tito in ("off", "on"):
+            out, exchanges = root / f"{serve_dtype}-{tito}", []
+            options = {"polar_tito": tito, "polar_tokenizer": str(model), "polar_shard_seconds": "0.2"}
+            with slow_forwarder(server.url, 0.0, record=exchanges) as forwarder:
+                with run_mitmdump(f"vllm:{forwarder}", out, options=options) as proxy:
+                    for i in range(sessions):
+                        if i % 2 == 0:
+                            openai_chat(proxy, f"s{i}", user_turns=user_turns, seed=100 * i)
+                        else:
+                            anthropic_chat(proxy, f"s{i}", user_turns=user_turns)
+            records = sorted(read_records(str(out)), key=lambda r: r.started_at)
+            saw = sum(list(r.prompt_ids) == a[0] for r, a in zip(records, engine_answers(exchanges)))
+            for merge in (True, False):
+                column = measure(out, merge)
+                ratios = first_step_ratios(build(out, merge_retokenized=merge)[1], logprobs)
+                column.update({"prompt ids = vLLM's": saw, "ratio min": ratios.min, "ratio max": ratios.max,
+                               "mean |ratio - 1|": ratios.mean_abs_dev})
+                columns[f"{tito}, {'merge' if merge else 'break'}"] = column
+    finally:
+        stop_process(server)
+    return columns
+
+
+def print_table(title: str, columns: dict[str, dict]) -> None:
+    names = list(columns)
+    print(title)
+    print(f"{'':22}" + "".join(f"{n:>14}" for n in names))
+    for row in next(iter(columns.values())):
+        values = [columns[n][row] for n in names]
+        if row == "build seconds":
+            cells = "".join(f"{v:>14.3f}" for v in values)
+        elif row.startswith("ratio"):
+            cells = "".join(f"{v:>14.7f}" for v in values)
+        elif row.startswith("mean"):
+            cells = "".join(f"{v:>14.2e}" for v in values)
+        else:
+            cells = "".join(f"{v:>14g}" for v in values)
+        print(f"{row:22}{cells}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "tiny")
@@ -104,9 +165,21 @@ def main() -> None:
     parser.add_argument("--user-turns", type=int, default=3, help="user questions per session (3 model calls each)")
     parser.add_argument("--harnesses", default="", help="comma-separated real harness CLIs instead of the SDK sessions: "
                         "claude,codex,qwen,pi,gemini")
+    parser.add_argument("--vllm", action="store_true", help="real vLLM CPU and the ending model instead of the script")
+    parser.add_argument("--serve-dtype", default="float32", help="--vllm: float32, bfloat16, or both comma-separated")
     args = parser.parse_args()
     if args.harnesses:
         harness_table(args.model_dir, [h for h in args.harnesses.split(",") if h])
+        return
+    if args.vllm:
+        from tests.support.ending_model import build_ending_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model = build_ending_model(Path(tmp) / "ending", dtype="bfloat16")
+            for dtype in args.serve_dtype.split(","):
+                columns = vllm_columns(model, Path(tmp), dtype, args.sessions, args.user_turns)
+                print_table(f"{args.sessions} sessions x {args.user_turns} user turns (1 call each), vLLM CPU "
+                            f"--dtype {dtype}, ending model (bf16 weights), T={0.6}", columns)
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -119,12 +192,8 @@ def main() -> None:
             "on, merge": measure(root / "on", True),
             "on, break": measure(root / "on", False),
         }
-    names = list(columns)
-    print(f"{args.sessions} sessions x {args.user_turns} user turns (3 calls each), scripted engine, Qwen3 template")
-    print(f"{'':22}" + "".join(f"{n:>14}" for n in names))
-    for row in next(iter(columns.values())):
-        cells = "".join(f"{columns[n][row]:>14.3f}" if row == "build seconds" else f"{columns[n][row]:>14g}" for n in names)
-        print(f"{row:22}{cells}")
+    print_table(f"{args.sessions} sessions x {args.user_turns} user turns (3 calls each), scripted engine, Qwen3 "
+                "template", columns)
 
 
 if __name__ == "__main__":

@@ -142,3 +142,23 @@ def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayClus
     validated = subprocess.run([sys.executable, "-m", "polar_cli.app", "shards", "validate", str(store)],
                                capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert validated.returncode == 0, validated.stdout + validated.stderr
+
+
+def test_ray_refuses_a_running_proxy_and_early_stop_and_help_says_so(tmp_path: Path) -> None:
+    """Not yet combinable with --ray, refused before anything starts, and --help says so."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "t", "instruction": "hi", "verify": "true"}) + "\n")
+    base = [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", "cmd:true", "--ray", "auto",
+            "--out", str(tmp_path / "store")]  # fmt: skip
+    env = {**os.environ, "COLUMNS": "200"}
+    proxy = subprocess.run([*base, "--proxy", "127.0.0.1:9"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                           env=env)
+    assert proxy.returncode == 2 and "give --engine (not --proxy)" in proxy.stderr, proxy.stderr
+    early = subprocess.run([*base, "--engine", "local:x", "--early-stop", "1"], cwd=REPO, capture_output=True,
+                           text=True, timeout=120, env=env)
+    assert early.returncode == 2 and "not supported with --ray yet" in " ".join(early.stderr.split()), early.stderr
+    assert not (tmp_path / "store").exists()
+    shown = subprocess.run([sys.executable, "-m", "polar_cli.app", "rollout", "--help"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120, env=env)
+    text = " ".join(shown.stdout.replace("│", " ").split())
+    assert "Refused with --proxy" in text and "with --early-stop (not yet" in text and "Not with --ray yet" in text

@@ -1,4 +1,6 @@
-"""A loopback HTTP forwarder that delays every answer: makes a real engine look slow.
+"""A loopback HTTP forwarder that delays every answer: makes a real engine look slow; or, with ``record``, keeps
+every exchange, so a test reads what the engine itself answered (its reported prompt ids) rather than what polar
+made of it.
 
 Used to check that a streaming client with a short read timeout survives a long generation
 thanks to the proxy's keep-alive events.
@@ -7,16 +9,36 @@ thanks to the proxy's keep-alive events.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import httpx
 from aiohttp import web
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """One forwarded call: its path, and the JSON bodies sent and answered (None where not JSON)."""
+
+    method: str
+    path: str
+    request: Any
+    status: int
+    response: Any
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
 @contextmanager
-def slow_forwarder(target: str, delay_s: float) -> Iterator[str]:
+def slow_forwarder(target: str, delay_s: float, record: list[Exchange] | None = None) -> Iterator[str]:
     loop = asyncio.new_event_loop()
     started = threading.Event()
     state: dict = {}
@@ -27,6 +49,8 @@ def slow_forwarder(target: str, delay_s: float) -> Iterator[str]:
         async with httpx.AsyncClient(timeout=600) as client:
             upstream = await client.request(request.method, target + request.path_qs, content=body,
                                             headers={"content-type": request.headers.get("content-type", "application/json")})
+        if record is not None:
+            record.append(Exchange(request.method, request.path, _json(body), upstream.status_code, _json(upstream.content)))
         return web.Response(status=upstream.status_code, body=upstream.content,
                             content_type=upstream.headers.get("content-type", "application/json").split(";")[0])
 
