@@ -86,7 +86,6 @@ def test_early_stop_on_a_ray_cluster_cancels_the_stragglers_of_every_node(cluste
     tasks.write_text(json.dumps({"id": "race", "instruction": "MODE=slow-unless-0 write it", "workspace": "ws",
                                  "verify": "test -f answer.txt"}) + "\n")
     store = tmp_path / "store"
-    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness",
          f"cmd:{sys.executable} {AGENT} {{instruction}}", "--samples", "3", "--early-stop", "1",
@@ -95,11 +94,11 @@ def test_early_stop_on_a_ray_cluster_cancels_the_stragglers_of_every_node(cluste
          "--set", "polar_shard_seconds=0.2", "--no-progress"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert time.monotonic() - started < 55  # sample 1 would have slept 60 s
     results = json.loads((store / "rollouts" / "r7" / "rollout-summary.json").read_text())["session_results"]
     got = {s["sample"]: (s["status"], s["ran"]) for s in results}
     assert got == {0: ("completed", True), 1: ("cancelled", True), 2: ("cancelled", False)}, results
     by_sample = {s["sample"]: s for s in results}
+    assert by_sample[1]["timings"]["run"] < 50, results  # cancelled, not the 60 s it would have slept
     assert {by_sample[0]["node"], by_sample[1]["node"]} == {w0.node_id(), w1.node_id()}  # one on each node
     wait_for_shards(str(store))
     sessions = {s.session_id: s for s in read_sessions(str(store))}
