@@ -174,5 +174,8 @@ class ControlPlane:
             await self.store.session_update(session_id, status=status, ended_at=time.time(), metadata=metadata)
             if self.on_session_end is not None:
                 self.on_session_end(session_id)
+            # What the store now says of the session (error is final), so the poster reports the same.
+            final, why = self.store.final_status(session_id, status)
+            return {"ok": True, "session_id": session_id, "status": final, **({"final_because": why} if why else {})}
         return {"ok": True, "session_id": session_id}
 

@@ -21,7 +21,7 @@ Resumable: OUT/loop.json records each finished rollout and training; run the sam
 
 --ray ADDRESS: each rollout runs on a Ray cluster as `polar rollout --ray` does (a worker with its own proxy per node, all writing OUT/iter-NNN/shards); OUT, --model and the checkpoints must be at the same path on every node; `polar train` runs on this machine.
 
---async: rollouts keep running while the trainer trains on finished batches (local engine). A batch's groups are trained only if every call's weight_version is within --max-staleness versions of the policy being trained (staler ones are dropped and counted); each new checkpoint is pushed as the next version (a new proxy on it) with --drain wait (the batch in flight finishes on the old weights) or cut (it is cancelled, its running sessions masked as error). polar train's truncated importance sampling against the captured logprobs corrects the bounded staleness. loop.json records batches, steps and the rollout/trainer utilisation (fraction of wall time busy). Not resumable: rerun into a fresh --out.
+--async: rollouts keep running while the trainer trains on finished batches (any --engine). A batch's groups are trained only if every call's weight_version is within --max-staleness versions of the policy being trained (staler ones are dropped and counted). Each new checkpoint is pushed as the next version V with a drain: new sessions wait until the engine serves V, and the batch in flight either finishes on the old weights first (--drain wait) or is cancelled, its running sessions masked as error (--drain cut). The push: local: a new proxy on the checkpoint; vllm: `polar engine reload` restarts vLLM on it (each batch's proxy tags its calls vllm:URL?weight_version=V, as vLLM reports no version); sglang:URL: update_weights_from_disk with weight_version V, which SGLang reports in every answer. polar train's truncated importance sampling against the captured logprobs corrects the bounded staleness. loop.json records batches, steps, each push's drain time and the rollout/trainer utilisation (fraction of wall time busy). Resumable: run the same command again after Ctrl-C or a kill and it continues from the last finished step (its checkpoint and version; no batch is trained twice; the batch in flight is redone).
 
 Example (the toy task of examples/toy_task):
 
@@ -41,7 +41,9 @@ def loop(
                              "loop.json. Re-running with the same OUT resumes."),
     samples: int = typer.Option(8, "--samples", "-n", help="Sessions per task per iteration (the GRPO group)."),
     engine: str = typer.Option("local", help="local: the model runs in the proxy (restarted on each checkpoint); "
-                               "vllm: a vLLM server (.venv-vllm) started by the loop and restarted on each checkpoint."),
+                               "vllm: a vLLM server (.venv-vllm) started by the loop and restarted on each checkpoint; "
+                               "sglang:URL: a running SGLang server, given each checkpoint with "
+                               "update_weights_from_disk (it must see the loop's --out at the same path)."),
     runtime: str = typer.Option("local", help="Where sessions run: local, bwrap, oci (as `polar rollout`)."),
     network: Optional[str] = typer.Option(None, help="host or proxy-only (default: the runtime's)."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", help="Harness runs at once."),
@@ -58,14 +60,14 @@ def loop(
     vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM flag with --engine vllm (repeatable)."),
     display: bool = typer.Option(True, "--progress/--no-progress", help="Status lines while a phase runs."),
     asynchronous: bool = typer.Option(False, "--async", help="Rollouts keep running while the trainer trains "
-                                      "(see above); --engine local only."),
+                                      "(see above); resumable with the same --out."),
     max_staleness: Optional[int] = typer.Option(None, "--max-staleness", min=0, help="--async: train a group only "
                                                 "if its calls were sampled at most this many weight versions before "
                                                 "the policy being trained (default 1). Without --async it is passed "
                                                 "to polar train."),
-    drain: str = typer.Option("wait", "--drain", help="--async, when new weights are pushed: wait (the batch in "
-                              "flight finishes on the old weights) or cut (its running sessions are cancelled and "
-                              "masked as error)."),
+    drain: str = typer.Option("wait", "--drain", help="--async, when new weights are pushed (new sessions wait until "
+                              "the engine serves them): wait (the batch in flight finishes on the old weights first) "
+                              "or cut (its running sessions are cancelled and masked as error)."),
     ray_address: Optional[str] = typer.Option(None, "--ray", help="Run each rollout on this Ray cluster (as polar "
                                               "rollout --ray: a worker and proxy per node, --concurrency per node). "
                                               "OUT, --model and the checkpoints must be at the same path on every "
@@ -79,15 +81,16 @@ def loop(
     from polar_cli.rollout.loop import LoopConfig, rise, run_loop
     from polar_cli.rollout.tasks import TaskFileError, load_tasks
 
-    if engine not in ("local", "vllm"):
-        raise typer.BadParameter("local or vllm", param_hint="--engine")
+    from polar_cli.rollout.loop import engine_kind
+
+    try:
+        engine_kind(engine)
+    except ValueError as exc:
+        raise typer.BadParameter("local, vllm or sglang:URL", param_hint="--engine") from exc
     if network not in (None, "host", "proxy-only"):
         raise typer.BadParameter("host or proxy-only", param_hint="--network")
     if drain not in ("wait", "cut"):
         raise typer.BadParameter("wait or cut", param_hint="--drain")
-    if asynchronous and engine != "local":
-        raise typer.BadParameter("--async needs --engine local (a vLLM reload restarts the server, cutting every "
-                                 "running session)", param_hint="--engine")
     if ray_address is not None and asynchronous:
         raise typer.BadParameter("--ray runs the synchronous loop's rollouts; --async runs locally",
                                  param_hint="--ray")
@@ -180,7 +183,7 @@ def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: A
                           f"{s.batches} ({s.groups_kept} groups, {s.groups_dropped} dropped as stale), "
                           f"{s.ended_at - s.started_at:.0f} s")
 
-    with _exit_codes(" (the async loop does not resume: rerun into a fresh --out)"):
+    with _exit_codes("; run the same command to resume from the last finished step"):
         state = run_async_loop(config, max_staleness, drain, on_event=on_event, progress=say)  # type: ignore[arg-type]
     console.print(_async_table(state))
     s = state["summary"]
@@ -188,6 +191,9 @@ def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: A
     console.print(f"{s['wall_s']:.0f} s: rollout busy {s['rollout_util']:.0%}, trainer busy {s['trainer_util']:.0%}; "
                   f"{s['batches']} batches ({s['batches_cut']} cut), {s['groups_dropped']} groups dropped as stale; "
                   f"version {s['final_version']} reward {final}; loop.json in {config.out}")
+    for push in state.get("pushes", []):
+        console.print(f"push of version {push['version']} to {push['engine']}: drain {push['drain_s']:.1f} s "
+                      f"(checkpoint made -> engine serving it), of which reload {push['reload_s']:.1f} s")
 
 
 def _async_table(state: dict[str, Any]) -> Any:

@@ -69,7 +69,8 @@ def xdist_group_of(item: pytest.Item) -> str:
 # 1-test training run to last). A test the file does not know yet gets a rough estimate.
 DURATIONS = Path(__file__).with_name("durations.json")
 _START_COST_S = {"vllm": 75.0, "vllm-8k": 110.0, "ray": 120.0, "podman": 60.0,
-                 "test_tito_vllm_sessions.py": 45.0}  # its own vLLM server (the ending model)
+                 "test_tito_vllm_sessions.py": 45.0,  # its own vLLM server (the ending model)
+                 "test_async_loop.py": 150.0}  # four loops with trainings, one on its own vLLM (restarted once)
 
 
 def _cost_estimate_s(item: pytest.Item) -> float:

@@ -80,22 +80,149 @@ def test_async_loop_trains_while_rolling_out_and_drops_groups_past_the_bound(tin
         assert 0.0 < record["rollout_util"] <= 1.0 and 0.0 < record["trainer_util"] <= 1.0
     assert "rollout busy" in done.stdout and "trainer busy" in done.stdout
 
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "does not resume" in again.stderr
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)  # complete: nothing to redo
+    assert again.returncode == 0 and json.loads((out / "loop.json").read_text())["batches"] == batches
     sync = subprocess.run([c for c in cmd if c != "--async"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert sync.returncode == 2 and "holds an async loop" in sync.stderr
 
 
-def test_async_refuses_a_vllm_engine_and_an_unknown_drain(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_async_refuses_an_unknown_engine_and_drain(tiny_model_dir: Path, tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"id": "t", "instruction": "hi", "verify": "true"}) + "\n")
     base = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", "cmd:true", "--model",
             str(tiny_model_dir), "--iterations", "2", "--out", str(tmp_path / "o"), "--async"]  # fmt: skip
-    vllm = subprocess.run([*base, "--engine", "vllm"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert vllm.returncode == 2 and "--async needs --engine local" in vllm.stderr
+    for engine in ("sglang", "sglang:gpu1:30000", "tgi"):  # sglang needs the URL of a running server
+        bad = subprocess.run([*base, "--engine", engine], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and "local, vllm or sglang:URL" in bad.stderr, bad.stderr
     drain = subprocess.run([*base, "--drain", "later"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert drain.returncode == 2 and "wait or cut" in drain.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_http_engine_specs_tag_the_calls_the_engine_does_not_tag() -> None:
+    """``vllm:URL?weight_version=V``: vLLM reports no version, so the proxy's spec carries the one the loop pushed;
+    an engine's own tag (SGLang's meta_info) wins over the spec's."""
+    from polar_addon.engines import http_options, make_engine
+    from polar_addon.engines.openai_compat import parse_chat_response
+
+    engine = make_engine("vllm:http://127.0.0.1:9?weight_version=4", timeout_s=5)
+    assert (engine.url, engine.weight_version) == ("http://127.0.0.1:9", "4")  # type: ignore[attr-defined]
+    assert make_engine("sglang:http://h:1", timeout_s=5).weight_version is None  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="weight_version"):
+        http_options("http://h:1?version=4")
+    answer = {"model": "m", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "finish_reason": "stop",
+              "message": {"role": "assistant", "content": "x"}, "token_ids": [5],
+              "logprobs": {"content": [{"token": "x", "logprob": -0.5}]}}]}  # fmt: skip
+    untagged = parse_chat_response(answer)
+    assert untagged.to_completion(engine="vllm:u", default_model="m", default_weight_version="4").weight_version == "4"
+    assert untagged.to_completion(engine="vllm:u", default_model="m").weight_version is None
+    tagged = parse_chat_response({**answer, "metadata": {"weight_version": "7"}})
+    assert tagged.to_completion(engine="sglang:u", default_model="m", default_weight_version="4").weight_version == "7"
+
+
+def _random_reward_loop(tmp_path: Path, model: Path, out: Path, iterations: int, *extra: str) -> list[str]:
+    """``polar loop --async`` on one task whose reward is random (two 4-token answers of the tiny model often score
+    the same fraction of capitals: nothing to train, no new version); the loop's mechanics are what is tested."""
+    tasks = tmp_path / "tasks.jsonl"
+    task = {"id": "shout-0", "instruction": "what is the capital of france", "reward_file": "reward.txt",
+            "verify": "python3 -c 'import random; print(random.random())' > reward.txt"}
+    tasks.write_text(json.dumps(task) + "\n")
+    harness = f"cmd:{sys.executable} {AGENT} --turns 1 --max-tokens 4 {{instruction}}"
+    return [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", harness, "--model", str(model),
+            "--iterations", str(iterations), "--out", str(out), "--samples", "2", "--no-progress", "--async",
+            "--lr", "1e-3", "--eot-token-id", "2", *extra]  # fmt: skip
+
+
+def _check_pushed_versions(state: dict, engine: str) -> None:
+    """Every batch's calls carry the version that sampled them; the one push of a 2-iteration loop drained (the
+    batch in flight ended before the engine was touched, the next batch started after it served the new version)."""
+    batches, steps, pushes = state["batches"], state["steps"], state["pushes"]
+    assert [s["status"] for s in steps] == ["trained"]
+    tagged = [sorted({v for vs in group_versions(b["shards"]).values() for v in vs}) for b in batches]
+    assert tagged == [[str(b["version"])] for b in batches] and batches[-1]["version"] == 1 and batches[-1]["final"]
+    (push,) = pushes
+    assert push["version"] == 1 and push["engine"] == engine and push["checkpoint"] == steps[0]["checkpoint"]
+    loading = push["loaded_at"] - push["reload_s"]
+    before = [b for b in batches if b["version"] == 0]
+    assert all(b["ended_at"] <= loading for b in before)  # drain wait: the old batches finished on the old weights
+    assert batches[-1]["started_at"] >= push["loaded_at"]  # new sessions waited for the new weights
+    assert push["drain_s"] >= push["reload_s"] > 0 and state["summary"]["drain_s"] == [push["drain_s"]]
+
+
+def test_async_loop_pushes_each_version_to_sglang_with_update_weights_from_disk(tiny_model_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """--engine sglang:URL against the SGLang contract server (SGLang needs a GPU): every push is a body SGLang's own
+    UpdateWeightFromDiskReqInput accepts, and SGLang's weight_version comes back in every answer."""
+    from polar_addon.engines.local import LocalEngine
+    from tests.support.sglang_contract_server import SGLangContractServer
+
+    out = tmp_path / "loop"
+    with SGLangContractServer(LocalEngine(tiny_model_dir)) as server:
+        cmd = _random_reward_loop(tmp_path, tiny_model_dir, out, 2, "--engine", f"sglang:{server.url}")
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        updates = [(u.model_path, u.weight_version) for u in server.weight_updates]
+    state = json.loads((out / "loop.json").read_text())
+    # The starting model as version 0 (whatever the server held before), then the checkpoint as version 1.
+    assert updates == [(str(tiny_model_dir.resolve()), "0"), (state["steps"][0]["checkpoint"], "1")]
+    _check_pushed_versions(state, "sglang")
+    assert "sglang" in json.dumps(state["pushes"]) and "drain" in done.stdout + done.stderr
+
+
+def test_sglang_reports_the_pushed_version_itself(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SGLang's weight_version passes through update_weights_from_disk into its answers: a proxy spec that says
+    otherwise loses; an update SGLang's own class refuses (a version that is not a string) is an error."""
+    import asyncio
+    import shutil
+
+    from polar_addon.canonical import CanonicalRequest, PolarError, SamplingParams
+    from polar_addon.engines import make_engine
+    from polar_addon.engines.local import LocalEngine
+    from tests.support.sglang_contract_server import SGLangContractServer
+
+    checkpoint = shutil.copytree(tiny_model_dir, tmp_path / "ckpt")
+    request = CanonicalRequest(api="openai_chat", model="m", messages=[{"role": "user", "content": "hi"}],
+                               sampling=SamplingParams(max_tokens=2, temperature=1.0))
+
+    async def scenario(url: str) -> tuple[str | None, str]:
+        engine = make_engine(f"sglang:{url}?weight_version=9", timeout_s=60)
+        try:
+            await engine.update_weights(str(checkpoint), "5")  # type: ignore[attr-defined]
+            after = await engine.complete(request)
+            with pytest.raises(PolarError) as refused:
+                await engine.update_weights(str(checkpoint), 6)  # type: ignore[attr-defined, arg-type]
+            return after.weight_version, refused.value.message
+        finally:
+            await engine.close()
+
+    with SGLangContractServer(LocalEngine(tiny_model_dir)) as server:
+        version, refused = asyncio.run(scenario(server.url))
+        assert [u.weight_version for u in server.weight_updates] == ["5"]  # the refused body never got through
+    assert version == "5"
+    assert "weight_version" in refused
+
+
+@pytest.mark.vllm
+def test_async_loop_on_vllm_restarts_it_between_batches_and_tags_every_call(tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """The real vLLM CPU engine: started by the loop, restarted on the checkpoint (polar engine reload) only once
+    the batch in flight finished; each batch's calls carry the version its server held; stopped at the end."""
+    if not (REPO / ".venv-vllm" / "bin" / "python").exists():
+        from tests.support.prereq import missing
+
+        missing("vLLM CPU venv missing (.venv-vllm); run `make engine`")
+    out = tmp_path / "loop"
+    cmd = _random_reward_loop(tmp_path, tiny_model_dir, out, 2, "--engine", "vllm", "--vllm-arg=--enforce-eager",
+                              "--vllm-arg=--max-model-len=4096", "--vllm-arg=--dtype=float32")
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    state = json.loads((out / "loop.json").read_text())
+    _check_pushed_versions(state, "vllm")
+    log = (out / ".engines").glob("engine-*.log")
+    assert any("polar engine reload: " + state["steps"][0]["checkpoint"] in p.read_text() for p in log)
+    assert not list((out / ".engines").glob("engine-*.json"))  # stopped and forgotten
+    print(f"async vLLM loop: {state['summary']['wall_s']:.0f} s, drain {state['pushes'][0]['drain_s']:.1f} s "
+          f"(reload {state['pushes'][0]['reload_s']:.1f} s)")
 
 
 def test_a_cut_ends_the_running_sessions_as_masked_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -146,3 +273,111 @@ def test_a_local_engine_spec_tags_its_calls_with_a_weight_version(tmp_path: Path
     assert parse_local_target(f"{tmp_path}?weight_version=3") == (str(tmp_path), 0)
     with pytest.raises(ValueError, match="weight_version"):
         parse_local_target(f"{tmp_path}?version=3")
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line holds ``text`` (this test's own tmp path: only processes this test started)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL mid-run (after the first training, while the second trains on a batch), then the same command:
+    the run goes on from version 1 (not 0), every recorded step and batch is kept as it was, no batch is trained
+    twice, the batch in flight is redone in a fresh directory, and the killed run's training died with it."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "loop"
+    cmd = _random_reward_loop(tmp_path, tiny_model_dir, out, 3, "--max-staleness", "1")
+    state_file = out / "loop.json"
+    killed = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        # Killed once step 1 has taken a batch (recorded when the next batch finishes) and is still training.
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and killed.poll() is None:
+            seen = json.loads(state_file.read_text()) if state_file.is_file() else {}
+            if len(seen.get("steps", [])) == 1 and any(b["step"] == 1 for b in seen["batches"]):
+                break
+            time.sleep(0.1)
+        assert killed.poll() is None, "the loop ended before it could be killed"
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait()
+        before = json.loads(state_file.read_text())
+        taken_by_the_killed_step = [b["index"] for b in before["batches"] if b["step"] == 1]
+        # polar train dies with the loop (PR_SET_PDEATHSIG): nothing trains into out/train-NNN behind the resumed run.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and [p for p in _processes_mentioning(str(out)) if
+                                               b" train " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]:
+            time.sleep(0.2)
+        trainers = [p for p in _processes_mentioning(str(out))
+                    if b" train " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]
+        assert not trainers, "a training outlived the killed loop"
+
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finally:
+        for pid in _processes_mentioning(str(out)):  # the killed run's proxy and harnesses (their own sessions)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    after = json.loads(state_file.read_text())
+    steps, batches = after["steps"], after["batches"]
+    assert len(after["runs"]) == 2 and after["summary"]["complete"] and after["summary"]["runs"] == 2
+    assert [s["step"] for s in steps] == [0, 1] and [s["version"] for s in steps] == [0, 1]
+    assert all(s["status"] == "trained" for s in steps)
+    # What the killed run finished is kept as it was: step 0 is not redone, its batches are not rerun.
+    assert steps[0] == before["steps"][0]
+    for old in before["batches"]:
+        new = batches[old["index"]]
+        assert {k: new[k] for k in ("shards", "started_at", "ended_at", "version")} == \
+            {k: old[k] for k in ("shards", "started_at", "ended_at", "version")}
+    # No batch trained twice; each step's batches are exactly those marked with it.
+    trained = [i for s in steps for i in s["batches"]]
+    assert len(trained) == len(set(trained)) and [b["index"] for b in batches] == list(range(len(batches)))
+    for s in steps:
+        assert sorted(s["batches"]) == sorted(b["index"] for b in batches if b["step"] == s["step"]
+                                              and not b["dropped_groups"])
+    # The batches the killed step had taken waited for the trainer again and the resumed step 1 trained them.
+    assert len(before["steps"]) == 1 and taken_by_the_killed_step
+    assert set(taken_by_the_killed_step) <= set(steps[1]["batches"])
+    # The resumed run went on from version 1: its batches sampled step 0's checkpoint or later, never the model.
+    resumed_at = after["runs"][1]["started_at"]
+    fresh = [b for b in batches if b["started_at"] >= resumed_at]
+    assert fresh and all(b["version"] >= 1 for b in fresh)
+    assert all(b["policy"] == steps[0]["checkpoint"] for b in batches if b["version"] == 1)
+    assert batches[-1]["final"] and batches[-1]["version"] == 2
+    tagged = [sorted({v for vs in group_versions(b["shards"]).values() for v in vs}) for b in batches]
+    assert tagged == [[str(b["version"])] for b in batches]
+    # The batch the kill interrupted (if one ran) was redone in a new directory, never mixed with the old one.
+    interrupted = len(before["batches"])
+    if (out / f"batch-{interrupted:03d}").exists() and interrupted < len(batches):
+        assert batches[interrupted]["shards"] == str(out / f"batch-{interrupted:03d}-attempt2" / "shards")
+
+
+def test_a_batch_without_weight_versions_stops_the_loop_instead_of_spinning(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls with no version cannot be bounded; as every later batch of that engine would be the same, the trainer
+    stops the loop with the reason rather than waiting forever for a usable batch."""
+    from polar_cli.rollout import async_loop
+    from polar_cli.rollout.loop import LoopConfig
+
+    config = LoopConfig(tasks=[], harness="cmd:true", model=tmp_path, iterations=2, out=tmp_path / "o", engine="vllm")
+    loop = async_loop._AsyncLoop(config, 1, "wait", None, None)
+    batch = async_loop.Batch(index=0, version=0, policy=str(tmp_path), shards=str(tmp_path / "s"), started_at=0.0,
+                             ended_at=1.0, sessions=2, statuses={}, rewarded=2, reward_mean=0.5, reward_se=0.1)
+    monkeypatch.setattr(async_loop, "group_versions", lambda _store: {"g": ["0", None]})
+    with pytest.raises(RuntimeError, match="carry no numeric weight_version"):
+        loop._select(batch, 0, 0)
+    monkeypatch.setattr(async_loop, "group_versions", lambda _store: {"g": ["0", "0"]})
+    assert loop._select(batch, 0, 0) and batch.step == 0

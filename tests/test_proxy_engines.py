@@ -125,6 +125,8 @@ def test_two_proxies_keep_sessions_on_one_engine_and_a_dead_engine_fails_only_it
             posted = httpx.post(f"{_proxy_of(late, proxies).url}/sessions/{late}/status", json={"status": "completed"},
                                 headers=first.control_headers(), timeout=30)
             assert posted.status_code == 200, posted.text
+            # ... and the proxy answers with the status the store keeps, so the runner's summary says error too.
+            assert posted.json()["status"] == "error" and "taken out" in posted.json()["final_because"]
             wait_for_shards(out)
     finally:
         a.__exit__(None, None, None)

@@ -315,3 +315,68 @@ def _read_or_empty(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:
         return b""
+
+
+def test_a_session_the_proxy_ended_as_error_is_error_in_the_summary_too(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The proxy ends a session as error when its engine is taken out mid-session; the harness still exits 0 and
+    the verifier still rewards it, so the runner posts completed afterwards. The store keeps error (error is final);
+    the proxy answers the post with it, and the runner's result, summary and counts say error as well."""
+    from polar_addon.engines.scripted import ScriptedEngine
+    from polar_cli.rollout.runner import RolloutProgress
+    from tests.support.sglang_contract_server import SGLangContractServer
+
+    script = _script(tmp_path, tiny_model_dir)
+    first, dead = tmp_path / "first-call-done", tmp_path / "engine-dead"
+    agent = tmp_path / "agent.py"
+    # One call, then (once the test stopped the engines) another that fails; it exits 0 whatever happened.
+    agent.write_text(f"""import os, pathlib, time
+from openai import OpenAI
+client = OpenAI(max_retries=0, timeout=60)
+ask = lambda: client.chat.completions.create(model=os.environ["POLAR_MODEL"], max_tokens=8,
+                                             messages=[{{"role": "user", "content": "hi"}}])
+ask()
+pathlib.Path({str(first)!r}).write_text("1")
+deadline = time.monotonic() + 60
+while not pathlib.Path({str(dead)!r}).exists() and time.monotonic() < deadline:
+    time.sleep(0.1)
+try:
+    ask()
+except Exception as exc:
+    print("second call failed:", exc)
+""")
+    tasks = _tasks(tmp_path, {"id": "t", "instruction": "go"})
+    a = SGLangContractServer(ScriptedEngine(script)).__enter__()
+    b = SGLangContractServer(ScriptedEngine(script)).__enter__()
+    running = [a, b]
+    try:
+        config = RolloutConfig(tasks=load_tasks(tasks), harness=f"cmd:{sys.executable} {agent} {{instruction}}",
+                               samples=1, engine=f"sglang:{a.url},sglang:{b.url}", out=str(tmp_path / "store"),
+                               confdir=tmp_path / "conf", logs_dir=tmp_path / "logs", stop_on_signals=False,
+                               proxy_options={"polar_shard_seconds": "0.2"}, progress=RolloutProgress())  # fmt: skip
+
+        async def run() -> RolloutResult:
+            rollout = asyncio.create_task(run_rollout(config))
+            deadline = time.monotonic() + 120
+            while not first.exists() and not rollout.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            # Both engines gone (the session is on one of them): connection refused takes its engine out at once.
+            for server in (a, b):
+                await asyncio.to_thread(server.__exit__, None, None, None)
+                running.remove(server)
+            dead.write_text("1")
+            return await asyncio.wait_for(rollout, 180)
+
+        result = asyncio.run(run())
+    finally:
+        for server in running:
+            server.__exit__(None, None, None)
+    (session,) = result.sessions
+    stored = {s.session_id: s for s in read_sessions(str(tmp_path / "store"))}[session.session_id]
+    assert stored.status == "error" and "taken out" in str(stored.metadata.get("error"))
+    assert session.status == "error" and "taken out" in (session.reason or "")
+    summary = result.summary()
+    assert summary["statuses"]["error"] == 1 and summary["statuses"]["completed"] == 0
+    assert summary["reward_mean"] is None and summary["groups"]["t"]["rewards"] == []
+    assert [s["status"] for s in summary["session_results"]] == ["error"] and result.all_failed
+    assert config.progress is not None and config.progress.statuses["error"] == 1 and config.progress.statuses["completed"] == 0
+    assert config.progress.group_rewards.get("t", []) == []

@@ -67,6 +67,21 @@ def local_options(target: str, spec: str = "") -> tuple[str, dict[str, str]]:
     return model_dir, options
 
 
+def http_options(target: str, spec: str = "") -> tuple[str, dict[str, str]]:
+    """``URL?weight_version=V`` of a ``vllm:``/``sglang:`` spec: the server's URL and its options.
+
+    ``weight_version`` tags the calls whose answer carries none (vLLM never reports one; SGLang does once
+    ``update_weights_from_disk`` was given one, and its own tag wins): a loop that restarts vLLM on each checkpoint
+    starts each rollout's proxy with the version that server now holds."""
+    url, _, query = target.partition("?")
+    options = dict(part.partition("=")[::2] for part in query.split("&") if part)
+    unknown = set(options) - {"weight_version"}
+    if unknown:
+        raise ValueError(f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} "
+                         "(vllm and sglang take weight_version)")
+    return url, options
+
+
 def parse_local_target(target: str, spec: str = "") -> tuple[str, int]:
     """The model directory of a ``local:`` spec and the window it serves (0: the model's own; a smaller one for
     long-session tests)."""
@@ -78,14 +93,14 @@ def make_engine(spec: str, *, timeout_s: float) -> Engine:
     kind, _, target = spec.strip().partition(":")
     if not target:
         raise ValueError(f"engine spec {spec!r} must look like KIND:TARGET (sglang:URL, vllm:URL, local:MODEL_DIR)")
-    if kind == "sglang":
+    if kind in ("sglang", "vllm"):
         from polar_addon.engines.sglang import SGLangEngine
-
-        return SGLangEngine(target, timeout_s=timeout_s)
-    if kind == "vllm":
         from polar_addon.engines.vllm import VLLMEngine
 
-        return VLLMEngine(target, timeout_s=timeout_s)
+        url, options = http_options(target, spec)
+        engine = (SGLangEngine if kind == "sglang" else VLLMEngine)(url, timeout_s=timeout_s)
+        engine.weight_version = options.get("weight_version")
+        return engine
     if kind == "local":
         from polar_addon.engines.local import LocalEngine
 

@@ -149,6 +149,8 @@ class HTTPEngine:
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
         self.tool_parsers = ParserChoice()
+        # The policy version this server holds when it reports none itself (engines.http_options).
+        self.weight_version: str | None = None
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -269,7 +271,8 @@ class HTTPEngine:
         parsed.message = turn.message
         if parsed.message.tool_calls and parsed.finish_reason == "stop":
             parsed.finish_reason = "tool_calls"
-        completion = parsed.to_completion(engine=self.name, default_model=self._model or request.model)
+        completion = parsed.to_completion(engine=self.name, default_model=self._model or request.model,
+                                          default_weight_version=self.weight_version)
         completion.parse_failures = len(turn.failed)
         return completion
 
@@ -296,7 +299,8 @@ class HTTPEngine:
         else:
             rest, prompt_ids = cut
             parsed = parse_chat_response(self._json(rest), prompt_ids=prompt_ids)
-        return parsed.to_completion(engine=self.name, default_model=self._model or request.model)
+        return parsed.to_completion(engine=self.name, default_model=self._model or request.model,
+                                    default_weight_version=self.weight_version)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -315,7 +319,7 @@ class ParsedChat:
     weight_version: str | None
     cached_tokens: int | None
 
-    def to_completion(self, *, engine: str, default_model: str) -> Completion:
+    def to_completion(self, *, engine: str, default_model: str, default_weight_version: str | None = None) -> Completion:
         return Completion(
             message=self.message,
             finish_reason=self.finish_reason,  # type: ignore[arg-type]
@@ -325,7 +329,8 @@ class ParsedChat:
             served_model=self.served_model or default_model,
             engine=engine,
             matched_stop=self.matched_stop,
-            weight_version=self.weight_version,
+            # The engine's own tag (SGLang's meta_info) wins over the one the proxy was started with.
+            weight_version=self.weight_version if self.weight_version is not None else default_weight_version,
             cached_tokens=self.cached_tokens,
         )
 

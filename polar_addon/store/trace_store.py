@@ -160,6 +160,9 @@ class TraceStore:
         self._write_lock = threading.Lock()
         self._inline_after = 0.0
         self._unconverted: dict[str, journal.WriterDir | None] = {}
+        # Sessions this process stored as error, with why: error is final for every reader (merge_sessions), so a
+        # later status post is answered with it (ControlPlane), and the poster's own summary can agree with the store.
+        self._errored: dict[str, str] = {}
 
         try:
             self.writer_id, self._own_dir = journal.create_writer_dir(self.journal_root)
@@ -216,6 +219,18 @@ class TraceStore:
                 row[name] = fields.get(name)
         self.check_writable(journal_too=False)
         await self._submit(SESSIONS, row)
+        if status == "error" and session_id not in self._errored:
+            metadata = fields.get("metadata") or {}
+            self._errored[session_id] = str(metadata.get("error") or metadata.get("reason") or "error")
+
+    def final_status(self, session_id: str, posted: str) -> tuple[str, str | None]:
+        """The status readers will see for ``session_id`` once ``posted`` is stored, and why when it is not
+        ``posted``: an ``error`` this process stored earlier stands (the proxy ended the session, e.g. its engine
+        was taken out mid-session)."""
+        reason = self._errored.get(session_id)
+        if reason is not None and posted != "error":
+            return "error", reason
+        return posted, None
 
     async def add_reward(self, session_id: str, value: float, name: str = "reward", source: str = "api") -> None:
         value, name = check_reward(value, name)

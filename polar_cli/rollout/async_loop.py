@@ -3,24 +3,40 @@
 Two coroutines share one event loop:
 
 - the rollout side runs batch after batch (every task x ``samples``, as one ``polar rollout`` into
-  ``OUT/batch-NNN/shards``), each on the newest policy pushed when it starts. The local engine lives in the proxy, so
-  a reload is a new proxy on the new checkpoint (``local:CKPT?weight_version=V``): every call it serves records
-  ``weight_version`` V. At most ``AHEAD`` finished batches wait for the trainer; past that the rollout side waits
-  (a bounded window, as Polar's figure 5: rollout stalls when the trainer is the bottleneck).
-- the trainer takes every finished batch, keeps the groups whose calls were all sampled within ``max_staleness``
+  ``OUT/batch-NNN/shards``), each on the newest policy pushed when it starts. Before a batch on a new version the
+  engine is pushed the checkpoint (``loop._Engine``): the local engine lives in the proxy, so a push is a new proxy on
+  it (``local:CKPT?weight_version=V``); vLLM is restarted on it (``polar engine reload``; each batch's proxy then
+  tags its calls ``vllm:URL?weight_version=V``, vLLM reporting none); SGLang loads it in place with
+  ``update_weights_from_disk`` and ``weight_version`` V, which it reports in every later answer. Either way every
+  call records the ``weight_version`` that sampled it. At most ``AHEAD`` finished batches wait for the trainer; past
+  that the rollout side waits (a bounded window, as Polar's figure 5: rollout stalls when the trainer is the
+  bottleneck).
+- the trainer takes the oldest finished batch (one per step: ``polar train`` reads one trace store), keeps the groups whose calls were all sampled within ``max_staleness``
   versions of the policy it trains (:func:`select_groups`; staler groups are dropped and counted), runs ``polar
   train`` on them (TIS against the captured logprobs is always on in ``polar train``: it is what keeps
   stale-but-bounded traces correct; ``--current-weight-version``/``--max-staleness`` make it refuse anything past
   the bound), and pushes the checkpoint as version V+1.
 
-Drain when new weights are pushed: ``wait``: the batch in flight finishes on the old weights (its groups stay usable
-within the bound) and the next batch starts on the new ones; ``cut``: the batch in flight is interrupted, its running
-sessions cancelled and posted as ``error`` (masked); what it finished before the cut is kept.
+Drain when new weights are pushed: new sessions wait (the next batch starts only once the engine serves the new
+version), and ``wait``: the batch in flight finishes on the old weights (its groups stay usable within the bound),
+then the push happens; ``cut``: the batch in flight is interrupted, its running sessions cancelled and posted as
+``error`` (masked; what it finished before the cut is kept), then the push happens. No push ever happens under a
+running batch, which is what makes a vLLM restart safe and its static tag true. ``loop.json``'s ``pushes`` records
+each push's drain: from the checkpoint's publication to the engine serving it (``drain_s``), of which the reload
+itself (``reload_s``).
 
 ``iterations`` counts as in the synchronous loop: ``iterations - 1`` trainings, then a batch on the last policy
 measures it. ``OUT/loop.json`` records every batch and training step with wall-clock times, and per step (and for
-the run) the fraction of wall time the rollout side and the trainer were busy. Not resumable: an interrupted async
-loop is rerun into a fresh ``--out``.
+the run) the fraction of wall time the rollout side and the trainer were busy.
+
+Resumable: loop.json is rewritten after every finished batch and step. Run again with the same ``--out`` (after
+Ctrl-C, SIGTERM or a kill), the loop continues from the last finished step: the policy is its checkpoint and the
+version the number of finished trainings; finished batches a finished step took stay taken (never trained twice);
+finished batches no finished step took (the interrupted step's, or ones not taken yet) wait for the trainer again;
+the batch that was in flight is redone whole under its index, in a new directory (``batch-NNN-attemptK``: the
+killed run's proxy may still write into the old one), so shards never mix. An
+engine a killed run left running (recorded in ``OUT/.engines``) is stopped first. Utilisation is over the time the
+runs ran (``runs`` in loop.json), not the time between them.
 """
 
 from __future__ import annotations
@@ -33,7 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from polar_cli.rollout.loop import (EXIT_NOTHING_TO_TRAIN, STATE_FILE, LoopConfig, mean_se, rollout_config, save_state,
+from polar_cli.rollout.loop import (EXIT_NOTHING_TO_TRAIN, LoopConfig, _check_same_run, _Engine, die_with_parent,
+                                    engine_kind, load_state, mean_se, rollout_config, save_state, stop_stale_engines,
                                     train_command)
 from polar_cli.rollout.runner import RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import task_set_hash
@@ -110,6 +127,7 @@ class Batch:
     reward_mean: float | None
     reward_se: float | None
     cut: bool = False  # interrupted by a push with drain "cut"
+    final: bool = False  # the batch that measures the last policy: the run is complete once it is recorded
     step: int | None = None  # the training step that took it
     dropped_groups: dict[str, int] = field(default_factory=dict)  # group -> versions behind, when dropped
 
@@ -133,12 +151,13 @@ class Step:
 class _Shared:
     """What the two sides share (one event loop: no locks)."""
 
-    def __init__(self, model: Path, trainings: int) -> None:
-        self.version, self.policy = 0, model
-        self.waiting: list[Batch] = []
+    def __init__(self, model: Path, version: int, training_done: bool, waiting: list[Batch]) -> None:
+        self.version, self.policy = version, model
+        self.waiting = waiting
         self.changed = asyncio.Condition()
-        self.training_done = trainings == 0
+        self.training_done = training_done
         self.in_flight: asyncio.Event | None = None  # the running batch's stop (drain "cut")
+        self.published: dict[int, float] = {}  # version -> when its checkpoint was made (this run's pushes)
 
 
 def run_async_loop(config: LoopConfig, max_staleness: int = 1, drain: Drain = "wait",
@@ -151,16 +170,14 @@ def run_async_loop(config: LoopConfig, max_staleness: int = 1, drain: Drain = "w
         raise ValueError("--max-staleness must be 0 or more")
     if drain not in DRAINS:
         raise ValueError(f"--drain must be one of {', '.join(DRAINS)}")
-    if config.engine != "local":
-        raise ValueError("--async needs --engine local: a vLLM reload restarts the server, which would cut every "
-                         "running session whatever the drain")
+    engine_kind(config.engine)
     if not (config.model / "config.json").is_file():
         raise ValueError(f"{config.model} is not a model directory (no config.json)")
-    if (config.out / STATE_FILE).exists():
-        raise ValueError(f"{config.out} already holds a loop ({STATE_FILE}): the async loop does not resume; "
-                         "use another --out")
     config.out.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_AsyncLoop(config, max_staleness, drain, on_event, progress).run())
+    loop = _AsyncLoop(config, max_staleness, drain, on_event, progress)
+    if loop.complete():
+        return loop.state
+    return asyncio.run(loop.run())
 
 
 class _AsyncLoop:
@@ -169,17 +186,50 @@ class _AsyncLoop:
         self.config, self.max_staleness, self.drain = config, max_staleness, drain
         self.on_event = on_event or (lambda _e: None)
         self.say = progress or (lambda _line: None)
-        self.batches: list[Batch] = []
-        self.steps: list[Step] = []
+        self.engine = _Engine(config, config.out / ".engines")
         self.started_at = time.time()
+        identity = {"tasks": task_set_hash(list(config.tasks)), "harness": config.harness,
+                    "model": str(config.model.resolve()), "samples": config.samples}
+        old = load_state(config.out)
+        if old.get("iterations"):
+            raise ValueError(f"{config.out} holds a synchronous loop (polar loop without --async): use another --out")
+        _check_same_run(old, identity)
         self.state: dict[str, Any] = {
-            "mode": "async", "max_staleness": max_staleness, "drain": drain,
-            "identity": {"tasks": task_set_hash(list(config.tasks)), "harness": config.harness,
-                         "model": str(config.model.resolve()), "samples": config.samples},
+            **old, "mode": "async", "max_staleness": max_staleness, "drain": drain, "identity": identity,
+            "engine": config.engine,
         }  # fmt: skip
+        self.state.pop("iterations", None)
+        self.runs: list[dict[str, float]] = [*old.get("runs", []), {"started_at": self.started_at,
+                                                                     "ended_at": self.started_at}]
+        self.pushes: list[dict[str, Any]] = list(old.get("pushes", []))
+        # Resume: every recorded step finished; a recorded batch is finished, and taken for good only by a finished
+        # step (one taken by the step that was interrupted waits for the trainer again).
+        self.steps = [Step(**s) for s in old.get("steps", [])]
+        self.batches = [Batch(**b) for b in old.get("batches", [])]
+        for b in self.batches:
+            if b.step is None or b.step >= len(self.steps):
+                b.step, b.dropped_groups = None, {}
+        trained = [s for s in self.steps if s.status == "trained"]
+        for s in trained:
+            if not (Path(s.checkpoint or "") / "config.json").is_file():
+                raise ValueError(f"step {s.step}'s checkpoint {s.checkpoint} is gone: the loop in {config.out} "
+                                 "cannot resume; use another --out")
+        self.resumed = bool(self.steps or self.batches)
+        self.first_version = len(trained)
+        self.first_policy = Path(trained[-1].checkpoint) if trained else config.model  # type: ignore[arg-type]
+
+    def complete(self) -> bool:
+        """A finished run (its measuring batch recorded): nothing to do again."""
+        return any(b.final for b in self.batches) and len(self.steps) >= self.config.iterations - 1
 
     async def run(self) -> dict[str, Any]:
-        shared = _Shared(self.config.model, self.config.iterations - 1)
+        trainings = self.config.iterations - 1
+        waiting = [b for b in self.batches if b.step is None and not b.final]
+        shared = _Shared(self.first_policy, self.first_version, len(self.steps) >= trainings, waiting)
+        if self.resumed:
+            self.say(f"resuming {self.config.out}: {len(self.steps)} step(s) and {len(self.batches)} batch(es) done, "
+                     f"version {shared.version}, batches {[b.index for b in waiting]} waiting for the trainer")
+        await asyncio.to_thread(stop_stale_engines, self.engine.state_dir)
         rollouts = asyncio.create_task(self._rollouts(shared))
         trainer = asyncio.create_task(self._trainer(shared))
         try:
@@ -192,22 +242,36 @@ class _AsyncLoop:
             for task in (rollouts, trainer):
                 task.cancel()
             await asyncio.gather(rollouts, trainer, return_exceptions=True)
+            await asyncio.to_thread(self.engine.close)
             self._save(final=True)
         return self.state
 
     # -- the rollout side ---------------------------------------------------------------------------------------
 
     async def _rollouts(self, shared: _Shared) -> None:
-        index = 0
+        index = len(self.batches)
         while True:
             async with shared.changed:
                 await shared.changed.wait_for(lambda: shared.training_done or len(shared.waiting) < AHEAD)
             last = shared.training_done  # the policy is final: this batch measures it
             version, policy = shared.version, shared.policy
+            # The drain: no batch runs now (the one in flight finished or was cut), so new sessions wait here while
+            # the engine loads the new version.
+            loading = time.time()
+            spec = await asyncio.to_thread(self.engine.spec, policy, self.say, version)
+            if version in shared.published:
+                loaded = time.time()
+                push = {"version": version, "checkpoint": str(policy), "published_at": shared.published[version],
+                        "loaded_at": loaded, "drain_s": loaded - shared.published[version], "reload_s": loaded - loading,
+                        "engine": self.engine.kind}  # fmt: skip
+                del shared.published[version]
+                self.pushes.append(push)
+                self.say(f"pushed version {version}: drain {push['drain_s']:.1f} s (reload {push['reload_s']:.1f} s)")
             stop = asyncio.Event()
             shared.in_flight = stop
-            batch = await self._batch(index, version, policy, stop)
+            batch = await self._batch(index, version, policy, spec, stop)
             shared.in_flight = None
+            batch.final = last
             self.batches.append(batch)
             self._save()
             self.on_event({"kind": "batch", "batch": batch})
@@ -219,14 +283,18 @@ class _AsyncLoop:
                 shared.changed.notify_all()
             index += 1
 
-    async def _batch(self, index: int, version: int, policy: Path, stop: asyncio.Event) -> Batch:
+    async def _batch(self, index: int, version: int, policy: Path, spec: str, stop: asyncio.Event) -> Batch:
         config = self.config
         bdir = config.out / f"batch-{index:03d}"
-        shutil.rmtree(bdir, ignore_errors=True)
+        attempt = 1
+        while bdir.exists():
+            # An interrupted attempt at this batch (a killed run): never reused, as the killed run's proxy, in its
+            # own session, may still be writing there; its shards are never read.
+            attempt += 1
+            bdir = config.out / f"batch-{index:03d}-attempt{attempt}"
         bdir.mkdir(parents=True)
         self.say(f"batch {index}: {len(config.tasks)} tasks x {config.samples} samples on version {version} ({policy})")
-        rollout = rollout_config(config, bdir, f"local:{policy}?weight_version={version}", config.seed + index,
-                                 f"b{index:03d}", stop)
+        rollout = rollout_config(config, bdir, spec, config.seed + index, f"b{index:03d}", stop)
         started = time.time()
         try:
             result = await run_rollout(rollout)
@@ -244,16 +312,20 @@ class _AsyncLoop:
     # -- the trainer ----------------------------------------------------------------------------------------------
 
     async def _trainer(self, shared: _Shared) -> None:
-        for step in range(self.config.iterations - 1):
+        for step in range(len(self.steps), self.config.iterations - 1):
             taken: list[Batch] = []
             kept: list[Batch] = []
             while not kept:  # every group too stale: wait for batches on newer weights
+                # One batch per step, the oldest first: polar train reads one trace store (one batch's shards).
+                # More than one waits only after a resume (the interrupted step's batch and the next).
                 async with shared.changed:
                     await shared.changed.wait_for(lambda: bool(shared.waiting))
-                    new, shared.waiting = shared.waiting, []
+                    batch = shared.waiting.pop(0)
                     shared.changed.notify_all()
-                taken += new
-                kept += [b for b in new if self._select(b, shared.version, step)]
+                taken.append(batch)
+                if self._select(batch, shared.version, step):
+                    kept.append(batch)
+            self._save()  # loop.json shows what the running step trains (a resumed run gives it back to the trainer)
             started = time.time()
             idir = self.config.out / f"train-{step:03d}"
             idir.mkdir(parents=True, exist_ok=True)
@@ -271,6 +343,7 @@ class _AsyncLoop:
             async with shared.changed:
                 if status == "trained":
                     shared.version, shared.policy = shared.version + 1, idir / "checkpoint"
+                    shared.published[shared.version] = ended
                     if self.drain == "cut" and shared.in_flight is not None:
                         shared.in_flight.set()
                 if step == self.config.iterations - 2:
@@ -283,6 +356,10 @@ class _AsyncLoop:
         """Mark ``batch`` taken by ``step``; False when none of its groups is within the bound."""
         batch.step = step
         chosen = select_groups(group_versions(batch.shards), version, self.max_staleness)
+        if chosen.untagged:
+            # Every batch after it would be untagged too: dropping them would spin the loop forever.
+            raise RuntimeError(f"batch {batch.index}: calls of group(s) {chosen.untagged[:3]} carry no numeric "
+                               f"weight_version (engine {self.config.engine}): their staleness cannot be bounded")
         batch.dropped_groups = {**chosen.stale, **{g: -1 for g in chosen.untagged}}
         if chosen.stale or chosen.untagged:
             self.say(f"step {step}: batch {batch.index} (version {batch.version}): dropped "
@@ -299,7 +376,9 @@ class _AsyncLoop:
             *self.config.train_args, "--current-weight-version", str(version),
             "--max-staleness", str(self.max_staleness)])  # fmt: skip
         with log.open("w") as f:
-            proc = await asyncio.create_subprocess_exec(*command, stdout=f, stderr=asyncio.subprocess.STDOUT)
+            # die_with_parent: a killed loop leaves no training running into the directory its resumed run trains in.
+            proc = await asyncio.create_subprocess_exec(*command, stdout=f, stderr=asyncio.subprocess.STDOUT,
+                                                        preexec_fn=die_with_parent)
             try:
                 code = await proc.wait()
             except asyncio.CancelledError:
@@ -316,29 +395,48 @@ class _AsyncLoop:
     # -- loop.json ------------------------------------------------------------------------------------------------
 
     def _save(self, final: bool = False) -> None:
+        now = time.time()
+        self.runs[-1]["ended_at"] = now
+        windows = [(r["started_at"], r["ended_at"]) for r in self.runs]
         rollout = [(b.started_at, b.ended_at) for b in self.batches]
         trainer = [(s.started_at, s.ended_at) for s in self.steps]
-        previous = self.started_at
+        previous = self.runs[0]["started_at"]
         for s in self.steps:
-            s.rollout_util = busy_fraction(rollout, previous, s.ended_at)
-            s.trainer_util = busy_fraction(trainer, previous, s.ended_at)
+            s.rollout_util = busy_within(rollout, windows, previous, s.ended_at)
+            s.trainer_util = busy_within(trainer, windows, previous, s.ended_at)
             previous = s.ended_at
+        self.state["runs"] = self.runs
+        self.state["pushes"] = self.pushes
         self.state["batches"] = [asdict(b) for b in self.batches]
         self.state["steps"] = [asdict(s) for s in self.steps]
         if final:
-            end = max([self.started_at, *(b for _, b in rollout), *(b for _, b in trainer)])
-            measured = [b for b in self.batches if b.version == len([s for s in self.steps if s.status == "trained"])]
+            start = self.runs[0]["started_at"]
+            end = max([now, *(b for _, b in rollout), *(b for _, b in trainer)])
+            version = len([s for s in self.steps if s.status == "trained"])
+            measured = [b for b in self.batches if b.version == version]
             self.state["summary"] = {
-                "wall_s": end - self.started_at,
-                "rollout_util": busy_fraction(rollout, self.started_at, end),
-                "trainer_util": busy_fraction(trainer, self.started_at, end),
+                "wall_s": sum(b - a for a, b in windows),
+                "rollout_util": busy_within(rollout, windows, start, end),
+                "trainer_util": busy_within(trainer, windows, start, end),
                 "batches": len(self.batches), "batches_cut": sum(b.cut for b in self.batches),
                 "groups_dropped": sum(len(b.dropped_groups) for b in self.batches),
-                "final_version": len([s for s in self.steps if s.status == "trained"]),
+                "final_version": version, "complete": self.complete(), "runs": len(self.runs),
                 "final_reward_mean": measured[-1].reward_mean if measured else None,
                 "final_reward_se": measured[-1].reward_se if measured else None,
+                "drain_s": [p["drain_s"] for p in self.pushes],
             }  # fmt: skip
         save_state(self.config.out, self.state)
+
+
+def busy_within(intervals: Sequence[tuple[float, float]], windows: Sequence[tuple[float, float]], start: float,
+                end: float) -> float:
+    """The busy fraction of ``[start, end]`` counting only the time inside ``windows`` (the runs of a resumed loop:
+    the time between two runs is nobody's idle time)."""
+    spans = [(max(a, start), min(b, end)) for a, b in windows if min(b, end) > max(a, start)]
+    total = sum(b - a for a, b in spans)
+    if total <= 0:
+        return 0.0
+    return sum(busy_fraction(intervals, a, b) * (b - a) for a, b in spans) / total
 
 
 def _kept_groups(batch: Batch) -> list[str]:

@@ -29,14 +29,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import Task, task_set_hash
 
 EXIT_NOTHING_TO_TRAIN = 3  # polar train's exit status when every reward of every group is equal
 STATE_FILE = "loop.json"
-EngineKind = Literal["local", "vllm"]
 
 
 @dataclass
@@ -47,7 +46,7 @@ class LoopConfig:
     iterations: int
     out: Path
     samples: int = 8  # sessions per task (the GRPO group)
-    engine: EngineKind = "local"
+    engine: str = "local"  # local | vllm (started and restarted by the loop) | sglang:URL (reloaded in place)
     runtime: str = "local"
     network: str | None = None
     concurrency: int = 4
@@ -149,12 +148,42 @@ def train_command(shards: Sequence[Path], policy: Path, output: Path, train_args
             str(output), "--no-progress", *train_args]  # fmt: skip
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` of a child that must not outlive the loop (Linux: SIGKILL when the loop's process dies, also by
+    SIGKILL): a resumed loop trains into the same directory a leftover training would still write."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: an interrupted loop's training may outlive it
+
+
+def stop_stale_engines(state_dir: Path) -> list[str]:
+    """Stop the engines a killed run of this loop left running (``polar engine serve``'s state files in ``state_dir``:
+    pid plus its start time, so only that very process); the URLs stopped."""
+    from polar_cli.train.reload import stop_engine
+
+    stopped = []
+    for path in sorted(state_dir.glob("engine-*.json")) if state_dir.is_dir() else []:
+        try:
+            port = int(path.stem.removeprefix("engine-"))
+        except ValueError:
+            continue
+        server, running = stop_engine(f"http://127.0.0.1:{port}", state_dir=state_dir)
+        if running:
+            stopped.append(server.url)
+    return stopped
+
+
 def run_train(shards: Path, policy: Path, output: Path, train_args: Sequence[str], log: Path) -> dict[str, Any]:
     """``polar train`` in its own process (its memory is gone when it ends); the outcome for loop.json."""
     shutil.rmtree(output, ignore_errors=True)
     started = time.monotonic()
     with log.open("w") as f:
-        done = subprocess.run(train_command([shards], policy, output, train_args), stdout=f, stderr=subprocess.STDOUT)
+        done = subprocess.run(train_command([shards], policy, output, train_args), stdout=f, stderr=subprocess.STDOUT,
+                              preexec_fn=die_with_parent)
     seconds = time.monotonic() - started
     if done.returncode == EXIT_NOTHING_TO_TRAIN:
         shutil.rmtree(output, ignore_errors=True)
@@ -171,30 +200,83 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def served_root(url: str) -> str | None:
+    """The model directory a vLLM/SGLang server says it serves (``root`` in ``GET /v1/models``); None if unknown."""
+    import httpx
+
+    try:
+        data = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=5.0).json()
+        root = data["data"][0].get("root")
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return root if isinstance(root, str) else None
+
+
+def engine_kind(engine: str) -> str:
+    """``local``, ``vllm`` or ``sglang`` (from ``sglang:URL``); ValueError for anything else."""
+    kind, _, target = engine.partition(":")
+    if engine in ("local", "vllm") or (kind == "sglang" and target.startswith(("http://", "https://"))):
+        return kind
+    raise ValueError(f"--engine must be local, vllm or sglang:URL (a running SGLang server), not {engine!r}")
+
+
 class _Engine:
-    """The policy's engine across iterations: ``local:DIR`` per rollout, or one vLLM server restarted on reload."""
+    """The policy's engine across iterations: ``local:DIR`` per rollout, one vLLM server restarted on each push, or a
+    running SGLang server that loads each push in place (``update_weights_from_disk``).
+
+    ``spec(policy, version)`` makes the engine serve ``policy`` (a push when it serves something else) and returns the
+    ``polar_engine`` spec a rollout's proxy uses; with a version, every call it serves is tagged ``weight_version``
+    (the local engine and vLLM through the spec's ``?weight_version=V``; SGLang reports the version it was given in
+    its own answers, and the same tag is in its spec for the calls of an older build that reports none)."""
 
     def __init__(self, config: LoopConfig, state_dir: Path) -> None:
         self.config, self.state_dir = config, state_dir
+        self.kind = engine_kind(config.engine)
         self.server: Any = None
-        self.serving: Path | None = None
+        self.serving: tuple[Path, int | None] | None = None
+        self.pushes: list[dict[str, Any]] = []  # each load after the first: version, checkpoint, seconds
 
-    def spec(self, policy: Path, progress: Callable[[str], None]) -> str:
-        if self.config.engine == "local":
-            return f"local:{policy}"
+    def spec(self, policy: Path, progress: Callable[[str], None], version: int | None = None) -> str:
+        tag = "" if version is None else f"?weight_version={version}"
+        if self.kind == "local":
+            self.serving = (policy, version)
+            return f"local:{policy}{tag}"
         from polar_cli.train.reload import reload_engine, serve_vllm
 
+        wanted = (policy, version)
+        started = time.monotonic()
+        if self.kind == "sglang":
+            url = self.config.engine.partition(":")[2].partition("?")[0]
+            if self.serving != wanted:
+                progress(f"loading {policy} into SGLang {url} (update_weights_from_disk) as version {version}")
+                reload_engine(f"sglang:{url}", policy, state_dir=self.state_dir,
+                              weight_version=None if version is None else str(version))
+                self._pushed(policy, version, started)
+            return f"sglang:{url}{tag}"
         if self.server is None:
             progress(f"starting vLLM on {policy}")
             self.server = serve_vllm(
                 str(policy), port=self.config.vllm_port or _free_port(), served_model_name=self.config.served_model_name,
                 state_dir=self.state_dir, extra_args=list(self.config.vllm_args), dtype="auto",
             )  # fmt: skip
-        elif self.serving != policy:
-            progress(f"reloading vLLM with {policy}")
-            reload_engine(self.server.spec, policy, state_dir=self.state_dir)
-        self.serving = policy
-        return self.server.spec
+            self.serving = wanted
+        elif self.serving != wanted:
+            progress(f"reloading vLLM with {policy} as version {version}")
+            reload_engine(self.server.spec, policy, state_dir=self.state_dir,
+                          weight_version=None if version is None else str(version))
+            self._pushed(policy, version, started)
+        # vLLM reports no version: the tag in the spec is only true if this server serves ``policy`` now.
+        root = served_root(self.server.url)
+        if root is not None and Path(root).resolve() != policy.resolve():
+            raise RuntimeError(f"vLLM on {self.server.url} serves {root}, not {policy}: its calls cannot be tagged "
+                               f"version {version}")
+        return f"{self.server.spec}{tag}"
+
+    def _pushed(self, policy: Path, version: int | None, started: float) -> None:
+        if self.serving is not None:  # the first load of a run is not a push of new weights
+            self.pushes.append({"version": version, "checkpoint": str(policy),
+                                "reload_s": time.monotonic() - started})
+        self.serving = (policy, version)
 
     def close(self) -> None:
         if self.server is not None:
@@ -223,6 +305,7 @@ def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], 
     state["identity"] = identity
     records: list[dict[str, Any]] = state["iterations"]
     engine = _Engine(config, out / ".engines")
+    stop_stale_engines(engine.state_dir)
     started = time.monotonic()
     try:
         for i in range(config.iterations):
@@ -230,7 +313,9 @@ def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], 
             if i >= len(records):
                 shutil.rmtree(idir, ignore_errors=True)  # an interrupted attempt: start the iteration over whole
                 policy = _policy(records, config.model)
-                rollout = _rollout(config, i, policy, engine, say)
+                # The policy's version: the trainings that made it (its calls carry it as weight_version).
+                version = sum((r.get("train") or {}).get("status") == "trained" for r in records)
+                rollout = _rollout(config, i, policy, engine, say, version)
                 records.append(asdict(stats_of(i, policy, rollout)))
                 save_state(out, state)
                 if on_iteration:
@@ -279,10 +364,11 @@ async def _ray_rollout(rollout: RolloutConfig, config: LoopConfig) -> RolloutRes
     return await run_rollout_ray(rollout, RayOptions(config.ray, config.ray_resource))
 
 
-def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None]) -> RolloutResult:
+def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None],
+             version: int | None = None) -> RolloutResult:
     idir = iteration_dir(config.out, i)
     idir.mkdir(parents=True)
-    spec = engine.spec(policy, say)
+    spec = engine.spec(policy, say, version)
     say(f"iteration {i}: rollout of {len(config.tasks)} tasks x {config.samples} samples on {policy}")
     rollout = rollout_config(config, idir, spec, config.seed + i, f"it{i:03d}")
     try:

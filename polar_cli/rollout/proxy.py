@@ -118,7 +118,7 @@ class ControlClient:
                                          headers={"authorization": f"Bearer {token}"})
         self._attempts = attempts
 
-    async def _post(self, session_id: str, what: str, body: dict[str, Any]) -> None:
+    async def _post(self, session_id: str, what: str, body: dict[str, Any]) -> dict[str, Any]:
         for attempt in range(self._attempts):
             try:
                 response = await self._client.post(f"{CONTROL_BASE}/{session_id}/{what}", json=body)
@@ -127,16 +127,27 @@ class ControlClient:
                     raise ControlError(f"{what} of {session_id}: {exc}") from exc
             else:
                 if response.status_code == 200:
-                    return
+                    try:
+                        answer = response.json()
+                    except ValueError:
+                        answer = None
+                    return answer if isinstance(answer, dict) else {}
                 if response.status_code != 503 or attempt + 1 == self._attempts:
                     raise ControlError(f"{what} of {session_id}: HTTP {response.status_code}: {response.text[:500]}")
             await asyncio.sleep(0.5 * (attempt + 1))
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def reward(self, session_id: str, value: float, name: str = "reward") -> None:
         await self._post(session_id, "reward", {"value": value, "name": name})
 
-    async def status(self, session_id: str, status: str, metadata: dict[str, Any] | None = None) -> None:
-        await self._post(session_id, "status", {"status": status, **({"metadata": metadata} if metadata else {})})
+    async def status(self, session_id: str, status: str, metadata: dict[str, Any] | None = None) -> tuple[str, str | None]:
+        """Post ``status``; what the store now says of the session (``error`` is final: a proxy that ended the
+        session as error answers error) and why, when that is not ``status``."""
+        answer = await self._post(session_id, "status", {"status": status, **({"metadata": metadata} if metadata else {})})
+        final = answer.get("status")
+        if not isinstance(final, str) or final == status:
+            return status, None  # an older proxy does not say
+        return final, str(answer.get("final_because") or "")
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -520,6 +520,23 @@ class _Runner:
                 await self._post_status(session, "error" if status == "cancelled" else status,
                                         {"reason": "interrupted", "signal": self.interrupted})
 
+    def _refinish(self, session: _Session, status: Status, reason: str) -> None:
+        """Change a finished session's status (the store's final word differs): counts, rewards and the early-stop
+        tally as if it had ended so."""
+        old = session.result.status
+        self.progress.statuses[old] -= 1
+        group = session.task.id
+        if old == "completed" and session.result.reward is not None:
+            rewards = self.progress.group_rewards.get(group, [])
+            if session.result.reward in rewards:
+                rewards.remove(session.result.reward)
+        if old in USABLE:
+            self.usable[group] -= 1
+        session.result.status, session.result.reason = status, reason
+        self.progress.statuses[status] += 1
+        if status == "error":
+            self.progress.errors.append((session.session_id, reason.splitlines()[0][:200]))
+
     def _move(self, session: _Session, stage: str) -> None:
         self.progress.move(session.stage, stage)
         session.stage = stage
@@ -537,13 +554,21 @@ class _Runner:
             self.progress.errors.append((session.session_id, reason.splitlines()[0][:200]))
         if status in USABLE:
             self.usable[group] += 1
-            if self.config.early_stop and self.usable[group] >= self.config.early_stop and group not in self.stopped_groups:
-                self.stopped_groups.add(group)
-                for other in self.running.get(group, []):
-                    if other.sandbox is not None:
-                        job = asyncio.create_task(other.sandbox.cancel())
-                        self.cancels.add(job)
-                        job.add_done_callback(self.cancels.discard)
+            if self.config.early_stop and self.usable[group] >= self.config.early_stop:
+                self.stop_group(group)
+
+    def stop_group(self, group: str) -> None:
+        """Early stop of ``group``: its running harnesses are cancelled (ending ``cancelled``, masked), its sessions
+        not yet running never run. Also called by a Ray driver that counted the group's usable sessions over every
+        node (ray_backend)."""
+        if group in self.stopped_groups:
+            return
+        self.stopped_groups.add(group)
+        for other in self.running.get(group, []):
+            if other.sandbox is not None:
+                job = asyncio.create_task(other.sandbox.cancel())
+                self.cancels.add(job)
+                job.add_done_callback(self.cancels.discard)
 
     # -- INIT -----------------------------------------------------------------------------------------------------
 
@@ -806,8 +831,12 @@ class _Runner:
         full = {"rollout": self.run_id, "task": session.task.id, "group": session.task.id, "sample": session.sample,
                 "harness": self.preset.name, **self.config.status_metadata, **metadata}
         try:
-            await self.control.status(session.session_id, status, full)
+            stored, why = await self.control.status(session.session_id, status, full)
             session.result.posted = True
+            if stored == "error" and session.result.status in USABLE:
+                # The proxy ended the session as error first (its engine was taken out mid-session): error is
+                # final in the store, so the summary, the display and the result say error too.
+                self._refinish(session, "error", f"ended as error by the proxy before the runner's {status}: {why}")
         except Exception as exc:
             log.error("polar rollout: %s: status not stored: %s", session.session_id, exc)
             self.progress.errors.append((session.session_id, f"status not stored: {exc}"[:200]))

@@ -397,6 +397,8 @@ def reload_engine(
     if not (checkpoint / "config.json").is_file():
         raise EngineError(f"{checkpoint} is not a model checkpoint (no config.json)")
     kind, _, target = spec.strip().partition(":")
+    if kind in ("sglang", "vllm"):
+        target = target.partition("?")[0]  # a proxy's spec (URL?weight_version=V) names the same server
     ckpt = str(checkpoint.resolve())
     if kind == "sglang":
         from polar_addon.engines.sglang import SGLangEngine
@@ -415,7 +417,11 @@ def reload_engine(
             target, ckpt, state_dir=state_dir, weight_version=weight_version, ready_timeout_s=timeout_s,
             progress=progress,
         )
-        return f"vllm {server.url}: restarted as {server.served_model_name!r} with {ckpt} (pid {server.pid})"
+        line = f"vllm {server.url}: restarted as {server.served_model_name!r} with {ckpt} (pid {server.pid})"
+        if weight_version is not None:
+            # vLLM answers carry no version: a proxy tags them when its spec says which version the server holds.
+            line += f"; proxies tag its calls with --engine '{server.spec}?weight_version={weight_version}'"
+        return line
     if kind == "local":
         raise EngineError(
             "the local engine runs inside the proxy process: restart the proxy with "

@@ -62,6 +62,11 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE_DIR = REPO / ".cache" / f"sglang-{SGLANG_VERSION}"
 PROTOCOL_IN_WHEEL = "sglang/srt/entrypoints/openai/protocol.py"
 UTILS_IN_WHEEL = "sglang/utils.py"
+# /update_weights_from_disk's body is io_struct's UpdateWeightFromDiskReqInput (a msgspec Struct validated by FastAPI
+# through msgspec_utils' pydantic schema); io_struct imports all of SGLang, so the two classes are taken verbatim.
+IO_STRUCT_IN_WHEEL = "sglang/srt/managers/io_struct.py"
+MSGSPEC_UTILS_IN_WHEEL = "sglang/srt/utils/msgspec_utils.py"
+WHEEL_MEMBERS = (PROTOCOL_IN_WHEEL, UTILS_IN_WHEEL, IO_STRUCT_IN_WHEEL, MSGSPEC_UTILS_IN_WHEEL)
 MODULE_NAME = "sglang.srt.entrypoints.openai.protocol"
 VARIANTS = ("release", "token_ids", "sglext", "meta_info_only")
 FAULTS = ("", "internal", "misaligned", "no_ids", "not_json", "sentinel_logprob")
@@ -94,10 +99,10 @@ def _prepare(cache_dir: Path) -> tuple[Path, Path]:
     """Extract protocol.py and sglang/utils.py from the wheel (once); make msgspec importable."""
     protocol = cache_dir / PROTOCOL_IN_WHEEL
     utils = cache_dir / UTILS_IN_WHEEL
-    if not protocol.exists() or not utils.exists():
+    if not all((cache_dir / member).exists() for member in WHEEL_MEMBERS):
         wheel = _pip_download(f"sglang=={SGLANG_VERSION}", cache_dir / "wheels")
         with zipfile.ZipFile(wheel) as zf:
-            for member in (PROTOCOL_IN_WHEEL, UTILS_IN_WHEEL):
+            for member in WHEEL_MEMBERS:
                 zf.extract(member, cache_dir)
     try:
         import msgspec  # noqa: F401
@@ -143,6 +148,29 @@ def load_protocol(cache_dir: Path = CACHE_DIR) -> types.ModuleType:
     return module
 
 
+def load_update_weights_input(cache_dir: Path = CACHE_DIR) -> type:
+    """SGLang 0.5.23's ``UpdateWeightFromDiskReqInput`` (with its base ``BaseReq``), its source taken verbatim from the
+    wheel's io_struct.py and run with msgspec_utils.py's own pydantic schema, as FastAPI validates the route's body."""
+    _prepare(cache_dir)
+    io_source = (cache_dir / IO_STRUCT_IN_WHEEL).read_text()
+    wanted = ("BaseReq", "UpdateWeightFromDiskReqInput")
+    classes = {n.name: n for n in ast.parse(io_source).body if isinstance(n, ast.ClassDef) and n.name in wanted}
+    spec = importlib.util.spec_from_file_location("sglang.srt.utils.msgspec_utils", cache_dir / MSGSPEC_UTILS_IN_WHEEL)
+    assert spec and spec.loader
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    # A module of its own in sys.modules: msgspec resolves the postponed annotations through the class's module.
+    module = types.ModuleType("sglang.srt.managers.io_struct")
+    sys.modules[module.__name__] = module
+    module.msgspec_struct_pydantic_core_schema = utils.msgspec_struct_pydantic_core_schema  # type: ignore[attr-defined]
+    exec("from __future__ import annotations\nfrom typing import Any, Dict, List, Optional\nimport msgspec\n",
+         module.__dict__)
+    for name in wanted:
+        exec(compile("from __future__ import annotations\n" + ast.get_source_segment(io_source, classes[name]),
+                     module.__name__, "exec"), module.__dict__)
+    return module.UpdateWeightFromDiskReqInput
+
+
 class SGLangContractServer:
     """``with SGLangContractServer(engine) as server: server.url`` -> ``http://127.0.0.1:PORT``."""
 
@@ -156,6 +184,8 @@ class SGLangContractServer:
         weight_version: str = "default",
     ) -> None:
         self.p = protocol or load_protocol()
+        self.update_weights_input = load_update_weights_input()
+        self.weight_updates: list[Any] = []  # every validated UpdateWeightFromDiskReqInput, in order
         self.engine = engine
         self.local = engine.local if isinstance(engine, ScriptedEngine) else engine
         self.variant = "release"
@@ -560,20 +590,31 @@ class SGLangContractServer:
         return self._json(self.p.TokenizeResponse(tokens=tokens, count=count, max_model_len=self.context_len).model_dump())
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read())
-        self.requests.append(body)
-        path = body.get("model_path")
-        if not isinstance(path, str):
-            return self._error("model_path: field required", "Bad Request")
-        if not (Path(path) / "config.json").is_file():
-            content = {"success": False, "message": f"Failed to get weights iterator: {path} not found", "num_paused_requests": 0}
+        """http_server.update_weights_from_disk: the body validated as ``UpdateWeightFromDiskReqInput``; in-flight
+        requests finish first (SGLang takes its model-update writer lock; here the engine's lock); on success the
+        ``weight_version`` given becomes every later answer's ``meta_info.weight_version``."""
+        import pydantic
+
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+            self.requests.append(body)
+            obj = pydantic.TypeAdapter(self.update_weights_input).validate_python(body)
+        except orjson.JSONDecodeError as exc:
+            return self._error(f"JSON decode error: {exc}", "Bad Request")
+        except pydantic.ValidationError as exc:
+            return self._error(f"{exc} {exc.errors()}", "Bad Request")
+        self.weight_updates.append(obj)
+        if not (Path(obj.model_path) / "config.json").is_file():
+            content = {"success": False, "message": f"Failed to get weights iterator: {obj.model_path} not found",
+                       "num_paused_requests": 0}  # fmt: skip
             return self._json(content, 400)
-        version = body.get("weight_version")
-        await asyncio.to_thread(self.local.reload, path, version)
-        if version is not None:
-            self.weight_version = version
-        content = {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-        return self._json(content)
+        await asyncio.to_thread(self.local.reload, obj.model_path, obj.weight_version)
+        message = "Succeeded to update model weights."
+        if obj.weight_version is not None:
+            self.weight_version = obj.weight_version
+            message += f" Weight version updated to {obj.weight_version}."
+        return self._json({"success": True, "message": message, "num_paused_requests": 0})
 
     async def models(self, request: web.Request) -> web.Response:
         card = self.p.ModelCard(id=self.served_model, root=self.local.model_dir, max_model_len=self.context_len)
