@@ -46,7 +46,7 @@ def rollout(
     timeout: Optional[float] = typer.Option(None, help="Seconds per harness run (default: each task's agent "
                                             "timeout). A timed-out session keeps its traces, status timeout."),
     early_stop: Optional[int] = typer.Option(None, help="Once M sessions of a group are usable (completed or "
-                                             "timeout), cancel its stragglers (masked). Not with --ray yet."),
+                                             "timeout), cancel its stragglers (masked); with --ray, on every node."),
     tasks_limit: Optional[int] = typer.Option(None, help="Only the first K tasks."),
     seed: Optional[int] = typer.Option(None, help="Fixes session ids and task order (same seed, same ids)."),
     model: str = typer.Option("policy", help="The model name harnesses ask for."),
@@ -74,9 +74,8 @@ def rollout(
                                               "proxy writing to --out, which every node must see (a shared directory "
                                               "or s3://...). --concurrency and --ready are then per node. Needs "
                                               "Ray (the pip extra fleet). Refused with --proxy (every node starts "
-                                              "its own proxy: give --engine) and with --early-stop (not yet: "
-                                              "cancelling a group's stragglers would need every node's runner to "
-                                              "learn of the other nodes' finished sessions)."),
+                                              "its own proxy: give --engine). --early-stop counts a group's usable "
+                                              "sessions over every node and cancels its stragglers on all of them."),
     ray_resource: Optional[str] = typer.Option(None, help="With --ray: only the nodes offering this custom resource "
                                                "(ray start --resources); default: every node with a CPU."),
 ) -> None:
@@ -105,10 +104,6 @@ def rollout(
         raise typer.BadParameter("--engine needs --out (the trace store)", param_hint="--out")
     if ray_address is not None and engine is None:
         raise typer.BadParameter("--ray starts a proxy on every node: give --engine (not --proxy)", param_hint="--ray")
-    if ray_address is not None and early_stop is not None:
-        raise typer.BadParameter("--early-stop is not supported with --ray yet (a group's sessions run on several "
-                                 "nodes, and a node cannot yet cancel another node's stragglers); run without "
-                                 "--early-stop, or without --ray", param_hint="--early-stop")
     if proxy is not None and not control_token:
         raise typer.BadParameter("--proxy needs the proxy's control token (--control-token or POLAR_CONTROL_TOKEN): "
                                  "rewards are posted with it", param_hint="--control-token")

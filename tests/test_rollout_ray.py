@@ -73,6 +73,40 @@ def _finished_on(store: Path, node: str) -> bool:
         return False
 
 
+def test_early_stop_on_a_ray_cluster_cancels_the_stragglers_of_every_node(cluster: RayCluster, tiny_model_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """--early-stop 1 on two nodes with one RUN slot each: sample 0 answers at once on one node while sample 1 waits
+    60 s on the other; once sample 0 is usable the driver has the other node cancel sample 1 (running: stored error,
+    cancelled) and never hands out sample 2. Runs before the dying-worker test (it kills a node of the cluster)."""
+    _, w0, w1 = cluster.nodes
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "README").write_text("start\n")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "race", "instruction": "MODE=slow-unless-0 write it", "workspace": "ws",
+                                 "verify": "test -f answer.txt"}) + "\n")
+    store = tmp_path / "store"
+    done = subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness",
+         f"cmd:{sys.executable} {AGENT} {{instruction}}", "--samples", "3", "--early-stop", "1",
+         "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "7",
+         "--ray", cluster.address, "--concurrency", "1", "--ready", "0", "--confdir", str(tmp_path / "conf"),
+         "--set", "polar_shard_seconds=0.2", "--no-progress"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((store / "rollouts" / "r7" / "rollout-summary.json").read_text())["session_results"]
+    got = {s["sample"]: (s["status"], s["ran"]) for s in results}
+    assert got == {0: ("completed", True), 1: ("cancelled", True), 2: ("cancelled", False)}, results
+    by_sample = {s["sample"]: s for s in results}
+    assert by_sample[1]["timings"]["run"] < 50, results  # cancelled, not the 60 s it would have slept
+    assert {by_sample[0]["node"], by_sample[1]["node"]} == {w0.node_id(), w1.node_id()}  # one on each node
+    wait_for_shards(str(store))
+    sessions = {s.session_id: s for s in read_sessions(str(store))}
+    cancelled = sessions[by_sample[1]["session_id"]]
+    assert cancelled.status == "error" and cancelled.metadata["cancelled"] is True  # masked
+    assert by_sample[2]["session_id"] not in sessions  # never ran, nothing posted
+
+
 def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayCluster, tiny_model_dir: Path,
                                                                 tmp_path: Path) -> None:
     _, w0, w1 = cluster.nodes  # head, worker 0 (polar_w0), worker 1 (polar_w1)
@@ -144,21 +178,18 @@ def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayClus
     assert validated.returncode == 0, validated.stdout + validated.stderr
 
 
-def test_ray_refuses_a_running_proxy_and_early_stop_and_help_says_so(tmp_path: Path) -> None:
-    """Not yet combinable with --ray, refused before anything starts, and --help says so."""
+def test_ray_refuses_a_running_proxy_and_help_says_so(tmp_path: Path) -> None:
+    """--proxy cannot work with --ray (every node starts its own proxy): refused before anything starts, and --help
+    says so (and that --early-stop spans every node)."""
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"id": "t", "instruction": "hi", "verify": "true"}) + "\n")
-    base = [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", "cmd:true", "--ray", "auto",
-            "--out", str(tmp_path / "store")]  # fmt: skip
     env = {**os.environ, "COLUMNS": "200"}
-    proxy = subprocess.run([*base, "--proxy", "127.0.0.1:9"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                           env=env)
+    proxy = subprocess.run([sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", "cmd:true",
+                            "--ray", "auto", "--out", str(tmp_path / "store"), "--proxy", "127.0.0.1:9"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert proxy.returncode == 2 and "give --engine (not --proxy)" in proxy.stderr, proxy.stderr
-    early = subprocess.run([*base, "--engine", "local:x", "--early-stop", "1"], cwd=REPO, capture_output=True,
-                           text=True, timeout=120, env=env)
-    assert early.returncode == 2 and "not supported with --ray yet" in " ".join(early.stderr.split()), early.stderr
     assert not (tmp_path / "store").exists()
     shown = subprocess.run([sys.executable, "-m", "polar_cli.app", "rollout", "--help"], cwd=REPO,
                            capture_output=True, text=True, timeout=120, env=env)
     text = " ".join(shown.stdout.replace("│", " ").split())
-    assert "Refused with --proxy" in text and "with --early-stop (not yet" in text and "Not with --ray yet" in text
+    assert "Refused with --proxy" in text and "with --ray, on every node" in text

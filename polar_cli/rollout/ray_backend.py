@@ -35,14 +35,14 @@ import os
 import signal
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from polar_cli.rollout.runner import (PlannedSession, RolloutConfig, RolloutProgress, RolloutResult, SessionResult,
-                                      check_config, plan_sessions, rollout_run_id)
+from polar_cli.rollout.runner import (USABLE, PlannedSession, RolloutConfig, RolloutProgress, RolloutResult,
+                                      SessionResult, check_config, plan_sessions, rollout_run_id)
 
 log = logging.getLogger("polar.rollout")
 
@@ -119,6 +119,11 @@ class NodeWorker:
         result.node = self.node_id
         return result
 
+    async def stop_group(self, group: str) -> None:
+        """The driver's early stop (it counts usable sessions over every node): cancel this node's stragglers."""
+        if self.runner is not None:
+            self.runner.stop_group(group)
+
     async def stages(self) -> dict[str, int]:
         """Sessions in each stage on this node (the driver's display)."""
         if self.runner is None:
@@ -161,8 +166,6 @@ async def run_rollout_ray(config: RolloutConfig, options: RayOptions) -> Rollout
     check_config(config)
     if config.engine is None or config.out is None:
         raise ValueError("--ray starts a proxy on every node: give --engine and --out (not --proxy)")
-    if config.early_stop is not None:
-        raise ValueError("--early-stop is not supported with --ray yet")
     if not isinstance(config.runtime, str):
         raise ValueError("--ray needs the runtime by name (each node starts its own)")
     ray = _import_ray()
@@ -222,6 +225,8 @@ class _Driver:
         self.window: int | None = None
         self.output_cap: int | None = None
         self.node_stages: dict[str, dict[str, int]] = {}
+        self.usable: Counter = Counter()  # per group, over every node (--early-stop)
+        self.stopped_groups: set[str] = set()
 
     def interrupt(self, reason: str) -> None:
         if self.interrupted is not None:
@@ -282,6 +287,11 @@ class _Driver:
         while self.queue and node in self.workers:
             planned = self.queue.popleft()
             self.progress.stages["pending"] -= 1
+            if planned.task.id in self.stopped_groups:  # never handed out: its group stopped early
+                self._done(SessionResult(planned.session_id, planned.task.id, planned.task.id, planned.sample,
+                                         "cancelled", reason="early stop: the group had enough usable sessions "
+                                         "before it ran"))
+                continue
             try:
                 result = await self.workers[node].run.remote(planned)
             except ray.exceptions.RayActorError as exc:
@@ -307,6 +317,15 @@ class _Driver:
             rewards.append(result.reward)
         if result.status == "error" and result.reason:
             progress.errors.append((result.session_id, result.reason.splitlines()[0][:200]))
+        if result.status in USABLE:
+            self.usable[result.group_id] += 1
+            early = self.config.early_stop
+            if early and self.usable[result.group_id] >= early and result.group_id not in self.stopped_groups:
+                # Counted over every node (a node's own runner sees only its share): every node cancels the
+                # group's stragglers; the queue never hands its other sessions out.
+                self.stopped_groups.add(result.group_id)
+                for worker in self.workers.values():
+                    worker.stop_group.remote(result.group_id)
 
     async def _poll_stages(self) -> None:
         while True:

@@ -554,13 +554,21 @@ class _Runner:
             self.progress.errors.append((session.session_id, reason.splitlines()[0][:200]))
         if status in USABLE:
             self.usable[group] += 1
-            if self.config.early_stop and self.usable[group] >= self.config.early_stop and group not in self.stopped_groups:
-                self.stopped_groups.add(group)
-                for other in self.running.get(group, []):
-                    if other.sandbox is not None:
-                        job = asyncio.create_task(other.sandbox.cancel())
-                        self.cancels.add(job)
-                        job.add_done_callback(self.cancels.discard)
+            if self.config.early_stop and self.usable[group] >= self.config.early_stop:
+                self.stop_group(group)
+
+    def stop_group(self, group: str) -> None:
+        """Early stop of ``group``: its running harnesses are cancelled (ending ``cancelled``, masked), its sessions
+        not yet running never run. Also called by a Ray driver that counted the group's usable sessions over every
+        node (ray_backend)."""
+        if group in self.stopped_groups:
+            return
+        self.stopped_groups.add(group)
+        for other in self.running.get(group, []):
+            if other.sandbox is not None:
+                job = asyncio.create_task(other.sandbox.cancel())
+                self.cancels.add(job)
+                job.add_done_callback(self.cancels.discard)
 
     # -- INIT -----------------------------------------------------------------------------------------------------
 
