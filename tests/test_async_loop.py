@@ -327,9 +327,11 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
         before = json.loads(state_file.read_text())
         taken_by_the_killed_step = [b["index"] for b in before["batches"] if b["step"] == 1]
         # polar train dies with the loop (PR_SET_PDEATHSIG): nothing trains into out/train-NNN behind the resumed run.
-        deadline = time.monotonic() + 30
+        # It was killed within a poll of the training's start, which needs several seconds to import and train: one
+        # still running 3 s later outlived the loop (a training that merely ended would take longer than that).
+        deadline = time.monotonic() + 3
         while time.monotonic() < deadline and _trainers(out):
-            time.sleep(0.2)
+            time.sleep(0.1)
         assert not _trainers(out), "a training outlived the killed loop"
 
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
