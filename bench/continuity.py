@@ -9,6 +9,16 @@ sampled after.
 
     .venv/bin/python bench/continuity.py --sessions 4 --user-turns 3
 
+``--harnesses claude,codex,qwen,pi,gemini`` runs the real harness CLIs (``make harnesses``) instead, through one
+mitmdump per side (tests/support/harness_tito.py): each fixes its swe_mini task in a tool loop on the scripted
+engine (its own tool names; a think block on every turn; Qwen3's template), then resumes that conversation with a
+second user turn (``claude --continue``, ``codex exec resume --last``, ``qwen --continue``, ``pi --continue``,
+``gemini --resume latest``). Per harness and side: calls, continuity prompts, the main chain's calls and traces
+(``merge`` and ``break``), side calls (their own system prompt or tools) and their traces, off-policy tokens, and
+whether every main-chain trace trains exactly the sampled ids.
+
+    .venv/bin/python bench/continuity.py --harnesses claude,codex,qwen,pi,gemini
+
 ``--vllm``: the same comparison on real vLLM CPU (started here, as `polar engine serve` does) serving the ending
 model (tests/support/ending_model.py: the tiny model made to end its turns, Qwen3's chat template, stored in bf16),
 chat sessions (no tool calls: a random model makes none) from both SDKs at T=0.6, and two more rows: the first-step
@@ -59,6 +69,42 @@ def measure(out: Path, merge: bool) -> dict[str, float]:
         "build seconds": seconds,
         "continuity prompts": sum(r.prompt_source == "continuity" for r in read_records(str(out))),
     }
+
+
+def harness_table(model_dir: Path, harnesses: list[str]) -> None:
+    from tests.support.harness_tito import HARNESSES, harness_figures, run_harness, session_id, shared_proxy, write_script
+
+    unknown = [h for h in harnesses if h not in HARNESSES]
+    if unknown:
+        raise SystemExit(f"unknown harness {unknown}; use {','.join(HARNESSES)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        script = write_script(qwen3_model(model_dir, root), root, harnesses)
+        for tito in ("off", "on"):
+            out = root / f"shards-{tito}"
+            with shared_proxy(script, out, tito) as proxy:
+                for short in harnesses:
+                    for follow_up in (False, True):
+                        result = run_harness(short, proxy, root, tito, follow_up=follow_up)
+                        if result.returncode != 0:
+                            raise SystemExit(f"{short} exited {result.returncode}: {result.stderr[-2000:]}")
+            for short in harnesses:
+                merged, _ = harness_figures(out, session_id(short, tito), merge_retokenized=True)
+                broken, _ = harness_figures(out, session_id(short, tito), merge_retokenized=False)
+                rows.append((short, tito, merged, broken))
+    header = ("harness", "tito", "calls", "contin.", "main", "main tr.", "main tr.", "side", "side tr.", "trainable",
+              "off-pol.", "exact", "fresh main calls after the first (prompt_reason)")
+    print("real harness CLIs, 2 user turns each (the second a resumed conversation), scripted engine, Qwen3 template")
+    print("main tr.: traces holding the main chain, with --retokenized merge / break; off-pol.: off-policy tokens (merge)")
+    print(f"{header[0]:8}{header[1]:5}" + "".join(f"{h:>10}" for h in header[2:12]) + f"  {header[12]}")
+    print(f"{'':13}" + "".join(f"{h:>10}" for h in ("", "", "calls", "merge", "break", "calls", "", "tokens", "tokens", "")))
+    for short, tito, merged, broken in rows:
+        cells = (merged.calls, merged.continuity, merged.main_calls, merged.main_traces, broken.main_traces,
+                 merged.side_calls, merged.side_traces, merged.trainable_tokens, merged.off_policy_tokens,
+                 "yes" if merged.exact and broken.exact else "NO")
+        reasons = ", ".join(f"{k} x{v}" for k, v in sorted(merged.reasons.items())) or "-"
+        print(f"{short:8}{tito:5}" + "".join(f"{c:>10}" for c in cells) + f"  {reasons}")
 
 
 def vllm_columns(model: Path, root: Path, serve_dtype: str, sessions: int, user_turns: int) -> dict[str, dict]:
@@ -117,9 +163,14 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "tiny")
     parser.add_argument("--sessions", type=int, default=4, help="sessions per side (openai and anthropic alternate)")
     parser.add_argument("--user-turns", type=int, default=3, help="user questions per session (3 model calls each)")
+    parser.add_argument("--harnesses", default="", help="comma-separated real harness CLIs instead of the SDK sessions: "
+                        "claude,codex,qwen,pi,gemini")
     parser.add_argument("--vllm", action="store_true", help="real vLLM CPU and the ending model instead of the script")
     parser.add_argument("--serve-dtype", default="float32", help="--vllm: float32, bfloat16, or both comma-separated")
     args = parser.parse_args()
+    if args.harnesses:
+        harness_table(args.model_dir, [h for h in args.harnesses.split(",") if h])
+        return
     if args.vllm:
         from tests.support.ending_model import build_ending_model
 

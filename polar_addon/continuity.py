@@ -16,6 +16,9 @@ shown or what it sampled:
   parts); reasoning sent back must be the sampled reasoning;
 - whitespace at either end of a message's text, text split into several parts, markers on parts
   (``cache_control``), ``None`` vs empty content;
+- a tool's JSON-schema defaults filled in: an argument the model left out comes back with the value the
+  tool's schema declares as its ``default`` (Claude Code's ``Edit`` adds ``"replace_all": false``), which is
+  what the tool does without it; any other added key, or a default key with another value, is a change;
 - tool-call ids and ``tool_call_id`` re-keyed (polar's ids go out as ``toolu_…`` to Anthropic clients;
   Gemini calls may carry none): ids are not part of the prompt in the templates served here.
 
@@ -122,19 +125,40 @@ def _arguments_value(arguments: Any) -> tuple[bool, Any]:
         return False, arguments
 
 
-def _same_arguments(sampled: Any, sent: Any) -> bool:
+def schema_defaults(tools: Sequence[Any], name: Any) -> dict[str, Any]:
+    """The top-level ``default`` values that tool ``name``'s parameter schema declares (none: {})."""
+    for tool in tools if isinstance(tools, (list, tuple)) else ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or fn.get("name") != name:
+            continue
+        params = fn.get("parameters", fn.get("input_schema"))
+        properties = params.get("properties") if isinstance(params, dict) else None
+        if not isinstance(properties, dict):
+            return {}
+        return {key: prop["default"] for key, prop in properties.items() if isinstance(prop, dict) and "default" in prop}
+    return {}
+
+
+def _without_filled_defaults(sampled: Any, sent: Any, defaults: dict[str, Any]) -> Any:
+    """``sent`` less the keys the model did not write whose value is the schema's default for them."""
+    if not defaults or not isinstance(sampled, dict) or not isinstance(sent, dict):
+        return sent
+    return {k: v for k, v in sent.items() if k in sampled or k not in defaults or not _json_equal(v, defaults[k])}
+
+
+def _same_arguments(sampled: Any, sent: Any, defaults: dict[str, Any] | None = None) -> bool:
     try:
-        return _arguments_match(sampled, sent)
+        return _arguments_match(sampled, sent, defaults or {})
     except RecursionError:  # an object nested deeper than any JSON reader accepts: not what polar returned
         return False
 
 
-def _arguments_match(sampled: Any, sent: Any) -> bool:
+def _arguments_match(sampled: Any, sent: Any, defaults: dict[str, Any]) -> bool:
     if isinstance(sampled, str) and sampled == sent:
         return True
     ok_a, value_a = _arguments_value(sampled)
     ok_b, value_b = _arguments_value(sent)
-    if ok_a and ok_b and _json_equal(value_a, value_b):
+    if ok_a and ok_b and _json_equal(value_a, _without_filled_defaults(value_a, value_b, defaults)):
         return True
     # Object-typed APIs (Anthropic input, Gemini args) get what arguments_object makes of the sampled text,
     # {"raw": text} for anything not a JSON object, and echo that back.
@@ -156,12 +180,13 @@ def _calls(message: dict[str, Any]) -> list[tuple[Any, Any]] | None:
     return out
 
 
-def _same_reasoning(a: Any, b: Any) -> bool:
-    """Equal, or one side not sent (harnesses drop reasoning; the prompt keeps what was sampled)."""
-    left, right = _text(a), _text(b)
+def _same_reasoning(sampled: Any, sent: Any) -> bool:
+    """Equal, or not sent back (harnesses drop reasoning; the prompt keeps what was sampled). Reasoning sent where
+    none was sampled is not tolerated: the record's history would show the model a thought it never had."""
+    left, right = _text(sampled), _text(sent)
     if left is None or right is None:
         return False
-    return not left.strip() or not right.strip() or left.strip() == right.strip()
+    return not right.strip() or left.strip() == right.strip()
 
 
 def _reasoning(message: dict[str, Any]) -> Any:
@@ -169,8 +194,10 @@ def _reasoning(message: dict[str, Any]) -> Any:
     return message.get("reasoning") if value is None else value
 
 
-def same_message(a: Any, b: Any) -> bool:
-    """Two canonical messages say the same thing to the model, up to what harnesses do to a replay."""
+def same_message(a: Any, b: Any, tools: Sequence[Any] = ()) -> bool:
+    """Two canonical messages say the same thing to the model, up to what harnesses do to a replay: ``a`` as polar
+    holds it (the earlier request, the turn it returned), ``b`` as the client sends it back; ``tools`` (the
+    request's) give the schema defaults a harness may fill into ``b``'s tool calls."""
     if not isinstance(a, dict) or not isinstance(b, dict) or a.get("role") != b.get("role"):
         return False
     if not _same_text(a.get("content"), b.get("content")):
@@ -183,7 +210,8 @@ def same_message(a: Any, b: Any) -> bool:
     if calls_a is None or calls_b is None or len(calls_a) != len(calls_b):
         return False
     return all(
-        isinstance(na, str) and na == nb and _same_arguments(aa, ab) for (na, aa), (nb, ab) in zip(calls_a, calls_b)
+        isinstance(na, str) and na == nb and _same_arguments(aa, ab, schema_defaults(tools, na))
+        for (na, aa), (nb, ab) in zip(calls_a, calls_b)
     )
 
 
@@ -242,7 +270,7 @@ def check_continuity(previous: CanonicalRequest, returned: AssistantMessage, new
     if harness is not None and compaction_prompt(old) is None:
         return Diverged(DivergeReason.COMPACTION, f"{harness} asks for a summary of the conversation")
     for index, message in enumerate(old):
-        if index >= len(messages) or not same_message(message, messages[index]):
+        if index >= len(messages) or not same_message(message, messages[index], new.tools):
             summarised = summarised_history(messages)
             if summarised is not None and summarised_history(old) is None:
                 return Diverged(DivergeReason.COMPACTION, f"the history is a {summarised} summary")
@@ -252,7 +280,7 @@ def check_continuity(previous: CanonicalRequest, returned: AssistantMessage, new
     at = len(old)
     if at >= len(messages):
         return Diverged(DivergeReason.OTHER, "the previous request again (a retry or another sample)")
-    if not same_message(returned.to_openai(), messages[at]):
+    if not same_message(returned.to_openai(), messages[at], new.tools):
         return Diverged(DivergeReason.EDITED_HISTORY, f"message {at} is not the assistant turn polar returned")
     new_messages = messages[at + 1 :]
     if not new_messages:

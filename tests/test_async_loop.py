@@ -392,3 +392,36 @@ def test_a_batch_without_weight_versions_stops_the_loop_instead_of_spinning(tmp_
         loop._select(batch, 0, 0)
     monkeypatch.setattr(async_loop, "group_versions", lambda _store: {"g": ["0", "0"]})
     assert loop._select(batch, 0, 0) and batch.step == 0
+
+
+def test_a_loop_killed_after_its_last_batch_is_summarised_on_rerun(tmp_path: Path) -> None:
+    """Killed (SIGKILL) between recording the measuring batch and the final save, loop.json has no summary, or an
+    earlier run's: the rerun has nothing to redo, and must still answer with the complete run's summary."""
+    from dataclasses import asdict
+
+    from polar_cli.rollout import async_loop
+    from polar_cli.rollout.loop import LoopConfig, load_state, save_state
+
+    model, checkpoint, out = tmp_path / "model", tmp_path / "o" / "train-000" / "checkpoint", tmp_path / "o"
+    for d in (model, checkpoint):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    config = LoopConfig(tasks=[], harness="cmd:true", model=model, iterations=2, out=out, engine="local")
+
+    def batch(index: int, version: int, final: bool) -> dict:
+        return asdict(async_loop.Batch(index=index, version=version, policy=str(model), shards=str(out / "s"),
+                                       started_at=10.0 * index, ended_at=10.0 * index + 5, sessions=2, statuses={},
+                                       rewarded=2, reward_mean=0.25 + index / 4, reward_se=0.1, final=final,
+                                       step=0 if index == 0 else None))
+
+    step = asdict(async_loop.Step(step=0, version=0, batches=[0], groups_kept=1, groups_dropped=0, started_at=5.0,
+                                  ended_at=9.0, status="trained", checkpoint=str(checkpoint), log=str(out / "l")))
+    stale = {"wall_s": 3.0, "complete": False, "final_version": 0, "final_reward_mean": 0.25}
+    for summary in (None, stale):
+        save_state(out, {"mode": "async", "runs": [{"started_at": 0.0, "ended_at": 20.0}], "pushes": [],
+                         "batches": [batch(0, 0, False), batch(1, 1, True)], "steps": [step],
+                         **({"summary": summary} if summary else {})})
+        state = async_loop.run_async_loop(config)
+        assert state["summary"]["complete"] and state["summary"]["final_version"] == 1
+        assert state["summary"]["final_reward_mean"] == 0.5
+        assert load_state(out)["summary"] == state["summary"]

@@ -14,8 +14,9 @@ from polar_addon.canonical import AssistantMessage, CanonicalRequest, SamplingPa
 from polar_addon.context_compaction import PROMPT_MARKERS, SUMMARY_MARKERS
 from polar_addon.continuity import Continues, DivergeReason, Diverged, check_continuity, same_message
 
-TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command",
-                                           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+# "login" has a schema default, as Claude Code's Edit has {"replace_all": {"type": "boolean", "default": false}}.
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command", "parameters": {
+    "type": "object", "properties": {"cmd": {"type": "string"}, "login": {"type": "boolean", "default": False}}}}}]
 ARGS = '{"cmd": "ls -la", "timeout": 10, "opts": {"ratio": 1.0, "all": true, "name": "caf\\u00e9"}}'
 RETURNED = AssistantMessage(
     content="Let me look.\n", reasoning="I should list files.",
@@ -84,6 +85,8 @@ TOLERATED: list[tuple[str, Edit]] = [
     ("anthropic tools with cache_control on the last tool", lambda r: r.tools[0].update(cache_control={"type": "ephemeral"})),
     ("any harness: max_tokens, stop and seed change per call", lambda r: setattr(r, "sampling", SamplingParams(
         temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=7, stop=["x"], seed=3))),
+    ("claude-code: Edit's schema default filled in (replace_all: false, not sampled)", lambda r: set_args(
+        r, '{"login": false, ' + ARGS[1:])),
     ("claude-code: user turn after the tool results (tool_result + text in one message)", lambda r: r.messages.append({"role": "user", "content": "thanks"})),
 ]
 
@@ -92,12 +95,17 @@ DIVERGED: list[tuple[str, Edit, DivergeReason]] = [
     ("boolean became a number", lambda r: set_args(r, ARGS.replace("true", "1")), DivergeReason.EDITED_HISTORY),
     ("number became a string", lambda r: set_args(r, ARGS.replace("10", '"10"')), DivergeReason.EDITED_HISTORY),
     ("extra argument key", lambda r: set_args(r, ARGS[:-1] + ', "x": null}'), DivergeReason.EDITED_HISTORY),
+    ("schema-default key added with another value", lambda r: set_args(r, ARGS[:-1] + ', "login": true}'), DivergeReason.EDITED_HISTORY),
+    ("gemini-cli --resume: an earlier tool result sent twice", lambda r: r.messages.insert(4, dict(r.messages[3])), DivergeReason.EDITED_HISTORY),
+    ("gemini-cli/qwen-code resume: the directory tree in the first user message listed anew", lambda r: r.messages[1].update(
+        content="What is here?\n├───.gemini/chats/"), DivergeReason.EDITED_HISTORY),
     ("tool renamed", lambda r: turn(r)["tool_calls"][0]["function"].update(name="sh"), DivergeReason.EDITED_HISTORY),
     ("a call dropped", lambda r: turn(r)["tool_calls"].pop(), DivergeReason.EDITED_HISTORY),
     ("calls reordered", lambda r: turn(r)["tool_calls"].reverse(), DivergeReason.EDITED_HISTORY),
     ("content edited", lambda r: turn(r).update(content="Let me look!"), DivergeReason.EDITED_HISTORY),
     ("inner whitespace of content changed", lambda r: turn(r).update(content="Let  me look."), DivergeReason.EDITED_HISTORY),
     ("reasoning edited", lambda r: turn(r).update(reasoning_content="I should delete files."), DivergeReason.EDITED_HISTORY),
+    ("reasoning added to a turn sampled without", lambda r: r.messages[2].update(reasoning_content="pwd first."), DivergeReason.EDITED_HISTORY),
     ("image part in place of text", lambda r: turn(r).update(content=[{"type": "image_url", "text": "Let me look."}]), DivergeReason.EDITED_HISTORY),
     ("earlier user message edited", lambda r: r.messages[1].update(content="What is there?"), DivergeReason.EDITED_HISTORY),
     ("earlier tool result edited", lambda r: r.messages[3].update(content="/tmp"), DivergeReason.EDITED_HISTORY),

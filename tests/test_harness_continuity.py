@@ -1,6 +1,14 @@
-"""Token continuity on a real Claude Code tool loop (scripted engine, tiny tokenizer): every call after the first
-continues the one before it as the harness really replayed it, and the delta rendered from the previous prompt,
-the sampled ids and the new messages is exactly the tail of the prompt the engine then got."""
+"""Token continuity on real harness tool loops (scripted engine, tiny tokenizer).
+
+- Claude Code: every call after the first continues the one before it as the harness really replayed it, and the
+  delta rendered from the previous prompt, the sampled ids and the new messages is exactly the tail of the prompt
+  the engine then got.
+- All five CLIs (Claude Code, Codex over its WebSocket, Qwen Code, Pi, Gemini CLI) through one proxy with
+  ``polar_tito`` on, Qwen3's template, a think block on every scripted turn (tests/support/harness_tito.py):
+  every main-chain call after the first is a continuity prompt, and the main chain builds into one trace whose
+  trainable tokens are exactly the sampled ids. Codex and Pi also resume their conversation with a second user
+  turn (``codex exec resume --last``, ``pi --continue``), where a full render would drop the think blocks.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +22,9 @@ from polar_addon.canonical import AssistantMessage, CanonicalRequest, SamplingPa
 from polar_addon.continuity import Continues, check_continuity
 from polar_addon.continuity_tokens import DeltaPrompt, continuation_prompt
 from polar_addon.store import read_records
+from tests.support.harness_tito import HARNESSES, harness_figures, run_harness, session_id, shared_proxy, write_script
 from tests.support.harnesses import harness, run
+from tests.support.tito_sessions import qwen3_model
 from tests.support.proxy import run_mitmdump
 
 pytestmark = pytest.mark.harness
@@ -65,3 +75,28 @@ def test_claude_code_tool_loop_continues_call_by_call(tiny_model_dir, tmp_path):
         assert delta.prompt_ids[: len(prev.prompt_ids) + len(prev.response_ids)] == list(prev.prompt_ids) + list(prev.response_ids)
     # Claude Code sent the arguments back re-serialized, so a full re-render is not the sampled stream; continuity is.
     assert '"pattern":  "*.txt"' not in records[1].messages_json
+
+
+BINARIES = {"claude": "claude", "codex": "codex", "qwen": "qwen", "pi": "pi", "gemini": "gemini"}
+RESUMED = ("codex", "pi")  # the cheap ones: a second user turn on the resumed conversation
+
+
+def test_every_harness_main_chain_is_one_on_policy_trace(tiny_model_dir, tmp_path):
+    for short in HARNESSES:
+        harness(BINARIES[short])
+    script = write_script(qwen3_model(tiny_model_dir, tmp_path), tmp_path, list(HARNESSES))
+    out = tmp_path / "shards"
+    with shared_proxy(script, out, "on") as proxy:
+        for short in HARNESSES:
+            for follow_up in (False, True) if short in RESUMED else (False,):
+                result = run_harness(short, proxy, tmp_path, "on", follow_up=follow_up)
+                assert result.returncode == 0, (short, result.stdout[-2000:], result.stderr[-2000:], proxy.logs()[-3000:])
+    sampled = {r.record_id: len(r.response_ids) for r in read_records(str(out))}
+    for short in HARNESSES:
+        figures, traces = harness_figures(out, session_id(short, "on"), merge_retokenized=False)
+        assert figures.main_calls >= (5 if short in RESUMED else 3), (short, figures)
+        assert figures.main_continuity == figures.main_calls - 1, (short, figures.reasons)
+        assert figures.main_traces == 1 and figures.exact, (short, figures)
+        # Every sampled token of the chain is trained, and (figures.exact) nothing else is.
+        assert traces[0].calls_merged == figures.main_calls
+        assert sum(traces[0].loss_mask) == sum(sampled[r] for r in traces[0].record_ids) > 0

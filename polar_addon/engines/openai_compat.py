@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import numpy as np
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, EngineFault, PolarError, ToolCall
@@ -345,9 +346,14 @@ def _packed(value: Any, what: str) -> bytes | None:
     if not isinstance(value, list):
         raise _bad(f"{what} is not a list of token ids")
     try:
-        return pack_token_ids(value, what)  # also the cheapest full check (one C pass)
+        packed = pack_token_ids(value, what)  # also the cheapest full check (one C pass)
     except (TypeError, ValueError) as exc:
         raise _bad(f"{what} is not a list of token ids ({exc})") from None
+    # int32 admits negatives, which no vocabulary has: recorded, they would crash the trainer's embedding lookup
+    # long after the call, and continued, the engine's next prompt.
+    if packed and int(np.frombuffer(packed, np.int32).min()) < 0:
+        raise _bad(f"{what} holds a negative token id")
+    return packed
 
 
 def _int_list(value: Any, what: str) -> list[int] | None:
