@@ -118,6 +118,10 @@ def test_http_engine_specs_tag_the_calls_the_engine_does_not_tag() -> None:
     assert untagged.to_completion(engine="vllm:u", default_model="m").weight_version is None
     tagged = parse_chat_response({**answer, "metadata": {"weight_version": "7"}})
     assert tagged.to_completion(engine="sglang:u", default_model="m", default_weight_version="4").weight_version == "7"
+    # An SGLang server never given a version reports "default": the operator's tag says more.
+    unset = parse_chat_response({**answer, "metadata": {"weight_version": "default"}})
+    assert unset.to_completion(engine="sglang:u", default_model="m", default_weight_version="4").weight_version == "4"
+    assert unset.to_completion(engine="sglang:u", default_model="m").weight_version == "default"
 
 
 def _random_reward_loop(tmp_path: Path, model: Path, out: Path, iterations: int, *extra: str) -> list[str]:

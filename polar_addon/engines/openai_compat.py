@@ -330,10 +330,22 @@ class ParsedChat:
             served_model=self.served_model or default_model,
             engine=engine,
             matched_stop=self.matched_stop,
-            # The engine's own tag (SGLang's meta_info) wins over the one the proxy was started with.
-            weight_version=self.weight_version if self.weight_version is not None else default_weight_version,
+            weight_version=_weight_version(self.weight_version, default_weight_version),
             cached_tokens=self.cached_tokens,
         )
+
+
+# What SGLang reports before any update_weights_from_disk named a version (ServerArgs.weight_version's default).
+SGLANG_UNSET_VERSION = "default"
+
+
+def _weight_version(reported: str | None, configured: str | None) -> str | None:
+    """The engine's own tag (SGLang's) wins over the one the proxy was started with (``URL?weight_version=V``),
+    except SGLang's placeholder for "never told": an operator's tag says more than that, and a loop cannot bound the
+    staleness of a call tagged "default"."""
+    if reported is None or (reported == SGLANG_UNSET_VERSION and configured is not None):
+        return configured
+    return reported
 
 
 def _bad(message: str) -> PolarError:
