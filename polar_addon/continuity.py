@@ -180,12 +180,13 @@ def _calls(message: dict[str, Any]) -> list[tuple[Any, Any]] | None:
     return out
 
 
-def _same_reasoning(a: Any, b: Any) -> bool:
-    """Equal, or one side not sent (harnesses drop reasoning; the prompt keeps what was sampled)."""
-    left, right = _text(a), _text(b)
+def _same_reasoning(sampled: Any, sent: Any) -> bool:
+    """Equal, or not sent back (harnesses drop reasoning; the prompt keeps what was sampled). Reasoning sent where
+    none was sampled is not tolerated: the record's history would show the model a thought it never had."""
+    left, right = _text(sampled), _text(sent)
     if left is None or right is None:
         return False
-    return not left.strip() or not right.strip() or left.strip() == right.strip()
+    return not right.strip() or left.strip() == right.strip()
 
 
 def _reasoning(message: dict[str, Any]) -> Any:
@@ -194,8 +195,9 @@ def _reasoning(message: dict[str, Any]) -> Any:
 
 
 def same_message(a: Any, b: Any, tools: Sequence[Any] = ()) -> bool:
-    """Two canonical messages say the same thing to the model, up to what harnesses do to a replay; ``tools``
-    (the request's) give the schema defaults a harness may fill into ``b``'s tool calls."""
+    """Two canonical messages say the same thing to the model, up to what harnesses do to a replay: ``a`` as polar
+    holds it (the earlier request, the turn it returned), ``b`` as the client sends it back; ``tools`` (the
+    request's) give the schema defaults a harness may fill into ``b``'s tool calls."""
     if not isinstance(a, dict) or not isinstance(b, dict) or a.get("role") != b.get("role"):
         return False
     if not _same_text(a.get("content"), b.get("content")):

@@ -118,6 +118,10 @@ def test_http_engine_specs_tag_the_calls_the_engine_does_not_tag() -> None:
     assert untagged.to_completion(engine="vllm:u", default_model="m").weight_version is None
     tagged = parse_chat_response({**answer, "metadata": {"weight_version": "7"}})
     assert tagged.to_completion(engine="sglang:u", default_model="m", default_weight_version="4").weight_version == "7"
+    # An SGLang server never given a version reports "default": the operator's tag says more.
+    unset = parse_chat_response({**answer, "metadata": {"weight_version": "default"}})
+    assert unset.to_completion(engine="sglang:u", default_model="m", default_weight_version="4").weight_version == "4"
+    assert unset.to_completion(engine="sglang:u", default_model="m").weight_version == "default"
 
 
 def _random_reward_loop(tmp_path: Path, model: Path, out: Path, iterations: int, *extra: str) -> list[str]:
@@ -288,6 +292,18 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def _trainers(out: Path) -> list[int]:
+    """``polar train`` processes training into ``out``."""
+    found = []
+    for pid in _processes_mentioning(str(out)):
+        try:
+            if " train " in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
 def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir: Path, tmp_path: Path) -> None:
     """SIGKILL mid-run (after the first training, while the second trains on a batch), then the same command:
     the run goes on from version 1 (not 0), every recorded step and batch is kept as it was, no batch is trained
@@ -302,11 +318,11 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
     killed = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:
-        # Killed once step 1 has taken a batch (recorded when the next batch finishes) and is still training.
+        # Killed once step 1 has taken a batch (loop.json says so) and its polar train runs.
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and killed.poll() is None:
             seen = json.loads(state_file.read_text()) if state_file.is_file() else {}
-            if len(seen.get("steps", [])) == 1 and any(b["step"] == 1 for b in seen["batches"]):
+            if len(seen.get("steps", [])) == 1 and any(b["step"] == 1 for b in seen["batches"]) and _trainers(out):
                 break
             time.sleep(0.1)
         assert killed.poll() is None, "the loop ended before it could be killed"
@@ -315,13 +331,12 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
         before = json.loads(state_file.read_text())
         taken_by_the_killed_step = [b["index"] for b in before["batches"] if b["step"] == 1]
         # polar train dies with the loop (PR_SET_PDEATHSIG): nothing trains into out/train-NNN behind the resumed run.
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and [p for p in _processes_mentioning(str(out)) if
-                                               b" train " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]:
-            time.sleep(0.2)
-        trainers = [p for p in _processes_mentioning(str(out))
-                    if b" train " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]
-        assert not trainers, "a training outlived the killed loop"
+        # It was killed within a poll of the training's start, which needs several seconds to import and train: one
+        # still running 3 s later outlived the loop (a training that merely ended would take longer than that).
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and _trainers(out):
+            time.sleep(0.1)
+        assert not _trainers(out), "a training outlived the killed loop"
 
         done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -381,3 +396,36 @@ def test_a_batch_without_weight_versions_stops_the_loop_instead_of_spinning(tmp_
         loop._select(batch, 0, 0)
     monkeypatch.setattr(async_loop, "group_versions", lambda _store: {"g": ["0", "0"]})
     assert loop._select(batch, 0, 0) and batch.step == 0
+
+
+def test_a_loop_killed_after_its_last_batch_is_summarised_on_rerun(tmp_path: Path) -> None:
+    """Killed (SIGKILL) between recording the measuring batch and the final save, loop.json has no summary, or an
+    earlier run's: the rerun has nothing to redo, and must still answer with the complete run's summary."""
+    from dataclasses import asdict
+
+    from polar_cli.rollout import async_loop
+    from polar_cli.rollout.loop import LoopConfig, load_state, save_state
+
+    model, checkpoint, out = tmp_path / "model", tmp_path / "o" / "train-000" / "checkpoint", tmp_path / "o"
+    for d in (model, checkpoint):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    config = LoopConfig(tasks=[], harness="cmd:true", model=model, iterations=2, out=out, engine="local")
+
+    def batch(index: int, version: int, final: bool) -> dict:
+        return asdict(async_loop.Batch(index=index, version=version, policy=str(model), shards=str(out / "s"),
+                                       started_at=10.0 * index, ended_at=10.0 * index + 5, sessions=2, statuses={},
+                                       rewarded=2, reward_mean=0.25 + index / 4, reward_se=0.1, final=final,
+                                       step=0 if index == 0 else None))
+
+    step = asdict(async_loop.Step(step=0, version=0, batches=[0], groups_kept=1, groups_dropped=0, started_at=5.0,
+                                  ended_at=9.0, status="trained", checkpoint=str(checkpoint), log=str(out / "l")))
+    stale = {"wall_s": 3.0, "complete": False, "final_version": 0, "final_reward_mean": 0.25}
+    for summary in (None, stale):
+        save_state(out, {"mode": "async", "runs": [{"started_at": 0.0, "ended_at": 20.0}], "pushes": [],
+                         "batches": [batch(0, 0, False), batch(1, 1, True)], "steps": [step],
+                         **({"summary": summary} if summary else {})})
+        state = async_loop.run_async_loop(config)
+        assert state["summary"]["complete"] and state["summary"]["final_version"] == 1
+        assert state["summary"]["final_reward_mean"] == 0.5
+        assert load_state(out)["summary"] == state["summary"]

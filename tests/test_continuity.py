@@ -105,6 +105,7 @@ DIVERGED: list[tuple[str, Edit, DivergeReason]] = [
     ("content edited", lambda r: turn(r).update(content="Let me look!"), DivergeReason.EDITED_HISTORY),
     ("inner whitespace of content changed", lambda r: turn(r).update(content="Let  me look."), DivergeReason.EDITED_HISTORY),
     ("reasoning edited", lambda r: turn(r).update(reasoning_content="I should delete files."), DivergeReason.EDITED_HISTORY),
+    ("reasoning added to a turn sampled without", lambda r: r.messages[2].update(reasoning_content="pwd first."), DivergeReason.EDITED_HISTORY),
     ("image part in place of text", lambda r: turn(r).update(content=[{"type": "image_url", "text": "Let me look."}]), DivergeReason.EDITED_HISTORY),
     ("earlier user message edited", lambda r: r.messages[1].update(content="What is there?"), DivergeReason.EDITED_HISTORY),
     ("earlier tool result edited", lambda r: r.messages[3].update(content="/tmp"), DivergeReason.EDITED_HISTORY),

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from polar_addon.canonical import CanonicalRequest, PolarError, SamplingParams
 from polar_addon.engines import make_engine
 from polar_addon.engines.local import LocalEngine
-from polar_addon.engines.openai_compat import engine_error, parse_chat_response
+from polar_addon.engines.openai_compat import engine_error, parse_chat_response, parse_completion_response
 from polar_addon.engines.scripted import ScriptedEngine
 from polar_addon.engines.sglang import SGLangEngine
 
@@ -130,6 +130,46 @@ def _broken(mutate):
 def test_misaligned_or_missing_fields_are_api_errors(data):
     with pytest.raises(PolarError) as err:
         parse_chat_response(data)
+    assert (err.value.status, err.value.kind) == (502, "api_error")
+
+
+def completion_answer(**choice_extra) -> dict:
+    """An SGLang 0.5.23 /v1/completions answer to a token prompt (CompletionResponse, return_token_ids, logprobs=0)."""
+    choice = {"index": 0, "text": "hi", "prompt_token_ids": PROMPT, "token_ids": IDS, "finish_reason": "stop",
+              "matched_stop": 2, "logprobs": {"token_logprobs": LPS, "tokens": [], "text_offset": [], "top_logprobs": []}}
+    choice.update(choice_extra)
+    return {"id": "x", "object": "text_completion", "created": 0, "model": "tiny", "choices": [choice],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}, "metadata": {"weight_version": "v2"}}
+
+
+def test_completion_answer_parses():
+    text, parsed = parse_completion_response(completion_answer())
+    assert (text, list(parsed.prompt_ids), parsed.response_ids, parsed.weight_version) == ("hi", PROMPT, IDS, "v2")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(completion_answer(token_ids=[300, -1, 2]), id="negative_response_id"),
+        pytest.param(completion_answer(prompt_token_ids=[1, -87, 512, 201]), id="negative_prompt_id"),
+        pytest.param(completion_answer(token_ids=[300, 2**31, 2]), id="id_past_int32"),
+        pytest.param(completion_answer(token_ids=[300, 301]), id="misaligned"),
+        pytest.param(completion_answer(text=None), id="no_text"),
+        pytest.param(completion_answer(logprobs=None), id="no_logprobs"),
+        pytest.param(completion_answer(prompt_token_ids=[]), id="no_prompt_ids"),
+        pytest.param({"choices": "x"}, id="no_choices"),
+    ],
+)
+def test_garbage_completion_answers_are_api_errors(data):
+    """An engine's garbage is a 502 for the caller, never a record whose ids a trainer cannot look up."""
+    with pytest.raises(PolarError) as err:
+        parse_completion_response(data)
+    assert (err.value.status, err.value.kind) == (502, "api_error")
+
+
+def test_negative_ids_in_a_chat_answer_are_api_errors():
+    with pytest.raises(PolarError) as err:
+        parse_chat_response(sglang_answer(prompt_token_ids=PROMPT, response_token_ids=[300, -301, 2]))
     assert (err.value.status, err.value.kind) == (502, "api_error")
 
 

@@ -22,7 +22,7 @@ from polar_cli.build.output import read_traces
 from polar_cli.rollout.harnesses.base import SessionContext
 from polar_cli.rollout.harnesses.codex import Codex
 from polar_cli.rollout.harnesses.pi import Pi
-from polar_cli.rollout.proxy import ExternalProxy, StartedProxy, start_proxy
+from polar_cli.rollout.proxy import ControlClient, ExternalProxy, StartedProxy, start_proxy
 from polar_cli.rollout.runner import RolloutConfig, RolloutResult, run_rollout, session_ids
 from polar_cli.rollout.tasks import load_tasks
 from tests.support.prereq import missing
@@ -146,6 +146,25 @@ def test_early_stop_cancels_the_stragglers(proxy: StartedProxy, tmp_path: Path) 
     assert sessions[cancelled.session_id].status == "error"  # masked: the store has no "cancelled" status
     assert sessions[cancelled.session_id].metadata["cancelled"] is True
     assert next(s for s in result.sessions if s.sample == 2).session_id not in sessions  # never ran, nothing posted
+
+
+def test_a_session_the_store_holds_as_error_does_not_early_stop_its_group(proxy: StartedProxy, tmp_path: Path) -> None:
+    """The proxy ended sample 0 as error before it finished (as when its engine is taken out): its completed post is
+    answered error, so it is not usable and must not cancel the group's other samples; sample 1 is the usable one."""
+    tasks = _tasks(tmp_path, {"id": "ended", "instruction": "write it", "verify": "test -f answer.txt"})
+    first = next(sid for _task, sample, sid in session_ids(load_tasks(tasks), 3, "estop") if sample == 0)
+
+    async def end_first() -> None:
+        control = ControlClient(proxy.endpoints.forward_port, proxy.control_token)
+        try:
+            await control.status(first, "error", {"error": "engine taken out mid-session"})
+        finally:
+            await control.aclose()
+
+    asyncio.run(end_first())
+    result = _run(proxy, tasks, samples=3, concurrency=1, ready=1, early_stop=1, run_id="estop")
+    got = {s.sample: s.status for s in result.sessions}
+    assert got == {0: "error", 1: "completed", 2: "cancelled"}, [(s.sample, s.status, s.reason) for s in result.sessions]
 
 
 def _polar(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:

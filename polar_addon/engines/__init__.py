@@ -71,7 +71,8 @@ def http_options(target: str, spec: str = "") -> tuple[str, dict[str, str]]:
     """``URL?weight_version=V`` of a ``vllm:``/``sglang:`` spec: the server's URL and its options.
 
     ``weight_version`` tags the calls whose answer carries none (vLLM never reports one; SGLang does once
-    ``update_weights_from_disk`` was given one, and its own tag wins): a loop that restarts vLLM on each checkpoint
+    ``update_weights_from_disk`` was given one, and its own tag wins over all but its
+    placeholder ``default``): a loop that restarts vLLM on each checkpoint
     starts each rollout's proxy with the version that server now holds."""
     url, _, query = target.partition("?")
     options = dict(part.partition("=")[::2] for part in query.split("&") if part)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import numpy as np
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, EngineFault, PolarError, ToolCall
@@ -329,10 +330,22 @@ class ParsedChat:
             served_model=self.served_model or default_model,
             engine=engine,
             matched_stop=self.matched_stop,
-            # The engine's own tag (SGLang's meta_info) wins over the one the proxy was started with.
-            weight_version=self.weight_version if self.weight_version is not None else default_weight_version,
+            weight_version=_weight_version(self.weight_version, default_weight_version),
             cached_tokens=self.cached_tokens,
         )
+
+
+# What SGLang reports before any update_weights_from_disk named a version (ServerArgs.weight_version's default).
+SGLANG_UNSET_VERSION = "default"
+
+
+def _weight_version(reported: str | None, configured: str | None) -> str | None:
+    """The engine's own tag (SGLang's) wins over the one the proxy was started with (``URL?weight_version=V``),
+    except SGLang's placeholder for "never told": an operator's tag says more than that, and a loop cannot bound the
+    staleness of a call tagged "default"."""
+    if reported is None or (reported == SGLANG_UNSET_VERSION and configured is not None):
+        return configured
+    return reported
 
 
 def _bad(message: str) -> PolarError:
@@ -345,9 +358,14 @@ def _packed(value: Any, what: str) -> bytes | None:
     if not isinstance(value, list):
         raise _bad(f"{what} is not a list of token ids")
     try:
-        return pack_token_ids(value, what)  # also the cheapest full check (one C pass)
+        packed = pack_token_ids(value, what)  # also the cheapest full check (one C pass)
     except (TypeError, ValueError) as exc:
         raise _bad(f"{what} is not a list of token ids ({exc})") from None
+    # int32 admits negatives, which no vocabulary has: recorded, they would crash the trainer's embedding lookup
+    # long after the call, and continued, the engine's next prompt.
+    if packed and int(np.frombuffer(packed, np.int32).min()) < 0:
+        raise _bad(f"{what} holds a negative token id")
+    return packed
 
 
 def _int_list(value: Any, what: str) -> list[int] | None:

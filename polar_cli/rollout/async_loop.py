@@ -176,6 +176,10 @@ def run_async_loop(config: LoopConfig, max_staleness: int = 1, drain: Drain = "w
     config.out.mkdir(parents=True, exist_ok=True)
     loop = _AsyncLoop(config, max_staleness, drain, on_event, progress)
     if loop.complete():
+        if not (loop.state.get("summary") or {}).get("complete"):
+            # Killed between recording its measuring batch and its final save: loop.json holds no summary, or an
+            # earlier run's. Nothing to redo; the summary is made now.
+            loop._save(final=True)
         return loop.state
     return asyncio.run(loop.run())
 

@@ -554,8 +554,13 @@ class _Runner:
             self.progress.errors.append((session.session_id, reason.splitlines()[0][:200]))
         if status in USABLE:
             self.usable[group] += 1
-            if self.config.early_stop and self.usable[group] >= self.config.early_stop:
-                self.stop_group(group)
+
+    def _stop_if_enough(self, session: _Session) -> None:
+        """Early stop once ``session``'s group has M usable sessions. Asked only after its status was posted: the
+        store may answer error (_refinish), and a session that is not usable must not cancel its group's others."""
+        group = session.task.id
+        if self.config.early_stop and self.usable[group] >= self.config.early_stop:
+            self.stop_group(group)
 
     def stop_group(self, group: str) -> None:
         """Early stop of ``group``: its running harnesses are cancelled (ending ``cancelled``, masked), its sessions
@@ -704,6 +709,7 @@ class _Runner:
         await self._teardown(session)
         self._finish(session, status, reason)
         await self._post_status(session, "error" if status == "cancelled" else status, metadata)
+        self._stop_if_enough(session)
         return False
 
     # -- POSTRUN --------------------------------------------------------------------------------------------------
@@ -734,6 +740,7 @@ class _Runner:
             if status == "error":
                 metadata["reason"] = "verifier_failed"
             await self._post_status(session, status, metadata)
+            self._stop_if_enough(session)
 
     async def _verify(self, session: _Session) -> tuple[Status, str | None, dict[str, float]]:
         assert session.dir is not None and session.base_tree is not None
