@@ -210,3 +210,48 @@ def test_a_sigkilled_async_loop_takes_down_the_vllm_it_is_still_starting(tiny_mo
                 os.killpg(server, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_sigkilled_rollout_leaves_no_container(tmp_path: Path) -> None:
+    """An oci sandbox's container lives under podman's conmon, outside every process group of polar: the lifeline
+    removes it (podman rm -f) when the process that started it is SIGKILLed."""
+    import shutil
+
+    if not shutil.which("podman"):
+        from tests.support.prereq import missing
+
+        missing("podman missing (`make sandbox`)")
+    from tests.support.oci_image import build_test_image
+
+    image = build_test_image()
+    (tmp_path / "ca.pem").write_text("not a real CA\n")
+    script = tmp_path / "starter.py"
+    script.write_text(
+        "import asyncio, sys, time\n"
+        "from pathlib import Path\n"
+        "from polar_cli.rollout.runtimes import oci\n"
+        "from polar_cli.rollout.runtimes.base import ProxyEndpoints, SandboxSpec\n"
+        "tmp = Path(sys.argv[1])\n"
+        "spec = SandboxSpec(name='killed', workspace=tmp / 'ws', home=tmp / 'home', network='none',\n"
+        "                   proxy=ProxyEndpoints(1, 2, tmp / 'ca.pem'))\n"
+        "box = asyncio.run(oci.make(image=sys.argv[2]).start(spec))\n"
+        "print(box.container, flush=True)\n"
+        "time.sleep(600)\n")
+    starter = subprocess.Popen([sys.executable, str(script), str(tmp_path), image], cwd=REPO, stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    container = ""
+    try:
+        assert starter.stdout is not None
+        container = starter.stdout.readline().strip()
+        assert container and _container_exists(container), starter.communicate(timeout=5)
+        starter.kill()
+        starter.wait()
+        _wait(lambda: not _container_exists(container), 30, f"container {container} outlived its SIGKILLed starter")
+    finally:
+        starter.kill()
+        if container:
+            subprocess.run(["podman", "rm", "-f", "-t", "0", container], capture_output=True)
+
+
+def _container_exists(name: str) -> bool:
+    return subprocess.run(["podman", "container", "exists", name], capture_output=True).returncode == 0
