@@ -83,7 +83,8 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
     cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{forward}", f"reverse:{reverse_target}@{reverse}"],
                            confdir=confdir, options=options)
     with open(log, "wb") as fh:
-        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                   preexec_fn=_deliverable_stop_signals)
     try:
         for port in (forward, reverse):
             # A local engine loads its model before mitmdump listens.
@@ -92,6 +93,13 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
         yield StartedProxy(ProxyEndpoints(forward, reverse, confdir / "mitmproxy-ca-cert.pem"), token, log, process)
     finally:
         _stop(process)
+
+
+def _deliverable_stop_signals() -> None:
+    """In the child before exec: unblock SIGINT and SIGTERM. A blocked mask is inherited through exec, and Ray blocks
+    SIGINT in the processes it starts (its workers, so our ``--ray`` node actors): a proxy started there would never
+    see the SIGINT that stops it gracefully, and be SIGKILLed a minute later with its open shard unsealed."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def _stop(process: subprocess.Popen) -> None:
