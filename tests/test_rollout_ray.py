@@ -311,3 +311,4 @@ def test_ray_refuses_a_running_proxy_and_help_says_so(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=120, env=env)
     text = " ".join(shown.stdout.replace("│", " ").split())
     assert "Refused with --proxy" in text and "with --ray, on every node" in text
+    assert "each node writes with its own credentials" in text and "the driver's AWS_* are not shipped" in text
