@@ -10,6 +10,8 @@ modules can be re-run one at a time. Prints killed / mutants per module; survivo
     .venv/bin/python bench/mutation.py identity gateway  # some modules
     .venv/bin/python bench/mutation.py --report        # print the table of what has been run
     .venv/bin/python bench/mutation.py --resume gateway  # take an interrupted run up where it stopped
+    .venv/bin/python bench/mutation.py --slowest 1260 providers.openai_responses  # only the slowest-to-test end
+    .venv/bin/python bench/mutation.py --only '*final_status*' store.trace_store   # only some functions' mutants
 
 Mutants are CPU work: the runs are niceness 10 (``POLAR_MUTATION_NICE``); ``--lock FILE`` holds an flock around each module.
 """
@@ -17,6 +19,7 @@ Mutants are CPU work: the runs are niceness 10 (``POLAR_MUTATION_NICE``); ``--lo
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -139,18 +142,55 @@ def _not_killed(work: Path) -> dict[str, str]:
     return {name: status for name, status in rows}
 
 
-def run(module: str, lock: str | None, children: int, timeout_multiplier: float, resume: bool = False) -> None:
+def _slowest(work: Path, count: int, lock: str | None, only: list[str] | None = None) -> list[str]:
+    """The ``count`` mutants with the longest estimated test time that some test reaches.
+
+    mutmut runs the mutants quickest first, so a run stopped early (the 2032 of openai_responses on the
+    shared VM) has measured only the quick end; this selects the other end. mutmut makes the mutants and
+    its per-test timings only inside ``run``: a run filtered on a name that matches nothing does just
+    that and stops. The estimate is mutmut's own (the summed clean times of the tests reaching the
+    mutant's function), read from its files: ``mutmut print-time-estimates`` cannot be used, as it
+    drops every test association when no mutants were made in its own process (3.8.1). ``only``: shell
+    patterns (``*final_status*``) the names must match, as for a module's new functions.
+    """
+    _mutmut(work, ["polar-prepare-only-matches-no-mutant"], lock, "prepare.log")  # fails at the filter, by design
+    stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
+    tests_of, duration = stats["tests_by_mangled_function_name"], stats["duration_by_test"]
+    names = [name for meta in (work / "mutants").rglob("*.meta")
+             for name in json.loads(meta.read_text())["exit_code_by_key"]]
+    estimate = {name: sum(duration.get(t, 0.0) for t in tests_of.get(name.rsplit("__mutmut_", 1)[0], []))
+                for name in names}
+    # Names without a test are left out: mutmut would look their tests up by name and fail.
+    timed = sorted((n for n in names if tests_of.get(n.rsplit("__mutmut_", 1)[0])), key=lambda n: estimate[n])
+    if only:
+        untested = [n for n in names if n not in estimate or not tests_of.get(n.rsplit("__mutmut_", 1)[0])]
+        (work / "selected_untested.txt").write_text("".join(f"{n}\n" for n in untested
+                                                            if any(fnmatch.fnmatch(n, p) for p in only)))
+        timed = [n for n in timed if any(fnmatch.fnmatch(n, pattern) for pattern in only)]
+    return timed[-count:] if count else timed
+
+
+def run(module: str, lock: str | None, children: int, timeout_multiplier: float, resume: bool = False,
+        slowest: int = 0, only: list[str] | None = None) -> None:
     """Mutate the module and run every mutant; ``resume`` keeps an interrupted run's verdicts and runs the rest.
 
     mutmut saves each verdict as it comes, so a big module (the gateway: hundreds of mutants at seconds each)
-    can be stopped and taken up again later instead of restarted.
+    can be stopped and taken up again later instead of restarted. ``slowest`` runs only that many mutants,
+    those with the longest estimated test time (see ``_slowest``); the others stay without a verdict, and
+    the report marks the score partial.
     """
     work = WORK / module
     if resume and (work / "mutants").exists():
         _configure(module, work, timeout_multiplier)
     else:
         work = _scratch(module, timeout_multiplier)
-    _mutmut(work, ["--max-children", str(children)], lock, "run.log")
+    selecting = bool(slowest or only)
+    names = _slowest(work, slowest, lock, only) if selecting else []
+    if selecting and not names:
+        raise SystemExit(f"{module}: no mutant reached by a test matches {only}")
+    if selecting:
+        (work / "selected.txt").write_text("".join(f"{name}\n" for name in names))
+    _mutmut(work, ["--max-children", str(children), *names], lock, "run.log")
     subprocess.run([str(MUTMUT), "export-cicd-stats"], cwd=work, env=_env(), capture_output=True, check=False)
     _not_killed(work)
 
@@ -278,6 +318,12 @@ def main() -> None:
                         help="re-run only the mutants the last run of each module did not kill, with the current tests")
     parser.add_argument("--resume", action="store_true",
                         help="keep the verdicts of an interrupted run of each module and run only the mutants it left")
+    parser.add_argument("--slowest", type=int, default=0,
+                        help="run only this many mutants, those with the longest estimated test time (the ones a"
+                             " stopped quickest-first run never reached); the score is then marked partial")
+    parser.add_argument("--only", nargs="+", metavar="PATTERN",
+                        help="run only the mutants whose names match these shell patterns (e.g. '*final_status*');"
+                             " those no test reaches are listed in selected_untested.txt; the score is marked partial")
     parser.add_argument("--children", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--timeout-multiplier", type=float, default=6.0,
                         help="a mutant is stopped after (its tests' clean time + 1 s) x this (default 6)")
@@ -293,7 +339,8 @@ def main() -> None:
             elif args.rerun_not_killed:
                 rerun_not_killed(module, args.lock, args.children, args.timeout_multiplier)
             else:
-                run(module, args.lock, args.children, args.timeout_multiplier, resume=args.resume)
+                run(module, args.lock, args.children, args.timeout_multiplier, resume=args.resume,
+                    slowest=args.slowest, only=args.only)
     report()
 
 

@@ -92,7 +92,8 @@ def rollout(
 
     The proxy's control token never enters a sandbox. Exit status 1 when no session was usable, 2 on bad input.
     Ctrl-C (SIGINT) or SIGTERM: no new session starts, running ones are killed and stored as error (metadata
-    cancelled), the summary is written, exit status 130 (143).
+    cancelled), the summary is written, exit status 130 (143). Killed outright (SIGKILL, OOM killer): its proxy,
+    harnesses and containers die with it (a guardian process watching a pipe only this process holds).
 
     On a Ray cluster (--ray ADDRESS): the same stages on every node, the queue on this machine; a node that dies
     loses only the sessions it held (stored as error, metadata reason worker_lost); the others are run elsewhere.

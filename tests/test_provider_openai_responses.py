@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import logging
 import dataclasses
 from typing import Any
 
 import openai
 import orjson
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseInputItemParam, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from polar_addon.canonical import ContextLengthExceeded, PolarError, ToolCall
@@ -1164,3 +1165,99 @@ def test_a_grammar_tool_names_its_syntax_and_its_definition() -> None:
     request = parse(tools=[APPLY_PATCH])
     assert request.tools[0]["function"]["parameters"]["properties"]["input"]["description"] == (
         "The raw input of this tool, written in this lark grammar:\n" + APPLY_PATCH["format"]["definition"])
+
+
+# ---------------------------------------------------------------- from the sixth round's run of the slow end
+
+INPUT_ITEM = TypeAdapter(ResponseInputItemParam)
+
+
+def test_history_bounds_at_their_edges_and_the_refusal_logged(caplog: pytest.LogCaptureFixture) -> None:
+    history = ResponseHistory(size=10, max_bytes=10, session_bytes=20)
+    history.remember("free", [])  # no cost given: counted as nothing
+    assert (history.get("free"), history.total_bytes) == ([], 0)
+    history.remember("whole", [], session="s", cost=10)  # exactly the overall bound: kept
+    assert (history.get("whole"), history.total_bytes) == ([], 10)
+    with caplog.at_level(logging.WARNING, logger="polar"):
+        history.remember("huge", [], session="s", cost=11)
+    assert history.get("huge") is None
+    assert [r.getMessage() for r in caplog.records if r.name == "polar"] == [
+        "polar: response huge (11 bytes of history) is over the history bound; "
+        "a request continuing from it will get previous_response_not_found"]
+
+
+def test_replacing_an_entry_takes_only_its_own_cost_off_its_session() -> None:
+    history = ResponseHistory(size=10, max_bytes=1000, session_bytes=50)
+    history.remember("a1", [], session="s", cost=30)
+    history.remember("a2", [], session="s", cost=10)
+    history.remember("a1", [], session="s", cost=5)  # the session now holds 10 + 5
+    history.remember("a3", [], session="s", cost=20)  # 35 <= 50: nothing of the session goes
+    assert [r for r in ("a1", "a2", "a3") if history.get(r) is not None] == ["a1", "a2", "a3"]
+    assert history.total_bytes == 35
+
+
+def test_a_request_this_provider_did_not_parse_keeps_only_its_output() -> None:
+    # The gateway remembers every rendered response; a request whose parsed inputs are not here (another
+    # provider instance parsed it) still chains from its output, costed by that output alone.
+    request = parse(OpenAIResponsesProvider())
+    provider = OpenAIResponsesProvider()
+    output = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]}]
+    provider.remember(request, "resp_x", output)
+    entry = provider.history.entry("resp_x")
+    assert (entry.items, entry.session, entry.cost, entry.prewarm) == (output, None, len(orjson.dumps(output)), False)
+
+
+def test_item_content_parts_the_api_allows_in_assistant_and_agent_messages() -> None:
+    assistant = {"type": "message", "role": "assistant", "content": [{"type": "input_text", "text": "typed back"}]}
+    INPUT_ITEM.validate_python(assistant)  # an EasyInputMessage of any role may hold input parts
+    # Codex's multi-agent message (no SDK type): its parts as a message's, input or output text.
+    agent = {"type": "agent_message", "content": [{"type": "output_text", "text": "from"},
+                                                   {"type": "text", "text": "the other agent"}]}
+    req = parse(input=[{"type": "message", "role": "user", "content": "go"}, assistant, agent])
+    assert req.messages == [{"role": "user", "content": "go"}, {"role": "assistant", "content": "typed back"},
+                            {"role": "user", "content": "from\nthe other agent"}]
+
+
+def test_a_tool_search_output_lists_the_names_of_the_tools_it_loaded() -> None:
+    item = {"type": "tool_search_output", "call_id": "ts1", "tools": [EXEC, WEB_SEARCH]}
+    INPUT_ITEM.validate_python(item)
+    req = parse(input=[{"type": "tool_search_call", "call_id": "ts1", "arguments": {"q": "run"}}, item])
+    # A hosted tool has no name: it is listed as "" (the engine still sees how many were loaded).
+    assert req.messages[-1] == {"role": "tool", "tool_call_id": "ts1", "content": '["exec_command",""]'}
+    assert [t["function"]["name"] for t in req.tools] == ["exec_command"]
+
+
+def test_polar_compaction_item_ends_the_assistant_turn_before_it() -> None:
+    summary = {"type": "compaction", "encrypted_content": encode_summary("the summary")}
+    req = parse(input=[{"type": "message", "role": "assistant", "content": "before"}, summary,
+                       {"type": "message", "role": "assistant", "content": "after"}])
+    assert req.messages == [{"role": "assistant", "content": "before"}, summary_message("the summary"),
+                            {"role": "assistant", "content": "after"}]
+
+
+def test_instructions_as_items_leave_out_what_nothing_reads() -> None:
+    req = parse(instructions=[{"role": "developer", "content": "rules"}, {"type": "web_search_call", "id": "ws_1"}])
+    assert req.messages[0] == {"role": "system", "content": "rules"}
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"input": [{"type": "additional_tools", "tools": [{"type": "function"}]}]},
+         "input[0].tools[0]: 'function' needs a string 'name'"),
+        ({"input": [{"type": "tool_search_output", "tools": [{"type": "function"}]}]},
+         "input[0].tools[0]: 'function' needs a string 'name'"),
+        ({"input": [{"type": "tool_search_output", "tools": "exec_command"}]}, "input[0]: tool_search_output 'tools' must be a list"),
+        ({"input": [{"type": "tool_search_output", "call_id": "", "tools": []}]},
+         "input[0]: 'tool_search_output' needs a string 'call_id'"),
+        ({"input": [{"type": "agent_message", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input[0]: input_image parts are not supported by this engine (text only)"),
+        ({"tools": [{"type": "namespace", "tools": [EXEC]}]}, "tools[0]: 'namespace' needs a string 'name'"),
+        ({"tool_choice": {"type": "function"}},
+         "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}"),
+    ],
+)
+def test_invalid_items_and_tools_say_where(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(PolarError) as err:
+        parse(OpenAIResponsesProvider(), **body)
+    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request", message)

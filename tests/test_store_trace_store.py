@@ -391,3 +391,26 @@ def test_a_dead_writers_journal_is_kept_until_its_segments_reach_shards(tmp_path
     store.close()
     assert list(journal_root.iterdir()) == []
     assert [(r.seq, r.prompt_ids) for r in read_records(out)] == [(0, [0]), (1, [0, 1])]
+
+
+def test_an_error_session_stays_error_with_its_first_reason(tmp_path: Path) -> None:
+    """What a status post is answered with (ControlPlane): an ``error`` this store recorded stands against a
+    later status, with the reason of the first error (its metadata's ``error``, else ``reason``, else
+    ``error``); any other session's posted status is its final one."""
+
+    async def main() -> list[tuple[str, str | None]]:
+        async with TraceStore(str(tmp_path / "out")) as store:
+            await store.session_update("lost", status="error", metadata={"error": "engine e1 taken out", "reason": "r"})
+            await store.session_update("lost", status="error", metadata={"error": "a second error"})
+            await store.session_update("why", status="error", metadata={"reason": "harness crashed"})
+            await store.session_update("bare", status="error", metadata={"error": ""})
+            await store.session_update("plain", status="error")
+            await store.session_update("fine", status="running", metadata={"error": "not an error status"})
+            await store.session_update("fine", status="completed")
+            return [store.final_status("lost", "completed"), store.final_status("lost", "error"),
+                    store.final_status("why", "timeout"), store.final_status("bare", "agent_error"),
+                    store.final_status("plain", "completed"), store.final_status("fine", "completed"),
+                    store.final_status("never", "timeout")]
+
+    assert asyncio.run(main()) == [("error", "engine e1 taken out"), ("error", None), ("error", "harness crashed"),
+                                   ("error", "error"), ("error", "error"), ("completed", None), ("timeout", None)]
