@@ -30,6 +30,19 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie cannot write; init reaps it
 
 
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            found.append(int(stat.parent.name))
+    return found
+
+
 def _mentioning(text: str) -> list[int]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -154,5 +167,46 @@ def test_a_child_tied_from_a_thread_that_ended_dies_with_the_process(tmp_path: P
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.vllm
+def test_a_sigkilled_async_loop_takes_down_the_vllm_it_is_still_starting(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`polar loop --async --engine vllm` starts vLLM from a worker thread (asyncio.to_thread) and waits for it to
+    load; SIGKILLed then, the server (its whole process group) dies with it instead of waiting for the next run."""
+    if not (REPO / ".venv-vllm" / "bin" / "python").exists():
+        from tests.support.prereq import missing
+
+        missing("vLLM CPU venv missing (.venv-vllm); run `make engine`")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "t", "instruction": "say hi", "verify": "true"}) + "\n")
+    out = tmp_path / "loop"
+    cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", f"cmd:{sys.executable} {AGENT} "
+           "{instruction}", "--model", str(tiny_model_dir), "--iterations", "2", "--out", str(out), "--samples", "2",
+           "--no-progress", "--async", "--engine", "vllm", "--vllm-arg=--enforce-eager", "--eot-token-id", "2"]
+    killed = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    server = 0
+    try:
+        def started() -> bool:
+            nonlocal server
+            assert killed.poll() is None, "the loop ended before it could be killed"
+            for state in (out / ".engines").glob("engine-*.json"):
+                server = json.loads(state.read_text()).get("pid", 0)
+            return bool(server) and _alive(server)
+
+        _wait(started, 60, "the loop started no vLLM")
+        log = next((out / ".engines").glob("engine-*.log"))
+        assert "Application startup complete" not in log.read_text(errors="replace")  # still starting
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait()
+        _wait(lambda: not _group(server), 10, f"vLLM's group {server} outlived the SIGKILLed loop: {_group(server)}")
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+        if server:
+            try:
+                os.killpg(server, signal.SIGKILL)
             except ProcessLookupError:
                 pass
