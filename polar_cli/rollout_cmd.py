@@ -75,7 +75,10 @@ def rollout(
                                               "or s3://...). --concurrency and --ready are then per node. Needs "
                                               "Ray (the pip extra fleet). Refused with --proxy (every node starts "
                                               "its own proxy: give --engine). --early-stop counts a group's usable "
-                                              "sessions over every node and cancels its stragglers on all of them."),
+                                              "sessions over every node and cancels its stragglers on all of them. With s3://, each node writes "
+                                              "with its own credentials (the environment `ray start` ran with, "
+                                              "~/.aws, an instance role): the driver's AWS_* are not shipped. "
+                                              "Ctrl-C stops the run on every node."),
     ray_resource: Optional[str] = typer.Option(None, help="With --ray: only the nodes offering this custom resource "
                                                "(ray start --resources); default: every node with a CPU."),
 ) -> None:

@@ -91,7 +91,7 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
         with open(log, "wb") as fh:
             # Holds the fence's lock (an inherited descriptor) for as long as it lives.
             process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                                       pass_fds=(fence,))
+                                       pass_fds=(fence,), preexec_fn=_deliverable_stop_signals)
         lifeline.tie(process.pid)  # its own session (Ctrl-C handling): a SIGKILLed polar must still take it down
         os.pwrite(fence, f"{process.pid}\n".encode(), 0)
     except BaseException:
@@ -108,6 +108,13 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
     finally:
         _stop(process)
         fence_path.unlink(missing_ok=True)  # stopped: nothing holds it any more
+
+
+def _deliverable_stop_signals() -> None:
+    """In the child before exec: unblock SIGINT and SIGTERM. A blocked mask is inherited through exec, and Ray blocks
+    SIGINT in the processes it starts (its workers, so our ``--ray`` node actors): a proxy started there would never
+    see the SIGINT that stops it gracefully, and be SIGKILLed a minute later with its open shard unsealed."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def _stop(process: subprocess.Popen) -> None:
