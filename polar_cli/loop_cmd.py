@@ -17,7 +17,7 @@ Each iteration runs SAMPLES sessions of every task (as `polar rollout`) into OUT
 
 Every option polar loop does not know is passed to `polar train` as given (e.g. --lr 1e-2 --epochs 2 --groups-per-step 1); they are checked before the first rollout.
 
-Resumable: OUT/loop.json records each finished rollout and training; run the same command again after an interruption and it continues at the first unfinished phase (a half-done rollout is redone from scratch, so shards of two attempts never mix).
+Resumable: OUT/loop.json records each finished rollout and training; run the same command again after an interruption and it continues at the first unfinished phase (a half-done rollout is redone from scratch, so shards of two attempts never mix). Even a SIGKILLed loop leaves nothing running that could write into it: its proxy, harnesses, containers, training and vLLM die with it, and the redo refuses an iteration directory whose proxy is still alive.
 
 --ray ADDRESS: each rollout runs on a Ray cluster as `polar rollout --ray` does (a worker with its own proxy per node, all writing OUT/iter-NNN/shards); OUT, --model and the checkpoints must be at the same path on every node; `polar train` runs on this machine.
 

@@ -108,6 +108,9 @@ def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Pa
                            options=options, addon=addon)
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    from polar_cli import lifeline
+
+    lifeline.tie(process.pid)  # own session for Ctrl-C; a SIGKILLed caller must still take it down
     proxy = Proxy(port, confdir, out, log, process)
     try:
         wait_for_port(port, timeout, process, log)
@@ -120,3 +123,4 @@ def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Pa
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        lifeline.untie(process.pid)

@@ -82,7 +82,9 @@ def proxy(
                                      "--set polar_max_tokens=512."),
 ) -> None:
     """Run mitmdump with the polar addon on 127.0.0.1 (forward and reverse listeners) and print each harness's
-    environment; Ctrl-C stops it (records already acknowledged are durable)."""
+    environment; Ctrl-C stops it (records already acknowledged are durable). Killed outright (SIGKILL), it takes
+    mitmdump down with it: no proxy is left writing the store."""
+    from polar_cli import lifeline
     from polar_cli.mitm import mitmdump_command, wait_for_port
 
     rport = reverse_port or port + 1
@@ -93,6 +95,7 @@ def proxy(
     cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{port}", f"reverse:{reverse}@{rport}"],
                            confdir=confdir, options=extra, quiet=False)
     process = subprocess.Popen(cmd, start_new_session=True)
+    lifeline.tie(process.pid)  # even a SIGKILLed `polar proxy` leaves no mitmdump writing its store
     # Own session (so a terminal's Ctrl-C reaches mitmdump once, through us): a TERM to us must stop it too.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -110,6 +113,8 @@ def proxy(
         _stop(process)
         typer.echo(f"error: mitmdump did not start: {exc}", err=True)
         raise typer.Exit(1) from exc
+    finally:
+        lifeline.untie(process.pid)
     raise typer.Exit(code)
 
 

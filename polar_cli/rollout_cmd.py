@@ -75,7 +75,10 @@ def rollout(
                                               "or s3://...). --concurrency and --ready are then per node. Needs "
                                               "Ray (the pip extra fleet). Refused with --proxy (every node starts "
                                               "its own proxy: give --engine). --early-stop counts a group's usable "
-                                              "sessions over every node and cancels its stragglers on all of them."),
+                                              "sessions over every node and cancels its stragglers on all of them. With s3://, each node writes "
+                                              "with its own credentials (the environment `ray start` ran with, "
+                                              "~/.aws, an instance role): the driver's AWS_* are not shipped. "
+                                              "Ctrl-C stops the run on every node."),
     ray_resource: Optional[str] = typer.Option(None, help="With --ray: only the nodes offering this custom resource "
                                                "(ray start --resources); default: every node with a CPU."),
 ) -> None:
@@ -89,7 +92,8 @@ def rollout(
 
     The proxy's control token never enters a sandbox. Exit status 1 when no session was usable, 2 on bad input.
     Ctrl-C (SIGINT) or SIGTERM: no new session starts, running ones are killed and stored as error (metadata
-    cancelled), the summary is written, exit status 130 (143).
+    cancelled), the summary is written, exit status 130 (143). Killed outright (SIGKILL, OOM killer): its proxy,
+    harnesses and containers die with it (a guardian process watching a pipe only this process holds).
 
     On a Ray cluster (--ray ADDRESS): the same stages on every node, the queue on this machine; a node that dies
     loses only the sessions it held (stored as error, metadata reason worker_lost); the others are run elsewhere.

@@ -15,8 +15,10 @@ import json
 import os
 import subprocess
 import sys
+import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from polar_addon.store import read_records, read_sessions, validate_store  # noq
 from polar_cli.rollout.ray_backend import WORKER_LOST  # noqa: E402
 from tests.support.proxy import REPO  # noqa: E402
 from tests.support.ray_cluster import RayCluster, RayNode  # noqa: E402
+from tests.support.s3 import AWS_ENV, moto_server, new_bucket, s3_uri  # noqa: E402
 from tests.support.shards import wait_for_shards  # noqa: E402
 
 SWE_MINI = REPO / "examples" / "swe_mini" / "tasks.jsonl"
@@ -44,13 +47,27 @@ def _script(root: Path, model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    started = RayCluster(tmp_path_factory.mktemp("ray"))
+def moto_port() -> Iterator[int]:
+    with moto_server() as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, moto_port: int):
+    # The nodes' own environment carries the S3 credentials (as a cloud machine's instance role would), and a journal
+    # directory of this test's for a remote store's local journal; the driver's AWS_* variables never reach them.
+    root = tmp_path_factory.mktemp("ray")
+    started = RayCluster(root, env={**AWS_ENV, "POLAR_JOURNAL_DIR": str(root / "journal")})
     try:
         started.start([{"polar_w0": 1}, {"polar_w1": 1}])
         yield started
     finally:
         started.stop()
+
+
+def _driver_env() -> dict[str, str]:
+    """The driver's environment without any AWS credentials: the nodes must use their own."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")}, "PYTHONPATH": str(REPO)}
 
 
 def _harnesses(node: RayNode) -> set[str]:
@@ -73,11 +90,15 @@ def _finished_on(store: Path, node: str) -> bool:
         return False
 
 
-def test_early_stop_on_a_ray_cluster_cancels_the_stragglers_of_every_node(cluster: RayCluster, tiny_model_dir: Path,
-                                                                         tmp_path: Path) -> None:
-    """--early-stop 1 on two nodes with one RUN slot each: sample 0 answers at once on one node while sample 1 waits
-    60 s on the other; once sample 0 is usable the driver has the other node cancel sample 1 (running: stored error,
-    cancelled) and never hands out sample 2. Runs before the dying-worker test (it kills a node of the cluster)."""
+def test_early_stop_on_a_ray_cluster_writing_to_s3_cancels_the_stragglers_of_every_node(
+        cluster: RayCluster, moto_port: int, tiny_model_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node's proxy writes one s3:// store (a real moto server), with the credentials of the nodes' own
+    environment (the driver has none). --early-stop 1 on two nodes with one RUN slot each: sample 0 answers at once on
+    one node while sample 1 waits 60 s on the other; once sample 0 is usable the driver has the other node cancel
+    sample 1 (running: stored error, cancelled) and never hands out sample 2. The summary and manifest go to
+    ./polar-rollouts/RUN_ID (the store is remote); `polar shards validate s3://...` passes. Runs before the
+    dying-worker test (it kills a node of the cluster)."""
     _, w0, w1 = cluster.nodes
     workspace = tmp_path / "ws"
     workspace.mkdir()
@@ -85,26 +106,124 @@ def test_early_stop_on_a_ray_cluster_cancels_the_stragglers_of_every_node(cluste
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"id": "race", "instruction": "MODE=slow-unless-0 write it", "workspace": "ws",
                                  "verify": "test -f answer.txt"}) + "\n")
-    store = tmp_path / "store"
+    store = s3_uri(new_bucket(moto_port), moto_port)
     done = subprocess.run(
         [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness",
          f"cmd:{sys.executable} {AGENT} {{instruction}}", "--samples", "3", "--early-stop", "1",
-         "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "7",
+         "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", store, "--seed", "7",
          "--ray", cluster.address, "--concurrency", "1", "--ready", "0", "--confdir", str(tmp_path / "conf"),
          "--set", "polar_shard_seconds=0.2", "--no-progress"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_driver_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((store / "rollouts" / "r7" / "rollout-summary.json").read_text())["session_results"]
+    report = tmp_path / "polar-rollouts" / "r7"
+    manifest = json.loads((report / "rollout-manifest.json").read_text())
+    assert manifest["store"] == store and manifest["ray"] == cluster.address and manifest["interrupted"] is None
+    summary = json.loads((report / "rollout-summary.json").read_text())
+    assert summary["store"] == store
+    results = summary["session_results"]
     got = {s["sample"]: (s["status"], s["ran"]) for s in results}
     assert got == {0: ("completed", True), 1: ("cancelled", True), 2: ("cancelled", False)}, results
     by_sample = {s["sample"]: s for s in results}
     assert by_sample[1]["timings"]["run"] < 50, results  # cancelled, not the 60 s it would have slept
     assert {by_sample[0]["node"], by_sample[1]["node"]} == {w0.node_id(), w1.node_id()}  # one on each node
-    wait_for_shards(str(store))
-    sessions = {s.session_id: s for s in read_sessions(str(store))}
+
+    for name, value in AWS_ENV.items():  # this process reads the store
+        monkeypatch.setenv(name, value)
+    wait_for_shards(store)
+    assert validate_store(store) == []
+    sessions = {s.session_id: s for s in read_sessions(store)}
+    assert set(sessions) == {by_sample[0]["session_id"], by_sample[1]["session_id"]}  # 2 never ran: not posted
+    for sample in (0, 1):
+        stored = sessions[by_sample[sample]["session_id"]]
+        assert (stored.metadata["group"], stored.metadata["sample"], stored.metadata["node"]) == (
+            "race", sample, by_sample[sample]["node"])
+    assert sessions[by_sample[0]["session_id"]].status == "completed"
     cancelled = sessions[by_sample[1]["session_id"]]
     assert cancelled.status == "error" and cancelled.metadata["cancelled"] is True  # masked
-    assert by_sample[2]["session_id"] not in sessions  # never ran, nothing posted
+    records = read_records(store, sorted(sessions), include_failed=True)
+    # Sample 0's two turns, written by its node's proxy (sample 1 slept before any call).
+    assert Counter(r.session_id for r in records if r.status == "ok") == {by_sample[0]["session_id"]: 2}, records
+    assert all((r.group_id, r.sample_index) == ("race", 0) for r in records)
+    validated = subprocess.run([sys.executable, "-m", "polar_cli.app", "shards", "validate", store],
+                               capture_output=True, text=True, timeout=120, env={**_driver_env(), **AWS_ENV})
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+
+
+def _alive(pid: int, cmdline: str) -> bool:
+    """``pid`` still runs ``cmdline`` (a zombie or a reused pid does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        now = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return state != "Z" and now == cmdline
+
+
+def test_ctrl_c_stops_a_ray_rollout_on_every_node(cluster: RayCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGINT to `polar rollout --ray` while both nodes run a harness (one RUN slot each; sample 0 answers at once,
+    the others sleep 60 s): the driver exits 130 within a bound, the summary and manifest say interrupted by SIGINT;
+    sample 0 stays completed with both its calls (nothing acknowledged is lost), the two running sessions are
+    stored error + cancelled (masked), the queued one was never handed out; no proxy or harness process of either
+    node outlives the run (checked by pid, as found on the nodes while it ran)."""
+    _, w0, w1 = cluster.nodes
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "README").write_text("start\n")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "stop", "instruction": "MODE=slow-unless-0 write it", "workspace": "ws",
+                                 "verify": "test -f answer.txt"}) + "\n")
+    store = tmp_path / "store"
+    rollout = subprocess.Popen(
+        [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness",
+         f"cmd:{sys.executable} {AGENT} {{instruction}}", "--samples", "4",
+         "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "9",
+         "--ray", cluster.address, "--concurrency", "1", "--ready", "0", "--confdir", str(tmp_path / "conf"),
+         "--set", "polar_shard_seconds=0.2", "--no-progress"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_driver_env())
+    try:
+        deadline = time.monotonic() + 240
+        # Sample 0 stored completed (on either node) and a harness running on each node.
+        while not (_harnesses(w0) and _harnesses(w1) and any(_finished_on(store, w.node_id()) for w in (w0, w1))):
+            assert rollout.poll() is None and time.monotonic() < deadline, rollout.poll()
+            time.sleep(0.3)
+        watched = {pid: cmd for node in (w0, w1) for pid, cmd in node.processes().items()
+                   if str(AGENT) in cmd or "mitmdump" in cmd}
+        assert sum("mitmdump" in cmd for cmd in watched.values()) == 2, watched  # a proxy per node
+        interrupted_at = time.monotonic()
+        rollout.send_signal(signal.SIGINT)
+        output, _ = rollout.communicate(timeout=120)
+        took = time.monotonic() - interrupted_at
+    finally:
+        if rollout.poll() is None:
+            rollout.kill()
+    assert rollout.returncode == 130, output
+    assert took < 30, (took, output)  # the proxies stop gracefully (SIGINT), not SIGKILLed after their 60 s
+    print(f"SIGINT to exit: {took:.1f} s")  # shown with -rP
+    assert "interrupted by SIGINT" in output, output
+    left = {pid: cmd for pid, cmd in watched.items() if _alive(pid, cmd)}
+    assert not left, left  # no proxy, no harness of the run still running on any node
+
+    report = store / "rollouts" / "r9"
+    manifest = json.loads((report / "rollout-manifest.json").read_text())
+    summary = json.loads((report / "rollout-summary.json").read_text())
+    assert manifest["interrupted"] == summary["interrupted"] == "SIGINT"
+    results = summary["session_results"]
+    got = {s["sample"]: (s["status"], s["ran"]) for s in results}
+    assert got == {0: ("completed", True), 1: ("cancelled", True), 2: ("cancelled", True), 3: ("cancelled", False)}, results
+    by_sample = {s["sample"]: s for s in results}
+    assert {by_sample[1]["node"], by_sample[2]["node"]} == {w0.node_id(), w1.node_id()}  # one running on each
+
+    wait_for_shards(str(store))
+    assert validate_store(str(store)) == []
+    sessions = {s.session_id: s for s in read_sessions(str(store))}
+    assert set(sessions) == {by_sample[i]["session_id"] for i in (0, 1, 2)}  # sample 3 never ran: not posted
+    assert sessions[by_sample[0]["session_id"]].status == "completed"
+    for i in (1, 2):
+        stored = sessions[by_sample[i]["session_id"]]
+        assert stored.status == "error" and stored.metadata["cancelled"] is True, stored  # masked
+        assert stored.metadata["signal"] == "SIGINT" and stored.metadata["node"] == by_sample[i]["node"]
+    records = read_records(str(store), sorted(sessions), include_failed=True)
+    assert Counter(r.session_id for r in records if r.status == "ok") == {by_sample[0]["session_id"]: 2}, records
 
 
 def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayCluster, tiny_model_dir: Path,
@@ -119,8 +238,7 @@ def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayClus
          "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "5",
          "--ray", cluster.address, "--concurrency", "2", "--ready", "1", "--confdir", str(tmp_path / "conf"),
          "--set", "polar_shard_seconds=0.2", "--no-progress"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_driver_env())
     try:
         # The victim dies once it has stored a finished session and runs a harness again.
         deadline = time.monotonic() + 300
@@ -193,3 +311,4 @@ def test_ray_refuses_a_running_proxy_and_help_says_so(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=120, env=env)
     text = " ".join(shown.stdout.replace("│", " ").split())
     assert "Refused with --proxy" in text and "with --ray, on every node" in text
+    assert "each node writes with its own credentials" in text and "the driver's AWS_* are not shipped" in text

@@ -9,13 +9,11 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -25,57 +23,24 @@ from polar_addon.store.entries import call_entry
 from polar_addon.store.validate import validate_store
 from polar_cli.app import app
 from tests.test_store_basic import Agent, assert_same
-from tests.support.prereq import missing
-
-REPO = Path(__file__).resolve().parent.parent
-MOTO = REPO / ".venv-s3" / "bin" / "moto_server"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.s3 import AWS_ENV, free_port, moto_server, new_bucket, s3_uri
 
 
 @pytest.fixture(scope="module")
 def moto_port() -> Iterator[int]:
-    if not MOTO.exists():
-        missing("needs the moto S3 server venv: run `make s3` (creates .venv-s3 with moto[server])")
-    port = _free_port()
-    proc = subprocess.Popen([str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("moto_server did not start")
-                time.sleep(0.2)
+    with moto_server() as port:
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(autouse=True)
 def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "polar-test")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "polar-test")
-    monkeypatch.setenv("AWS_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name, value in AWS_ENV.items():
+        monkeypatch.setenv(name, value)
 
 
-def _bucket(port: int) -> str:
-    name = f"polar-{random.randrange(1 << 30):x}"
-    assert httpx.put(f"http://127.0.0.1:{port}/{name}").status_code == 200
-    return name
-
-
-def _uri(bucket: str, port: int, prefix: str = "run") -> str:
-    return f"s3://{bucket}/{prefix}?endpoint_override=127.0.0.1:{port}&scheme=http"
+_free_port = free_port
+_bucket = new_bucket
+_uri = s3_uri
 
 
 class Relay:

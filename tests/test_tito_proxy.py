@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests.support.proxy import run_mitmdump
 from tests.support.tito_sessions import (
@@ -50,3 +51,25 @@ def test_linear_sessions_are_one_exact_trace_with_tito_and_split_without(script:
     assert {(r.prompt_source, r.prompt_reason) for r in records_off} == {("fresh", "tito_off")}
     # Re-rendered history without the sampled reasoning: the chains break at every turn.
     assert all(stats.traces > 1 for stats in figures(records_off, traces_off).values())
+
+
+def test_thinking_off_sessions_are_one_exact_trace_too(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Thinking off (the Messages API's ``thinking: disabled``): Qwen3's generation prompt opens an empty think block
+    that its render of earlier tool-call turns leaves out, so a full re-render is not what the model sampled after;
+    continuity keeps the sampled tokens."""
+    script = write_script(qwen3_model(tiny_model_dir, tmp_path), tmp_path / "script.json", thinking=False)
+    for tito in ("on", "off"):
+        with run_mitmdump(f"scripted:{script}", tmp_path / tito,
+                          options={"polar_tito": tito, "polar_shard_seconds": "0.2"}) as proxy:
+            anthropic_session(proxy, "nothink", user_turns=2, thinking={"type": "disabled"})
+    records, traces = build(tmp_path / "on")
+    by_id = {r.record_id: r for r in records}
+    assert len(records) == 6 and all(r.status == "ok" for r in records)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # Every prompt, the continued ones included, ends in the empty think block of thinking off.
+    assert all(tokenizer.decode(r.prompt_ids).endswith("<think>\n\n</think>\n\n") for r in records)
+    assert [r.prompt_source for r in sorted(records, key=lambda r: r.seq)] == ["fresh"] + ["continuity"] * 5
+    assert figures(records, traces)["nothink"].traces == 1
+    assert all(sampled_tokens_are_trained(t, by_id) for t in traces)
+    records_off, traces_off = build(tmp_path / "off", merge_retokenized=False)
+    assert figures(records_off, traces_off)["nothink"].traces > 1  # without continuity the chain breaks

@@ -111,6 +111,17 @@ class LocalEngine:
         enable_thinking: bool | None,
     ) -> list[int]:
         """Chat template -> text -> ids, the way vLLM and SGLang tokenize a chat request."""
+        return self.encode(self.render_text(messages, tools, add_generation_prompt=add_generation_prompt,
+                                            enable_thinking=enable_thinking))
+
+    def render_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        enable_thinking: bool | None,
+    ) -> str:
         self._ensure_loaded()
         kwargs: dict[str, Any] = {}
         if enable_thinking is not None:
@@ -121,7 +132,7 @@ class LocalEngine:
             )
         except Exception as exc:  # jinja raises its own errors for messages the template rejects
             raise PolarError(400, "invalid_request", f"chat template failed: {exc}") from exc
-        return self.encode(text)
+        return text
 
     def prompt_ids(self, request: CanonicalRequest) -> list[int]:
         return self.render_ids(

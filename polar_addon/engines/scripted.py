@@ -126,16 +126,21 @@ class ScriptedEngine:
         local = self.local
         temperature = request.sampling.effective_temperature()
         with local.lock:
-            prompt = local.prompt_ids(request)
-            local.check_context(len(prompt))
-            full = local.render_ids(
-                request.messages + [turn], request.tools, add_generation_prompt=False, enable_thinking=request.enable_thinking
-            )
-            if full[: len(prompt)] != prompt:
+            thinking = request.enable_thinking
+            prompt_text = local.render_text(request.messages, request.tools, add_generation_prompt=True,
+                                            enable_thinking=thinking)
+            full_text = local.render_text(request.messages + [turn], request.tools, add_generation_prompt=False,
+                                          enable_thinking=thinking)
+            if not full_text.startswith(prompt_text):
                 raise PolarError(
                     502, "api_error", "scripted turn: the chat template does not render it as a continuation of the prompt"
                 )
-            tail = full[len(prompt) :]
+            prompt, full = local.encode(prompt_text), local.encode(full_text)
+            local.check_context(len(prompt))
+            # A model samples its turn after the prompt's tokens. Where the whole render re-tokenizes across the
+            # prompt's end (Qwen3 with thinking off: "</think>\n\n" + "a.txt" splits the newlines differently),
+            # the turn is its own text's tokens.
+            tail = full[len(prompt):] if full[: len(prompt)] == prompt else local.encode(full_text[len(prompt_text):])
             if given_prompt is not None:
                 prompt = list(given_prompt)
                 local.check_context(len(prompt))

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from polar_cli.rollout.proxy import wait_writer_gone
 from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import Task, task_set_hash
 
@@ -257,12 +258,12 @@ class _Engine:
             progress(f"starting vLLM on {policy}")
             self.server = serve_vllm(
                 str(policy), port=self.config.vllm_port or _free_port(), served_model_name=self.config.served_model_name,
-                state_dir=self.state_dir, extra_args=list(self.config.vllm_args), dtype="auto",
+                state_dir=self.state_dir, extra_args=list(self.config.vllm_args), dtype="auto", tie=True,
             )  # fmt: skip
             self.serving = wanted
         elif self.serving != wanted:
             progress(f"reloading vLLM with {policy} as version {version}")
-            reload_engine(self.server.spec, policy, state_dir=self.state_dir,
+            reload_engine(self.server.spec, policy, state_dir=self.state_dir, tie=True,
                           weight_version=None if version is None else str(version))
             self._pushed(policy, version, started)
         # vLLM reports no version: the tag in the spec is only true if this server serves ``policy`` now.
@@ -311,7 +312,10 @@ def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], 
         for i in range(config.iterations):
             idir = iteration_dir(out, i)
             if i >= len(records):
-                shutil.rmtree(idir, ignore_errors=True)  # an interrupted attempt: start the iteration over whole
+                # An interrupted attempt: start the iteration over whole, once its proxy is gone (a SIGKILLed run's
+                # lifeline kills it; a proxy still alive after that would write into the redone iteration).
+                wait_writer_gone(idir / "logs")
+                shutil.rmtree(idir, ignore_errors=True)
                 policy = _policy(records, config.model)
                 # The policy's version: the trainings that made it (its calls carry it as weight_version).
                 version = sum((r.get("train") or {}).get("status") == "trained" for r in records)

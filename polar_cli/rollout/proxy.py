@@ -5,9 +5,12 @@ statuses with the control token. The token stays in this process: no sandbox get
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import subprocess
+import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from polar_cli import lifeline
 from polar_cli.mitm import REPO, free_port, mitmdump_command, wait_for_port
 from polar_cli.rollout.runtimes.base import ProxyEndpoints
 
@@ -82,8 +86,19 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
     options = {"polar_block_other": "true", **(options or {})}
     cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{forward}", f"reverse:{reverse_target}@{reverse}"],
                            confdir=confdir, options=options)
-    with open(log, "wb") as fh:
-        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    fence, fence_path = claim_writer(log_dir)
+    try:
+        with open(log, "wb") as fh:
+            # Holds the fence's lock (an inherited descriptor) for as long as it lives.
+            process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                       pass_fds=(fence,), preexec_fn=_deliverable_stop_signals)
+        lifeline.tie(process.pid)  # its own session (Ctrl-C handling): a SIGKILLed polar must still take it down
+        os.pwrite(fence, f"{process.pid}\n".encode(), 0)
+    except BaseException:
+        fence_path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fence)
     try:
         for port in (forward, reverse):
             # A local engine loads its model before mitmdump listens.
@@ -92,17 +107,66 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
         yield StartedProxy(ProxyEndpoints(forward, reverse, confdir / "mitmproxy-ca-cert.pem"), token, log, process)
     finally:
         _stop(process)
+        fence_path.unlink(missing_ok=True)  # stopped: nothing holds it any more
+
+
+def _deliverable_stop_signals() -> None:
+    """In the child before exec: unblock SIGINT and SIGTERM. A blocked mask is inherited through exec, and Ray blocks
+    SIGINT in the processes it starts (its workers, so our ``--ray`` node actors): a proxy started there would never
+    see the SIGINT that stops it gracefully, and be SIGKILLed a minute later with its open shard unsealed."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGINT)  # mitmdump seals the open shard on a graceful stop
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)  # mitmdump seals the open shard on a graceful stop
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    lifeline.untie(process.pid)
+
+
+WRITER_GONE_S = 15.0  # a killed run's proxy is SIGKILLed by its lifeline at once; this only covers the scheduling
+
+
+class WriterAlive(RuntimeError):
+    pass
+
+
+def claim_writer(log_dir: Path) -> tuple[int, Path]:
+    """A rollout directory's fence: a fresh ``log_dir/proxy-*.lock``, locked exclusively, whose descriptor the
+    proxy inherits, so it stays locked while the proxy writing that directory lives, also a proxy of a run that was
+    SIGKILLed (several proxies, one per Ray node, each hold their own). Returns the descriptor and the file."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="proxy-", suffix=".lock", dir=log_dir)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd, Path(name)
+
+
+def wait_writer_gone(log_dir: Path, timeout_s: float = WRITER_GONE_S) -> None:
+    """Before a rollout directory is deleted and reused: wait up to ``timeout_s`` for every proxy that wrote it to be
+    gone, then WriterAlive (it would write into the directory's next use)."""
+    deadline = time.monotonic() + timeout_s
+    for path in sorted(log_dir.glob("proxy-*.lock")) if log_dir.is_dir() else []:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                        raise WriterAlive(f"a proxy of an earlier run (pid {holder}) still writes into "
+                                          f"{log_dir.parent}: stop it, or use another directory") from None
+                    time.sleep(0.05)  # a lock another process holds: no event to wait on, so poll to the deadline
+        finally:
+            os.close(fd)
 
 
 class ControlError(RuntimeError):

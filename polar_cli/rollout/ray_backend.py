@@ -23,6 +23,10 @@ sessions themselves are spread by the driver's queue (a node takes one whenever 
 more), and per-session Ray tasks are not used because each would need its own proxy. Nodes that join after the
 start are not used by that run.
 
+Credentials for an ``s3://`` store are each node's own (the environment ``ray start`` ran with, ``~/.aws``, an
+instance role), as for any code Ray runs there: the driver's ``AWS_*`` variables are not shipped (they would
+override a node's role and travel through the cluster's control plane).
+
 Nodes: every alive node with at least one CPU (start a head node with ``--num-cpus 0`` to keep sessions off it), or
 the nodes offering ``resource`` when given. Ray itself is the optional ``fleet`` extra.
 """

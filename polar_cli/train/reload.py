@@ -174,13 +174,19 @@ def on_cpu() -> bool:
     return not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
-def _launch(server: ManagedServer) -> None:
+def _launch(server: ManagedServer, tie: bool = False) -> None:
+    """``tie``: the server dies with this process, however it dies (``polar_cli.lifeline``), e.g. one ``polar loop``
+    started; without it the server outlives its ``polar engine serve`` on purpose."""
     with open(server.log, "ab") as log:
         # Own process group: vLLM forks an engine-core process that must stop with it.
         proc = subprocess.Popen(
             server.command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **server.env},
             start_new_session=True,
         )  # fmt: skip
+    if tie:
+        from polar_cli import lifeline
+
+        lifeline.tie(proc.pid)
     server.pid = proc.pid
     server.start_time = _proc_start_time(proc.pid) or 0
 
@@ -259,6 +265,9 @@ def stop_process(server: ManagedServer, timeout_s: float = STOP_TIMEOUT_S) -> No
     except ProcessLookupError:
         pass
     _reap(server.pid)
+    from polar_cli import lifeline
+
+    lifeline.untie(server.pid)  # a no-op unless this process tied it
 
 
 def _reap(pid: int) -> None:
@@ -285,8 +294,10 @@ def serve_vllm(
     memory_fraction: str | None = None,
     kvcache_gib: str | None = None,
     progress: Callable[[float, str], None] | None = None,
+    tie: bool = False,
 ) -> ManagedServer:
-    """Start vLLM with the flags polar needs; on a machine without a GPU, sized for vLLM's CPU backend."""
+    """Start vLLM with the flags polar needs; on a machine without a GPU, sized for vLLM's CPU backend. ``tie``: the
+    server dies with this process, also by SIGKILL and while it is still starting (a loop's engine)."""
     path = state_path(state_dir, port)
     if path.is_file() and is_running(load_state(state_dir, port)):
         raise EngineError(f"an engine started by polar already serves port {port} (stop it first)")
@@ -312,7 +323,7 @@ def serve_vllm(
         env=env, log=str((state_dir / f"engine-{port}.log").resolve()), history=[model],
     )  # fmt: skip
     Path(server.log).unlink(missing_ok=True)  # the root cause is searched from the top: this start's only
-    _launch(server)
+    _launch(server, tie)
     save_state(server, state_dir)
     try:
         wait_ready(server, ready_timeout_s, progress)
@@ -331,6 +342,7 @@ def restart_vllm(
     weight_version: str | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
     progress: Callable[[float, str], None] | None = None,
+    tie: bool = False,
 ) -> ManagedServer:
     try:
         server = load_state(state_dir, port_of(url))
@@ -343,7 +355,7 @@ def restart_vllm(
     server.history.append(checkpoint)
     with open(server.log, "ab") as log:
         log.write(f"\n--- polar engine reload: {checkpoint}\n".encode())
-    _launch(server)
+    _launch(server, tie)
     save_state(server, state_dir)
     wait_ready(server, ready_timeout_s, progress)
     return server
@@ -392,6 +404,7 @@ def reload_engine(
     weight_version: str | None = None,
     timeout_s: float = READY_TIMEOUT_S,
     progress: Callable[[float, str], None] | None = None,
+    tie: bool = False,
 ) -> str:
     """Make the engine named by ``spec`` serve ``checkpoint``; returns a line saying what was done."""
     if not (checkpoint / "config.json").is_file():
@@ -415,7 +428,7 @@ def reload_engine(
     if kind == "vllm":
         server = restart_vllm(
             target, ckpt, state_dir=state_dir, weight_version=weight_version, ready_timeout_s=timeout_s,
-            progress=progress,
+            progress=progress, tie=tie,
         )
         line = f"vllm {server.url}: restarted as {server.served_model_name!r} with {ckpt} (pid {server.pid})"
         if weight_version is not None:

@@ -101,6 +101,8 @@ class RayCluster:
     root: Path
     address: str = ""
     nodes: list[RayNode] = field(default_factory=list)
+    # More environment for every node (what `ray start` runs with, as a machine's own: say its cloud credentials).
+    env: dict[str, str] = field(default_factory=dict)
     # Ray's Unix sockets live under its temp dir: a pytest tmp_path is too long a prefix (108-byte socket paths).
     temp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pray-", dir="/tmp")))
 
@@ -109,7 +111,8 @@ class RayCluster:
         with open(log, "wb") as fh:
             process = subprocess.Popen([str(RAY), "start", "--node-ip-address", "127.0.0.1", "--disable-usage-stats",
                                         "--object-store-memory", "80000000", *_ports(), *args],
-                                       stdout=fh, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+                                       stdout=fh, stderr=subprocess.STDOUT, env={**_env(), **self.env},
+                                       start_new_session=True)
         node = RayNode(process, log)
         self.nodes.append(node)
         return node

@@ -8,7 +8,8 @@ printing that final answer (as harnesses do in print mode).
 The instruction may carry a test behaviour after ``MODE=``: ``crash`` (SIGKILL itself after the first call),
 ``hang`` (sleep forever after the first call), ``self-reward`` (try to post its own reward through the proxy, both
 without credentials and with its session's, and write the HTTP statuses to ``self-reward.txt``), ``slow-unless-0``
-(sample 0 runs at once, the others wait 60 s first).
+(sample 0 runs at once, the others wait 60 s first), ``hang-if`` (``hang`` while the file named by ``FLAG=PATH``
+in the instruction exists, else ``normal``: one task hangs in a first run and completes in its rerun).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def try_self_reward() -> list[int]:
 def main() -> None:
     instruction = sys.argv[1]
     mode = instruction.split("MODE=", 1)[1].split()[0] if "MODE=" in instruction else "normal"
+    if mode == "hang-if":
+        mode = "hang" if Path(instruction.split("FLAG=", 1)[1].split()[0]).exists() else "normal"
     if mode == "slow-unless-0" and os.environ["POLAR_SAMPLE"] != "0":
         time.sleep(60)
     client = OpenAI(max_retries=0, timeout=120)

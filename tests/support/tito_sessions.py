@@ -51,8 +51,11 @@ def qwen3_model(tiny_model_dir: Path, root: Path) -> Path:
     return out
 
 
-def write_script(model_dir: Path, path: Path) -> Path:
-    path.write_text(json.dumps({"model_dir": str(model_dir), "cycle": True, "turns": TURNS}))
+def write_script(model_dir: Path, path: Path, *, thinking: bool = True) -> Path:
+    """The scripted ls -> read -> answer loop; ``thinking=False``: the same turns without think blocks, for clients
+    that turn thinking off (Qwen3's template then opens an empty think block that its history render drops)."""
+    turns = TURNS if thinking else [{k: v for k, v in t.items() if k != "reasoning_content"} for t in TURNS]
+    path.write_text(json.dumps({"model_dir": str(model_dir), "cycle": True, "turns": turns}))
     return path
 
 
@@ -80,15 +83,17 @@ def openai_session(proxy: Any, session: str, *, user_turns: int = 2) -> None:
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": f"output of {call.function.name}"})
 
 
-def anthropic_session(proxy: Any, session: str, *, user_turns: int = 2) -> None:
-    """The same loop through the Messages API: tool inputs come back as objects, thinking blocks as sent."""
+def anthropic_session(proxy: Any, session: str, *, user_turns: int = 2, thinking: dict[str, Any] | None = None) -> None:
+    """The same loop through the Messages API: tool inputs come back as objects, thinking blocks as sent.
+    ``thinking``: the Messages API's thinking parameter (``{"type": "disabled"}`` turns Qwen3's thinking off)."""
+    extra: dict[str, Any] = {} if thinking is None else {"thinking": thinking}
     client = anthropic.Anthropic(api_key="sk-ant-not-real", http_client=_http(proxy, session), max_retries=0)
     messages: list[dict[str, Any]] = []
     for turn in range(user_turns):
         messages.append({"role": "user", "content": f"What does the file say? ({turn})"})
         while True:
             reply = client.messages.create(model="tiny", max_tokens=64, system="You are a file assistant.",
-                                           messages=messages, tools=ANTHROPIC_TOOLS)
+                                           messages=messages, tools=ANTHROPIC_TOOLS, **extra)
             messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
             uses = [b for b in reply.content if b.type == "tool_use"]
             if not uses:

@@ -17,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from polar_cli import lifeline
 from polar_cli.rollout.runtimes.base import ProxyEndpoints, RuntimeUnavailable
 
 # Run inside the namespace before the command (``sh -c BRIDGE_SCRIPT bridge CMD...``, with ``POLAR_BRIDGE`` set to
@@ -68,6 +69,7 @@ async def start_host_bridges(proxy: ProxyEndpoints, sockets: Path,
                 "socat", f"UNIX-LISTEN:{sockets / name}.sock,fork,mode=600", f"TCP:127.0.0.1:{port}",
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True))
+            lifeline.tie(procs[-1].pid)
         paths = [sockets / f"{name}.sock" for name, _ in proxy_ports(proxy)]
         deadline = time.monotonic() + timeout
         while not all(p.exists() for p in paths):
@@ -93,3 +95,4 @@ async def stop_processes(procs: list[asyncio.subprocess.Process]) -> None:
     for proc in procs:
         kill_group(proc)
         await proc.wait()
+        lifeline.untie(proc.pid)

@@ -41,6 +41,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from polar_cli import lifeline
 from polar_cli.rollout.runtimes import cgroups
 from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import (ISOLATED_CA, ISOLATED_HOME, ISOLATED_RUN_DIR, ExecResult, IsolatedSandbox,
@@ -143,6 +144,7 @@ class BwrapSandbox(IsolatedSandbox):
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.environment(env, network),
             start_new_session=True)
+        lifeline.tie(proc.pid)  # bwrap's --die-with-parent then takes the sandbox down with it
         self.running.add(proc)
         if self.cancels != cancels:
             kill_group(proc)
@@ -160,6 +162,7 @@ class BwrapSandbox(IsolatedSandbox):
             raise
         finally:
             self.running.discard(proc)
+            lifeline.untie(proc.pid)
         cancelled = self.cancels != cancels
         code = -1 if timed_out or cancelled else proc.returncode
         return code, out, err, timed_out, cancelled

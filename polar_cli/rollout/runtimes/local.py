@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from polar_cli import lifeline
 from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
 
 # What of the caller's environment a session keeps: enough to find programs and print text.
@@ -71,6 +72,7 @@ class LocalSandbox(Sandbox):
             *self._limits(), *argv, cwd=workdir, env=self._env(env), start_new_session=True,
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+        lifeline.tie(proc.pid)  # its own session: a SIGKILLed polar must not leave the harness running
         self._procs.add(proc)
         timed_out = False
         try:
@@ -87,6 +89,7 @@ class LocalSandbox(Sandbox):
                 raise
         finally:
             self._procs.discard(proc)
+            lifeline.untie(proc.pid)
         cancelled = proc in self._cancelled
         self._cancelled.discard(proc)
         code = -1 if (timed_out or cancelled) else proc.returncode

@@ -40,6 +40,7 @@ import uuid
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from polar_cli import lifeline
 from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import (ISOLATED_CA, ISOLATED_HOME, ExecResult, IsolatedSandbox, Runtime,
                                              RuntimeUnavailable, SandboxSpec)
@@ -75,6 +76,7 @@ class OciSandbox(IsolatedSandbox):
         super().__init__(spec)
         self.runtime = runtime
         self.container = container
+        self.lifeline_key: str | None = None  # lifeline.on_death's removal of the container
         self.scratch = scratch
         self.helpers = helpers  # host-side bridge socats and the network-namespace holder
         self.workspace = spec.workdir or WORKSPACE
@@ -87,6 +89,7 @@ class OciSandbox(IsolatedSandbox):
         proc = await asyncio.create_subprocess_exec(
             self.runtime.binary, *args, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        lifeline.tie(proc.pid)
         self.running.add(proc)
         if self.cancels != cancels:
             await self._kill_inside()
@@ -106,6 +109,7 @@ class OciSandbox(IsolatedSandbox):
             raise
         finally:
             self.running.discard(proc)
+            lifeline.untie(proc.pid)
         code = proc.returncode if proc.returncode is not None else -1
         return code, out, err, timed_out, self.cancels != cancels
 
@@ -173,6 +177,8 @@ class OciSandbox(IsolatedSandbox):
         proc = await asyncio.create_subprocess_exec(self.runtime.binary, *remove, self.container,
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await proc.wait()
+        if self.lifeline_key:
+            lifeline.cancel(self.lifeline_key)
         await stop_processes(self.helpers)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
@@ -265,6 +271,10 @@ class OciRuntime(Runtime):
         scratch = Path(tempfile.mkdtemp(prefix=f"polar-oci-{safe}-", dir=self.scratch_dir))
         helpers: list[asyncio.subprocess.Process] = []
         sandbox = OciSandbox(self, spec, container, scratch, helpers)
+        # The container lives under the engine's own daemon/conmon, outside our process groups: removed by the
+        # lifeline if polar dies without stopping it.
+        remove = ["rm", "-f", "-t", "0"] if self.engine == "podman" else ["rm", "-f"]  # docker rm has no -t
+        sandbox.lifeline_key = lifeline.on_death([self.binary, *remove, container])
         try:
             network = spec.network
             if network == "proxy-only":
@@ -317,6 +327,7 @@ class OciRuntime(Runtime):
         holder = await asyncio.create_subprocess_exec(
             *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, "POLAR_BRIDGE": bridge_env(spec.proxy, str(sockets))}, start_new_session=True)
+        lifeline.tie(holder.pid)  # untied by stop_processes with the other helpers
         try:
             line = await asyncio.wait_for(holder.stdout.readline(), 15)
             return holder, int(line)
