@@ -5,6 +5,7 @@ Each command group lives in its own module; this file only assembles them.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import typer
@@ -21,6 +22,9 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """polar: capture, build, train."""
+    # Every command stops its children and seals its shards on SIGINT/SIGTERM. A blocked signal survives exec: a
+    # parent that blocked them (Ray does so in the processes it starts) would leave polar stoppable only by SIGKILL.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 @app.command("tiny-model")

@@ -96,6 +96,18 @@ def mitmdump_command(engine: str, out: Path | str, *, port: int | None, listen_h
     return cmd
 
 
+def stop_mitmdump(process: subprocess.Popen, grace_s: float = 60.0) -> int:
+    """SIGINT to mitmdump's process group (its own session): on a graceful stop it seals the open shard. SIGKILL
+    after ``grace_s``. Returns its exit status."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            return process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.wait()
+
+
 @contextmanager
 def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Path | None = None,
                  options: dict[str, str] | None = None, addon: bool = True, timeout: float = 120.0) -> Iterator[Proxy]:
@@ -116,11 +128,5 @@ def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Pa
         wait_for_port(port, timeout, process, log)
         yield proxy
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGINT)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_mitmdump(process, grace_s=30)
         lifeline.untie(process.pid)

@@ -9,7 +9,6 @@ the README shows exactly :func:`recipes` with the default ports, and run them).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 from pathlib import Path
@@ -85,7 +84,7 @@ def proxy(
     environment; Ctrl-C stops it (records already acknowledged are durable). Killed outright (SIGKILL), it takes
     mitmdump down with it: no proxy is left writing the store."""
     from polar_cli import lifeline
-    from polar_cli.mitm import mitmdump_command, wait_for_port
+    from polar_cli.mitm import mitmdump_command, stop_mitmdump, wait_for_port
 
     rport = reverse_port or port + 1
     if rport == port:
@@ -108,9 +107,9 @@ def proxy(
         typer.echo(reward_recipe(port, out, confdir, explicit_token="polar_control_token" in extra))
         code = process.wait()
     except KeyboardInterrupt:
-        code = _stop(process)
+        code = stop_mitmdump(process)
     except (RuntimeError, TimeoutError) as exc:
-        _stop(process)
+        stop_mitmdump(process)
         typer.echo(f"error: mitmdump did not start: {exc}", err=True)
         raise typer.Exit(1) from exc
     finally:
@@ -122,11 +121,3 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _stop(process: subprocess.Popen) -> int:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)  # mitmdump seals the open shard on a graceful stop
-        try:
-            return process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.wait()

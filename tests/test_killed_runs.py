@@ -17,6 +17,7 @@ import pytest
 
 from polar_addon.store import read_sessions, validate_store
 from polar_cli.rollout.proxy import WriterAlive, claim_writer, wait_writer_gone
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = REPO / "tests" / "support" / "rollout_agent.py"
@@ -255,3 +256,33 @@ def test_a_sigkilled_rollout_leaves_no_container(tmp_path: Path) -> None:
 
 def _container_exists(name: str) -> bool:
     return subprocess.run(["podman", "container", "exists", name], capture_output=True).returncode == 0
+
+
+def test_polar_proxy_started_with_sigint_blocked_still_stops_on_sigint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A blocked signal survives exec, and Ray blocks SIGINT in the processes it starts (an xdist worker that had run
+    Ray code once left every later `polar proxy` deaf to Ctrl-C: 120 s, then SIGKILL). Every polar command unblocks
+    SIGINT/SIGTERM first, so a Ctrl-C stops `polar proxy` and its mitmdump gracefully."""
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "hi"}]}))
+    out = tmp_path / "shards"
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "polar_cli.app", "proxy", "--engine", f"scripted:{script}", "--out", str(out),
+         "--port", str(free_port()), "--reverse-port", str(free_port()), "--confdir", str(tmp_path / "conf")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}),
+    )  # fmt: skip
+    try:
+        assert proxy.stdout is not None
+        for line in proxy.stdout:  # printed once both listeners are up
+            if "Point each harness at it" in line:
+                break
+        mitmdumps = [pid for pid in _mentioning(str(out)) if pid != proxy.pid]
+        assert mitmdumps
+        proxy.send_signal(signal.SIGINT)
+        assert proxy.wait(timeout=30) == 0
+        _wait(lambda: not any(_alive(pid) for pid in mitmdumps), 10, "mitmdump to stop")
+    finally:
+        if proxy.poll() is None:
+            proxy.kill()
+            proxy.wait()

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from polar_cli import lifeline
-from polar_cli.mitm import REPO, free_port, mitmdump_command, wait_for_port
+from polar_cli.mitm import REPO, free_port, mitmdump_command, stop_mitmdump, wait_for_port
 from polar_cli.rollout.runtimes.base import ProxyEndpoints
 
 DEFAULT_REVERSE_TARGET = "https://api.openai.com"
@@ -118,13 +118,7 @@ def _deliverable_stop_signals() -> None:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)  # mitmdump seals the open shard on a graceful stop
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    stop_mitmdump(process)
     lifeline.untie(process.pid)
 
 
