@@ -124,6 +124,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item._id = NodeId.parse(item.nodeid + suffix)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell without job control starts background commands with SIGINT ignored, and that survives exec: a suite run
+    # as `make test &` would hand every child (`polar proxy`, mitmdump) an ignored SIGINT, and each graceful stop the
+    # tests make would wait out its grace and SIGKILL. The tests stop things as a terminal's Ctrl-C would.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 _recorded: dict[str, float] = {}
 
 

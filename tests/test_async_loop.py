@@ -330,6 +330,9 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
         killed.wait()
         before = json.loads(state_file.read_text())
         taken_by_the_killed_step = [b["index"] for b in before["batches"] if b["step"] == 1]
+        # Whether the kill caught a batch in flight (its directory made, not yet recorded): seen before the rerun,
+        # which makes that directory itself when the kill came first.
+        in_flight = (out / f"batch-{len(before['batches']):03d}").exists()
         # polar train dies with the loop (PR_SET_PDEATHSIG): nothing trains into out/train-NNN behind the resumed run.
         # It was killed within a poll of the training's start, which needs several seconds to import and train: one
         # still running 3 s later outlived the loop (a training that merely ended would take longer than that).
@@ -376,7 +379,7 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
     assert tagged == [[str(b["version"])] for b in batches]
     # The batch the kill interrupted (if one ran) was redone in a new directory, never mixed with the old one.
     interrupted = len(before["batches"])
-    if (out / f"batch-{interrupted:03d}").exists() and interrupted < len(batches):
+    if in_flight and interrupted < len(batches):
         assert batches[interrupted]["shards"] == str(out / f"batch-{interrupted:03d}-attempt2" / "shards")
 
 
