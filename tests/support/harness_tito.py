@@ -17,7 +17,6 @@ import importlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_addon.capture import CaptureRecord
-from polar_cli.mitm import REPO, free_port, mitmdump_command, wait_for_port
+from polar_cli.mitm import REPO, free_port, mitmdump_command, stop_mitmdump, wait_for_port
 from polar_cli.rollout.harnesses.base import SessionContext
 from polar_cli.trace import Trace
 from tests.support.tito_sessions import build, off_policy_tokens, sampled_tokens_are_trained
@@ -97,13 +96,7 @@ def shared_proxy(script: Path, out: Path, tito: str, options: dict[str, str] | N
             wait_for_port(port, 120, process, log)
         yield SharedProxy(forward, reverse, confdir / "mitmproxy-ca-cert.pem", out, log)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGINT)  # mitmdump seals its open shard
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_mitmdump(process, grace_s=30)
 
 
 def session_id(short: str, tito: str) -> str:
