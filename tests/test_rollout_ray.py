@@ -226,6 +226,55 @@ def test_ctrl_c_stops_a_ray_rollout_on_every_node(cluster: RayCluster, tiny_mode
     assert Counter(r.session_id for r in records if r.status == "ok") == {by_sample[0]["session_id"]: 2}, records
 
 
+def test_polar_loop_on_a_ray_cluster_trains_between_iterations_and_every_node_serves_the_checkpoint(
+        cluster: RayCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`polar loop --ray` over two iterations of the toy task (its openai-SDK agent, the real tiny model on each
+    node's local engine): iteration 0 runs on both workers, `polar train` runs here between the iterations, and
+    iteration 1 runs on both workers again with the first checkpoint. What each node served is read off the stored
+    calls themselves: their sampled tokens' logprobs are the checkpoint's (the trainer's own computation, fp32),
+    not the starting model's, and every call carries weight_version 1. Runs before the dying-worker test (it kills
+    a node of the cluster)."""
+    _, w0, w1 = cluster.nodes
+    toy = REPO / "examples" / "toy_task"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join([line for line in (toy / "tasks.jsonl").read_text().splitlines(keepends=True)
+                              if line.startswith("{")][:2]))
+    out = tmp_path / "loop"
+    done = subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness",
+         f"cmd:{sys.executable} {toy / 'agent.py'} {{instruction}}", "--model", str(tiny_model_dir),
+         "--iterations", "2", "--out", str(out), "--samples", "4", "--concurrency", "2", "--no-progress",
+         "--ray", cluster.address, "--lr", "5e-3", "--groups-per-step", "1", "--weight-decay", "0",
+         "--eot-token-id", "2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env=_driver_env())  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    iterations = json.loads((out / "loop.json").read_text())["iterations"]
+    assert len(iterations) == 2 and iterations[0]["train"]["status"] == "trained", iterations
+    checkpoint = Path(iterations[0]["train"]["checkpoint"])
+    assert iterations[0]["policy"] == str(tiny_model_dir) and iterations[1]["policy"] == str(checkpoint)
+    workers = {w0.node_id(), w1.node_id()}
+    calls: dict[int, list] = {}
+    for i, it in enumerate(iterations):
+        shards = out / f"iter-{i:03d}" / "shards"
+        wait_for_shards(str(shards))
+        assert validate_store(str(shards)) == []
+        sessions = read_sessions(str(shards))
+        assert len(sessions) == it["sessions"] == 8 and all(s.status == "completed" for s in sessions), sessions
+        assert {s.metadata["node"] for s in sessions} == workers  # spread over both workers, the head none
+        calls[i] = read_records(str(shards))
+        assert calls[i] and {r.weight_version for r in calls[i]} == {str(i)}, {r.weight_version for r in calls[i]}
+
+    from tests.support.tito_sessions import build  # noqa: PLC0415 (torch-heavy helpers, this test only)
+    from tests.support.tito_vllm import first_step_ratios, trainer_logprobs  # noqa: PLC0415
+
+    _, traces = build(out / "iter-001" / "shards")
+    served = first_step_ratios(traces, trainer_logprobs(checkpoint))
+    before = first_step_ratios(traces, trainer_logprobs(tiny_model_dir))
+    print(f"iteration 1 vs checkpoint: {served}; vs starting model: {before}")  # shown with -rP
+    assert served.tokens > 50 and served.max_abs_dev < 1e-3, served
+    assert before.max_abs_dev > 100 * max(served.max_abs_dev, 1e-6), (served, before)
+
+
 def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayCluster, tiny_model_dir: Path,
                                                                 tmp_path: Path) -> None:
     _, w0, w1 = cluster.nodes  # head, worker 0 (polar_w0), worker 1 (polar_w1)
