@@ -256,6 +256,18 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="session")
+def sglang_protocol():
+    """SGLang 0.5.23's own protocol classes, for the contract server that stands in for SGLang (no GPU here)."""
+    from tests.support.sglang_contract_server import ContractUnavailable, load_protocol
+
+    try:
+        return load_protocol()
+    except ContractUnavailable as exc:
+        # Never a silent skip: `make test` fetches the wheel first (`make sglang-contract`).
+        pytest.fail(f"SGLang 0.5.23 protocol unavailable ({exc}); run `make sglang-contract`")
+
+
+@pytest.fixture(scope="session")
 def reference_logprobs(tiny_model_dir: Path):
     """``fn(prompt_ids, response_ids, temperature) -> list[float]``: log_softmax(logits / T) of
     ``response_ids`` from one plain transformers forward pass over prompt + response (fp32), the

@@ -212,21 +212,10 @@ def request(messages=MESSAGES, **sampling) -> CanonicalRequest:
 
 
 @pytest.fixture(scope="module")
-def protocol():
-    from tests.support.sglang_contract_server import ContractUnavailable, load_protocol
-
-    try:
-        return load_protocol()
-    except ContractUnavailable as exc:
-        # Never a silent skip: `make test` fetches the wheel first (`make sglang-contract`).
-        pytest.fail(f"SGLang 0.5.23 protocol unavailable ({exc}); run `make sglang-contract`")
-
-
-@pytest.fixture(scope="module")
-def server(protocol, tiny_model_dir):
+def server(sglang_protocol, tiny_model_dir):
     from tests.support.sglang_contract_server import SGLangContractServer
 
-    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=protocol, context_len=4096) as srv:
+    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=sglang_protocol, context_len=4096) as srv:
         yield srv
 
 
@@ -288,13 +277,13 @@ def test_count_tokens_uses_sglang_tokenize(server):
     assert server.requests[-2]["tools"] == TOOLS
 
 
-def test_tool_calls_through_sglang_shape(protocol, tiny_model_dir, tmp_path):
+def test_tool_calls_through_sglang_shape(sglang_protocol, tiny_model_dir, tmp_path):
     from tests.support.sglang_contract_server import SGLangContractServer
 
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "turns": [
         {"content": "Listing.", "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": {"path": "/tmp"}}}]}]}))  # fmt: skip
-    with SGLangContractServer(ScriptedEngine(script), protocol=protocol) as srv:
+    with SGLangContractServer(ScriptedEngine(script), protocol=sglang_protocol) as srv:
         completion = asyncio.run(_call(srv.url, request(temperature=1.0)))
     assert completion.finish_reason == "tool_calls"
     assert completion.matched_stop is None
@@ -341,7 +330,7 @@ def test_timeout_and_unreachable(server):
     assert str(port) not in err.value.message and "127.0.0.1" not in err.value.message
 
 
-def test_update_weights_from_disk(protocol, tiny_model_dir, tmp_path):
+def test_update_weights_from_disk(sglang_protocol, tiny_model_dir, tmp_path):
     from tests.support.sglang_contract_server import SGLangContractServer
 
     checkpoint = shutil.copytree(tiny_model_dir, tmp_path / "step-1")
@@ -359,7 +348,7 @@ def test_update_weights_from_disk(protocol, tiny_model_dir, tmp_path):
         finally:
             await engine.close()
 
-    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=protocol) as srv:
+    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=sglang_protocol) as srv:
         before, answer, after, err = asyncio.run(scenario(srv.url))
         assert srv.requests[-3] == {"model_path": str(checkpoint), "weight_version": "step-1"}
     assert (before.weight_version, after.weight_version) == ("default", "step-1")
@@ -367,12 +356,12 @@ def test_update_weights_from_disk(protocol, tiny_model_dir, tmp_path):
     assert err.status == 400 and "missing" in err.message
 
 
-def test_thinking_flag_reaches_a_template_that_reads_it(protocol, thinking_model_dir):
+def test_thinking_flag_reaches_a_template_that_reads_it(sglang_protocol, thinking_model_dir):
     """Through SGLang's chat_template_kwargs to a Qwen3-style template: off opens an empty think block."""
     from tests.support.sglang_contract_server import SGLangContractServer
 
     local = LocalEngine(thinking_model_dir)
-    with SGLangContractServer(local, protocol=protocol) as srv:
+    with SGLangContractServer(local, protocol=sglang_protocol) as srv:
         prompts, counts = {}, {}
 
         async def count(req: CanonicalRequest) -> int:
@@ -430,12 +419,12 @@ def test_token_input_request_and_answer(server, tiny_model_dir):
     assert completion.engine == f"sglang:{server.url}" and completion.served_model == "tiny"
 
 
-def test_token_input_without_max_tokens_asks_for_the_rest_of_the_window(protocol, tiny_model_dir):
+def test_token_input_without_max_tokens_asks_for_the_rest_of_the_window(sglang_protocol, tiny_model_dir):
     from tests.support.sglang_contract_server import SGLangContractServer
 
     prompt = _prompt_ids(tiny_model_dir)
     # CompletionRequest reads a missing max_tokens as 16; the chat endpoint as the rest of the window.
-    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=protocol, context_len=len(prompt) + 5) as srv:
+    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=sglang_protocol, context_len=len(prompt) + 5) as srv:
         completion = asyncio.run(_tokens(srv.url, request(temperature=1.0, seed=3), prompt))
         assert srv.requests[-1]["max_tokens"] == 5
     assert len(completion.response_ids) <= 5

@@ -34,10 +34,10 @@ def echo() -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from tests.support.sglang_contract_server import SGLangContractServer, load_protocol
+def engine(tiny_model_dir, sglang_protocol):
+    from tests.support.sglang_contract_server import SGLangContractServer
 
-    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=load_protocol()) as server:
+    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=sglang_protocol) as server:
         yield server
 
 

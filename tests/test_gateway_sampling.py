@@ -20,7 +20,6 @@ from polar_addon.engines.sglang import SGLangEngine
 from polar_addon.gateway import Gateway, GatewayConfig, IncomingCall
 from polar_addon.store import TraceStore, read_records
 from polar_cli.view import logprob_color
-from tests.support.prereq import missing
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
@@ -75,14 +74,10 @@ def test_records_carry_the_defaults_the_engine_got(tiny_model_dir: Path, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def sglang(tiny_model_dir):
-    from tests.support.sglang_contract_server import ContractUnavailable, SGLangContractServer, load_protocol
+def sglang(tiny_model_dir, sglang_protocol):
+    from tests.support.sglang_contract_server import SGLangContractServer
 
-    try:
-        protocol = load_protocol()
-    except ContractUnavailable as exc:
-        missing(f"SGLang 0.5.23 protocol unavailable: {exc}")
-    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=protocol, context_len=4096) as srv:
+    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=sglang_protocol, context_len=4096) as srv:
         yield srv
 
 

@@ -64,10 +64,11 @@ def _turn(proxies: list, session: str, histories: dict[str, list[dict]]) -> None
 
 
 @pytest.mark.timeout(300)
-def test_two_proxies_keep_sessions_on_one_engine_and_a_dead_engine_fails_only_its_sessions(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from tests.support.sglang_contract_server import SGLangContractServer, load_protocol
+def test_two_proxies_keep_sessions_on_one_engine_and_a_dead_engine_fails_only_its_sessions(
+        tiny_model_dir: Path, sglang_protocol, tmp_path: Path) -> None:
+    from tests.support.sglang_contract_server import SGLangContractServer
 
-    protocol = load_protocol()
+    protocol = sglang_protocol
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True,
                                   "turns": [{"content": "Looking."}, {"content": "Found it."}, {"content": "Done."}]}))

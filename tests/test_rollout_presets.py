@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import shutil
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from polar_addon.store.validate import validate_store
-from polar_cli.mitm import REPO, free_port, mitmdump_command, wait_for_port
+from polar_cli.mitm import REPO
 from polar_cli.rollout.harnesses.base import SessionContext
+from tests.support.proxy import SharedProxy, shared_proxy
 from tests.support.shards import session_records
 from tests.support.prereq import missing
 
@@ -50,15 +49,6 @@ def script(harness: str) -> dict:
     return json.loads((SCRIPTS / f"{harness}.json").read_text())
 
 
-@dataclass
-class SharedProxy:
-    forward: int
-    reverse: int
-    ca: Path
-    out: Path
-    log: Path
-
-
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedProxy]:
     """One mitmdump for all five harnesses: its scripted engine picks each harness's turns by model name."""
@@ -67,26 +57,8 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     by_model = {model_name(h): json.loads(json.dumps(script(h)["turns"]).replace("{workspace}", "/workspace"))
                 for h in HARNESSES}
     (base / "script.json").write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model}))
-    forward, reverse = free_port(), free_port()
-    out, confdir, log = base / "shards", base / "conf", base / "mitmdump.log"
-    confdir.mkdir()
-    cmd = mitmdump_command(f"scripted:{base / 'script.json'}", out, port=None, confdir=confdir,
-                           modes=[f"regular@{forward}", f"reverse:https://api.openai.com@{reverse}"],
-                           options={"polar_shard_seconds": "0.5"})
-    with open(log, "wb") as fh:
-        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-    try:
-        for port in (forward, reverse):
-            wait_for_port(port, 120, process, log)
-        yield SharedProxy(forward, reverse, confdir / "mitmproxy-ca-cert.pem", out, log)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, 2)  # SIGINT: mitmdump seals its open shard
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
-                process.wait()
+    with shared_proxy(base / "script.json", base / "shards") as started:
+        yield started
 
 
 def verify(task: dict, workspace: Path) -> float:

@@ -30,23 +30,13 @@ from tests.support.tito_sessions import (
 )
 
 
-@pytest.fixture(scope="module")
-def protocol():
-    from tests.support.sglang_contract_server import ContractUnavailable, load_protocol
-
-    try:
-        return load_protocol()
-    except ContractUnavailable as exc:
-        pytest.fail(f"SGLang 0.5.23 protocol unavailable ({exc}); run `make sglang-contract`")
-
-
-def test_sglang_sessions_continue_in_tokens_the_engine_saw(protocol, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sglang_sessions_continue_in_tokens_the_engine_saw(sglang_protocol, tiny_model_dir: Path, tmp_path: Path) -> None:
     from tests.support.sglang_contract_server import SGLangContractServer
 
     model = qwen3_model(tiny_model_dir, tmp_path)
     script = write_script(model, tmp_path / "script.json")
     out = tmp_path / "out"
-    with SGLangContractServer(ScriptedEngine(script), protocol=protocol) as server:
+    with SGLangContractServer(ScriptedEngine(script), protocol=sglang_protocol) as server:
         options = {"polar_tokenizer": str(model), "polar_shard_seconds": "0.2"}  # polar_tito: auto
         with run_mitmdump(f"sglang:{server.url}", out, options=options) as proxy:
             openai_session(proxy, "oai", user_turns=2)
@@ -96,7 +86,7 @@ async def _turn(gateway, session: str, messages: list[dict]) -> list[dict]:
     return [*messages, sent, *({"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls)]
 
 
-def test_a_call_polar_cannot_parse_scores_0_but_stays_trainable(protocol, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_call_polar_cannot_parse_scores_0_but_stays_trainable(sglang_protocol, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Parser -> record -> shard -> build -> stats: the malformed call of a token-input turn is counted on its
     record, its trace gets reward 0 and stays trainable, and `polar stats` shows it."""
     from tests.support.sglang_contract_server import SGLangContractServer
@@ -105,7 +95,7 @@ def test_a_call_polar_cannot_parse_scores_0_but_stays_trainable(protocol, tiny_m
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"model_dir": str(model), "cycle": False, "turns": FAILED_PARSE_TURNS}))
     out = tmp_path / "shards"
-    with SGLangContractServer(ScriptedEngine(script), protocol=protocol) as server:
+    with SGLangContractServer(ScriptedEngine(script), protocol=sglang_protocol) as server:
         engine = SGLangEngine(server.url, timeout_s=60)
         engine.tokenizer_dir = str(model)
 

@@ -52,16 +52,6 @@ def test_reload_refuses_what_it_cannot_do(tmp_path: Path, tiny_model_dir: Path) 
         reload_engine("tgi:http://x:1", tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def sglang_protocol():
-    from tests.support.sglang_contract_server import ContractUnavailable, load_protocol
-
-    try:
-        return load_protocol()
-    except ContractUnavailable as exc:
-        pytest.fail(f"SGLang 0.5.23 protocol unavailable ({exc}); run `make sglang-contract`")
-
-
 def test_sglang_reload_updates_weights_in_place(sglang_protocol, tiny_model_dir: Path, tmp_path: Path) -> None:
     import asyncio
 

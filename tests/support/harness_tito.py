@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from polar_addon.capture import CaptureRecord
-from polar_cli.mitm import REPO, free_port, mitmdump_command, stop_mitmdump, wait_for_port
+from polar_cli.mitm import REPO
 from polar_cli.rollout.harnesses.base import SessionContext
 from polar_cli.trace import Trace
+from tests.support import proxy
+from tests.support.proxy import SharedProxy
 from tests.support.tito_sessions import build, off_policy_tokens, sampled_tokens_are_trained
 
 SWE_MINI = REPO / "examples" / "swe_mini"
@@ -68,35 +70,11 @@ def write_script(model_dir: Path, root: Path, harnesses: list[str]) -> Path:
     return path
 
 
-@dataclass
-class SharedProxy:
-    forward: int
-    reverse: int
-    ca: Path
-    out: Path
-    log: Path
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
 @contextmanager
 def shared_proxy(script: Path, out: Path, tito: str, options: dict[str, str] | None = None) -> Iterator[SharedProxy]:
-    """A mitmdump with a forward listener (Codex's WebSocket) and a reverse one (base-URL harnesses)."""
-    forward, reverse = free_port(), free_port()
-    confdir, log = out.parent / f"conf-{out.name}", out.parent / f"mitmdump-{out.name}.log"
-    confdir.mkdir(parents=True, exist_ok=True)
-    cmd = mitmdump_command(f"scripted:{script}", out, port=None, confdir=confdir,
-                           modes=[f"regular@{forward}", f"reverse:https://api.openai.com@{reverse}"],
-                           options={"polar_tito": tito, "polar_shard_seconds": "0.5", **(options or {})})
-    with open(log, "wb") as fh:
-        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
-    try:
-        for port in (forward, reverse):
-            wait_for_port(port, 120, process, log)
-        yield SharedProxy(forward, reverse, confdir / "mitmproxy-ca-cert.pem", out, log)
-    finally:
-        stop_mitmdump(process, grace_s=30)
+    """The harnesses' shared mitmdump (tests/support/proxy.py) with ``polar_tito`` set."""
+    with proxy.shared_proxy(script, out, {"polar_tito": tito, **(options or {})}) as started:
+        yield started
 
 
 def session_id(short: str, tito: str) -> str:

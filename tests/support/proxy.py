@@ -1,13 +1,48 @@
 """Tests start mitmdump the way users' rollouts do; a third-party echo server for pass-through checks."""
 
+import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
-from polar_cli.mitm import REPO, Proxy, free_port, run_mitmdump, wait_for_port
+from polar_cli.mitm import REPO, Proxy, free_port, mitmdump_command, run_mitmdump, stop_mitmdump, wait_for_port
 
-__all__ = ["REPO", "Proxy", "echo_server", "free_port", "run_mitmdump", "wait_for_port"]
+__all__ = ["REPO", "Proxy", "SharedProxy", "echo_server", "free_port", "run_mitmdump", "shared_proxy", "wait_for_port"]
+
+
+@dataclass
+class SharedProxy:
+    forward: int
+    reverse: int
+    ca: Path
+    out: Path
+    log: Path
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def shared_proxy(script: Path, out: Path, options: dict[str, str] | None = None) -> Iterator[SharedProxy]:
+    """One mitmdump for several harnesses on the scripted engine ``script``: a forward listener (Codex's WebSocket)
+    and a reverse one (base-URL harnesses); its CA and log sit beside ``out``."""
+    forward, reverse = free_port(), free_port()
+    confdir, log = out.parent / f"conf-{out.name}", out.parent / f"mitmdump-{out.name}.log"
+    confdir.mkdir(parents=True, exist_ok=True)
+    cmd = mitmdump_command(f"scripted:{script}", out, port=None, confdir=confdir,
+                           modes=[f"regular@{forward}", f"reverse:https://api.openai.com@{reverse}"],
+                           options={"polar_shard_seconds": "0.5", **(options or {})})
+    with open(log, "wb") as fh:
+        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    try:
+        for port in (forward, reverse):
+            wait_for_port(port, 120, process, log)
+        yield SharedProxy(forward, reverse, confdir / "mitmproxy-ca-cert.pem", out, log)
+    finally:
+        stop_mitmdump(process, grace_s=30)
 
 
 class _Echo(BaseHTTPRequestHandler):
