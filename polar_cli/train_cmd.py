@@ -54,6 +54,12 @@ def train(
     groups_per_step: int = typer.Option(_d("groups_per_step"), help="GRPO groups (tasks) per optimizer step."),
     grad_accum: int = typer.Option(_d("grad_accum"), help="Micro-batches per step and process (memory)."),
     num_iterations: int = typer.Option(_d("num_iterations"), help="Optimizer steps on each step's batch (PPO mu)."),
+    clip_against: str = typer.Option(
+        _d("clip_against"),
+        help="pi_old of the PPO clip and TIS weight: step = the weights at the start of each step; start = the "
+        "weights the run started from (one no-grad pass over the traces first, as verl/slime recompute old "
+        "logprobs): the clip then bounds the whole run's drift from the policy that sampled the traces.",
+    ),
     epsilon_low: float = typer.Option(_d("epsilon_low"), help="PPO clip: ratio >= 1 - eps_low."),
     epsilon_high: float = typer.Option(_d("epsilon_high"), help="PPO clip: ratio <= 1 + eps_high (DAPO clip-higher)."),
     tis_cap: float = typer.Option(_d("tis_cap"), help="Truncated importance sampling: token weight min(pi_old/pi_behavior, C)."),
@@ -97,7 +103,7 @@ def train(
         eot_token_id=eot_token_id, retokenized=retokenized, learning_rate=learning_rate, optim=optim,
         weight_decay=weight_decay, max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler, epochs=epochs,
         max_steps=max_steps, groups_per_step=groups_per_step,
-        grad_accum=grad_accum, num_iterations=num_iterations, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+        grad_accum=grad_accum, num_iterations=num_iterations, clip_against=clip_against, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
         tis_cap=tis_cap, cispo_cap=cispo_cap, warmup_ratio=warmup_ratio, current_weight_version=current_weight_version,
         max_staleness=max_staleness, beta=beta, loss_type=loss_type, scale_rewards=scale_rewards,
         drop_zero_advantage=not keep_zero_advantage, max_length=max_length, temperature=temperature,

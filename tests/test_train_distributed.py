@@ -54,7 +54,9 @@ def test_two_cpu_processes_train_like_one(tiny_model_dir: Path, tmp_path: Path) 
     data.mkdir()
     traces = TraceFactory(tiny_model_dir, temperature=1.0, seed=3).traces(two_group_specs())
     pq.write_table(traces_to_table(traces), data / "part-0.parquet")
-    train = ["-m", "polar_cli.app", "train", str(data), "--model", str(tiny_model_dir)]
+    # --clip-against start: each process scores its share of the traces with the starting weights and all gather
+    # the table (the second step clips against it).
+    train = ["-m", "polar_cli.app", "train", str(data), "--model", str(tiny_model_dir), "--clip-against", "start"]
 
     one = run([sys.executable, *train, "--output", str(tmp_path / "one"), *COMMON])
     two = run([

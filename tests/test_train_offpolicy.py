@@ -294,6 +294,64 @@ def test_resume_mid_batch_is_exact_with_two_iterations(bf16_model_dir: Path, tra
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
 
 
+def test_clip_against_start_scores_every_row_with_the_weights_before_any_update(bf16_model_dir: Path, traces,
+                                                                             tmp_path: Path) -> None:
+    """The starting weights' logprob of every completion token (what --clip-against start clips against) is the
+    trainer's own first-step logprob, in the right place: the traces were sampled by these weights, so it equals
+    the captured behaviour logprob; and the step's chunks carry exactly that table as old_logps."""
+    trainer, batch = first_step(config(bf16_model_dir, tmp_path, clip_against="start", groups_per_step=2), traces)
+    table = trainer._start_logps
+    assert table is not None and set(table) == {r.trace_id for r in trainer.data.rows}
+    for row in trainer.data.rows:
+        assert len(table[row.trace_id]) == len(row.completion_ids)
+        sampled = torch.tensor(row.loss_mask).bool()  # the rest (tool results, template glue) were not sampled
+        assert sampled.any()
+        torch.testing.assert_close(table[row.trace_id][sampled], torch.tensor(row.behavior_logprobs)[sampled],
+                                   atol=1e-4, rtol=0)
+    for chunk in batch["chunks"]:
+        mask = chunk["loss_mask"].bool()
+        torch.testing.assert_close(chunk["old_logps"][mask], chunk["behavior_logps"][mask], atol=1e-4, rtol=0)
+
+
+def _logged(result) -> list[dict]:
+    return [r for r in map(orjson.loads, result.metrics_path.read_text().splitlines()) if "loss" in r]
+
+
+def test_clip_against_start_bounds_the_drift_of_the_whole_run(bf16_model_dir: Path, traces, tmp_path: Path) -> None:
+    """Six steps on the same two groups at a high lr. Clipping against each step's own weights (the default,
+    --num-iterations 1) never clips, and its TIS weight follows the drifted policy; clipping against the start
+    clips the tokens that moved past 1 + eps since the run began, and its TIS weight stays the start/behaviour
+    ratio (1 for these on-policy traces)."""
+    kw = dict(max_steps=6, groups_per_step=1, learning_rate=5e-3, weight_decay=0.0)
+    step = _logged(run_training(config(bf16_model_dir, tmp_path / "step", **kw), traces=traces))
+    start = _logged(run_training(config(bf16_model_dir, tmp_path / "start", clip_against="start", **kw),
+                                 traces=traces))
+    print([(r["step"], round(r["clip_ratio/region_mean"], 3), round(r["tis/weight_mean"], 3)) for r in start])
+    assert all(r["clip_ratio/region_mean"] == 0.0 for r in step)
+    assert max(abs(r["tis/weight_mean"] - 1) for r in step[1:]) > 0.05
+    assert start[0]["clip_ratio/region_mean"] == 0.0 and max(r["clip_ratio/region_mean"] for r in start) > 0.05
+    assert all(abs(r["tis/weight_mean"] - 1) < 1e-3 for r in start)
+
+
+def test_resume_with_clip_against_start_clips_against_the_run_s_start(bf16_model_dir: Path, traces,
+                                                                      tmp_path: Path) -> None:
+    """checkpoint-1's weights are not the start: a resumed run takes the table saved with the checkpoint, so it
+    ends exactly where the uninterrupted run does; a checkpoint without the table is refused."""
+    from safetensors.torch import load_file
+
+    kw = dict(max_steps=4, groups_per_step=1, learning_rate=5e-3, weight_decay=0.0, clip_against="start")
+    full = tmp_path / "full"
+    run_training(config(bf16_model_dir, full, save_steps=1, save_total_limit=4, **kw), traces=traces)
+    resumed = tmp_path / "resumed"
+    run_training(config(bf16_model_dir, resumed, resume=full / "checkpoint-2", **kw), traces=traces)
+    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+    (full / "checkpoint-2" / "polar_start_logps.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="--clip-against start, resume needs"):
+        run_training(config(bf16_model_dir, tmp_path / "again", resume=full / "checkpoint-2", **kw), traces=traces)
+
+
 def test_stale_traces_are_warned_about_and_bounded(traces, caplog) -> None:
     versions = [replace(t, weight_versions=[v]) for t, v in zip(traces, ["3", "3", "2", "1"] * 3, strict=False)]
     assert check_staleness(versions, None, None) == 0

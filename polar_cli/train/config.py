@@ -32,6 +32,9 @@ class TrainConfig:
     groups_per_step: int = 4  # GRPO groups (tasks) whose traces make one optimizer step
     grad_accum: int = 1  # micro-batches per optimizer step and process
     num_iterations: int = 1  # optimizer steps taken on each step's batch (TRL's mu)
+    # pi_old of the PPO clip and of TIS: the weights at the start of each step ("step"), or those the run started
+    # from ("start": the clip bounds the whole run's drift from the policy that sampled the traces).
+    clip_against: str = "step"
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
     tis_cap: float = 2.0  # C of truncated importance sampling: token weight min(pi_old / pi_behavior, C)
@@ -69,6 +72,8 @@ class TrainConfig:
             raise ValueError(f"--scale-rewards must be 'group' or 'none', not {self.scale_rewards!r}")
         if self.strategy not in ("per_request", "prefix_merging"):
             raise ValueError(f"--strategy must be per_request or prefix_merging, not {self.strategy!r}")
+        if self.clip_against not in ("step", "start"):
+            raise ValueError(f"--clip-against must be step or start, not {self.clip_against!r}")
         if self.retokenized not in ("merge", "break"):
             raise ValueError(f"--retokenized must be merge or break, not {self.retokenized!r}")
         for name in ("groups_per_step", "grad_accum", "num_iterations", "max_length", "logging_steps"):

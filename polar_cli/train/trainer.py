@@ -17,7 +17,10 @@ accelerate/DDP. What is replaced, and why:
   mismatch is not mistaken for policy drift and clipped from step 0), and each token's loss is
   weighted by the detached ``min(exp(old - behaviour), tis_cap)``. Log-ratios are clamped before
   ``exp`` so one absurd behaviour logprob (vLLM's -9999 sentinel) cannot overflow a step. The
-  loss mask marks sampled tokens; interstitial tokens are context only.
+  loss mask marks sampled tokens; interstitial tokens are context only. ``--clip-against start``
+  takes the old logprob from the weights the run started with instead (one no-grad pass over every
+  trace before the first update, as verl / slime recompute ``old_log_prob`` before updating on a
+  rollout batch): the clip then bounds the drift of the whole run, not of one step.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ log = logging.getLogger("polar.train")
 # GRPOConfig insists on num_generations >= 2 dividing the generation batch. Neither value is used
 # here (our sampler and advantages replace TRL's), so both are set to the smallest it accepts.
 TRL_PLACEHOLDER_GENERATIONS = 2
+START_LOGPS_FILE = "polar_start_logps.pt"  # --clip-against start: saved with each checkpoint for --resume
 
 
 @dataclass
@@ -59,6 +64,13 @@ class TraceGRPOConfig(GRPOConfig):
     )
     pad_waste: float = field(
         default=0.1, metadata={"help": "Length buckets keep padded tokens <= this fraction of real ones."}
+    )
+    clip_against: str = field(
+        default="step",
+        metadata={"help": "pi_old of the PPO clip and TIS: the weights at the start of each step, or of the run."},
+    )
+    start_logps_batch: int = field(
+        default=8, metadata={"help": "Rows per forward of the no-grad pass that scores the starting weights."}
     )
 
 
@@ -136,6 +148,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         self.data = data
         self.groups_per_step = groups_per_step
         self._resume_buffer: Path | None = None
+        # --clip-against start: trace_id -> the starting weights' logprob of each completion token.
+        self._start_logps: dict[str, torch.Tensor] | None = None
         super().__init__(
             reward_funcs=[stored_rewards_only],
             train_dataset=Dataset.from_dict({"group": list(range(len(data.groups)))}),
@@ -167,6 +181,8 @@ class TraceGRPOTrainer(GRPOTrainer):
         return self._buffered_inputs[self._step % grad_accum]
 
     def _build_step(self, group_indices: list[int]) -> list[dict[str, Any]]:
+        if self.args.clip_against == "start" and self._start_logps is None:  # before the first update
+            self._start_logps = self._compute_start_logps()
         rows = [self.data.rows[i] for g in group_indices for i in self.data.groups[g]]
         grad_accum = self.args.gradient_accumulation_steps
         nproc, rank = self.accelerator.num_processes, self.accelerator.process_index
@@ -204,42 +220,59 @@ class TraceGRPOTrainer(GRPOTrainer):
         return {"chunks": chunks, "num_items_in_batch": num_items}
 
     def _chunk(self, rows: list[TrainRow]) -> dict[str, Any]:
-        """Right-padded full sequences; the scored window starts at the shortest prompt's end.
-
-        ``prompt + completion`` is padded as one sequence, so a short-prompt/long-completion trace
-        next to a long-prompt/short-completion one costs max(total), not max(prompt) + max(completion).
-        """
+        """One forward's rows, their loss mask, behaviour (and old, reference) logprobs and advantages."""
         device = self.accelerator.device
-        pad_id = self._tokenizer.pad_token_id
-        width = max(r.num_tokens for r in rows)
-        start = min(len(r.prompt_ids) for r in rows)
-        keep = width - start
-        n = len(rows)
-        input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        loss_mask = torch.zeros((n, keep), dtype=torch.float32)
-        behavior = torch.zeros((n, keep), dtype=torch.float32)
-        for i, r in enumerate(rows):
-            ids = r.prompt_ids + r.completion_ids
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            attention[i, : len(ids)] = 1
-            at = len(r.prompt_ids) - start
-            loss_mask[i, at : at + len(r.completion_ids)] = torch.tensor(r.loss_mask, dtype=torch.float32)
-            behavior[i, at : at + len(r.completion_ids)] = torch.tensor(r.behavior_logprobs)
-        chunk: dict[str, Any] = {
-            "input_ids": input_ids.to(device),
-            "attention_mask": attention.to(device),
-            "logits_to_keep": keep,
-            "loss_mask": loss_mask.to(device),
-            "behavior_logps": behavior.to(device),
-            "advantages": torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device),
-        }
-        if self.num_iterations > 1:
+        chunk = self._sequences(rows)
+        window = partial(_window, rows, chunk["logits_to_keep"])
+        chunk["loss_mask"] = window(lambda r: r.loss_mask).to(device)
+        chunk["behavior_logps"] = window(lambda r: r.behavior_logprobs).to(device)
+        chunk["advantages"] = torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device)
+        if self._start_logps is not None:
+            chunk["old_logps"] = window(lambda r: self._start_logps[r.trace_id]).to(device)
+        elif self.num_iterations > 1:
             # Later iterations on this batch compare with the weights it started from (TRL's mu).
             chunk["old_logps"] = self._logps_no_grad(self.model, chunk)
         if self.beta != 0.0:
             chunk["ref_logps"] = self._reference_logps(chunk)
         return chunk
+
+    def _sequences(self, rows: list[TrainRow]) -> dict[str, Any]:
+        """Right-padded full sequences; the scored window starts at the shortest prompt's end.
+
+        ``prompt + completion`` is padded as one sequence, so a short-prompt/long-completion trace
+        next to a long-prompt/short-completion one costs max(total), not max(prompt) + max(completion).
+        """
+        width = max(r.num_tokens for r in rows)
+        input_ids = torch.full((len(rows), width), self._tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids = r.prompt_ids + r.completion_ids
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention[i, : len(ids)] = 1
+        device = self.accelerator.device
+        return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device),
+                "logits_to_keep": width - min(len(r.prompt_ids) for r in rows)}
+
+    @torch.no_grad()
+    def _compute_start_logps(self) -> dict[str, torch.Tensor]:
+        """The completion logprobs of every row under the weights before any update. Each process scores every
+        nproc-th row (in length buckets, as training pads them) and all of them gather the whole table."""
+        from accelerate.utils import gather_object
+
+        nproc, rank = self.accelerator.num_processes, self.accelerator.process_index
+        mine = [r for i, r in enumerate(self.data.rows) if i % nproc == rank]
+        scored: list[tuple[str, list[float]]] = []
+        for bucket in length_buckets([r.num_tokens for r in mine], self.args.pad_waste):
+            for at in range(0, len(bucket), self.args.start_logps_batch):
+                rows = [mine[i] for i in bucket[at : at + self.args.start_logps_batch]]
+                chunk = self._sequences(rows)
+                logps = self._logps_no_grad(self.model, chunk).float().cpu()
+                start = min(len(r.prompt_ids) for r in rows)  # where the scored window begins
+                for i, r in enumerate(rows):
+                    off = len(r.prompt_ids) - start
+                    scored.append((r.trace_id, logps[i, off : off + len(r.completion_ids)].tolist()))
+        table = dict(gather_object(scored)) if nproc > 1 else dict(scored)
+        return {trace_id: torch.tensor(values) for trace_id, values in table.items()}
 
     @torch.no_grad()
     def _logps_no_grad(self, model, chunk: dict[str, Any]) -> torch.Tensor:
@@ -261,21 +294,31 @@ class TraceGRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         # TRL restarts its micro-step counter at 0 on resume and would rebuild the step's batch with
         # the *current* weights as "old": keep the counter and the batch (old logprobs included).
         if self.num_iterations > 1:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             torch.save(
                 {"step": self._step, "buffered": self._buffered_inputs},
                 folder / f"polar_step_buffer-{self.accelerator.process_index}.pt",
             )
+        # The starting weights are gone by then: a resumed run must clip against the same table.
+        if self._start_logps is not None and self.accelerator.is_main_process:
+            torch.save(self._start_logps, folder / START_LOGPS_FILE)
 
     def resume_from(self, checkpoint: Path) -> None:
-        """Exact resume: restore TRL's micro-step counter and buffered batch saved with ``checkpoint``."""
+        """Exact resume: restore TRL's micro-step counter and buffered batch saved with ``checkpoint``, and with
+        ``--clip-against start`` the starting weights' logprobs."""
         if self.num_iterations > 1:
             self._resume_buffer = Path(checkpoint) / f"polar_step_buffer-{self.accelerator.process_index}.pt"
+        if self.args.clip_against == "start":
+            path = Path(checkpoint) / START_LOGPS_FILE
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} missing: with --clip-against start, resume needs the starting "
+                                        "weights' logprobs saved with the checkpoint")
+            self._start_logps = torch.load(path, weights_only=True)
 
     def _restore_step_buffer(self, path: Path) -> None:
         self._resume_buffer = None
@@ -383,6 +426,17 @@ class TraceGRPOTrainer(GRPOTrainer):
         metrics["tis/weight_mean"].append(t["tis_weight"] / count)
 
 
+def _window(rows: list[TrainRow], keep: int, values: Any) -> torch.Tensor:
+    """(rows, keep) float tensor: each row's per-completion-token ``values(row)`` where its completion sits in the
+    scored window (the last ``keep`` positions of the padded width), zeros elsewhere."""
+    width = max(r.num_tokens for r in rows)
+    out = torch.zeros((len(rows), keep), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        at = len(r.prompt_ids) - (width - keep)
+        out[i, at : at + len(r.completion_ids)] = torch.as_tensor(values(r), dtype=torch.float32)
+    return out
+
+
 def _zero_weight(row: TrainRow) -> TrainRow:
     return dataclasses.replace(row, loss_mask=[0] * len(row.loss_mask), advantage=0.0, session_weight=0.0)
 
@@ -412,6 +466,7 @@ def build_grpo_config(cfg: Any, *, temperature: float, max_completion_length: in
         gradient_accumulation_steps=cfg.grad_accum,
         steps_per_generation=cfg.grad_accum,
         num_iterations=cfg.num_iterations,
+        clip_against=cfg.clip_against,
         epsilon=cfg.epsilon_low,
         epsilon_high=cfg.epsilon_high,
         delta=None,  # TRL's dual-clip is not used: our _compute_loss does TIS
