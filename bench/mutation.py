@@ -10,6 +10,7 @@ modules can be re-run one at a time. Prints killed / mutants per module; survivo
     .venv/bin/python bench/mutation.py identity gateway  # some modules
     .venv/bin/python bench/mutation.py --report        # print the table of what has been run
     .venv/bin/python bench/mutation.py --resume gateway  # take an interrupted run up where it stopped
+    .venv/bin/python bench/mutation.py --verify-timeouts --verify-jobs 6 --verify-limit 120 store.trace_store
     .venv/bin/python bench/mutation.py --slowest 1260 providers.openai_responses  # only the slowest-to-test end
     .venv/bin/python bench/mutation.py --only '*final_status*' store.trace_store   # only some functions' mutants
 
@@ -25,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,7 +227,7 @@ def rerun_not_killed(module: str, lock: str | None, children: int, timeout_multi
     (work / "mutants" / "mutmut-cicd-stats.json").write_text(json.dumps(stats, indent=4))
 
 
-def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
+def verify_timeouts(module: str, limit_s: float = 300.0, jobs: int = 1) -> None:
     """Re-run each mutant mutmut stopped on time alone, with no CPU limit and a long wall limit, against the
     tests mutmut recorded as reaching its function.
 
@@ -254,19 +256,25 @@ def verify_timeouts(module: str, limit_s: float = 300.0) -> None:
     def selection_of(name: str) -> list[str]:
         return sorted(covering.get(name.rsplit("__mutmut_", 1)[0], [])) or tests
 
-    # The quickest first (fewest tests): a stopped verification has settled as many as it could.
-    for name in sorted((n for n, status in statuses.items() if status == "timeout" and n not in verdicts),
-                       key=lambda n: len(selection_of(n))):
-        selection = selection_of(name)
-        cmd = ["nice", "-n", str(NICE), sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *selection]
+    def verdict_of(name: str) -> str:
+        cmd = ["nice", "-n", str(NICE), sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               *selection_of(name)]
         try:
             done = subprocess.run(cmd, cwd=work / "mutants", env=dict(env, MUTANT_UNDER_TEST=name),
                                   capture_output=True, timeout=limit_s, check=False)
-            verdicts[name] = "killed" if done.returncode == 1 else "survived" if done.returncode == 0 else "error"
         except subprocess.TimeoutExpired:
-            verdicts[name] = "hung"
-        with progress.open("a") as out:
-            out.write(f"    {name}: {verdicts[name]}\n")
+            return "hung"
+        return "killed" if done.returncode == 1 else "survived" if done.returncode == 0 else "error"
+
+    # The quickest first (fewest tests): a stopped verification has settled as many as it could. A hang burns no
+    # CPU, so several run at once (``jobs``); the limit must stay far above a clean run's time under that load.
+    todo = sorted((n for n, status in statuses.items() if status == "timeout" and n not in verdicts),
+                  key=lambda n: len(selection_of(n)))
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for name, verdict in zip(todo, pool.map(verdict_of, todo)):
+            verdicts[name] = verdict
+            with progress.open("a") as out:
+                out.write(f"    {name}: {verdict}\n")
     timed_out = {n for n, status in statuses.items() if status == "timeout"}
     verdicts = {n: v for n, v in verdicts.items() if n in timed_out}
     (work / "timeouts.txt").write_text("".join(f"    {n}: {v}\n" for n, v in verdicts.items()))
@@ -314,6 +322,9 @@ def main() -> None:
                         help="re-run each mutant mutmut stopped on time, without its time limits (see verify_timeouts)")
     parser.add_argument("--verify-limit", type=float, default=300.0,
                         help="with --verify-timeouts: seconds after which a mutant's run counts as a hang (default 300)")
+    parser.add_argument("--verify-jobs", type=int, default=1,
+                        help="with --verify-timeouts: mutants verified at once (a hang burns no CPU; keep the "
+                             "limit far above a clean run's time under that load)")
     parser.add_argument("--rerun-not-killed", action="store_true",
                         help="re-run only the mutants the last run of each module did not kill, with the current tests")
     parser.add_argument("--resume", action="store_true",
@@ -335,7 +346,7 @@ def main() -> None:
         for module in args.modules or list(MODULES):
             print(f"mutating {module} ...", flush=True)
             if args.verify_timeouts:
-                verify_timeouts(module, args.verify_limit)
+                verify_timeouts(module, args.verify_limit, args.verify_jobs)
             elif args.rerun_not_killed:
                 rerun_not_killed(module, args.lock, args.children, args.timeout_multiplier)
             else:

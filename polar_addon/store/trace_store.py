@@ -464,7 +464,7 @@ class TraceStore:
                         if kind == CALLS:
                             sid = row["session_id"]
                             next_seq[sid] = max(next_seq.get(sid, 0), row["seq"] + 1)
-        except OSError as exc:
+        except (OSError, pa.ArrowInvalid) as exc:  # unreadable, or a shard that is not Parquet
             raise StorageUnavailable(f"cannot read existing shards in {self.uri}: {exc}") from exc
         self._next_seq = next_seq
 
