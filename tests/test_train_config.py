@@ -25,6 +25,7 @@ def test_defaults_are_valid() -> None:
         ("scale_rewards", "batch", "none", "--scale-rewards must be 'group' or 'none'"),
         ("strategy", "whole", "per_request", "--strategy must be per_request or prefix_merging"),
         ("retokenized", "drop", "break", "--retokenized must be merge or break"),
+        ("clip_against", "run", "start", "--clip-against must be step or start, not 'run'"),
         ("groups_per_step", 0, 1, "--groups-per-step must be >= 1"),
         ("grad_accum", 0, 1, "--grad-accum must be >= 1"),
         ("num_iterations", 0, 1, "--num-iterations must be >= 1"),
