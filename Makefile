@@ -76,7 +76,7 @@ test: install engine harnesses s3 browser sandbox model sglang-contract
 test-fast: install sglang-contract
 	$(BIN)/python -m pytest -q -m "not vllm and not harness" $(PYTEST_ARGS)
 
-# Capture through the proxy, then the learning loop (polar loop: rollouts -> polar train -> reload), ~8-12 min on 2 cores.
+# Capture through the proxy, then the learning loop (polar loop: rollouts -> polar train -> reload), ~5 min on 2 cores.
 TOY_LOOP := $(BIN)/polar loop examples/toy_task/tasks.jsonl --harness "cmd:$(abspath $(BIN))/python $(abspath examples/toy_task/agent.py) {instruction}" \
 	--model $(TINY) --samples 8 --concurrency 8 --lr 5e-3 --epochs 2 --groups-per-step 1 --weight-decay 0 --eot-token-id 2 \
 	--clip-against start --epsilon-high 1.0
