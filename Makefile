@@ -79,7 +79,7 @@ test-fast: install sglang-contract
 # Capture through the proxy, then the learning loop (polar loop: rollouts -> polar train -> reload), ~5 min on 2 cores.
 TOY_LOOP := $(BIN)/polar loop examples/toy_task/tasks.jsonl --harness "cmd:$(abspath $(BIN))/python $(abspath examples/toy_task/agent.py) {instruction}" \
 	--model $(TINY) --samples 8 --concurrency 8 --lr 5e-3 --epochs 2 --groups-per-step 1 --weight-decay 0 --eot-token-id 2 \
-	--clip-against start --epsilon-high 1.0
+	--epsilon-high 1.0
 demo: install model
 	$(BIN)/python examples/demo.py
 	rm -rf runs/toy_task

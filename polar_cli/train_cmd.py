@@ -56,9 +56,9 @@ def train(
     num_iterations: int = typer.Option(_d("num_iterations"), help="Optimizer steps on each step's batch (PPO mu)."),
     clip_against: str = typer.Option(
         _d("clip_against"),
-        help="pi_old of the PPO clip and TIS weight: step = the weights at the start of each step; start = the "
-        "weights the run started from (one no-grad pass over the traces first, as verl/slime recompute old "
-        "logprobs): the clip then bounds the whole run's drift from the policy that sampled the traces.",
+        help="pi_old of the PPO clip and TIS weight: start = the weights the run started from (one no-grad pass "
+        "over the traces first, as verl/slime recompute old logprobs): the clip bounds the whole run's drift from "
+        "the policy that sampled the traces; step = the weights at the start of each step (no bound across steps).",
     ),
     epsilon_low: float = typer.Option(_d("epsilon_low"), help="PPO clip: ratio >= 1 - eps_low."),
     epsilon_high: float = typer.Option(_d("epsilon_high"), help="PPO clip: ratio <= 1 + eps_high (DAPO clip-higher)."),

@@ -301,13 +301,12 @@ def test_clip_against_start_scores_every_row_with_the_weights_before_any_update(
     the captured behaviour logprob; and the step's chunks carry exactly that table as old_logps."""
     trainer, batch = first_step(config(bf16_model_dir, tmp_path, clip_against="start", groups_per_step=2), traces)
     table = trainer._start_logps
-    assert table is not None and set(table) == {r.trace_id for r in trainer.data.rows}
-    for row in trainer.data.rows:
-        assert len(table[row.trace_id]) == len(row.completion_ids)
+    assert table is not None and len(table) == len(trainer.data.rows)
+    for logps, row in zip(table, trainer.data.rows, strict=True):
+        assert len(logps) == len(row.completion_ids)
         sampled = torch.tensor(row.loss_mask).bool()  # the rest (tool results, template glue) were not sampled
         assert sampled.any()
-        torch.testing.assert_close(table[row.trace_id][sampled], torch.tensor(row.behavior_logprobs)[sampled],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(logps[sampled], torch.tensor(row.behavior_logprobs)[sampled], atol=1e-4, rtol=0)
     for chunk in batch["chunks"]:
         mask = chunk["loss_mask"].bool()
         torch.testing.assert_close(chunk["old_logps"][mask], chunk["behavior_logps"][mask], atol=1e-4, rtol=0)
@@ -318,12 +317,12 @@ def _logged(result) -> list[dict]:
 
 
 def test_clip_against_start_bounds_the_drift_of_the_whole_run(bf16_model_dir: Path, traces, tmp_path: Path) -> None:
-    """Six steps on the same two groups at a high lr. Clipping against each step's own weights (the default,
+    """Six steps on the same two groups at a high lr. Clipping against each step's own weights (``step``,
     --num-iterations 1) never clips, and its TIS weight follows the drifted policy; clipping against the start
     clips the tokens that moved past 1 + eps since the run began, and its TIS weight stays the start/behaviour
     ratio (1 for these on-policy traces)."""
     kw = dict(max_steps=6, groups_per_step=1, learning_rate=5e-3, weight_decay=0.0)
-    step = _logged(run_training(config(bf16_model_dir, tmp_path / "step", **kw), traces=traces))
+    step = _logged(run_training(config(bf16_model_dir, tmp_path / "step", clip_against="step", **kw), traces=traces))
     start = _logged(run_training(config(bf16_model_dir, tmp_path / "start", clip_against="start", **kw),
                                  traces=traces))
     print([(r["step"], round(r["clip_ratio/region_mean"], 3), round(r["tis/weight_mean"], 3)) for r in start])
@@ -347,6 +346,9 @@ def test_resume_with_clip_against_start_clips_against_the_run_s_start(bf16_model
     a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
+    fewer = [t for t in traces if t.group_id == traces[0].group_id]  # one group of the two
+    with pytest.raises(ValueError, match=r"scores \d+ traces, these inputs have \d+: resume with the inputs"):
+        run_training(config(bf16_model_dir, tmp_path / "other", resume=full / "checkpoint-2", **kw), traces=fewer)
     (full / "checkpoint-2" / "polar_start_logps.pt").unlink()
     with pytest.raises(FileNotFoundError, match="--clip-against start, resume needs"):
         run_training(config(bf16_model_dir, tmp_path / "again", resume=full / "checkpoint-2", **kw), traces=traces)

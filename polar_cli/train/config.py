@@ -32,9 +32,9 @@ class TrainConfig:
     groups_per_step: int = 4  # GRPO groups (tasks) whose traces make one optimizer step
     grad_accum: int = 1  # micro-batches per optimizer step and process
     num_iterations: int = 1  # optimizer steps taken on each step's batch (TRL's mu)
-    # pi_old of the PPO clip and of TIS: the weights at the start of each step ("step"), or those the run started
-    # from ("start": the clip bounds the whole run's drift from the policy that sampled the traces).
-    clip_against: str = "step"
+    # pi_old of the PPO clip and of TIS: the weights the run started from ("start": the clip bounds the whole run's
+    # drift from the policy that sampled the traces, as verl/slime), or those at the start of each step ("step").
+    clip_against: str = "start"
     epsilon_low: float = 0.2
     epsilon_high: float = 0.28
     tis_cap: float = 2.0  # C of truncated importance sampling: token weight min(pi_old / pi_behavior, C)

@@ -17,10 +17,11 @@ accelerate/DDP. What is replaced, and why:
   mismatch is not mistaken for policy drift and clipped from step 0), and each token's loss is
   weighted by the detached ``min(exp(old - behaviour), tis_cap)``. Log-ratios are clamped before
   ``exp`` so one absurd behaviour logprob (vLLM's -9999 sentinel) cannot overflow a step. The
-  loss mask marks sampled tokens; interstitial tokens are context only. ``--clip-against start``
-  takes the old logprob from the weights the run started with instead (one no-grad pass over every
-  trace before the first update, as verl / slime recompute ``old_log_prob`` before updating on a
-  rollout batch): the clip then bounds the drift of the whole run, not of one step.
+  loss mask marks sampled tokens; interstitial tokens are context only. With ``--clip-against start``
+  (the default) the old logprob is that of the weights the run started with (one no-grad pass over
+  every trace before the first update, as verl / slime recompute ``old_log_prob`` before updating on
+  a rollout batch): the clip bounds the drift of the whole run. ``step`` takes each step's own
+  weights (the clip then only sees drift within one step's ``--num-iterations``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class TraceGRPOConfig(GRPOConfig):
         default=0.1, metadata={"help": "Length buckets keep padded tokens <= this fraction of real ones."}
     )
     clip_against: str = field(
-        default="step",
+        default="start",
         metadata={"help": "pi_old of the PPO clip and TIS: the weights at the start of each step, or of the run."},
     )
     start_logps_batch: int = field(
@@ -148,8 +149,10 @@ class TraceGRPOTrainer(GRPOTrainer):
         self.data = data
         self.groups_per_step = groups_per_step
         self._resume_buffer: Path | None = None
-        # --clip-against start: trace_id -> the starting weights' logprob of each completion token.
-        self._start_logps: dict[str, torch.Tensor] | None = None
+        # --clip-against start: the starting weights' logprob of each completion token, per row of data.rows (by
+        # position: trace ids need not be unique across several stores).
+        self._start_logps: list[torch.Tensor] | None = None
+        self._row_index = {id(row): i for i, row in enumerate(data.rows)}
         super().__init__(
             reward_funcs=[stored_rewards_only],
             train_dataset=Dataset.from_dict({"group": list(range(len(data.groups)))}),
@@ -228,7 +231,7 @@ class TraceGRPOTrainer(GRPOTrainer):
         chunk["behavior_logps"] = window(lambda r: r.behavior_logprobs).to(device)
         chunk["advantages"] = torch.tensor([r.advantage for r in rows], dtype=torch.float32, device=device)
         if self._start_logps is not None:
-            chunk["old_logps"] = window(lambda r: self._start_logps[r.trace_id]).to(device)
+            chunk["old_logps"] = window(self._start_logps_of).to(device)
         elif self.num_iterations > 1:
             # Later iterations on this batch compare with the weights it started from (TRL's mu).
             chunk["old_logps"] = self._logps_no_grad(self.model, chunk)
@@ -254,25 +257,30 @@ class TraceGRPOTrainer(GRPOTrainer):
                 "logits_to_keep": width - min(len(r.prompt_ids) for r in rows)}
 
     @torch.no_grad()
-    def _compute_start_logps(self) -> dict[str, torch.Tensor]:
+    def _start_logps_of(self, row: TrainRow) -> Any:
+        at = self._row_index.get(id(row))
+        # A zero-weight filler (a copy, loss mask 0) adds nothing whatever its old logprob.
+        return row.behavior_logprobs if at is None else self._start_logps[at]
+
+    def _compute_start_logps(self) -> list[torch.Tensor]:
         """The completion logprobs of every row under the weights before any update. Each process scores every
         nproc-th row (in length buckets, as training pads them) and all of them gather the whole table."""
         from accelerate.utils import gather_object
 
         nproc, rank = self.accelerator.num_processes, self.accelerator.process_index
-        mine = [r for i, r in enumerate(self.data.rows) if i % nproc == rank]
-        scored: list[tuple[str, list[float]]] = []
-        for bucket in length_buckets([r.num_tokens for r in mine], self.args.pad_waste):
+        mine = list(range(rank, len(self.data.rows), nproc))
+        scored: list[tuple[int, list[float]]] = []
+        for bucket in length_buckets([self.data.rows[i].num_tokens for i in mine], self.args.pad_waste):
             for at in range(0, len(bucket), self.args.start_logps_batch):
-                rows = [mine[i] for i in bucket[at : at + self.args.start_logps_batch]]
-                chunk = self._sequences(rows)
-                logps = self._logps_no_grad(self.model, chunk).float().cpu()
+                indices = [mine[i] for i in bucket[at : at + self.args.start_logps_batch]]
+                rows = [self.data.rows[i] for i in indices]
+                logps = self._logps_no_grad(self.model, self._sequences(rows)).float().cpu()
                 start = min(len(r.prompt_ids) for r in rows)  # where the scored window begins
-                for i, r in enumerate(rows):
+                for i, (index, r) in enumerate(zip(indices, rows, strict=True)):
                     off = len(r.prompt_ids) - start
-                    scored.append((r.trace_id, logps[i, off : off + len(r.completion_ids)].tolist()))
+                    scored.append((index, logps[i, off : off + len(r.completion_ids)].tolist()))
         table = dict(gather_object(scored)) if nproc > 1 else dict(scored)
-        return {trace_id: torch.tensor(values) for trace_id, values in table.items()}
+        return [torch.tensor(table[i]) for i in range(len(self.data.rows))]
 
     @torch.no_grad()
     def _logps_no_grad(self, model, chunk: dict[str, Any]) -> torch.Tensor:
@@ -319,6 +327,9 @@ class TraceGRPOTrainer(GRPOTrainer):
                 raise FileNotFoundError(f"{path} missing: with --clip-against start, resume needs the starting "
                                         "weights' logprobs saved with the checkpoint")
             self._start_logps = torch.load(path, weights_only=True)
+            if len(self._start_logps) != len(self.data.rows):
+                raise ValueError(f"{path} scores {len(self._start_logps)} traces, these inputs have "
+                                 f"{len(self.data.rows)}: resume with the inputs the checkpoint was trained on")
 
     def _restore_step_buffer(self, path: Path) -> None:
         self._resume_buffer = None
