@@ -90,7 +90,7 @@ demo: install model
 # scored on Pi's printed answer (examples/harness_shout). ~12 min on 2 cores.
 HARNESS_LOOP := $(BIN)/polar loop examples/harness_shout/tasks.jsonl --harness pi --model $(TINY) --engine vllm \
 	--vllm-arg=--enforce-eager --set polar_max_tokens=16 --samples 8 --concurrency 8 \
-	--lr 1e-2 --epochs 2 --groups-per-step 1 --weight-decay 0 --eot-token-id 2
+	--lr 1e-2 --epochs 2 --groups-per-step 1 --weight-decay 0 --eot-token-id 2 --epsilon-high 1.0
 demo-harness: install engine harnesses model
 	rm -rf runs/harness_shout
 	$(HARNESS_LOOP) --iterations 4 --out runs/harness_shout
