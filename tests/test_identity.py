@@ -117,3 +117,27 @@ def test_identity_errors_are_invalid_requests(key):
     with pytest.raises(PolarError) as info:
         identity.resolve(None, {"x-api-key": key}, "c")
     assert (info.value.status, info.value.kind) == (400, "invalid_request")
+
+
+def _refusal(headers: dict[str, str], auth: str | None = None) -> str:
+    with pytest.raises(PolarError) as err:
+        identity.resolve(auth, headers, "c")
+    return err.value.message
+
+
+def test_labels_are_at_most_256_printable_characters():
+    assert identity.resolve(None, {"x-polar-session": "h", "x-polar-task": "a" * 256}, "c").task_id == "a" * 256
+    for field, value in (("task", "a" * 257), ("group", "g\x01")):
+        assert _refusal({"x-polar-session": "h", f"x-polar-{field}": value}) == (
+            f"polar identity: {field} must be at most 256 printable characters")
+
+
+def test_the_sample_index_bound_and_the_exact_refusals():
+    assert identity.resolve(None, {"x-polar-session": "h", "x-polar-sample": "2147483647"}, "c").sample_index == 2**31 - 1
+    assert _refusal({"x-polar-session": "h", "x-polar-sample": "2147483648"}) == (
+        "polar identity: sample must be an integer from 0 to 2147483647")
+    assert _refusal({"x-polar-session": "-bad"}) == (
+        "polar identity: session id must match [A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+    assert _refusal({"x-api-key": "polar:session=s;colour=red"}) == (
+        "polar identity: cannot read the session fields (key=value pairs joined by ';', keys: session, task, group, "
+        "sample)")

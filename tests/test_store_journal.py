@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 
 import pytest
 
@@ -59,6 +60,7 @@ def test_segment_append_writes_magic_once_and_tracks_size_and_count(tmp_path) ->
     segment.append([b"a", b"bb"])
     segment.append([b"ccc"])
     segment.close()
+    assert segment.fd == -1  # so a second close() closes nothing (not whatever fd reused the number)
     data = (tmp_path / f"0001{journal.SEGMENT_SUFFIX}").read_bytes()
     assert data.startswith(journal.MAGIC) and data.count(journal.MAGIC) == 1
     assert (segment.count, segment.size) == (3, len(data))
@@ -127,3 +129,90 @@ def test_edges_of_the_segment_format() -> None:
     assert journal.parse_segment(_segment([b"a", b""])) == [b"a", b""]  # an empty payload may end a segment
     with pytest.raises(ValueError, match="format"):
         journal.parse_segment(b"PLRJ1\n")  # a foreign header alone is still foreign
+
+
+def test_a_short_writev_is_finished_before_the_sync(tmp_path, monkeypatch) -> None:
+    real_write = os.write
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real_write(fd, b"".join(bufs)[:5]))  # 5 bytes, then short
+    segment = journal.Segment(str(tmp_path), "0001")
+    segment.append([b"hello", b"world"])
+    segment.close()
+    assert journal.read_segment(segment.path) == [b"hello", b"world"]
+    assert segment.size == os.path.getsize(segment.path)
+
+
+def test_an_append_after_a_failed_one_continues_the_file(tmp_path, monkeypatch) -> None:
+    """The failed batch is cut off and the next one follows the last good entry (O_APPEND: no hole where the cut
+    batch was, which would end the valid prefix there)."""
+    segment = journal.Segment(str(tmp_path), "0001")
+    segment.append([b"kept"])
+    real_sync = os.fdatasync
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "EIO")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError):
+        segment.append([b"lost"])
+    monkeypatch.setattr(os, "fdatasync", real_sync)
+    segment.append([b"next"])
+    segment.close()
+    assert journal.read_segment(segment.path) == [b"kept", b"next"]
+
+
+def test_segment_and_lock_files_are_0644(tmp_path) -> None:
+    old = os.umask(0o022)
+    try:
+        segment = journal.Segment(str(tmp_path), "0001")
+        _, wd = journal.create_writer_dir(str(tmp_path / "journal"))
+    finally:
+        os.umask(old)
+    segment.close()
+    wd.release(remove=False)
+    assert stat.S_IMODE(os.stat(segment.path).st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(os.path.join(wd.path, "lock")).st_mode) == 0o644
+
+
+def test_a_new_writer_dir_is_made_and_locked_inside_the_root_before_its_rename(tmp_path, monkeypatch) -> None:
+    root = str(tmp_path / "journal")
+    seen: list[list[str]] = []
+    real_flock = fcntl.flock
+
+    def watching(fd: int, op: int) -> None:
+        seen.append(sorted(os.listdir(root)))
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", watching)
+    wid, wd = journal.create_writer_dir(root)
+    wd.release(remove=False)
+    assert seen == [[f".new-{wid}"]] and os.listdir(root) == [f"w-{wid}"]
+
+
+def test_adoption_skips_live_vanished_and_foreign_entries_and_goes_on(tmp_path, monkeypatch) -> None:
+    """Sorted before the one dead writer: a live writer, a directory that vanishes while being read, a half-made
+    `.new-` directory and a stray file. Each is skipped without ending the scan."""
+    root = tmp_path / "journal"
+    own = journal.create_writer_dir(str(root))[1]
+    for name in ("w-0live", ".new-dead0002", "w-aaaaaaaa-gone", "w-dead0001"):
+        (root / name).mkdir()
+        (root / name / "lock").touch()
+    (root / "stray.txt").write_text("x")
+    live = os.open(root / "w-0live" / "lock", os.O_RDWR)
+    fcntl.flock(live, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    real_listdir = os.listdir
+
+    def listdir(path):
+        if str(path).endswith("w-aaaaaaaa-gone"):
+            raise FileNotFoundError(path)
+        return real_listdir(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    adopted: list[journal.WriterDir] = []
+    try:
+        adopted = journal.adopt_orphans(str(root), own.path)
+        assert [os.path.basename(w.path) for w in adopted] == ["w-dead0001"]
+    finally:
+        os.close(live)
+        own.release(remove=False)
+        for w in adopted:
+            w.release(remove=False)

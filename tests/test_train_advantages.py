@@ -177,8 +177,14 @@ def test_values_by_hand_with_a_unit_std_and_without_scaling() -> None:
     scaled = session_advantages(traces)
     assert [scaled[s].advantage for s in "abc"] == pytest.approx([-1.5 / (1 + SCALE_EPS), 0.0, 1.5 / (1 + SCALE_EPS)])
     raw = session_advantages(traces, scale_rewards="none")
-    assert [raw[s].advantage for s in "abc"] == pytest.approx([-1.5, 0.0, 1.5])
+    # Exact: the group's scale is 1 without scaling, not 1 + SCALE_EPS (approx's rel 1e-6 would not tell them apart).
+    assert [raw[s].advantage for s in "abc"] == [-1.5, 0.0, 1.5]
     assert [(raw[s].session_id, raw[s].group_id, raw[s].reward, raw[s].num_traces) for s in "abc"] == [
         ("a", "g", 0.0, 1), ("b", "g", 1.0, 1), ("c", "g", 2.0, 1)]
     with pytest.raises(ValueError, match="scale_rewards must be 'group' or 'none', not 'batch'"):
         loo_advantages([0.0, 1.0], scale_rewards="batch")
+
+
+def test_a_lone_session_has_no_baseline_and_a_unit_scale() -> None:
+    solo = session_advantages([trace("z", "solo", 0.7)])["z"]
+    assert (solo.baseline, solo.scale, solo.has_baseline, solo.advantage) == (0.0, 1.0, False, 0.0)
