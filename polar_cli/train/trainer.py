@@ -256,7 +256,6 @@ class TraceGRPOTrainer(GRPOTrainer):
         return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device),
                 "logits_to_keep": width - min(len(r.prompt_ids) for r in rows)}
 
-    @torch.no_grad()
     def _start_logps_of(self, row: TrainRow) -> Any:
         at = self._row_index.get(id(row))
         # A zero-weight filler (a copy, loss mask 0) adds nothing whatever its old logprob.
@@ -275,10 +274,8 @@ class TraceGRPOTrainer(GRPOTrainer):
                 indices = [mine[i] for i in bucket[at : at + self.args.start_logps_batch]]
                 rows = [self.data.rows[i] for i in indices]
                 logps = self._logps_no_grad(self.model, self._sequences(rows)).float().cpu()
-                start = min(len(r.prompt_ids) for r in rows)  # where the scored window begins
-                for i, (index, r) in enumerate(zip(indices, rows, strict=True)):
-                    off = len(r.prompt_ids) - start
-                    scored.append((index, logps[i, off : off + len(r.completion_ids)].tolist()))
+                for i, (index, r, at) in enumerate(zip(indices, rows, _completion_offsets(rows), strict=True)):
+                    scored.append((index, logps[i, at : at + len(r.completion_ids)].tolist()))
         table = dict(gather_object(scored)) if nproc > 1 else dict(scored)
         return [torch.tensor(table[i]) for i in range(len(self.data.rows))]
 
@@ -437,13 +434,17 @@ class TraceGRPOTrainer(GRPOTrainer):
         metrics["tis/weight_mean"].append(t["tis_weight"] / count)
 
 
+def _completion_offsets(rows: list[TrainRow]) -> list[int]:
+    """Where each row's completion starts in the scored window, which begins at the shortest prompt's end."""
+    start = min(len(r.prompt_ids) for r in rows)
+    return [len(r.prompt_ids) - start for r in rows]
+
+
 def _window(rows: list[TrainRow], keep: int, values: Any) -> torch.Tensor:
-    """(rows, keep) float tensor: each row's per-completion-token ``values(row)`` where its completion sits in the
-    scored window (the last ``keep`` positions of the padded width), zeros elsewhere."""
-    width = max(r.num_tokens for r in rows)
+    """(rows, keep) float tensor: each row's per-completion-token ``values(row)`` at its place in the scored window,
+    zeros elsewhere."""
     out = torch.zeros((len(rows), keep), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        at = len(r.prompt_ids) - (width - keep)
+    for i, (r, at) in enumerate(zip(rows, _completion_offsets(rows), strict=True)):
         out[i, at : at + len(r.completion_ids)] = torch.as_tensor(values(r), dtype=torch.float32)
     return out
 
