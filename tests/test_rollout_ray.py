@@ -46,6 +46,18 @@ def _script(root: Path, model_dir: Path) -> Path:
     return script
 
 
+def _race_task(root: Path, task_id: str) -> Path:
+    """One task whose sample 0 answers at once while the others sleep 60 s (tests/support/rollout_agent.py's
+    MODE=slow-unless-0), in a workspace of its own."""
+    workspace = root / "ws"
+    workspace.mkdir()
+    (workspace / "README").write_text("start\n")
+    tasks = root / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": task_id, "instruction": "MODE=slow-unless-0 write it", "workspace": "ws",
+                                 "verify": "test -f answer.txt"}) + "\n")
+    return tasks
+
+
 @pytest.fixture(scope="module")
 def moto_port() -> Iterator[int]:
     with moto_server() as port:
@@ -100,12 +112,7 @@ def test_early_stop_on_a_ray_cluster_writing_to_s3_cancels_the_stragglers_of_eve
     ./polar-rollouts/RUN_ID (the store is remote); `polar shards validate s3://...` passes. Runs before the
     dying-worker test (it kills a node of the cluster)."""
     _, w0, w1 = cluster.nodes
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    (workspace / "README").write_text("start\n")
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": "race", "instruction": "MODE=slow-unless-0 write it", "workspace": "ws",
-                                 "verify": "test -f answer.txt"}) + "\n")
+    tasks = _race_task(tmp_path, "race")
     store = s3_uri(new_bucket(moto_port), moto_port)
     done = subprocess.run(
         [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness",
@@ -166,12 +173,7 @@ def test_ctrl_c_stops_a_ray_rollout_on_every_node(cluster: RayCluster, tiny_mode
     stored error + cancelled (masked), the queued one was never handed out; no proxy or harness process of either
     node outlives the run (checked by pid, as found on the nodes while it ran)."""
     _, w0, w1 = cluster.nodes
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    (workspace / "README").write_text("start\n")
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": "stop", "instruction": "MODE=slow-unless-0 write it", "workspace": "ws",
-                                 "verify": "test -f answer.txt"}) + "\n")
+    tasks = _race_task(tmp_path, "stop")
     store = tmp_path / "store"
     rollout = subprocess.Popen(
         [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness",

@@ -416,46 +416,45 @@ def test_an_error_session_stays_error_with_its_first_reason(tmp_path: Path) -> N
                                    ("error", "error"), ("error", "error"), ("completed", None), ("timeout", None)]
 
 
-def _store_on(monkeypatch: pytest.MonkeyPatch, fs, root: str) -> None:
-    """Every TraceStore opens ``root`` on ``fs``, a filesystem of its own (as an s3:// store's is)."""
-    monkeypatch.setattr(trace_store.Output, "from_uri",
-                        classmethod(lambda cls, uri: cls(uri=uri, fs=fs, root=root, local=False)))
-
-
-def test_a_remote_store_continues_seqs_from_the_shards_on_its_own_filesystem(tmp_path: Path, monkeypatch) -> None:
-    """The seq scan reads the existing shards through the store's filesystem: here a sub-tree whose paths mean
-    nothing on the local one (read locally, the scan would fail and the store refuse the call)."""
+@pytest.fixture
+def bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every TraceStore opens ``traces`` on a filesystem of its own (as an s3:// store's is): a sub-tree rooted at the
+    returned directory, whose relative paths mean nothing on the local one. Its journal stays local."""
     import pyarrow.fs as pafs
 
-    (tmp_path / "bucket").mkdir()
-    _store_on(monkeypatch, pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem()), "traces")
+    root = tmp_path / "bucket"
+    root.mkdir()
+    fs = pafs.SubTreeFileSystem(str(root), pafs.LocalFileSystem())
+    monkeypatch.setattr(trace_store.Output, "from_uri",
+                        classmethod(lambda cls, uri: cls(uri=uri, fs=fs, root="traces", local=False)))
     monkeypatch.setenv("POLAR_JOURNAL_DIR", str(tmp_path / "journal"))
-    monkeypatch.chdir(tmp_path)  # "traces/calls/..." is not a local path from here either
+    return root
 
-    async def write(record) -> None:
+
+def _write_one(record) -> None:
+    """One store's run: open, append ``record``, close (sealing it into a shard)."""
+
+    async def main() -> None:
         async with TraceStore("mem://traces") as store:
             await store.append(record)
 
+    asyncio.run(main())
+
+
+def test_a_remote_store_continues_seqs_from_the_shards_on_its_own_filesystem(bucket: Path, monkeypatch) -> None:
+    """The seq scan reads the existing shards through the store's filesystem (read locally, the scan would fail and
+    the store refuse the call)."""
+    monkeypatch.chdir(bucket.parent)  # "traces/calls/..." is not a local path from here either
     first, second = make_record("s", [1], [2], []), make_record("s", [3], [4], [])
-    asyncio.run(write(first))
-    assert list((tmp_path / "bucket" / "traces" / "calls").iterdir())  # sealed into a shard on close
-    asyncio.run(write(second))
+    _write_one(first)
+    assert list((bucket / "traces" / "calls").iterdir())  # sealed into a shard on close
+    _write_one(second)
     assert (first.seq, second.seq) == (0, 1)
 
 
-def test_unreadable_existing_shards_refuse_the_call_and_say_why(tmp_path: Path, monkeypatch) -> None:
-    import pyarrow.fs as pafs
-
-    (tmp_path / "bucket").mkdir()
-    _store_on(monkeypatch, pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem()), "traces")
-    monkeypatch.setenv("POLAR_JOURNAL_DIR", str(tmp_path / "journal"))
-
-    async def write(record) -> None:
-        async with TraceStore("mem://traces") as store:
-            await store.append(record)
-
-    asyncio.run(write(make_record("s", [1], [2], [])))
-    for shard in (tmp_path / "bucket" / "traces" / "calls").iterdir():
+def test_unreadable_existing_shards_refuse_the_call_and_say_why(bucket: Path) -> None:
+    _write_one(make_record("s", [1], [2], []))
+    for shard in (bucket / "traces" / "calls").iterdir():
         shard.write_bytes(b"not parquet")
     with pytest.raises(StorageUnavailable, match=r"^cannot read existing shards in mem://traces: "):
-        asyncio.run(write(make_record("s", [3], [4], [])))
+        _write_one(make_record("s", [3], [4], []))
