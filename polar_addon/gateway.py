@@ -45,6 +45,8 @@ MAX_SEEN_SESSIONS = 200_000
 MAX_JSON_DEPTH = 128
 # Bodies larger than this are read and translated on a worker thread.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
+# The sampling parameters a fixed-sampling proxy (GatewayConfig.sampling_fixed) takes from its options, never the client.
+_POLICY_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
 
 
 @dataclass
@@ -54,6 +56,10 @@ class GatewayConfig:
     max_tokens_cap: int = 0  # 0: no cap; else clamp (and fill in) max_tokens
     # What a call samples with where the client said nothing; sent to the engine and recorded.
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # True: the defaults apply to every call, whatever the client asks (rollouts: the agent under training must not
+    # choose how it is sampled; one greedy or top-p call would make `polar train` refuse the whole batch, and a fixed
+    # seed would collapse a group's samples into one).
+    sampling_fixed: bool = False
     # Token continuity across a session's turns (engines.tito.tito_mode): auto | on | off.
     tito: str = "auto"
 
@@ -222,6 +228,11 @@ class Gateway:
             # The translator met a shape it does not expect: the input is at fault, say so in a 400.
             log.info("polar: %s could not read a request: %s: %s", provider.name, type(exc).__name__, exc)
             raise PolarError(400, "invalid_request", f"request could not be read ({type(exc).__name__}: {str(exc)[:200]})") from None
+        if self.config.sampling_fixed:
+            asked = {k: getattr(request.sampling, k) for k in _POLICY_SAMPLING if getattr(request.sampling, k) is not None}
+            if asked:
+                request.extra["client_sampling"] = asked
+            request.sampling = replace(request.sampling, **dict.fromkeys(_POLICY_SAMPLING))
         request.sampling = with_defaults(request.sampling, self.config.sampling_defaults)
         cap = self.config.max_tokens_cap
         if cap > 0:

@@ -2,7 +2,13 @@
 Dockerfile copies), per-session copies, and the agent's changes as one binary git patch.
 
 The baseline lives in a git directory outside the workspace (the session's own, on the host), so nothing the agent
-does to the workspace's ``.git`` can change what counts as its patch; ``.git`` itself is never part of it.
+does to the workspace's ``.git`` can change what counts as its patch; ``.git`` itself is never part of it (nor its
+config: git runs with an explicit ``--git-dir``, so a ``core.fsmonitor`` the agent plants there never runs on the host).
+
+The patch is bounded (``max_patch_bytes``): the agent controls the workspace, and a multi-GB file would otherwise be
+hashed into the host's git directory and read whole into the runner's memory. A workspace that grew past the bound
+is refused before git reads it (:class:`PatchTooLarge`: the policy's failure, scored 0), and git's output is read
+with the same cap.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from polar_cli.rollout.tasks import Task, image_free_copies
@@ -22,20 +29,62 @@ _GIT_FLAGS = ["-c", "core.excludesFile=/dev/null", "-c", "safe.directory=*", "-c
               "-c", "core.autocrlf=false", "-c", "init.defaultBranch=main"]
 
 
+MAX_PATCH_BYTES = 64 * 1024 * 1024
+_BASE_BYTES = "polar-base-bytes"  # in the baseline's git dir: the workspace's size when its start was taken
+_READ_CHUNK = 1 << 16
+
+
 class WorkspaceError(RuntimeError):
     pass
 
 
-async def git(*args: str, cwd: Path | None = None, stdin: bytes | None = None, check: bool = True) -> bytes:
+class PatchTooLarge(WorkspaceError):
+    """The agent's changes exceed the rollout's patch bound (the policy's failure, not infrastructure)."""
+
+
+async def git(*args: str, cwd: Path | None = None, stdin: bytes | None = None, check: bool = True,
+              max_output: int | None = None) -> bytes:
+    """git's stdout; with ``max_output``, git is killed and :class:`PatchTooLarge` raised once it printed more."""
     env = {**{k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}, **_GIT_ENV,
            "HOME": os.environ.get("HOME", "/")}
     proc = await asyncio.create_subprocess_exec(
         "git", *_GIT_FLAGS, *args, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE if stdin is not None else None,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
-    out, err = await proc.communicate(stdin)
+    if max_output is None:
+        out, err = await proc.communicate(stdin)
+    else:
+        assert stdin is None and proc.stdout is not None and proc.stderr is not None
+        errors = asyncio.create_task(proc.stderr.read())
+        chunks, size = [], 0
+        while chunk := await proc.stdout.read(_READ_CHUNK):
+            size += len(chunk)
+            if size > max_output:
+                proc.kill()
+                await proc.wait()
+                errors.cancel()
+                raise PatchTooLarge(f"the agent's patch exceeds {max_output} bytes")
+            chunks.append(chunk)
+        out, err = b"".join(chunks), await errors
+        await proc.wait()
     if check and proc.returncode != 0:
         raise WorkspaceError(f"git {' '.join(args[:3])} failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}")
     return out
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (``.git`` skipped, links not followed)."""
+    total = 0
+    for directory, dirs, files in os.walk(root):
+        if directory == str(root):
+            dirs[:] = [d for d in dirs if d != ".git"]
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
 
 
 async def prepare_template(task: Task, cache: Path) -> Path | None:
@@ -90,21 +139,31 @@ async def ensure_repo(workspace: Path) -> None:
     await git("commit", "--quiet", "--allow-empty", "--no-verify", "-m", "task start", cwd=workspace)
 
 
-async def snapshot(workspace: Path, git_dir: Path) -> str:
-    """The tree id of ``workspace``'s files now (``.gitignore`` honoured, ``.git`` never included), kept in ``git_dir``."""
+async def snapshot(workspace: Path, git_dir: Path, max_growth: int | None = None) -> str:
+    """The tree id of ``workspace``'s files now (``.gitignore`` honoured, ``.git`` never included), kept in ``git_dir``.
+
+    The first snapshot records the workspace's size; with ``max_growth``, a workspace that grew by more than that
+    since is refused (:class:`PatchTooLarge`) before git reads a byte of it."""
     if not (git_dir / "HEAD").exists():
         await git("init", "--quiet", "--bare", str(git_dir))
+        (git_dir / _BASE_BYTES).write_text(str(await asyncio.to_thread(tree_bytes, workspace)))
+    elif max_growth is not None:
+        base = int((git_dir / _BASE_BYTES).read_text())
+        grown = await asyncio.to_thread(tree_bytes, workspace) - base
+        if grown > max_growth:
+            raise PatchTooLarge(f"the agent's workspace grew by {grown} bytes, over the patch bound of {max_growth}")
     tree_args = ["--git-dir", str(git_dir), "--work-tree", str(workspace)]
     await git(*tree_args, "add", "-A", cwd=workspace)
     return (await git(*tree_args, "write-tree", cwd=workspace)).decode().strip()
 
 
-async def diff(workspace: Path, git_dir: Path, base_tree: str) -> bytes:
-    """The agent's changes: a binary patch from ``base_tree`` to the workspace's files now (b"" when unchanged)."""
-    now = await snapshot(workspace, git_dir)
+async def diff(workspace: Path, git_dir: Path, base_tree: str, max_bytes: int = MAX_PATCH_BYTES) -> bytes:
+    """The agent's changes: a binary patch from ``base_tree`` to the workspace's files now (b"" when unchanged), at
+    most ``max_bytes`` (else :class:`PatchTooLarge`)."""
+    now = await snapshot(workspace, git_dir, max_growth=max_bytes)
     if now == base_tree:
         return b""
-    return await git("--git-dir", str(git_dir), "diff", "--binary", "--full-index", base_tree, now)
+    return await git("--git-dir", str(git_dir), "diff", "--binary", "--full-index", base_tree, now, max_output=max_bytes)
 
 
 async def apply(workspace: Path, git_dir: Path, patch: bytes) -> None:
