@@ -4,12 +4,17 @@
     .venv/bin/python bench/reliability.py --long     # 10x the fuzzing examples
     .venv/bin/python bench/reliability.py --sessions 64 --turns 20
     .venv/bin/python bench/reliability.py --vllm --load-only   # the load against vLLM CPU too (minutes)
+    .venv/bin/python bench/reliability.py --attacks-only      # only the attacker table (tests/security, minutes)
 
 Everything runs for real: the gateway in-process with the scripted engine (tiny model's tokenizer, template
 and logprobs) and a real TraceStore; a real mitmdump in reverse mode in front of a fake upstream that records
 whatever reaches it; engine processes that hang, answer garbage or die; 64 concurrent sessions through
 mitmdump, against the scripted engine and (``--vllm``) against the tiny model on vLLM CPU. Rows marked
 "must be 0" are the invariants.
+
+The attacker table runs ``tests/security`` (each test is one attack by the agent under training, as a real
+`polar rollout` with an attacker script in the agent's place where the attack needs one) and prints attacks tried /
+blocked per class: a test that passes is an attack blocked, one that fails an attack that got through.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
@@ -221,7 +227,12 @@ def main() -> None:
     parser.add_argument("--vllm", action="store_true", help="run the load against vLLM CPU (.venv-vllm) as well")
     parser.add_argument("--load-only", action="store_true", help="skip the fuzzing and the faults")
     parser.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each load call")
+    parser.add_argument("--skip-attacks", action="store_true", help="skip the attacker table (tests/security)")
+    parser.add_argument("--attacks-only", action="store_true", help="only the attacker table")
     args = parser.parse_args()
+    if args.attacks_only:
+        _print_attacks(attacks())
+        return
     examples = args.examples * (10 if args.long else 1)
     counts = Counts()
     logging.getLogger("polar").addHandler(counts)
@@ -262,6 +273,38 @@ def main() -> None:
         if load.engine_peak_rss_mb:
             rows.append(("  peak RSS of the engine (vLLM and its engine core)", f"{load.engine_peak_rss_mb:.0f} MiB", ""))
     _print_rows(rows)
+    if not (args.skip_attacks or args.load_only):
+        _print_attacks(attacks())
+
+
+def attacks() -> dict[str, Counter]:
+    """tests/security run once: per attack class (its test module), attacks tried, blocked and not run."""
+    with tempfile.TemporaryDirectory(prefix="polar-attacks-") as tmp:
+        report = Path(tmp) / "junit.xml"
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                        "tests/security"], cwd=REPO, capture_output=True, text=True)
+        if not report.exists():
+            raise SystemExit("tests/security did not run (no junit report)")
+        classes: dict[str, Counter] = {}
+        for case in ET.parse(report).iter("testcase"):
+            name = case.get("classname", "").rsplit(".", 1)[-1].removeprefix("test_").replace("_", " ")
+            row = classes.setdefault(name, Counter())
+            row["tried"] += 1
+            if case.find("skipped") is not None:
+                row["not run"] += 1
+            elif case.find("failure") is None and case.find("error") is None:
+                row["blocked"] += 1
+        return classes
+
+
+def _print_attacks(classes: dict[str, Counter]) -> None:
+    print(f"\n{'attack class (tests/security)':<34}{'tried':>7}{'blocked':>9}{'got through':>13}{'not run':>9}")
+    for name, row in sorted(classes.items()):
+        through = row["tried"] - row["blocked"] - row["not run"]
+        print(f"{name:<34}{row['tried']:>7}{row['blocked']:>9}{through:>13}{row['not run']:>9}")
+    total = sum(classes.values(), Counter())
+    print(f"{'all':<34}{total['tried']:>7}{total['blocked']:>9}{total['tried'] - total['blocked'] - total['not run']:>13}"
+          f"{total['not run']:>9}   (got through: must be 0)")
 
 
 def _load(engine: str, out: Path, args: argparse.Namespace, engine_pid: int | None = None) -> LoadResult:
