@@ -372,16 +372,9 @@ class TraceGRPOTrainer(GRPOTrainer):
         old = logps.detach() if old is None else old
         adv = chunk["advantages"].unsqueeze(1)
         bound = args.log_ratio_clamp
-
-        ratio = torch.exp(torch.clamp(logps - old, -bound, bound))
-        if self.loss_type == "cispo":
-            per_token = -torch.clamp(ratio, max=args.cispo_cap).detach() * adv * logps
-        else:
-            clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
-            per_token = -torch.min(ratio * adv, clipped * adv)
-        # TIS: min(exp(old - behaviour), C), computed in log space so a -9999 sentinel gives C, not inf.
-        log_is = torch.clamp(old.detach() - behavior, -bound, math.log(args.tis_cap))
-        per_token = per_token * torch.exp(log_is)
+        per_token, ratio, log_is = policy_loss(
+            logps, old, behavior, adv, loss_type=self.loss_type, epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high, cispo_cap=args.cispo_cap, tis_cap=args.tis_cap, log_ratio_clamp=bound)
         if self.beta != 0.0:
             ref_diff = torch.clamp(chunk["ref_logps"] - logps, -bound, bound)
             per_token_kl = torch.exp(ref_diff) - ref_diff - 1
@@ -432,6 +425,27 @@ class TraceGRPOTrainer(GRPOTrainer):
         metrics["is_ratio/max"].append(hi_all.item())
         metrics["is_ratio/truncated_frac"].append(t["tis_truncated"] / count)
         metrics["tis/weight_mean"].append(t["tis_weight"] / count)
+
+
+def policy_loss(logps: torch.Tensor, old: torch.Tensor, behavior: torch.Tensor, advantages: torch.Tensor, *,
+                loss_type: str, epsilon_low: float, epsilon_high: float, cispo_cap: float, tis_cap: float,
+                log_ratio_clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token policy loss (before the mask and the normaliser), the ratio pi_theta / pi_old, and log of the TIS weight.
+
+    PPO-clip (``dapo``/``grpo``): ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``; CISPO: ``-sg(min(r, cap)) A
+    logp``. Either times the TIS weight ``min(pi_old / pi_behavior, C)`` (a constant: no gradient flows through it).
+    Log-ratios are clamped to +-``log_ratio_clamp`` before ``exp`` so a -9999 sentinel logprob gives a bounded
+    weight, not inf."""
+    bound = log_ratio_clamp
+    ratio = torch.exp(torch.clamp(logps - old, -bound, bound))
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=cispo_cap).detach() * advantages * logps
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        per_token = -torch.min(ratio * advantages, clipped * advantages)
+    # TIS: min(exp(old - behaviour), C), computed in log space so a -9999 sentinel gives C, not inf.
+    log_is = torch.clamp(old.detach() - behavior, -bound, math.log(tis_cap))
+    return per_token * torch.exp(log_is), ratio, log_is
 
 
 def _completion_offsets(rows: list[TrainRow]) -> list[int]:
