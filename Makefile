@@ -80,7 +80,9 @@ test-fast: install sglang-contract
 TOY_LOOP := $(BIN)/polar loop examples/toy_task/tasks.jsonl --harness "cmd:$(abspath $(BIN))/python $(abspath examples/toy_task/agent.py) {instruction}" \
 	--model $(TINY) --samples 8 --concurrency 8 --lr 5e-3 --epochs 2 --groups-per-step 1 --weight-decay 0 --eot-token-id 2 \
 	--epsilon-high 1.0
-demo: install model
+# Sessions run in bwrap (polar's default runtime; `sandbox` installs it): the agent's venv python and script are shown
+# to it read-only, and it is as fast there as unsandboxed.
+demo: install model sandbox
 	$(BIN)/python examples/demo.py
 	rm -rf runs/toy_task
 	$(TOY_LOOP) --iterations 8 --out runs/toy_task
@@ -91,7 +93,7 @@ demo: install model
 HARNESS_LOOP := $(BIN)/polar loop examples/harness_shout/tasks.jsonl --harness pi --model $(TINY) --engine vllm \
 	--vllm-arg=--enforce-eager --set polar_max_tokens=16 --samples 8 --concurrency 8 \
 	--lr 1e-2 --epochs 2 --groups-per-step 1 --weight-decay 0 --eot-token-id 2 --epsilon-high 1.0
-demo-harness: install engine harnesses model
+demo-harness: install engine harnesses model sandbox
 	rm -rf runs/harness_shout
 	$(HARNESS_LOOP) --iterations 4 --out runs/harness_shout
 

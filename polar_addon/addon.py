@@ -11,6 +11,8 @@ points at mitmdump; every request on a model route is ours whatever the reverse 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import re
 import time
@@ -28,7 +30,7 @@ from polar_addon.engines import EnginePool
 from polar_addon.engines.tito import tito_mode, token_input_engine
 from polar_addon.tool_parsers import ParserChoice
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
-from polar_addon.relay import STREAM_PREFIX, CountedBody, StreamRelay, one_chunk
+from polar_addon.relay import OVER_BUDGET, STREAM_PREFIX, TOO_LARGE, BodyBudget, CountedBody, HeapTrim, StreamRelay, one_chunk
 from polar_addon.responses_websocket import ResponsesWebSocket, is_responses_upgrade
 from polar_addon.store import TraceStore
 
@@ -123,14 +125,30 @@ def _host(name: str) -> str:
     return name.lower().rstrip(".")
 
 
+def _cut_connection(flow: http.HTTPFlow) -> None:
+    """Close the connection of a flow whose request body is late. mitmproxy has no read timeout of its own but a
+    10-minute idle one, which a client trickling a byte now and then never reaches; this is what that idle
+    timeout does (ConnectionHandler.on_timeout)."""
+    server = ctx.master.addons.get("proxyserver")
+    handler = server.connections.get(flow.client_conn.id) if server is not None else None
+    transport = handler.transports.get(handler.client) if handler is not None else None
+    if transport is None or transport.handler is None:
+        return  # already gone
+    log.warning("polar: a request body from %s was not complete after polar_body_timeout (%s s): connection closed",
+                flow.client_conn.peername, ctx.options.polar_body_timeout)
+    transport.handler.cancel("polar_body_timeout")
+
+
 class Polar:
     def __init__(self) -> None:
         self.gateway: Gateway | None = None
         self.relay = StreamRelay()
-        self.websockets = ResponsesWebSocket(lambda: self.gateway)
+        self.websockets = ResponsesWebSocket(lambda: self.gateway, self._still_live)
         self.control: ControlPlane | None = None
         self._proxy_auth: dict[str, str] = {}  # client connection id -> Proxy-Authorization from CONNECT
         self._allow_hosts_set: list[str] | None = None  # what we last put into allow_hosts
+        self.budget = BodyBudget(0)  # its limit set by `configure`
+        self.heap = HeapTrim()
 
     def load(self, loader) -> None:
         loader.add_option("polar_engine", str, "", "Inference engine spec(s), comma-separated: sglang:URL, vllm:URL, local:MODEL_DIR. "
@@ -138,6 +156,13 @@ class Polar:
         loader.add_option("polar_out", str, "shards", "Where trace shards go: a directory or a pyarrow filesystem URI (s3://bucket/prefix).")
         loader.add_option("polar_hosts", Sequence[str], [], "Extra HOST or HOST:PORT whose model API calls are captured (besides the provider hosts).")
         loader.add_option("polar_block_other", bool, False, "Refuse all non-model traffic (403, CONNECT to other hosts and raw TCP included) instead of passing it through (sandboxes).")
+        loader.add_option("polar_sessions", str, "claimed", "Where a call's session, task, group and sample come from. claimed: "
+                          "whatever the caller says (API key polar:session=..., proxy credentials, x-polar-* headers): "
+                          "TRUST ON CLAIM, for capturing your own harness. registered: only sessions registered on the "
+                          "control plane (POST /sessions/ID/register with the control token), their labels from the "
+                          "registration, the caller's credential its secret alone; claims, unknown secrets and ended "
+                          "sessions are refused (polar rollout's own proxy; set it for a proxy that trains an untrusted "
+                          "policy).", choices=identity.SESSION_MODES)
         loader.add_option("polar_control_token", str, "", "Bearer token required to post rewards and statuses (default: generated into <polar_out>/.control-token, mode 0600).")
         loader.add_option("polar_keepalive", str, "5", "Seconds between keep-alive events sent to a streaming client while the engine works.")
         loader.add_option("polar_engine_timeout", str, "900", "Seconds to wait for one engine completion.")
@@ -155,7 +180,14 @@ class Polar:
                           "(local engines, and every engine given token input): hermes, qwen25, qwen3_coder, or MODEL=NAME,... per served model.")
         loader.add_option("polar_tokenizer", str, "", "Tokenizer directory of the model a vLLM or SGLang engine serves: turns on its token "
                           "input (token continuity); without it the engine renders every call in full.")
-        loader.add_option("polar_max_body_mb", int, 32, "Largest request body accepted, in MiB.")
+        loader.add_option("polar_max_body_mb", int, 16, "Largest request body accepted, in MiB (a long harness session's "
+                          "call is a few MiB; a larger one is refused in the caller's protocol, 413).")
+        loader.add_option("polar_client_inflight_mb", int, 256, "Request-body MiB one client address may have in flight "
+                          "at once, over all its connections, until each call is answered (sandboxes all arrive from "
+                          "loopback: for them this is the proxy's total); a call over it is refused in the caller's "
+                          "protocol, 429, retryable.")
+        loader.add_option("polar_body_timeout", str, "60", "Seconds a client has to send a request body polar reads; a "
+                          "body still incomplete then (a client that stalls or trickles) has its connection closed.")
         loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
 
@@ -165,6 +197,10 @@ class Polar:
         if "polar_block_other" in updated and ctx.options.polar_block_other:
             # Non-HTTP bytes after a CONNECT would otherwise be relayed as raw TCP to any host:port.
             ctx.options.rawtcp = False
+        if "polar_client_inflight_mb" in updated:
+            self.budget.limit = ctx.options.polar_client_inflight_mb * 1024 * 1024
+        if "polar_body_timeout" in updated:
+            _seconds("polar_body_timeout")  # a bad value fails at start, not at the first body
         if not any(name.startswith("polar_") for name in updated):
             return
         opts = ctx.options
@@ -200,7 +236,8 @@ class Polar:
             for engine in pool.engines:
                 if token_input_engine(engine, "on") is None:
                     log.warning("polar: polar_tito=on, but engine %s takes no token input: its calls are rendered in full", engine.name)
-        self.control = ControlPlane(store, self._control_token(), on_session_end=pool.release)
+        self.control = ControlPlane(store, self._control_token(), on_session_end=pool.release,
+                                    sessions_mode=lambda: ctx.options.polar_sessions)
 
     def _control_token(self) -> str:
         opts = ctx.options
@@ -257,6 +294,14 @@ class Polar:
 
     def client_disconnected(self, client: Client) -> None:
         self._proxy_auth.pop(client.id, None)
+        self.heap.freed(self.budget.release_connection(client.id))
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self.heap.freed(self.budget.release(flow.id))
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._body_arrived(flow)
+        self.heap.freed(self.budget.release(flow.id))
 
     @staticmethod
     def _is_model_host(host: str, port: int) -> bool:
@@ -282,19 +327,29 @@ class Polar:
         flow.response = http.Response.make(status, orjson.dumps(payload), {"content-type": "application/json"})
 
     async def request(self, flow: http.HTTPFlow) -> None:
+        self._body_arrived(flow)
         if self.gateway is None or flow.response is not None:
             return
         streamed = self._restore_counted(flow)
         counted: CountedBody | None = flow.metadata.get("polar_counted")
-        if streamed and counted is not None and counted.seen > counted.cap and self._is_ours(flow) \
-                and self.gateway.owns(flow.request.method, flow.request.path):
-            err = PolarError(413, "request_too_large", f"request body of {counted.seen} bytes exceeds the proxy limit of {counted.cap}")
-            reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
-            flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
+        if counted is not None and counted.refused and counted.cap:  # cap 0: a blocked flow, `_request`'s 403
+            flow.response = self._refused_body(flow, counted)
         else:
             await self._request(flow)
         if streamed:
             self._park_answer(flow)
+
+    def _refused_body(self, flow: http.HTTPFlow, counted: CountedBody) -> http.Response:
+        """A body over polar_max_body_mb (413) or over its client's in-flight budget (429: retryable, once the
+        client's other calls are answered), in the protocol of the route it was sent to."""
+        assert self.gateway is not None
+        if counted.refused == OVER_BUDGET:
+            err = PolarError(429, "overloaded", f"polar: this client already has {self.budget.limit} bytes of request "
+                                                "bodies in flight (polar_client_inflight_mb): retry once its other calls are answered")
+        else:
+            err = PolarError(413, "request_too_large", f"request body of {counted.seen} bytes exceeds the proxy limit of {counted.cap}")
+        reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
+        return http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
 
     async def _request(self, flow: http.HTTPFlow) -> None:
         assert self.gateway is not None
@@ -349,17 +404,27 @@ class Polar:
         flow.request.stream = True
 
     def _count_body(self, flow: http.HTTPFlow, cap: int) -> None:
-        """A body that is chunked, undeclared or declared over ``cap`` is read through a counter that keeps at
-        most ``cap + 1`` bytes; the flow is pointed at the loopback relay, where `request` parks its answer."""
-        headers = flow.request.headers
-        length = headers.get("content-length")
-        declared_ok = length is not None and length.isdigit() and int(length) <= cap
-        bodyless = length is None and "transfer-encoding" not in headers and not (flow.request.is_http2 or flow.request.is_http3)
-        if declared_ok or bodyless:
-            return  # mitmproxy reads exactly the declared (bounded) length
+        """A body polar reads is charged to its client's budget (``self.budget``) until its flow ends, and its
+        connection is closed if the body is not complete within polar_body_timeout. One declared within ``cap``
+        and the budget is read by mitmproxy (exactly that length); any other (chunked, undeclared, over ``cap`` or
+        over budget) through a counter that keeps it only while it stays within both (CountedBody), the flow
+        pointed at the loopback relay, where `request` parks its answer."""
         request = flow.request
+        headers = request.headers
+        length = headers.get("content-length")
+        if length is None and "transfer-encoding" not in headers and not (request.is_http2 or request.is_http3):
+            return  # no body
+        self._start_body_deadline(flow)
+        client = flow.client_conn.peername[0] if flow.client_conn.peername else ""
+        take = functools.partial(self.budget.take, flow.id, client, flow.client_conn.id)
+        declared = int(length) if length is not None and length.isdigit() else None
+        if declared is not None and declared <= cap and take(declared):
+            return
         counted = CountedBody(cap=cap, token=self.relay.new_token(), scheme=request.scheme, host=request.host,
-                              port=request.port, path=request.path, host_header=request.host_header)
+                              port=request.port, path=request.path, host_header=request.host_header,
+                              take=take, drop=functools.partial(self.budget.release, flow.id))
+        if declared is not None:
+            counted.refuse(TOO_LARGE if declared > cap else OVER_BUDGET)  # not one byte of it is kept
         flow.metadata["polar_counted"] = counted
         request.stream = counted.count
         # Chunked to the relay: its read ends only with mitmproxy's end of message, sent after `request` ran.
@@ -382,7 +447,18 @@ class Polar:
         # The framing headers stay chunked: mitmproxy ends the relay's body by them after this hook.
         if streamed:
             request.data.content = bytes(counted.kept)
+            counted.kept = bytearray()  # one copy of the body is enough
         return streamed
+
+    def _start_body_deadline(self, flow: http.HTTPFlow) -> None:
+        loop = asyncio.get_running_loop()
+        flow.metadata["polar_body_deadline"] = loop.call_later(_seconds("polar_body_timeout"), _cut_connection, flow)
+
+    @staticmethod
+    def _body_arrived(flow: http.HTTPFlow) -> None:
+        deadline: asyncio.TimerHandle | None = flow.metadata.pop("polar_body_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
 
     def _park_answer(self, flow: http.HTTPFlow) -> None:
         """A counted flow already went to the relay: its answer waits there under the flow's token."""
@@ -397,12 +473,19 @@ class Polar:
         self.relay.park(response.status_code, response.headers.get("content-type", "application/json"),
                         one_chunk(response.raw_content or b""), token=counted.token)
 
+    def _still_live(self, ident: identity.Identity) -> None:
+        """Refuses (PolarError) a registered session that has ended since its WebSocket opened."""
+        if ident.source == "registered" and self.control is not None and self.control.sessions.ended(ident.session_id):
+            raise PolarError(403, "authentication", "polar identity: this session has ended (its final status was "
+                                                    "posted): its credential is refused")
+
     async def _answer(self, flow: http.HTTPFlow, upgrade: bool) -> None:
         assert self.gateway is not None
         headers = {k.lower(): v for k, v in flow.request.headers.items()}
         proxy_auth = headers.get("proxy-authorization") or self._proxy_auth.get(flow.client_conn.id)
         try:
-            ident = identity.resolve(proxy_auth, headers, flow.client_conn.id)
+            ident = identity.resolve(proxy_auth, headers, flow.client_conn.id,
+                                     self.control.sessions if self.control else None, ctx.options.polar_sessions)
         except PolarError as err:
             reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
             flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})

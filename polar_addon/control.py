@@ -7,6 +7,12 @@ with the proxy's control token, which lives in a 0600 file (or the ``polar_contr
 that the sandboxed agent cannot read. The addon answers these paths only on the ``polar.local``
 pseudo-host (or on a reverse-mode listener), never on an intercepted provider host.
 
+Sessions are registered here too (``POST /sessions/ID/register``, ``{"task", "group", "sample"}``, with the
+token): the proxy generates the session's secret (``polar_addon.identity.SessionRegistry``) and returns it with
+the proxy's session mode, ``{"ok", "session_id", "secret", "sessions": "claimed" | "registered"}``. A posted
+status ends the session: its secret is refused from then on, and its id cannot be registered again.
+``GET /sessions`` (with the token) says the mode alone, so a runner can refuse a claimed-mode proxy up front.
+
 Values are checked here before anything reaches the store: a reward is a finite number within
 ``REWARD_LIMIT``, a name matches ``REWARD_NAME``, metadata is a JSON object of bounded size.
 """
@@ -25,6 +31,8 @@ from typing import Any
 
 import orjson
 
+from polar_addon.canonical import PolarError
+from polar_addon.identity import SessionEnded, SessionRegistry, registration
 from polar_addon.store import SESSION_STATUSES, StorageUnavailable, TraceStore
 from polar_addon.store.rewards import check_reward
 from polar_addon.store.shards import Output
@@ -32,7 +40,7 @@ from polar_addon.store.shards import Output
 log = logging.getLogger("polar")
 
 CONTROL_HOST = "polar.local"
-CONTROL_PATH = re.compile(r"^/sessions/([^/]+)/(reward|status)$")
+CONTROL_PATH = re.compile(r"^/sessions(?:/([^/]+)/(reward|status|register))?$")
 TOKEN_FILE = ".control-token"  # in a local store's directory
 REMOTE_TOKEN_FILE = "polar-control-token"  # in mitmproxy's confdir when the store is remote
 MIN_TOKEN_CHARS = 16
@@ -137,13 +145,28 @@ def parse_status(raw: bytes) -> tuple[str, dict[str, Any] | None]:
     return status, metadata
 
 
-class ControlPlane:
-    """Answers the session control paths for a store; every post needs the control token."""
+def parse_registration(raw: bytes) -> tuple[str | None, str | None, int | None]:
+    """``{"task"?: str, "group"?: str, "sample"?: int}`` -> (task, group, sample)."""
+    body = _body(raw)
+    task, group, sample = body.get("task"), body.get("group"), body.get("sample")
+    if not all(v is None or isinstance(v, str) for v in (task, group)):
+        raise ControlError(400, "invalid_request", "task and group must be strings")
+    if sample is not None and (not isinstance(sample, int) or isinstance(sample, bool)):
+        raise ControlError(400, "invalid_request", "sample must be an integer")
+    return task, group, sample
 
-    def __init__(self, store: TraceStore, token: str, on_session_end: Callable[[str], None] | None = None) -> None:
+
+class ControlPlane:
+    """Answers the session control paths for a store, and keeps the session registry; every request needs the
+    control token."""
+
+    def __init__(self, store: TraceStore, token: str, on_session_end: Callable[[str], None] | None = None,
+                 sessions_mode: Callable[[], str] = lambda: "claimed") -> None:
         self.store = store
         self.token = token
         self.on_session_end = on_session_end  # a posted status ends the session (the engine pool frees its slot)
+        self.sessions = SessionRegistry()
+        self.sessions_mode = sessions_mode  # the addon's polar_sessions, read per request
 
     async def handle(self, method: str, path: str, authorization: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON payload) for one request on a control path."""
@@ -163,14 +186,29 @@ class ControlPlane:
             # Checked before anything about the request is looked at: nothing to learn without the token.
             raise ControlError(401, "authentication_error", "Authorization: Bearer <control token> required "
                                                            "(the session's own credentials do not suffice)")
+        session_id, what = match.group(1), match.group(2)
+        if what is None:
+            if method != "GET":
+                raise ControlError(405, "invalid_request", "use GET")
+            return {"ok": True, "sessions": self.sessions_mode()}
         if method != "POST":
             raise ControlError(405, "invalid_request", "use POST")
-        session_id, what = match.group(1), match.group(2)
+        if what == "register":
+            task, group, sample = parse_registration(body)
+            try:
+                secret = self.sessions.register(registration(session_id, task, group, sample))
+            except PolarError as err:
+                raise ControlError(400, "invalid_request", err.message) from None
+            except SessionEnded as exc:
+                raise ControlError(409, "conflict", f"{exc}: a session id is never registered again") from None
+            return {"ok": True, "session_id": session_id, "secret": secret, "sessions": self.sessions_mode()}
         if what == "reward":
             value, name = parse_reward(body)
             await self.store.add_reward(session_id, value, name=name, source="proxy")
         else:
             status, metadata = parse_status(body)
+            # Ended before the store write: a call arriving while the status is stored is already refused.
+            self.sessions.end(session_id)
             await self.store.session_update(session_id, status=status, ended_at=time.time(), metadata=metadata)
             if self.on_session_end is not None:
                 self.on_session_end(session_id)

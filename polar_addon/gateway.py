@@ -52,7 +52,7 @@ _POLICY_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
 @dataclass
 class GatewayConfig:
     keepalive_s: float = 5.0  # first keep-alive after this long without an answer, then every keepalive_s
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 16 * 1024 * 1024  # polar_max_body_mb's default
     max_tokens_cap: int = 0  # 0: no cap; else clamp (and fill in) max_tokens
     # What a call samples with where the client said nothing; sent to the engine and recorded.
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)

@@ -9,18 +9,96 @@ forwards our bytes to the client as they are written (``flow.response.stream = T
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import gc
 import secrets
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
 STREAM_PREFIX = "/_polar/stream/"
 
 
+class BodyBudget:
+    """Request-body bytes the proxy holds per client address, over all of that client's connections, from the
+    moment a body starts arriving until its flow ends (answered, failed or cut). A client that opens many
+    connections cannot hold more than ``limit`` bytes of bodies at once: one flow over the rest is refused.
+    Every sandbox's connections arrive from loopback (its bridge), so for them this is the proxy's total."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: dict[str, int] = {}  # client address -> bytes held
+        self._charges: dict[str, tuple[str, str, int]] = {}  # flow id -> (client address, connection id, bytes)
+
+    def take(self, flow_id: str, client: str, connection: str, n: int) -> bool:
+        """Charge ``n`` more bytes to ``flow_id``; False (nothing charged) when its client would exceed the limit."""
+        held = self._held.get(client, 0)
+        if held + n > self.limit:
+            return False
+        self._held[client] = held + n
+        _, _, charged = self._charges.get(flow_id, (client, connection, 0))
+        self._charges[flow_id] = (client, connection, charged + n)
+        return True
+
+    def release(self, flow_id: str) -> int:
+        """Give back what ``flow_id`` held; returns how many bytes that was."""
+        client, _, charged = self._charges.pop(flow_id, ("", "", 0))
+        left = self._held.get(client, 0) - charged
+        if left > 0:
+            self._held[client] = left
+        else:
+            self._held.pop(client, None)
+        return charged
+
+    def release_connection(self, connection: str) -> int:
+        """Everything a closed connection's flows still held (a flow cut mid-body never reaches its own end)."""
+        return sum(self.release(flow_id) for flow_id in [f for f, (_, conn, _) in self._charges.items() if conn == connection])
+
+    def held(self, client: str) -> int:
+        return self._held.get(client, 0)
+
+
+TOO_LARGE, OVER_BUDGET = "too_large", "over_budget"
+
+
+class HeapTrim:
+    """Hands request-body memory back to the OS once a lot of it was released. A flow's buffers sit in reference
+    cycles (mitmproxy's layers and flows), freed only by a full garbage collection, which a quiet proxy may not run
+    for a long time; and mitmproxy reads in 64 KiB chunks, below glibc's mmap threshold, so even freed they stay
+    in the process's RSS until ``malloc_trim`` gives the free pages back. Both run once per ``RECLAIM_BYTES``
+    released: rare under honest traffic, soon after a flood of bodies ends."""
+
+    RECLAIM_BYTES = 64 << 20
+    DELAY_S = 1.0  # the flows' buffers are dropped after their hooks ran: collect once they are unreachable
+
+    def __init__(self) -> None:
+        try:
+            self._trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: the collection alone
+            self._trim = None
+        self._released = 0
+        self._pending: asyncio.TimerHandle | None = None
+
+    def freed(self, n: int) -> None:
+        self._released += n
+        if self._released >= self.RECLAIM_BYTES and self._pending is None:
+            self._pending = asyncio.get_running_loop().call_later(self.DELAY_S, self._reclaim)
+
+    def _reclaim(self) -> None:
+        self._pending = None
+        self._released = 0
+        gc.collect()  # may take a few hundred ms in a proxy holding a model's tokenizer: hence the rarity
+        if self._trim is not None:
+            self._trim(0)
+
+
 @dataclass
 class CountedBody:
-    """A request body read through a counter (see ``addon.Polar._count_body``): at most ``cap + 1`` bytes kept."""
+    """A request body read through a counter (see ``addon.Polar._count_body``): kept while it stays within
+    ``cap`` and ``take`` (the client's budget) grants its bytes; past either it is dropped on the spot, the rest
+    discarded as it arrives, and the flow refused (``refused``) once the body ended."""
 
     cap: int
     token: str
@@ -29,17 +107,29 @@ class CountedBody:
     port: int
     path: str
     host_header: str | None
+    take: Callable[[int], bool]
+    drop: Callable[[], None]
     kept: bytearray = field(default_factory=bytearray)
     seen: int = 0
+    refused: str | None = None  # TOO_LARGE or OVER_BUDGET
 
     def count(self, chunk: bytes) -> list[bytes]:
         self.seen += len(chunk)
-        if len(self.kept) <= self.cap:
-            self.kept.extend(chunk[: self.cap + 1 - len(self.kept)])
+        if self.refused is None:
+            if self.seen > self.cap:
+                self.refuse(TOO_LARGE)
+            elif not self.take(len(chunk)):
+                self.refuse(OVER_BUDGET)
+            else:
+                self.kept.extend(chunk)
         # Nothing travels on (the relay only waits for the end of the body); an empty list, as b"" would be
         # sent as a chunk of length 0, which ends a chunked body.
         return []
 
+    def refuse(self, why: str) -> None:
+        self.refused = why
+        self.kept = bytearray()
+        self.drop()
 
 
 async def one_chunk(body: bytes) -> AsyncIterator[bytes]:
@@ -82,7 +172,11 @@ class StreamRelay:
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         # A flow whose body the addon counted on its way (Polar.requestheaders) arrives here before its reply
         # is parked: the reply is parked by the time the (empty) request body ends.
-        await request.read()
+        try:
+            await request.read()
+        except ConnectionError:
+            # Its client hung up (or was cut, polar_body_timeout) mid-body: nothing is parked, nobody listens.
+            return web.Response(status=499)
         entry = self._pending.pop(request.match_info["token"], None)
         if entry is None:
             raise web.HTTPNotFound(text="unknown or already used polar stream token")

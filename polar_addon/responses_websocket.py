@@ -12,6 +12,10 @@ mitmproxy cannot complete a WebSocket upgrade itself, so the addon points the up
 this loopback aiohttp server (one-time token in the path, the caller's identity parked under it).
 Each ``response.create`` goes through :meth:`Gateway.handle` as a streaming ``POST /v1/responses``,
 so it is recorded exactly like the HTTP path; the SSE bytes it returns are cut back into events.
+
+Identity: the upgrade request is resolved (and, in ``registered`` mode, checked against the registry) by the
+addon like any HTTP call before it is parked; since a socket outlives a turn, every message is checked again
+(``still_live``): once the session's final status is posted, its open socket writes nothing more.
 """
 
 from __future__ import annotations
@@ -93,8 +97,10 @@ class _Parked:
 class ResponsesWebSocket:
     """The loopback WebSocket server; ``gateway`` is read per call (the addon creates it late)."""
 
-    def __init__(self, gateway: Callable[[], Gateway | None]) -> None:
+    def __init__(self, gateway: Callable[[], Gateway | None],
+                 still_live: Callable[[Identity], None] = lambda identity: None) -> None:
         self._gateway = gateway
+        self._still_live = still_live  # raises PolarError when the identity may write no more calls
         self._parked: dict[str, _Parked] = {}
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -161,6 +167,11 @@ class ResponsesWebSocket:
         if not isinstance(body, dict) or body.get("type") != "response.create":
             kind = body.get("type") if isinstance(body, dict) else type(body).__name__
             await ws.send_str(error_event(400, {"error": {"type": "invalid_request_error", "message": f"unsupported message type {kind!r}; send response.create"}}).decode())
+            return
+        try:
+            self._still_live(parked.identity)
+        except PolarError as err:
+            await ws.send_str(error_event(err.status, {"error": {"type": "authentication_error", "message": err.message}}).decode())
             return
         body = {k: v for k, v in body.items() if k != "type"}
         if body.get("generate") is False:

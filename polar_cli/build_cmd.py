@@ -192,13 +192,14 @@ def stats(
     retokenized: str = typer.Option("merge", help=RETOKENIZED_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the stats as JSON instead of a table."),
 ) -> None:
-    """How well the captured sessions merge, per harness: chains, merge rate and every break's cause."""
+    """How well the captured sessions merge, per harness: chains, merge rate and every break's cause; and the mask
+    rate per group (sessions never trained for their status: error or running)."""
     import orjson
     from rich.console import Console
 
     from polar_addon.store import iter_records
     from polar_cli.build import BuildReport, iter_session_builds
-    from polar_cli.build.stats import report_table
+    from polar_cli.build.stats import group_masks, mask_table, masks_to_dict, report_table
     from polar_cli.terminal import markup_safe
 
     _check_strategy(strategy)
@@ -206,16 +207,20 @@ def stats(
     console = Console()
     tok, source = load_tokenizer(tokenizer, shards)
     report = BuildReport()
+    sessions = _sessions(shards)
     for built in iter_session_builds(
-        iter_records(shards), _sessions(shards), strategy, eot_token_id=eot_token_id, decode=_decode(tok),
+        iter_records(shards), sessions, strategy, eot_token_id=eot_token_id, decode=_decode(tok),
         fallback_eot_token_id=_tokenizer_eot(tok), merge_retokenized=merge,
     ):
         report.add(built.harness, built.stats)
+    masks = group_masks(sessions.values())
     if as_json:
-        typer.echo(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode())
+        data = {**report.to_dict(), "masks": masks_to_dict(masks)}
+        typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
     Console(stderr=True).print(source, markup=False)
     console.print(report_table(report, title=f"polar stats: {markup_safe(shards)}"))
+    console.print(mask_table(masks))
 
 
 def view(

@@ -25,7 +25,9 @@ Resumable: OUT/loop.json records each finished rollout and training; run the sam
 
 Example (the toy task of examples/toy_task):
 
-polar loop examples/toy_task/tasks.jsonl --harness "cmd:python examples/toy_task/agent.py {instruction}" --model models/tiny --iterations 4 --out runs/toy --lr 1e-2 --epochs 2 --groups-per-step 1
+polar loop examples/toy_task/tasks.jsonl --harness "cmd:$PWD/.venv/bin/python $PWD/examples/toy_task/agent.py {instruction}" --model models/tiny --iterations 4 --out runs/toy --lr 1e-2 --epochs 2 --groups-per-step 1
+
+Sessions run in bwrap (network proxy-only) by default, which shows a cmd: harness every absolute path it names (a venv whole) read-only; --runtime local runs them unsandboxed and needs --trust-agent.
 """
 
 
@@ -44,7 +46,11 @@ def loop(
                                "vllm: a vLLM server (.venv-vllm) started by the loop and restarted on each checkpoint; "
                                "sglang:URL: a running SGLang server, given each checkpoint with "
                                "update_weights_from_disk (it must see the loop's --out at the same path)."),
-    runtime: str = typer.Option("local", help="Where sessions run: local, bwrap, oci (as `polar rollout`)."),
+    runtime: Optional[str] = typer.Option(None, help="Where sessions run: bwrap (the default where it works here), "
+                                          "oci, or local (no isolation: needs --trust-agent), as `polar rollout`."),
+    trust_agent: bool = typer.Option(False, "--trust-agent", help="Allow --runtime local: the agent can then read the proxy's "
+                                     "control token and the store (and so set its own reward). Only for agents "
+                                     "you trust."),
     network: Optional[str] = typer.Option(None, help="host or proxy-only (default: the runtime's)."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", help="Harness runs at once."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per harness run (default: each task's)."),
@@ -82,6 +88,7 @@ def loop(
     from polar_cli.rollout.tasks import TaskFileError, load_tasks
 
     from polar_cli.rollout.loop import engine_kind
+    from polar_cli.rollout_cmd import choose_runtime
 
     try:
         engine_kind(engine)
@@ -99,6 +106,7 @@ def loop(
                                  "server listens on this machine's loopback only)", param_hint="--engine")
     if ray_resource is not None and ray_address is None:
         raise typer.BadParameter("--ray-resource needs --ray", param_hint="--ray-resource")
+    runtime = choose_runtime(runtime, trust_agent)
     options = parse_set_options(option)
     train_args = list(ctx.args)
     if max_staleness is not None and not asynchronous:

@@ -77,19 +77,28 @@ def proxy(
     reverse: str = typer.Option(DEFAULT_REVERSE, help="Reverse target for non-model paths (model routes are "
                                 "captured whatever it is)."),
     confdir: Path = typer.Option(Path(DEFAULT_CONFDIR), help="mitmproxy's configuration directory (its CA)."),
+    pass_through: bool = typer.Option(False, "--pass-through", help="Also relay non-model traffic: plain HTTP, TLS "
+                                      "(untouched) and raw TCP to ANY host:port a client names, this machine's "
+                                      "loopback services included, and the reverse listener's other paths to its "
+                                      "target. Only for harnesses you trust, e.g. your own CLI that needs other "
+                                      "hosts; `polar rollout --proxy` refuses such a proxy. Default: refused (403)."),
     option: list[str] = typer.Option([], "--set", help="Extra mitmdump option KEY=VALUE (repeatable), e.g. "
                                      "--set polar_max_tokens=512."),
 ) -> None:
     """Run mitmdump with the polar addon on 127.0.0.1 (forward and reverse listeners) and print each harness's
     environment; Ctrl-C stops it (records already acknowledged are durable). Killed outright (SIGKILL), it takes
-    mitmdump down with it: no proxy is left writing the store."""
+    mitmdump down with it: no proxy is left writing the store.
+
+    Only model calls and polar's own control paths are answered; anything else a client sends through it is
+    refused with a 403 (polar_block_other), so an agent given this proxy reaches nothing else through it, unless
+    --pass-through."""
     from polar_cli import lifeline
     from polar_cli.mitm import mitmdump_command, stop_mitmdump, wait_for_port
 
     rport = reverse_port or port + 1
     if rport == port:
         raise typer.BadParameter("the reverse port must differ from the forward port", param_hint="--reverse-port")
-    extra = {"flow_detail": "0", **parse_set_options(option)}
+    extra = {"flow_detail": "0", "polar_block_other": "false" if pass_through else "true", **parse_set_options(option)}
     confdir = confdir.expanduser()
     cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{port}", f"reverse:{reverse}@{rport}"],
                            confdir=confdir, options=extra, quiet=False)
@@ -102,7 +111,8 @@ def proxy(
         for p in (port, rport):
             wait_for_port(p, 600, process)
         typer.echo(f"\npolar proxy: forward http://127.0.0.1:{port}, reverse http://127.0.0.1:{rport} -> {reverse}; "
-                   f"records in {out}. Point each harness at it (set SESSION and MODEL per run):\n")
+                   f"records in {out}; {_traffic(extra['polar_block_other'])}. Point each harness at it (set SESSION "
+                   "and MODEL per run):\n")
         typer.echo(recipes(port, rport, str(confdir / "mitmproxy-ca-cert.pem")))
         typer.echo(reward_recipe(port, out, confdir, explicit_token="polar_control_token" in extra))
         code = process.wait()
@@ -115,6 +125,12 @@ def proxy(
     finally:
         lifeline.untie(process.pid)
     raise typer.Exit(code)
+
+
+def _traffic(block_other: str) -> str:
+    if block_other == "false":  # mitmproxy's only spelling of a false boolean
+        return "NON-MODEL TRAFFIC PASSES THROUGH (to any host, this machine's included)"
+    return "non-model traffic refused (403)"
 
 
 def _interrupt(signum: int, frame: object) -> None:

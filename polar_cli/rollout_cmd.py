@@ -4,7 +4,6 @@ a live rich display, the summary and manifest files, the exit code)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
 import sys
@@ -14,6 +13,7 @@ from typing import Any, Optional
 
 import typer
 
+from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.tasks import TaskFileError
 from polar_cli.set_option import parse_set_options
 
@@ -31,13 +31,26 @@ def rollout(
     engine: Optional[str] = typer.Option(None, "--engine", "-e", help="Start a proxy with this engine: vllm:URL, "
                                          "sglang:URL, local:MODEL_DIR, scripted:SCRIPT.json."),
     proxy: Optional[str] = typer.Option(None, "--proxy", help="Use a running `polar proxy` instead: its forward URL "
-                                        "http://127.0.0.1:PORT (needs its control token)."),
+                                        "http://127.0.0.1:PORT (needs its control token). Probed first: a proxy that "
+                                        "relays non-model traffic (to a loopback listener, by absolute URL, CONNECT "
+                                        "or a reverse Host: header) is refused before any session."),
     reverse_url: Optional[str] = typer.Option(None, help="With --proxy: its reverse listener (default: PORT + 1)."),
     control_token: Optional[str] = typer.Option(None, envvar="POLAR_CONTROL_TOKEN", show_envvar=True,
-                                                help="With --proxy: the proxy's control token (to post rewards)."),
-    runtime: str = typer.Option("local", help="Where sessions run: local (a subprocess with its own HOME and "
-                                "workspace copy; NO isolation: trusted agents only), bwrap (bubblewrap), oci "
-                                "(podman/docker, for tasks with an image)."),
+                                                help="With --proxy: the proxy's control token (to register sessions "
+                                                "and post rewards)."),
+    trust_claimed_sessions: bool = typer.Option(False, "--trust-claimed-sessions", help="With --proxy: use it even if it runs polar_sessions="
+                                                "claimed (the default of `polar proxy`), where an agent can write "
+                                                "calls into another session and relabel task, group and sample; "
+                                                "only for trusted agents. Without it such a proxy is refused: start "
+                                                "it with --set polar_sessions=registered."),
+    runtime: Optional[str] = typer.Option(None, help="Where sessions run: bwrap (bubblewrap, the default where it "
+                                          "works here; network proxy-only), oci (podman/docker, for tasks with an "
+                                          "image), local (a subprocess with its own HOME and workspace copy; NO "
+                                          "isolation: needs --trust-agent). Where bwrap does not work the command "
+                                          "says why and asks for an explicit choice."),
+    trust_agent: bool = typer.Option(False, "--trust-agent", help="Allow --runtime local: the agent then runs as you, unsandboxed, "
+                                     "and can read the proxy's control token and the store (and so set its own "
+                                     "reward) and reach any address. Only for agents you trust."),
     network: Optional[str] = typer.Option(None, help="host, or proxy-only (the agent reaches the model API and "
                                           "nothing else; bwrap/oci). Default: the runtime's (local: host)."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", help="Harness runs at once (RUN slots)."),
@@ -45,8 +58,9 @@ def rollout(
                                         "configured) so a free RUN slot starts at once. Default: --concurrency; 0: off."),
     timeout: Optional[float] = typer.Option(None, help="Seconds per harness run (default: each task's agent "
                                             "timeout). A timed-out session keeps its traces, status timeout."),
-    early_stop: Optional[int] = typer.Option(None, help="Once M sessions of a group are usable (completed or "
-                                             "timeout), cancel its stragglers (masked); with --ray, on every node."),
+    early_stop: Optional[int] = typer.Option(None, help="Once M sessions of a group are usable (completed, failed "
+                                             "or timeout), cancel its stragglers (masked); with --ray, on every "
+                                             "node."),
     tasks_limit: Optional[int] = typer.Option(None, help="Only the first K tasks."),
     seed: Optional[int] = typer.Option(None, help="Fixes session ids and task order (same seed, same ids)."),
     model: str = typer.Option("policy", help="The model name harnesses ask for."),
@@ -90,7 +104,10 @@ def rollout(
     -> RUN (--concurrency slots, one --timeout)
     -> POSTRUN (the agent's git diff verified in a fresh sandbox; reward and status posted).
 
-    The proxy's control token never enters a sandbox. Exit status 1 when no session was usable, 2 on bad input.
+    Sessions run in bwrap (network proxy-only) unless --runtime says otherwise; --runtime local needs --trust-agent.
+    The proxy's control token never enters a sandbox. A harness that exits non-zero, is killed from inside or
+    produces nothing is failed (reward 0, trained as agent_error); only infrastructure is error (masked); the
+    summary gives each group's mask rate. Exit status 1 when no session was usable, 2 on bad input.
     Ctrl-C (SIGINT) or SIGTERM: no new session starts, running ones are killed and stored as error (metadata
     cancelled), the summary is written, exit status 130 (143). Killed outright (SIGKILL, OOM killer): its proxy,
     harnesses and containers die with it (a guardian process watching a pipe only this process holds).
@@ -113,6 +130,7 @@ def rollout(
                                  "rewards are posted with it", param_hint="--control-token")
     if network not in (None, "host", "proxy-only"):
         raise typer.BadParameter("host or proxy-only", param_hint="--network")
+    runtime = choose_runtime(runtime, trust_agent)
     options = parse_set_options(option)
     try:
         task_list = load_tasks(tasks, limit=tasks_limit)
@@ -127,11 +145,29 @@ def rollout(
         raise typer.BadParameter(str(exc), param_hint="--harness") from exc
     external = None
     if proxy is not None:
-        external = ExternalProxy(proxy, control_token or "", reverse_url, confdir / "mitmproxy-ca-cert.pem")
+        from polar_cli.rollout.proxy import ControlError, check_sessions_mode, proxy_sessions_mode
+
+        external = ExternalProxy(proxy, control_token or "", reverse_url, confdir / "mitmproxy-ca-cert.pem",
+                                 trust_claimed=trust_claimed_sessions)
         try:
-            external.endpoints()
+            ends = external.endpoints()
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--proxy") from exc
+        from polar_cli.rollout.proxy_check import ProxyNotABoundary, check_blocks_other
+
+        try:
+            # Before any session: a proxy that relays other traffic is no boundary for a proxy-only sandbox.
+            check_blocks_other(proxy, ends.forward_port, ends.reverse_port)
+        except ProxyNotABoundary as exc:
+            typer.echo(f"error: --proxy: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        try:
+            warning = check_sessions_mode(proxy_sessions_mode(external), trust_claimed_sessions)
+        except ControlError as exc:
+            typer.echo(f"error: --proxy {proxy}: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        if warning:
+            typer.echo(warning, err=True)
 
     import secrets
 
@@ -147,7 +183,8 @@ def rollout(
         logs_dir=report / "logs", confdir=confdir, proxy_options=options, run_id=run_id, progress=progress,
     )  # fmt: skip
     manifest = {
-        "command": sys.argv, "run_id": run_id, "seed": seed, "tasks": str(tasks), "task_count": len(task_list),
+        # Never a secret (write_json redacts the given token out of the command line): only whether one was given.
+        "command": sys.argv, "control_token_given": bool(control_token), "run_id": run_id, "seed": seed, "tasks": str(tasks), "task_count": len(task_list),
         "task_set_hash": task_set_hash(task_list), "harness": harness, "harness_version": _harness_version(preset),
         "runtime": runtime, "network": network, "engine": engine, "proxy": proxy, "store": out, "samples": samples,
         "model": model, "context_window": context_window, "max_output_tokens": max_output_tokens,
@@ -155,7 +192,7 @@ def rollout(
         "ray": ray_address, "ray_resource": ray_resource,
         "versions": _versions(), "started_at": time.time(),
     }  # fmt: skip
-    (report / "rollout-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json(report / "rollout-manifest.json", manifest, [control_token])
     try:
         if ray_address is not None:
             from polar_cli.rollout.ray_backend import RayOptions, run_rollout_ray
@@ -173,9 +210,11 @@ def rollout(
     summary = result.summary()
     summary["task_set_hash"] = manifest["task_set_hash"]
     summary_path = report / "rollout-summary.json"
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    # The reasons quote the harness's output, which a trusted local agent could fill with the control token.
+    known = control_tokens(out, confdir, control_token)
+    write_json(summary_path, summary, known)
     manifest.update(ended_at=result.ended_at, interrupted=result.interrupted)
-    (report / "rollout-manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_json(report / "rollout-manifest.json", manifest, known)
     counts = ", ".join(f"{n} {s}" for s, n in result.counts().items() if n)
     mean = summary["reward_mean"]
     typer.echo(f"polar rollout {run_id}: {len(result.sessions)} sessions ({counts}); reward mean "
@@ -189,6 +228,45 @@ def rollout(
         typer.echo("error: no session was usable (see the errors in the summary and the logs in "
                    f"{report / 'logs'})", err=True)
         raise typer.Exit(EXIT_ALL_FAILED)
+
+
+LOCAL_WARNING = ("WARNING: --runtime local --trust-agent: the agent runs unsandboxed with your rights; it can read "
+                 "the proxy's control token and the store (and so set its own reward), read and write your files "
+                 "and reach any address; polar kills what a session leaves running, nothing else is contained")
+
+
+def choose_runtime(runtime: str | None, trust_agent: bool) -> str:
+    """The runtime to use: bwrap when none is named and it works here; ``local`` only with ``--trust-agent`` (and a
+    warning on stderr); exit 2 with the reason otherwise."""
+    if runtime is None:
+        why = bwrap_unusable()
+        if why is not None:
+            typer.echo(f"error: the default runtime, bwrap, does not work here ({why}). Choose one explicitly: "
+                       "--runtime oci (a container; tasks with an image), or --runtime local --trust-agent (no "
+                       "isolation: only for agents you trust)", err=True)
+            raise typer.Exit(2)
+        return "bwrap"
+    if runtime == "local":
+        if not trust_agent:
+            typer.echo("error: --runtime local does not isolate the agent: it could read the proxy's control token "
+                       "and set its own reward. Pass --trust-agent if you trust it, or use --runtime bwrap or oci",
+                       err=True)
+            raise typer.Exit(2)
+        typer.echo(LOCAL_WARNING, err=True)
+    return runtime
+
+
+def bwrap_unusable() -> str | None:
+    """Why the bwrap runtime cannot start a sandbox on this machine (no binary, no socat, namespaces refused), or
+    None when it can."""
+    from polar_cli.rollout.runtimes.base import RuntimeUnavailable
+    from polar_cli.rollout.runtimes.bwrap import BwrapRuntime
+
+    try:
+        asyncio.run(BwrapRuntime()._check())
+    except RuntimeUnavailable as exc:
+        return str(exc)
+    return None
 
 
 def interrupted_exit_code(signal_name: str) -> int:
@@ -255,11 +333,16 @@ async def _run_with_display(job: Any, progress: Any, display: bool) -> Any:
 def _render(progress: Any) -> Any:
     from rich.table import Table
 
+    from polar_cli.rollout.runner import MASKED
+
     stages = progress.stages
     table = Table.grid(padding=(0, 2))
     table.add_row("[bold]stages[/]", "  ".join(f"{name} {stages.get(name, 0)}" for name in
                                                 ("pending", "init", "ready", "run", "postrun", "done")))
     table.add_row("[bold]statuses[/]", "  ".join(f"{k} {v}" for k, v in sorted(progress.statuses.items())) or "-")
+    done = sum(progress.statuses.values())
+    masked = sum(progress.statuses.get(status, 0) for status in MASKED)
+    table.add_row("[bold]masked[/]", f"{masked} of {done} ({masked / done:.0%})" if done else "-")
     table.add_row("[bold]rate[/]", f"{progress.sessions_per_minute():.1f} sessions/min")
     if progress.nodes:
         table.add_row("[bold]nodes[/]", "  ".join(f"{node} {n}" for node, n in sorted(progress.nodes.items())))

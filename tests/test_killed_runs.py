@@ -72,9 +72,11 @@ def test_a_sigkilled_loop_takes_its_proxy_and_harnesses_down_and_the_rerun_is_cl
     task = {"id": "t", "instruction": f"MODE=hang-if FLAG={flag} {marker}", "verify": "true"}
     tasks.write_text(json.dumps(task) + "\n")
     out = tmp_path / "loop"
+    # local: the agent reads the flag, a host path no sandbox shows it.
     cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", f"cmd:{sys.executable} {AGENT} "
            "{instruction}", "--model", str(tiny_model_dir), "--iterations", "1", "--out", str(out), "--samples", "2",
-           "--no-progress", "--eot-token-id", "2", "--set", "polar_shard_seconds=0.2"]  # fmt: skip
+           "--no-progress", "--eot-token-id", "2", "--set", "polar_shard_seconds=0.2",
+           "--runtime", "local", "--trust-agent"]  # fmt: skip
     killed = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     children: list[int] = []

@@ -57,7 +57,9 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     by_model = {model_name(h): json.loads(json.dumps(script(h)["turns"]).replace("{workspace}", "/workspace"))
                 for h in HARNESSES}
     (base / "script.json").write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model}))
-    with shared_proxy(base / "script.json", base / "shards") as started:
+    # Registered sessions and non-model traffic refused, as `polar rollout --proxy` requires of a running proxy.
+    with shared_proxy(base / "script.json", base / "shards", {"polar_sessions": "registered",
+                                                              "polar_block_other": "true"}) as started:
         yield started
 
 
@@ -73,7 +75,7 @@ def test_preset_writes_the_window(harness: str, tmp_path: Path) -> None:
     preset = importlib.import_module(f"polar_cli.rollout.harnesses.{harness.replace('-', '_')}").make(None)
     ctx = SessionContext(session_id="s", task_id="t", group_id="g", sample=0, model="m", proxy_url="http://127.0.0.1:1",
                          reverse_url="http://127.0.0.1:2", ca_path="/ca.pem", home=str(tmp_path), workspace="/workspace",
-                         context_window=WINDOW, max_output_tokens=MAX_OUTPUT)
+                         secret="psk-test", context_window=WINDOW, max_output_tokens=MAX_OUTPUT)
     preset.configure(tmp_path, ctx)
     env = preset.env(ctx)
     if harness == "claude-code":
@@ -84,7 +86,7 @@ def test_preset_writes_the_window(harness: str, tmp_path: Path) -> None:
 
         config = tomllib.loads((tmp_path / ".codex" / "config.toml").read_text())
         assert (config["model_context_window"], config["model_auto_compact_token_limit"]) == (WINDOW, int(WINDOW * 0.8))
-        assert config["model"] == "m" and "HTTPS_PROXY" in env and "s:" in env["HTTPS_PROXY"]
+        assert config["model"] == "m" and env["HTTPS_PROXY"] == "http://polar:psk-test@127.0.0.1:1"
     elif harness == "qwen-code":
         settings = json.loads((tmp_path / ".qwen" / "settings.json").read_text())
         assert settings["model"]["generationConfig"]["contextWindowSize"] == WINDOW
@@ -113,7 +115,8 @@ def test_claude_code_caps_its_output_so_it_can_compact_below_the_window() -> Non
     from polar_cli.rollout.harnesses.claude_code import ClaudeCode
 
     ctx = SessionContext(session_id="s", task_id="t", group_id="g", sample=0, model="m", proxy_url="http://127.0.0.1:1",
-                         reverse_url="http://127.0.0.1:2", ca_path="/ca.pem", home="/h", workspace="/w", context_window=32_768)
+                         reverse_url="http://127.0.0.1:2", ca_path="/ca.pem", home="/h", workspace="/w", secret="psk-test",
+                         context_window=32_768)
     env = ClaudeCode().env(ctx)
     assert (env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"], env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"],
             env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == ("32768", "32768", "4096")

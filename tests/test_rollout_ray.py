@@ -180,7 +180,8 @@ def test_ctrl_c_stops_a_ray_rollout_on_every_node(cluster: RayCluster, tiny_mode
          f"cmd:{sys.executable} {AGENT} {{instruction}}", "--samples", "4",
          "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "9",
          "--ray", cluster.address, "--concurrency", "1", "--ready", "0", "--confdir", str(tmp_path / "conf"),
-         "--set", "polar_shard_seconds=0.2", "--no-progress"],
+         "--set", "polar_shard_seconds=0.2", "--no-progress",
+         "--runtime", "local", "--trust-agent"],  # _harnesses tells sessions by host workspace, which bwrap hides
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_driver_env())
     try:
         deadline = time.monotonic() + 240
@@ -288,7 +289,8 @@ def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayClus
         [sys.executable, "-m", "polar_cli.app", "rollout", str(SWE_MINI), "--harness", harness, "--samples", "2",
          "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "5",
          "--ray", cluster.address, "--concurrency", "2", "--ready", "1", "--confdir", str(tmp_path / "conf"),
-         "--set", "polar_shard_seconds=0.2", "--no-progress"],
+         "--set", "polar_shard_seconds=0.2", "--no-progress",
+         "--runtime", "local", "--trust-agent"],  # _harnesses tells sessions by host workspace, which bwrap hides
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_driver_env())
     try:
         # The victim dies once it has stored a finished session and runs a harness again.

@@ -96,18 +96,24 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
     for s in result.sessions:
         by_task.setdefault(s.task_id, []).append(s)
     statuses = {t: sorted(s.status for s in ss) for t, ss in by_task.items()}
-    assert statuses == {"pass": ["completed"] * 2, "fail": ["completed"] * 2, "crash": ["error"] * 2,
+    # A harness that kills itself is failed (reward 0, trained), not masked; a verifier that wrote no reward file
+    # scores 0 (the code under test could have stopped it); only the broken setup (infrastructure) is an error.
+    assert statuses == {"pass": ["completed"] * 2, "fail": ["completed"] * 2, "crash": ["failed"] * 2,
                         "hang": ["timeout"] * 2, "self": ["completed"] * 2, "flaky-setup": ["completed"] * 2,
-                        "broken-setup": ["error"] * 2, "planted": ["error"] * 2, "stdout": ["completed"] * 2}, [(s.session_id, s.task_id, s.reason) for s in result.sessions]
+                        "broken-setup": ["error"] * 2, "planted": ["completed"] * 2, "stdout": ["completed"] * 2}, [(s.session_id, s.task_id, s.reason) for s in result.sessions]
     rewards = {t: sorted(s.reward for s in ss if s.reward is not None) for t, ss in by_task.items()}
     assert rewards["pass"] == [1.0, 1.0] and rewards["fail"] == [0.0, 0.0] and rewards["self"] == [1.0, 1.0]
-    assert rewards["stdout"] == [1.0, 1.0]
+    assert rewards["stdout"] == [1.0, 1.0] and rewards["crash"] == [0.0, 0.0] and rewards["planted"] == [0.0, 0.0]
     assert sorted(s.init_attempts for s in by_task["flaky-setup"]) == [1, 2]  # one session met the failure, retried
     assert all(s.init_attempts == 2 and not s.ran and "exited 3" in (s.reason or "") for s in by_task["broken-setup"])
     assert all(s.ran and s.exit_code not in (0, None) for s in by_task["crash"])
     assert all(s.session_id.startswith("r11-") for s in result.sessions)
-    assert all("wrote no answer.txt" in (s.reason or "") for s in by_task["planted"])
-    assert result.summary()["statuses"] == {"completed": 10, "timeout": 2, "error": 6, "cancelled": 0}
+    assert all("wrote no answer.txt: scored 0" in (s.reason or "") for s in by_task["planted"])
+    summary = result.summary()
+    assert summary["statuses"] == {"completed": 12, "failed": 2, "timeout": 2, "error": 2, "cancelled": 0}
+    assert summary["mask_rate"] == 2 / 18 and summary["groups"]["broken-setup"]["mask_rate"] == 1.0
+    assert summary["groups"]["crash"] == {"rewards": [0.0, 0.0], "mean": 0.0, "sessions": 2, "masked": 0,
+                                          "mask_rate": 0.0}
 
     store = _store(proxy)
     wait_for_shards(store)
@@ -115,7 +121,7 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
     sessions = {s.session_id: s for s in read_sessions(store)}
     for s in result.sessions:
         stored = sessions[s.session_id]
-        assert stored.status == s.status, s.session_id
+        assert stored.status == {"failed": "agent_error"}.get(s.status, s.status), s.session_id
         assert stored.rewards == ({"reward": s.reward} if s.status == "completed" else {})
         assert all(r.source == "proxy" for r in stored.reward_history)  # posted by the runner, never the agent
         assert stored.metadata["task"] == s.task_id and stored.metadata["sample"] == s.sample
@@ -227,7 +233,7 @@ def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> 
     tasks = tmp_path / "harbor"
     _harbor_task(tasks, "txt", 'test "$(cat answer.txt)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n')
     _harbor_task(tasks, "json", 'test -e /tests/test.sh && test ! -e /app/tests && echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n')
-    _harbor_task(tasks, "silent", "true\n")  # writes no reward: an error, never a 0
+    _harbor_task(tasks, "silent", "true\n")  # writes no reward: a 0, never a mask
     # The harness's stdout at Harbor's /logs/agent, and in POLAR_AGENT_OUTPUT as for JSONL tasks.
     _harbor_task(tasks, "stdout", 'test "$(cat /logs/agent/stdout.txt)" = done && test "$POLAR_AGENT_OUTPUT" = /logs/agent/stdout.txt && echo 1 > /logs/verifier/reward.txt\n')
     # The cmd: preset shows the venv and the agent script it names read-only inside; nothing else of the host.
@@ -236,11 +242,13 @@ def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> 
     assert got["stdout"] == ("completed", {"reward": 1.0}), next(s.reason for s in result.sessions if s.task_id == "stdout")
     assert got["txt"] == ("completed", {"reward": 1.0})
     assert got["json"] == ("completed", {"reward": 0.5, "tests": 1.0, "style": 0.0})
+    # No reward is a 0 (the code under test could have killed test.sh before it wrote one), never a mask.
     silent = next(s for s in result.sessions if s.task_id == "silent")
-    assert silent.status == "error" and "neither /logs/verifier/reward.txt nor reward.json" in (silent.reason or "")
-    # Local cannot place /tests: it says which runtimes can.
-    local = _run(proxy, tasks / "txt", samples=1, init_attempts=1)
-    assert local.sessions[0].status == "error" and "bwrap" in (local.sessions[0].reason or "")
+    assert (silent.status, silent.reward) == ("completed", 0.0), silent.reason
+    assert "wrote no /logs/verifier/reward.txt: scored 0" in (silent.reason or "")
+    # Local cannot place /tests: refused before any session runs, naming the runtimes that can.
+    with pytest.raises(ValueError, match="the local runtime cannot place: use --runtime bwrap or --runtime oci"):
+        _run(proxy, tasks / "txt", samples=1, init_attempts=1, runtime="local")
 
 
 class _PiShowingItsConfig(Pi):

@@ -20,7 +20,7 @@ from polar_cli.rollout.runtimes import get_runtime
 from polar_cli.rollout.runtimes.base import ProxyEndpoints, RuntimeUnavailable, SandboxSpec
 from polar_cli.rollout.tasks import TaskFileError, image_free_copies, load_tasks, task_set_hash
 from polar_cli.rollout import workspace as ws
-from polar_cli.rollout.verify import VerifierError, file_rewards, harbor_rewards, resolve_env
+from polar_cli.rollout.verify import NoReward, file_rewards, harbor_rewards, resolve_env
 from polar_addon.identity import SESSION_ID
 
 
@@ -120,13 +120,14 @@ def test_task_set_hash_follows_the_files(tmp_path: Path) -> None:
 
 
 def test_reward_files_read_as_harbor_reads_them() -> None:
-    assert harbor_rewards(None, "0.5\n") == {"reward": 0.5}
-    assert harbor_rewards('{"reward": 1, "style": 0.2, "note": "x"}', "0") == {"reward": 1.0, "style": 0.2}
-    assert harbor_rewards('{"tests": 1.0, "lint": 0.0}', None) == {"reward": 0.5, "tests": 1.0, "lint": 0.0}
-    assert harbor_rewards('{"tests": 1.0}', "0.25") == {"reward": 0.25, "tests": 1.0}
+    """For a task whose tests write reward.json (tests/security/test_verifier.py: one whose tests never do)."""
+    assert harbor_rewards(None, "0.5\n", honour_json=True) == {"reward": 0.5}
+    assert harbor_rewards('{"reward": 1, "style": 0.2, "note": "x"}', "0", honour_json=True) == {"reward": 1.0, "style": 0.2}
+    assert harbor_rewards('{"tests": 1.0, "lint": 0.0}', None, honour_json=True) == {"reward": 0.5, "tests": 1.0, "lint": 0.0}
+    assert harbor_rewards('{"tests": 1.0}', "0.25", honour_json=True) == {"reward": 0.25, "tests": 1.0}
     for bad in [(None, None), (None, ""), (None, "pass"), ("[1]", None), ('{"reward": NaN}', None)]:
-        with pytest.raises(VerifierError):
-            harbor_rewards(*bad)
+        with pytest.raises(NoReward):
+            harbor_rewards(*bad, honour_json=True)
     assert file_rewards("1\n", "r.txt") == {"reward": 1.0}
     assert file_rewards('{"reward": 0.3}', "r.json") == {"reward": 0.3}
 
@@ -138,13 +139,16 @@ def test_registries_name_what_exists() -> None:
         get_runtime("no-such")
     preset = get_preset("cmd:agent --task {instruction} --model {model}")
     ctx = SessionContext("s-1", "t/1", "t/1", 3, "tiny", "http://127.0.0.1:8080", "http://127.0.0.1:8081", "/ca.pem",
-                         "/home/x", "/ws")  # fmt: skip
+                         "/home/x", "/ws", "psk-s3cr3t/+")  # fmt: skip
     argv = preset.command("it's $(rm -rf /)", ctx)
     assert argv == ["sh", "-c", "agent --task 'it'\"'\"'s $(rm -rf /)' --model tiny"]
     env = preset.env(ctx)
-    assert env["OPENAI_API_KEY"] == "polar:session=s-1;task=t/1;group=t/1;sample=3"
+    # The credential is the session's secret alone; the labels are information (the proxy has them registered).
+    assert env["OPENAI_API_KEY"] == "polar:psk-s3cr3t/+"
     assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:8081/v1" and env["SSL_CERT_FILE"] == "/ca.pem"
-    assert env["HTTPS_PROXY"].startswith("http://s-1:") and env["HTTPS_PROXY"].endswith("@127.0.0.1:8080")
+    assert env["HTTPS_PROXY"] == "http://polar:psk-s3cr3t%2F%2B@127.0.0.1:8080"
+    assert (env["POLAR_SESSION"], env["POLAR_TASK"], env["POLAR_SAMPLE"]) == ("s-1", "t/1", "3")
+    assert "psk-s3cr3t" not in repr(ctx)
 
 
 def test_session_ids_are_valid_and_fixed_by_the_run_id() -> None:

@@ -1,8 +1,10 @@
 """Which reward each trace carries and whether it may be trained on (the paper's rules, §1.5/§2.5).
 
 - A completed session's outcome reward (``rewards["reward"]``) goes to each of its traces.
-- An agent timeout (session status ``timeout``) or an agent that exited with an error
-  (``agent_error``) is the policy's failure: reward 0, still trainable.
+- An agent timeout (session status ``timeout``) or a harness that failed (``agent_error``: `polar
+  rollout`'s ``failed``, a harness that exited non-zero, was killed from inside or produced nothing)
+  is the policy's failure: reward 0, still trainable. Masking it instead would let a policy escape a
+  0 by failing loudly.
 - A trace containing a tool call the parser could not read is the policy's failure too:
   reward 0, still trainable, whatever the session scored. Where polar parsed the turn itself
   (``CaptureRecord.parse_failures`` set: local and scripted engines, every engine given token input)

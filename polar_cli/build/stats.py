@@ -18,15 +18,24 @@
   under ``reward_reasons`` only.
 - Token counts: what a trainer processes (prompt + completion per trace) and what it learns
   from (loss-mask-1 tokens of trainable traces).
+- Mask rate per group (:func:`group_masks`): sessions whose status keeps them out of training
+  (``error``: infrastructure, the runner's cancels included; ``running``: never ended) over the
+  group's sessions. The policy's own failures (``agent_error``, ``timeout``) are trained with
+  reward 0 and are not masked: a rising mask rate is failures escaping their reward.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from polar_cli.build.breaks import BreakCause
+from polar_cli.build.rewards import SessionInfo
+
+MASKED_STATUSES = ("error", "running")  # statuses decide_reward never trains, whatever the reward
+NO_GROUP = "(no group)"
 
 
 @dataclass
@@ -154,4 +163,53 @@ def report_table(report: BuildReport, title: str = "Reconstruction") -> Any:
     row("traces (trainable)", lambda s: f"{s.traces} ({s.traces_trainable})")
     row("tokens processed", lambda s: f"{s.processed_tokens:,}")
     row("tokens trained", lambda s: f"{s.trainable_tokens:,}")
+    return table
+
+
+@dataclass(frozen=True)
+class GroupMask:
+    sessions: int
+    masked: int
+
+    @property
+    def rate(self) -> float:
+        return self.masked / self.sessions if self.sessions else 0.0
+
+
+def group_masks(sessions: Iterable[SessionInfo]) -> dict[str, GroupMask]:
+    """group -> its sessions and how many of them are masked (``MASKED_STATUSES``), groups sorted by name."""
+    counts: dict[str, tuple[int, int]] = {}
+    for info in sessions:
+        group = info.group_id or NO_GROUP
+        total, masked = counts.get(group, (0, 0))
+        counts[group] = (total + 1, masked + (info.status in MASKED_STATUSES))
+    return {group: GroupMask(total, masked) for group, (total, masked) in sorted(counts.items())}
+
+
+def _total(masks: dict[str, GroupMask]) -> GroupMask:
+    return GroupMask(sum(m.sessions for m in masks.values()), sum(m.masked for m in masks.values()))
+
+
+def masks_to_dict(masks: dict[str, GroupMask]) -> dict[str, Any]:
+    total = _total(masks)
+    return {"mask_rate": total.rate, "masked": total.masked, "sessions": total.sessions,
+            "groups": {g: {"sessions": m.sessions, "masked": m.masked, "mask_rate": m.rate} for g, m in masks.items()}}
+
+
+def mask_table(masks: dict[str, GroupMask], limit: int = 20) -> Any:
+    """A rich Table of the groups with the highest mask rates (at most ``limit``) and the total."""
+    from rich.table import Table
+
+    from polar_cli.terminal import markup_safe
+
+    table = Table(title="Masked sessions (error or running: never trained)")
+    for name in ("group", "sessions", "masked", "mask rate"):
+        table.add_column(name, justify="left" if name == "group" else "right")
+    ranked = sorted(masks.items(), key=lambda item: (-item[1].rate, item[0]))
+    for group, mask in ranked[:limit]:
+        table.add_row(markup_safe(group), str(mask.sessions), str(mask.masked), f"{mask.rate:.1%}")
+    if len(ranked) > limit:
+        table.add_row(f"... {len(ranked) - limit} more groups", "", "", "")
+    total = _total(masks)
+    table.add_row("total", str(total.sessions), str(total.masked), f"{total.rate:.1%}", style="bold")
     return table

@@ -42,7 +42,6 @@ runs ran (``runs`` in loop.json), not the time between them.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,7 +51,8 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 from polar_cli.rollout.loop import (EXIT_NOTHING_TO_TRAIN, LoopConfig, _check_same_run, _Engine, die_with_parent,
                                     engine_kind, load_state, mean_se, rollout_config, save_state, stop_stale_engines,
                                     train_command)
-from polar_cli.rollout.runner import RolloutInterrupted, RolloutResult, run_rollout
+from polar_cli.rollout.redact import control_tokens, write_json
+from polar_cli.rollout.runner import REWARDED, RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import task_set_hash
 
 Drain = Literal["wait", "cut"]
@@ -304,7 +304,7 @@ class _AsyncLoop:
             result = await run_rollout(rollout)
         finally:
             shutil.rmtree(bdir / "work", ignore_errors=True)
-        (bdir / "rollout-summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+        write_json(bdir / "rollout-summary.json", result.summary(), control_tokens(rollout.out, rollout.confdir, None))
         cut = result.interrupted == "stop"
         if result.interrupted and not cut:
             raise RolloutInterrupted(f"batch {index}: interrupted by {result.interrupted} (summary in {bdir})",
@@ -449,7 +449,7 @@ def _kept_groups(batch: Batch) -> list[str]:
 
 def _batch_of(index: int, version: int, policy: Path, shards: Path, started: float, ended: float,
               result: RolloutResult, cut: bool) -> Batch:
-    rewards = [s.reward for s in result.sessions if s.status == "completed" and s.reward is not None]
+    rewards = [s.reward for s in result.sessions if s.status in REWARDED and s.reward is not None]
     mean, se = mean_se(rewards)
     return Batch(index=index, version=version, policy=str(policy), shards=str(shards), started_at=started,
                  ended_at=ended, sessions=len(result.sessions), statuses=result.counts(), rewarded=len(rewards),

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from polar_cli.rollout.proxy import wait_writer_gone
-from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
+from polar_cli.rollout.redact import control_tokens, write_json
+from polar_cli.rollout.runner import REWARDED, USABLE, RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import Task, task_set_hash
 
 EXIT_NOTHING_TO_TRAIN = 3  # polar train's exit status when every reward of every group is equal
@@ -48,7 +49,7 @@ class LoopConfig:
     out: Path
     samples: int = 8  # sessions per task (the GRPO group)
     engine: str = "local"  # local | vllm (started and restarted by the loop) | sglang:URL (reloaded in place)
-    runtime: str = "local"
+    runtime: str = "bwrap"  # `polar loop` allows local only with --trust-agent
     network: str | None = None
     concurrency: int = 4
     timeout_s: float | None = None
@@ -73,7 +74,7 @@ class IterationStats:
     iteration: int
     policy: str  # the model directory the rollout sampled from
     sessions: int
-    usable: int  # completed or timeout
+    usable: int  # completed, failed or timeout
     rewarded: int  # completed with a reward (the ones the mean is over)
     statuses: dict[str, int]
     reward_mean: float | None
@@ -134,12 +135,12 @@ def _check_same_run(state: dict[str, Any], identity: dict[str, Any]) -> None:
 
 
 def stats_of(i: int, policy: Path, result: RolloutResult) -> IterationStats:
-    rewards = [s.reward for s in result.sessions if s.status == "completed" and s.reward is not None]
+    rewards = [s.reward for s in result.sessions if s.status in REWARDED and s.reward is not None]
     mean, se = mean_se(rewards)
     counts = result.counts()
     return IterationStats(
         iteration=i, policy=str(policy), sessions=len(result.sessions),
-        usable=counts.get("completed", 0) + counts.get("timeout", 0), rewarded=len(rewards), statuses=counts,
+        usable=sum(counts.get(s, 0) for s in USABLE), rewarded=len(rewards), statuses=counts,
         reward_mean=mean, reward_se=se, rollout_s=result.ended_at - result.started_at,
     )  # fmt: skip
 
@@ -379,7 +380,7 @@ def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Cal
         result = asyncio.run(run_rollout(rollout) if config.ray is None else _ray_rollout(rollout, config))
     finally:
         shutil.rmtree(idir / "work", ignore_errors=True)
-    (idir / "rollout-summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    write_json(idir / "rollout-summary.json", result.summary(), control_tokens(rollout.out, rollout.confdir, None))
     if result.interrupted:
         # Not recorded: re-running the loop starts this iteration over.
         raise RolloutInterrupted(f"iteration {i}: interrupted by {result.interrupted} (summary in {idir})",

@@ -1,6 +1,12 @@
 """The rollout's proxy: its own mitmdump + polar addon (forward and reverse listeners on 127.0.0.1, the same
-command line as ``polar proxy``), or a running one; and the control client that posts verifier rewards and session
-statuses with the control token. The token stays in this process: no sandbox gets it."""
+command line as ``polar proxy``), or a running one; and the control client that registers sessions and posts verifier
+rewards and session statuses with the control token. The token stays in this process: no sandbox gets it.
+
+Sessions are registered, not claimed: the proxy the runner starts runs ``polar_sessions=registered``, and the runner
+registers each session (task, group, sample) before its harness is configured; the proxy answers with the session's
+secret, the only credential the harness gets. A running proxy (``--proxy``) in ``claimed`` mode would let the agent
+write into another session or relabel its own: :func:`check_sessions_mode` refuses it unless the user trusts the
+agent (``ExternalProxy.trust_claimed``, ``polar rollout --trust-claimed-sessions``)."""
 
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class ExternalProxy:
     control_token: str
     reverse_url: str | None = None
     ca: Path = Path("~/.mitmproxy/mitmproxy-ca-cert.pem")
+    trust_claimed: bool = False  # use it even in claimed mode (the agent can then forge any session's identity)
 
     def endpoints(self) -> ProxyEndpoints:
         forward = _loopback_port(self.forward_url, "--proxy")
@@ -83,7 +90,9 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
     log = log_dir / f"mitmdump-{forward}.log"
     # The sandboxes' only way out is this proxy: anything but a model call or the control paths is refused (a
     # proxy-only agent could otherwise reach any host through the forward listener's pass-through).
-    options = {"polar_block_other": "true", **(options or {})}
+    # Registered sessions: labels from the runner's registrations alone, whatever the agent's calls claim (last: no
+    # --set turns it off).
+    options = {"polar_block_other": "true", **(options or {}), "polar_sessions": "registered"}
     cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{forward}", f"reverse:{reverse_target}@{reverse}"],
                            confdir=confdir, options=options)
     fence, fence_path = claim_writer(log_dir)
@@ -167,6 +176,22 @@ class ControlError(RuntimeError):
     pass
 
 
+CLAIMED_REFUSAL = ("the proxy runs polar_sessions=claimed: an agent in one session could write calls into another "
+                   "and relabel task, group and sample (trust on claim). Restart it with --set "
+                   "polar_sessions=registered, or pass --trust-claimed-sessions if every agent is trusted")
+
+
+def check_sessions_mode(mode: str, trust_claimed: bool) -> str | None:
+    """None for a registered-mode proxy; the warning to print for a claimed one the user trusts; else ControlError."""
+    if mode == "registered":
+        return None
+    if mode == "claimed" and trust_claimed:
+        return "WARNING: " + CLAIMED_REFUSAL.split(" Restart", 1)[0] + ": used anyway (--trust-claimed-sessions)"
+    if mode == "claimed":
+        raise ControlError(CLAIMED_REFUSAL)
+    raise ControlError(f"the proxy's session mode is {mode!r}, not registered")
+
+
 class ControlClient:
     """Posts rewards and statuses to the proxy's control paths (``polar_addon.control``) through its forward
     listener, with the control token; retries while the store says it cannot persist (503)."""
@@ -177,12 +202,15 @@ class ControlClient:
         self._attempts = attempts
 
     async def _post(self, session_id: str, what: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._request("POST", f"{CONTROL_BASE}/{session_id}/{what}", f"{what} of {session_id}", body)
+
+    async def _request(self, method: str, url: str, what: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         for attempt in range(self._attempts):
             try:
-                response = await self._client.post(f"{CONTROL_BASE}/{session_id}/{what}", json=body)
+                response = await self._client.request(method, url, json=body)
             except httpx.TransportError as exc:
                 if attempt + 1 == self._attempts:
-                    raise ControlError(f"{what} of {session_id}: {exc}") from exc
+                    raise ControlError(f"{what}: {exc}") from exc
             else:
                 if response.status_code == 200:
                     try:
@@ -191,9 +219,22 @@ class ControlClient:
                         answer = None
                     return answer if isinstance(answer, dict) else {}
                 if response.status_code != 503 or attempt + 1 == self._attempts:
-                    raise ControlError(f"{what} of {session_id}: HTTP {response.status_code}: {response.text[:500]}")
+                    raise ControlError(f"{what}: HTTP {response.status_code}: {response.text[:500]}")
             await asyncio.sleep(0.5 * (attempt + 1))
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def sessions_mode(self) -> str:
+        """The proxy's ``polar_sessions`` (a proxy that predates registration answers 404: ControlError)."""
+        answer = await self._request("GET", CONTROL_BASE, "the session mode")
+        return str(answer.get("sessions"))
+
+    async def register(self, session_id: str, task: str, group: str, sample: int) -> tuple[str, str]:
+        """Register a session before its harness is configured: (its secret, the proxy's session mode)."""
+        answer = await self._post(session_id, "register", {"task": task, "group": group, "sample": sample})
+        secret = answer.get("secret")
+        if not isinstance(secret, str) or not secret:
+            raise ControlError(f"register of {session_id}: the proxy returned no secret")
+        return secret, str(answer.get("sessions"))
 
     async def reward(self, session_id: str, value: float, name: str = "reward") -> None:
         await self._post(session_id, "reward", {"value": value, "name": name})
@@ -209,3 +250,15 @@ class ControlClient:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def proxy_sessions_mode(proxy: ExternalProxy) -> str:
+    """The running proxy's session mode, asked once before a rollout starts on it."""
+    async def ask() -> str:
+        client = ControlClient(proxy.endpoints().forward_port, proxy.control_token, attempts=1)
+        try:
+            return await client.sessions_mode()
+        finally:
+            await client.aclose()
+
+    return asyncio.run(ask())

@@ -45,8 +45,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from polar_cli.rollout.runner import (USABLE, PlannedSession, RolloutConfig, RolloutProgress, RolloutResult,
-                                      SessionResult, check_config, plan_sessions, rollout_run_id)
+from polar_cli.rollout.runner import (REWARDED, USABLE, PlannedSession, RolloutConfig, RolloutProgress,
+                                      RolloutResult, SessionResult, check_config, plan_sessions, rollout_run_id)
 
 log = logging.getLogger("polar.rollout")
 
@@ -317,7 +317,7 @@ class _Driver:
         if result.node:
             progress.nodes[result.node[:12]] += 1
         rewards = progress.group_rewards.setdefault(result.group_id, [])
-        if result.status == "completed" and result.reward is not None:
+        if result.status in REWARDED and result.reward is not None:
             rewards.append(result.reward)
         if result.status == "error" and result.reason:
             progress.errors.append((result.session_id, result.reason.splitlines()[0][:200]))

@@ -18,12 +18,19 @@ logs: saved by the runner, outside the workspace, so the agent's patch cannot pl
 gets its path in ``POLAR_AGENT_OUTPUT``; Harbor tasks also find it at ``/logs/agent/stdout.txt``.
 
 Statuses (``SessionResult.status``; what is posted to the store in brackets): ``completed`` (reward from the
-verifier), ``timeout`` (the deadline ended the harness; its traces so far are kept; the policy's failure, trained
-with reward 0), ``error`` (infrastructure, a harness that crashed or was killed, a verifier that gave no reward:
-masked), ``cancelled`` (``early_stop``: the group already had enough usable sessions; posted as ``error`` with
-``metadata.cancelled``, since the store's vocabulary has no such status and the trace is partial). Sessions that
-never ran (cancelled or failed before RUN) made no calls; a failed one is still posted as ``error`` so the store
-knows its group lost a member.
+verifier; a verifier that left no readable reward, or ran past its timeout, scores 0: the code under test could
+have caused either), ``failed`` [``agent_error``] (the harness exited non-zero, was killed by a signal from inside,
+or produced nothing: exit 0 with no stdout and no change to the workspace; the policy's failure, reward 0, trained),
+``timeout`` (the deadline ended the harness; its traces so far are kept; the policy's failure, trained with reward
+0), ``error`` (only what polar can prove is infrastructure: the sandbox or setup failed, the runtime failed under
+the harness, the runner cancelled it, the verifier's sandbox could not be started or its env resolved, the proxy
+ended the session (its engine was taken out): masked), ``cancelled`` (``early_stop``: the group already had
+enough usable sessions; posted as ``error`` with ``metadata.cancelled``, since the store's vocabulary has no such
+status and the trace is partial). Sessions that never ran (cancelled or failed before RUN) made no calls; a failed
+one is still posted as ``error`` so the store knows its group lost a member. The rule behind the split: a policy
+must never gain by failing loudly, so whatever the sandbox's own processes can bring about (an exit code, a
+signal, a killed or silent verifier, a memory blow-up) is a reward of 0, never a mask; an infrastructure failure
+misread as ``failed`` before the first model call costs nothing, as such a session has no trace to train.
 
 Interruption: SIGINT/SIGTERM (``stop_on_signals``) stop the run: nothing new starts, running harnesses and
 verifiers are killed, every unfinished session ends ``cancelled`` (posted as ``error`` with ``metadata.cancelled``
@@ -32,8 +39,10 @@ when it ran, so none stays ``running`` in the store), and ``RolloutResult.interr
 Rewards come from the verifier only: the control token never enters a sandbox, and the harness gets no way to post
 one (the proxy refuses posts without the token).
 
-Identity: every call of a session carries session/task/group(= the task id)/sample through ``SessionContext`` (the
-preset puts it in the API key and the forward proxy's credentials). ``seed`` fixes session ids and task order.
+Identity: INIT registers every session (task, group = the task id, sample) with the proxy, which answers its secret;
+``SessionContext`` carries only that secret (the preset puts it in the API key and the forward proxy's credentials), and
+the proxy takes the labels from the registration, so an agent can neither write into a sibling's session nor relabel
+its own. ``seed`` fixes session ids and task order.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import posixpath
 import random
 import secrets
 import shutil
@@ -56,18 +66,24 @@ from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Sequence
 from polar_cli.rollout import workspace as ws
 from polar_cli.rollout.harnesses import get_preset
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
-from polar_cli.rollout.proxy import ControlClient, ExternalProxy, start_proxy
+from polar_cli.rollout.proxy import ControlClient, ExternalProxy, check_sessions_mode, start_proxy
 from polar_cli.rollout.runtimes import get_runtime
-from polar_cli.rollout.runtimes.base import NetworkMode, ProxyEndpoints, Runtime, Sandbox, SandboxSpec
+from polar_cli.rollout.runtimes.base import (ExecResult, IsolatedSandbox, NetworkMode, ProxyEndpoints, Runtime, Sandbox,
+                                             SandboxSpec)
 from polar_cli.rollout.tasks import Task
-from polar_cli.rollout.verify import VerifierError, file_rewards, harbor_rewards, resolve_env
+from polar_cli.rollout.verify import (VERIFY_GUARD, NoReward, VerifierError, file_rewards, guard_left, harbor_rewards,
+                                     read_reward_file, resolve_env)
 from polar_cli.rollout.window import engine_window
 
 log = logging.getLogger("polar.rollout")
 
-Status = Literal["completed", "timeout", "error", "cancelled"]
-STATUSES: tuple[str, ...] = ("completed", "timeout", "error", "cancelled")
-USABLE = ("completed", "timeout")  # sessions a trainer learns from (error and cancelled are masked)
+Status = Literal["completed", "failed", "timeout", "error", "cancelled"]
+STATUSES: tuple[str, ...] = ("completed", "failed", "timeout", "error", "cancelled")
+USABLE = ("completed", "failed", "timeout")  # sessions a trainer learns from (error and cancelled are masked)
+REWARDED = ("completed", "failed")  # sessions whose reward the runner knows (failed: 0)
+MASKED = ("error", "cancelled")
+# The store's name of each status the runner posts (the store has no "cancelled", and names a failed harness so).
+STORE_STATUS = {"failed": "agent_error", "cancelled": "error"}
 STAGES = ("pending", "init", "ready", "run", "postrun", "done")
 _LOG_TAIL = 2000
 AGENT_OUTPUT_ENV = "POLAR_AGENT_OUTPUT"  # the verify command's path to the harness's stdout
@@ -101,6 +117,7 @@ class RolloutConfig:
     context_window: int | None = None
     max_output_tokens: int | None = None
     init_attempts: int = 3  # tries of INIT per session (infrastructure failures)
+    max_patch_bytes: int = ws.MAX_PATCH_BYTES  # the agent's patch; larger is the policy's failure (reward 0)
     verify_attempts: int = 2  # tries of starting the verifier's sandbox
     work_dir: Path | None = None  # scratch for session homes and workspaces; None: a temporary directory
     keep_sessions: bool = False  # keep each session's directories (debugging)
@@ -156,8 +173,16 @@ class RolloutResult:
         groups: dict[str, list[float]] = {}
         for s in self.sessions:
             groups.setdefault(s.group_id, [])
-            if s.status == "completed" and s.reward is not None:
+            if s.status in REWARDED and s.reward is not None:
                 groups[s.group_id].append(s.reward)
+        return groups
+
+    def group_masked(self) -> dict[str, tuple[int, int]]:
+        """group -> (masked sessions, sessions): how much of each group a trainer never sees."""
+        groups: dict[str, tuple[int, int]] = {}
+        for s in self.sessions:
+            masked, total = groups.get(s.group_id, (0, 0))
+            groups[s.group_id] = (masked + (s.status in MASKED), total + 1)
         return groups
 
     @property
@@ -165,14 +190,17 @@ class RolloutResult:
         return not any(s.status in USABLE for s in self.sessions)
 
     def summary(self) -> dict[str, Any]:
-        rewards = [s.reward for s in self.sessions if s.status == "completed" and s.reward is not None]
+        rewards = [s.reward for s in self.sessions if s.status in REWARDED and s.reward is not None]
         minutes = max(self.ended_at - self.started_at, 1e-9) / 60
+        masked = self.group_masked()
         return {
             "run_id": self.run_id, "store": self.store, "sessions": len(self.sessions), "statuses": self.counts(),
             "context_window": self.context_window, "max_output_tokens": self.max_output_tokens,
             "interrupted": self.interrupted,
             "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-            "groups": {g: {"rewards": r, "mean": sum(r) / len(r) if r else None}
+            "mask_rate": sum(m for m, _ in masked.values()) / len(self.sessions) if self.sessions else None,
+            "groups": {g: {"rewards": r, "mean": sum(r) / len(r) if r else None, "sessions": masked[g][1],
+                           "masked": masked[g][0], "mask_rate": masked[g][0] / masked[g][1]}
                        for g, r in sorted(self.group_rewards().items())},
             "sessions_per_minute": sum(s.ran for s in self.sessions) / minutes,
             "seconds": self.ended_at - self.started_at,
@@ -227,6 +255,7 @@ class _Session:
     stage: str = "pending"
     ready_at: float = 0.0
     agent_output: str = ""  # the harness's stdout, for the verifier
+    failure: str | None = None  # why POSTRUN scored a ``failed`` session 0 (the stored metadata.reason)
 
 
 @dataclass(frozen=True)
@@ -267,6 +296,7 @@ async def run_rollout(config: RolloutConfig) -> RolloutResult:
     check_config(config)
     preset = get_preset(config.harness) if isinstance(config.harness, str) else config.harness
     runtime = get_runtime(config.runtime, **dict(config.runtime_options)) if isinstance(config.runtime, str) else config.runtime
+    check_runtime(config.tasks, runtime)
     run_id = rollout_run_id(config)
     plan = plan_sessions(config, run_id)
     async with AsyncExitStack() as stack:
@@ -333,6 +363,16 @@ async def budget(config: RolloutConfig) -> tuple[int | None, int | None]:
     return window, output_cap
 
 
+def check_runtime(tasks: Sequence[Task], runtime: Runtime) -> None:
+    """Refuse, before any session runs, tasks the runtime cannot verify: Harbor's tests need /tests and /logs at
+    their absolute paths (a harness run that could never be scored would only cost its time)."""
+    harbor = [t.id for t in tasks if t.format == "harbor"]
+    if harbor and not runtime.places_directories:
+        raise ValueError(f"Harbor tasks ({', '.join(harbor[:3])}{', ...' if len(harbor) > 3 else ''}) need /tests and "
+                         f"/logs at absolute paths, which the {runtime.name} runtime cannot place: use --runtime bwrap "
+                         "or --runtime oci")
+
+
 def check_config(config: RolloutConfig) -> None:
     if not config.tasks:
         raise ValueError("no tasks")
@@ -379,6 +419,8 @@ class _Runner:
         self.config, self.preset, self.runtime = config, preset, runtime
         self.context_window, self.max_output_tokens = context_window, max_output_tokens
         self.endpoints, self.control, self.work_dir, self.run_id = endpoints, control, work_dir, run_id
+        # A claimed-mode proxy lets agents forge identities: used only for a --proxy the user said to trust.
+        self.trust_claimed = config.proxy is not None and config.proxy.trust_claimed
         self.network: NetworkMode = config.network or getattr(runtime, "default_network", "proxy-only")
         self.progress = config.progress or RolloutProgress()
         self.ready_n = config.concurrency if config.ready is None else config.ready
@@ -517,7 +559,7 @@ class _Runner:
                                                                "signal": self.interrupted, "stage": stage})
             elif session.result.ran and not session.result.posted:  # it ended, but the interruption cut its post
                 status = session.result.status
-                await self._post_status(session, "error" if status == "cancelled" else status,
+                await self._post_status(session, STORE_STATUS.get(status, status),
                                         {"reason": "interrupted", "signal": self.interrupted})
 
     def _refinish(self, session: _Session, status: Status, reason: str) -> None:
@@ -526,7 +568,7 @@ class _Runner:
         old = session.result.status
         self.progress.statuses[old] -= 1
         group = session.task.id
-        if old == "completed" and session.result.reward is not None:
+        if old in REWARDED and session.result.reward is not None:
             rewards = self.progress.group_rewards.get(group, [])
             if session.result.reward in rewards:
                 rewards.remove(session.result.reward)
@@ -548,7 +590,7 @@ class _Runner:
         self.progress.statuses[status] += 1
         group = session.task.id
         rewards = self.progress.group_rewards.setdefault(group, [])
-        if status == "completed" and session.result.reward is not None:
+        if status in REWARDED and session.result.reward is not None:
             rewards.append(session.result.reward)
         if status == "error" and reason:
             self.progress.errors.append((session.session_id, reason.splitlines()[0][:200]))
@@ -614,19 +656,22 @@ class _Runner:
             return self.templates[task.id]
 
     def _spec(self, task: Task, name: str, workspace: Path, home: Path, binds: Mapping[str, Path] | None = None,
-              env: Mapping[str, str] | None = None) -> SandboxSpec:
+              env: Mapping[str, str] | None = None, read_only_binds: Mapping[str, Path] | None = None) -> SandboxSpec:
         read_only = (*self.config.read_only, *getattr(self.preset, "read_only", ()))
         return SandboxSpec(name=name, workspace=workspace, home=home, proxy=self.endpoints, network=self.network,
                            image=task.image, dockerfile=task.dockerfile, workdir=task.workdir, cpus=task.cpus,
                            memory_mb=task.memory_mb, read_only=tuple(read_only), binds=dict(binds or {}),
-                           env=dict(env or {}))  # fmt: skip
+                           read_only_binds=dict(read_only_binds or {}), env=dict(env or {}))  # fmt: skip
 
     async def _prepare(self, session: _Session) -> None:
         task = session.task
+        # Registered first: the labels the proxy records come from here, and the harness gets only the secret.
+        secret, mode = await self.control.register(session.session_id, task.id, task.id, session.sample)
+        check_sessions_mode(mode, self.trust_claimed)
         template = await self._template(task)
         session.dir = self.work_dir / "sessions" / session.session_id
         shutil.rmtree(session.dir, ignore_errors=True)
-        session.dir.mkdir(parents=True)
+        session.dir.mkdir(parents=True, mode=0o700)  # what the sandbox leaves there is no other user's to run
         session.home = session.dir / "home"
         session.home.mkdir()
         session.workspace = session.dir / "workspace"
@@ -644,7 +689,7 @@ class _Runner:
         session.ctx = SessionContext(
             session_id=session.session_id, task_id=task.id, group_id=task.id, sample=session.sample,
             model=self.config.model, proxy_url=sandbox.proxy_url, reverse_url=sandbox.reverse_url,
-            ca_path=sandbox.ca_path, home=sandbox.home, workspace=sandbox.workspace,
+            ca_path=sandbox.ca_path, home=sandbox.home, workspace=sandbox.workspace, secret=secret,
             context_window=self.context_window, max_output_tokens=self.max_output_tokens)  # fmt: skip
         self.preset.configure(session.home, session.ctx)
 
@@ -696,19 +741,26 @@ class _Runner:
         if done.cancelled and task.id in self.stopped_groups:
             return await self._end(session, "cancelled", "early stop: cancelled while running",
                                    {"reason": "cancelled", "cancelled": True})
+        if done.cancelled:  # the runner's own cancel (an interruption): nothing the harness did
+            return await self._end(session, "error", "cancelled by the runner while running",
+                                   {"reason": "cancelled", "cancelled": True})
         if done.timed_out:
             return await self._end(session, "timeout", f"the harness ran past its {deadline:g} s deadline",
                                    {"reason": "timeout", "deadline_s": deadline})
         if done.exit_code != 0:
+            # Exit codes and signals are the sandbox's own doing (`kill -9 $$` included): the policy's failure,
+            # scored 0, or failing loudly would escape the 0 that failing quietly gets.
             tail = (done.stderr or done.stdout)[-_LOG_TAIL:]
-            return await self._end(session, "error", f"the harness exited {done.exit_code}: {tail}",
+            return await self._end(session, "failed", f"the harness exited {done.exit_code}: {tail}",
                                    {"reason": "harness_failed", "exit_code": done.exit_code})
         return True
 
     async def _end(self, session: _Session, status: Status, reason: str, metadata: dict[str, Any]) -> bool:
         await self._teardown(session)
+        if status == "failed":
+            session.result.reward, session.result.rewards = 0.0, {"reward": 0.0}
         self._finish(session, status, reason)
-        await self._post_status(session, "error" if status == "cancelled" else status, metadata)
+        await self._post_status(session, STORE_STATUS.get(status, status), metadata)
         self._stop_if_enough(session)
         return False
 
@@ -727,9 +779,10 @@ class _Runner:
             finally:
                 await self._teardown(session)
             session.result.timings["postrun"] = time.monotonic() - started
-            if status == "completed":
+            if status in REWARDED:
                 session.result.rewards = rewards
                 session.result.reward = rewards["reward"]
+            if status == "completed":
                 try:
                     for name, value in rewards.items():
                         await self.control.reward(session.session_id, value, name)
@@ -739,16 +792,29 @@ class _Runner:
             metadata: dict[str, Any] = {"patch_bytes": session.result.patch_bytes}
             if status == "error":
                 metadata["reason"] = "verifier_failed"
-            await self._post_status(session, status, metadata)
+            elif status == "failed":
+                metadata["reason"] = session.failure or "harness_produced_nothing"
+            elif reason:  # completed with a 0 the verifier did not give (no reward, a timeout): say why
+                metadata["scored"] = reason[:500]
+            await self._post_status(session, STORE_STATUS.get(status, status), metadata)
             self._stop_if_enough(session)
 
     async def _verify(self, session: _Session) -> tuple[Status, str | None, dict[str, float]]:
         assert session.dir is not None and session.base_tree is not None
         view = await self._workspace_view(session, "final-view")
-        patch = await ws.diff(view, session.dir / "base.git", session.base_tree)
+        try:
+            patch = await ws.diff(view, session.dir / "base.git", session.base_tree, self.config.max_patch_bytes)
+        except ws.PatchTooLarge as exc:  # the agent's output, so the policy's failure (never read into memory)
+            await self._teardown_sandbox(session)
+            session.failure = "patch_too_large"
+            return "failed", str(exc), {"reward": 0.0}
         session.result.patch_bytes = len(patch)
         self._write_log(session, "patch.diff", patch.decode("utf-8", "replace"))
         await self._teardown_sandbox(session)  # the agent's sandbox goes before the verifier's starts
+        if session.result.exit_code == 0 and not session.agent_output.strip() and not patch:
+            # Provable from what the runner holds (the harness's stdout, the workspace's diff): there is nothing
+            # to verify, and a verifier that passes an untouched workspace must not pay for it.
+            return "failed", "the harness produced nothing: no stdout and no change to the workspace", {"reward": 0.0}
         last: Exception | None = None
         for attempt in range(1, self.config.verify_attempts + 1):
             vdir = session.dir / f"verify-{attempt}"
@@ -769,6 +835,7 @@ class _Runner:
         home.mkdir()
         await ws.copy_template(await self._template(task), workspace)
         binds: dict[str, Path] = {}
+        read_only_binds: dict[str, Path] = {}
         logs = vdir / "logs-verifier"
         # The harness's stdout, in a directory of the verifier's own sandbox that the agent's patch never touches:
         # Harbor's /logs/agent, else the verifier's fresh HOME (every runtime brings HOME in, local included).
@@ -779,10 +846,16 @@ class _Runner:
             tests = vdir / "tests"
             assert task.tests_dir is not None
             await asyncio.to_thread(shutil.copytree, task.tests_dir, tests, symlinks=True)
-            logs.mkdir()
-            binds = {"/tests": tests, "/logs/verifier": logs, HARBOR_AGENT_DIR: agent_logs}
+            logs.mkdir()  # fresh per attempt: nothing of an earlier attempt passes for this one's reward
+            binds = {"/logs/verifier": logs}
+            # The code under test must rewrite neither the tests that score it nor the agent's answer they read.
+            read_only_binds = {"/tests": tests, HARBOR_AGENT_DIR: agent_logs}
         env = resolve_env(dict(task.verify_env))
-        sandbox = await self.runtime.start(self._spec(task, f"{session.session_id}-verify", workspace, home, binds))
+        sandbox = await self.runtime.start(self._spec(task, f"{session.session_id}-verify", workspace, home, binds,
+                                                      read_only_binds=read_only_binds))
+        # Where a reward file is on the host once the sandbox is stopped (a directory, the path under it): in the
+        # verifier's workspace where the runtime binds it, else a copy brought out before the stop.
+        reward_at = (Path(sandbox.host_workspace), task.reward_file or "") if sandbox.host_workspace else None
         inside = HARBOR_AGENT_DIR if task.format == "harbor" else f"{sandbox.home.rstrip('/')}/.polar-agent"
         env[AGENT_OUTPUT_ENV] = f"{inside}/{AGENT_OUTPUT_NAME}"
         try:
@@ -803,34 +876,51 @@ class _Runner:
             if task.reward_file:
                 # A reward file the agent's patch planted must not pass for the verifier's.
                 await sandbox.exec(["rm", "-rf", "--", task.reward_file], cwd=sandbox.workspace, timeout_s=60)
-            done = await sandbox.exec(task.verify or "true", env=env, cwd=sandbox.workspace,
-                                      timeout_s=task.verify_timeout_s)
+            command: str | list[str] = task.verify or "true"
+            # Only where the sandbox has its own pid namespace: the guard's `kill -1` on the host would reach
+            # every process of polar's user.
+            guarded = isinstance(sandbox, IsolatedSandbox)
+            if guarded:
+                command = ["/bin/sh", "-c", VERIFY_GUARD, "polar-verify-guard", "/bin/sh", "-c", command]
+            done = await sandbox.exec(command, env=env, cwd=sandbox.workspace, timeout_s=task.verify_timeout_s)
             self._write_log(session, "verifier.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
             if done.cancelled:
                 raise RuntimeError("the verifier was cancelled")
-            if task.format == "harbor":
-                def read(name: str) -> str | None:
-                    path = logs / name
-                    return path.read_text(errors="replace") if path.is_file() else None
-
-                if done.timed_out:
-                    raise VerifierError(f"tests/test.sh ran past its {task.verify_timeout_s:g} s timeout")
-                return "completed", None, harbor_rewards(read("reward.json"), read("reward.txt"))
-            if task.reward_file:
-                reward_path = vdir / "reward-file"
+            if task.reward_file and reward_at is None:  # an image's own workspace: copied out by the runtime
+                reward_at = (vdir / "reward-out", posixpath.basename(task.reward_file))
+                reward_at[0].mkdir()
                 try:
-                    await sandbox.download(task.reward_file, reward_path)
+                    await sandbox.download(task.reward_file, reward_at[0] / reward_at[1])
                 except FileNotFoundError:
-                    if done.timed_out:
-                        return "completed", "the verifier timed out", {"reward": 0.0}
-                    raise VerifierError(f"the verifier wrote no {task.reward_file}") from None
-                return "completed", None, file_rewards(reward_path.read_text(errors="replace"), task.reward_file)
-            if done.timed_out:
-                # The agent's patch made the tests hang: the policy's failure, scored like any failing test.
-                return "completed", f"the verifier ran past its {task.verify_timeout_s:g} s timeout", {"reward": 0.0}
-            return "completed", None, {"reward": 1.0 if done.exit_code == 0 else 0.0}
+                    pass
         finally:
             await sandbox.stop()
+        # Every process of the verifier's sandbox is dead now: none can rewrite the reward while it is read.
+        try:
+            return "completed", None, self._reward(task, done, guarded, logs, reward_at)
+        except NoReward as exc:
+            return "completed", f"{exc}: scored 0", {"reward": 0.0}
+
+    @staticmethod
+    def _reward(task: Task, done: ExecResult, guarded: bool, logs: Path,
+                reward_at: tuple[Path, str] | None) -> dict[str, float]:
+        """The verifier's rewards, read from the host after its sandbox stopped (NoReward: scored 0)."""
+        if done.timed_out:
+            # The agent's patch made the tests hang: the policy's failure, scored like any failing test.
+            raise NoReward(f"the verifier ran past its {task.verify_timeout_s:g} s timeout")
+        left = guard_left(done.stdout) if guarded else None
+        if left:
+            raise NoReward(left)
+        if task.format == "harbor":
+            reward_json = read_reward_file(logs, "reward.json") if task.reward_json else None
+            return harbor_rewards(reward_json, read_reward_file(logs, "reward.txt"), honour_json=task.reward_json)
+        if task.reward_file:
+            assert reward_at is not None
+            text = read_reward_file(*reward_at)
+            if text is None:
+                raise NoReward(f"the verifier wrote no {task.reward_file}")
+            return file_rewards(text, task.reward_file)
+        return {"reward": 1.0 if done.exit_code == 0 else 0.0}
 
     # -- store and teardown ---------------------------------------------------------------------------------------
 
@@ -849,11 +939,16 @@ class _Runner:
             self.progress.errors.append((session.session_id, f"status not stored: {exc}"[:200]))
 
     def _write_log(self, session: _Session, name: str, text: str) -> None:
+        """``text`` (bounded by the runtime's capture) under logs/sessions/SESSION/, with its credentials redacted:
+        the agent's output can quote its own secret or, from a trusted local run, the given control token."""
         if self.config.logs_dir is None:
             return
+        from polar_cli.rollout.redact import redact
+
+        known = (session.ctx.secret if session.ctx else None, self.config.proxy.control_token if self.config.proxy else None)
         directory = Path(self.config.logs_dir).resolve() / "sessions" / session.session_id
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / name).write_text(text)
+        (directory / name).write_text(redact(text, known))
 
     async def _teardown_sandbox(self, session: _Session) -> None:
         sandbox, session.sandbox = session.sandbox, None

@@ -11,14 +11,15 @@ JSONL, one task per line (``#`` lines and blank lines are skipped)::
 
 ``workspace`` is a directory relative to the JSONL file (or absolute); instead, ``repo`` (a git URL or path) with an
 optional ``revision`` is cloned. ``verify`` exits 0 for reward 1.0, else 0.0, unless it writes ``reward_file``
-(relative to the workspace: a float, or a flat JSON object name -> number).
+(a path relative to the verifier's workspace, without ``..``: a float, or a flat JSON object name -> number).
 ``verify`` reads the harness's stdout (its final answer in print mode) from the file ``$POLAR_AGENT_OUTPUT`` names
 (the runner's copy, outside the workspace; Harbor tasks: ``/logs/agent/stdout.txt``).
 
 Harbor task directories (``task.toml``, ``instruction.md``, ``environment/Dockerfile``, ``tests/test.sh``), the format
 of the ``harbor`` package 0.25 (read from its ``models/task`` and ``verifier`` sources; not a dependency): TASKS is
 one such directory or a directory of them. ``tests/`` is bound at ``/tests`` for the verifier only, which runs
-``bash /tests/test.sh`` and writes ``/logs/verifier/reward.json`` (flat name -> number) or ``reward.txt`` (a float).
+``bash /tests/test.sh`` and writes ``/logs/verifier/reward.json`` (flat name -> number) or ``reward.txt`` (a float);
+``reward.json`` counts only when the task's tests mention it (``Task.reward_json``).
 An image runtime builds ``environment/Dockerfile`` (or pulls ``[environment] docker_image``); runtimes without
 images get as workspace what the Dockerfile's ``COPY``/``ADD`` lines put under its ``WORKDIR``.
 """
@@ -70,6 +71,9 @@ class Task:
     allow_internet: bool = True  # Harbor [environment] allow_internet
     verify_env: Mapping[str, str] = field(default_factory=dict)  # Harbor [verifier] env
     source: str | None = None  # "FILE:LINE" or the task directory, for messages
+    # Harbor: the task's own tests mention reward.json, so a reward.json is theirs to write (else only the code
+    # under test could have written it, and only reward.txt is read: polar_cli.rollout.verify).
+    reward_json: bool = False
 
 
 class TaskFileError(ValueError):
@@ -202,8 +206,13 @@ def _jsonl_task(entry: dict[str, Any], base: Path, where: str) -> Task:
         tests_dir = (base / (_text(entry, "tests_dir", where) or "")).resolve()
         if not tests_dir.is_dir():
             raise TaskFileError(f"{where}: tests_dir {tests_dir} is not a directory")
+    reward_file = _text(entry, "reward_file", where)
+    if reward_file is not None and (not reward_file.strip() or reward_file.startswith("/")
+                                    or ".." in reward_file.split("/")):
+        raise TaskFileError(f"{where}: 'reward_file' must be a path relative to the workspace, without '..' "
+                            f"(got {reward_file!r})")
     return Task(id=task_id, instruction=instruction or "", workspace=workspace, repo=repo, revision=revision,
-                setup=_text(entry, "setup", where), verify=verify, reward_file=_text(entry, "reward_file", where),
+                setup=_text(entry, "setup", where), verify=verify, reward_file=reward_file,
                 tests_dir=tests_dir, image=_text(entry, "image", where), workdir=_text(entry, "workdir", where),
                 metadata=metadata, format="jsonl", source=where, **limits)  # fmt: skip
 
@@ -297,7 +306,18 @@ def _load_harbor(task_dir: Path) -> Task:
         allow_internet=allow_internet,
         verify_env=dict(verify_env),
         source=str(task_dir),
+        reward_json=_mentions(tests_dir, b"reward.json"),
     )
+
+
+def _mentions(directory: Path, needle: bytes) -> bool:
+    """Whether a file under ``directory`` (the task's own, trusted) holds ``needle``; links are not followed."""
+    for dirpath, _, filenames in os.walk(directory):
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.is_file() and not path.is_symlink() and needle in path.read_bytes():
+                return True
+    return False
 
 
 def dockerfile_workdir(text: str) -> str | None:

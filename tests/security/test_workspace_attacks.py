@@ -7,9 +7,12 @@ Each test plants what a policy could leave behind and runs the runner's own work
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 from pathlib import Path
 
+import orjson
 import pytest
 
 from polar_cli.rollout import workspace as ws
@@ -82,3 +85,24 @@ def test_a_patch_that_only_git_finds_large_is_cut_while_git_prints_it(tmp_path: 
     (work / "data.bin").write_bytes(os.urandom(600 * 1024))  # same size, new bytes: a ~1.6 MB binary patch
     with pytest.raises(ws.PatchTooLarge, match="patch exceeds"):
         asyncio.run(ws.diff(work, git_dir, base, max_bytes=1024 * 1024))
+
+
+@pytest.mark.skipif(not (shutil.which("bwrap") and shutil.which("socat")), reason="bubblewrap/socat missing (make sandbox)")
+def test_a_rollout_scores_a_huge_patch_zero_and_never_reads_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Through the runner: a 3 GB (sparse) file in the workspace is `failed` with reward 0, stored as the policy's
+    failure (trainable), its sibling that wrote a small answer is rewarded; the runner never hashed the big file."""
+    from polar_cli.rollout.runner import RolloutConfig, run_rollout
+    from polar_cli.rollout.tasks import load_tasks
+
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "t", "instruction": "x", "verify": "test -e answer"}) + "\n")
+    script = tmp_path / "script.json"
+    script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "hi"}]}))
+    agent = 'if [ "$POLAR_SAMPLE" = 0 ]; then truncate -s 3G big.bin; fi; echo done > answer; echo answered'
+    config = RolloutConfig(tasks=load_tasks(tmp_path / "tasks.jsonl"), harness=f"cmd:{agent}", samples=2,
+                           engine=f"scripted:{script}", out=str(tmp_path / "store"), runtime="bwrap", seed=1,
+                           confdir=tmp_path / "conf", max_patch_bytes=1024 * 1024, stop_on_signals=False)
+    result = asyncio.run(run_rollout(config))
+    by_sample = {s.sample: s for s in result.sessions}
+    assert by_sample[0].status == "failed" and by_sample[0].reward == 0.0, by_sample[0]
+    assert "grew by" in (by_sample[0].reason or "")
+    assert by_sample[1].status == "completed" and by_sample[1].reward == 1.0, by_sample[1]

@@ -119,7 +119,7 @@ def run_harness(short: str, proxy: SharedProxy, root: Path, tito: str, *, follow
     ctx = SessionContext(session_id=session_id(short, tito), task_id=task["id"], group_id=task["id"], sample=0,
                          model=model_name(short), proxy_url=f"http://127.0.0.1:{proxy.forward}",
                          reverse_url=f"http://127.0.0.1:{proxy.reverse}", ca_path=str(proxy.ca), home=str(home),
-                         workspace=str(work))
+                         workspace=str(work), secret=proxy.register(session_id(short, tito), task["id"], task["id"]))
     preset.configure(home, ctx)
     base = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
     env = {**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **preset.env(ctx)}

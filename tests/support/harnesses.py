@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.proxy import REPO
+from tests.support.proxy import REPO, register_session
 from tests.support.shards import session_records
 
 BIN = REPO / ".harness" / "node_modules" / ".bin"
@@ -43,7 +43,7 @@ def configured_session(preset, proxy, home: Path, session: str, window: int,
 
     ctx = SessionContext(session_id=session, task_id="t", group_id="g", sample=0, model="tiny", proxy_url=proxy.url,
                          reverse_url=proxy.url, ca_path=str(proxy.ca), home=str(home), workspace=str(home),
-                         context_window=window)
+                         secret=register_session(proxy.port, proxy.control_token, session), context_window=window)
     preset.configure(home, ctx)
     if settings is not None:
         file = home / settings[0]

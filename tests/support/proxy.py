@@ -10,7 +10,8 @@ from pathlib import Path
 
 from polar_cli.mitm import REPO, Proxy, free_port, mitmdump_command, run_mitmdump, stop_mitmdump, wait_for_port
 
-__all__ = ["REPO", "Proxy", "SharedProxy", "echo_server", "free_port", "run_mitmdump", "shared_proxy", "wait_for_port"]
+__all__ = ["REPO", "Proxy", "SharedProxy", "echo_server", "free_port", "register_session", "run_mitmdump", "shared_proxy",
+           "wait_for_port"]
 
 
 @dataclass
@@ -23,6 +24,27 @@ class SharedProxy:
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
+
+    @property
+    def control_token(self) -> str:
+        from polar_addon.control import token_file
+
+        return token_file(str(self.out), str(self.ca.parent)).read_text().strip()
+
+    def register(self, session: str, task: str = "t", group: str = "g", sample: int = 0) -> str:
+        return register_session(self.forward, self.control_token, session, task, group, sample)
+
+
+def register_session(forward_port: int, token: str, session: str, task: str = "t", group: str = "g",
+                     sample: int = 0) -> str:
+    """Register ``session`` on a proxy's control plane, as `polar rollout` does; returns its secret."""
+    import httpx
+
+    reply = httpx.post(f"http://polar.local/sessions/{session}/register", proxy=f"http://127.0.0.1:{forward_port}",
+                       json={"task": task, "group": group, "sample": sample},
+                       headers={"authorization": f"Bearer {token}"}, timeout=30)
+    reply.raise_for_status()
+    return reply.json()["secret"]
 
 
 @contextmanager

@@ -1,5 +1,9 @@
 """The one interface every harness preset implements: write the harness's own config into the session's HOME,
-give the session its identity, and say how to run it non-interactively on one instruction."""
+give the session its credential, and say how to run it non-interactively on one instruction.
+
+The credential is the session's secret alone (``polar:SECRET`` as an API key, ``http://polar:SECRET@...`` as the
+forward proxy URL): the runner registered the session's task, group and sample with the proxy, which takes them
+from the registration (``polar_addon.identity``), so nothing a harness sends can relabel them."""
 
 from __future__ import annotations
 
@@ -22,23 +26,23 @@ class SessionContext:
     ca_path: str
     home: str  # HOME inside
     workspace: str  # the working directory inside
+    secret: str  # the proxy's secret for this session (a credential: never logged or stored)
     context_window: int | None = None  # the served model's window, for harnesses that budget by tokens
     max_output_tokens: int | None = None
 
-    def identity_fields(self) -> str:
-        """``session=..;task=..;group=..;sample=..``: what the addon reads from an API key after ``polar:`` or
-        from the forward proxy's credentials (``polar_addon.identity``)."""
-        return f"session={self.session_id};task={self.task_id};group={self.group_id};sample={self.sample}"
+    def __repr__(self) -> str:
+        # A context printed in a traceback or a log must not show the credential.
+        return f"SessionContext(session_id={self.session_id!r}, task_id={self.task_id!r}, sample={self.sample})"
 
     def api_key(self) -> str:
-        return "polar:" + self.identity_fields()
+        return "polar:" + self.secret
 
     def forward_proxy_url(self) -> str:
-        """The forward proxy URL carrying the identity as its credentials (percent-encoded)."""
+        """The forward proxy URL with the secret as its password (the user name is not read)."""
         from urllib.parse import quote
 
         scheme, _, host = self.proxy_url.partition("://")
-        return f"{scheme}://{quote(self.session_id, safe='')}:{quote(self.identity_fields(), safe='')}@{host}"
+        return f"{scheme}://polar:{quote(self.secret, safe='')}@{host}"
 
 
 class HarnessPreset(abc.ABC):
@@ -60,7 +64,7 @@ class HarnessPreset(abc.ABC):
 
     @abc.abstractmethod
     def env(self, ctx: SessionContext) -> dict[str, str]:
-        """Environment variables for the harness process (identity, endpoints, CA, non-interactive switches)."""
+        """Environment variables for the harness process (credential, endpoints, CA, non-interactive switches)."""
 
     @abc.abstractmethod
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:

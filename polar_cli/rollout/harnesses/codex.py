@@ -2,7 +2,7 @@
 sandbox; Codex's Linux sandbox cannot nest inside an unprivileged user namespace).
 
 - ``codex`` (default): the default provider, unchanged, through polar's forward proxy: ``HTTPS_PROXY`` carries
-  the session as its credentials, mitmproxy's CA is trusted; Codex speaks Responses over its WebSocket.
+  the session's secret as its credentials, mitmproxy's CA is trusted; Codex speaks Responses over its WebSocket.
 - ``codex:http``: a custom provider whose base URL is polar's reverse proxy (Responses over HTTP POSTs, the
   session on the API key).
 

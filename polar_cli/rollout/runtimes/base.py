@@ -53,6 +53,9 @@ class SandboxSpec:
     # that cannot place a directory at an absolute path (local) raises RuntimeUnavailable naming the runtimes
     # that can.
     binds: Mapping[str, Path] = field(default_factory=dict)
+    # Inside path -> host directory, read-only inside (Harbor's /tests: the code under test must not rewrite the
+    # tests that score it). Refused by a runtime that cannot place directories, as ``binds``.
+    read_only_binds: Mapping[str, Path] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -121,6 +124,9 @@ class Runtime(abc.ABC):
     name: str
     # The network a spec gets when the user names none: what this runtime can enforce.
     default_network: NetworkMode = "proxy-only"
+    # Whether it can place a directory at an absolute path inside (``SandboxSpec.binds``): Harbor tasks need it, and
+    # are refused before any session runs where it cannot.
+    places_directories: bool = True
 
     @abc.abstractmethod
     async def start(self, spec: SandboxSpec) -> Sandbox:

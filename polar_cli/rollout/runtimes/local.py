@@ -2,11 +2,14 @@
 
 The session gets its own HOME and its own copy of the workspace (the runner's per-session directories), a clean
 environment (the host's PATH and locale, nothing else of the caller's environment: no tokens or keys leak in),
-resource limits by ``prlimit`` (util-linux) where the spec gives them, and its own process group, so a cancel, a
-timeout or a stop kills every process it started. It can read and write whatever the host user can, and reach any
-address: use it for trusted agents and quick local runs, and ``bwrap`` or ``oci`` for anything else. It cannot place a
-directory at an absolute path (Harbor's ``/tests``, ``/logs``), nor restrict the network: such specs are refused
-with :class:`RuntimeUnavailable` naming the runtimes that can.
+resource limits by ``prlimit`` (util-linux) where the spec gives them, and its own pid namespace (``unshare
+--pid --kill-child``): when the command ends, is killed, or polar dies, the kernel kills every process it started,
+``setsid`` and double-forked daemons included, so nothing of a session outlives its exec (as in ``bwrap``). Where no
+pid namespace can be made the runtime refuses to start rather than run untracked processes. It can read and write
+whatever the host user can, and reach any address (the store, the proxy's control token): use it for trusted agents
+and quick local runs (``polar rollout`` asks for ``--trust-agent``), and ``bwrap`` or ``oci`` for anything else. It
+cannot place a directory at an absolute path (Harbor's ``/tests``, ``/logs``), nor restrict the network: such specs
+are refused with :class:`RuntimeUnavailable` naming the runtimes that can.
 """
 
 from __future__ import annotations
@@ -15,21 +18,27 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from polar_cli import lifeline
 from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
+from polar_cli.rollout.runtimes.output import BoundedOutput, communicate
 
 # What of the caller's environment a session keeps: enough to find programs and print text.
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "TZ", "USER", "LOGNAME", "SHELL")
-OUTPUT_LIMIT = 4 * 1024 * 1024  # bytes of stdout/stderr kept per exec (the tail)
 KILL_GRACE_S = 5.0
+# pid 1 of the session's pid namespace: runs the command as its child (a process cannot SIGKILL its namespace's init,
+# so a command that is pid 1 would survive its own `kill -9 $$`) and exits with its status, 128 + N when signal N
+# killed it, as bwrap reports it; its exit kills everything else in the namespace. Background jobs of a
+# non-interactive shell get /dev/null as stdin: fd 3 hands the real one on.
+INIT = 'exec 3<&0; "$@" <&3 3<&- & wait $!'
 
 
 class LocalSandbox(Sandbox):
-    def __init__(self, spec: SandboxSpec, scratch: Path, prlimit: str | None) -> None:
+    def __init__(self, spec: SandboxSpec, scratch: Path, prlimit: str | None, unshare: Sequence[str]) -> None:
         self.spec = spec
         self.workspace = str(spec.workspace)
         self.home = str(spec.home)
@@ -39,6 +48,7 @@ class LocalSandbox(Sandbox):
         self.ca_path = str(spec.proxy.ca)
         self._scratch = scratch
         self._prlimit = prlimit
+        self._unshare = list(unshare)
         self._procs: set[asyncio.subprocess.Process] = set()
         self._cancelled: set[asyncio.subprocess.Process] = set()
         self._stopped = False
@@ -69,23 +79,24 @@ class LocalSandbox(Sandbox):
         argv = ["sh", "-c", command] if isinstance(command, str) else list(command)
         workdir = self._inside(cwd) if cwd else self.spec.workspace
         proc = await asyncio.create_subprocess_exec(
-            *self._limits(), *argv, cwd=workdir, env=self._env(env), start_new_session=True,
-            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            *self._limits(), *self._unshare, "sh", "-c", INIT, "polar-init", *argv, cwd=workdir, env=self._env(env),
+            start_new_session=True, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
         lifeline.tie(proc.pid)  # its own session: a SIGKILLed polar must not leave the harness running
         self._procs.add(proc)
+        out, err = BoundedOutput(), BoundedOutput()
         timed_out = False
         try:
-            communicate = asyncio.ensure_future(proc.communicate(stdin))
+            reading = asyncio.ensure_future(communicate(proc, stdin, out, err))
             try:
-                out, err = await asyncio.wait_for(asyncio.shield(communicate), timeout_s)
+                await asyncio.wait_for(asyncio.shield(reading), timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
                 _kill_group(proc)
-                out, err = await _drain(communicate)
+                await _drain(reading)
             except asyncio.CancelledError:
                 _kill_group(proc)
-                await _drain(communicate)
+                await _drain(reading)
                 raise
         finally:
             self._procs.discard(proc)
@@ -93,7 +104,7 @@ class LocalSandbox(Sandbox):
         cancelled = proc in self._cancelled
         self._cancelled.discard(proc)
         code = -1 if (timed_out or cancelled) else proc.returncode
-        return ExecResult(exit_code=code if code is not None else -1, stdout=_tail(out), stderr=_tail(err),
+        return ExecResult(exit_code=code if code is not None else -1, stdout=out.text(), stderr=err.text(),
                           timed_out=timed_out, cancelled=cancelled)
 
     def _inside(self, path: str) -> Path:
@@ -130,18 +141,13 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
         pass
 
 
-async def _drain(communicate: asyncio.Future) -> tuple[bytes, bytes]:
-    """What a killed process wrote; a descendant that left the group may hold the pipes open: stop waiting then."""
+async def _drain(reading: asyncio.Future) -> None:
+    """The rest of what a killed process wrote, within a grace period (the namespace dies with its init, so its
+    pipes close at once; the grace bounds a kernel that is slow to reap)."""
     try:
-        return await asyncio.wait_for(asyncio.shield(communicate), KILL_GRACE_S)
+        await asyncio.wait_for(asyncio.shield(reading), KILL_GRACE_S)
     except asyncio.TimeoutError:
-        communicate.cancel()
-        return b"", b""
-
-
-def _tail(data: bytes | None) -> str:
-    data = data or b""
-    return data[-OUTPUT_LIMIT:].decode("utf-8", "replace")
+        reading.cancel()
 
 
 def _copy(source: Path, target: Path) -> None:
@@ -155,13 +161,36 @@ def _copy(source: Path, target: Path) -> None:
 class LocalRuntime(Runtime):
     name = "local"
     default_network = "host"
+    places_directories = False
 
     def __init__(self) -> None:
         self._prlimit = shutil.which("prlimit")
+        self._unshare: list[str] | None = None
+
+    def _pid_namespace(self) -> list[str]:
+        """Once per runtime: the ``unshare`` prefix that gives an exec its own pid namespace here (root needs none
+        of a user namespace; another user maps itself in one), else RuntimeUnavailable with why."""
+        if self._unshare is not None:
+            return self._unshare
+        unshare = shutil.which("unshare")
+        if unshare is None:
+            raise RuntimeUnavailable("the local runtime needs unshare (util-linux) to track a session's processes "
+                                     "in a pid namespace; none found: use --runtime bwrap or oci")
+        base = [unshare, "--pid", "--kill-child"]
+        tried = []
+        for prefix in ([base] if os.geteuid() == 0 else [[*base, "--map-current-user"], [*base, "--map-root-user"]]):
+            probe = subprocess.run([*prefix, "--", "true"], capture_output=True, text=True)
+            if probe.returncode == 0:
+                self._unshare = [*prefix, "--"]
+                return self._unshare
+            tried.append(probe.stderr.strip())
+        raise RuntimeUnavailable("the local runtime cannot create a pid namespace here, so it could not kill what a "
+                                 f"session leaves running ({'; '.join(tried)}): use --runtime bwrap or oci")
 
     async def start(self, spec: SandboxSpec) -> Sandbox:
-        if spec.binds:
-            raise RuntimeUnavailable(f"the local runtime cannot place directories at {sorted(spec.binds)} (a Harbor "
+        if spec.binds or spec.read_only_binds:
+            raise RuntimeUnavailable(f"the local runtime cannot place directories at "
+                                     f"{sorted({**spec.binds, **spec.read_only_binds})} (a Harbor "
                                      "task's /tests and /logs): use --runtime bwrap or --runtime oci")
         if spec.network != "host":
             raise RuntimeUnavailable(f"the local runtime cannot restrict the network (asked: {spec.network}): "
@@ -169,8 +198,9 @@ class LocalRuntime(Runtime):
         for directory in (spec.workspace, spec.home):
             if not Path(directory).is_dir():
                 raise RuntimeUnavailable(f"{directory}: not a directory")
+        unshare = self._pid_namespace()
         scratch = Path(tempfile.mkdtemp(prefix=f"polar-{spec.name[:40]}-"))
-        return LocalSandbox(spec, scratch, self._prlimit)
+        return LocalSandbox(spec, scratch, self._prlimit, unshare)
 
 
 def make(**options: object) -> Runtime:

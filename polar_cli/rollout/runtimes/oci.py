@@ -7,14 +7,16 @@ One long-lived container per sandbox (its pid 1 a shell that sleeps); :meth:`Oci
 so setup, harness and patch extraction share the container's filesystem and processes. The workspace is bound at
 ``spec.workdir`` (default ``/workspace``) unless the host directory is empty: then the image's own directory there
 is kept (a Harbor task's image carries its repository) and ``download`` brings results out. HOME is bound at
-``/home/polar``, ``spec.binds`` at their paths, ``spec.read_only`` read-only at their own paths (host binaries need
-the image to carry their libraries: node from the host runs only in a glibc image like the host's), the proxy's CA
-certificate (only that file) read-only.
+``/home/polar``, ``spec.binds`` at their paths (``spec.read_only_binds`` read-only), ``spec.read_only`` read-only
+at their own paths (host binaries need the image to carry their libraries: node from the host runs only in a glibc
+image like the host's), the proxy's CA certificate (only that file) read-only.
 
 Limits: ``spec.cpus``, ``memory_mb``, ``pids`` become ``--cpus``, ``--memory``, ``--pids-limit`` (enforced by the
 engine's cgroup). The container runs as the image's user (root, usually) with the engine's default capabilities,
 inside the engine's user-namespace setup (none for rootful podman/docker: container root is host root restricted
-by capabilities, seccomp and the mount namespace).
+by capabilities, seccomp and the mount namespace), with ``no-new-privileges`` (setuid binaries gain nothing).
+Rootful, that root is host root to a bound directory: a root-only file bound in is readable (polar binds only
+the session's own directories and the read-only paths named).
 
 Network: ``host`` (``--network host``), ``none``, and ``proxy-only`` (podman only): the container joins a network
 namespace that polar prepares (a loopback only, with socat listening on the proxy's ports and relaying to the host
@@ -46,6 +48,7 @@ from polar_cli.rollout.runtimes.base import (ISOLATED_CA, ISOLATED_HOME, ExecRes
                                              RuntimeUnavailable, SandboxSpec)
 from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
 from polar_cli.rollout.runtimes.bwrap import find_bwrap
+from polar_cli.rollout.runtimes.output import BoundedOutput, communicate
 
 HOME = ISOLATED_HOME
 WORKSPACE = "/workspace"
@@ -82,9 +85,10 @@ class OciSandbox(IsolatedSandbox):
         self.workspace = spec.workdir or WORKSPACE
         self.host_workspace: Path | None = None  # set by start when the host directory is bound
 
-    async def _cli(self, *args: str, stdin: bytes | None = None, timeout_s: float | None = None
-                   ) -> tuple[int, bytes, bytes, bool, bool]:
-        """One engine CLI call; returns (exit code, stdout, stderr, timed out, cancelled)."""
+    async def _cli(self, *args: str, stdin: bytes | None = None, timeout_s: float | None = None,
+                   bounded: bool = False) -> tuple[int, bytes, bytes, bool, bool]:
+        """One engine CLI call; returns (exit code, stdout, stderr, timed out, cancelled). ``bounded``: keep only a
+        head and a tail of each stream (:mod:`output`), for what the agent controls."""
         cancels = self.cancels
         proc = await asyncio.create_subprocess_exec(
             self.runtime.binary, *args, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
@@ -95,23 +99,26 @@ class OciSandbox(IsolatedSandbox):
             await self._kill_inside()
             kill_group(proc)
         timed_out = False
+        out, err = (BoundedOutput(), BoundedOutput()) if bounded else (BoundedOutput.whole(), BoundedOutput.whole())
+        reading = asyncio.ensure_future(communicate(proc, stdin, out, err))
         try:
             try:
-                out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+                await asyncio.wait_for(asyncio.shield(reading), timeout_s)
             except asyncio.TimeoutError:
                 timed_out = True
                 await self._kill_inside()
                 kill_group(proc)
-                out, err = await proc.communicate()
+                await reading
         except BaseException:
             kill_group(proc)
+            reading.cancel()
             await asyncio.shield(self._kill_inside())
             raise
         finally:
             self.running.discard(proc)
             lifeline.untie(proc.pid)
         code = proc.returncode if proc.returncode is not None else -1
-        return code, out, err, timed_out, self.cancels != cancels
+        return code, out.data(), err.data(), timed_out, self.cancels != cancels
 
     async def _kill_inside(self) -> None:
         proc = await asyncio.create_subprocess_exec(self.runtime.binary, "exec", self.container, "/bin/sh", "-c",
@@ -129,7 +136,7 @@ class OciSandbox(IsolatedSandbox):
         for key, value in {"HOME": HOME, "TMPDIR": "/tmp", **self.spec.env, **(env or {})}.items():
             args += ["-e", f"{key}={value}"]
         code, out, err, timed_out, cancelled = await self._cli(*args, self.container, *argv, stdin=stdin,
-                                                               timeout_s=timeout_s)
+                                                               timeout_s=timeout_s, bounded=True)
         return ExecResult(-1 if timed_out or cancelled else code, out.decode(errors="replace"),
                           err.decode(errors="replace"), timed_out, cancelled)
 
@@ -285,6 +292,8 @@ class OciRuntime(Runtime):
             bind_workspace = any(Path(spec.workspace).iterdir())
             args = ["run", "-d", "--name", container, *self._engine_flags(), "--network", network,
                     "--hostname", "polar", "-w", sandbox.workspace if bind_workspace else "/",
+                    # a setuid binary of the image (or one the agent makes) gains nothing
+                    "--security-opt", "no-new-privileges",
                     "-e", f"HOME={HOME}", "-e", f"PATH={PATH}",
                     "-v", f"{spec.home}:{HOME}", "-v", f"{spec.proxy.ca}:{CA_INSIDE}:ro"]
             if bind_workspace:
@@ -294,6 +303,8 @@ class OciRuntime(Runtime):
                 args += ["-v", f"{Path(path).resolve()}:{Path(path).absolute()}:ro"]
             for inside, host in spec.binds.items():
                 args += ["-v", f"{host}:{posixpath.normpath(inside)}"]
+            for inside, host in spec.read_only_binds.items():
+                args += ["-v", f"{host}:{posixpath.normpath(inside)}:ro"]
             if spec.cpus:
                 args += ["--cpus", str(spec.cpus)]
             if spec.memory_mb:
