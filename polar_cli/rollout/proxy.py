@@ -90,9 +90,11 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
     log = log_dir / f"mitmdump-{forward}.log"
     # The sandboxes' only way out is this proxy: anything but a model call or the control paths is refused (a
     # proxy-only agent could otherwise reach any host through the forward listener's pass-through).
+    # Fixed sampling: the agent under training does not choose its temperature, truncation or seed (one greedy call
+    # would make `polar train` refuse the batch); `--set polar_sampling=client` gives the choice back.
     # Registered sessions: labels from the runner's registrations alone, whatever the agent's calls claim (last: no
     # --set turns it off).
-    options = {"polar_block_other": "true", **(options or {}), "polar_sessions": "registered"}
+    options = {"polar_block_other": "true", "polar_sampling": "fixed", **(options or {}), "polar_sessions": "registered"}
     cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{forward}", f"reverse:{reverse_target}@{reverse}"],
                            confdir=confdir, options=options)
     fence, fence_path = claim_writer(log_dir)
