@@ -27,9 +27,17 @@ def test_the_rollouts_proxy_refuses_non_model_traffic_but_serves_models_and_cont
         with httpx.Client(proxy=forward, timeout=60) as client:
             other = client.get(f"http://127.0.0.1:{listener.getsockname()[1]}/")
             assert other.status_code == 403 and b"polar_block_other" in other.content
-            model = client.post("http://api.openai.com/v1/chat/completions", headers={"authorization": "Bearer polar:s1"},
+            registered = client.post("http://polar.local/sessions/s1/register", json={"task": "t", "group": "t", "sample": 0},
+                                     headers={"authorization": f"Bearer {proxy.control_token}"})
+            assert registered.status_code == 200, registered.text
+            secret = registered.json()["secret"]
+            model = client.post("http://api.openai.com/v1/chat/completions", headers={"authorization": f"Bearer polar:{secret}"},
                                 json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
             assert model.status_code == 200, model.text
+            # A claimed identity is refused: the rollout's proxy takes sessions from registrations only.
+            claimed = client.post("http://api.openai.com/v1/chat/completions", headers={"authorization": "Bearer polar:s1"},
+                                  json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+            assert claimed.status_code == 403, claimed.text
             control = client.post("http://polar.local/sessions/s1/reward", json={"value": 1.0},
                                   headers={"authorization": f"Bearer {proxy.control_token}"})
             assert control.status_code == 200, control.text
