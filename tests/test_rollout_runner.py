@@ -206,7 +206,9 @@ def test_polar_rollout_command_then_build(tiny_model_dir: Path, tmp_path: Path, 
     broken = _tasks(tmp_path / "broken" if (tmp_path / "broken").mkdir() is None else tmp_path,
                     {"id": "broken", "instruction": "x", "setup": "exit 1"})
     failed = _polar("rollout", str(broken), "--harness", HARNESS, "--proxy",
-                    f"http://127.0.0.1:{proxy.endpoints.forward_port}", "--confdir", str(Path(proxy.endpoints.ca).parent),
+                    f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+                    "--reverse-url", f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
+                    "--confdir", str(Path(proxy.endpoints.ca).parent),
                     "--init-attempts", "1", "--report-dir", str(tmp_path / "report"),
                     env={"POLAR_CONTROL_TOKEN": proxy.control_token})
     assert failed.returncode == 1, failed.stdout + failed.stderr
