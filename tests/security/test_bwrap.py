@@ -24,12 +24,12 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 
-from polar_cli.rollout.proxy import StartedProxy, start_proxy
+from polar_cli.rollout.proxy import StartedProxy
 from polar_cli.rollout.runtimes import bridge, confine
 from polar_cli.rollout.runtimes.base import ProxyEndpoints, SandboxSpec
 from polar_cli.rollout.runtimes.bwrap import BwrapRuntime, find_bwrap
+from tests.support.attacks import write_task
 from tests.support.prereq import missing
 from tests.support.proxy import REPO
 
@@ -37,29 +37,13 @@ PYTHON = "/usr/bin/python3"  # the host's: /usr is inside every sandbox
 ALLOWED_ETC = {name.split("/")[0] for name in confine.ETC_ALLOWLIST} | {"passwd", "group"}
 
 
-@pytest.fixture(scope="module")
-def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    if find_bwrap() is None:
-        missing("bwrap is not installed (make sandbox)")
-    root = tmp_path_factory.mktemp("bwrap-attacks")
-    script = root / "script.json"
-    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "ok"}]}))
-    with start_proxy(f"scripted:{script}", str(root / "store"), confdir=root / "conf", log_dir=root,
-                     options={"polar_shard_seconds": "0.2"}) as started:
-        yield started
 
 
-def _tasks(root: Path, verify: str = "false") -> Path:
-    (root / "ws").mkdir(parents=True, exist_ok=True)
-    (root / "ws" / "README").write_text("the task\n")
-    path = root / "tasks.jsonl"
-    path.write_text(json.dumps({"id": "t", "instruction": "do it", "workspace": "ws", "verify": verify}) + "\n")
-    return path
 
 
 def _rollout_command(proxy: StartedProxy, root: Path, harness: str, *extra: str, seed: int,
                      verify: str = "false") -> list[str]:
-    return [sys.executable, "-m", "polar_cli.app", "rollout", str(_tasks(root, verify)), "--harness", harness,
+    return [sys.executable, "-m", "polar_cli.app", "rollout", str(write_task(root, verify=verify)), "--harness", harness,
             "--runtime", "bwrap", "--proxy", f"http://127.0.0.1:{proxy.endpoints.forward_port}",
             "--reverse-url", f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
             "--confdir", str(Path(proxy.endpoints.ca).parent), "--report-dir", str(root / "report"),

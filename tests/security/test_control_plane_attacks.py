@@ -15,7 +15,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-from polar_cli.mitm import REPO
 
 ATTACK = r"""
 rev="${OPENAI_BASE_URL%/v1}"

@@ -22,12 +22,11 @@ from pathlib import Path
 import pytest
 
 from polar_addon.store import read_sessions
-from polar_cli.rollout.proxy import StartedProxy, start_proxy
+from polar_cli.rollout.proxy import StartedProxy
 from polar_cli.rollout.redact import REDACTED, redact
-from polar_cli.rollout.runtimes.bwrap import find_bwrap
 from polar_cli.rollout.runtimes.output import BoundedOutput
 from tests.support.oci_image import build_test_image
-from tests.support.prereq import missing
+from tests.support.attacks import store_of, write_task
 from tests.support.proxy import REPO
 from tests.support.shards import wait_for_shards
 
@@ -36,28 +35,10 @@ PYTHON = "/usr/bin/python3"  # the host's: /usr is inside every sandbox
 TRUST_LOCAL = ("--runtime", "local", "--trust-agent")
 
 
-@pytest.fixture(scope="module")
-def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    if find_bwrap() is None:
-        missing("bwrap is not installed (make sandbox)")
-    root = tmp_path_factory.mktemp("runtime-attacks")
-    script = root / "script.json"
-    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "ok"}]}))
-    with start_proxy(f"scripted:{script}", str(root / "store"), confdir=root / "conf", log_dir=root,
-                     options={"polar_shard_seconds": "0.2"}) as started:
-        yield started
 
 
-def _store(proxy: StartedProxy) -> str:
-    return str(Path(proxy.log).parent / "store")
 
 
-def _tasks(root: Path, **task) -> Path:
-    (root / "ws").mkdir(parents=True, exist_ok=True)
-    (root / "ws" / "README").write_text("the task\n")
-    path = root / "tasks.jsonl"
-    path.write_text(json.dumps({"id": "t", "instruction": "do it", "workspace": "ws", "verify": "false", **task}) + "\n")
-    return path
 
 
 def _rollout(proxy: StartedProxy, root: Path, tasks: Path, harness: str, *extra: str, seed: int,
@@ -82,8 +63,8 @@ def _only_session(root: Path) -> dict:
 
 
 def _stored_reward(proxy: StartedProxy, session_id: str) -> dict[str, float]:
-    wait_for_shards(_store(proxy))
-    return {s.session_id: s for s in read_sessions(_store(proxy))}[session_id].rewards
+    wait_for_shards(store_of(proxy))
+    return {s.session_id: s for s in read_sessions(store_of(proxy))}[session_id].rewards
 
 
 def _harness_log(root: Path, session_id: str) -> str:
@@ -147,7 +128,7 @@ def test_the_default_runtime_is_bwrap_where_the_proc_token_attack_fails(proxy: S
     """Attack 4 on the default: /proc/*/cmdline -> the proxy's polar_out -> its .control-token -> reward 1.0. In
     bwrap the agent sees its own pid namespace and no store: no token, its post refused, the verifier's 0.0 stands.
     The same script on local --trust-agent gets the token (the probe can succeed)."""
-    tasks = _tasks(tmp_path)
+    tasks = write_task(tmp_path)
     harness = f"cmd:{PYTHON} {ATTACKER} steal {{session}}"
     done = _rollout(proxy, tmp_path, tasks, harness, seed=2301)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -160,14 +141,14 @@ def test_the_default_runtime_is_bwrap_where_the_proc_token_attack_fails(proxy: S
     assert _stored_reward(proxy, session["session_id"]) == {"reward": 0.0}
 
     trusted = tmp_path / "trusted"
-    done = _rollout(proxy, trusted, _tasks(trusted), harness, *TRUST_LOCAL, seed=2302)
+    done = _rollout(proxy, trusted, write_task(trusted), harness, *TRUST_LOCAL, seed=2302)
     assert done.returncode == 0, done.stdout + done.stderr
     report = _attack_report(trusted, _only_session(trusted)["session_id"])
     assert report["token"] is True and report["posted"] == 200, report
 
 
 def test_an_honest_session_is_rewarded_on_the_default_runtime(proxy: StartedProxy, tmp_path: Path) -> None:
-    tasks = _tasks(tmp_path, verify='test "$(cat answer.txt)" = 42')
+    tasks = write_task(tmp_path, verify='test "$(cat answer.txt)" = 42')
     done = _rollout(proxy, tmp_path, tasks, "cmd:echo 42 > answer.txt", seed=2303)
     assert done.returncode == 0, done.stdout + done.stderr
     session = _only_session(tmp_path)
@@ -176,7 +157,7 @@ def test_an_honest_session_is_rewarded_on_the_default_runtime(proxy: StartedProx
 
 
 def test_local_is_refused_without_trust_agent_and_warns_with_it(proxy: StartedProxy, tmp_path: Path) -> None:
-    tasks = _tasks(tmp_path, verify="true")
+    tasks = write_task(tmp_path, verify="true")
     refused = _rollout(proxy, tmp_path, tasks, "cmd:true", "--runtime", "local", seed=2304)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     said = " ".join(refused.stderr.split())
@@ -198,7 +179,7 @@ def test_without_a_working_bwrap_the_default_is_refused_with_the_reason(proxy: S
         pass
     empty = tmp_path / "bin"
     empty.mkdir()
-    tasks = _tasks(tmp_path, verify="true")
+    tasks = write_task(tmp_path, verify="true")
     cmd = [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", "cmd:true", "--proxy",
            f"http://127.0.0.1:{proxy.endpoints.forward_port}", "--report-dir", str(tmp_path / "report")]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -223,7 +204,7 @@ def test_a_setsid_sleeper_is_dead_when_polar_rollout_returns(proxy: StartedProxy
     args: tuple[str, ...] = TRUST_LOCAL if runtime == "local" else ("--runtime", runtime)
     if runtime == "oci":
         task["image"] = build_test_image()
-    tasks = _tasks(tmp_path, **task)
+    tasks = write_task(tmp_path, **task)
     done = _rollout(proxy, tmp_path, tasks, f"cmd:setsid sleep {mark} </dev/null >/dev/null 2>&1 & echo left",
                     *args, seed=2310 + ["local", "bwrap", "oci"].index(runtime))
     try:
@@ -240,7 +221,7 @@ def test_a_survivor_on_local_cannot_post_after_the_verifier(proxy: StartedProxy,
     posting reward 1.0 every 0.1 s for a minute; the verifier says 0.0. The child dies with the harness (its pid
     namespace), so the store keeps the verifier's reward and nothing of it runs after `polar rollout` returns."""
     mark = f"survivor-{uuid.uuid4().hex}"
-    tasks = _tasks(tmp_path)
+    tasks = write_task(tmp_path)
     done = _rollout(proxy, tmp_path, tasks, f"cmd:{PYTHON} {ATTACKER} survive {{session}} {mark}", *TRUST_LOCAL,
                     seed=2320)
     try:
@@ -274,10 +255,10 @@ def test_200_mb_of_stdout_leaves_the_runner_and_harness_log_small(proxy: Started
 
     seed = 2330 + 10 * ["bwrap", "local"].index(runtime)
     honest = tmp_path / "honest"
-    baseline = peak_kb(_rollout(proxy, honest, _tasks(honest, verify="true"), "cmd:echo hi", *args, seed=seed,
+    baseline = peak_kb(_rollout(proxy, honest, write_task(honest, verify="true"), "cmd:echo hi", *args, seed=seed,
                                 prefix=measure))
     loud = tmp_path / "loud"
-    tasks = _tasks(loud, verify='test "$(wc -c < "$POLAR_AGENT_OUTPUT")" -lt 3000000')
+    tasks = write_task(loud, verify='test "$(wc -c < "$POLAR_AGENT_OUTPUT")" -lt 3000000')
     harness = "cmd:echo START; yes xxxxxxxxxxxxxxx | head -c 200000000; echo END"
     peak = peak_kb(_rollout(proxy, loud, tasks, harness, *args, seed=seed + 1, prefix=measure))
     assert peak - baseline < 100_000, f"runner peak RSS {peak} kB against {baseline} kB for an honest run"
@@ -297,8 +278,8 @@ def test_200_mb_of_stdout_leaves_the_runner_and_harness_log_small(proxy: Started
 def test_the_manifest_and_summary_never_hold_the_control_token(proxy: StartedProxy, tmp_path: Path) -> None:
     """Attack 10: `--control-token T` on the command line (and a trusted local agent that prints T and its own
     credential, which the summary's reason quotes) leaves T out of the manifest, the summary and the logs."""
-    tasks = _tasks(tmp_path, verify="true")
-    harness = f"cmd:cat {_store(proxy)}/.control-token; echo $OPENAI_API_KEY; echo $HTTPS_PROXY; exit 3"
+    tasks = write_task(tmp_path, verify="true")
+    harness = f"cmd:cat {store_of(proxy)}/.control-token; echo $OPENAI_API_KEY; echo $HTTPS_PROXY; exit 3"
     done = _rollout(proxy, tmp_path, tasks, harness, *TRUST_LOCAL, seed=2350, token_on_command_line=True)
     assert done.returncode in (0, 1), done.stdout + done.stderr
     report = tmp_path / "report"

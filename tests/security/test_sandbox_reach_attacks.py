@@ -8,7 +8,6 @@ agent planted, so a reward above 0 means the plant got through."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

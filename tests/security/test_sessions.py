@@ -238,7 +238,7 @@ def test_an_ended_sessions_secret_is_refused_and_its_calls_are_kept(registered: 
 def test_wrong_missing_and_claimed_credentials_are_refused_in_the_callers_protocol(registered: Proxy) -> None:
     secret = register_session(registered.port, registered.control_token, "right-1", "t", "g", 0)
     for key, status in ((f"polar:{secret[:-1]}x", 401), ("sk-real-looking", 401), ("polar:session=right-1", 403),
-                        (f"polar:session=right-1;task=t;group=g", 403)):
+                        ("polar:session=right-1;task=t;group=g", 403)):
         with pytest.raises(openai.APIStatusError) as refused:
             _hi(_openai(registered, key))
         assert refused.value.status_code == status, key

@@ -23,12 +23,11 @@ import pytest
 
 from polar_addon.store import read_sessions
 from polar_cli.build.output import read_traces
-from polar_cli.rollout.proxy import StartedProxy, start_proxy
-from polar_cli.rollout.runtimes.bwrap import find_bwrap
+from polar_cli.rollout.proxy import StartedProxy
 from polar_cli.rollout.verify import (NoReward, file_rewards, guard_left, harbor_rewards, parse_reward_json,
                                       read_reward_file)
 from tests.support.oci_image import build_test_image
-from tests.support.prereq import missing
+from tests.support.attacks import store_of
 from tests.support.proxy import REPO
 from tests.support.shards import wait_for_shards
 
@@ -40,20 +39,8 @@ ZERO_ELSE = ("sh ./solution.sh 2>/dev/null\n"
 ONLY_ON_PASS = "sh ./solution.sh 2>/dev/null\n[ -f passed ] && echo 1 > /logs/verifier/reward.txt\nexit 0\n"
 
 
-@pytest.fixture(scope="module")
-def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    if find_bwrap() is None:
-        missing("bwrap is not installed (make sandbox)")
-    root = tmp_path_factory.mktemp("verifier-attacks")
-    script = root / "script.json"
-    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "ok"}]}))
-    with start_proxy(f"scripted:{script}", str(root / "store"), confdir=root / "conf", log_dir=root,
-                     options={"polar_shard_seconds": "0.2"}) as started:
-        yield started
 
 
-def _store(proxy: StartedProxy) -> str:
-    return str(Path(proxy.log).parent / "store")
 
 
 def _rollout(proxy: StartedProxy, root: Path, tasks: Path, *extra: str, seed: int) -> subprocess.CompletedProcess:
@@ -185,19 +172,19 @@ def test_failing_loudly_is_failed_with_reward_0_never_masked(jsonl_run: tuple[Pa
     summary = json.loads((root / "report" / "rollout-summary.json").read_text())
     assert summary["statuses"]["failed"] == 3 and summary["mask_rate"] == 0.0
     assert summary["groups"]["kill9"] == {"rewards": [0.0], "mean": 0.0, "sessions": 1, "masked": 0, "mask_rate": 0.0}
-    wait_for_shards(_store(proxy))
-    stored = {s.session_id: s for s in read_sessions(_store(proxy))}
+    wait_for_shards(store_of(proxy))
+    stored = {s.session_id: s for s in read_sessions(store_of(proxy))}
     assert {stored[sessions[t]["session_id"]].status for t in ("exit1", "kill9", "silent")} == {"agent_error"}
 
     built = root / "built"
-    done = subprocess.run([sys.executable, "-m", "polar_cli.app", "build", _store(proxy), "--out", str(built)],
+    done = subprocess.run([sys.executable, "-m", "polar_cli.app", "build", store_of(proxy), "--out", str(built)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     traces = {t.session_id: t for t in read_traces(built)}
     for task in ("exit1", "kill9"):
         trace = traces[sessions[task]["session_id"]]
         assert (trace.reward, trace.trainable) == (0.0, True), task
-    stats = subprocess.run([sys.executable, "-m", "polar_cli.app", "stats", _store(proxy), "--json"],
+    stats = subprocess.run([sys.executable, "-m", "polar_cli.app", "stats", store_of(proxy), "--json"],
                            cwd=REPO, capture_output=True, text=True, timeout=600)
     assert stats.returncode == 0, stats.stderr
     masks = json.loads(stats.stdout)["masks"]["groups"]

@@ -12,16 +12,23 @@ at their own paths (host binaries need the image to carry their libraries: node 
 image like the host's), the proxy's CA certificate (only that file) read-only.
 
 Limits: ``spec.cpus``, ``memory_mb``, ``pids`` become ``--cpus``, ``--memory``, ``--pids-limit`` (enforced by the
-engine's cgroup). The container runs as the image's user (root, usually) with the engine's default capabilities,
-inside the engine's user-namespace setup (none for rootful podman/docker: container root is host root restricted
-by capabilities, seccomp and the mount namespace), with ``no-new-privileges`` (setuid binaries gain nothing).
-Rootful, that root is host root to a bound directory: a root-only file bound in is readable (polar binds only
-the session's own directories and the read-only paths named).
+engine's cgroup). The container runs as the image's user (root, usually) with the engine's default capabilities
+and ``no-new-privileges`` (setuid binaries gain nothing). No host root: podman run by root maps the container's
+uids 0..65535 to the host's ``host_uid``.. (default :data:`confine.DEFAULT_HOST_UID`, ids of no account;
+``--uidmap``/``--gidmap``), so container root reads no root-only host file bound in and owns nothing on the host.
+The bound writable directories (workspace, HOME, ``spec.binds``) are handed to the container user's host uid
+before each exec (the runner writes there as root between execs), and their setuid/setgid bits are cleared when
+the sandbox stops. The image's own files keep their owners inside (root-owned stays root-owned, mapped).
+Rootless podman maps the container to the invoking user already. Docker has no per-container uid map (only the
+daemon's ``userns-remap``): rootful docker's container root is host root, restricted by capabilities, seccomp and
+the mount namespace, so a root-only file bound in is readable and what it writes to a bound directory is root's.
 
-Network: ``host`` (``--network host``), ``none``, and ``proxy-only`` (podman only): the container joins a network
-namespace that polar prepares (a loopback only, with socat listening on the proxy's ports and relaying to the host
-through Unix sockets, :mod:`bridge`), so any image works, with or without socat. Docker cannot join a prepared
-namespace: use podman, or ``network="host"``.
+Network: ``host`` (``--network host``), ``none``, and ``proxy-only`` (podman only): the container's network
+namespace has a loopback only, with socat listening on the proxy's ports and relaying to the host through Unix
+sockets (:mod:`bridge`), so any image works, with or without socat. The container joins a namespace that polar
+prepares, or, with mapped uids, gets its own (``--network none``: a namespace it must own, for the engine sets
+its sysctls from inside) which the bridge's socats then join from the host (``nsenter``) before the first exec.
+Docker cannot join a prepared namespace: use podman, or ``network="host"``.
 
 Timeouts and ``cancel`` kill every process in the container but its pid 1 (a session runs one command at a time;
 a daemon started by setup dies too).
@@ -43,6 +50,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from polar_cli import lifeline
+from polar_cli.rollout.runtimes import confine
 from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import (ISOLATED_CA, ISOLATED_HOME, ExecResult, IsolatedSandbox, Runtime,
                                              RuntimeUnavailable, SandboxSpec)
@@ -58,6 +66,8 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 INIT = 'trap "exit 0" TERM; while :; do sleep 3600 & wait $!; done'
 # Kills everything but pid 1 and itself (kill -1 spares both).
 KILL_ALL = "kill -9 -1 2>/dev/null; exit 0"
+# How many container uids (and gids) a root podman maps to the host: 0..65535, every id an image's files commonly use.
+MAPPED_IDS = 65536
 
 
 def from_images(dockerfile: str) -> list[str]:
@@ -84,12 +94,14 @@ class OciSandbox(IsolatedSandbox):
         self.helpers = helpers  # host-side bridge socats and the network-namespace holder
         self.workspace = spec.workdir or WORKSPACE
         self.host_workspace: Path | None = None  # set by start when the host directory is bound
+        self.owner: tuple[int, int] | None = None  # the container user's host uid and gid, when uids are mapped
 
     async def _cli(self, *args: str, stdin: bytes | None = None, timeout_s: float | None = None,
-                   bounded: bool = False) -> tuple[int, bytes, bytes, bool, bool]:
+                   bounded: bool = False, since: int | None = None) -> tuple[int, bytes, bytes, bool, bool]:
         """One engine CLI call; returns (exit code, stdout, stderr, timed out, cancelled). ``bounded``: keep only a
-        head and a tail of each stream (:mod:`output`), for what the agent controls."""
-        cancels = self.cancels
+        head and a tail of each stream (:mod:`output`), for what the agent controls. ``since``: the cancel count
+        when the caller began (a cancel after it stops this call), else now's."""
+        cancels = self.cancels if since is None else since
         proc = await asyncio.create_subprocess_exec(
             self.runtime.binary, *args, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -125,10 +137,24 @@ class OciSandbox(IsolatedSandbox):
                                                     KILL_ALL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         await proc.wait()
 
+    def writable(self) -> list[Path]:
+        """The host directories bound writable inside."""
+        bound = [self.host_workspace] if self.host_workspace is not None else []
+        return [*bound, Path(self.spec.home), *(Path(p) for p in self.spec.binds.values())]
+
+    async def hand_over(self) -> None:
+        """The writable directories to the container user's host uid (mapped uids only): the runner writes there as
+        root between execs (HOME's harness config, the verifier's patch), which the mapped user could not change."""
+        if self.owner is not None:
+            for path in self.writable():
+                await asyncio.to_thread(confine.hand_over, path, *self.owner)
+
     async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
                    cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
         if self.stopped:
             raise RuntimeError(f"sandbox {self.spec.name} is stopped")
+        cancels = self.cancels  # a cancel while the directories are handed over stops this exec too
+        await self.hand_over()
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         args = ["exec", "-w", cwd or self.workspace]
         if stdin is not None:
@@ -136,7 +162,7 @@ class OciSandbox(IsolatedSandbox):
         for key, value in {"HOME": HOME, "TMPDIR": "/tmp", **self.spec.env, **(env or {})}.items():
             args += ["-e", f"{key}={value}"]
         code, out, err, timed_out, cancelled = await self._cli(*args, self.container, *argv, stdin=stdin,
-                                                               timeout_s=timeout_s, bounded=True)
+                                                               timeout_s=timeout_s, bounded=True, since=cancels)
         return ExecResult(-1 if timed_out or cancelled else code, out.decode(errors="replace"),
                           err.decode(errors="replace"), timed_out, cancelled)
 
@@ -187,6 +213,10 @@ class OciSandbox(IsolatedSandbox):
         if self.lifeline_key:
             lifeline.cancel(self.lifeline_key)
         await stop_processes(self.helpers)
+        # The container is gone: what it leaves on the host (kept sessions) runs with no one's rights.
+        for path in self.writable():
+            if path.is_dir():
+                await asyncio.to_thread(confine.strip_setid, path)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -194,9 +224,15 @@ class OciRuntime(Runtime):
     name = "oci"
 
     def __init__(self, engine: str = "podman", binary: str | None = None, image: str | None = None,
-                 oci_runtime: str | None = None, scratch_dir: Path | str | None = None):
+                 oci_runtime: str | None = None, scratch_dir: Path | str | None = None, host_uid: int | None = None):
         if engine not in ("podman", "docker"):
             raise ValueError(f"oci runtime: engine must be podman or docker, not {engine!r}")
+        maps = engine == "podman" and os.geteuid() == 0
+        if host_uid is not None and not maps:
+            raise ValueError("oci runtime: host_uid needs podman run by root (docker maps no uids per container; "
+                             "rootless podman maps the container to the invoking user)")
+        # The first host uid (and gid) of the container's mapped range; None: the engine's own mapping.
+        self.host_uid = (confine.DEFAULT_HOST_UID if host_uid is None else host_uid) if maps else None
         found = binary or shutil.which(engine)
         if not found:
             raise RuntimeUnavailable(f"oci runtime: no {engine} binary (`make sandbox` installs podman and runc)")
@@ -217,6 +253,18 @@ class OciRuntime(Runtime):
         flags = ["--runtime", self.oci_runtime] if self.oci_runtime else []
         # Without CAP_SYS_RESOURCE in its namespace podman cannot raise the default limits; set them explicitly.
         return flags + ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+
+    def _userns_flags(self) -> list[str]:
+        if self.host_uid is None:
+            return []
+        return ["--uidmap", f"0:{self.host_uid}:{MAPPED_IDS}", "--gidmap", f"0:{self.host_uid}:{MAPPED_IDS}"]
+
+    async def _pid(self, container: str) -> int:
+        """The host pid of the container's pid 1."""
+        code, out = await self._run("inspect", "--format", "{{.State.Pid}}", container)
+        if code != 0 or not out.strip().isdigit():
+            raise RuntimeUnavailable(f"oci runtime: inspecting container {container} failed: {out[-4000:]}")
+        return int(out)
 
     async def _run(self, *args: str) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(self.binary, *args, stdin=subprocess.DEVNULL,
@@ -286,11 +334,15 @@ class OciRuntime(Runtime):
             network = spec.network
             if network == "proxy-only":
                 helpers += await start_host_bridges(spec.proxy, scratch / "sockets")
-                holder, pid = await self._network_holder(spec, scratch / "sockets")
-                helpers.append(holder)
-                network = f"ns:/proc/{pid}/ns/net"
+                if self.host_uid is None:
+                    holder, pid = await self._network_holder(spec, scratch / "sockets")
+                    helpers.append(holder)
+                    network = f"ns:/proc/{pid}/ns/net"
+                else:  # bridged into the container's own namespace once it runs
+                    network = "none"
             bind_workspace = any(Path(spec.workspace).iterdir())
-            args = ["run", "-d", "--name", container, *self._engine_flags(), "--network", network,
+            args = ["run", "-d", "--name", container, *self._engine_flags(), *self._userns_flags(),
+                    "--network", network,
                     "--hostname", "polar", "-w", sandbox.workspace if bind_workspace else "/",
                     # a setuid binary of the image (or one the agent makes) gains nothing
                     "--security-opt", "no-new-privileges",
@@ -315,6 +367,12 @@ class OciRuntime(Runtime):
             code, log = await self._run(*args)
             if code != 0:
                 raise RuntimeUnavailable(f"oci runtime: starting a container of {image} failed:\n{log[-4000:]}")
+            if self.host_uid is not None:
+                pid = await self._pid(container)
+                sandbox.owner = owner_of(pid)
+                if spec.network == "proxy-only":
+                    holder, _ = await self._network_holder(spec, scratch / "sockets", join=f"/proc/{pid}/ns/net")
+                    helpers.append(holder)
             if not bind_workspace:  # the image's own directory, which an image's WORKDIR does not always create
                 made = await sandbox.exec(["mkdir", "-p", sandbox.workspace], cwd="/")
                 if made.exit_code != 0:
@@ -324,17 +382,26 @@ class OciRuntime(Runtime):
             raise
         return sandbox
 
-    async def _network_holder(self, spec: SandboxSpec, sockets: Path) -> tuple[asyncio.subprocess.Process, int]:
-        """A process owning a fresh network namespace (bwrap brings its loopback up) in which the bridge listens on
-        the proxy's ports; the container joins it. Host filesystem and pid namespace, so the socats reach the host's
-        sockets and the namespace is /proc/PID/ns/net."""
-        bwrap = find_bwrap()
-        if not bwrap or not shutil.which("socat"):
-            raise RuntimeUnavailable("oci runtime: proxy-only needs bwrap and socat on the host (`make sandbox`)")
-        argv = [bwrap, "--bind", "/", "/", "--dev-bind", "/dev", "/dev", "--unshare-net", "--die-with-parent",
-                "--", "/bin/sh", "-c", BRIDGE_SCRIPT, "bridge", "/bin/sh", "-c", "echo $$; exec sleep infinity"]
-        if os.geteuid() != 0:
-            argv[1:1] = ["--unshare-user"]
+    async def _network_holder(self, spec: SandboxSpec, sockets: Path,
+                              join: str | None = None) -> tuple[asyncio.subprocess.Process, int]:
+        """A process in whose network namespace the bridge listens on the proxy's ports: a fresh one (bwrap brings
+        its loopback up) that the container then joins, or the container's own, ``join`` (nsenter; podman's
+        ``none`` brings the loopback up). Host filesystem and pid namespace, so the socats reach the host's sockets
+        and the namespace is /proc/PID/ns/net."""
+        tail = ["--", "/bin/sh", "-c", BRIDGE_SCRIPT, "bridge", "/bin/sh", "-c", "echo $$; exec sleep infinity"]
+        if join is not None:
+            nsenter = shutil.which("nsenter")
+            if not nsenter or not shutil.which("socat"):
+                raise RuntimeUnavailable("oci runtime: proxy-only needs nsenter and socat on the host (`make sandbox`)")
+            argv = [nsenter, f"--net={join}", *tail]
+        else:
+            bwrap = find_bwrap()
+            if not bwrap or not shutil.which("socat"):
+                raise RuntimeUnavailable("oci runtime: proxy-only needs bwrap and socat on the host (`make sandbox`)")
+            argv = [bwrap, "--bind", "/", "/", "--dev-bind", "/dev", "/dev", "--unshare-net", "--die-with-parent",
+                    *tail]
+            if os.geteuid() != 0:
+                argv[1:1] = ["--unshare-user"]
         holder = await asyncio.create_subprocess_exec(
             *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env={**os.environ, "POLAR_BRIDGE": bridge_env(spec.proxy, str(sockets))}, start_new_session=True)
@@ -348,7 +415,19 @@ class OciRuntime(Runtime):
             raise RuntimeUnavailable(f"oci runtime: the proxy-only network namespace did not start: {err}")
 
 
+def owner_of(pid: int) -> tuple[int, int]:
+    """The host uid and gid process ``pid`` runs as (real ids), from the kernel: the container's pid 1 runs as the
+    image's user, whose name only the image's own /etc/passwd may resolve."""
+    ids = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("Uid", "Gid"):
+            ids[key] = int(value.split()[0])
+    return ids["Uid"], ids["Gid"]
+
+
 def make(**options) -> OciRuntime:
     """``--runtime oci``; options: ``engine`` (podman|docker), ``binary``, ``image`` (default image),
-    ``oci_runtime`` (podman's --runtime, default runc when installed), ``scratch_dir``."""
+    ``oci_runtime`` (podman's --runtime, default runc when installed), ``scratch_dir``, ``host_uid`` (podman run by
+    root only: the host uid container root maps to, the next 65535 following)."""
     return OciRuntime(**options)
