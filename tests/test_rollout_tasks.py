@@ -225,16 +225,21 @@ def test_local_runtime_env_limits_and_refusals(tmp_path: Path, monkeypatch: pyte
 
 def test_local_runtime_timeout_and_cancel_kill_the_whole_group(tmp_path: Path) -> None:
     runtime = get_runtime("local")
-    marker = tmp_path / "ws" / "grandchild.pid"
+    # The grandchild is found on the host by its argv: in the exec's own pid namespace, `$!` is not a host pid.
+    seconds = f"300.{os.getpid()}{time.monotonic_ns() % 100000}"
 
     async def go() -> None:
         sandbox = await runtime.start(_spec(tmp_path))
         started = time.monotonic()
-        done = await sandbox.exec(f"sh -c 'sleep 300 & echo $! > {marker}; wait'", timeout_s=1)
-        assert done.timed_out and done.exit_code == -1 and time.monotonic() - started < 10
-        pid = int(marker.read_text())
+        job = asyncio.create_task(sandbox.exec(f"sh -c 'sleep {seconds} & wait'", timeout_s=3))
+        deadline = time.monotonic() + 10
+        while not _sleeping(seconds) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert _sleeping(seconds), "the grandchild never started"  # the probe below can fire
+        done = await job
+        assert done.timed_out and done.exit_code == -1 and time.monotonic() - started < 12
         await asyncio.sleep(0.2)
-        assert not _alive(pid), "the grandchild outlived the timeout"
+        assert not _sleeping(seconds), "the grandchild outlived the timeout"
         job = asyncio.create_task(sandbox.exec("sleep 300"))
         await asyncio.sleep(0.5)
         await sandbox.cancel()
@@ -243,6 +248,20 @@ def test_local_runtime_timeout_and_cancel_kill_the_whole_group(tmp_path: Path) -
         await sandbox.stop()
 
     asyncio.run(go())
+
+
+def _sleeping(seconds: str) -> list[int]:
+    """Host pids of live ``sleep SECONDS`` processes."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "cmdline").read_bytes() == f"sleep\0{seconds}\0".encode() and _alive(int(entry.name)):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def _alive(pid: int) -> bool:

@@ -42,7 +42,8 @@ try sibling -x "$HTTPS_PROXY" -d "$body" "http://polar.local/sessions/$sib/rewar
 # The token itself: in the environment, any process's command line, any file named like it.
 found=""
 env | grep -qi control && found="$found env"
-cat /proc/*/cmdline 2>/dev/null | tr '\0' ' ' | grep -q 'polar_control_token\|polar_out' && found="$found cmdline"
+# ([c] and [o]: the pattern must not match grep's own command line, which cat reads too)
+cat /proc/*/cmdline 2>/dev/null | tr '\0' ' ' | grep -q 'polar_[c]ontrol_token\|polar_[o]ut' && found="$found cmdline"
 find / -xdev \( -name '.control-token' -o -name 'polar-control-token' \) 2>/dev/null | grep -q . && found="$found file"
 echo "TOKEN-FOUND:${found:-none}"
 """
