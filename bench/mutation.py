@@ -53,7 +53,22 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                          ["tests/test_provider_gemini.py", "tests/test_fidelity.py"]),
     "providers.common": (["polar_addon/providers/common.py", "polar_addon/providers/__init__.py"],
                          ["tests/test_provider_common.py", *PROVIDER_TESTS, "tests/test_fidelity.py"]),
-    "identity": (["polar_addon/identity.py"], ["tests/test_identity.py"]),
+    "identity": (["polar_addon/identity.py"],
+                 ["tests/test_identity.py",
+                  "tests/security/test_sessions.py::test_registry_lookup_revoke_end_and_forget",
+                  "tests/security/test_sessions.py::test_registered_resolution_takes_labels_from_the_registration_alone",
+                  "tests/security/test_sessions.py::test_claimed_mode_trusts_claims_but_never_takes_a_secret_for_a_session_id"]),
+    # The reward-file reading and Harbor's rule (the rollouts that attack them are too slow per mutant).
+    "rollout.verify": (["polar_cli/rollout/verify.py"],
+                       ["tests/test_rollout_tasks.py", *(f"tests/security/test_verifier.py::{name}" for name in (
+                           "test_reward_json_takes_numbers_only", "test_reward_json_counts_only_when_the_tests_write_it",
+                           "test_reading_a_reward_file_follows_no_link_and_is_bounded",
+                           "test_the_guard_verdict_is_its_last_line"))]),
+    # The patch bound and the host-side git (no rollout: the runner's own functions on a planted workspace).
+    "rollout.workspace": (["polar_cli/rollout/workspace.py"],
+                          ["tests/security/test_workspace_attacks.py", "-k", "not rollout"]),
+    # The per-token policy loss (run with --only '*policy_loss*': the rest of the trainer needs training runs).
+    "train.trainer": (["polar_cli/train/trainer.py"], ["tests/test_train_loss_value.py"]),
     "gateway": (["polar_addon/gateway.py"], ["tests/test_gateway_units.py", "tests/test_gateway_core.py"]),
     "store.journal": (["polar_addon/store/journal.py"],
                       ["tests/test_store_journal.py", "tests/test_store_crash.py", *NOT_SLOW]),

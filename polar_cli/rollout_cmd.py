@@ -80,6 +80,8 @@ def rollout(
                                             "temporary directory)."),
     keep_sessions: bool = typer.Option(False, help="Keep each session's workspace and home (debugging)."),
     init_attempts: int = typer.Option(3, help="Tries of a session's INIT (sandbox, workspace, setup)."),
+    max_patch_mb: int = typer.Option(64, min=1, help="Largest agent patch (and workspace growth) in MiB; past it the "
+                                     "session is failed, reward 0, and the runner never reads the patch."),
     read_only: list[Path] = typer.Option([], "--read-only", help="A host path the sandboxes see read-only at the "
                                          "same path (repeatable), e.g. a virtualenv a cmd: agent runs from."),
     display: bool = typer.Option(True, "--progress/--no-progress", help="Live progress display."),
@@ -179,6 +181,7 @@ def rollout(
         tasks=task_list, harness=preset, samples=samples, out=out, engine=engine, proxy=external, runtime=runtime,
         network=network, concurrency=concurrency, ready=ready, timeout_s=timeout, early_stop=early_stop, seed=seed,
         model=model, context_window=context_window, max_output_tokens=max_output_tokens, init_attempts=init_attempts,
+        max_patch_bytes=max_patch_mb * 1024 * 1024,
         work_dir=work_dir, keep_sessions=keep_sessions, read_only=[p.resolve() for p in read_only],
         logs_dir=report / "logs", confdir=confdir, proxy_options=options, run_id=run_id, progress=progress,
     )  # fmt: skip
