@@ -60,7 +60,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
                   "tests/security/test_sessions.py::test_claimed_mode_trusts_claims_but_never_takes_a_secret_for_a_session_id"]),
     # The reward-file reading and Harbor's rule (the rollouts that attack them are too slow per mutant).
     "rollout.verify": (["polar_cli/rollout/verify.py"],
-                       ["tests/test_rollout_tasks.py", *(f"tests/security/test_verifier.py::{name}" for name in (
+                       ["tests/test_rollout_tasks.py", "tests/test_rollout_verify.py",
+                        *(f"tests/security/test_verifier.py::{name}" for name in (
                            "test_reward_json_takes_numbers_only", "test_reward_json_counts_only_when_the_tests_write_it",
                            "test_reading_a_reward_file_follows_no_link_and_is_bounded",
                            "test_the_guard_verdict_is_its_last_line"))]),

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from polar_cli.rollout.tasks import Task, image_free_copies
 
-# Same commits on every host: no user config, no signing, a fixed identity and clock.
-_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "polar", "GIT_AUTHOR_EMAIL": "polar@localhost",
+# Same commits on every host: no user config (the runner's own ~/.gitconfig could set diff.noprefix or
+# diff.external, which change the patch), no signing, a fixed identity and clock.
+_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_AUTHOR_NAME": "polar", "GIT_AUTHOR_EMAIL": "polar@localhost",
             "GIT_COMMITTER_NAME": "polar", "GIT_COMMITTER_EMAIL": "polar@localhost",
             "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
 _GIT_FLAGS = ["-c", "core.excludesFile=/dev/null", "-c", "safe.directory=*", "-c", "commit.gpgsign=false",
