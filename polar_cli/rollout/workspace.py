@@ -22,8 +22,9 @@ from pathlib import Path
 from polar_cli.rollout.tasks import Task, image_free_copies
 
 # Same commits on every host: no user config (the runner's own ~/.gitconfig could set diff.noprefix or
-# diff.external, which change the patch), no signing, a fixed identity and clock.
-_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null", "GIT_AUTHOR_NAME": "polar", "GIT_AUTHOR_EMAIL": "polar@localhost",
+# diff.external, which change the patch; only a task's clone reads it, for the user's credentials), no signing, a
+# fixed identity and clock.
+_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "polar", "GIT_AUTHOR_EMAIL": "polar@localhost",
             "GIT_COMMITTER_NAME": "polar", "GIT_COMMITTER_EMAIL": "polar@localhost",
             "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
 _GIT_FLAGS = ["-c", "core.excludesFile=/dev/null", "-c", "safe.directory=*", "-c", "commit.gpgsign=false",
@@ -44,10 +45,13 @@ class PatchTooLarge(WorkspaceError):
 
 
 async def git(*args: str, cwd: Path | None = None, stdin: bytes | None = None, check: bool = True,
-              max_output: int | None = None) -> bytes:
-    """git's stdout; with ``max_output``, git is killed and :class:`PatchTooLarge` raised once it printed more."""
+              max_output: int | None = None, user_config: bool = False) -> bytes:
+    """git's stdout; with ``max_output``, git is killed and :class:`PatchTooLarge` raised once it printed more.
+    ``user_config``: read the user's ~/.gitconfig (a task repository's clone: its credentials, insteadOf)."""
     env = {**{k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}, **_GIT_ENV,
            "HOME": os.environ.get("HOME", "/")}
+    if not user_config:
+        env["GIT_CONFIG_GLOBAL"] = "/dev/null"
     proc = await asyncio.create_subprocess_exec(
         "git", *_GIT_FLAGS, *args, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE if stdin is not None else None,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
@@ -99,9 +103,9 @@ async def prepare_template(task: Task, cache: Path) -> Path | None:
             tmp = cache / "clone.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             cache.mkdir(parents=True, exist_ok=True)
-            await git("clone", "--quiet", task.repo, str(tmp))
+            await git("clone", "--quiet", task.repo, str(tmp), user_config=True)
             if task.revision:
-                await git("checkout", "--quiet", "--detach", task.revision, cwd=tmp)
+                await git("checkout", "--quiet", "--detach", task.revision, cwd=tmp, user_config=True)
             tmp.rename(target)
         return target
     copies = image_free_copies(task)
