@@ -237,8 +237,9 @@ def rerun_not_killed(module: str, lock: str | None, children: int, timeout_multi
     counts = {status: list(merged.values()).count(status) for status in set(merged.values())}
     stats = dict(stats_before, survived=counts.get("survived", 0), no_tests=counts.get("no tests", 0),
                  timeout=stats_before["timeout"] + sum(after.get(n) == "timeout" for n in retried))
+    # Mutants an --only run never checked stay unchecked (the report counts them as not run, never as killed).
     stats["killed"] = (stats["total"] - stats["skipped"] - stats["survived"] - stats["no_tests"] - stats["timeout"]
-                       - stats["segfault"] - stats["suspicious"])
+                       - stats["segfault"] - stats["suspicious"] - counts.get("not checked", 0))
     stats["rerun_of_not_killed"] = len(retried)
     (work / "mutants" / "mutmut-cicd-stats.json").write_text(json.dumps(stats, indent=4))
 

@@ -76,3 +76,17 @@ def test_an_extreme_log_ratio_is_clamped_not_inf() -> None:
     loss, grad, _ = _loss([math.exp(50.0)], 1.0)
     assert all(math.isfinite(v) for v in loss + grad)
     assert loss == pytest.approx([-(1 + EPS_HIGH)])  # exp(clamp(50, 20)) is far above the clip: capped, no gradient
+
+
+def test_both_log_ratios_are_clamped_at_both_ends() -> None:
+    """r = exp(clamp(logp - old)) and log w = clamp(old - behaviour) at +-CLAMP: a sentinel at either end gives a
+    bounded number, never exp(+-50) (the loss of such a token is ~0 or capped either way, so only the returned
+    ratio and weight show a missing bound)."""
+    logps = torch.tensor([[OLD + 50.0, OLD - 50.0]], dtype=torch.float64)
+    old = torch.full_like(logps, OLD)
+    behav = torch.tensor([[OLD, OLD + 50.0]], dtype=torch.float64)
+    _, ratio, log_is = policy_loss(logps, old, behav, torch.tensor([[1.0]], dtype=torch.float64), loss_type="dapo",
+                                   epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, cispo_cap=CISPO_CAP, tis_cap=TIS_CAP,
+                                   log_ratio_clamp=CLAMP)
+    assert ratio[0].tolist() == pytest.approx([math.exp(CLAMP), math.exp(-CLAMP)], rel=1e-12)
+    assert log_is[0].tolist() == pytest.approx([0.0, -CLAMP])
