@@ -29,7 +29,7 @@ from polar_cli.rollout.proxy import StartedProxy
 from polar_cli.rollout.runtimes import bridge, confine
 from polar_cli.rollout.runtimes.base import ProxyEndpoints, SandboxSpec
 from polar_cli.rollout.runtimes.bwrap import BwrapRuntime, find_bwrap
-from tests.support.attacks import write_task
+from tests.support.attacks import host_pids, write_task
 from tests.support.prereq import missing
 from tests.support.proxy import REPO
 
@@ -65,17 +65,8 @@ def _harness_log(root: Path, session_id: str) -> str:
 
 def _host_socats(marker: str) -> list[int]:
     """Host pids of the bridge's host-side socats (UNIX-LISTEN) whose sockets are under ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                words = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if words[0].endswith(b"socat") and any(w.startswith(b"UNIX-LISTEN:") and marker.encode() in w
-                                                   for w in words):
-                found.append(int(entry.name))
-    return found
+    return host_pids(lambda words: words[0].endswith(b"socat") and any(
+        w.startswith(b"UNIX-LISTEN:") and marker.encode() in w for w in words))
 
 
 # --- the pure parts --------------------------------------------------------------------------------------------

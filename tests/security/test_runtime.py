@@ -26,7 +26,7 @@ from polar_cli.rollout.proxy import StartedProxy
 from polar_cli.rollout.redact import REDACTED, redact
 from polar_cli.rollout.runtimes.output import BoundedOutput
 from tests.support.oci_image import build_test_image
-from tests.support.attacks import store_of, write_task
+from tests.support.attacks import host_pids, store_of, write_task
 from tests.support.proxy import REPO
 from tests.support.shards import wait_for_shards
 
@@ -77,17 +77,8 @@ def _attack_report(root: Path, session_id: str) -> dict:
 
 
 def _running_with(argument: str) -> list[int]:
-    """Host pids whose command line has ``argument`` (the host's /proc shows every namespace's processes)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                words = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argument.encode() in words:
-                found.append(int(entry.name))
-    return found
+    """Host pids whose command line has ``argument``."""
+    return host_pids(lambda words: argument.encode() in words)
 
 
 # --- the pure parts --------------------------------------------------------------------------------------------

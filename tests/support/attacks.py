@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from polar_cli.rollout.proxy import StartedProxy
@@ -19,3 +20,17 @@ def write_task(root: Path, **task) -> Path:
     path = root / "tasks.jsonl"
     path.write_text(json.dumps({"id": "t", "instruction": "do it", "workspace": "ws", "verify": "false", **task}) + "\n")
     return path
+
+
+def host_pids(matches: Callable[[list[bytes]], bool]) -> list[int]:
+    """Host pids whose argv (NUL-split) ``matches``: the host's /proc shows every sandbox's processes."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if matches(words):
+                found.append(int(entry.name))
+    return found
