@@ -64,13 +64,6 @@ def _sampling_defaults() -> SamplingDefaults:
         raise exceptions.OptionsError(f"polar: sampling defaults (polar_temperature, polar_top_p, polar_top_k, polar_min_p): {exc}") from None
 
 
-def _sampling_fixed() -> bool:
-    mode = ctx.options.polar_sampling
-    if mode not in ("client", "fixed"):
-        raise exceptions.OptionsError(f"polar: polar_sampling must be client or fixed, got {mode!r}")
-    return mode == "fixed"
-
-
 def _tito() -> str:
     try:
         return tito_mode(ctx.options.polar_tito)
@@ -172,7 +165,8 @@ class Polar:
         loader.add_option("polar_top_k", int, 0, "top_k of calls whose client sets none; 0 is off (above 0 truncates, which polar train refuses).")
         loader.add_option("polar_sampling", str, "client", "Whose sampling parameters a call uses: client (the defaults above fill in "
                           "what the client leaves out) or fixed (the defaults above for every call, the client's temperature, top_p, "
-                          "top_k, min_p and seed ignored: rollouts, where the agent under training must not choose how it is sampled).")
+                          "top_k, min_p and seed ignored: rollouts, where the agent under training must not choose how it is sampled).",
+                          choices=("client", "fixed"))
         loader.add_option("polar_min_p", str, "0.0", "min_p of calls whose client sets none; above 0 truncates, which polar train refuses.")
         loader.add_option("polar_tito", str, "auto", "Token continuity across a session's turns: auto (on for engines that take token input), "
                           "on, off. A continuing call's prompt is the previous prompt + the sampled ids + only the new messages' tokens.")
@@ -269,7 +263,7 @@ class Polar:
             max_tokens_cap=opts.polar_max_tokens,
             tito=_tito(),
             sampling_defaults=_sampling_defaults(),
-            sampling_fixed=_sampling_fixed(),
+            sampling_fixed=opts.polar_sampling == "fixed",
         )
 
     async def running(self) -> None:

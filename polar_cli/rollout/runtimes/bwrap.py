@@ -161,8 +161,7 @@ class BwrapSandbox(IsolatedSandbox):
         """The writable directories to the sandbox's host uid (root only): the runner writes there as root between
         execs (HOME's harness config, the verifier's patch)."""
         if self.runtime.host_uid is not None:
-            for path in self.writable():
-                await asyncio.to_thread(confine.hand_over, path, self.runtime.host_uid, self.runtime.host_uid)
+            await confine.hand_over_all(self.writable(), self.runtime.host_uid, self.runtime.host_uid)
 
     def environment(self, env: Mapping[str, str] | None, network: str) -> dict[str, str]:
         merged = {"PATH": PATH, "HOME": HOME, "USER": "polar", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
@@ -190,7 +189,7 @@ class BwrapSandbox(IsolatedSandbox):
         if self.cancels != cancels:
             kill_group(proc)
         timed_out = False
-        out, err = (BoundedOutput(), BoundedOutput()) if bounded else (BoundedOutput.whole(), BoundedOutput.whole())
+        out, err = BoundedOutput.pair(bounded)
         reading = asyncio.ensure_future(communicate(proc, stdin, out, err))
         try:
             try:
@@ -258,10 +257,7 @@ class BwrapSandbox(IsolatedSandbox):
         await stop_processes(self.bridges)
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
-        # Nothing of the sandbox runs any more: what it leaves on the host (kept sessions) runs with no one's rights.
-        for path in self.writable():
-            if path.is_dir():
-                await asyncio.to_thread(confine.strip_setid, path)
+        await confine.strip_setid_all(self.writable())
         if self.tmp_mount is not None:
             confine.unmount(self.scratch / "tmp")
             lifeline.cancel(self.tmp_mount)

@@ -9,10 +9,12 @@ there between execs."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 import stat
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 # The host uid/gid a root polar's sandboxes run as: owned by no account, above the ranges /etc/subuid and
@@ -65,6 +67,20 @@ def strip_setid(root: Path) -> list[str]:
             except (FileNotFoundError, PermissionError):
                 pass
     return changed
+
+
+async def hand_over_all(roots: Iterable[Path], uid: int, gid: int) -> None:
+    """:func:`hand_over` of every writable directory of a sandbox (before each exec: the runner writes there as root)."""
+    for root in roots:
+        await asyncio.to_thread(hand_over, root, uid, gid)
+
+
+async def strip_setid_all(roots: Iterable[Path]) -> None:
+    """:func:`strip_setid` of every one of ``roots`` that exists (at a sandbox's stop: nothing of it runs any more, so
+    what it leaves on the host, e.g. kept sessions, runs with no one's rights)."""
+    for root in roots:
+        if root.is_dir():
+            await asyncio.to_thread(strip_setid, root)
 
 
 def etc_args(host_etc: str = "/etc") -> list[str]:

@@ -111,7 +111,7 @@ class OciSandbox(IsolatedSandbox):
             await self._kill_inside()
             kill_group(proc)
         timed_out = False
-        out, err = (BoundedOutput(), BoundedOutput()) if bounded else (BoundedOutput.whole(), BoundedOutput.whole())
+        out, err = BoundedOutput.pair(bounded)
         reading = asyncio.ensure_future(communicate(proc, stdin, out, err))
         try:
             try:
@@ -146,8 +146,7 @@ class OciSandbox(IsolatedSandbox):
         """The writable directories to the container user's host uid (mapped uids only): the runner writes there as
         root between execs (HOME's harness config, the verifier's patch), which the mapped user could not change."""
         if self.owner is not None:
-            for path in self.writable():
-                await asyncio.to_thread(confine.hand_over, path, *self.owner)
+            await confine.hand_over_all(self.writable(), *self.owner)
 
     async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
                    cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
@@ -213,10 +212,7 @@ class OciSandbox(IsolatedSandbox):
         if self.lifeline_key:
             lifeline.cancel(self.lifeline_key)
         await stop_processes(self.helpers)
-        # The container is gone: what it leaves on the host (kept sessions) runs with no one's rights.
-        for path in self.writable():
-            if path.is_dir():
-                await asyncio.to_thread(confine.strip_setid, path)
+        await confine.strip_setid_all(self.writable())  # the container is gone
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 

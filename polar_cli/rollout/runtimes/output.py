@@ -27,6 +27,11 @@ class BoundedOutput:
     _tail: bytearray = field(default_factory=bytearray, init=False, repr=False)
 
     @classmethod
+    def pair(cls, bounded: bool) -> tuple["BoundedOutput", "BoundedOutput"]:
+        """Captures for stdout and stderr: bounded (an agent's output), else whole (an archive the runner unpacks)."""
+        return (cls(), cls()) if bounded else (cls.whole(), cls.whole())
+
+    @classmethod
     def whole(cls) -> "BoundedOutput":
         """Everything (an archive the runner unpacks itself, never an agent's free-form output)."""
         return cls(head=sys.maxsize, tail=0)
