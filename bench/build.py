@@ -64,7 +64,11 @@ class _Conversation:
         n = max(8, int(rng.gauss(shape.turn_tokens, shape.turn_tokens / 4)))
         sampled = _ids(rng, n) + [EOT]
         call_id = f"call_{seq}"
-        message = {"content": None, "reasoning": None, "tool_calls": [] if final else [{"id": call_id, "name": "bash", "arguments": '{"cmd": "ls"}'}]}
+        message = {
+            "content": None,
+            "reasoning": None,
+            "tool_calls": [] if final else [{"id": call_id, "name": "bash", "arguments": '{"cmd": "ls"}'}],
+        }
         record = CaptureRecord(
             record_id=f"{session_id}-{seq}",
             session_id=session_id,
@@ -85,7 +89,13 @@ class _Conversation:
         output = _ids(rng, max(8, int(rng.gauss(shape.tool_tokens, shape.tool_tokens / 2))))
         self.prompt = record.prompt_ids + sampled + [NEWLINE] + _message("user", output)
         self.messages = self.messages + [
-            {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}
+                ],
+            },
             {"role": "tool", "tool_call_id": call_id, "content": f"output {seq}"},
         ]
         return record
@@ -121,7 +131,9 @@ def main() -> None:
     parser.add_argument("--compaction-rate", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    shape = Shape(args.turns, args.system_tokens, args.turn_tokens, args.tool_tokens, args.sub_agent_rate, args.compaction_rate)
+    shape = Shape(
+        args.turns, args.system_tokens, args.turn_tokens, args.tool_tokens, args.sub_agent_rate, args.compaction_rate
+    )
     system = _ids(random.Random(args.seed), args.system_tokens)
 
     reports = {"prefix_merging": BuildReport(), "per_request": BuildReport()}

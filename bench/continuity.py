@@ -44,7 +44,12 @@ sys.path.insert(0, str(REPO))
 from polar_addon.store import read_records  # noqa: E402
 from tests.support.proxy import run_mitmdump  # noqa: E402
 from tests.support.tito_sessions import (  # noqa: E402
-    anthropic_session, build, figures, openai_session, qwen3_model, write_script,
+    anthropic_session,
+    build,
+    figures,
+    openai_session,
+    qwen3_model,
+    write_script,
 )
 
 
@@ -72,7 +77,14 @@ def measure(out: Path, merge: bool) -> dict[str, float]:
 
 
 def harness_table(model_dir: Path, harnesses: list[str]) -> None:
-    from tests.support.harness_tito import HARNESSES, harness_figures, run_harness, session_id, shared_proxy, write_script
+    from tests.support.harness_tito import (
+        HARNESSES,
+        harness_figures,
+        run_harness,
+        session_id,
+        shared_proxy,
+        write_script,
+    )
 
     unknown = [h for h in harnesses if h not in HARNESSES]
     if unknown:
@@ -93,16 +105,43 @@ def harness_table(model_dir: Path, harnesses: list[str]) -> None:
                 merged, _ = harness_figures(out, session_id(short, tito), merge_retokenized=True)
                 broken, _ = harness_figures(out, session_id(short, tito), merge_retokenized=False)
                 rows.append((short, tito, merged, broken))
-    header = ("harness", "tito", "calls", "contin.", "main", "main tr.", "main tr.", "side", "side tr.", "trainable",
-              "off-pol.", "exact", "fresh main calls after the first (prompt_reason)")
+    header = (
+        "harness",
+        "tito",
+        "calls",
+        "contin.",
+        "main",
+        "main tr.",
+        "main tr.",
+        "side",
+        "side tr.",
+        "trainable",
+        "off-pol.",
+        "exact",
+        "fresh main calls after the first (prompt_reason)",
+    )
     print("real harness CLIs, 2 user turns each (the second a resumed conversation), scripted engine, Qwen3 template")
-    print("main tr.: traces holding the main chain, with --retokenized merge / break; off-pol.: off-policy tokens (merge)")
+    print(
+        "main tr.: traces holding the main chain, with --retokenized merge / break; off-pol.: off-policy tokens (merge)"
+    )
     print(f"{header[0]:8}{header[1]:5}" + "".join(f"{h:>10}" for h in header[2:12]) + f"  {header[12]}")
-    print(f"{'':13}" + "".join(f"{h:>10}" for h in ("", "", "calls", "merge", "break", "calls", "", "tokens", "tokens", "")))
+    print(
+        f"{'':13}"
+        + "".join(f"{h:>10}" for h in ("", "", "calls", "merge", "break", "calls", "", "tokens", "tokens", ""))
+    )
     for short, tito, merged, broken in rows:
-        cells = (merged.calls, merged.continuity, merged.main_calls, merged.main_traces, broken.main_traces,
-                 merged.side_calls, merged.side_traces, merged.trainable_tokens, merged.off_policy_tokens,
-                 "yes" if merged.exact and broken.exact else "NO")
+        cells = (
+            merged.calls,
+            merged.continuity,
+            merged.main_calls,
+            merged.main_traces,
+            broken.main_traces,
+            merged.side_calls,
+            merged.side_traces,
+            merged.trainable_tokens,
+            merged.off_policy_tokens,
+            "yes" if merged.exact and broken.exact else "NO",
+        )
         reasons = ", ".join(f"{k} x{v}" for k, v in sorted(merged.reasons.items())) or "-"
         print(f"{short:8}{tito:5}" + "".join(f"{c:>10}" for c in cells) + f"  {reasons}")
 
@@ -114,8 +153,16 @@ def vllm_columns(model: Path, root: Path, serve_dtype: str, sessions: int, user_
     from tests.support.tito_vllm import anthropic_chat, engine_answers, first_step_ratios, openai_chat, trainer_logprobs
 
     logprobs = trainer_logprobs(model)
-    server = serve_vllm(str(model), port=free_port(), served_model_name="tiny", state_dir=root / "engines",
-                        dtype=serve_dtype, max_model_len=4096, extra_args=["--enforce-eager"], kvcache_gib="1")
+    server = serve_vllm(
+        str(model),
+        port=free_port(),
+        served_model_name="tiny",
+        state_dir=root / "engines",
+        dtype=serve_dtype,
+        max_model_len=4096,
+        extra_args=["--enforce-eager"],
+        kvcache_gib="1",
+    )
     columns: dict[str, dict] = {}
     try:
         for tito in ("off", "on"):
@@ -133,8 +180,14 @@ def vllm_columns(model: Path, root: Path, serve_dtype: str, sessions: int, user_
             for merge in (True, False):
                 column = measure(out, merge)
                 ratios = first_step_ratios(build(out, merge_retokenized=merge)[1], logprobs)
-                column.update({"prompt ids = vLLM's": saw, "ratio min": ratios.min, "ratio max": ratios.max,
-                               "mean |ratio - 1|": ratios.mean_abs_dev})
+                column.update(
+                    {
+                        "prompt ids = vLLM's": saw,
+                        "ratio min": ratios.min,
+                        "ratio max": ratios.max,
+                        "mean |ratio - 1|": ratios.mean_abs_dev,
+                    }
+                )
                 columns[f"{tito}, {'merge' if merge else 'break'}"] = column
     finally:
         stop_process(server)
@@ -163,8 +216,11 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=REPO / "models" / "tiny")
     parser.add_argument("--sessions", type=int, default=4, help="sessions per side (openai and anthropic alternate)")
     parser.add_argument("--user-turns", type=int, default=3, help="user questions per session (3 model calls each)")
-    parser.add_argument("--harnesses", default="", help="comma-separated real harness CLIs instead of the SDK sessions: "
-                        "claude,codex,qwen,pi,gemini")
+    parser.add_argument(
+        "--harnesses",
+        default="",
+        help="comma-separated real harness CLIs instead of the SDK sessions: claude,codex,qwen,pi,gemini",
+    )
     parser.add_argument("--vllm", action="store_true", help="real vLLM CPU and the ending model instead of the script")
     parser.add_argument("--serve-dtype", default="float32", help="--vllm: float32, bfloat16, or both comma-separated")
     args = parser.parse_args()
@@ -178,8 +234,11 @@ def main() -> None:
             model = build_ending_model(Path(tmp) / "ending", dtype="bfloat16")
             for dtype in args.serve_dtype.split(","):
                 columns = vllm_columns(model, Path(tmp), dtype, args.sessions, args.user_turns)
-                print_table(f"{args.sessions} sessions x {args.user_turns} user turns (1 call each), vLLM CPU "
-                            f"--dtype {dtype}, ending model (bf16 weights), T={0.6}", columns)
+                print_table(
+                    f"{args.sessions} sessions x {args.user_turns} user turns (1 call each), vLLM CPU "
+                    f"--dtype {dtype}, ending model (bf16 weights), T={0.6}",
+                    columns,
+                )
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -192,8 +251,10 @@ def main() -> None:
             "on, merge": measure(root / "on", True),
             "on, break": measure(root / "on", False),
         }
-    print_table(f"{args.sessions} sessions x {args.user_turns} user turns (3 calls each), scripted engine, Qwen3 "
-                "template", columns)
+    print_table(
+        f"{args.sessions} sessions x {args.user_turns} user turns (3 calls each), scripted engine, Qwen3 template",
+        columns,
+    )
 
 
 if __name__ == "__main__":

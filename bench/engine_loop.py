@@ -33,8 +33,12 @@ async def main(model: str) -> None:
     engine = LocalEngine(model)
 
     def request(seed: int) -> CanonicalRequest:
-        return CanonicalRequest(api="openai_chat", model="tiny", messages=[{"role": "user", "content": "hello"}],
-                                sampling=SamplingParams(temperature=1.0, max_tokens=64, seed=seed))
+        return CanonicalRequest(
+            api="openai_chat",
+            model="tiny",
+            messages=[{"role": "user", "content": "hello"}],
+            sampling=SamplingParams(temperature=1.0, max_tokens=64, seed=seed),
+        )
 
     await engine.complete(request(0))  # load the model outside the measurement
     idle = await _tick_rate(1.0)

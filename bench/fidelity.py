@@ -23,9 +23,10 @@ import fnmatch
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import orjson
 
@@ -71,49 +72,150 @@ REASONS: list[Reason] = [
     Reason("openai_chat", "presence_penalty", DROPPED, "penalties are not part of the recorded sampling parameters"),
     # ---- Anthropic Messages
     Reason("anthropic_messages", "system[*].type", CHANGED, "system blocks joined into the one system message"),
-    Reason("anthropic_messages", "system[*].text", DROPPED, "Claude Code's per-request billing line: its hash changes every call and would break prefix merging",
-           lambda v: isinstance(v, str) and v.lstrip().startswith("x-anthropic-billing-header:")),
-    Reason("anthropic_messages", "messages[*].role", CHANGED, "system messages inside messages join the one system message",
-           lambda v: v == "system"),
-    Reason("anthropic_messages", "thinking.type", CHANGED, "adaptive thinking is enable_thinking=True", lambda v: v == "adaptive"),
-    Reason("anthropic_messages", "output_config*", DROPPED, "effort and output settings: the engine's chat template has no such control"),
-    Reason("anthropic_messages", "messages[*].content[*].signature", DROPPED, "thinking signatures are opaque; polar's own are derived"),
-    Reason("anthropic_messages", "messages[*].content[*].id", CHANGED, "tool_use ids kept as tool_call ids (toolu_ prefix normalised)"),
-    Reason("anthropic_messages", "thinking.budget_tokens", DROPPED, "thinking is on or off (enable_thinking); no token budget"),
-    Reason("anthropic_messages", "tools[*].eager_input_streaming", DROPPED, "fine-grained tool-input streaming: each answer is rendered once it is complete"),
+    Reason(
+        "anthropic_messages",
+        "system[*].text",
+        DROPPED,
+        "Claude Code's per-request billing line: its hash changes every call and would break prefix merging",
+        lambda v: isinstance(v, str) and v.lstrip().startswith("x-anthropic-billing-header:"),
+    ),
+    Reason(
+        "anthropic_messages",
+        "messages[*].role",
+        CHANGED,
+        "system messages inside messages join the one system message",
+        lambda v: v == "system",
+    ),
+    Reason(
+        "anthropic_messages",
+        "thinking.type",
+        CHANGED,
+        "adaptive thinking is enable_thinking=True",
+        lambda v: v == "adaptive",
+    ),
+    Reason(
+        "anthropic_messages",
+        "output_config*",
+        DROPPED,
+        "effort and output settings: the engine's chat template has no such control",
+    ),
+    Reason(
+        "anthropic_messages",
+        "messages[*].content[*].signature",
+        DROPPED,
+        "thinking signatures are opaque; polar's own are derived",
+    ),
+    Reason(
+        "anthropic_messages",
+        "messages[*].content[*].id",
+        CHANGED,
+        "tool_use ids kept as tool_call ids (toolu_ prefix normalised)",
+    ),
+    Reason(
+        "anthropic_messages",
+        "thinking.budget_tokens",
+        DROPPED,
+        "thinking is on or off (enable_thinking); no token budget",
+    ),
+    Reason(
+        "anthropic_messages",
+        "tools[*].eager_input_streaming",
+        DROPPED,
+        "fine-grained tool-input streaming: each answer is rendered once it is complete",
+    ),
     Reason("anthropic_messages", "tools[*].type", DROPPED, "server tool types (web search, …) run on Anthropic's side"),
     Reason("anthropic_messages", "context_management*", DROPPED, "server-side context editing is not performed"),
     # ---- OpenAI Responses
-    Reason("openai_responses", "input[*].role", CHANGED, "system and developer messages join instructions in the one system message",
-           lambda v: v in ("system", "developer")),
-    Reason("openai_responses", "input[*].type", CHANGED, "system and developer messages join instructions in the one system message",
-           lambda v: v == "message"),
-    Reason("openai_responses", "input[*].internal_chat_message_metadata_passthrough*", DROPPED,
-           "Codex's own item bookkeeping (turn ids, timestamps), not part of the prompt"),
+    Reason(
+        "openai_responses",
+        "input[*].role",
+        CHANGED,
+        "system and developer messages join instructions in the one system message",
+        lambda v: v in ("system", "developer"),
+    ),
+    Reason(
+        "openai_responses",
+        "input[*].type",
+        CHANGED,
+        "system and developer messages join instructions in the one system message",
+        lambda v: v == "message",
+    ),
+    Reason(
+        "openai_responses",
+        "input[*].internal_chat_message_metadata_passthrough*",
+        DROPPED,
+        "Codex's own item bookkeeping (turn ids, timestamps), not part of the prompt",
+    ),
     Reason("openai_responses", "input[*].id", DROPPED, "item ids are not part of the prompt (call_ids are kept)"),
     Reason("openai_responses", "input[*].status", DROPPED, "item status is not part of the prompt"),
     Reason("openai_responses", "input[*].phase", DROPPED, "assistant message phase (commentary/final) is not rendered"),
-    Reason("openai_responses", "input[*].encrypted_content", DROPPED, "OpenAI's encrypted reasoning is unreadable here"),
-    Reason("openai_responses", "input[*].summary[*].*", CHANGED, "the raw reasoning content is kept; its summary only when it has none"),
+    Reason(
+        "openai_responses", "input[*].encrypted_content", DROPPED, "OpenAI's encrypted reasoning is unreadable here"
+    ),
+    Reason(
+        "openai_responses",
+        "input[*].summary[*].*",
+        CHANGED,
+        "the raw reasoning content is kept; its summary only when it has none",
+    ),
     Reason("openai_responses", "input[*].content[*].type", CHANGED, "content parts joined into one string"),
-    Reason("openai_responses", "input[*].content[*].annotations*", DROPPED, "output annotations are not part of the prompt"),
+    Reason(
+        "openai_responses", "input[*].content[*].annotations*", DROPPED, "output annotations are not part of the prompt"
+    ),
     Reason("openai_responses", "input[*].namespace", CHANGED, "folded into the tool name NAMESPACE.NAME"),
-    Reason("openai_responses", "input[*].type", CHANGED, "the tools this item makes available join the tool list",
-           lambda v: v in ("additional_tools", "tool_search_output")),
+    Reason(
+        "openai_responses",
+        "input[*].type",
+        CHANGED,
+        "the tools this item makes available join the tool list",
+        lambda v: v in ("additional_tools", "tool_search_output"),
+    ),
     Reason("openai_responses", "input[*].tools[*]*", CHANGED, "tools an item makes available join the tool list"),
-    Reason("openai_responses", "input[*].type", DROPPED, "nothing an engine can read (extra.dropped_items)",
-           lambda v: v in DROPPED_ITEMS),
-    Reason("openai_responses", "previous_response_id", CHANGED, "resolved: the remembered history is expanded into the prompt"),
+    Reason(
+        "openai_responses",
+        "input[*].type",
+        DROPPED,
+        "nothing an engine can read (extra.dropped_items)",
+        lambda v: v in DROPPED_ITEMS,
+    ),
+    Reason(
+        "openai_responses",
+        "previous_response_id",
+        CHANGED,
+        "resolved: the remembered history is expanded into the prompt",
+    ),
     Reason("openai_responses", "include*", DROPPED, "encrypted reasoning is OpenAI's; engines return plain reasoning"),
     Reason("openai_responses", "prompt_cache_key", DROPPED, "the engine caches prefixes by itself"),
     Reason("openai_responses", "client_metadata*", DROPPED, "Codex telemetry ids, not part of the prompt"),
     Reason("openai_responses", "text*", DROPPED, "verbosity and output format are not enforced by the engine"),
-    Reason("openai_responses", "generate", DROPPED, "WebSocket prewarm flag: answered by the bridge without generating"),
-    Reason("openai_responses", "tools[*].external_web_access", DROPPED, "hosted web search runs on OpenAI's side; left out (extra.dropped_tools)"),
-    Reason("openai_responses", "tools[*].type", DROPPED, "hosted tools run on OpenAI's side; left out (extra.dropped_tools)",
-           lambda v: v not in ("function", "custom", "namespace")),
-    Reason("openai_responses", "tools[*].description", DROPPED, "a namespace's own description has no place in a flat tool list"),
-    Reason("openai_responses", "tools[*].format.*", CHANGED, "the custom tool's grammar is in its input parameter's description"),
+    Reason(
+        "openai_responses", "generate", DROPPED, "WebSocket prewarm flag: answered by the bridge without generating"
+    ),
+    Reason(
+        "openai_responses",
+        "tools[*].external_web_access",
+        DROPPED,
+        "hosted web search runs on OpenAI's side; left out (extra.dropped_tools)",
+    ),
+    Reason(
+        "openai_responses",
+        "tools[*].type",
+        DROPPED,
+        "hosted tools run on OpenAI's side; left out (extra.dropped_tools)",
+        lambda v: v not in ("function", "custom", "namespace"),
+    ),
+    Reason(
+        "openai_responses",
+        "tools[*].description",
+        DROPPED,
+        "a namespace's own description has no place in a flat tool list",
+    ),
+    Reason(
+        "openai_responses",
+        "tools[*].format.*",
+        CHANGED,
+        "the custom tool's grammar is in its input parameter's description",
+    ),
     Reason("openai_responses", "service_tier", DROPPED, "no service tiers"),
     Reason("openai_responses", "truncation", DROPPED, "the proxy never truncates a prompt"),
     Reason("openai_responses", "safety_identifier", DROPPED, "end-user id, not part of the prompt"),
@@ -122,15 +224,29 @@ REASONS: list[Reason] = [
     Reason("gemini", "*thoughtSignature", DROPPED, "thought signatures are opaque; nothing the engine can read"),
     Reason("gemini", "*thought_signature", DROPPED, "thought signatures are opaque; nothing the engine can read"),
     Reason("gemini", "systemInstruction.role", DROPPED, "the system instruction has no role"),
-    Reason("gemini", "generationConfig.thinkingConfig.*", CHANGED, "thinking is on or off (enable_thinking); no budget or level"),
+    Reason(
+        "gemini",
+        "generationConfig.thinkingConfig.*",
+        CHANGED,
+        "thinking is on or off (enable_thinking); no budget or level",
+    ),
     Reason("gemini", "generationConfig.candidateCount", DROPPED, "always one candidate"),
     Reason("gemini", "generationConfig.responseMimeType", DROPPED, "output format is not enforced by the engine"),
     Reason("gemini", "generationConfig.responseSchema*", DROPPED, "output format is not enforced by the engine"),
     Reason("gemini", "generationConfig.responseJsonSchema*", DROPPED, "output format is not enforced by the engine"),
     Reason("gemini", "safetySettings*", DROPPED, "no safety filtering"),
-    Reason("gemini", "tools[*].googleSearch*", DROPPED, "hosted tools run on Google's side; left out (extra.dropped_tools)"),
-    Reason("gemini", "tools[*].codeExecution*", DROPPED, "hosted tools run on Google's side; left out (extra.dropped_tools)"),
-    Reason("gemini", "tools[*].urlContext*", DROPPED, "hosted tools run on Google's side; left out (extra.dropped_tools)"),
+    Reason(
+        "gemini", "tools[*].googleSearch*", DROPPED, "hosted tools run on Google's side; left out (extra.dropped_tools)"
+    ),
+    Reason(
+        "gemini",
+        "tools[*].codeExecution*",
+        DROPPED,
+        "hosted tools run on Google's side; left out (extra.dropped_tools)",
+    ),
+    Reason(
+        "gemini", "tools[*].urlContext*", DROPPED, "hosted tools run on Google's side; left out (extra.dropped_tools)"
+    ),
     Reason("gemini", "labels*", DROPPED, "billing labels, not part of the prompt"),
 ]
 
@@ -140,8 +256,14 @@ REASONS: list[Reason] = [
 
 def _sampling(req: CanonicalRequest, names: dict[str, str]) -> dict[str, Any]:
     s = req.sampling
-    values = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "max_tokens": s.max_tokens,
-              "stop": s.stop or None, "seed": s.seed}
+    values = {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "max_tokens": s.max_tokens,
+        "stop": s.stop or None,
+        "seed": s.seed,
+    }
     return {names[k]: v for k, v in values.items() if v is not None and k in names}
 
 
@@ -187,23 +309,48 @@ def anthropic_body(req: CanonicalRequest) -> dict[str, Any]:
             if m.get("content"):
                 blocks.append({"type": "text", "text": m["content"]})
             for call in m.get("tool_calls") or []:
-                blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                               "input": _loads(call["function"]["arguments"] or "{}")})
+                blocks.append(
+                    {
+                        "type": "tool_use",
+                        "id": call["id"],
+                        "name": call["function"]["name"],
+                        "input": _loads(call["function"]["arguments"] or "{}"),
+                    }
+                )
             messages.append({"role": "assistant", "content": blocks})
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
     if system:
         body["system"] = system[0]
     if req.tools:
-        body["tools"] = [{"name": t["function"]["name"], "description": t["function"].get("description"),
-                          "input_schema": t["function"].get("parameters")} for t in req.tools]
+        body["tools"] = [
+            {
+                "name": t["function"]["name"],
+                "description": t["function"].get("description"),
+                "input_schema": t["function"].get("parameters"),
+            }
+            for t in req.tools
+        ]
     choice = req.tool_choice
     if choice is not None:
-        body["tool_choice"] = ({"type": "tool", "name": choice["function"]["name"]} if isinstance(choice, dict)
-                               else {"type": {"required": "any"}.get(choice, choice)})
+        body["tool_choice"] = (
+            {"type": "tool", "name": choice["function"]["name"]}
+            if isinstance(choice, dict)
+            else {"type": {"required": "any"}.get(choice, choice)}
+        )
     if req.enable_thinking is not None:
         body["thinking"] = {"type": "enabled" if req.enable_thinking else "disabled"}
-    body.update(_sampling(req, {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                                "max_tokens": "max_tokens", "stop": "stop_sequences"}))
+    body.update(
+        _sampling(
+            req,
+            {
+                "temperature": "temperature",
+                "top_p": "top_p",
+                "top_k": "top_k",
+                "max_tokens": "max_tokens",
+                "stop": "stop_sequences",
+            },
+        )
+    )
     return body
 
 
@@ -214,7 +361,7 @@ def responses_body(req: CanonicalRequest) -> dict[str, Any]:
 
     def split(name: str) -> dict[str, Any]:
         ns = namespaces.get(name)
-        return {"namespace": ns, "name": name[len(ns) + len(NAMESPACE_SEPARATOR):]} if ns else {"name": name}
+        return {"namespace": ns, "name": name[len(ns) + len(NAMESPACE_SEPARATOR) :]} if ns else {"name": name}
 
     items: list[dict[str, Any]] = []
     for m in req.messages:
@@ -225,28 +372,58 @@ def responses_body(req: CanonicalRequest) -> dict[str, Any]:
             items.append({"type": kind, "call_id": m["tool_call_id"], "output": m["content"]})
         elif m["role"] == "assistant":
             if m.get("reasoning_content"):
-                items.append({"type": "reasoning", "content": [{"type": "reasoning_text", "text": m["reasoning_content"]}], "summary": []})
+                items.append(
+                    {
+                        "type": "reasoning",
+                        "content": [{"type": "reasoning_text", "text": m["reasoning_content"]}],
+                        "summary": [],
+                    }
+                )
             if m.get("content"):
-                items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": m["content"]}]})
+                items.append(
+                    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": m["content"]}]}
+                )
             for call in m.get("tool_calls") or []:
                 fn = call["function"]
                 if fn["name"] in custom:
                     custom_calls.add(call["id"])
                     args = _loads(fn["arguments"])
-                    items.append({"type": "custom_tool_call", "call_id": call["id"], **split(fn["name"]),
-                                  "input": args.get("input") if isinstance(args, dict) else fn["arguments"]})
+                    items.append(
+                        {
+                            "type": "custom_tool_call",
+                            "call_id": call["id"],
+                            **split(fn["name"]),
+                            "input": args.get("input") if isinstance(args, dict) else fn["arguments"],
+                        }
+                    )
                 else:
-                    items.append({"type": "function_call", "call_id": call["id"], **split(fn["name"]), "arguments": fn["arguments"]})
+                    items.append(
+                        {
+                            "type": "function_call",
+                            "call_id": call["id"],
+                            **split(fn["name"]),
+                            "arguments": fn["arguments"],
+                        }
+                    )
     tools: list[dict[str, Any]] = []
     groups: dict[str, dict[str, Any]] = {}
     for t in req.tools:
         fn = t["function"]
         where = split(fn["name"])
         if fn["name"] in custom:
-            tool = {"type": "custom", "name": where["name"], "description": fn.get("description"),
-                    "format": fn["parameters"]["properties"]["input"]["description"]}
+            tool = {
+                "type": "custom",
+                "name": where["name"],
+                "description": fn.get("description"),
+                "format": fn["parameters"]["properties"]["input"]["description"],
+            }
         else:
-            tool = {"type": "function", "name": where["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+            tool = {
+                "type": "function",
+                "name": where["name"],
+                "description": fn.get("description"),
+                "parameters": fn.get("parameters"),
+            }
         if "namespace" in where:
             group = groups.get(where["namespace"])
             if group is None:
@@ -255,8 +432,13 @@ def responses_body(req: CanonicalRequest) -> dict[str, Any]:
             group["tools"].append(tool)
         else:
             tools.append(tool)
-    body: dict[str, Any] = {"model": req.model, "input": items, "stream": req.stream, "store": req.extra.get("store", True),
-                            "parallel_tool_calls": req.extra.get("parallel_tool_calls", True)}
+    body: dict[str, Any] = {
+        "model": req.model,
+        "input": items,
+        "stream": req.stream,
+        "store": req.extra.get("store", True),
+        "parallel_tool_calls": req.extra.get("parallel_tool_calls", True),
+    }
     system = [m["content"] for m in req.messages if m["role"] == "system"]
     if system:
         body["instructions"] = system[0]
@@ -264,8 +446,14 @@ def responses_body(req: CanonicalRequest) -> dict[str, Any]:
         body["tools"] = tools
     choice = req.tool_choice
     if choice is not None:
-        body["tool_choice"] = {"type": "function", **split(choice["function"]["name"])} if isinstance(choice, dict) else choice
-    reasoning = {k: v for k, v in (("effort", req.extra.get("reasoning_effort")), ("summary", req.extra.get("reasoning_summary"))) if v}
+        body["tool_choice"] = (
+            {"type": "function", **split(choice["function"]["name"])} if isinstance(choice, dict) else choice
+        )
+    reasoning = {
+        k: v
+        for k, v in (("effort", req.extra.get("reasoning_effort")), ("summary", req.extra.get("reasoning_summary")))
+        if v
+    }
     if reasoning:
         body["reasoning"] = reasoning
     body.update(_sampling(req, {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_output_tokens"}))
@@ -279,7 +467,13 @@ def gemini_body(req: CanonicalRequest) -> dict[str, Any]:
         if m["role"] == "user":
             contents.append({"role": "user", "parts": [{"text": m["content"]}]})
         elif m["role"] == "tool":
-            part = {"functionResponse": {"id": m["tool_call_id"], "name": names.get(m["tool_call_id"]), "response": _loads(m["content"])}}
+            part = {
+                "functionResponse": {
+                    "id": m["tool_call_id"],
+                    "name": names.get(m["tool_call_id"]),
+                    "response": _loads(m["content"]),
+                }
+            }
             if contents and contents[-1]["role"] == "user" and "functionResponse" in contents[-1]["parts"][-1]:
                 contents[-1]["parts"].append(part)
             else:
@@ -291,35 +485,72 @@ def gemini_body(req: CanonicalRequest) -> dict[str, Any]:
             if m.get("content"):
                 parts.append({"text": m["content"]})
             for call in m.get("tool_calls") or []:
-                parts.append({"functionCall": {"id": call["id"], "name": call["function"]["name"], "args": _loads(call["function"]["arguments"] or "{}")}})
+                parts.append(
+                    {
+                        "functionCall": {
+                            "id": call["id"],
+                            "name": call["function"]["name"],
+                            "args": _loads(call["function"]["arguments"] or "{}"),
+                        }
+                    }
+                )
             contents.append({"role": "model", "parts": parts})
     body: dict[str, Any] = {"contents": contents}
     system = [m["content"] for m in req.messages if m["role"] == "system"]
     if system:
         body["systemInstruction"] = {"parts": [{"text": system[0]}]}
     if req.tools:
-        body["tools"] = [{"functionDeclarations": [{"name": t["function"]["name"], "description": t["function"].get("description"),
-                                                    "parameters": t["function"].get("parameters")} for t in req.tools]}]
+        body["tools"] = [
+            {
+                "functionDeclarations": [
+                    {
+                        "name": t["function"]["name"],
+                        "description": t["function"].get("description"),
+                        "parameters": t["function"].get("parameters"),
+                    }
+                    for t in req.tools
+                ]
+            }
+        ]
     choice = req.tool_choice
     if choice is not None:
-        mode = {"auto": "AUTO", "required": "ANY", "none": "NONE"}.get(choice, "ANY") if isinstance(choice, str) else "ANY"
+        mode = (
+            {"auto": "AUTO", "required": "ANY", "none": "NONE"}.get(choice, "ANY") if isinstance(choice, str) else "ANY"
+        )
         config: dict[str, Any] = {"mode": mode}
         if isinstance(choice, dict):
             config["allowedFunctionNames"] = [choice["function"]["name"]]
         body["toolConfig"] = {"functionCallingConfig": config}
-    generation = _sampling(req, {"temperature": "temperature", "top_p": "topP", "top_k": "topK", "max_tokens": "maxOutputTokens",
-                                 "stop": "stopSequences", "seed": "seed"})
+    generation = _sampling(
+        req,
+        {
+            "temperature": "temperature",
+            "top_p": "topP",
+            "top_k": "topK",
+            "max_tokens": "maxOutputTokens",
+            "stop": "stopSequences",
+            "seed": "seed",
+        },
+    )
     if generation:
         body["generationConfig"] = generation
     return body
 
 
 RENDER: dict[str, Callable[[CanonicalRequest], dict[str, Any]]] = {
-    "openai_chat": chat_body, "anthropic_messages": anthropic_body, "openai_responses": responses_body, "gemini": gemini_body,
+    "openai_chat": chat_body,
+    "anthropic_messages": anthropic_body,
+    "openai_responses": responses_body,
+    "gemini": gemini_body,
 }
 # The same field under another name in the round trip (path segments, for numbers and booleans).
-ALIASES = {"max_completion_tokens": "max_tokens", "parametersJsonSchema": "parameters", "parameters_json_schema": "parameters",
-           "generation_config": "generationConfig", "max_output_tokens": "maxOutputTokens"}
+ALIASES = {
+    "max_completion_tokens": "max_tokens",
+    "parametersJsonSchema": "parameters",
+    "parameters_json_schema": "parameters",
+    "generation_config": "generationConfig",
+    "max_output_tokens": "maxOutputTokens",
+}
 
 
 # ---------------------------------------------------------------- comparison
@@ -349,7 +580,11 @@ def reason_for(api: str, path: str, value: Any) -> Reason | None:
     for reason in REASONS:
         # "[" opens a character class in fnmatch; reason paths mean a literal "[*]".
         glob = reason.path.replace("[", "[[]")
-        if reason.api in ("*", api) and fnmatch.fnmatchcase(pattern, glob) and (reason.when is None or reason.when(value)):
+        if (
+            reason.api in ("*", api)
+            and fnmatch.fnmatchcase(pattern, glob)
+            and (reason.when is None or reason.when(value))
+        ):
             return reason
     return None
 
@@ -412,7 +647,14 @@ def compare(api: str, harness: str, body: dict[str, Any], back: dict[str, Any], 
         if isinstance(value, str) and _is_text(value):
             kept = any(value in s for s in strings) or _compact(value) in strings
             if not kept and value.strip() and any(value.strip() in s for s in strings):
-                into.add(api, harness, path, CHANGED, "surrounding whitespace trimmed (system parts join with blank lines)", value)
+                into.add(
+                    api,
+                    harness,
+                    path,
+                    CHANGED,
+                    "surrounding whitespace trimmed (system parts join with blank lines)",
+                    value,
+                )
                 continue
         else:
             kept = _field_value(path, value) in fields
@@ -466,8 +708,16 @@ def _websocket_calls(messages: list[Any], label: str) -> list[Captured]:
         data = orjson.loads(message.content)
         kind = data.get("type") if isinstance(data, dict) else None
         if message.from_client and kind == "response.create":
-            calls.append(Captured("openai_responses", Route(kind="generate"), {k: v for k, v in data.items() if k != "type"}, label))
-        elif not message.from_client and kind in ("response.completed", "response.failed", "error") and answered < len(calls):
+            calls.append(
+                Captured(
+                    "openai_responses", Route(kind="generate"), {k: v for k, v in data.items() if k != "type"}, label
+                )
+            )
+        elif (
+            not message.from_client
+            and kind in ("response.completed", "response.failed", "error")
+            and answered < len(calls)
+        ):
             calls[answered].response = data.get("response")
             answered += 1
     return calls
@@ -551,8 +801,10 @@ def main(argv: list[str]) -> int:
         return 0 if argv else 2
     missing = [p for p in argv if not Path(p).is_file()]
     if missing:
-        print(f"no such flow file: {', '.join(missing)} (record one with mitmdump --set save_stream_file=PATH)",
-              file=sys.stderr)
+        print(
+            f"no such flow file: {', '.join(missing)} (record one with mitmdump --set save_stream_file=PATH)",
+            file=sys.stderr,
+        )
         return 2
     result = compare_flows([Path(p) for p in argv])
     print_table(result)

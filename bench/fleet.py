@@ -35,7 +35,9 @@ TOY = REPO / "examples" / "toy_task"
 
 
 def run_loop(out: Path, args: argparse.Namespace, model: Path, tasks: Path, extra: list[str]) -> float:
-    harness = f"cmd:{sys.executable} {TOY / 'agent.py'} --turns {args.turns} --max-tokens {args.max_tokens} {{instruction}}"
+    harness = (
+        f"cmd:{sys.executable} {TOY / 'agent.py'} --turns {args.turns} --max-tokens {args.max_tokens} {{instruction}}"
+    )
     cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", harness, "--model", str(model),
            "--iterations", str(args.iterations), "--out", str(out), "--samples", str(args.samples),
            "--concurrency", str(args.concurrency), "--no-progress", "--lr", str(args.lr), "--epochs", "2",
@@ -47,9 +49,12 @@ def run_loop(out: Path, args: argparse.Namespace, model: Path, tasks: Path, extr
     return time.monotonic() - started
 
 
-def run_ray_rollout(cluster: Any, resource: str, out: Path, args: argparse.Namespace, model: Path,
-                    tasks: Path) -> dict[str, Any]:
-    harness = f"cmd:{sys.executable} {TOY / 'agent.py'} --turns {args.turns} --max-tokens {args.max_tokens} {{instruction}}"
+def run_ray_rollout(
+    cluster: Any, resource: str, out: Path, args: argparse.Namespace, model: Path, tasks: Path
+) -> dict[str, Any]:
+    harness = (
+        f"cmd:{sys.executable} {TOY / 'agent.py'} --turns {args.turns} --max-tokens {args.max_tokens} {{instruction}}"
+    )
     cmd = [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", harness, "--samples",
            str(args.ray_samples), "--engine", f"local:{model}", "--out", str(out), "--seed", "0", "--ray",
            cluster.address, "--ray-resource", resource, "--concurrency", str(args.ray_concurrency), "--no-progress",
@@ -70,8 +75,10 @@ def ray_rows(root: Path, args: argparse.Namespace, model: Path, tasks: Path) -> 
     try:
         # polar_all on both: the two-worker run; polar_w0 on the first only: the one-worker run.
         cluster.start([{"polar_w0": 1, "polar_all": 1}, {"polar_all": 1}])
-        return [(1, run_ray_rollout(cluster, "polar_w0", root / "ray1" / "store", args, model, tasks)),
-                (2, run_ray_rollout(cluster, "polar_all", root / "ray2" / "store", args, model, tasks))]
+        return [
+            (1, run_ray_rollout(cluster, "polar_w0", root / "ray1" / "store", args, model, tasks)),
+            (2, run_ray_rollout(cluster, "polar_all", root / "ray2" / "store", args, model, tasks)),
+        ]
     finally:
         cluster.stop()
 
@@ -132,8 +139,13 @@ def main() -> None:
         tasks.write_text("\n".join(lines) + "\n")
         if not args.no_loops:
             sync_s = run_loop(root / "sync", args, model, tasks, [])
-            async_s = run_loop(root / "async", args, model, tasks,
-                               ["--async", "--max-staleness", str(args.max_staleness), "--drain", args.drain])
+            async_s = run_loop(
+                root / "async",
+                args,
+                model,
+                tasks,
+                ["--async", "--max-staleness", str(args.max_staleness), "--drain", args.drain],
+            )
             sync = sync_rows(json.loads((root / "sync" / "loop.json").read_text()))
             asyn = async_rows(json.loads((root / "async" / "loop.json").read_text()))
         ray = [] if args.no_ray else ray_rows(root, args, model, tasks)
@@ -141,30 +153,45 @@ def main() -> None:
     if not args.no_loops:
         print_loops(args, len(lines), sync_s, async_s, sync, asyn)
     if ray:
-        print(f"polar rollout --ray, toy task: {len(lines)} tasks x {args.ray_samples} samples, --concurrency "
-              f"{args.ray_concurrency} per node, local engine (a proxy per node)")
+        print(
+            f"polar rollout --ray, toy task: {len(lines)} tasks x {args.ray_samples} samples, --concurrency "
+            f"{args.ray_concurrency} per node, local engine (a proxy per node)"
+        )
         print(f"{'workers':>7}  {'sessions':>8}  {'seconds':>7}  {'sessions/min':>12}  per node")
         for workers, summary in ray:
             per_node = sorted(Counter(s["node"][:6] for s in summary["session_results"]).values())
-            print(f"{workers:>7}  {summary['sessions']:>8}  {summary['seconds']:>7.0f}  "
-                  f"{summary['sessions_per_minute']:>12.1f}  {per_node}")
-        print(f"2 workers / 1 worker: {ray[1][1]['sessions_per_minute'] / ray[0][1]['sessions_per_minute']:.2f}x "
-              "sessions/min (seconds: from the driver's start, the nodes' proxy starts included)")
+            print(
+                f"{workers:>7}  {summary['sessions']:>8}  {summary['seconds']:>7.0f}  "
+                f"{summary['sessions_per_minute']:>12.1f}  {per_node}"
+            )
+        print(
+            f"2 workers / 1 worker: {ray[1][1]['sessions_per_minute'] / ray[0][1]['sessions_per_minute']:.2f}x "
+            "sessions/min (seconds: from the driver's start, the nodes' proxy starts included)"
+        )
 
 
 def print_loops(args: argparse.Namespace, tasks: int, sync_s: float, async_s: float, sync: tuple, asyn: tuple) -> None:
-    print(f"toy task: {tasks} tasks x {args.samples} samples, {args.iterations} iterations, "
-          f"async --max-staleness {args.max_staleness} --drain {args.drain}")
+    print(
+        f"toy task: {tasks} tasks x {args.samples} samples, {args.iterations} iterations, "
+        f"async --max-staleness {args.max_staleness} --drain {args.drain}"
+    )
     print(f"{'iter':>4}  {'sync s':>7}  {'async s':>7}  {'sync reward':>15}  {'async reward':>15}")
     for i in range(args.iterations):
+
         def cell(rows: list, j: int, fmt: str = "{:7.0f}") -> str:
-            return fmt.format(rows[j]) if j < len(rows) and not isinstance(rows[j], str) else (rows[j] if j < len(rows) else "-")
+            return (
+                fmt.format(rows[j])
+                if j < len(rows) and not isinstance(rows[j], str)
+                else (rows[j] if j < len(rows) else "-")
+            )
 
         print(f"{i:>4}  {cell(sync[0], i):>7}  {cell(asyn[0], i):>7}  {cell(sync[1], i):>15}  {cell(asyn[1], i):>15}")
     # The end-to-end times are the fair comparison: sync's per-iteration rollout time starts once its proxy is up,
     # async's batches include starting their proxy (that is its reload).
-    print(f"end to end: sync {sync_s:.0f} s, async {async_s:.0f} s (async/sync {async_s / sync_s:.2f}); "
-          f"sum of phases: sync {sync[2]:.0f} s, async {asyn[2]:.0f} s")
+    print(
+        f"end to end: sync {sync_s:.0f} s, async {async_s:.0f} s (async/sync {async_s / sync_s:.2f}); "
+        f"sum of phases: sync {sync[2]:.0f} s, async {asyn[2]:.0f} s"
+    )
     print(f"busy: rollout sync {sync[3]:.0%} async {asyn[3]:.0%}; trainer sync {sync[4]:.0%} async {asyn[4]:.0%}")
 
 

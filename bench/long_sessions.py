@@ -24,8 +24,16 @@ from tests.test_long_sessions_vllm import WORD, compacted_once, refused, vllm_ru
 
 THE = " the"  # one token of four characters: Gemini CLI's estimate of a resumed history (a token per 4 characters) is right
 
-QWEN_TRIM = (".qwen/settings.json", {"tools": {"approvalMode": "yolo", "core": ["run_shell_command"],
-                                               "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"]}})
+QWEN_TRIM = (
+    ".qwen/settings.json",
+    {
+        "tools": {
+            "approvalMode": "yolo",
+            "core": ["run_shell_command"],
+            "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"],
+        }
+    },
+)
 
 
 def qwen_code(vllm_small_window_server: str, tmp_path: Path) -> None:
@@ -37,10 +45,17 @@ def qwen_code(vllm_small_window_server: str, tmp_path: Path) -> None:
     preset = QwenCode()
     short = ["--system-prompt", "You are a counting agent."]
     results, records, logs = vllm_run(
-        preset, tmp_path, vllm_small_window_server, "qwen-20k",
-        lambda ctx: [preset.command("Remember this:" + WORD * 2600, ctx) + short,
-                     preset.command("Go on.", ctx) + short + ["--continue"]],
-        mode="reverse:https://api.openai.com", settings=QWEN_TRIM)
+        preset,
+        tmp_path,
+        vllm_small_window_server,
+        "qwen-20k",
+        lambda ctx: [
+            preset.command("Remember this:" + WORD * 2600, ctx) + short,
+            preset.command("Go on.", ctx) + short + ["--continue"],
+        ],
+        mode="reverse:https://api.openai.com",
+        settings=QWEN_TRIM,
+    )
     assert 14_336 < len(records[0].prompt_ids) < VLLM_SMALL_WINDOW
     compacted_once(records, results, "qwen-code", None, side_calls=1)
 
@@ -56,11 +71,18 @@ def gemini_cli(vllm_small_window_server: str, tmp_path: Path) -> None:
     system = tmp_path / "system.md"
     system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
     results, records, logs = vllm_run(
-        preset, tmp_path, vllm_small_window_server, "gemini-20k",
-        lambda ctx: [preset.command("Remember this:" + THE * 11_000, ctx),
-                     preset.command("Go on.", ctx) + ["--resume", "latest"]],
+        preset,
+        tmp_path,
+        vllm_small_window_server,
+        "gemini-20k",
+        lambda ctx: [
+            preset.command("Remember this:" + THE * 11_000, ctx),
+            preset.command("Go on.", ctx) + ["--resume", "latest"],
+        ],
         mode="reverse:https://generativelanguage.googleapis.com",
-        settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}), extra_env={"GEMINI_SYSTEM_MD": str(system)})
+        settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}),
+        extra_env={"GEMINI_SYSTEM_MD": str(system)},
+    )
     assert 10_240 < len(records[0].prompt_ids) < VLLM_SMALL_WINDOW
     compacted_once(records, results, "gemini-cli", None)
 
@@ -75,17 +97,32 @@ def claude_code_overflow(vllm_small_window_server: str, tmp_path: Path) -> None:
     from polar_cli.rollout.harnesses.claude_code import ClaudeCode
 
     preset = ClaudeCode()
-    (result,), records, logs = vllm_run(preset, tmp_path, vllm_small_window_server, "cc-over",
-                                        lambda ctx: [preset.command("Summarise this text:" + WORD * 11_000, ctx)],
-                                        mode="reverse:https://api.anthropic.com")
+    (result,), records, logs = vllm_run(
+        preset,
+        tmp_path,
+        vllm_small_window_server,
+        "cc-over",
+        lambda ctx: [preset.command("Summarise this text:" + WORD * 11_000, ctx)],
+        mode="reverse:https://api.anthropic.com",
+    )
     assert result.returncode == 1, result.stdout + result.stderr[-1500:] + logs
     assert records == []
     answer = orjson.loads(result.stdout)
-    assert (answer["is_error"], answer["result"], answer["terminal_reason"]) == (True, "Prompt is too long", "blocking_limit")
+    assert (answer["is_error"], answer["result"], answer["terminal_reason"]) == (
+        True,
+        "Prompt is too long",
+        "blocking_limit",
+    )
     (home := tmp_path / "unwindowed").mkdir()
-    (result,), records, logs = vllm_run(preset, home, vllm_small_window_server, "cc-over-unwindowed",
-                                        lambda ctx: [preset.command("Summarise this text:" + WORD * 11_000, ctx)],
-                                        mode="reverse:https://api.anthropic.com", window=None)
+    (result,), records, logs = vllm_run(
+        preset,
+        home,
+        vllm_small_window_server,
+        "cc-over-unwindowed",
+        lambda ctx: [preset.command("Summarise this text:" + WORD * 11_000, ctx)],
+        mode="reverse:https://api.anthropic.com",
+        window=None,
+    )
     assert result.returncode == 1, result.stdout + result.stderr[-1500:] + logs
     (call,) = records
     prompt_tokens = refused(call)
@@ -93,7 +130,9 @@ def claude_code_overflow(vllm_small_window_server: str, tmp_path: Path) -> None:
     assert (answer["is_error"], answer["terminal_reason"]) == (True, "prompt_too_long")
     # It reads polar's "prompt is too long: N tokens > M maximum" (N: vLLM's count of the whole prompt).
     said = answer["result"].replace(",", "")
-    assert said.startswith(f"Prompt is too long · the request is ~{prompt_tokens} tokens (limit {VLLM_SMALL_WINDOW})"), said
+    assert said.startswith(
+        f"Prompt is too long · the request is ~{prompt_tokens} tokens (limit {VLLM_SMALL_WINDOW})"
+    ), said
 
 
 def codex_overflow(vllm_small_window_server: str, tmp_path: Path) -> None:
@@ -102,16 +141,26 @@ def codex_overflow(vllm_small_window_server: str, tmp_path: Path) -> None:
     from polar_cli.rollout.harnesses.codex import Codex
 
     preset = Codex()
-    (result,), records, logs = vllm_run(preset, tmp_path, vllm_small_window_server, "codex-over",
-                                        lambda ctx: [preset.command("Read this:" + WORD * 3000, ctx)], mode=None)
+    (result,), records, logs = vllm_run(
+        preset,
+        tmp_path,
+        vllm_small_window_server,
+        "codex-over",
+        lambda ctx: [preset.command("Read this:" + WORD * 3000, ctx)],
+        mode=None,
+    )
     assert result.returncode == 1, result.stdout + result.stderr[-1500:] + logs
     (call,) = records
     assert call.api == "openai_responses" and refused(call) > VLLM_SMALL_WINDOW
     assert "ERROR: Codex ran out of room in the model's context window." in result.stderr, result.stderr[-1500:]
 
 
-SCENARIOS = {"qwen-code": qwen_code, "gemini-cli": gemini_cli, "claude-code-overflow": claude_code_overflow,
-             "codex-overflow": codex_overflow}
+SCENARIOS = {
+    "qwen-code": qwen_code,
+    "gemini-cli": gemini_cli,
+    "claude-code-overflow": claude_code_overflow,
+    "codex-overflow": codex_overflow,
+}
 
 
 def main(names: list[str]) -> int:

@@ -37,55 +37,95 @@ MUTMUT = Path(sys.executable).with_name("mutmut")
 NICE = max(0, int(os.environ.get("POLAR_MUTATION_NICE", "10")) - os.nice(0))
 NOT_SLOW = ["-k", "not sigkill and not disk_full"]  # process-kill and tmpfs tests: minutes, not seconds
 
-PROVIDER_TESTS = [f"tests/test_provider_{name}.py"
-                  for name in ("anthropic_messages", "openai_chat", "openai_responses", "gemini")]
+PROVIDER_TESTS = [
+    f"tests/test_provider_{name}.py" for name in ("anthropic_messages", "openai_chat", "openai_responses", "gemini")
+]
 
 # module -> (files to mutate, pytest selection: its fast unit tests)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     # One entry per provider: each is mutated against its own test file (and the fidelity round trips).
-    "providers.anthropic_messages": (["polar_addon/providers/anthropic_messages.py"],
-                                     ["tests/test_provider_anthropic_messages.py", "tests/test_fidelity.py"]),
-    "providers.openai_chat": (["polar_addon/providers/openai_chat.py"],
-                              ["tests/test_provider_openai_chat.py", "tests/test_fidelity.py"]),
-    "providers.openai_responses": (["polar_addon/providers/openai_responses.py"],
-                                   ["tests/test_provider_openai_responses.py", "tests/test_fidelity.py"]),
-    "providers.gemini": (["polar_addon/providers/gemini.py"],
-                         ["tests/test_provider_gemini.py", "tests/test_fidelity.py"]),
-    "providers.common": (["polar_addon/providers/common.py", "polar_addon/providers/__init__.py"],
-                         ["tests/test_provider_common.py", *PROVIDER_TESTS, "tests/test_fidelity.py"]),
-    "identity": (["polar_addon/identity.py"],
-                 ["tests/test_identity.py",
-                  "tests/security/test_sessions.py::test_registry_lookup_revoke_end_and_forget",
-                  "tests/security/test_sessions.py::test_registered_resolution_takes_labels_from_the_registration_alone",
-                  "tests/security/test_sessions.py::test_claimed_mode_trusts_claims_but_never_takes_a_secret_for_a_session_id"]),
+    "providers.anthropic_messages": (
+        ["polar_addon/providers/anthropic_messages.py"],
+        ["tests/test_provider_anthropic_messages.py", "tests/test_fidelity.py"],
+    ),
+    "providers.openai_chat": (
+        ["polar_addon/providers/openai_chat.py"],
+        ["tests/test_provider_openai_chat.py", "tests/test_fidelity.py"],
+    ),
+    "providers.openai_responses": (
+        ["polar_addon/providers/openai_responses.py"],
+        ["tests/test_provider_openai_responses.py", "tests/test_fidelity.py"],
+    ),
+    "providers.gemini": (
+        ["polar_addon/providers/gemini.py"],
+        ["tests/test_provider_gemini.py", "tests/test_fidelity.py"],
+    ),
+    "providers.common": (
+        ["polar_addon/providers/common.py", "polar_addon/providers/__init__.py"],
+        ["tests/test_provider_common.py", *PROVIDER_TESTS, "tests/test_fidelity.py"],
+    ),
+    "identity": (
+        ["polar_addon/identity.py"],
+        [
+            "tests/test_identity.py",
+            "tests/security/test_sessions.py::test_registry_lookup_revoke_end_and_forget",
+            "tests/security/test_sessions.py::test_registered_resolution_takes_labels_from_the_registration_alone",
+            "tests/security/test_sessions.py::test_claimed_mode_trusts_claims_but_never_takes_a_secret_for_a_session_id",
+        ],
+    ),
     # The reward-file reading and Harbor's rule (the rollouts that attack them are too slow per mutant).
-    "rollout.verify": (["polar_cli/rollout/verify.py"],
-                       ["tests/test_rollout_tasks.py", "tests/test_rollout_verify.py",
-                        *(f"tests/security/test_verifier.py::{name}" for name in (
-                           "test_reward_json_takes_numbers_only", "test_reward_json_counts_only_when_the_tests_write_it",
-                           "test_reading_a_reward_file_follows_no_link_and_is_bounded",
-                           "test_the_guard_verdict_is_its_last_line"))]),
+    "rollout.verify": (
+        ["polar_cli/rollout/verify.py"],
+        [
+            "tests/test_rollout_tasks.py",
+            "tests/test_rollout_verify.py",
+            *(
+                f"tests/security/test_verifier.py::{name}"
+                for name in (
+                    "test_reward_json_takes_numbers_only",
+                    "test_reward_json_counts_only_when_the_tests_write_it",
+                    "test_reading_a_reward_file_follows_no_link_and_is_bounded",
+                    "test_the_guard_verdict_is_its_last_line",
+                )
+            ),
+        ],
+    ),
     # The patch bound and the host-side git (no rollout: the runner's own functions on a planted workspace).
-    "rollout.workspace": (["polar_cli/rollout/workspace.py"],
-                          ["tests/security/test_workspace_attacks.py", "-k", "not rollout"]),
+    "rollout.workspace": (
+        ["polar_cli/rollout/workspace.py"],
+        ["tests/security/test_workspace_attacks.py", "-k", "not rollout"],
+    ),
     # The per-token policy loss (run with --only '*policy_loss*': the rest of the trainer needs training runs).
     "train.trainer": (["polar_cli/train/trainer.py"], ["tests/test_train_loss_value.py"]),
     "gateway": (["polar_addon/gateway.py"], ["tests/test_gateway_units.py", "tests/test_gateway_core.py"]),
-    "store.journal": (["polar_addon/store/journal.py"],
-                      ["tests/test_store_journal.py", "tests/test_store_crash.py", *NOT_SLOW]),
-    "store.compaction": (["polar_addon/store/compaction.py"],
-                         ["tests/test_store_compaction.py", "tests/test_store_basic.py", "tests/test_store_crash.py",
-                          *NOT_SLOW]),
-    "store.trace_store": (["polar_addon/store/trace_store.py"],
-                          ["tests/test_store_trace_store.py", "tests/test_store_basic.py", "tests/test_store_crash.py",
-                           "tests/test_store_quarantine.py",
-                           # test_store_faults.py runs its stores in child processes, the read-only one as
-                           # `nobody`, who cannot load mutmut's trampoline: both are left out.
-                           *NOT_SLOW]),
-    "build.prefix_merging": (["polar_cli/build/prefix_merging.py"],
-                             ["tests/test_build_chains.py", "tests/test_build_prefix_merging.py"]),
-    "build.breaks": (["polar_cli/build/breaks.py"],
-                     ["tests/test_build_breaks.py", "tests/test_build_prefix_merging.py"]),
+    "store.journal": (
+        ["polar_addon/store/journal.py"],
+        ["tests/test_store_journal.py", "tests/test_store_crash.py", *NOT_SLOW],
+    ),
+    "store.compaction": (
+        ["polar_addon/store/compaction.py"],
+        ["tests/test_store_compaction.py", "tests/test_store_basic.py", "tests/test_store_crash.py", *NOT_SLOW],
+    ),
+    "store.trace_store": (
+        ["polar_addon/store/trace_store.py"],
+        [
+            "tests/test_store_trace_store.py",
+            "tests/test_store_basic.py",
+            "tests/test_store_crash.py",
+            "tests/test_store_quarantine.py",
+            # test_store_faults.py runs its stores in child processes, the read-only one as
+            # `nobody`, who cannot load mutmut's trampoline: both are left out.
+            *NOT_SLOW,
+        ],
+    ),
+    "build.prefix_merging": (
+        ["polar_cli/build/prefix_merging.py"],
+        ["tests/test_build_chains.py", "tests/test_build_prefix_merging.py"],
+    ),
+    "build.breaks": (
+        ["polar_cli/build/breaks.py"],
+        ["tests/test_build_breaks.py", "tests/test_build_prefix_merging.py"],
+    ),
     "build.rewards": (["polar_cli/build/rewards.py"], ["tests/test_build_rewards.py"]),
     "train.advantages": (["polar_cli/train/advantages.py"], ["tests/test_train_advantages.py"]),
     "train.dataset": (["polar_cli/train/dataset.py"], ["tests/test_train_dataset.py"]),
@@ -110,19 +150,22 @@ def _scratch(module: str, timeout_multiplier: float) -> Path:
 
 def _configure(module: str, work: Path, timeout_multiplier: float) -> None:
     files, tests = MODULES[module]
-    config = "\n".join([
-        "", "[tool.mutmut]",
-        'source_paths = ["polar_addon", "polar_cli"]',
-        'also_copy = ["bench"]',
-        f"only_mutate = {json.dumps(files)}",
-        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
-        'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]',
-        # A mutant that deadlocks a writer thread burns no CPU: only mutmut's wall-clock limit,
-        # (its tests' clean-run time + 1 s) x this multiplier, ends it. mutmut's default, 15, let a
-        # few hung store mutants stall a run for minutes each.
-        f"timeout_multiplier = {timeout_multiplier}",
-        "",
-    ])
+    config = "\n".join(
+        [
+            "",
+            "[tool.mutmut]",
+            'source_paths = ["polar_addon", "polar_cli"]',
+            'also_copy = ["bench"]',
+            f"only_mutate = {json.dumps(files)}",
+            f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
+            'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]',
+            # A mutant that deadlocks a writer thread burns no CPU: only mutmut's wall-clock limit,
+            # (its tests' clean-run time + 1 s) x this multiplier, ends it. mutmut's default, 15, let a
+            # few hung store mutants stall a run for minutes each.
+            f"timeout_multiplier = {timeout_multiplier}",
+            "",
+        ]
+    )
     (work / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text() + config)
 
 
@@ -130,8 +173,9 @@ def _tiny_model() -> Path:
     """One tiny model for every test session of every mutant (building it takes seconds)."""
     path = WORK / "tiny"
     if not (path / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "polar_cli.app", "tiny-model", str(path)], cwd=REPO, check=True,
-                       env=_env())
+        subprocess.run(
+            [sys.executable, "-m", "polar_cli.app", "tiny-model", str(path)], cwd=REPO, check=True, env=_env()
+        )
     return path
 
 
@@ -153,8 +197,9 @@ def _mutmut(work: Path, args: list[str], lock: str | None, log_name: str) -> Non
 
 def _not_killed(work: Path) -> dict[str, str]:
     """mutant -> status for every mutant not killed (``mutmut results`` lists only those)."""
-    results = subprocess.run([str(MUTMUT), "results"], cwd=work, env=_env(), capture_output=True, text=True,
-                             check=False)
+    results = subprocess.run(
+        [str(MUTMUT), "results"], cwd=work, env=_env(), capture_output=True, text=True, check=False
+    )
     (work / "survivors.txt").write_text(results.stdout)
     rows = (line.strip().rsplit(": ", 1) for line in results.stdout.splitlines() if ": " in line)
     return {name: status for name, status in rows}
@@ -174,22 +219,32 @@ def _slowest(work: Path, count: int, lock: str | None, only: list[str] | None = 
     _mutmut(work, ["polar-prepare-only-matches-no-mutant"], lock, "prepare.log")  # fails at the filter, by design
     stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
     tests_of, duration = stats["tests_by_mangled_function_name"], stats["duration_by_test"]
-    names = [name for meta in (work / "mutants").rglob("*.meta")
-             for name in json.loads(meta.read_text())["exit_code_by_key"]]
-    estimate = {name: sum(duration.get(t, 0.0) for t in tests_of.get(name.rsplit("__mutmut_", 1)[0], []))
-                for name in names}
+    names = [
+        name for meta in (work / "mutants").rglob("*.meta") for name in json.loads(meta.read_text())["exit_code_by_key"]
+    ]
+    estimate = {
+        name: sum(duration.get(t, 0.0) for t in tests_of.get(name.rsplit("__mutmut_", 1)[0], [])) for name in names
+    }
     # Names without a test are left out: mutmut would look their tests up by name and fail.
     timed = sorted((n for n in names if tests_of.get(n.rsplit("__mutmut_", 1)[0])), key=lambda n: estimate[n])
     if only:
         untested = [n for n in names if n not in estimate or not tests_of.get(n.rsplit("__mutmut_", 1)[0])]
-        (work / "selected_untested.txt").write_text("".join(f"{n}\n" for n in untested
-                                                            if any(fnmatch.fnmatch(n, p) for p in only)))
+        (work / "selected_untested.txt").write_text(
+            "".join(f"{n}\n" for n in untested if any(fnmatch.fnmatch(n, p) for p in only))
+        )
         timed = [n for n in timed if any(fnmatch.fnmatch(n, pattern) for pattern in only)]
     return timed[-count:] if count else timed
 
 
-def run(module: str, lock: str | None, children: int, timeout_multiplier: float, resume: bool = False,
-        slowest: int = 0, only: list[str] | None = None) -> None:
+def run(
+    module: str,
+    lock: str | None,
+    children: int,
+    timeout_multiplier: float,
+    resume: bool = False,
+    slowest: int = 0,
+    only: list[str] | None = None,
+) -> None:
     """Mutate the module and run every mutant; ``resume`` keeps an interrupted run's verdicts and runs the rest.
 
     mutmut saves each verdict as it comes, so a big module (the gateway: hundreds of mutants at seconds each)
@@ -235,11 +290,23 @@ def rerun_not_killed(module: str, lock: str | None, children: int, timeout_multi
     merged = {name: after.get(name, "killed") if name in retried else status for name, status in before.items()}
     (work / "survivors.txt").write_text("".join(f"    {n}: {s}\n" for n, s in merged.items() if s != "killed"))
     counts = {status: list(merged.values()).count(status) for status in set(merged.values())}
-    stats = dict(stats_before, survived=counts.get("survived", 0), no_tests=counts.get("no tests", 0),
-                 timeout=stats_before["timeout"] + sum(after.get(n) == "timeout" for n in retried))
+    stats = dict(
+        stats_before,
+        survived=counts.get("survived", 0),
+        no_tests=counts.get("no tests", 0),
+        timeout=stats_before["timeout"] + sum(after.get(n) == "timeout" for n in retried),
+    )
     # Mutants an --only run never checked stay unchecked (the report counts them as not run, never as killed).
-    stats["killed"] = (stats["total"] - stats["skipped"] - stats["survived"] - stats["no_tests"] - stats["timeout"]
-                       - stats["segfault"] - stats["suspicious"] - counts.get("not checked", 0))
+    stats["killed"] = (
+        stats["total"]
+        - stats["skipped"]
+        - stats["survived"]
+        - stats["no_tests"]
+        - stats["timeout"]
+        - stats["segfault"]
+        - stats["suspicious"]
+        - counts.get("not checked", 0)
+    )
     stats["rerun_of_not_killed"] = len(retried)
     (work / "mutants" / "mutmut-cicd-stats.json").write_text(json.dumps(stats, indent=4))
 
@@ -270,23 +337,43 @@ def verify_timeouts(module: str, limit_s: float = 300.0, jobs: int = 1) -> None:
     # the whole selection per mutant took minutes each on the shared VM (trace_store's has fault tests).
     stats_path = work / "mutants" / "mutmut-stats.json"
     covering = json.loads(stats_path.read_text())["tests_by_mangled_function_name"] if stats_path.exists() else {}
+
     def selection_of(name: str) -> list[str]:
         return sorted(covering.get(name.rsplit("__mutmut_", 1)[0], [])) or tests
 
     def verdict_of(name: str) -> str:
-        cmd = ["nice", "-n", str(NICE), sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-               *selection_of(name)]
+        cmd = [
+            "nice",
+            "-n",
+            str(NICE),
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *selection_of(name),
+        ]
         try:
-            done = subprocess.run(cmd, cwd=work / "mutants", env=dict(env, MUTANT_UNDER_TEST=name),
-                                  capture_output=True, timeout=limit_s, check=False)
+            done = subprocess.run(
+                cmd,
+                cwd=work / "mutants",
+                env=dict(env, MUTANT_UNDER_TEST=name),
+                capture_output=True,
+                timeout=limit_s,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             return "hung"
         return "killed" if done.returncode == 1 else "survived" if done.returncode == 0 else "error"
 
     # The quickest first (fewest tests): a stopped verification has settled as many as it could. A hang burns no
     # CPU, so several run at once (``jobs``); the limit must stay far above a clean run's time under that load.
-    todo = sorted((n for n, status in statuses.items() if status == "timeout" and n not in verdicts),
-                  key=lambda n: len(selection_of(n)))
+    todo = sorted(
+        (n for n, status in statuses.items() if status == "timeout" and n not in verdicts),
+        key=lambda n: len(selection_of(n)),
+    )
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for name, verdict in zip(todo, pool.map(verdict_of, todo)):
             verdicts[name] = verdict
@@ -300,8 +387,13 @@ def verify_timeouts(module: str, limit_s: float = 300.0, jobs: int = 1) -> None:
         back = sum(v == "survived" for v in verdicts.values())
         # From mutmut's own counts each time, so verifying again (more timeouts, or none new) never subtracts twice.
         before = {key: stats.get(f"{key}_before_verify", stats[key]) for key in ("timeout", "survived")}
-        stats.update(timeout=before["timeout"] - back, survived=before["survived"] + back, timeouts_verified=len(verdicts),
-                     timeout_before_verify=before["timeout"], survived_before_verify=before["survived"])
+        stats.update(
+            timeout=before["timeout"] - back,
+            survived=before["survived"] + back,
+            timeouts_verified=len(verdicts),
+            timeout_before_verify=before["timeout"],
+            survived_before_verify=before["survived"],
+        )
         (work / "mutants" / "mutmut-cicd-stats.json").write_text(json.dumps(stats, indent=4))
 
 
@@ -313,7 +405,9 @@ def score(module: str) -> dict[str, int] | None:
 
 
 def report() -> None:
-    print(f"{'module':28s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'no tests':>9s} {'not run':>8s} {'score':>7s}")
+    print(
+        f"{'module':28s} {'mutants':>8s} {'killed':>7s} {'survived':>9s} {'no tests':>9s} {'not run':>8s} {'score':>7s}"
+    )
     for module in MODULES:
         stats = score(module)
         if stats is None:
@@ -322,12 +416,20 @@ def report() -> None:
         caught = stats["killed"] + stats["timeout"] + stats["segfault"]
         total = stats["total"] - stats["skipped"]
         # An interrupted run (see --resume) leaves mutants with no verdict: counted, never as killed.
-        not_run = (total - caught - stats["survived"] - stats["no_tests"] - stats["suspicious"]
-                   - stats["check_was_interrupted_by_user"])
+        not_run = (
+            total
+            - caught
+            - stats["survived"]
+            - stats["no_tests"]
+            - stats["suspicious"]
+            - stats["check_was_interrupted_by_user"]
+        )
         # Of the mutants run: a partial run's score is marked, never read as the module's.
         pct = 100.0 * caught / (total - not_run) if total > not_run else float("nan")
-        print(f"{module:28s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {not_run:8d}"
-              f" {pct:6.1f}%{' (partial)' if not_run else ''}")
+        print(
+            f"{module:28s} {total:8d} {caught:7d} {stats['survived']:9d} {stats['no_tests']:9d} {not_run:8d}"
+            f" {pct:6.1f}%{' (partial)' if not_run else ''}"
+        )
 
 
 def main() -> None:
@@ -335,26 +437,55 @@ def main() -> None:
     parser.add_argument("modules", nargs="*", help=f"some of: {', '.join(MODULES)} (default: all)")
     parser.add_argument("--report", action="store_true", help="only print the scores of earlier runs")
     parser.add_argument("--lock", help="flock this file around each module's run")
-    parser.add_argument("--verify-timeouts", action="store_true",
-                        help="re-run each mutant mutmut stopped on time, without its time limits (see verify_timeouts)")
-    parser.add_argument("--verify-limit", type=float, default=300.0,
-                        help="with --verify-timeouts: seconds after which a mutant's run counts as a hang (default 300)")
-    parser.add_argument("--verify-jobs", type=int, default=1,
-                        help="with --verify-timeouts: mutants verified at once (a hang burns no CPU; keep the "
-                             "limit far above a clean run's time under that load)")
-    parser.add_argument("--rerun-not-killed", action="store_true",
-                        help="re-run only the mutants the last run of each module did not kill, with the current tests")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the verdicts of an interrupted run of each module and run only the mutants it left")
-    parser.add_argument("--slowest", type=int, default=0,
-                        help="run only this many mutants, those with the longest estimated test time (the ones a"
-                             " stopped quickest-first run never reached); the score is then marked partial")
-    parser.add_argument("--only", nargs="+", metavar="PATTERN",
-                        help="run only the mutants whose names match these shell patterns (e.g. '*final_status*');"
-                             " those no test reaches are listed in selected_untested.txt; the score is marked partial")
+    parser.add_argument(
+        "--verify-timeouts",
+        action="store_true",
+        help="re-run each mutant mutmut stopped on time, without its time limits (see verify_timeouts)",
+    )
+    parser.add_argument(
+        "--verify-limit",
+        type=float,
+        default=300.0,
+        help="with --verify-timeouts: seconds after which a mutant's run counts as a hang (default 300)",
+    )
+    parser.add_argument(
+        "--verify-jobs",
+        type=int,
+        default=1,
+        help="with --verify-timeouts: mutants verified at once (a hang burns no CPU; keep the "
+        "limit far above a clean run's time under that load)",
+    )
+    parser.add_argument(
+        "--rerun-not-killed",
+        action="store_true",
+        help="re-run only the mutants the last run of each module did not kill, with the current tests",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the verdicts of an interrupted run of each module and run only the mutants it left",
+    )
+    parser.add_argument(
+        "--slowest",
+        type=int,
+        default=0,
+        help="run only this many mutants, those with the longest estimated test time (the ones a"
+        " stopped quickest-first run never reached); the score is then marked partial",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="PATTERN",
+        help="run only the mutants whose names match these shell patterns (e.g. '*final_status*');"
+        " those no test reaches are listed in selected_untested.txt; the score is marked partial",
+    )
     parser.add_argument("--children", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--timeout-multiplier", type=float, default=6.0,
-                        help="a mutant is stopped after (its tests' clean time + 1 s) x this (default 6)")
+    parser.add_argument(
+        "--timeout-multiplier",
+        type=float,
+        default=6.0,
+        help="a mutant is stopped after (its tests' clean time + 1 s) x this (default 6)",
+    )
     args = parser.parse_args()
     unknown = set(args.modules) - set(MODULES)
     if unknown:
@@ -367,8 +498,15 @@ def main() -> None:
             elif args.rerun_not_killed:
                 rerun_not_killed(module, args.lock, args.children, args.timeout_multiplier)
             else:
-                run(module, args.lock, args.children, args.timeout_multiplier, resume=args.resume,
-                    slowest=args.slowest, only=args.only)
+                run(
+                    module,
+                    args.lock,
+                    args.children,
+                    args.timeout_multiplier,
+                    resume=args.resume,
+                    slowest=args.slowest,
+                    only=args.only,
+                )
     report()
 
 

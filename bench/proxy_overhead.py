@@ -79,9 +79,16 @@ def request_body(tokens: int, stream: bool, other: int | None = None) -> bytes:
     text = ("The quick brown fox jumps over the lazy dog. " * (tokens * 4 // 45 + 1))[: tokens * 4]
     if other is not None:
         text = f"other-{other} {text}"
-    return orjson.dumps({"model": "bench", "max_tokens": RESPONSE_TOKENS, "stream": stream, "logprobs": True,
-                         "return_token_ids": True, "messages": [{"role": "system", "content": "You are terse."},
-                                                                {"role": "user", "content": text}]})
+    return orjson.dumps(
+        {
+            "model": "bench",
+            "max_tokens": RESPONSE_TOKENS,
+            "stream": stream,
+            "logprobs": True,
+            "return_token_ids": True,
+            "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}],
+        }
+    )
 
 
 class Case:
@@ -90,7 +97,10 @@ class Case:
     def __init__(self, name: str, bodies: list[bytes]) -> None:
         self.name, self.bodies = name, bodies
         self.stream = b'"stream":true' in bodies[0]
-        self.headers = {"content-type": "application/json", "authorization": f"Bearer polar:bench-{name.replace(' ', '-')}"}
+        self.headers = {
+            "content-type": "application/json",
+            "authorization": f"Bearer polar:bench-{name.replace(' ', '-')}",
+        }
 
     def body(self, i: int) -> bytes:
         return self.bodies[i % len(self.bodies)]
@@ -124,6 +134,7 @@ async def throughput(url: str, body: bytes, seconds: float, concurrency: int = 1
     deadline = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+
         async def worker(k: int) -> None:  # one agent session per client
             nonlocal done
             headers = {"content-type": "application/json", "authorization": f"Bearer polar:bench-client-{k}"}
@@ -150,8 +161,10 @@ def main() -> None:
         engine_url = f"http://127.0.0.1:{engine_port}"
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
-            with run_mitmdump("", work / "plain" / "out", mode=f"reverse:{engine_url}", addon=False) as plain, \
-                    run_mitmdump(f"vllm:{engine_url}", work / "polar" / "shards", mode=f"reverse:{engine_url}") as polar:
+            with (
+                run_mitmdump("", work / "plain" / "out", mode=f"reverse:{engine_url}", addon=False) as plain,
+                run_mitmdump(f"vllm:{engine_url}", work / "polar" / "shards", mode=f"reverse:{engine_url}") as polar,
+            ):
                 paths = {"a_direct": engine_url, "b_mitmdump": plain.url, "c_polar": polar.url}
                 cases = [
                     Case("1k", [request_body(1024, False)]),
@@ -168,9 +181,13 @@ def main() -> None:
         engine.terminate()
         engine.wait()
 
-    print(f"\nproxy overhead, {args.rounds} interleaved requests per path and case "
-          f"({RESPONSE_TOKENS} response tokens; added latency = path - direct)")
-    print(f"{'case':<12}{'direct p50':>12}{'mitmdump +p50':>15}{'+p99':>9}{'polar +p50':>13}{'+p99':>9}{'polar/mitmdump':>16}")
+    print(
+        f"\nproxy overhead, {args.rounds} interleaved requests per path and case "
+        f"({RESPONSE_TOKENS} response tokens; added latency = path - direct)"
+    )
+    print(
+        f"{'case':<12}{'direct p50':>12}{'mitmdump +p50':>15}{'+p99':>9}{'polar +p50':>13}{'+p99':>9}{'polar/mitmdump':>16}"
+    )
     for case in (c.name for c in cases):
         base = samples[("a_direct", case.replace(" stream", ""))]
         b = samples.get(("b_mitmdump", case)) or []
@@ -179,11 +196,15 @@ def main() -> None:
         c50, c99 = statistics.median(c) - base50, pct(c, 0.99) - base99
         if b:
             b50, b99 = statistics.median(b) - base50, pct(b, 0.99) - base99
-            print(f"{case:<12}{base50:>10.2f}ms{b50:>13.2f}ms{b99:>7.2f}ms{c50:>11.2f}ms{c99:>7.2f}ms{c50 / b50:>15.2f}x")
+            print(
+                f"{case:<12}{base50:>10.2f}ms{b50:>13.2f}ms{b99:>7.2f}ms{c50:>11.2f}ms{c99:>7.2f}ms{c50 / b50:>15.2f}x"
+            )
         else:
             print(f"{case:<12}{base50:>10.2f}ms{'':>15}{'':>9}{c50:>11.2f}ms{c99:>7.2f}ms{'(vs plain direct)':>16}")
-    print(f"\nsustained completions/s, 16 concurrent clients, 1k context: mitmdump {rates['b_mitmdump']:.0f}/s, "
-          f"polar {rates['c_polar']:.0f}/s (target >= 200/s)")
+    print(
+        f"\nsustained completions/s, 16 concurrent clients, 1k context: mitmdump {rates['b_mitmdump']:.0f}/s, "
+        f"polar {rates['c_polar']:.0f}/s (target >= 200/s)"
+    )
 
 
 if __name__ == "__main__":

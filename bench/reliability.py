@@ -48,6 +48,7 @@ from polar_addon.engines.scripted import ScriptedEngine  # noqa: E402
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall  # noqa: E402
 from polar_addon.store import TraceStore, read_records  # noqa: E402
 from polar_addon.store.validate import validate_store  # noqa: E402
+from polar_cli.train.reload import serve_vllm, stop_process  # noqa: E402
 from tests.support.hostile import (  # noqa: E402
     PATHS,
     RecordingUpstream,
@@ -59,13 +60,15 @@ from tests.support.hostile import (  # noqa: E402
     valid_body,
     write_script,
 )
-from polar_cli.train.reload import serve_vllm, stop_process  # noqa: E402
 from tests.support.load import LoadResult, check_store, run_load  # noqa: E402
 from tests.support.proxy import free_port, run_mitmdump, wait_for_port  # noqa: E402
 
 SECRET = "sk-reliability-secret-0123456789"
-SETTINGS = dict(deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+SETTINGS = dict(
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+)
 
 
 class Counts(logging.Handler):
@@ -90,7 +93,9 @@ async def _answer(gateway: Gateway, api: str, body: bytes, headers: dict[str, st
     except PolarError as err:
         reply = gateway.error_reply("POST", PATHS[api], err)
         return reply.status, reply.body
-    reply = await gateway.handle(IncomingCall(method="POST", path=PATHS[api], headers=headers, body=body, identity=ident))
+    reply = await gateway.handle(
+        IncomingCall(method="POST", path=PATHS[api], headers=headers, body=body, identity=ident)
+    )
     if isinstance(reply, FullReply):
         return reply.status, reply.body
     return reply.status, b"".join([c async for c in reply.chunks])
@@ -98,8 +103,11 @@ async def _answer(gateway: Gateway, api: str, body: bytes, headers: dict[str, st
 
 def fuzz_gateway(engine: str, out: Path, examples: int, counts: Counts) -> dict[str, dict[str, int]]:
     loop = asyncio.new_event_loop()
-    gateway = Gateway(EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
-                      TraceStore(str(out), shard_max_records=64, shard_max_seconds=0.5), GatewayConfig(max_body_bytes=1 << 20))
+    gateway = Gateway(
+        EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
+        TraceStore(str(out), shard_max_records=64, shard_max_seconds=0.5),
+        GatewayConfig(max_body_bytes=1 << 20),
+    )
     rows: dict[str, dict[str, int]] = {}
     try:
         for api in [*PATHS, "identity"]:
@@ -125,10 +133,14 @@ def fuzz_gateway(engine: str, out: Path, examples: int, counts: Counts) -> dict[
                 @settings(max_examples=examples, **SETTINGS)
                 @given(headers=hostile_identity())
                 def run_identity(headers: dict) -> None:
-                    one(*loop.run_until_complete(_answer(gateway, "anthropic_messages", body, headers)), "anthropic_messages")
+                    one(
+                        *loop.run_until_complete(_answer(gateway, "anthropic_messages", body, headers)),
+                        "anthropic_messages",
+                    )
 
                 run_identity()
             else:
+
                 @settings(max_examples=examples, **SETTINGS)
                 @given(body=hostile_body(api))
                 def run_body(body: bytes) -> None:
@@ -141,7 +153,9 @@ def fuzz_gateway(engine: str, out: Path, examples: int, counts: Counts) -> dict[
             stats["crashes"] = counts.internal - before[0]
             stats["translator exceptions -> 400"] = counts.translator - before[1]
             rows[api] = dict(stats)
-        status, _ = loop.run_until_complete(_answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {}))
+        status, _ = loop.run_until_complete(
+            _answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {})
+        )
         rows["_after"] = {"status": status}
     finally:
         loop.run_until_complete(gateway.close())
@@ -151,12 +165,23 @@ def fuzz_gateway(engine: str, out: Path, examples: int, counts: Counts) -> dict[
 
 def through_mitmdump(engine: str, out: Path, examples: int) -> dict[str, int]:
     stats: Counter = Counter()
-    with RecordingUpstream() as upstream, run_mitmdump(
-            engine, out, mode=f"reverse:http://127.0.0.1:{upstream.port}",
-            options={"polar_shard_seconds": "0.5", "polar_max_body_mb": "1"}) as proxy:
+    with (
+        RecordingUpstream() as upstream,
+        run_mitmdump(
+            engine,
+            out,
+            mode=f"reverse:http://127.0.0.1:{upstream.port}",
+            options={"polar_shard_seconds": "0.5", "polar_max_body_mb": "1"},
+        ) as proxy,
+    ):
+
         def post(api: str, body: bytes, headers: dict) -> httpx.Response:
-            return httpx.post(proxy.url + PATHS[api], content=body, timeout=120,
-                              headers={"content-type": "application/json", "authorization": f"Bearer {SECRET}", **headers})
+            return httpx.post(
+                proxy.url + PATHS[api],
+                content=body,
+                timeout=120,
+                headers={"content-type": "application/json", "authorization": f"Bearer {SECRET}", **headers},
+            )
 
         for trigger in triggers():
             body = trigger.encoded()
@@ -172,16 +197,22 @@ def through_mitmdump(engine: str, out: Path, examples: int) -> dict[str, int]:
             stats["5xx"] += r.status_code >= 500
 
         fuzz()
-        stats["after"] = post("openai_chat", orjson.dumps(valid_body("openai_chat")), {"x-polar-session": "after"}).status_code
+        stats["after"] = post(
+            "openai_chat", orjson.dumps(valid_body("openai_chat")), {"x-polar-session": "after"}
+        ).status_code
         logs = proxy.logs()
     stats["leaked upstream"] = len(upstream.requests)
     stats["secrets in logs"] = logs.count(SECRET)
-    stats["secrets in shards"] = sum(SECRET in (r.messages_json + (r.error or "") + (r.harness or "")) for r in read_records(str(out)))
+    stats["secrets in shards"] = sum(
+        SECRET in (r.messages_json + (r.error or "") + (r.harness or "")) for r in read_records(str(out))
+    )
     stats["quarantined"] = sum("quarantined" in p for p in validate_store(str(out)))
     return dict(stats)
 
 
-ENGINE_SERVER = (REPO / "tests" / "test_reliability_proxy.py").read_text().split("ENGINE_SERVER = r'''")[1].split("'''")[0]
+ENGINE_SERVER = (
+    (REPO / "tests" / "test_reliability_proxy.py").read_text().split("ENGINE_SERVER = r'''")[1].split("'''")[0]
+)
 
 
 def faults(tmp: Path, model: Path) -> list[tuple[str, bool, str]]:
@@ -192,25 +223,47 @@ def faults(tmp: Path, model: Path) -> list[tuple[str, bool, str]]:
         out = tmp / f"fault-{mode}"
         try:
             wait_for_port(port, 30, server)
-            with run_mitmdump(f"vllm:http://127.0.0.1:{port}", out, mode="reverse:https://api.anthropic.com",
-                              options={"polar_engine_timeout": "2", "polar_shard_seconds": "0.2"}) as proxy:
-                r = httpx.post(proxy.url + "/v1/messages", content=orjson.dumps(valid_body("anthropic_messages")), timeout=60,
-                               headers={"content-type": "application/json", "x-polar-session": "fault"})
+            with run_mitmdump(
+                f"vllm:http://127.0.0.1:{port}",
+                out,
+                mode="reverse:https://api.anthropic.com",
+                options={"polar_engine_timeout": "2", "polar_shard_seconds": "0.2"},
+            ) as proxy:
+                r = httpx.post(
+                    proxy.url + "/v1/messages",
+                    content=orjson.dumps(valid_body("anthropic_messages")),
+                    timeout=60,
+                    headers={"content-type": "application/json", "x-polar-session": "fault"},
+                )
         finally:
             if server.poll() is None:
                 os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         records = read_records(str(out))
-        ok = (r.status_code in expected and is_provider_error("anthropic_messages", r.status_code, r.content)
-              and len(records) == 1 and records[0].status == "failed" and not records[0].response_ids)
+        ok = (
+            r.status_code in expected
+            and is_provider_error("anthropic_messages", r.status_code, r.content)
+            and len(records) == 1
+            and records[0].status == "failed"
+            and not records[0].response_ids
+        )
         results.append((f"engine {mode}", ok, f"{r.status_code}, recorded {[x.status for x in records]}"))
     # A client hanging up mid-stream, three times, then a normal call.
     out = tmp / "fault-disconnect"
     slow = write_script(tmp / "slow.json", model, latency_s=1.5)
-    with run_mitmdump(slow, out, mode="reverse:https://api.openai.com",
-                      options={"polar_keepalive": "0.2", "polar_shard_seconds": "0.2"}) as proxy:
+    with run_mitmdump(
+        slow,
+        out,
+        mode="reverse:https://api.openai.com",
+        options={"polar_keepalive": "0.2", "polar_shard_seconds": "0.2"},
+    ) as proxy:
         hang_up_mid_stream(proxy.url, out)
-        after = httpx.post(proxy.url + "/v1/chat/completions", json=valid_body("openai_chat"), headers={"x-polar-session": "after"}, timeout=60)
+        after = httpx.post(
+            proxy.url + "/v1/chat/completions",
+            json=valid_body("openai_chat"),
+            headers={"x-polar-session": "after"},
+            timeout=60,
+        )
     records = read_records(str(out))
     ok = after.status_code == 200 and [r.seq for r in records if r.session_id == "cut"] == [0, 1, 2]
     results.append(("client disconnects mid-stream x3", ok, f"next call {after.status_code}"))
@@ -262,16 +315,32 @@ def main() -> None:
     rows = []
     for name, load in loads:
         rows += [
-            (f"load: {load.sessions} sessions x {load.turns} turns ({name})", f"{load.answered} answered in {load.seconds:.0f} s",
-             f"{load.answered / load.seconds:.1f} calls/s"),
-            ("  records lost / duplicated / mixed up", f"{load.lost} / {load.duplicated} / {load.mixed_up}", "must be 0"),
-            ("  calls that failed (retried by the client; recorded as failed)", load.failed_calls,
-             "; ".join(f"{n}x {why}" for why, n in load.failure_reasons.items())[:200]),
-            ("  connections lost (retried by the client)", len(load.transport_errors), "; ".join(load.transport_errors[:3])),
+            (
+                f"load: {load.sessions} sessions x {load.turns} turns ({name})",
+                f"{load.answered} answered in {load.seconds:.0f} s",
+                f"{load.answered / load.seconds:.1f} calls/s",
+            ),
+            (
+                "  records lost / duplicated / mixed up",
+                f"{load.lost} / {load.duplicated} / {load.mixed_up}",
+                "must be 0",
+            ),
+            (
+                "  calls that failed (retried by the client; recorded as failed)",
+                load.failed_calls,
+                "; ".join(f"{n}x {why}" for why, n in load.failure_reasons.items())[:200],
+            ),
+            (
+                "  connections lost (retried by the client)",
+                len(load.transport_errors),
+                "; ".join(load.transport_errors[:3]),
+            ),
             ("  peak RSS of mitmdump under load", f"{load.peak_rss_mb:.0f} MiB", ""),
         ]
         if load.engine_peak_rss_mb:
-            rows.append(("  peak RSS of the engine (vLLM and its engine core)", f"{load.engine_peak_rss_mb:.0f} MiB", ""))
+            rows.append(
+                ("  peak RSS of the engine (vLLM and its engine core)", f"{load.engine_peak_rss_mb:.0f} MiB", "")
+            )
     _print_rows(rows)
     if not (args.skip_attacks or args.load_only):
         _print_attacks(attacks())
@@ -281,8 +350,12 @@ def attacks() -> dict[str, Counter]:
     """tests/security run once: per attack class (its test module), attacks tried, blocked and not run."""
     with tempfile.TemporaryDirectory(prefix="polar-attacks-") as tmp:
         report = Path(tmp) / "junit.xml"
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                        "tests/security"], cwd=REPO, capture_output=True, text=True)
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", "tests/security"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         if not report.exists():
             raise SystemExit("tests/security did not run (no junit report)")
         classes: dict[str, Counter] = {}
@@ -303,17 +376,25 @@ def _print_attacks(classes: dict[str, Counter]) -> None:
         through = row["tried"] - row["blocked"] - row["not run"]
         print(f"{name:<34}{row['tried']:>7}{row['blocked']:>9}{through:>13}{row['not run']:>9}")
     total = sum(classes.values(), Counter())
-    print(f"{'all':<34}{total['tried']:>7}{total['blocked']:>9}{total['tried'] - total['blocked'] - total['not run']:>13}"
-          f"{total['not run']:>9}   (got through: must be 0)")
+    print(
+        f"{'all':<34}{total['tried']:>7}{total['blocked']:>9}{total['tried'] - total['blocked'] - total['not run']:>13}"
+        f"{total['not run']:>9}   (got through: must be 0)"
+    )
 
 
 def _load(engine: str, out: Path, args: argparse.Namespace, engine_pid: int | None = None) -> LoadResult:
-    with run_mitmdump(engine, out, mode="reverse:https://api.openai.com",
-                      options={"polar_shard_records": "128", "polar_shard_seconds": "1"}) as p:
+    with run_mitmdump(
+        engine,
+        out,
+        mode="reverse:https://api.openai.com",
+        options={"polar_shard_records": "128", "polar_shard_seconds": "1"},
+    ) as p:
         load = run_load(p.url, p.process.pid, out, args.sessions, args.turns, args.max_tokens, engine_pid)
         if load.transport_errors:
-            print("mitmdump's log around lost connections:\n" + "\n".join(
-                line for line in p.logs().splitlines() if "error" in line.lower())[-3000:])
+            print(
+                "mitmdump's log around lost connections:\n"
+                + "\n".join(line for line in p.logs().splitlines() if "error" in line.lower())[-3000:]
+            )
     return check_store(load, out)
 
 
@@ -321,8 +402,14 @@ def _load_vllm(model: Path, tmp: Path, args: argparse.Namespace) -> LoadResult:
     """The same load through mitmdump with the tiny model on a real vLLM CPU server (started as `polar engine
     serve` starts it)."""
     port = free_port()
-    server = serve_vllm(str(model), port=port, served_model_name="tiny", state_dir=tmp / "engine-state",
-                        dtype="float32", max_model_len=4096)
+    server = serve_vllm(
+        str(model),
+        port=port,
+        served_model_name="tiny",
+        state_dir=tmp / "engine-state",
+        dtype="float32",
+        max_model_len=4096,
+    )
     try:
         return _load(f"vllm:http://127.0.0.1:{port}", tmp / "load-vllm", args, engine_pid=server.pid)
     finally:
@@ -337,25 +424,40 @@ def _print_rows(rows: list[tuple[str, object, str]]) -> None:
         print(f"{name:<{width}}{value!s:>24}   {note}")
 
 
-def _print_fuzz(fuzz: dict, proxy: dict, fault_rows: list[tuple[str, bool, str]], examples: int, t_fuzz: float,
-                long: bool) -> None:
-    print(f"\npolar reliability ({'long' if long else 'default'} mode; {examples} fuzzed bodies per translator in-process, "
-          f"{t_fuzz:.0f} s)\n")
-    print(f"{'translator':<22}{'tried':>7}{'ok':>6}{'4xx':>6}{'bad answer':>12}{'crashes':>9}{'store stopped':>15}{'exc->400':>10}")
+def _print_fuzz(
+    fuzz: dict, proxy: dict, fault_rows: list[tuple[str, bool, str]], examples: int, t_fuzz: float, long: bool
+) -> None:
+    print(
+        f"\npolar reliability ({'long' if long else 'default'} mode; {examples} fuzzed bodies per translator in-process, "
+        f"{t_fuzz:.0f} s)\n"
+    )
+    print(
+        f"{'translator':<22}{'tried':>7}{'ok':>6}{'4xx':>6}{'bad answer':>12}{'crashes':>9}{'store stopped':>15}{'exc->400':>10}"
+    )
     for api, row in fuzz.items():
         if api.startswith("_"):
             continue
-        print(f"{api:<22}{row.get('tried', 0):>7}{row.get('ok', 0):>6}{row.get('4xx', 0):>6}{row.get('bad answer', 0):>12}"
-              f"{row.get('crashes', 0):>9}{row.get('store stopped', 0):>15}{row.get('translator exceptions -> 400', 0):>10}")
+        print(
+            f"{api:<22}{row.get('tried', 0):>7}{row.get('ok', 0):>6}{row.get('4xx', 0):>6}{row.get('bad answer', 0):>12}"
+            f"{row.get('crashes', 0):>9}{row.get('store stopped', 0):>15}{row.get('translator exceptions -> 400', 0):>10}"
+        )
     crashes = sum(r.get("crashes", 0) for k, r in fuzz.items() if not k.startswith("_"))
     stopping = sum(r.get("store stopped", 0) for k, r in fuzz.items() if not k.startswith("_"))
     print()
     rows = [
-        ("hostile inputs tried (in-process, all translators + identity)", sum(r.get("tried", 0) for k, r in fuzz.items() if not k.startswith("_")), ""),
+        (
+            "hostile inputs tried (in-process, all translators + identity)",
+            sum(r.get("tried", 0) for k, r in fuzz.items() if not k.startswith("_")),
+            "",
+        ),
         ("crashes (internal errors)", crashes, "must be 0"),
         ("store-stopping inputs", stopping + proxy["quarantined"], "must be 0"),
         ("valid call after the fuzzing", fuzz["_after"]["status"], "200"),
-        ("known triggers through mitmdump answered as expected", f"{proxy['triggers answered as expected']}/{proxy['triggers']}", ""),
+        (
+            "known triggers through mitmdump answered as expected",
+            f"{proxy['triggers answered as expected']}/{proxy['triggers']}",
+            "",
+        ),
         ("fuzzed bodies through mitmdump (5xx among them)", f"{proxy['fuzzed']} ({proxy['5xx']})", ""),
         ("flows leaked upstream", proxy["leaked upstream"], "must be 0"),
         ("secrets found in shards and logs", proxy["secrets in shards"] + proxy["secrets in logs"], "must be 0"),

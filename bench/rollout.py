@@ -52,22 +52,35 @@ def main() -> None:
             "id": f"t{i}", "instruction": "Write the answer.", "workspace": "ws", "setup": f"sleep {args.setup_s}",
             "verify": 'test "$(cat answer.txt)" = 42'}) + "\n" for i in range(groups)))  # fmt: skip
         tasks = load_tasks(tasks_file)
-        with start_proxy(f"scripted:{root / 'script.json'}", str(root / "store"), confdir=root / "conf",
-                         log_dir=root) as proxy:
-            external = ExternalProxy(f"http://127.0.0.1:{proxy.endpoints.forward_port}", proxy.control_token,
-                                     f"http://127.0.0.1:{proxy.endpoints.reverse_port}", proxy.endpoints.ca)
+        with start_proxy(
+            f"scripted:{root / 'script.json'}", str(root / "store"), confdir=root / "conf", log_dir=root
+        ) as proxy:
+            external = ExternalProxy(
+                f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+                proxy.control_token,
+                f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
+                proxy.endpoints.ca,
+            )
             rates = {}
             for label, ready in (("READY off", 0), ("READY on", args.concurrency)):
-                config = RolloutConfig(tasks=tasks, harness=f"cmd:{sys.executable} {AGENT} {{instruction}}",
-                                       samples=args.samples, proxy=external, concurrency=args.concurrency,
-                                       ready=ready, run_id=f"bench-{ready}")
+                config = RolloutConfig(
+                    tasks=tasks,
+                    harness=f"cmd:{sys.executable} {AGENT} {{instruction}}",
+                    samples=args.samples,
+                    proxy=external,
+                    concurrency=args.concurrency,
+                    ready=ready,
+                    run_id=f"bench-{ready}",
+                )
                 result = asyncio.run(run_rollout(config))
                 summary = result.summary()
                 if summary["statuses"]["completed"] != len(result.sessions):
                     raise SystemExit(f"{label}: not every session completed: {summary['statuses']}")
                 rates[label] = summary["sessions_per_minute"]
-                print(f"{label:10s} {len(result.sessions)} sessions in {summary['seconds']:6.1f} s: "
-                      f"{rates[label]:6.1f} sessions/min (setup {args.setup_s:g} s, {args.concurrency} RUN slots)")
+                print(
+                    f"{label:10s} {len(result.sessions)} sessions in {summary['seconds']:6.1f} s: "
+                    f"{rates[label]:6.1f} sessions/min (setup {args.setup_s:g} s, {args.concurrency} RUN slots)"
+                )
     print(f"READY on / off: {rates['READY on'] / rates['READY off']:.2f}x sessions per minute")
 
 

@@ -65,8 +65,9 @@ async def main() -> None:
 
         image = build_test_image()
         rows.append(("podman none", await measure(oci.make(image=image), "none", args.oci_repeat, root, ends)))
-        rows.append(("podman proxy-only", await measure(oci.make(image=image), "proxy-only", args.oci_repeat, root,
-                                                        ends)))
+        rows.append(
+            ("podman proxy-only", await measure(oci.make(image=image), "proxy-only", args.oci_repeat, root, ends))
+        )
     except Exception as exc:  # no podman here: the table still compares the rest
         print(f"(oci skipped: {exc})")
     base = rows[0][1]
@@ -74,8 +75,9 @@ async def main() -> None:
     print(f"{'runtime':<20}{'start ms':>10}{'exec ms':>10}{'stop ms':>10}{'total ms':>10}{'x local':>9}")
     for name, r in rows:
         total = sum(r.values())
-        print(f"{name:<20}{r['start']:>10.1f}{r['exec']:>10.1f}{r['stop']:>10.1f}{total:>10.1f}"
-              f"{total / base_total:>9.1f}")
+        print(
+            f"{name:<20}{r['start']:>10.1f}{r['exec']:>10.1f}{r['stop']:>10.1f}{total:>10.1f}{total / base_total:>9.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -35,15 +35,57 @@ from polar_addon.store import TraceStore, read_records  # noqa: E402
 
 VOCAB = 151_000
 WORDS = [
-    "the", "file", "function", "return", "error", "test", "import", "value", "config", "path", "build", "run",
-    "class", "self", "def", "string", "list", "dict", "none", "true", "false", "index", "result", "output",
-    "input", "module", "package", "version", "update", "check", "assert", "raise", "exception", "line", "word",
+    "the",
+    "file",
+    "function",
+    "return",
+    "error",
+    "test",
+    "import",
+    "value",
+    "config",
+    "path",
+    "build",
+    "run",
+    "class",
+    "self",
+    "def",
+    "string",
+    "list",
+    "dict",
+    "none",
+    "true",
+    "false",
+    "index",
+    "result",
+    "output",
+    "input",
+    "module",
+    "package",
+    "version",
+    "update",
+    "check",
+    "assert",
+    "raise",
+    "exception",
+    "line",
+    "word",
 ]
 TOOLS = [
-    {"type": "function", "function": {"name": f"tool_{i}", "description": " ".join(WORDS[i % 30:] + WORDS[:i % 30]) * 3,
-                                      "parameters": {"type": "object", "properties": {
-                                          "path": {"type": "string", "description": "where"},
-                                          "content": {"type": "string", "description": "what"}}}}}
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "description": " ".join(WORDS[i % 30 :] + WORDS[: i % 30]) * 3,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": "where"},
+                    "content": {"type": "string", "description": "what"},
+                },
+            },
+        },
+    }
     for i in range(16)
 ]
 
@@ -60,28 +102,52 @@ def make_session(sid: str, turns: int, final_context: int, seed: int) -> list[Ca
     tool_len = growth - response_len
     total = system_tokens + growth * turns
     ids = [rng.randrange(VOCAB) for _ in range(total)]  # one list: every prompt is a slice (shared ints)
-    messages: list[dict] = [{"role": "system", "content": _text(rng, system_tokens)},
-                            {"role": "user", "content": "fix the failing test"}]
+    messages: list[dict] = [
+        {"role": "system", "content": _text(rng, system_tokens)},
+        {"role": "user", "content": "fix the failing test"},
+    ]
     tools_json = orjson.dumps(TOOLS).decode()
     records = []
     prompt_len = system_tokens
     for turn in range(turns):
-        response = ids[prompt_len:prompt_len + response_len]
+        response = ids[prompt_len : prompt_len + response_len]
         call_id = f"call_{turn}"
-        answer = {"content": _text(rng, response_len - 20), "reasoning": None,
-                  "tool_calls": [{"id": call_id, "name": "tool_1", "arguments": '{"path": "a.py"}'}]}
-        records.append(CaptureRecord(
-            record_id=new_record_id(), session_id=sid, seq=turn, api="openai_chat", status="ok",
-            task_id="task-1", harness="bench-agent/1.0", requested_model="m", served_model="m",
-            started_at=time.time(), finished_at=time.time(), temperature=1.0,
-            prompt_ids=ids[:prompt_len], response_ids=response,
-            logprobs=[-rng.random() * 3 for _ in response], finish_reason="tool_calls",
-            messages_json=orjson.dumps(messages).decode(), tools_json=tools_json,
-            response_json=orjson.dumps(answer).decode(),
-        ))
+        answer = {
+            "content": _text(rng, response_len - 20),
+            "reasoning": None,
+            "tool_calls": [{"id": call_id, "name": "tool_1", "arguments": '{"path": "a.py"}'}],
+        }
+        records.append(
+            CaptureRecord(
+                record_id=new_record_id(),
+                session_id=sid,
+                seq=turn,
+                api="openai_chat",
+                status="ok",
+                task_id="task-1",
+                harness="bench-agent/1.0",
+                requested_model="m",
+                served_model="m",
+                started_at=time.time(),
+                finished_at=time.time(),
+                temperature=1.0,
+                prompt_ids=ids[:prompt_len],
+                response_ids=response,
+                logprobs=[-rng.random() * 3 for _ in response],
+                finish_reason="tool_calls",
+                messages_json=orjson.dumps(messages).decode(),
+                tools_json=tools_json,
+                response_json=orjson.dumps(answer).decode(),
+            )
+        )
         messages = messages + [
-            {"role": "assistant", "content": answer["content"], "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": "tool_1", "arguments": '{"path": "a.py"}'}}]},
+            {
+                "role": "assistant",
+                "content": answer["content"],
+                "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": "tool_1", "arguments": '{"path": "a.py"}'}}
+                ],
+            },
             {"role": "tool", "tool_call_id": call_id, "content": _text(rng, tool_len)},
         ]
         prompt_len += growth
@@ -126,21 +192,39 @@ def bench_store(out: Path, sessions: list[list[CaptureRecord]]) -> Result:
 
 
 def _completion_json(r: CaptureRecord) -> bytes:
-    request = {"model": r.requested_model, "messages": orjson.loads(r.messages_json), "tools": orjson.loads(r.tools_json),
-               "temperature": r.temperature}
-    return orjson.dumps({
-        "completion_id": r.record_id, "timestamp": r.finished_at, "session_id": r.session_id,
-        "task_id": r.task_id, "api_type": r.api, "model_requested": r.requested_model, "model_used": r.served_model,
-        "transformed_request": request,
-        "response": {
-            "prompt_token_ids": r.prompt_ids,
-            "choices": [{"message": orjson.loads(r.response_json), "finish_reason": r.finish_reason,
-                         "token_ids": r.response_ids,
-                         "logprobs": {"content": [{"token_id": t, "logprob": lp}
-                                                  for t, lp in zip(r.response_ids, r.logprobs)]}}],
-        },
-        "metadata": {"harness": r.harness}, "__written_at": time.time(),
-    })
+    request = {
+        "model": r.requested_model,
+        "messages": orjson.loads(r.messages_json),
+        "tools": orjson.loads(r.tools_json),
+        "temperature": r.temperature,
+    }
+    return orjson.dumps(
+        {
+            "completion_id": r.record_id,
+            "timestamp": r.finished_at,
+            "session_id": r.session_id,
+            "task_id": r.task_id,
+            "api_type": r.api,
+            "model_requested": r.requested_model,
+            "model_used": r.served_model,
+            "transformed_request": request,
+            "response": {
+                "prompt_token_ids": r.prompt_ids,
+                "choices": [
+                    {
+                        "message": orjson.loads(r.response_json),
+                        "finish_reason": r.finish_reason,
+                        "token_ids": r.response_ids,
+                        "logprobs": {
+                            "content": [{"token_id": t, "logprob": lp} for t, lp in zip(r.response_ids, r.logprobs)]
+                        },
+                    }
+                ],
+            },
+            "metadata": {"harness": r.harness},
+            "__written_at": time.time(),
+        }
+    )
 
 
 def bench_json(out: Path, sessions: list[list[CaptureRecord]]) -> Result:
@@ -174,8 +258,10 @@ def main() -> int:
     sessions = [make_session(f"session-{i:03d}", args.turns, args.final_context, seed=i) for i in range(args.sessions)]
     tokens = sum(tokens_of(s) for s in sessions)
     calls = sum(len(s) for s in sessions)
-    print(f"{args.sessions} sessions x {args.turns} turns, final context {len(sessions[0][-1].prompt_ids):,} tokens: "
-          f"{calls} calls, {tokens:,} tokens (generated in {time.perf_counter() - t0:.1f} s, cpus {os.cpu_count()})")
+    print(
+        f"{args.sessions} sessions x {args.turns} turns, final context {len(sessions[0][-1].prompt_ids):,} tokens: "
+        f"{calls} calls, {tokens:,} tokens (generated in {time.perf_counter() - t0:.1f} s, cpus {os.cpu_count()})"
+    )
 
     scratch = Path(tempfile.mkdtemp(prefix="polar-bench-", dir=args.dir))
     try:

@@ -14,15 +14,20 @@ import json
 
 from openai import OpenAI
 
-TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                       "required": ["a", "b"]},
-    },
-}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 
 
 def run_tool(name: str, arguments: str) -> str:
@@ -43,8 +48,13 @@ def run(question: str, model: str, turns: int, max_tokens: int, temperature: flo
     ]
     for _ in range(turns):
         stream = client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, stream=True, max_tokens=max_tokens,
-            temperature=temperature, stream_options={"include_usage": True},
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            stream=True,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stream_options={"include_usage": True},
         )
         text, calls = "", {}
         for chunk in stream:
@@ -57,9 +67,10 @@ def run(question: str, model: str, turns: int, max_tokens: int, temperature: flo
                     slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
         assistant: dict = {"role": "assistant", "content": text}
         if calls:
-            assistant["tool_calls"] = [{"id": c["id"], "type": "function",
-                                        "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                       for c in calls.values()]
+            assistant["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in calls.values()
+            ]
         messages.append(assistant)
         if not calls:
             # No tool call: give the model the "observation" the task needs and go on, as agents do.

@@ -42,8 +42,15 @@ def main() -> None:
         for i in range(SESSIONS):
             session = f"demo-{i}"
             env = {**os.environ, "HTTPS_PROXY": proxy.proxy_url(session), "SSL_CERT_FILE": str(proxy.ca)}
-            agent = [sys.executable, str(REPO / "examples" / "calculator_agent.py"), f"What is {i} + {i + 3}?",
-                     "--turns", "3", "--max-tokens", "24"]
+            agent = [
+                sys.executable,
+                str(REPO / "examples" / "calculator_agent.py"),
+                f"What is {i} + {i + 3}?",
+                "--turns",
+                "3",
+                "--max-tokens",
+                "24",
+            ]
             result = subprocess.run(agent, env=env, capture_output=True, text=True, timeout=300)
             if result.returncode != 0:
                 sys.exit(f"agent failed:\n{result.stdout}\n{result.stderr}\n{proxy.logs()[-3000:]}")
@@ -51,8 +58,12 @@ def main() -> None:
             # The verifier speaks through the same proxy; the control token, not the session, authorizes it.
             with httpx.Client(proxy=proxy.url, headers=proxy.control_headers()) as verifier:
                 reward = float(i % 2)
-                verifier.post(f"http://polar.local/sessions/{session}/reward", json={"value": reward}).raise_for_status()
-                verifier.post(f"http://polar.local/sessions/{session}/status", json={"status": "completed"}).raise_for_status()
+                verifier.post(
+                    f"http://polar.local/sessions/{session}/reward", json={"value": reward}
+                ).raise_for_status()
+                verifier.post(
+                    f"http://polar.local/sessions/{session}/status", json={"status": "completed"}
+                ).raise_for_status()
     polar("shards", "inspect", str(shards))
     polar("shards", "validate", str(shards))
     polar("build", str(shards), "-o", str(OUT / "traces"), "--tokenizer", str(MODEL))

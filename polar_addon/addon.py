@@ -25,14 +25,31 @@ from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from polar_addon import identity
 from polar_addon.canonical import PolarError, SamplingDefaults
-from polar_addon.control import CONTROL_HOST, MAX_CONTROL_BODY_BYTES, ControlPlane, check_token, is_control_path, load_or_create_token, token_file
+from polar_addon.control import (
+    CONTROL_HOST,
+    MAX_CONTROL_BODY_BYTES,
+    ControlPlane,
+    check_token,
+    is_control_path,
+    load_or_create_token,
+    token_file,
+)
 from polar_addon.engines import EnginePool
 from polar_addon.engines.tito import tito_mode, token_input_engine
-from polar_addon.tool_parsers import ParserChoice
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
-from polar_addon.relay import OVER_BUDGET, STREAM_PREFIX, TOO_LARGE, BodyBudget, CountedBody, HeapTrim, StreamRelay, one_chunk
+from polar_addon.relay import (
+    OVER_BUDGET,
+    STREAM_PREFIX,
+    TOO_LARGE,
+    BodyBudget,
+    CountedBody,
+    HeapTrim,
+    StreamRelay,
+    one_chunk,
+)
 from polar_addon.responses_websocket import ResponsesWebSocket, is_responses_upgrade
 from polar_addon.store import TraceStore
+from polar_addon.tool_parsers import ParserChoice
 
 log = logging.getLogger("polar")
 
@@ -57,11 +74,15 @@ def _sampling_defaults() -> SamplingDefaults:
     opts = ctx.options
     try:
         return SamplingDefaults(
-            temperature=float(opts.polar_temperature), top_p=float(opts.polar_top_p),
-            top_k=opts.polar_top_k, min_p=float(opts.polar_min_p),
+            temperature=float(opts.polar_temperature),
+            top_p=float(opts.polar_top_p),
+            top_k=opts.polar_top_k,
+            min_p=float(opts.polar_min_p),
         )
     except ValueError as exc:
-        raise exceptions.OptionsError(f"polar: sampling defaults (polar_temperature, polar_top_p, polar_top_k, polar_min_p): {exc}") from None
+        raise exceptions.OptionsError(
+            f"polar: sampling defaults (polar_temperature, polar_top_p, polar_top_k, polar_min_p): {exc}"
+        ) from None
 
 
 def _tito() -> str:
@@ -93,8 +114,7 @@ def start_banner(engine: str, store: TraceStore, modes: list[str], host: str, po
         if not at or not own_port.isdigit():
             spec, own_port = mode, str(port or 8080)
         listeners.append(f"{spec} on {host or '*'}:{own_port}")
-    return (f"engine {engine}; output {store.uri} (journal {store.journal_root}); "
-            f"listening: {', '.join(listeners)}")
+    return f"engine {engine}; output {store.uri} (journal {store.journal_root}); listening: {', '.join(listeners)}"
 
 
 def intercept_patterns(polar_hosts: Iterable[str], modes: Iterable[str]) -> list[str]:
@@ -127,8 +147,11 @@ def _cut_connection(flow: http.HTTPFlow) -> None:
     transport = handler.transports.get(handler.client) if handler is not None else None
     if transport is None or transport.handler is None:
         return  # already gone
-    log.warning("polar: a request body from %s was not complete after polar_body_timeout (%s s): connection closed",
-                flow.client_conn.peername, ctx.options.polar_body_timeout)
+    log.warning(
+        "polar: a request body from %s was not complete after polar_body_timeout (%s s): connection closed",
+        flow.client_conn.peername,
+        ctx.options.polar_body_timeout,
+    )
     transport.handler.cancel("polar_body_timeout")
 
 
@@ -144,44 +167,137 @@ class Polar:
         self.heap = HeapTrim()
 
     def load(self, loader) -> None:
-        loader.add_option("polar_engine", str, "", "Inference engine spec(s), comma-separated: sglang:URL, vllm:URL, local:MODEL_DIR. "
-                          "Each session stays on one engine; a failing engine is taken out and its sessions end as error.")
-        loader.add_option("polar_out", str, "shards", "Where trace shards go: a directory or a pyarrow filesystem URI (s3://bucket/prefix).")
-        loader.add_option("polar_hosts", Sequence[str], [], "Extra HOST or HOST:PORT whose model API calls are captured (besides the provider hosts).")
-        loader.add_option("polar_block_other", bool, False, "Refuse all non-model traffic (403, CONNECT to other hosts and raw TCP included) instead of passing it through (sandboxes).")
-        loader.add_option("polar_sessions", str, "claimed", "Where a call's session, task, group and sample come from. claimed: "
-                          "whatever the caller says (API key polar:session=..., proxy credentials, x-polar-* headers): "
-                          "TRUST ON CLAIM, for capturing your own harness. registered: only sessions registered on the "
-                          "control plane (POST /sessions/ID/register with the control token), their labels from the "
-                          "registration, the caller's credential its secret alone; claims, unknown secrets and ended "
-                          "sessions are refused (polar rollout's own proxy; set it for a proxy that trains an untrusted "
-                          "policy).", choices=identity.SESSION_MODES)
-        loader.add_option("polar_control_token", str, "", "Bearer token required to post rewards and statuses (default: generated into <polar_out>/.control-token, mode 0600).")
-        loader.add_option("polar_keepalive", str, "5", "Seconds between keep-alive events sent to a streaming client while the engine works.")
+        loader.add_option(
+            "polar_engine",
+            str,
+            "",
+            "Inference engine spec(s), comma-separated: sglang:URL, vllm:URL, local:MODEL_DIR. "
+            "Each session stays on one engine; a failing engine is taken out and its sessions end as error.",
+        )
+        loader.add_option(
+            "polar_out",
+            str,
+            "shards",
+            "Where trace shards go: a directory or a pyarrow filesystem URI (s3://bucket/prefix).",
+        )
+        loader.add_option(
+            "polar_hosts",
+            Sequence[str],
+            [],
+            "Extra HOST or HOST:PORT whose model API calls are captured (besides the provider hosts).",
+        )
+        loader.add_option(
+            "polar_block_other",
+            bool,
+            False,
+            "Refuse all non-model traffic (403, CONNECT to other hosts and raw TCP included) instead of passing it through (sandboxes).",
+        )
+        loader.add_option(
+            "polar_sessions",
+            str,
+            "claimed",
+            "Where a call's session, task, group and sample come from. claimed: "
+            "whatever the caller says (API key polar:session=..., proxy credentials, x-polar-* headers): "
+            "TRUST ON CLAIM, for capturing your own harness. registered: only sessions registered on the "
+            "control plane (POST /sessions/ID/register with the control token), their labels from the "
+            "registration, the caller's credential its secret alone; claims, unknown secrets and ended "
+            "sessions are refused (polar rollout's own proxy; set it for a proxy that trains an untrusted "
+            "policy).",
+            choices=identity.SESSION_MODES,
+        )
+        loader.add_option(
+            "polar_control_token",
+            str,
+            "",
+            "Bearer token required to post rewards and statuses (default: generated into <polar_out>/.control-token, mode 0600).",
+        )
+        loader.add_option(
+            "polar_keepalive",
+            str,
+            "5",
+            "Seconds between keep-alive events sent to a streaming client while the engine works.",
+        )
         loader.add_option("polar_engine_timeout", str, "900", "Seconds to wait for one engine completion.")
-        loader.add_option("polar_max_tokens", int, 0, "Clamp (and fill in) max_tokens of every call; 0 leaves it to the client.")
-        loader.add_option("polar_temperature", str, "1.0", "Sampling temperature of calls whose client sets none (sent to the engine and recorded).")
-        loader.add_option("polar_top_p", str, "1.0", "top_p of calls whose client sets none; below 1 truncates sampling, which polar train refuses.")
-        loader.add_option("polar_top_k", int, 0, "top_k of calls whose client sets none; 0 is off (above 0 truncates, which polar train refuses).")
-        loader.add_option("polar_sampling", str, "client", "Whose sampling parameters a call uses: client (the defaults above fill in "
-                          "what the client leaves out) or fixed (the defaults above for every call, the client's temperature, top_p, "
-                          "top_k, min_p and seed ignored: rollouts, where the agent under training must not choose how it is sampled).",
-                          choices=("client", "fixed"))
-        loader.add_option("polar_min_p", str, "0.0", "min_p of calls whose client sets none; above 0 truncates, which polar train refuses.")
-        loader.add_option("polar_tito", str, "auto", "Token continuity across a session's turns: auto (on for engines that take token input), "
-                          "on, off. A continuing call's prompt is the previous prompt + the sampled ids + only the new messages' tokens.")
-        loader.add_option("polar_tool_parser", str, "hermes", "How the proxy parses tool calls and reasoning out of text it decodes itself "
-                          "(local engines, and every engine given token input): hermes, qwen25, qwen3_coder, or MODEL=NAME,... per served model.")
-        loader.add_option("polar_tokenizer", str, "", "Tokenizer directory of the model a vLLM or SGLang engine serves: turns on its token "
-                          "input (token continuity); without it the engine renders every call in full.")
-        loader.add_option("polar_max_body_mb", int, 16, "Largest request body accepted, in MiB (a long harness session's "
-                          "call is a few MiB; a larger one is refused in the caller's protocol, 413).")
-        loader.add_option("polar_client_inflight_mb", int, 256, "Request-body MiB one client address may have in flight "
-                          "at once, over all its connections, until each call is answered (sandboxes all arrive from "
-                          "loopback: for them this is the proxy's total); a call over it is refused in the caller's "
-                          "protocol, 429, retryable.")
-        loader.add_option("polar_body_timeout", str, "60", "Seconds a client has to send a request body polar reads; a "
-                          "body still incomplete then (a client that stalls or trickles) has its connection closed.")
+        loader.add_option(
+            "polar_max_tokens", int, 0, "Clamp (and fill in) max_tokens of every call; 0 leaves it to the client."
+        )
+        loader.add_option(
+            "polar_temperature",
+            str,
+            "1.0",
+            "Sampling temperature of calls whose client sets none (sent to the engine and recorded).",
+        )
+        loader.add_option(
+            "polar_top_p",
+            str,
+            "1.0",
+            "top_p of calls whose client sets none; below 1 truncates sampling, which polar train refuses.",
+        )
+        loader.add_option(
+            "polar_top_k",
+            int,
+            0,
+            "top_k of calls whose client sets none; 0 is off (above 0 truncates, which polar train refuses).",
+        )
+        loader.add_option(
+            "polar_sampling",
+            str,
+            "client",
+            "Whose sampling parameters a call uses: client (the defaults above fill in "
+            "what the client leaves out) or fixed (the defaults above for every call, the client's temperature, top_p, "
+            "top_k, min_p and seed ignored: rollouts, where the agent under training must not choose how it is sampled).",
+            choices=("client", "fixed"),
+        )
+        loader.add_option(
+            "polar_min_p",
+            str,
+            "0.0",
+            "min_p of calls whose client sets none; above 0 truncates, which polar train refuses.",
+        )
+        loader.add_option(
+            "polar_tito",
+            str,
+            "auto",
+            "Token continuity across a session's turns: auto (on for engines that take token input), "
+            "on, off. A continuing call's prompt is the previous prompt + the sampled ids + only the new messages' tokens.",
+        )
+        loader.add_option(
+            "polar_tool_parser",
+            str,
+            "hermes",
+            "How the proxy parses tool calls and reasoning out of text it decodes itself "
+            "(local engines, and every engine given token input): hermes, qwen25, qwen3_coder, or MODEL=NAME,... per served model.",
+        )
+        loader.add_option(
+            "polar_tokenizer",
+            str,
+            "",
+            "Tokenizer directory of the model a vLLM or SGLang engine serves: turns on its token "
+            "input (token continuity); without it the engine renders every call in full.",
+        )
+        loader.add_option(
+            "polar_max_body_mb",
+            int,
+            16,
+            "Largest request body accepted, in MiB (a long harness session's "
+            "call is a few MiB; a larger one is refused in the caller's protocol, 413).",
+        )
+        loader.add_option(
+            "polar_client_inflight_mb",
+            int,
+            256,
+            "Request-body MiB one client address may have in flight "
+            "at once, over all its connections, until each call is answered (sandboxes all arrive from "
+            "loopback: for them this is the proxy's total); a call over it is refused in the caller's "
+            "protocol, 429, retryable.",
+        )
+        loader.add_option(
+            "polar_body_timeout",
+            str,
+            "60",
+            "Seconds a client has to send a request body polar reads; a "
+            "body still incomplete then (a client that stalls or trickles) has its connection closed.",
+        )
         loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
 
@@ -200,14 +316,22 @@ class Polar:
         opts = ctx.options
         if not opts.polar_engine:
             raise exceptions.OptionsError("polar: set --set polar_engine=sglang:URL|vllm:URL|local:MODEL_DIR")
-        if self.gateway is not None and not updated & {"polar_engine", "polar_out", "polar_shard_records", "polar_shard_seconds", "polar_engine_timeout"}:
+        if self.gateway is not None and not updated & {
+            "polar_engine",
+            "polar_out",
+            "polar_shard_records",
+            "polar_shard_seconds",
+            "polar_engine_timeout",
+        }:
             self.gateway.config = self._gateway_config()
             _engine_options(self.gateway.pool)
             if "polar_control_token" in updated and self.control is not None:
                 self.control.token = self._control_token()
             return
         if self.gateway is not None:
-            raise exceptions.OptionsError("polar: engine and output options cannot change while running; restart mitmdump")
+            raise exceptions.OptionsError(
+                "polar: engine and output options cannot change while running; restart mitmdump"
+            )
         try:
             pool = EnginePool.from_spec(opts.polar_engine, timeout_s=_seconds("polar_engine_timeout"))
         except ValueError as exc:
@@ -224,14 +348,22 @@ class Polar:
                     raise exceptions.OptionsError(f"polar: {exc.message}") from exc
                 log.warning("polar: %s loaded in %.1f s", engine.name, time.monotonic() - started)
         _engine_options(pool)
-        store = TraceStore(opts.polar_out, shard_max_records=opts.polar_shard_records, shard_max_seconds=_seconds("polar_shard_seconds"))
+        store = TraceStore(
+            opts.polar_out,
+            shard_max_records=opts.polar_shard_records,
+            shard_max_seconds=_seconds("polar_shard_seconds"),
+        )
         self.gateway = Gateway(pool, store, self._gateway_config())
         if self.gateway.config.tito == "on":
             for engine in pool.engines:
                 if token_input_engine(engine, "on") is None:
-                    log.warning("polar: polar_tito=on, but engine %s takes no token input: its calls are rendered in full", engine.name)
-        self.control = ControlPlane(store, self._control_token(), on_session_end=pool.release,
-                                    sessions_mode=lambda: ctx.options.polar_sessions)
+                    log.warning(
+                        "polar: polar_tito=on, but engine %s takes no token input: its calls are rendered in full",
+                        engine.name,
+                    )
+        self.control = ControlPlane(
+            store, self._control_token(), on_session_end=pool.release, sessions_mode=lambda: ctx.options.polar_sessions
+        )
 
     def _control_token(self) -> str:
         opts = ctx.options
@@ -270,17 +402,29 @@ class Polar:
         # Eager upstream connects would fail (or leak) for hosts we answer ourselves.
         ctx.options.connection_strategy = "lazy"
         if not ctx.options.listen_host:
-            log.warning("polar: mitmdump listens on all interfaces; pass --listen-host 127.0.0.1 unless others must reach it")
+            log.warning(
+                "polar: mitmdump listens on all interfaces; pass --listen-host 127.0.0.1 unless others must reach it"
+            )
         await self.relay.start()
         await self.websockets.start()
         if self.gateway is not None:
             # At warning level: shown even with termlog_verbosity=warn, as polar's tests and `polar proxy` run it.
-            log.warning("polar: %s", start_banner(ctx.options.polar_engine, self.gateway.store, list(ctx.options.mode),
-                                                   ctx.options.listen_host, ctx.options.listen_port))
+            log.warning(
+                "polar: %s",
+                start_banner(
+                    ctx.options.polar_engine,
+                    self.gateway.store,
+                    list(ctx.options.mode),
+                    ctx.options.listen_host,
+                    ctx.options.listen_port,
+                ),
+            )
 
     def http_connect(self, flow: http.HTTPFlow) -> None:
         if ctx.options.polar_block_other and not self._is_model_host(flow.request.host, flow.request.port):
-            flow.response = http.Response.make(403, b"polar: non-model traffic is blocked (polar_block_other)", {"content-type": "text/plain"})
+            flow.response = http.Response.make(
+                403, b"polar: non-model traffic is blocked (polar_block_other)", {"content-type": "text/plain"}
+            )
             return
         auth = flow.request.headers.get("proxy-authorization")
         if auth:
@@ -314,8 +458,12 @@ class Polar:
         """Control paths and everything else on polar.local: answered here, never forwarded."""
         assert self.control is not None
         if is_control_path(flow.request.path):
-            status, payload = await self.control.handle(flow.request.method, flow.request.path,
-                                                        flow.request.headers.get("authorization"), flow.request.raw_content or b"")
+            status, payload = await self.control.handle(
+                flow.request.method,
+                flow.request.path,
+                flow.request.headers.get("authorization"),
+                flow.request.raw_content or b"",
+            )
         else:
             status, payload = 404, {"error": {"type": "not_found", "message": "polar control: no such path"}}
         flow.response = http.Response.make(status, orjson.dumps(payload), {"content-type": "application/json"})
@@ -338,10 +486,18 @@ class Polar:
         client's other calls are answered), in the protocol of the route it was sent to."""
         assert self.gateway is not None
         if counted.refused == OVER_BUDGET:
-            err = PolarError(429, "overloaded", f"polar: this client already has {self.budget.limit} bytes of request "
-                                                "bodies in flight (polar_client_inflight_mb): retry once its other calls are answered")
+            err = PolarError(
+                429,
+                "overloaded",
+                f"polar: this client already has {self.budget.limit} bytes of request "
+                "bodies in flight (polar_client_inflight_mb): retry once its other calls are answered",
+            )
         else:
-            err = PolarError(413, "request_too_large", f"request body of {counted.seen} bytes exceeds the proxy limit of {counted.cap}")
+            err = PolarError(
+                413,
+                "request_too_large",
+                f"request body of {counted.seen} bytes exceeds the proxy limit of {counted.cap}",
+            )
         reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
         return http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
 
@@ -353,15 +509,26 @@ class Polar:
             return
         if self._is_ours(flow) and is_control_path(flow.request.path):
             # A provider host is the agent's own route: control posts there are refused, not forwarded.
-            flow.response = http.Response.make(404, orjson.dumps({"error": {"type": "not_found", "message":
-                                               f"polar control paths are served only on {CONTROL_HOST}"}}),
-                                               {"content-type": "application/json"})
+            flow.response = http.Response.make(
+                404,
+                orjson.dumps(
+                    {
+                        "error": {
+                            "type": "not_found",
+                            "message": f"polar control paths are served only on {CONTROL_HOST}",
+                        }
+                    }
+                ),
+                {"content-type": "application/json"},
+            )
             return
         upgrade = is_responses_upgrade(flow.request.method, flow.request.path, flow.request.headers)
         ours = self._is_ours(flow) and (upgrade or self.gateway.owns(flow.request.method, flow.request.path))
         if not ours:
             if ctx.options.polar_block_other:
-                flow.response = http.Response.make(403, b"polar: non-model traffic is blocked (polar_block_other)", {"content-type": "text/plain"})
+                flow.response = http.Response.make(
+                    403, b"polar: non-model traffic is blocked (polar_block_other)", {"content-type": "text/plain"}
+                )
                 return
             # The session, task and group in the proxy credentials are nobody else's business.
             flow.request.headers.pop("proxy-authorization", None)
@@ -376,8 +543,11 @@ class Polar:
                 reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
                 flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
             except Exception:
-                flow.response = http.Response.make(500, b'{"error":{"type":"api_error","message":"polar internal error"}}',
-                                                   {"content-type": "application/json"})
+                flow.response = http.Response.make(
+                    500,
+                    b'{"error":{"type":"api_error","message":"polar internal error"}}',
+                    {"content-type": "application/json"},
+                )
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         # mitmproxy's own body_size_limit would answer a plain-text 413 before any hook of ours runs, so it
@@ -388,7 +558,9 @@ class Polar:
         if _host(flow.request.pretty_host) == CONTROL_HOST:
             self._count_body(flow, MAX_CONTROL_BODY_BYTES)
             return
-        if self._is_ours(flow) and (self.gateway.owns(flow.request.method, flow.request.path) or is_control_path(flow.request.path)):
+        if self._is_ours(flow) and (
+            self.gateway.owns(flow.request.method, flow.request.path) or is_control_path(flow.request.path)
+        ):
             self._count_body(flow, self.gateway.config.max_body_bytes)
             return
         if ctx.options.polar_block_other:
@@ -414,9 +586,17 @@ class Polar:
         declared = int(length) if length is not None and length.isdigit() else None
         if declared is not None and declared <= cap and take(declared):
             return
-        counted = CountedBody(cap=cap, token=self.relay.new_token(), scheme=request.scheme, host=request.host,
-                              port=request.port, path=request.path, host_header=request.host_header,
-                              take=take, drop=functools.partial(self.budget.release, flow.id))
+        counted = CountedBody(
+            cap=cap,
+            token=self.relay.new_token(),
+            scheme=request.scheme,
+            host=request.host,
+            port=request.port,
+            path=request.path,
+            host_header=request.host_header,
+            take=take,
+            drop=functools.partial(self.budget.release, flow.id),
+        )
         if declared is not None:
             counted.refuse(TOO_LARGE if declared > cap else OVER_BUDGET)  # not one byte of it is kept
         flow.metadata["polar_counted"] = counted
@@ -436,7 +616,12 @@ class Polar:
             return False
         request = flow.request
         streamed = request.raw_content is None
-        request.scheme, request.host, request.port, request.path = counted.scheme, counted.host, counted.port, counted.path
+        request.scheme, request.host, request.port, request.path = (
+            counted.scheme,
+            counted.host,
+            counted.port,
+            counted.path,
+        )
         request.host_header = counted.host_header
         # The framing headers stay chunked: mitmproxy ends the relay's body by them after this hook.
         if streamed:
@@ -461,25 +646,40 @@ class Polar:
             return  # `_answer` parked the stream under this token
         response = flow.response
         if response is None:
-            response = http.Response.make(500, b'{"error":{"type":"api_error","message":"polar internal error"}}',
-                                          {"content-type": "application/json"})
+            response = http.Response.make(
+                500,
+                b'{"error":{"type":"api_error","message":"polar internal error"}}',
+                {"content-type": "application/json"},
+            )
         flow.response = None  # the relay's answer is the one the client gets
-        self.relay.park(response.status_code, response.headers.get("content-type", "application/json"),
-                        one_chunk(response.raw_content or b""), token=counted.token)
+        self.relay.park(
+            response.status_code,
+            response.headers.get("content-type", "application/json"),
+            one_chunk(response.raw_content or b""),
+            token=counted.token,
+        )
 
     def _still_live(self, ident: identity.Identity) -> None:
         """Refuses (PolarError) a registered session that has ended since its WebSocket opened."""
         if ident.source == "registered" and self.control is not None and self.control.sessions.ended(ident.session_id):
-            raise PolarError(403, "authentication", "polar identity: this session has ended (its final status was "
-                                                    "posted): its credential is refused")
+            raise PolarError(
+                403,
+                "authentication",
+                "polar identity: this session has ended (its final status was posted): its credential is refused",
+            )
 
     async def _answer(self, flow: http.HTTPFlow, upgrade: bool) -> None:
         assert self.gateway is not None
         headers = {k.lower(): v for k, v in flow.request.headers.items()}
         proxy_auth = headers.get("proxy-authorization") or self._proxy_auth.get(flow.client_conn.id)
         try:
-            ident = identity.resolve(proxy_auth, headers, flow.client_conn.id,
-                                     self.control.sessions if self.control else None, ctx.options.polar_sessions)
+            ident = identity.resolve(
+                proxy_auth,
+                headers,
+                flow.client_conn.id,
+                self.control.sessions if self.control else None,
+                ctx.options.polar_sessions,
+            )
         except PolarError as err:
             reply = self.gateway.error_reply(flow.request.method, flow.request.path, err)
             flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})
@@ -492,9 +692,15 @@ class Polar:
             flow.request.scheme, flow.request.host, flow.request.port = "http", "127.0.0.1", self.websockets.port
             flow.request.path = path
             return
-        call = IncomingCall(method=flow.request.method, path=flow.request.path, headers=headers,
-                            body=flow.request.raw_content or b"", identity=ident, host=flow.request.pretty_host,
-                            started_at=flow.request.timestamp_start)
+        call = IncomingCall(
+            method=flow.request.method,
+            path=flow.request.path,
+            headers=headers,
+            body=flow.request.raw_content or b"",
+            identity=ident,
+            host=flow.request.pretty_host,
+            started_at=flow.request.timestamp_start,
+        )
         reply = await self.gateway.handle(call)
         if isinstance(reply, FullReply):
             flow.response = http.Response.make(reply.status, reply.body, {"content-type": reply.content_type})

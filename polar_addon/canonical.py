@@ -105,7 +105,7 @@ class CanonicalRequest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "CanonicalRequest":
+    def from_dict(cls, data: dict[str, Any]) -> CanonicalRequest:
         data = dict(data)
         data["sampling"] = SamplingParams(**data.get("sampling") or {})
         return cls(**data)
@@ -136,7 +136,7 @@ class AssistantMessage:
         return msg
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "AssistantMessage":
+    def from_dict(cls, data: dict[str, Any]) -> AssistantMessage:
         return cls(
             content=data.get("content"),
             reasoning=data.get("reasoning"),

@@ -104,8 +104,9 @@ MIN_SAMPLED_LOGPROB = -100.0
 def logprob_problem(logprobs: Sequence[float]) -> str | None:
     """Why ``logprobs`` cannot be the behaviour logprobs of sampled tokens, or None when they can."""
     # The common case in three C-speed passes (a NaN or an infinity makes the sum non-finite).
-    if not logprobs or (math.isfinite(sum(logprobs)) and min(logprobs) >= MIN_SAMPLED_LOGPROB
-                        and max(logprobs) <= LOGPROB_SLACK):
+    if not logprobs or (
+        math.isfinite(sum(logprobs)) and min(logprobs) >= MIN_SAMPLED_LOGPROB and max(logprobs) <= LOGPROB_SLACK
+    ):
         return None
     for i, value in enumerate(logprobs):
         if not math.isfinite(value):

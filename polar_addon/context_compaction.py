@@ -39,8 +39,11 @@ PROMPT_MARKERS: dict[str, tuple[str, ...]] = {
     "codex": ("You are performing a CONTEXT CHECKPOINT COMPACTION",),
     "qwen-code": ("summarizes internal chat history into a given structure",),
     "gemini-cli": ("distilling chat history into a structured XML <state_snapshot>",),
-    "pi": ("Create a structured context checkpoint summary", "NEW conversation messages to incorporate into the existing summary",
-           "This is the PREFIX of a turn that was too large to keep"),  # the last: a compaction that splits a turn
+    "pi": (
+        "Create a structured context checkpoint summary",
+        "NEW conversation messages to incorporate into the existing summary",
+        "This is the PREFIX of a turn that was too large to keep",
+    ),  # the last: a compaction that splits a turn
 }
 # Text a harness puts in the history that replaces the compacted turns.
 SUMMARY_MARKERS: dict[str, tuple[str, ...]] = {
@@ -61,7 +64,7 @@ def decode_summary(encrypted: Any) -> str | None:
     if not isinstance(encrypted, str) or not encrypted.startswith(ENCRYPTED_PREFIX):
         return None
     try:
-        return base64.b64decode(encrypted[len(ENCRYPTED_PREFIX):], validate=True).decode()
+        return base64.b64decode(encrypted[len(ENCRYPTED_PREFIX) :], validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
         return None
 

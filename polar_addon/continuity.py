@@ -135,7 +135,9 @@ def schema_defaults(tools: Sequence[Any], name: Any) -> dict[str, Any]:
         properties = params.get("properties") if isinstance(params, dict) else None
         if not isinstance(properties, dict):
             return {}
-        return {key: prop["default"] for key, prop in properties.items() if isinstance(prop, dict) and "default" in prop}
+        return {
+            key: prop["default"] for key, prop in properties.items() if isinstance(prop, dict) and "default" in prop
+        }
     return {}
 
 
@@ -275,7 +277,9 @@ def check_continuity(previous: CanonicalRequest, returned: AssistantMessage, new
             if summarised is not None and summarised_history(old) is None:
                 return Diverged(DivergeReason.COMPACTION, f"the history is a {summarised} summary")
             if index >= len(messages):
-                return Diverged(DivergeReason.EDITED_HISTORY, f"the history is shorter ({len(messages)} messages, was {len(old)})")
+                return Diverged(
+                    DivergeReason.EDITED_HISTORY, f"the history is shorter ({len(messages)} messages, was {len(old)})"
+                )
             return Diverged(DivergeReason.EDITED_HISTORY, f"message {index} changed")
     at = len(old)
     if at >= len(messages):
@@ -288,7 +292,10 @@ def check_continuity(previous: CanonicalRequest, returned: AssistantMessage, new
     for offset, message in enumerate(new_messages, start=at + 1):
         if message.get("role") not in NEW_MESSAGE_ROLES:
             role = message.get("role")
-            return Diverged(DivergeReason.EDITED_HISTORY, f"message {offset} is a new {role!r} message, not a tool result or user turn")
+            return Diverged(
+                DivergeReason.EDITED_HISTORY,
+                f"message {offset} is a new {role!r} message, not a tool result or user turn",
+            )
         if _text(message.get("content")) is None:
             return Diverged(DivergeReason.OTHER, f"message {offset} has content that is not text")
     return Continues(list(new_messages))

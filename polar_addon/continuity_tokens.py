@@ -82,8 +82,13 @@ def continuation_prompt(
     # A fresh marker per call: no message text can contain it by chance or by design.
     marker = f"polar-turn-{secrets.token_hex(16)}"
     try:
-        marked = _render(tokenizer, [*history[:-1], {"role": "assistant", "content": marker}, *new_messages],
-                         tools, enable_thinking, chat_template)
+        marked = _render(
+            tokenizer,
+            [*history[:-1], {"role": "assistant", "content": marker}, *new_messages],
+            tools,
+            enable_thinking,
+            chat_template,
+        )
         real = _render(tokenizer, [*history, *new_messages], tools, enable_thinking, chat_template)
     except Exception as exc:  # jinja raises its own errors for messages a template rejects
         return NoDelta(f"chat template failed: {type(exc).__name__}: {exc}")

@@ -92,7 +92,9 @@ def load_or_create_token(path: Path) -> str:
 
 def check_token(token: str) -> str:
     if len(token) < MIN_TOKEN_CHARS or not token.isascii() or not token.isprintable() or " " in token:
-        raise ValueError(f"polar_control_token must be at least {MIN_TOKEN_CHARS} printable ASCII characters without spaces")
+        raise ValueError(
+            f"polar_control_token must be at least {MIN_TOKEN_CHARS} printable ASCII characters without spaces"
+        )
     return token
 
 
@@ -160,15 +162,22 @@ class ControlPlane:
     """Answers the session control paths for a store, and keeps the session registry; every request needs the
     control token."""
 
-    def __init__(self, store: TraceStore, token: str, on_session_end: Callable[[str], None] | None = None,
-                 sessions_mode: Callable[[], str] = lambda: "claimed") -> None:
+    def __init__(
+        self,
+        store: TraceStore,
+        token: str,
+        on_session_end: Callable[[str], None] | None = None,
+        sessions_mode: Callable[[], str] = lambda: "claimed",
+    ) -> None:
         self.store = store
         self.token = token
         self.on_session_end = on_session_end  # a posted status ends the session (the engine pool frees its slot)
         self.sessions = SessionRegistry()
         self.sessions_mode = sessions_mode  # the addon's polar_sessions, read per request
 
-    async def handle(self, method: str, path: str, authorization: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
+    async def handle(
+        self, method: str, path: str, authorization: str | None, body: bytes
+    ) -> tuple[int, dict[str, Any]]:
         """(HTTP status, JSON payload) for one request on a control path."""
         try:
             return 200, await self._handle(method, path, authorization, body)
@@ -176,7 +185,12 @@ class ControlPlane:
             return err.status, {"error": {"type": err.kind, "message": f"polar control: {err.message}"}}
         except StorageUnavailable as exc:
             log.warning("polar: control post not stored: %s", exc)
-            return 503, {"error": {"type": "storage_unavailable", "message": "polar control: the store cannot persist right now; retry later"}}
+            return 503, {
+                "error": {
+                    "type": "storage_unavailable",
+                    "message": "polar control: the store cannot persist right now; retry later",
+                }
+            }
 
     async def _handle(self, method: str, path: str, authorization: str | None, body: bytes) -> dict[str, Any]:
         match = CONTROL_PATH.match(path.split("?", 1)[0])
@@ -184,8 +198,11 @@ class ControlPlane:
             raise ControlError(404, "not_found", "no such control path")
         if not authorized(authorization, self.token):
             # Checked before anything about the request is looked at: nothing to learn without the token.
-            raise ControlError(401, "authentication_error", "Authorization: Bearer <control token> required "
-                                                           "(the session's own credentials do not suffice)")
+            raise ControlError(
+                401,
+                "authentication_error",
+                "Authorization: Bearer <control token> required (the session's own credentials do not suffice)",
+            )
         session_id, what = match.group(1), match.group(2)
         if what is None:
             if method != "GET":
@@ -216,4 +233,3 @@ class ControlPlane:
             final, why = self.store.final_status(session_id, status)
             return {"ok": True, "session_id": session_id, "status": final, **({"final_because": why} if why else {})}
         return {"ok": True, "session_id": session_id}
-

@@ -17,16 +17,31 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 import orjson
 
-from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingDefaults, with_defaults
+from polar_addon.canonical import (
+    CanonicalRequest,
+    Completion,
+    ContextLengthExceeded,
+    PolarError,
+    SamplingDefaults,
+    with_defaults,
+)
 from polar_addon.capture import Identity, logprob_problem, record_failed, record_ok
 from polar_addon.engines import EnginePool, TokenInputEngine
 from polar_addon.engines.tito import (
-    FRESH, NO_TOKEN_INPUT, TITO_OFF, Chain, PromptPlan, TitoStore, plan_prompt, token_input_engine,
+    FRESH,
+    NO_TOKEN_INPUT,
+    TITO_OFF,
+    Chain,
+    PromptPlan,
+    TitoStore,
+    plan_prompt,
+    token_input_engine,
 )
 from polar_addon.harness_id import harness_name
 from polar_addon.providers import Provider, ResponseContext, Route, all_providers, encode_sse
@@ -134,8 +149,13 @@ def _response_id(provider: Provider) -> str:
 
 
 class Gateway:
-    def __init__(self, pool: EnginePool, store: TraceStore, config: GatewayConfig | None = None,
-                 providers: list[Provider] | None = None) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        store: TraceStore,
+        config: GatewayConfig | None = None,
+        providers: list[Provider] | None = None,
+    ) -> None:
         self.pool = pool
         self.store = store
         self.config = config or GatewayConfig()
@@ -185,7 +205,10 @@ class Gateway:
     async def _handle(self, call: IncomingCall) -> FullReply | StreamReply:
         matched = self.match(call.method, call.path)
         if matched is None:
-            return _json(404, {"error": {"type": "not_found", "message": f"polar: no provider route for {call.method} {call.path}"}})
+            return _json(
+                404,
+                {"error": {"type": "not_found", "message": f"polar: no provider route for {call.method} {call.path}"}},
+            )
         provider, route = matched
         if route.kind == "local":
             return _json(route.params.get("status", 200), route.params.get("body", {}))
@@ -209,7 +232,11 @@ class Gateway:
 
     def _parse(self, provider: Provider, route: Route, call: IncomingCall) -> CanonicalRequest:
         if len(call.body) > self.config.max_body_bytes:
-            raise PolarError(413, "request_too_large", f"request body of {len(call.body)} bytes exceeds the proxy limit of {self.config.max_body_bytes}")
+            raise PolarError(
+                413,
+                "request_too_large",
+                f"request body of {len(call.body)} bytes exceeds the proxy limit of {self.config.max_body_bytes}",
+            )
         try:
             body = orjson.loads(call.body) if call.body else None
         except orjson.JSONDecodeError as exc:
@@ -227,9 +254,13 @@ class Gateway:
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
             # The translator met a shape it does not expect: the input is at fault, say so in a 400.
             log.info("polar: %s could not read a request: %s: %s", provider.name, type(exc).__name__, exc)
-            raise PolarError(400, "invalid_request", f"request could not be read ({type(exc).__name__}: {str(exc)[:200]})") from None
+            raise PolarError(
+                400, "invalid_request", f"request could not be read ({type(exc).__name__}: {str(exc)[:200]})"
+            ) from None
         if self.config.sampling_fixed:
-            asked = {k: getattr(request.sampling, k) for k in _POLICY_SAMPLING if getattr(request.sampling, k) is not None}
+            asked = {
+                k: getattr(request.sampling, k) for k in _POLICY_SAMPLING if getattr(request.sampling, k) is not None
+            }
             if asked:
                 request.extra["client_sampling"] = asked
             request.sampling = replace(request.sampling, **dict.fromkeys(_POLICY_SAMPLING))
@@ -271,12 +302,16 @@ class Gateway:
         while len(self._sampled_arguments) > MAX_REMEMBERED_SESSIONS:
             self._sampled_arguments.popitem(last=False)
 
-    async def _generate(self, provider: Provider, request: CanonicalRequest, call: IncomingCall) -> FullReply | StreamReply:
+    async def _generate(
+        self, provider: Provider, request: CanonicalRequest, call: IncomingCall
+    ) -> FullReply | StreamReply:
         ctx = ResponseContext(response_id=_response_id(provider), created=int(call.started_at), model=request.model)
         try:
             self.store.check_writable()
         except StorageUnavailable as exc:
-            err = PolarError(503, "storage_unavailable", f"polar cannot persist captured calls right now ({exc}); retry later")
+            err = PolarError(
+                503, "storage_unavailable", f"polar cannot persist captured calls right now ({exc}); retry later"
+            )
             return _json(err.status, provider.render_error(err))
         task = asyncio.ensure_future(self._complete_and_record(provider, request, call))
         if not request.stream:
@@ -298,8 +333,9 @@ class Gateway:
             return FullReply(200, body, "text/event-stream")
         return StreamReply(200, self._stream(provider, request, ctx, task))
 
-    async def _stream(self, provider: Provider, request: CanonicalRequest, ctx: ResponseContext,
-                      task: asyncio.Future[Completion]) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, provider: Provider, request: CanonicalRequest, ctx: ResponseContext, task: asyncio.Future[Completion]
+    ) -> AsyncIterator[bytes]:
         # Headers are already out: keep the client alive until the (persisted) answer is ready.
         yield provider.keepalive(request, ctx)
         while True:
@@ -312,7 +348,11 @@ class Gateway:
             events = [encode_sse(e) for e in provider.render_stream(request, completion, ctx)]
         except Exception as exc:
             # Headers are out: the error can only be told in the stream's own words.
-            err = exc if isinstance(exc, PolarError) else PolarError(500, "api_error", f"polar internal error ({type(exc).__name__})")
+            err = (
+                exc
+                if isinstance(exc, PolarError)
+                else PolarError(500, "api_error", f"polar internal error ({type(exc).__name__})")
+            )
             if not isinstance(exc, PolarError):
                 log.exception("polar: rendering a stream failed")
             for event in provider.render_stream_error(err, ctx):
@@ -321,7 +361,9 @@ class Gateway:
         for chunk in events:
             yield chunk
 
-    async def _complete_and_record(self, provider: Provider, request: CanonicalRequest, call: IncomingCall) -> Completion:
+    async def _complete_and_record(
+        self, provider: Provider, request: CanonicalRequest, call: IncomingCall
+    ) -> Completion:
         session = call.identity.session_id
         await self._note_session(call, request)
         try:
@@ -356,14 +398,24 @@ class Gateway:
             err = PolarError(502, "api_error", f"engine {engine.name} answered an unusable logprob: {problem}")
             await self._record_failure(call, provider.name, request, err, engine=engine.name)
             raise err
-        record = record_ok(identity=call.identity, seq=-1, request=request, completion=completion,
-                           harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at,
-                           engine_latency_s=time.monotonic() - t0, prompt_source=plan.source, prompt_reason=plan.reason)
+        record = record_ok(
+            identity=call.identity,
+            seq=-1,
+            request=request,
+            completion=completion,
+            harness=harness_name(call.headers.get("user-agent"), request),
+            started_at=call.started_at,
+            engine_latency_s=time.monotonic() - t0,
+            prompt_source=plan.source,
+            prompt_reason=plan.reason,
+        )
         try:
             await self.store.append(record)
         except StorageUnavailable as exc:
             # Answering without persisting would silently lose training data.
-            raise PolarError(503, "storage_unavailable", f"polar could not persist this call ({exc}); retry later") from exc
+            raise PolarError(
+                503, "storage_unavailable", f"polar could not persist this call ({exc}); retry later"
+            ) from exc
         except Exception as exc:  # a record the store refuses (e.g. a value its columns cannot hold)
             log.exception("polar: the store refused a record of session %s", session)
             err = PolarError(500, "api_error", f"polar could not record this call ({type(exc).__name__})")
@@ -371,12 +423,20 @@ class Gateway:
             raise err from exc
         self._remember_sampled_arguments(session, completion)
         if token_engine is not None:
-            chain = Chain(request, completion.message, completion.prompt_ids, completion.response_ids,
-                          completion.finish_reason, engine.name)
+            chain = Chain(
+                request,
+                completion.message,
+                completion.prompt_ids,
+                completion.response_ids,
+                completion.finish_reason,
+                engine.name,
+            )
             self.tito.remember(session, chain, replaces=plan.continued)
         return self._as_client_sees(request, completion)
 
-    async def _plan_prompt(self, session: str, request: CanonicalRequest, engine: TokenInputEngine | None) -> PromptPlan:
+    async def _plan_prompt(
+        self, session: str, request: CanonicalRequest, engine: TokenInputEngine | None
+    ) -> PromptPlan:
         """Continue the session's token chain when the request continues it (engines.tito), else render in full.
         ``engine``: the session's engine past the tito gate (token_input_engine), None where continuity is off."""
         if engine is None:
@@ -403,19 +463,38 @@ class Gateway:
         """Sessions whose engine was taken out end as error now: their later calls are refused anyway."""
         for session in sessions:
             try:
-                await self.store.session_update(session, status="error", ended_at=time.time(),
-                                                metadata={"error": f"engine {engine} taken out mid-session"})
+                await self.store.session_update(
+                    session,
+                    status="error",
+                    ended_at=time.time(),
+                    metadata={"error": f"engine {engine} taken out mid-session"},
+                )
             except StorageUnavailable as exc:
                 log.warning("polar: could not end session %r of a lost engine: %s", session, exc)
 
-    async def _record_failure(self, call: IncomingCall, api: str, request: CanonicalRequest | None, err: PolarError,
-                              *, engine: str | None = None) -> None:
+    async def _record_failure(
+        self,
+        call: IncomingCall,
+        api: str,
+        request: CanonicalRequest | None,
+        err: PolarError,
+        *,
+        engine: str | None = None,
+    ) -> None:
         error = f"{err.status} {err.kind}: {err.message}"
         if isinstance(err, ContextLengthExceeded) and err.prompt_tokens is not None:
             # The prompt is not stored for a failed call: its length is, in a fixed shape (prompt_tokens=N window=M).
             error = f"{err.status} {err.kind}: prompt_tokens={err.prompt_tokens} window={err.window}: {err.message}"
-        record = record_failed(identity=call.identity, seq=-1, api=api, request=request, error=error, engine=engine,
-                               harness=harness_name(call.headers.get("user-agent"), request), started_at=call.started_at)
+        record = record_failed(
+            identity=call.identity,
+            seq=-1,
+            api=api,
+            request=request,
+            error=error,
+            engine=engine,
+            harness=harness_name(call.headers.get("user-agent"), request),
+            started_at=call.started_at,
+        )
         try:
             await self._note_session(call, request)
             await self.store.append(record)
@@ -433,8 +512,13 @@ class Gateway:
         while len(self._seen_sessions) > MAX_SEEN_SESSIONS:
             self._seen_sessions.popitem(last=False)
         await self.store.session_update(
-            ident.session_id, task_id=ident.task_id, group_id=ident.group_id, sample_index=ident.sample_index,
-            harness=harness_name(call.headers.get("user-agent"), request), status="running", started_at=call.started_at,
+            ident.session_id,
+            task_id=ident.task_id,
+            group_id=ident.group_id,
+            sample_index=ident.sample_index,
+            harness=harness_name(call.headers.get("user-agent"), request),
+            status="running",
+            started_at=call.started_at,
         )
 
     async def close(self) -> None:

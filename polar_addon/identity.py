@@ -90,7 +90,9 @@ def _parse_fields(text: str) -> dict[str, str]:
         key = key.strip().lower()
         if not sep or key not in {"session", "task", "group", "sample"}:
             # Never quote the credentials back: they may be a password someone mistyped.
-            raise _bad("cannot read the session fields (key=value pairs joined by ';', keys: session, task, group, sample)")
+            raise _bad(
+                "cannot read the session fields (key=value pairs joined by ';', keys: session, task, group, sample)"
+            )
         fields[key] = value.strip()
     return fields
 
@@ -175,14 +177,23 @@ class Registration:
     sample_index: int | None
 
     def identity(self) -> Identity:
-        return Identity(session_id=self.session_id, task_id=self.task_id, group_id=self.group_id,
-                        sample_index=self.sample_index, source="registered")
+        return Identity(
+            session_id=self.session_id,
+            task_id=self.task_id,
+            group_id=self.group_id,
+            sample_index=self.sample_index,
+            source="registered",
+        )
 
 
 def registration(session_id: str, task: str | None, group: str | None, sample: int | None) -> Registration:
     """A checked registration: the same bounds a claimed identity has (the labels land in the same columns)."""
-    fields = {"session": session_id, "task": task or "", "group": group or "",
-              "sample": "" if sample is None else str(sample)}
+    fields = {
+        "session": session_id,
+        "task": task or "",
+        "group": group or "",
+        "sample": "" if sample is None else str(sample),
+    }
     ident = _identity(fields, "registered")
     if ident is None:
         raise _bad("a registration needs a session id")
@@ -246,8 +257,11 @@ class SessionRegistry:
             return live[1]
         if session_id is not None and session_id in self._ended:
             raise _refused(403, "this session has ended (its final status was posted): its credential is refused")
-        raise _refused(401, "unknown session credential: this proxy takes calls only from sessions registered "
-                            "with it (polar rollout gives each session its own)")
+        raise _refused(
+            401,
+            "unknown session credential: this proxy takes calls only from sessions registered "
+            "with it (polar rollout gives each session its own)",
+        )
 
 
 def _offered(proxy_authorization: str | None, headers: dict[str, str]) -> list[str]:
@@ -267,23 +281,37 @@ def _offers_secret(proxy_authorization: str | None, headers: dict[str, str]) -> 
 def resolve_registered(proxy_authorization: str | None, headers: dict[str, str], registry: SessionRegistry) -> Identity:
     """The identity of a registered session's call, from its secret alone; anything claimed is refused."""
     if any(name.startswith("x-polar-") for name in headers):
-        raise _refused(403, "x-polar-* headers are refused: this proxy takes the session, task, group and sample "
-                            "from the session's registration")
+        raise _refused(
+            403,
+            "x-polar-* headers are refused: this proxy takes the session, task, group and sample "
+            "from the session's registration",
+        )
     offered = _offered(proxy_authorization, headers)
     if not offered:
-        raise _refused(401, "no session credential (the API key polar:SECRET, or the proxy URL "
-                            "http://polar:SECRET@HOST:PORT, of a session registered with this proxy)")
+        raise _refused(
+            401,
+            "no session credential (the API key polar:SECRET, or the proxy URL "
+            "http://polar:SECRET@HOST:PORT, of a session registered with this proxy)",
+        )
     if any(not c.startswith(SECRET_PREFIX) for c in offered):
-        raise _refused(403, "claimed identities are refused: this proxy takes the session, task, group and sample "
-                            "from the session's registration; the credential is its secret alone")
+        raise _refused(
+            403,
+            "claimed identities are refused: this proxy takes the session, task, group and sample "
+            "from the session's registration; the credential is its secret alone",
+        )
     found = {registry.lookup(c) for c in offered}
     if len(found) > 1:
         raise _refused(403, "the call carries the credentials of more than one session")
     return found.pop().identity()
 
 
-def resolve(proxy_authorization: str | None, headers: dict[str, str], connection_id: str,
-            registry: SessionRegistry | None = None, mode: str = "claimed") -> Identity:
+def resolve(
+    proxy_authorization: str | None,
+    headers: dict[str, str],
+    connection_id: str,
+    registry: SessionRegistry | None = None,
+    mode: str = "claimed",
+) -> Identity:
     """The call's identity under ``mode`` (see the module docstring); refusals are PolarErrors (400, 401, 403)."""
     if mode == "registered" or _offers_secret(proxy_authorization, headers):
         # A secret is never taken for a claimed session id (it would land in the store as one).

@@ -13,8 +13,8 @@ import ctypes
 import ctypes.util
 import gc
 import secrets
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -54,7 +54,9 @@ class BodyBudget:
 
     def release_connection(self, connection: str) -> int:
         """Everything a closed connection's flows still held (a flow cut mid-body never reaches its own end)."""
-        return sum(self.release(flow_id) for flow_id in [f for f, (_, conn, _) in self._charges.items() if conn == connection])
+        return sum(
+            self.release(flow_id) for flow_id in [f for f, (_, conn, _) in self._charges.items() if conn == connection]
+        )
 
     def held(self, client: str) -> int:
         return self._held.get(client, 0)
@@ -135,6 +137,7 @@ class CountedBody:
 async def one_chunk(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
+
 class StreamRelay:
     def __init__(self) -> None:
         self._pending: dict[str, tuple[int, str, AsyncIterator[bytes]]] = {}
@@ -181,7 +184,9 @@ class StreamRelay:
         if entry is None:
             raise web.HTTPNotFound(text="unknown or already used polar stream token")
         status, content_type, chunks = entry
-        response = web.StreamResponse(status=status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+        response = web.StreamResponse(
+            status=status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+        )
         await response.prepare(request)
         try:
             async for chunk in chunks:

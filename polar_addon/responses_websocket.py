@@ -80,7 +80,17 @@ class _WebSocket(web.WebSocketResponse):
         # error event saying why, as the HTTP path would answer 413.
         if code == WSCloseCode.MESSAGE_TOO_BIG and not self.closed:
             try:
-                await self.send_str(error_event(413, {"error": {"type": "invalid_request_error", "message": "message exceeds the proxy's body limit (polar_max_body_mb)"}}).decode())
+                await self.send_str(
+                    error_event(
+                        413,
+                        {
+                            "error": {
+                                "type": "invalid_request_error",
+                                "message": "message exceeds the proxy's body limit (polar_max_body_mb)",
+                            }
+                        },
+                    ).decode()
+                )
             except (ConnectionError, RuntimeError):
                 pass
         return await super().close(code=code, message=message, drain=drain)
@@ -97,8 +107,9 @@ class _Parked:
 class ResponsesWebSocket:
     """The loopback WebSocket server; ``gateway`` is read per call (the addon creates it late)."""
 
-    def __init__(self, gateway: Callable[[], Gateway | None],
-                 still_live: Callable[[Identity], None] = lambda identity: None) -> None:
+    def __init__(
+        self, gateway: Callable[[], Gateway | None], still_live: Callable[[Identity], None] = lambda identity: None
+    ) -> None:
         self._gateway = gateway
         self._still_live = still_live  # raises PolarError when the identity may write no more calls
         self._parked: dict[str, _Parked] = {}
@@ -148,9 +159,24 @@ class ResponsesWebSocket:
                     log.exception("polar: responses websocket message failed")
                     if ws.closed:
                         break
-                    await ws.send_str(error_event(500, {"error": {"type": "server_error", "message": f"polar internal error ({type(exc).__name__})"}}).decode())
+                    await ws.send_str(
+                        error_event(
+                            500,
+                            {
+                                "error": {
+                                    "type": "server_error",
+                                    "message": f"polar internal error ({type(exc).__name__})",
+                                }
+                            },
+                        ).decode()
+                    )
             elif message.type == WSMsgType.BINARY:
-                await ws.send_bytes(error_event(400, {"error": {"type": "invalid_request_error", "message": "binary messages are not supported"}}))
+                await ws.send_bytes(
+                    error_event(
+                        400,
+                        {"error": {"type": "invalid_request_error", "message": "binary messages are not supported"}},
+                    )
+                )
             elif message.type == WSMsgType.ERROR:
                 log.warning("polar: responses websocket error: %s", ws.exception())
         return ws
@@ -159,19 +185,45 @@ class ResponsesWebSocket:
         try:
             body = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
-            await ws.send_str(error_event(400, {"error": {"type": "invalid_request_error", "message": f"message is not JSON: {exc}"}}).decode())
+            await ws.send_str(
+                error_event(
+                    400, {"error": {"type": "invalid_request_error", "message": f"message is not JSON: {exc}"}}
+                ).decode()
+            )
             return
         if len(text) > gateway.config.max_body_bytes:  # characters; aiohttp already bounded the bytes
-            await ws.send_str(error_event(413, {"error": {"type": "invalid_request_error", "message": f"message exceeds the proxy limit of {gateway.config.max_body_bytes} bytes"}}).decode())
+            await ws.send_str(
+                error_event(
+                    413,
+                    {
+                        "error": {
+                            "type": "invalid_request_error",
+                            "message": f"message exceeds the proxy limit of {gateway.config.max_body_bytes} bytes",
+                        }
+                    },
+                ).decode()
+            )
             return
         if not isinstance(body, dict) or body.get("type") != "response.create":
             kind = body.get("type") if isinstance(body, dict) else type(body).__name__
-            await ws.send_str(error_event(400, {"error": {"type": "invalid_request_error", "message": f"unsupported message type {kind!r}; send response.create"}}).decode())
+            await ws.send_str(
+                error_event(
+                    400,
+                    {
+                        "error": {
+                            "type": "invalid_request_error",
+                            "message": f"unsupported message type {kind!r}; send response.create",
+                        }
+                    },
+                ).decode()
+            )
             return
         try:
             self._still_live(parked.identity)
         except PolarError as err:
-            await ws.send_str(error_event(err.status, {"error": {"type": "authentication_error", "message": err.message}}).decode())
+            await ws.send_str(
+                error_event(err.status, {"error": {"type": "authentication_error", "message": err.message}}).decode()
+            )
             return
         body = {k: v for k, v in body.items() if k != "type"}
         if body.get("generate") is False:
@@ -179,8 +231,15 @@ class ResponsesWebSocket:
                 await ws.send_str(event.decode())
             return
         body["stream"] = True
-        call = IncomingCall(method="POST", path=RESPONSES_PATH, headers=parked.headers, body=orjson.dumps(body),
-                            identity=parked.identity, host=parked.host, started_at=time.time())
+        call = IncomingCall(
+            method="POST",
+            path=RESPONSES_PATH,
+            headers=parked.headers,
+            body=orjson.dumps(body),
+            identity=parked.identity,
+            host=parked.host,
+            started_at=time.time(),
+        )
         reply = await gateway.handle(call)
         if isinstance(reply, FullReply):
             if reply.status != 200 or reply.content_type != "text/event-stream":
@@ -210,7 +269,11 @@ class ResponsesWebSocket:
         turn may continue from it."""
         provider = next((p for p in gateway.providers if isinstance(p, OpenAIResponsesProvider)), None)
         if provider is None:
-            return [error_event(404, {"error": {"type": "invalid_request_error", "message": "no OpenAI Responses provider"}})]
+            return [
+                error_event(
+                    404, {"error": {"type": "invalid_request_error", "message": "no OpenAI Responses provider"}}
+                )
+            ]
         try:
             request = provider.parse_request(body, Route(kind="generate", session=session, body_bytes=size))
         except PolarError as err:
@@ -218,12 +281,25 @@ class ResponsesWebSocket:
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as exc:
             err = PolarError(400, "invalid_request", f"request could not be read ({type(exc).__name__})")
             return [error_event(err.status, provider.render_error(err))]
-        ctx = ResponseContext(response_id="resp_" + secrets.token_hex(12), created=int(time.time()), model=request.model)
+        ctx = ResponseContext(
+            response_id="resp_" + secrets.token_hex(12), created=int(time.time()), model=request.model
+        )
         provider.remember(request, ctx.response_id, [], prewarm=True)
         done = response_object(request, ctx, "completed")
-        done["usage"] = {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                         "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}
+        done["usage"] = {
+            "input_tokens": 0,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": 0,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 0,
+        }
         return [
-            orjson.dumps({"type": "response.created", "sequence_number": 0, "response": response_object(request, ctx, "in_progress")}),
+            orjson.dumps(
+                {
+                    "type": "response.created",
+                    "sequence_number": 0,
+                    "response": response_object(request, ctx, "in_progress"),
+                }
+            ),
             orjson.dumps({"type": "response.completed", "sequence_number": 1, "response": done}),
         ]

@@ -53,15 +53,19 @@ class IdText(Sequence[int]):
         is_comma = chars == _COMMA
         commas = int(np.count_nonzero(is_comma))
         non_digits = int(np.count_nonzero((chars - _ZERO) > 9))  # uint8 wraps below "0"
-        if (non_digits != commas or text.startswith(b",") or text.endswith(b",")
-                or (commas > 1 and bool(np.any(is_comma[1:] & is_comma[:-1])))):
+        if (
+            non_digits != commas
+            or text.startswith(b",")
+            or text.endswith(b",")
+            or (commas > 1 and bool(np.any(is_comma[1:] & is_comma[:-1])))
+        ):
             raise ValueError("not a compact JSON array of non-negative integers")
         self.text = bytes(text)
         self._count = commas + 1 if text else 0
         self._ids: array.array | None = None
 
     @classmethod
-    def parse(cls, text: bytes) -> "IdText | None":
+    def parse(cls, text: bytes) -> IdText | None:
         try:
             return cls(text)
         except ValueError:

@@ -49,19 +49,26 @@ def tiny_model(
 
 # Command groups register below (one line each).
 from polar_cli.train_cmd import register as register_train  # noqa: E402  (train)
+
 register_train(app)
 from polar_cli.proxy_cmd import proxy  # noqa: E402  (proxy)
+
 app.command("proxy")(proxy)
 from polar_cli.engine_cmd import engine_app  # noqa: E402  (engine serve|reload|stop)
+
 app.add_typer(engine_app, name="engine")
 from polar_cli.build_cmd import register as register_build  # noqa: E402  (build, stats, view)
+
 register_build(app)
 from polar_cli.shards_cmd import reward, shards_app  # noqa: E402  (shards inspect|validate, reward)
+
 app.add_typer(shards_app, name="shards")
 app.command("reward")(reward)
 from polar_cli.rollout_cmd import rollout  # noqa: E402  (rollout)
+
 app.command("rollout")(rollout)
 from polar_cli.loop_cmd import register as register_loop  # noqa: E402  (loop)
+
 register_loop(app)
 
 

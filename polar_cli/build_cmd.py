@@ -157,8 +157,14 @@ def build(
         task = progress.add_task("sessions", total=total)
         records = iter_records(shards, session_ids=wanted)
         for built in iter_session_builds(
-            records, sessions, strategy, eot_token_id=eot_token_id, decode=_decode(tok),
-            broadcast_rewards=broadcast_rewards, fallback_eot_token_id=_tokenizer_eot(tok), merge_retokenized=merge,
+            records,
+            sessions,
+            strategy,
+            eot_token_id=eot_token_id,
+            decode=_decode(tok),
+            broadcast_rewards=broadcast_rewards,
+            fallback_eot_token_id=_tokenizer_eot(tok),
+            merge_retokenized=merge,
         ):
             writer.write(built.traces)
             report.add(built.harness, built.stats)
@@ -209,8 +215,13 @@ def stats(
     report = BuildReport()
     sessions = _sessions(shards)
     for built in iter_session_builds(
-        iter_records(shards), sessions, strategy, eot_token_id=eot_token_id, decode=_decode(tok),
-        fallback_eot_token_id=_tokenizer_eot(tok), merge_retokenized=merge,
+        iter_records(shards),
+        sessions,
+        strategy,
+        eot_token_id=eot_token_id,
+        decode=_decode(tok),
+        fallback_eot_token_id=_tokenizer_eot(tok),
+        merge_retokenized=merge,
     ):
         report.add(built.harness, built.stats)
     masks = group_masks(sessions.values())

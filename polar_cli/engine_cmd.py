@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,7 @@ engine_app = typer.Typer(
 STATE_DIR_HELP = "Where polar remembers the engines it started (env POLAR_STATE_DIR; default ./.polar/engines)."
 
 
-def _state_dir(value: Optional[Path]) -> Path:
+def _state_dir(value: Path | None) -> Path:
     from polar_cli.train.reload import DEFAULT_STATE_DIR
 
     return value or DEFAULT_STATE_DIR
@@ -43,21 +42,21 @@ def _waiting(what: str) -> Iterator[Callable[[float, str], None]]:
 def engine_serve(
     model: str = typer.Argument(..., help="Model directory to serve."),
     port: int = typer.Option(8000, help="Port on 127.0.0.1."),
-    served_model_name: Optional[str] = typer.Option(None, help="Name clients ask for; kept across reloads."),
+    served_model_name: str | None = typer.Option(None, help="Name clients ask for; kept across reloads."),
     dtype: str = typer.Option("auto", help="vLLM --dtype (float32 on CPU)."),
-    max_model_len: Optional[int] = typer.Option(None, help="vLLM --max-model-len."),
+    max_model_len: int | None = typer.Option(None, help="vLLM --max-model-len."),
     tool_call_parser: str = typer.Option("hermes", help="vLLM --tool-call-parser for the model's tool-call format."),
-    memory_fraction: Optional[str] = typer.Option(
+    memory_fraction: str | None = typer.Option(
         None, help="vLLM --gpu-memory-utilization (without a GPU: the share of RAM; default 0.2 there)."
     ),
-    kvcache_gib: Optional[str] = typer.Option(
+    kvcache_gib: str | None = typer.Option(
         None, help="VLLM_CPU_KVCACHE_SPACE in GiB for vLLM's CPU backend (default 2, or the environment's)."
     ),
-    python: Optional[str] = typer.Option(None, help="Interpreter with vLLM (default: .venv-vllm if present)."),
+    python: str | None = typer.Option(None, help="Interpreter with vLLM (default: .venv-vllm if present)."),
     vllm_arg: list[str] = typer.Option(
         [], "--vllm-arg", help="Extra vLLM flag (repeatable, wins over polar's), e.g. --vllm-arg=--enforce-eager."
     ),
-    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
+    state_dir: Path | None = typer.Option(None, help=STATE_DIR_HELP),
     timeout: float = typer.Option(600.0, help="Seconds to wait until it answers."),
 ) -> None:
     """Start vLLM in the background (tool-call parser, processed logprobs, no generation_config defaults) so
@@ -83,8 +82,8 @@ def engine_serve(
 def engine_reload(
     checkpoint: Path = typer.Argument(..., help="Checkpoint directory written by `polar train`."),
     engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL (started by `polar engine serve`)."),
-    weight_version: Optional[str] = typer.Option(None, help="Policy version tag later captures will carry."),
-    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
+    weight_version: str | None = typer.Option(None, help="Policy version tag later captures will carry."),
+    state_dir: Path | None = typer.Option(None, help=STATE_DIR_HELP),
     timeout: float = typer.Option(600.0, help="Seconds to wait for the engine."),
 ) -> None:
     """Point a running engine at new weights: SGLang loads them in place, vLLM is restarted."""
@@ -106,7 +105,7 @@ def engine_reload(
 @engine_app.command("stop")
 def engine_stop(
     engine: str = typer.Option(..., "--engine", "-e", help="vllm:URL of an engine started by `polar engine serve`."),
-    state_dir: Optional[Path] = typer.Option(None, help=STATE_DIR_HELP),
+    state_dir: Path | None = typer.Option(None, help=STATE_DIR_HELP),
 ) -> None:
     """Stop an engine started by `polar engine serve`."""
     from polar_cli.train.reload import EngineError, stop_engine

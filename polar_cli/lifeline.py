@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 # The guardian: no imports beyond the standard library's smallest (it starts in ~20 ms with -S -I).
 _GUARDIAN = r"""

@@ -3,9 +3,10 @@ of reward per iteration, the exit code)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import typer
 
@@ -33,61 +34,104 @@ Sessions run in bwrap (network proxy-only) by default, which shows a cmd: harnes
 
 def loop(
     ctx: typer.Context,
-    tasks: Path = typer.Argument(..., help="The task set (as `polar rollout`): a JSONL file, a Harbor task "
-                                 "directory, or a directory of either."),
-    harness: str = typer.Option(..., "--harness", "-H", help="claude-code, codex, qwen-code, pi, gemini-cli, or "
-                                "cmd:'ANY COMMAND {instruction}'."),
+    tasks: Path = typer.Argument(
+        ..., help="The task set (as `polar rollout`): a JSONL file, a Harbor task directory, or a directory of either."
+    ),
+    harness: str = typer.Option(
+        ...,
+        "--harness",
+        "-H",
+        help="claude-code, codex, qwen-code, pi, gemini-cli, or cmd:'ANY COMMAND {instruction}'.",
+    ),
     model: Path = typer.Option(..., "--model", "-m", help="The starting policy (a model directory)."),
     iterations: int = typer.Option(..., "--iterations", "-k", help="Rollouts; a training between each two."),
-    out: Path = typer.Option(..., "--out", "-o", help="The loop's directory: iter-NNN/{shards,logs,checkpoint}, "
-                             "loop.json. Re-running with the same OUT resumes."),
+    out: Path = typer.Option(
+        ...,
+        "--out",
+        "-o",
+        help="The loop's directory: iter-NNN/{shards,logs,checkpoint}, "
+        "loop.json. Re-running with the same OUT resumes.",
+    ),
     samples: int = typer.Option(8, "--samples", "-n", help="Sessions per task per iteration (the GRPO group)."),
-    engine: str = typer.Option("local", help="local: the model runs in the proxy (restarted on each checkpoint); "
-                               "vllm: a vLLM server (.venv-vllm) started by the loop and restarted on each checkpoint; "
-                               "sglang:URL: a running SGLang server, given each checkpoint with "
-                               "update_weights_from_disk (it must see the loop's --out at the same path)."),
-    runtime: Optional[str] = typer.Option(None, help="Where sessions run: bwrap (the default where it works here), "
-                                          "oci, or local (no isolation: needs --trust-agent), as `polar rollout`."),
-    trust_agent: bool = typer.Option(False, "--trust-agent", help="Allow --runtime local: the agent can then read the proxy's "
-                                     "control token and the store (and so set its own reward). Only for agents "
-                                     "you trust."),
-    network: Optional[str] = typer.Option(None, help="host or proxy-only (default: the runtime's)."),
+    engine: str = typer.Option(
+        "local",
+        help="local: the model runs in the proxy (restarted on each checkpoint); "
+        "vllm: a vLLM server (.venv-vllm) started by the loop and restarted on each checkpoint; "
+        "sglang:URL: a running SGLang server, given each checkpoint with "
+        "update_weights_from_disk (it must see the loop's --out at the same path).",
+    ),
+    runtime: str | None = typer.Option(
+        None,
+        help="Where sessions run: bwrap (the default where it works here), "
+        "oci, or local (no isolation: needs --trust-agent), as `polar rollout`.",
+    ),
+    trust_agent: bool = typer.Option(
+        False,
+        "--trust-agent",
+        help="Allow --runtime local: the agent can then read the proxy's "
+        "control token and the store (and so set its own reward). Only for agents "
+        "you trust.",
+    ),
+    network: str | None = typer.Option(None, help="host or proxy-only (default: the runtime's)."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", help="Harness runs at once."),
-    timeout: Optional[float] = typer.Option(None, help="Seconds per harness run (default: each task's)."),
+    timeout: float | None = typer.Option(None, help="Seconds per harness run (default: each task's)."),
     seed: int = typer.Option(0, help="Iteration i's rollout seed is SEED + i (session ids and task order)."),
     served_model_name: str = typer.Option("policy", "--served-model", help="The model name harnesses ask for."),
-    context_window: Optional[int] = typer.Option(None, min=1, help="The context window each harness is told. "
-                                                 "Default: what the engine serves (the model's "
-                                                 "max_position_embeddings; vLLM's --max-model-len)."),
-    max_output_tokens: Optional[int] = typer.Option(None, min=1, help="The output cap each harness is told. "
-                                                    "Default: --set polar_max_tokens=N when given, else the harness's own."),
-    option: list[str] = typer.Option([], "--set", help="Extra proxy option KEY=VALUE (repeatable), e.g. "
-                                     "--set polar_max_tokens=64."),
+    context_window: int | None = typer.Option(
+        None,
+        min=1,
+        help="The context window each harness is told. "
+        "Default: what the engine serves (the model's "
+        "max_position_embeddings; vLLM's --max-model-len).",
+    ),
+    max_output_tokens: int | None = typer.Option(
+        None,
+        min=1,
+        help="The output cap each harness is told. "
+        "Default: --set polar_max_tokens=N when given, else the harness's own.",
+    ),
+    option: list[str] = typer.Option(
+        [], "--set", help="Extra proxy option KEY=VALUE (repeatable), e.g. --set polar_max_tokens=64."
+    ),
     vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM flag with --engine vllm (repeatable)."),
     display: bool = typer.Option(True, "--progress/--no-progress", help="Status lines while a phase runs."),
-    asynchronous: bool = typer.Option(False, "--async", help="Rollouts keep running while the trainer trains "
-                                      "(see above); resumable with the same --out."),
-    max_staleness: Optional[int] = typer.Option(None, "--max-staleness", min=0, help="--async: train a group only "
-                                                "if its calls were sampled at most this many weight versions before "
-                                                "the policy being trained (default 1). Without --async it is passed "
-                                                "to polar train."),
-    drain: str = typer.Option("wait", "--drain", help="--async, when new weights are pushed (new sessions wait until "
-                              "the engine serves them): wait (the batch in flight finishes on the old weights first) "
-                              "or cut (its running sessions are cancelled and masked as error)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray", help="Run each rollout on this Ray cluster (as polar "
-                                              "rollout --ray: a worker and proxy per node, --concurrency per node). "
-                                              "OUT, --model and the checkpoints must be at the same path on every "
-                                              "node (a shared directory); training runs here. Needs the pip extra "
-                                              "fleet."),
-    ray_resource: Optional[str] = typer.Option(None, help="With --ray: only the nodes offering this custom resource."),
+    asynchronous: bool = typer.Option(
+        False,
+        "--async",
+        help="Rollouts keep running while the trainer trains (see above); resumable with the same --out.",
+    ),
+    max_staleness: int | None = typer.Option(
+        None,
+        "--max-staleness",
+        min=0,
+        help="--async: train a group only "
+        "if its calls were sampled at most this many weight versions before "
+        "the policy being trained (default 1). Without --async it is passed "
+        "to polar train.",
+    ),
+    drain: str = typer.Option(
+        "wait",
+        "--drain",
+        help="--async, when new weights are pushed (new sessions wait until "
+        "the engine serves them): wait (the batch in flight finishes on the old weights first) "
+        "or cut (its running sessions are cancelled and masked as error).",
+    ),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray",
+        help="Run each rollout on this Ray cluster (as polar "
+        "rollout --ray: a worker and proxy per node, --concurrency per node). "
+        "OUT, --model and the checkpoints must be at the same path on every "
+        "node (a shared directory); training runs here. Needs the pip extra "
+        "fleet.",
+    ),
+    ray_resource: str | None = typer.Option(None, help="With --ray: only the nodes offering this custom resource."),
 ) -> None:
     from rich.console import Console
 
     from polar_cli.rollout.harnesses import get_preset
-    from polar_cli.rollout.loop import LoopConfig, rise, run_loop
+    from polar_cli.rollout.loop import LoopConfig, engine_kind, rise, run_loop
     from polar_cli.rollout.tasks import TaskFileError, load_tasks
-
-    from polar_cli.rollout.loop import engine_kind
     from polar_cli.rollout_cmd import choose_runtime
 
     try:
@@ -99,11 +143,13 @@ def loop(
     if drain not in ("wait", "cut"):
         raise typer.BadParameter("wait or cut", param_hint="--drain")
     if ray_address is not None and asynchronous:
-        raise typer.BadParameter("--ray runs the synchronous loop's rollouts; --async runs locally",
-                                 param_hint="--ray")
+        raise typer.BadParameter("--ray runs the synchronous loop's rollouts; --async runs locally", param_hint="--ray")
     if ray_address is not None and engine != "local":
-        raise typer.BadParameter("--ray needs --engine local (each node's proxy loads the policy; the loop's vLLM "
-                                 "server listens on this machine's loopback only)", param_hint="--engine")
+        raise typer.BadParameter(
+            "--ray needs --engine local (each node's proxy loads the policy; the loop's vLLM "
+            "server listens on this machine's loopback only)",
+            param_hint="--engine",
+        )
     if ray_resource is not None and ray_address is None:
         raise typer.BadParameter("--ray-resource needs --ray", param_hint="--ray-resource")
     runtime = choose_runtime(runtime, trust_agent)
@@ -151,8 +197,10 @@ def loop(
     change = rise(stats[0], stats[-1])
     if change is not None and len(stats) > 1:
         diff, z = change
-        console.print(f"reward {stats[0].reward_mean:.3f} -> {stats[-1].reward_mean:.3f}: {diff:+.3f}, "
-                      f"{z:.1f} standard errors; loop.json in {out}")
+        console.print(
+            f"reward {stats[0].reward_mean:.3f} -> {stats[-1].reward_mean:.3f}: {diff:+.3f}, "
+            f"{z:.1f} standard errors; loop.json in {out}"
+        )
     else:
         console.print(f"loop.json in {out}")
 
@@ -183,25 +231,33 @@ def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: A
         if event["kind"] == "batch":
             b = event["batch"]
             reward = "-" if b.reward_mean is None else f"{b.reward_mean:.3f} ± {b.reward_se:.3f}"
-            console.print(f"batch {b.index}: version {b.version}, reward {reward} (n {b.rewarded}), "
-                          f"{b.ended_at - b.started_at:.0f} s{', cut' if b.cut else ''}")
+            console.print(
+                f"batch {b.index}: version {b.version}, reward {reward} (n {b.rewarded}), "
+                f"{b.ended_at - b.started_at:.0f} s{', cut' if b.cut else ''}"
+            )
         else:
             s = event["step"]
-            console.print(f"step {s.step}: {s.status.replace('_', ' ')} on version {s.version} from batches "
-                          f"{s.batches} ({s.groups_kept} groups, {s.groups_dropped} dropped as stale), "
-                          f"{s.ended_at - s.started_at:.0f} s")
+            console.print(
+                f"step {s.step}: {s.status.replace('_', ' ')} on version {s.version} from batches "
+                f"{s.batches} ({s.groups_kept} groups, {s.groups_dropped} dropped as stale), "
+                f"{s.ended_at - s.started_at:.0f} s"
+            )
 
     with _exit_codes("; run the same command to resume from the last finished step"):
         state = run_async_loop(config, max_staleness, drain, on_event=on_event, progress=say)  # type: ignore[arg-type]
     console.print(_async_table(state))
     s = state["summary"]
     final = "-" if s["final_reward_mean"] is None else f"{s['final_reward_mean']:.3f} ± {s['final_reward_se']:.3f}"
-    console.print(f"{s['wall_s']:.0f} s: rollout busy {s['rollout_util']:.0%}, trainer busy {s['trainer_util']:.0%}; "
-                  f"{s['batches']} batches ({s['batches_cut']} cut), {s['groups_dropped']} groups dropped as stale; "
-                  f"version {s['final_version']} reward {final}; loop.json in {config.out}")
+    console.print(
+        f"{s['wall_s']:.0f} s: rollout busy {s['rollout_util']:.0%}, trainer busy {s['trainer_util']:.0%}; "
+        f"{s['batches']} batches ({s['batches_cut']} cut), {s['groups_dropped']} groups dropped as stale; "
+        f"version {s['final_version']} reward {final}; loop.json in {config.out}"
+    )
     for push in state.get("pushes", []):
-        console.print(f"push of version {push['version']} to {push['engine']}: drain {push['drain_s']:.1f} s "
-                      f"(checkpoint made -> engine serving it), of which reload {push['reload_s']:.1f} s")
+        console.print(
+            f"push of version {push['version']} to {push['engine']}: drain {push['drain_s']:.1f} s "
+            f"(checkpoint made -> engine serving it), of which reload {push['reload_s']:.1f} s"
+        )
 
 
 def _async_table(state: dict[str, Any]) -> Any:
@@ -227,8 +283,7 @@ def _check_train_args(args: list[str], asynchronous: bool = False) -> None:
     try:
         command.make_context("polar train", ["SHARDS", "--model", "M", "--output", "O", *args])
     except click.UsageError as exc:
-        raise typer.BadParameter(f"{' '.join(args)}: {exc.format_message()}",
-                                 param_hint="polar train options") from exc
+        raise typer.BadParameter(f"{' '.join(args)}: {exc.format_message()}", param_hint="polar train options") from exc
     for flag in ("--model", "--output", "--resume", *(("--current-weight-version",) if asynchronous else ())):
         if any(a == flag or a.startswith(flag + "=") for a in args):
             raise typer.BadParameter(f"polar loop sets {flag} of each training itself", param_hint=flag)
@@ -259,4 +314,6 @@ def _table(stats: list[Any]) -> Any:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("loop", help=LOOP_HELP, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(loop)
+    app.command("loop", help=LOOP_HELP, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+        loop
+    )

@@ -8,10 +8,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import polar_addon
 
@@ -72,9 +72,18 @@ def wait_for_port(port: int, timeout: float, process: subprocess.Popen | None = 
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
-def mitmdump_command(engine: str, out: Path | str, *, port: int | None, listen_host: str = "127.0.0.1",
-                     modes: Sequence[str] = (), confdir: Path | str | None = None,
-                     options: dict[str, str] | None = None, addon: bool = True, quiet: bool = True) -> list[str]:
+def mitmdump_command(
+    engine: str,
+    out: Path | str,
+    *,
+    port: int | None,
+    listen_host: str = "127.0.0.1",
+    modes: Sequence[str] = (),
+    confdir: Path | str | None = None,
+    options: dict[str, str] | None = None,
+    addon: bool = True,
+    quiet: bool = True,
+) -> list[str]:
     """The mitmdump command line for polar: bound to ``listen_host`` (loopback unless told otherwise),
     one ``--mode`` per entry of ``modes`` (none: a regular forward proxy). Which TLS is intercepted
     (only model hosts, ``allow_hosts``) the addon sets itself from ``polar_hosts`` and the modes.
@@ -109,15 +118,24 @@ def stop_mitmdump(process: subprocess.Popen, grace_s: float = 60.0) -> int:
 
 
 @contextmanager
-def run_mitmdump(engine: str, out: Path, *, mode: str | None = None, confdir: Path | None = None,
-                 options: dict[str, str] | None = None, addon: bool = True, timeout: float = 120.0) -> Iterator[Proxy]:
+def run_mitmdump(
+    engine: str,
+    out: Path,
+    *,
+    mode: str | None = None,
+    confdir: Path | None = None,
+    options: dict[str, str] | None = None,
+    addon: bool = True,
+    timeout: float = 120.0,
+) -> Iterator[Proxy]:
     """Start mitmdump (with the polar addon unless ``addon=False``) and stop it gracefully afterwards."""
     port = free_port()
     confdir = confdir or out.parent / "mitmproxy-conf"
     confdir.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"mitmdump-{port}.log"
-    cmd = mitmdump_command(engine, out, port=port, modes=[mode] if mode else [], confdir=confdir,
-                           options=options, addon=addon)
+    cmd = mitmdump_command(
+        engine, out, port=port, modes=[mode] if mode else [], confdir=confdir, options=options, addon=addon
+    )
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     from polar_cli import lifeline

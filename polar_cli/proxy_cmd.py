@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 import subprocess
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -52,8 +51,7 @@ HTTPS_PROXY=http://$SESSION@127.0.0.1:{fwd} SSL_CERT_FILE=$CA NODE_EXTRA_CA_CERT
 
 def recipes(port: int = DEFAULT_PORT, reverse_port: int | None = None, ca: str | None = None) -> str:
     """The harness recipes for a proxy on ``port`` (forward) and ``reverse_port`` (reverse, default port + 1)."""
-    return RECIPES.format(fwd=port, rev=reverse_port or port + 1,
-                          ca=ca or f"{DEFAULT_CONFDIR}/mitmproxy-ca-cert.pem")
+    return RECIPES.format(fwd=port, rev=reverse_port or port + 1, ca=ca or f"{DEFAULT_CONFDIR}/mitmproxy-ca-cert.pem")
 
 
 def reward_recipe(port: int, out: str, confdir: Path, explicit_token: bool = False) -> str:
@@ -61,29 +59,44 @@ def reward_recipe(port: int, out: str, confdir: Path, explicit_token: bool = Fal
     from polar_addon.control import token_file
 
     token = "$POLAR_CONTROL_TOKEN" if explicit_token else f"$(cat {token_file(out, str(confdir))})"
-    return ("# Rewards, from the verifier side only (the agent must not be able to read the control token):\n"
-            f"curl -x http://127.0.0.1:{port} http://polar.local/sessions/$SESSION/reward \\\n"
-            f"  -H \"Authorization: Bearer {token}\" -d '{{\"value\": 1.0}}'")
+    return (
+        "# Rewards, from the verifier side only (the agent must not be able to read the control token):\n"
+        f"curl -x http://127.0.0.1:{port} http://polar.local/sessions/$SESSION/reward \\\n"
+        f'  -H "Authorization: Bearer {token}" -d \'{{"value": 1.0}}\''
+    )
 
 
 def proxy(
-    engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL or local:MODEL_DIR; comma-separated for several "
-                                "engines: each session stays on one (the least loaded at its first call), and an "
-                                "engine that refuses connections or fails 3 calls in a row is taken out, its "
-                                "sessions ending as error, never moved."),
-    out: str = typer.Option(..., "--out", "-o", help="The trace store: a directory or a URI such as s3://bucket/prefix."),
+    engine: str = typer.Option(
+        ...,
+        "--engine",
+        "-e",
+        help="sglang:URL, vllm:URL or local:MODEL_DIR; comma-separated for several "
+        "engines: each session stays on one (the least loaded at its first call), and an "
+        "engine that refuses connections or fails 3 calls in a row is taken out, its "
+        "sessions ending as error, never moved.",
+    ),
+    out: str = typer.Option(
+        ..., "--out", "-o", help="The trace store: a directory or a URI such as s3://bucket/prefix."
+    ),
     port: int = typer.Option(DEFAULT_PORT, help="Forward proxy port (HTTPS_PROXY)."),
-    reverse_port: Optional[int] = typer.Option(None, help="Reverse proxy port for base URLs (default: PORT + 1)."),
-    reverse: str = typer.Option(DEFAULT_REVERSE, help="Reverse target for non-model paths (model routes are "
-                                "captured whatever it is)."),
+    reverse_port: int | None = typer.Option(None, help="Reverse proxy port for base URLs (default: PORT + 1)."),
+    reverse: str = typer.Option(
+        DEFAULT_REVERSE, help="Reverse target for non-model paths (model routes are captured whatever it is)."
+    ),
     confdir: Path = typer.Option(Path(DEFAULT_CONFDIR), help="mitmproxy's configuration directory (its CA)."),
-    pass_through: bool = typer.Option(False, "--pass-through", help="Also relay non-model traffic: plain HTTP, TLS "
-                                      "(untouched) and raw TCP to ANY host:port a client names, this machine's "
-                                      "loopback services included, and the reverse listener's other paths to its "
-                                      "target. Only for harnesses you trust, e.g. your own CLI that needs other "
-                                      "hosts; `polar rollout --proxy` refuses such a proxy. Default: refused (403)."),
-    option: list[str] = typer.Option([], "--set", help="Extra mitmdump option KEY=VALUE (repeatable), e.g. "
-                                     "--set polar_max_tokens=512."),
+    pass_through: bool = typer.Option(
+        False,
+        "--pass-through",
+        help="Also relay non-model traffic: plain HTTP, TLS "
+        "(untouched) and raw TCP to ANY host:port a client names, this machine's "
+        "loopback services included, and the reverse listener's other paths to its "
+        "target. Only for harnesses you trust, e.g. your own CLI that needs other "
+        "hosts; `polar rollout --proxy` refuses such a proxy. Default: refused (403).",
+    ),
+    option: list[str] = typer.Option(
+        [], "--set", help="Extra mitmdump option KEY=VALUE (repeatable), e.g. --set polar_max_tokens=512."
+    ),
 ) -> None:
     """Run mitmdump with the polar addon on 127.0.0.1 (forward and reverse listeners) and print each harness's
     environment; Ctrl-C stops it (records already acknowledged are durable). Killed outright (SIGKILL), it takes
@@ -100,8 +113,15 @@ def proxy(
         raise typer.BadParameter("the reverse port must differ from the forward port", param_hint="--reverse-port")
     extra = {"flow_detail": "0", "polar_block_other": "false" if pass_through else "true", **parse_set_options(option)}
     confdir = confdir.expanduser()
-    cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{port}", f"reverse:{reverse}@{rport}"],
-                           confdir=confdir, options=extra, quiet=False)
+    cmd = mitmdump_command(
+        engine,
+        out,
+        port=None,
+        modes=[f"regular@{port}", f"reverse:{reverse}@{rport}"],
+        confdir=confdir,
+        options=extra,
+        quiet=False,
+    )
     process = subprocess.Popen(cmd, start_new_session=True)
     lifeline.tie(process.pid)  # even a SIGKILLed `polar proxy` leaves no mitmdump writing its store
     # Own session (so a terminal's Ctrl-C reaches mitmdump once, through us): a TERM to us must stop it too.
@@ -110,9 +130,11 @@ def proxy(
         # The local engine loads its model before mitmdump listens: wait as long as that may take.
         for p in (port, rport):
             wait_for_port(p, 600, process)
-        typer.echo(f"\npolar proxy: forward http://127.0.0.1:{port}, reverse http://127.0.0.1:{rport} -> {reverse}; "
-                   f"records in {out}; {_traffic(extra['polar_block_other'])}. Point each harness at it (set SESSION "
-                   "and MODEL per run):\n")
+        typer.echo(
+            f"\npolar proxy: forward http://127.0.0.1:{port}, reverse http://127.0.0.1:{rport} -> {reverse}; "
+            f"records in {out}; {_traffic(extra['polar_block_other'])}. Point each harness at it (set SESSION "
+            "and MODEL per run):\n"
+        )
         typer.echo(recipes(port, rport, str(confdir / "mitmproxy-ca-cert.pem")))
         typer.echo(reward_recipe(port, out, confdir, explicit_token="polar_control_token" in extra))
         code = process.wait()
@@ -135,5 +157,3 @@ def _traffic(block_other: str) -> str:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-

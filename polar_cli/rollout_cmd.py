@@ -9,7 +9,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -21,82 +21,159 @@ EXIT_ALL_FAILED = 1
 
 
 def rollout(
-    tasks: Path = typer.Argument(..., help="The task set: a JSONL file (or a directory of *.jsonl), a Harbor task "
-                                 "directory (task.toml, instruction.md, tests/test.sh), or a directory of them."),
-    harness: str = typer.Option(..., "--harness", "-H", help="claude-code, codex, qwen-code, pi, gemini-cli, or "
-                                "cmd:'ANY COMMAND {instruction}' ({instruction} becomes one shell-quoted word)."),
+    tasks: Path = typer.Argument(
+        ...,
+        help="The task set: a JSONL file (or a directory of *.jsonl), a Harbor task "
+        "directory (task.toml, instruction.md, tests/test.sh), or a directory of them.",
+    ),
+    harness: str = typer.Option(
+        ...,
+        "--harness",
+        "-H",
+        help="claude-code, codex, qwen-code, pi, gemini-cli, or "
+        "cmd:'ANY COMMAND {instruction}' ({instruction} becomes one shell-quoted word).",
+    ),
     samples: int = typer.Option(1, "--samples", "-n", help="Sessions per task (one GRPO group per task)."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="The trace store the started proxy writes (a "
-                                      "directory or s3://...). With --proxy: the running proxy's store, for the report."),
-    engine: Optional[str] = typer.Option(None, "--engine", "-e", help="Start a proxy with this engine: vllm:URL, "
-                                         "sglang:URL, local:MODEL_DIR, scripted:SCRIPT.json."),
-    proxy: Optional[str] = typer.Option(None, "--proxy", help="Use a running `polar proxy` instead: its forward URL "
-                                        "http://127.0.0.1:PORT (needs its control token). Probed first: a proxy that "
-                                        "relays non-model traffic (to a loopback listener, by absolute URL, CONNECT "
-                                        "or a reverse Host: header) is refused before any session."),
-    reverse_url: Optional[str] = typer.Option(None, help="With --proxy: its reverse listener (default: PORT + 1)."),
-    control_token: Optional[str] = typer.Option(None, envvar="POLAR_CONTROL_TOKEN", show_envvar=True,
-                                                help="With --proxy: the proxy's control token (to register sessions "
-                                                "and post rewards)."),
-    trust_claimed_sessions: bool = typer.Option(False, "--trust-claimed-sessions", help="With --proxy: use it even if it runs polar_sessions="
-                                                "claimed (the default of `polar proxy`), where an agent can write "
-                                                "calls into another session and relabel task, group and sample; "
-                                                "only for trusted agents. Without it such a proxy is refused: start "
-                                                "it with --set polar_sessions=registered."),
-    runtime: Optional[str] = typer.Option(None, help="Where sessions run: bwrap (bubblewrap, the default where it "
-                                          "works here; network proxy-only), oci (podman/docker, for tasks with an "
-                                          "image), local (a subprocess with its own HOME and workspace copy; NO "
-                                          "isolation: needs --trust-agent). Where bwrap does not work the command "
-                                          "says why and asks for an explicit choice."),
-    trust_agent: bool = typer.Option(False, "--trust-agent", help="Allow --runtime local: the agent then runs as you, unsandboxed, "
-                                     "and can read the proxy's control token and the store (and so set its own "
-                                     "reward) and reach any address. Only for agents you trust."),
-    network: Optional[str] = typer.Option(None, help="host, or proxy-only (the agent reaches the model API and "
-                                          "nothing else; bwrap/oci). Default: the runtime's (local: host)."),
+    out: str | None = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="The trace store the started proxy writes (a "
+        "directory or s3://...). With --proxy: the running proxy's store, for the report.",
+    ),
+    engine: str | None = typer.Option(
+        None,
+        "--engine",
+        "-e",
+        help="Start a proxy with this engine: vllm:URL, sglang:URL, local:MODEL_DIR, scripted:SCRIPT.json.",
+    ),
+    proxy: str | None = typer.Option(
+        None,
+        "--proxy",
+        help="Use a running `polar proxy` instead: its forward URL "
+        "http://127.0.0.1:PORT (needs its control token). Probed first: a proxy that "
+        "relays non-model traffic (to a loopback listener, by absolute URL, CONNECT "
+        "or a reverse Host: header) is refused before any session.",
+    ),
+    reverse_url: str | None = typer.Option(None, help="With --proxy: its reverse listener (default: PORT + 1)."),
+    control_token: str | None = typer.Option(
+        None,
+        envvar="POLAR_CONTROL_TOKEN",
+        show_envvar=True,
+        help="With --proxy: the proxy's control token (to register sessions and post rewards).",
+    ),
+    trust_claimed_sessions: bool = typer.Option(
+        False,
+        "--trust-claimed-sessions",
+        help="With --proxy: use it even if it runs polar_sessions="
+        "claimed (the default of `polar proxy`), where an agent can write "
+        "calls into another session and relabel task, group and sample; "
+        "only for trusted agents. Without it such a proxy is refused: start "
+        "it with --set polar_sessions=registered.",
+    ),
+    runtime: str | None = typer.Option(
+        None,
+        help="Where sessions run: bwrap (bubblewrap, the default where it "
+        "works here; network proxy-only), oci (podman/docker, for tasks with an "
+        "image), local (a subprocess with its own HOME and workspace copy; NO "
+        "isolation: needs --trust-agent). Where bwrap does not work the command "
+        "says why and asks for an explicit choice.",
+    ),
+    trust_agent: bool = typer.Option(
+        False,
+        "--trust-agent",
+        help="Allow --runtime local: the agent then runs as you, unsandboxed, "
+        "and can read the proxy's control token and the store (and so set its own "
+        "reward) and reach any address. Only for agents you trust.",
+    ),
+    network: str | None = typer.Option(
+        None,
+        help="host, or proxy-only (the agent reaches the model API and "
+        "nothing else; bwrap/oci). Default: the runtime's (local: host).",
+    ),
     concurrency: int = typer.Option(4, "--concurrency", "-c", help="Harness runs at once (RUN slots)."),
-    ready: Optional[int] = typer.Option(None, help="Sessions prepared ahead (started sandbox, setup done, harness "
-                                        "configured) so a free RUN slot starts at once. Default: --concurrency; 0: off."),
-    timeout: Optional[float] = typer.Option(None, help="Seconds per harness run (default: each task's agent "
-                                            "timeout). A timed-out session keeps its traces, status timeout."),
-    early_stop: Optional[int] = typer.Option(None, help="Once M sessions of a group are usable (completed, failed "
-                                             "or timeout), cancel its stragglers (masked); with --ray, on every "
-                                             "node."),
-    tasks_limit: Optional[int] = typer.Option(None, help="Only the first K tasks."),
-    seed: Optional[int] = typer.Option(None, help="Fixes session ids and task order (same seed, same ids)."),
+    ready: int | None = typer.Option(
+        None,
+        help="Sessions prepared ahead (started sandbox, setup done, harness "
+        "configured) so a free RUN slot starts at once. Default: --concurrency; 0: off.",
+    ),
+    timeout: float | None = typer.Option(
+        None,
+        help="Seconds per harness run (default: each task's agent "
+        "timeout). A timed-out session keeps its traces, status timeout.",
+    ),
+    early_stop: int | None = typer.Option(
+        None,
+        help="Once M sessions of a group are usable (completed, failed "
+        "or timeout), cancel its stragglers (masked); with --ray, on every "
+        "node.",
+    ),
+    tasks_limit: int | None = typer.Option(None, help="Only the first K tasks."),
+    seed: int | None = typer.Option(None, help="Fixes session ids and task order (same seed, same ids)."),
     model: str = typer.Option("policy", help="The model name harnesses ask for."),
-    context_window: Optional[int] = typer.Option(None, min=1, help="The context window each harness is told (its "
-                                                 "compaction and token budgets). Default: what --engine serves (local: "
-                                                 "the model's max_position_embeddings, or ?max_len=N; vllm/sglang: "
-                                                 "max_model_len on /v1/models); with --proxy: the harness's own."),
-    max_output_tokens: Optional[int] = typer.Option(None, min=1, help="The output cap each harness is told. Default: "
-                                                    "--set polar_max_tokens=N when given, else the harness's own."),
+    context_window: int | None = typer.Option(
+        None,
+        min=1,
+        help="The context window each harness is told (its "
+        "compaction and token budgets). Default: what --engine serves (local: "
+        "the model's max_position_embeddings, or ?max_len=N; vllm/sglang: "
+        "max_model_len on /v1/models); with --proxy: the harness's own.",
+    ),
+    max_output_tokens: int | None = typer.Option(
+        None,
+        min=1,
+        help="The output cap each harness is told. Default: "
+        "--set polar_max_tokens=N when given, else the harness's own.",
+    ),
     confdir: Path = typer.Option(Path("~/.mitmproxy"), help="mitmproxy's configuration directory (its CA)."),
-    option: list[str] = typer.Option([], "--set", help="Extra mitmdump option KEY=VALUE for the started proxy "
-                                     "(repeatable), e.g. --set polar_max_tokens=512."),
-    report_dir: Optional[Path] = typer.Option(None, help="Where rollout-summary.json, rollout-manifest.json and "
-                                              "per-session logs go (default: STORE/rollouts/RUN_ID for a local store; "
-                                              "./polar-rollouts/RUN_ID otherwise)."),
-    work_dir: Optional[Path] = typer.Option(None, help="Scratch for session workspaces and homes (default: a "
-                                            "temporary directory)."),
+    option: list[str] = typer.Option(
+        [],
+        "--set",
+        help="Extra mitmdump option KEY=VALUE for the started proxy (repeatable), e.g. --set polar_max_tokens=512.",
+    ),
+    report_dir: Path | None = typer.Option(
+        None,
+        help="Where rollout-summary.json, rollout-manifest.json and "
+        "per-session logs go (default: STORE/rollouts/RUN_ID for a local store; "
+        "./polar-rollouts/RUN_ID otherwise).",
+    ),
+    work_dir: Path | None = typer.Option(
+        None, help="Scratch for session workspaces and homes (default: a temporary directory)."
+    ),
     keep_sessions: bool = typer.Option(False, help="Keep each session's workspace and home (debugging)."),
     init_attempts: int = typer.Option(3, help="Tries of a session's INIT (sandbox, workspace, setup)."),
-    max_patch_mb: int = typer.Option(64, min=1, help="Largest agent patch (and workspace growth) in MiB; past it the "
-                                     "session is failed, reward 0, and the runner never reads the patch."),
-    read_only: list[Path] = typer.Option([], "--read-only", help="A host path the sandboxes see read-only at the "
-                                         "same path (repeatable), e.g. a virtualenv a cmd: agent runs from."),
+    max_patch_mb: int = typer.Option(
+        64,
+        min=1,
+        help="Largest agent patch (and workspace growth) in MiB; past it the "
+        "session is failed, reward 0, and the runner never reads the patch.",
+    ),
+    read_only: list[Path] = typer.Option(
+        [],
+        "--read-only",
+        help="A host path the sandboxes see read-only at the "
+        "same path (repeatable), e.g. a virtualenv a cmd: agent runs from.",
+    ),
     display: bool = typer.Option(True, "--progress/--no-progress", help="Live progress display."),
-    ray_address: Optional[str] = typer.Option(None, "--ray", help="Run the sessions on a Ray cluster (its address, "
-                                              "e.g. 127.0.0.1:6379, or auto): one worker per node, each with its own "
-                                              "proxy writing to --out, which every node must see (a shared directory "
-                                              "or s3://...). --concurrency and --ready are then per node. Needs "
-                                              "Ray (the pip extra fleet). Refused with --proxy (every node starts "
-                                              "its own proxy: give --engine). --early-stop counts a group's usable "
-                                              "sessions over every node and cancels its stragglers on all of them. With s3://, each node writes "
-                                              "with its own credentials (the environment `ray start` ran with, "
-                                              "~/.aws, an instance role): the driver's AWS_* are not shipped. "
-                                              "Ctrl-C stops the run on every node."),
-    ray_resource: Optional[str] = typer.Option(None, help="With --ray: only the nodes offering this custom resource "
-                                               "(ray start --resources); default: every node with a CPU."),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray",
+        help="Run the sessions on a Ray cluster (its address, "
+        "e.g. 127.0.0.1:6379, or auto): one worker per node, each with its own "
+        "proxy writing to --out, which every node must see (a shared directory "
+        "or s3://...). --concurrency and --ready are then per node. Needs "
+        "Ray (the pip extra fleet). Refused with --proxy (every node starts "
+        "its own proxy: give --engine). --early-stop counts a group's usable "
+        "sessions over every node and cancels its stragglers on all of them. With s3://, each node writes "
+        "with its own credentials (the environment `ray start` ran with, "
+        "~/.aws, an instance role): the driver's AWS_* are not shipped. "
+        "Ctrl-C stops the run on every node.",
+    ),
+    ray_resource: str | None = typer.Option(
+        None,
+        help="With --ray: only the nodes offering this custom resource "
+        "(ray start --resources); default: every node with a CPU.",
+    ),
 ) -> None:
     """Run a harness over a task set: SAMPLES sessions per task, each in its own sandbox, verified in a fresh one,
     rewarded by the verifier only, grouped by task; every model call is captured into the store.
@@ -128,8 +205,11 @@ def rollout(
     if ray_address is not None and engine is None:
         raise typer.BadParameter("--ray starts a proxy on every node: give --engine (not --proxy)", param_hint="--ray")
     if proxy is not None and not control_token:
-        raise typer.BadParameter("--proxy needs the proxy's control token (--control-token or POLAR_CONTROL_TOKEN): "
-                                 "rewards are posted with it", param_hint="--control-token")
+        raise typer.BadParameter(
+            "--proxy needs the proxy's control token (--control-token or POLAR_CONTROL_TOKEN): "
+            "rewards are posted with it",
+            param_hint="--control-token",
+        )
     if network not in (None, "host", "proxy-only"):
         raise typer.BadParameter("host or proxy-only", param_hint="--network")
     runtime = choose_runtime(runtime, trust_agent)
@@ -149,8 +229,13 @@ def rollout(
     if proxy is not None:
         from polar_cli.rollout.proxy import ControlError, check_sessions_mode, proxy_sessions_mode
 
-        external = ExternalProxy(proxy, control_token or "", reverse_url, confdir / "mitmproxy-ca-cert.pem",
-                                 trust_claimed=trust_claimed_sessions)
+        external = ExternalProxy(
+            proxy,
+            control_token or "",
+            reverse_url,
+            confdir / "mitmproxy-ca-cert.pem",
+            trust_claimed=trust_claimed_sessions,
+        )
         try:
             ends = external.endpoints()
         except ValueError as exc:
@@ -220,22 +305,30 @@ def rollout(
     write_json(report / "rollout-manifest.json", manifest, known)
     counts = ", ".join(f"{n} {s}" for s, n in result.counts().items() if n)
     mean = summary["reward_mean"]
-    typer.echo(f"polar rollout {run_id}: {len(result.sessions)} sessions ({counts}); reward mean "
-               f"{'-' if mean is None else f'{mean:.3f}'}; {summary['sessions_per_minute']:.1f} sessions/min; "
-               f"summary {summary_path}")
+    typer.echo(
+        f"polar rollout {run_id}: {len(result.sessions)} sessions ({counts}); reward mean "
+        f"{'-' if mean is None else f'{mean:.3f}'}; {summary['sessions_per_minute']:.1f} sessions/min; "
+        f"summary {summary_path}"
+    )
     if result.interrupted:
-        typer.echo(f"error: interrupted by {result.interrupted}: the sessions it caught are cancelled (stored as "
-                   "error with metadata.cancelled)", err=True)
+        typer.echo(
+            f"error: interrupted by {result.interrupted}: the sessions it caught are cancelled (stored as "
+            "error with metadata.cancelled)",
+            err=True,
+        )
         raise typer.Exit(interrupted_exit_code(result.interrupted))
     if result.all_failed:
-        typer.echo("error: no session was usable (see the errors in the summary and the logs in "
-                   f"{report / 'logs'})", err=True)
+        typer.echo(
+            f"error: no session was usable (see the errors in the summary and the logs in {report / 'logs'})", err=True
+        )
         raise typer.Exit(EXIT_ALL_FAILED)
 
 
-LOCAL_WARNING = ("WARNING: --runtime local --trust-agent: the agent runs unsandboxed with your rights; it can read "
-                 "the proxy's control token and the store (and so set its own reward), read and write your files "
-                 "and reach any address; polar kills what a session leaves running, nothing else is contained")
+LOCAL_WARNING = (
+    "WARNING: --runtime local --trust-agent: the agent runs unsandboxed with your rights; it can read "
+    "the proxy's control token and the store (and so set its own reward), read and write your files "
+    "and reach any address; polar kills what a session leaves running, nothing else is contained"
+)
 
 
 def choose_runtime(runtime: str | None, trust_agent: bool) -> str:
@@ -244,16 +337,21 @@ def choose_runtime(runtime: str | None, trust_agent: bool) -> str:
     if runtime is None:
         why = bwrap_unusable()
         if why is not None:
-            typer.echo(f"error: the default runtime, bwrap, does not work here ({why}). Choose one explicitly: "
-                       "--runtime oci (a container; tasks with an image), or --runtime local --trust-agent (no "
-                       "isolation: only for agents you trust)", err=True)
+            typer.echo(
+                f"error: the default runtime, bwrap, does not work here ({why}). Choose one explicitly: "
+                "--runtime oci (a container; tasks with an image), or --runtime local --trust-agent (no "
+                "isolation: only for agents you trust)",
+                err=True,
+            )
             raise typer.Exit(2)
         return "bwrap"
     if runtime == "local":
         if not trust_agent:
-            typer.echo("error: --runtime local does not isolate the agent: it could read the proxy's control token "
-                       "and set its own reward. Pass --trust-agent if you trust it, or use --runtime bwrap or oci",
-                       err=True)
+            typer.echo(
+                "error: --runtime local does not isolate the agent: it could read the proxy's control token "
+                "and set its own reward. Pass --trust-agent if you trust it, or use --runtime bwrap or oci",
+                err=True,
+            )
             raise typer.Exit(2)
         typer.echo(LOCAL_WARNING, err=True)
     return runtime
@@ -296,7 +394,9 @@ def _harness_version(preset: Any) -> str | None:
     known = preset.version()
     if known or not preset.binaries:
         return known
-    binary = shutil.which(preset.binaries[0]) or shutil.which(preset.binaries[0], path=str(REPO / ".harness" / "node_modules" / ".bin"))
+    binary = shutil.which(preset.binaries[0]) or shutil.which(
+        preset.binaries[0], path=str(REPO / ".harness" / "node_modules" / ".bin")
+    )
     if binary is None:
         return None
     try:
@@ -340,8 +440,10 @@ def _render(progress: Any) -> Any:
 
     stages = progress.stages
     table = Table.grid(padding=(0, 2))
-    table.add_row("[bold]stages[/]", "  ".join(f"{name} {stages.get(name, 0)}" for name in
-                                                ("pending", "init", "ready", "run", "postrun", "done")))
+    table.add_row(
+        "[bold]stages[/]",
+        "  ".join(f"{name} {stages.get(name, 0)}" for name in ("pending", "init", "ready", "run", "postrun", "done")),
+    )
     table.add_row("[bold]statuses[/]", "  ".join(f"{k} {v}" for k, v in sorted(progress.statuses.items())) or "-")
     done = sum(progress.statuses.values())
     masked = sum(progress.statuses.get(status, 0) for status in MASKED)

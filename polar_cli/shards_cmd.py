@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from polar_cli.store_arg import existing_store
 
-shards_app = typer.Typer(help="Look into and check a trace store (a directory or a pyarrow URI such as s3://...).",
-                         no_args_is_help=True)
+shards_app = typer.Typer(
+    help="Look into and check a trace store (a directory or a pyarrow URI such as s3://...).", no_args_is_help=True
+)
 
 STORE_HELP = "The trace store: the proxy's polar_out (a directory or a URI such as s3://bucket/prefix)."
 
@@ -40,14 +40,18 @@ def inspect(
     overview.add_row("prompt tokens", f"{s.prompt_tokens:,}")
     overview.add_row("  stored (prefix references)", f"{s.stored_prompt_tokens:,}")
     overview.add_row("response tokens", f"{s.response_tokens:,}")
-    overview.add_row("shards (calls/sessions/rewards)", "/".join(str(s.shards[k]) for k in ("calls", "sessions", "rewards")))
+    overview.add_row(
+        "shards (calls/sessions/rewards)", "/".join(str(s.shards[k]) for k in ("calls", "sessions", "rewards"))
+    )
     overview.add_row("shard bytes", f"{s.shard_bytes:,}")
     if s.journal_segments:
         overview.add_row("journal segments (counted above, not in shards yet)", str(s.journal_segments))
     console.print(overview)
 
-    for title, key, unit, counts in (("harnesses", "harness", "calls", s.harnesses),
-                                     ("session status", "status", "sessions", s.statuses)):
+    for title, key, unit, counts in (
+        ("harnesses", "harness", "calls", s.harnesses),
+        ("session status", "status", "sessions", s.statuses),
+    ):
         if counts:
             table = Table(title=title)
             table.add_column(key)
@@ -82,9 +86,13 @@ def inspect(
         for x in shown:
             sample = "-" if x.sample_index is None else str(x.sample_index)
             table.add_row(
-                safe(x.session_id), safe(f"{x.task_id or '-'}/{x.group_id or '-'}/{sample}"), safe(x.harness or "-"),
-                safe(x.status or "-"), f"{x.calls - x.failed_calls}/{x.failed_calls}",
-                f"{x.prompt_tokens + x.response_tokens:,}", "-" if x.reward is None else f"{x.reward:.4g}",
+                safe(x.session_id),
+                safe(f"{x.task_id or '-'}/{x.group_id or '-'}/{sample}"),
+                safe(x.harness or "-"),
+                safe(x.status or "-"),
+                f"{x.calls - x.failed_calls}/{x.failed_calls}",
+                f"{x.prompt_tokens + x.response_tokens:,}",
+                "-" if x.reward is None else f"{x.reward:.4g}",
             )
         console.print(table)
 
@@ -109,18 +117,19 @@ def validate(store: str = typer.Argument(..., help=STORE_HELP, callback=existing
 
 def reward(
     store: str = typer.Argument(..., help=STORE_HELP),
-    session: Optional[str] = typer.Option(None, "--session", help="Session id to reward."),
-    value: Optional[float] = typer.Option(None, "--value", help="The reward value."),
-    status: Optional[str] = typer.Option(
-        None, "--status",
+    session: str | None = typer.Option(None, "--session", help="Session id to reward."),
+    value: float | None = typer.Option(None, "--value", help="The reward value."),
+    status: str | None = typer.Option(
+        None,
+        "--status",
         help="Also record how the session(s) ended: completed, timeout, agent_error (the policy's failures train "
         "with reward 0) or error (infrastructure: never trained on). Without it a reward marks a running session completed.",
     ),
     name: str = typer.Option("reward", "--name", help="Reward name (several named rewards may coexist)."),
-    file: Optional[Path] = typer.Option(None, "--file", help='JSONL lines {"session_id", "value", "name"?}.'),
+    file: Path | None = typer.Option(None, "--file", help='JSONL lines {"session_id", "value", "name"?}.'),
     source: str = typer.Option("cli", help="Recorded as the reward's source."),
     allow_unknown: bool = typer.Option(False, "--allow-unknown", help="Accept session ids the store has not seen."),
-    journal_dir: Optional[Path] = typer.Option(None, help="Journal directory (default: the store's)."),
+    journal_dir: Path | None = typer.Option(None, help="Journal directory (default: the store's)."),
 ) -> None:
     """Record rewards for sessions: one with --session/--value, or many with --file; --status sets how they ended.
 
@@ -157,8 +166,11 @@ def reward(
         known = {s.session_id for s in read_sessions(store)} | journal_session_ids(journal_root)
         unknown = sorted(set(targets) - known)
         if unknown:
-            typer.echo(f"error: unknown session(s) in {printable(store)}: {printable(', '.join(unknown[:10]))}"
-                       f"{' ...' if len(unknown) > 10 else ''} (--allow-unknown to record anyway)", err=True)
+            typer.echo(
+                f"error: unknown session(s) in {printable(store)}: {printable(', '.join(unknown[:10]))}"
+                f"{' ...' if len(unknown) > 10 else ''} (--allow-unknown to record anyway)",
+                err=True,
+            )
             raise typer.Exit(2)
 
     async def record() -> None:

@@ -13,7 +13,9 @@ _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]
 
 def printable(text: object) -> str:
     """``text`` with every control character written as a visible escape (``\\x1b``, ``\\u202e``)."""
-    return _UNSAFE.sub(lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", str(text))
+    return _UNSAFE.sub(
+        lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", str(text)
+    )
 
 
 def markup_safe(text: object) -> str:

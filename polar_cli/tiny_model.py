@@ -130,7 +130,9 @@ def build_tiny_model(
     ``size`` picks a shape from ``SIZES``.
     """
     if generation_defaults not in GENERATION_DEFAULTS:
-        raise ValueError(f"generation_defaults must be one of {sorted(GENERATION_DEFAULTS)}, got {generation_defaults!r}")
+        raise ValueError(
+            f"generation_defaults must be one of {sorted(GENERATION_DEFAULTS)}, got {generation_defaults!r}"
+        )
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     import torch

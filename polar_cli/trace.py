@@ -82,7 +82,11 @@ class Trace:
     @property
     def truncated_sampling(self) -> bool:
         """Sampled from a top-p / top-k / min-p truncated distribution, which the trainer cannot recompute."""
-        return (self.top_p is not None and self.top_p < 1) or bool(self.top_k and self.top_k > 0) or bool(self.min_p and self.min_p > 0)
+        return (
+            (self.top_p is not None and self.top_p < 1)
+            or bool(self.top_k and self.top_k > 0)
+            or bool(self.min_p and self.min_p > 0)
+        )
 
 
 def traces_to_table(traces: list[Trace]) -> pa.Table:

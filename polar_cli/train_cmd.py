@@ -10,7 +10,7 @@ import os
 import shutil
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -36,7 +36,7 @@ def train(
     broadcast_rewards: bool = typer.Option(
         _d("broadcast_rewards"), "--broadcast-rewards", help="per_request: every call gets its session's reward."
     ),
-    eot_token_id: Optional[int] = typer.Option(
+    eot_token_id: int | None = typer.Option(
         None, help="Raw shards: end-of-turn token id (default: detected from the calls, as `polar build`)."
     ),
     retokenized: str = typer.Option(
@@ -62,11 +62,17 @@ def train(
     ),
     epsilon_low: float = typer.Option(_d("epsilon_low"), help="PPO clip: ratio >= 1 - eps_low."),
     epsilon_high: float = typer.Option(_d("epsilon_high"), help="PPO clip: ratio <= 1 + eps_high (DAPO clip-higher)."),
-    tis_cap: float = typer.Option(_d("tis_cap"), help="Truncated importance sampling: token weight min(pi_old/pi_behavior, C)."),
+    tis_cap: float = typer.Option(
+        _d("tis_cap"), help="Truncated importance sampling: token weight min(pi_old/pi_behavior, C)."
+    ),
     cispo_cap: float = typer.Option(_d("cispo_cap"), help="--loss-type cispo: cap on pi_theta/pi_old."),
     warmup_ratio: float = typer.Option(_d("warmup_ratio"), help="Linear LR warmup over this fraction of the steps."),
-    current_weight_version: Optional[str] = typer.Option(None, help="Version tag of --model (what `engine reload --weight-version` set): older traces are warned about."),
-    max_staleness: Optional[int] = typer.Option(None, help="Refuse traces more than this many weight versions behind --current-weight-version."),
+    current_weight_version: str | None = typer.Option(
+        None, help="Version tag of --model (what `engine reload --weight-version` set): older traces are warned about."
+    ),
+    max_staleness: int | None = typer.Option(
+        None, help="Refuse traces more than this many weight versions behind --current-weight-version."
+    ),
     beta: float = typer.Option(_d("beta"), help="KL coefficient to the starting model (0: no reference model)."),
     loss_type: str = typer.Option(_d("loss_type"), help=f"TRL loss: {', '.join(LOSS_TYPES)}."),
     scale_rewards: str = typer.Option(_d("scale_rewards"), help="group: divide advantages by the group std; none."),
@@ -74,19 +80,27 @@ def train(
         False, "--keep-zero-advantage", help="Also forward traces whose advantage is 0 (they add no gradient)."
     ),
     max_length: int = typer.Option(_d("max_length"), help="Prompt + completion tokens; completions are clipped."),
-    temperature: Optional[float] = typer.Option(None, help="Must equal the capture temperature (read from traces)."),
+    temperature: float | None = typer.Option(None, help="Must equal the capture temperature (read from traces)."),
     lora_r: int = typer.Option(_d("lora_r"), help="LoRA rank; 0 trains every weight. Merged into the checkpoint."),
     lora_alpha: int = typer.Option(_d("lora_alpha"), help="LoRA alpha (0: 2 x rank)."),
     lora_dropout: float = typer.Option(_d("lora_dropout")),
-    dtype: str = typer.Option(_d("dtype"), help=f"Compute dtype, {', '.join(DTYPES)} (auto: bf16 autocast on a capable GPU, else fp32); weights stay fp32."),
+    dtype: str = typer.Option(
+        _d("dtype"),
+        help=f"Compute dtype, {', '.join(DTYPES)} (auto: bf16 autocast on a capable GPU, else fp32); weights stay fp32.",
+    ),
     gradient_checkpointing: bool = typer.Option(_d("gradient_checkpointing"), help="Trade compute for memory."),
     seed: int = typer.Option(_d("seed")),
-    resume: Optional[Path] = typer.Option(None, help="Resume from OUTPUT/checkpoint-N of an earlier run."),
+    resume: Path | None = typer.Option(None, help="Resume from OUTPUT/checkpoint-N of an earlier run."),
     save_steps: int = typer.Option(_d("save_steps"), help="Write OUTPUT/checkpoint-N every N steps (0: only the end)."),
     plot: bool = typer.Option(_d("plot"), help="Write training_curves.png."),
     progress: bool = typer.Option(_d("progress"), help="Rich progress bar."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log which traces each process trains at each step "
-                                 "(to stderr; with `accelerate launch`, one line per process)."),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        "-v",
+        help="Log which traces each process trains at each step "
+        "(to stderr; with `accelerate launch`, one line per process).",
+    ),
     overwrite: bool = typer.Option(False, help="Replace OUTPUT if it exists and is not empty (as `polar build`)."),
 ) -> None:
     """Train the policy with GRPO (TRL) on captured traces; write a checkpoint, metrics.jsonl and curves."""
@@ -94,8 +108,8 @@ def train(
 
     _check_model_and_output(model, output, overwrite=overwrite, resume=resume)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from polar_cli.train.dataset import NothingToTrain, TemperatureMismatch
     from polar_cli.terminal import markup_safe
+    from polar_cli.train.dataset import NothingToTrain, TemperatureMismatch
     from polar_cli.train.run import run_training
 
     cfg = TrainConfig(
@@ -145,19 +159,21 @@ def train(
         typer.echo(f"curves: {result.plot_path}")
 
 
-def _check_model_and_output(model: str, output: Path, *, overwrite: bool, resume: Optional[Path]) -> None:
+def _check_model_and_output(model: str, output: Path, *, overwrite: bool, resume: Path | None) -> None:
     """Fail before any heavy import: a mistyped --model would otherwise end in a model-hub lookup, and an
     existing --output would be silently mixed with the new checkpoint."""
     path = Path(model).expanduser()
     if not path.exists():
-        raise typer.BadParameter(f"{model} does not exist (resolved to {path.resolve()}); give a model directory",
-                                 param_hint="--model")
+        raise typer.BadParameter(
+            f"{model} does not exist (resolved to {path.resolve()}); give a model directory", param_hint="--model"
+        )
     if not (path / "config.json").is_file():
         raise typer.BadParameter(f"{model} is not a model directory (no config.json)", param_hint="--model")
     if resume is None and output.exists() and (not output.is_dir() or any(output.iterdir())):
         if not overwrite:
-            raise typer.BadParameter(f"{output} exists and is not empty (use --overwrite, or --resume)",
-                                     param_hint="--output")
+            raise typer.BadParameter(
+                f"{output} exists and is not empty (use --overwrite, or --resume)", param_hint="--output"
+            )
         if output.is_dir():
             shutil.rmtree(output)
         else:

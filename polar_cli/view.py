@@ -156,9 +156,13 @@ def _sampled_message(record: CaptureRecord) -> str:
     message = record.response_message or {}
     parts = []
     if message.get("reasoning"):
-        parts.append(f'<div class="reasoning"><span class="role">reasoning</span><pre>{_esc(message["reasoning"])}</pre></div>')
+        parts.append(
+            f'<div class="reasoning"><span class="role">reasoning</span><pre>{_esc(message["reasoning"])}</pre></div>'
+        )
     if message.get("content"):
-        parts.append(f'<div class="content"><span class="role">assistant</span><pre>{_esc(message["content"])}</pre></div>')
+        parts.append(
+            f'<div class="content"><span class="role">assistant</span><pre>{_esc(message["content"])}</pre></div>'
+        )
     for call in message.get("tool_calls") or []:
         parts.append(
             f'<div class="tool-call"><span class="role">tool call</span> <span class="name">{_esc(call.get("name"))}</span>'
@@ -175,7 +179,9 @@ def _interstitial_messages(prev: CaptureRecord, nxt: CaptureRecord) -> str:
         role = message.get("role", "?")
         label = f"tool result {message.get('tool_call_id', '')}" if role == "tool" else role
         css = "tool-result" if role == "tool" else role
-        parts.append(f'<div class="{_esc(css)}"><span class="role">{_esc(label)}</span><pre>{_esc(_content_text(message.get("content")))}</pre></div>')
+        parts.append(
+            f'<div class="{_esc(css)}"><span class="role">{_esc(label)}</span><pre>{_esc(_content_text(message.get("content")))}</pre></div>'
+        )
     return f'<div class="msg">{"".join(parts)}</div>' if parts else ""
 
 
@@ -183,7 +189,11 @@ def _chain_section(chain: Chain, session: SessionInfo | None, pieces: _Pieces) -
     records = chain.records
     merged = chain.merge()
     decision = decide_reward(session, records, per_request=False, broadcast=False)
-    trainable = "trainable" if decision.trainable else f'<span class="untrainable">not trainable ({_esc(decision.reason)})</span>'
+    trainable = (
+        "trainable"
+        if decision.trainable
+        else f'<span class="untrainable">not trainable ({_esc(decision.reason)})</span>'
+    )
     cut = f' data-break="{_esc(chain.end.cause.value)}"' if chain.end else ""
     out = [
         f'<section class="chain" id="chain-{chain.index}" data-chain="{chain.index}" data-calls="{len(records)}"{cut}>',
@@ -262,7 +272,11 @@ def render_session(
         f'<span class="sw" style="background:{logprob_color(math.log(0.5))}"></span>p=0.5 '
         f'<span class="sw" style="background:{logprob_color(-20)}"></span>p≈0 · '
         '<span class="sw t m"></span>interstitial (loss mask 0) · '
-        + ('<label><input type="checkbox" id="show-ids"> show token ids</label>' if tokenizer is not None else "token ids shown (no tokenizer)")
+        + (
+            '<label><input type="checkbox" id="show-ids"> show token ids</label>'
+            if tokenizer is not None
+            else "token ids shown (no tokenizer)"
+        )
         + "</div>"
     )
     failed_html = "".join(
@@ -271,9 +285,9 @@ def render_session(
     )
     sections = "\n".join(_chain_section(chain, session, pieces) for chain in built.chains)
     return (
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>polar trace · {_esc(built.session_id)}</title><style>{_CSS}</style></head>\n<body>"
-        f"<header><h1>Session {_esc(built.session_id)}</h1><div class=\"meta\">{meta_html}</div>{legend}</header>\n"
+        f'<header><h1>Session {_esc(built.session_id)}</h1><div class="meta">{meta_html}</div>{legend}</header>\n'
         f"<main>{failed_html}{sections}</main>\n"
         '<div id="info">hover a token to see its id, logprob and loss mask</div>'
         f"<script>{_JS}</script></body></html>\n"

@@ -40,9 +40,7 @@ TOOLS = [
     },
 ]
 
-_ASSISTANT_HISTORY = (
-    "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
-)
+_ASSISTANT_HISTORY = "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
 # Qwen3: reasoning survives in history only after the last user query (the current tool loop).
 QWEN3_STYLE_TEMPLATE = CHAT_TEMPLATE.replace(
     "{%- for message in messages %}",
@@ -218,12 +216,16 @@ def tool_result(record: CaptureRecord, output: str, index: int = 0) -> dict[str,
     return {"role": "tool", "tool_call_id": call_id, "content": output}
 
 
-def tool_loop(sim: AgentSim, messages: list[dict[str, Any]], turns: list[Turn], **sent_back: Any) -> list[dict[str, Any]]:
+def tool_loop(
+    sim: AgentSim, messages: list[dict[str, Any]], turns: list[Turn], **sent_back: Any
+) -> list[dict[str, Any]]:
     """Run ``turns`` as one agent loop: each tool call is answered, each turn sent back."""
     for turn in turns:
         record = sim.call(messages, turn)
         messages = messages + [sim.sent_back(record, **sent_back)]
-        messages += [tool_result(record, f"output of {name} #{record.seq}", i) for i, (name, _) in enumerate(turn.tool_calls)]
+        messages += [
+            tool_result(record, f"output of {name} #{record.seq}", i) for i, (name, _) in enumerate(turn.tool_calls)
+        ]
     return messages
 
 
@@ -234,7 +236,9 @@ def coding_turns(n: int, *, reasoning: bool = False) -> list[Turn]:
             Turn(
                 content=f"Step {i}: looking at the repository." if i % 2 else None,
                 reasoning=f"I should inspect file number {i} before editing." if reasoning else None,
-                tool_calls=[("bash", {"cmd": f"ls -la src/pkg{i}"})] if i % 3 else [("read_file", {"path": f"src/mod{i}.py"})],
+                tool_calls=[("bash", {"cmd": f"ls -la src/pkg{i}"})]
+                if i % 3
+                else [("read_file", {"path": f"src/mod{i}.py"})],
             )
         )
     turns.append(Turn(content="All tests pass now.", reasoning="Done." if reasoning else None))

@@ -46,7 +46,8 @@ VLLM_START_TIMEOUT_S = 300.0
 # Modules that share host-global state (podman's image tags and storage, a local Ray cluster's ports): one
 # worker runs all of them.
 _SHARED_STATE_GROUPS = {
-    "test_rollout_sandbox.py": "podman", "test_rollout_presets.py": "podman",
+    "test_rollout_sandbox.py": "podman",
+    "test_rollout_presets.py": "podman",
     "test_rollout_ray.py": "ray",
 }
 
@@ -68,9 +69,14 @@ def xdist_group_of(item: pytest.Item) -> str:
 # short ones fill in at the end (xdist's default order, by number of tests, would leave a 2-test Ray group or a
 # 1-test training run to last). A test the file does not know yet gets a rough estimate.
 DURATIONS = Path(__file__).with_name("durations.json")
-_START_COST_S = {"vllm": 75.0, "vllm-8k": 110.0, "ray": 120.0, "podman": 60.0,
-                 "test_tito_vllm_sessions.py": 45.0,  # its own vLLM server (the ending model)
-                 "test_async_loop.py": 150.0}  # four loops with trainings, one on its own vLLM (restarted once)
+_START_COST_S = {
+    "vllm": 75.0,
+    "vllm-8k": 110.0,
+    "ray": 120.0,
+    "podman": 60.0,
+    "test_tito_vllm_sessions.py": 45.0,  # its own vLLM server (the ending model)
+    "test_async_loop.py": 150.0,
+}  # four loops with trainings, one on its own vLLM (restarted once)
 
 
 def _cost_estimate_s(item: pytest.Item) -> float:
@@ -198,8 +204,12 @@ def vllm_small_window_server(tiny_model_dir: Path, tmp_path_factory: pytest.Temp
     """A second vLLM server with a 20k ``--max-model-len``, above every harness's own first prompt: the harnesses
     run past a real engine's own window (its refusals, its counts). ``--enforce-eager`` skips the compile step on
     CPU; a 20k window of the tiny model needs little KV cache."""
-    with _vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-small-window"),
-               ["--max-model-len", str(VLLM_SMALL_WINDOW), "--enforce-eager"], kv_cache_gib=1) as url:
+    with _vllm(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("vllm-small-window"),
+        ["--max-model-len", str(VLLM_SMALL_WINDOW), "--enforce-eager"],
+        kv_cache_gib=1,
+    ) as url:
         yield url
 
 

@@ -41,12 +41,18 @@ def test_busy_fraction_counts_overlaps_once_and_clips_to_the_window() -> None:
     assert busy_fraction([], 0, 10) == 0.0
 
 
-def test_async_loop_trains_while_rolling_out_and_drops_groups_past_the_bound(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_async_loop_trains_while_rolling_out_and_drops_groups_past_the_bound(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     tasks = tmp_path / "tasks.jsonl"
     # The toy task's question, but a random reward: two 4-token answers of the tiny model often score the same
     # fraction of capitals (nothing to train, no new version); the loop's mechanics are what is tested here.
-    task = {"id": "shout-0", "instruction": "what is the capital of france", "reward_file": "reward.txt",
-            "verify": "python3 -c 'import random; print(random.random())' > reward.txt"}
+    task = {
+        "id": "shout-0",
+        "instruction": "what is the capital of france",
+        "reward_file": "reward.txt",
+        "verify": "python3 -c 'import random; print(random.random())' > reward.txt",
+    }
     tasks.write_text(json.dumps(task) + "\n")
     out = tmp_path / "loop"
     harness = f"cmd:{sys.executable} {AGENT} --turns 1 --max-tokens 4 {{instruction}}"
@@ -128,8 +134,12 @@ def _random_reward_loop(tmp_path: Path, model: Path, out: Path, iterations: int,
     """``polar loop --async`` on one task whose reward is random (two 4-token answers of the tiny model often score
     the same fraction of capitals: nothing to train, no new version); the loop's mechanics are what is tested."""
     tasks = tmp_path / "tasks.jsonl"
-    task = {"id": "shout-0", "instruction": "what is the capital of france", "reward_file": "reward.txt",
-            "verify": "python3 -c 'import random; print(random.random())' > reward.txt"}
+    task = {
+        "id": "shout-0",
+        "instruction": "what is the capital of france",
+        "reward_file": "reward.txt",
+        "verify": "python3 -c 'import random; print(random.random())' > reward.txt",
+    }
     tasks.write_text(json.dumps(task) + "\n")
     harness = f"cmd:{sys.executable} {AGENT} --turns 1 --max-tokens 4 {{instruction}}"
     return [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", harness, "--model", str(model),
@@ -153,8 +163,9 @@ def _check_pushed_versions(state: dict, engine: str) -> None:
     assert push["drain_s"] >= push["reload_s"] > 0 and state["summary"]["drain_s"] == [push["drain_s"]]
 
 
-def test_async_loop_pushes_each_version_to_sglang_with_update_weights_from_disk(tiny_model_dir: Path,
-                                                                               tmp_path: Path) -> None:
+def test_async_loop_pushes_each_version_to_sglang_with_update_weights_from_disk(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """--engine sglang:URL against the SGLang contract server (SGLang needs a GPU): every push is a body SGLang's own
     UpdateWeightFromDiskReqInput accepts, and SGLang's weight_version comes back in every answer."""
     from polar_addon.engines.local import LocalEngine
@@ -185,8 +196,12 @@ def test_sglang_reports_the_pushed_version_itself(tiny_model_dir: Path, tmp_path
     from tests.support.sglang_contract_server import SGLangContractServer
 
     checkpoint = shutil.copytree(tiny_model_dir, tmp_path / "ckpt")
-    request = CanonicalRequest(api="openai_chat", model="m", messages=[{"role": "user", "content": "hi"}],
-                               sampling=SamplingParams(max_tokens=2, temperature=1.0))
+    request = CanonicalRequest(
+        api="openai_chat",
+        model="m",
+        messages=[{"role": "user", "content": "hi"}],
+        sampling=SamplingParams(max_tokens=2, temperature=1.0),
+    )
 
     async def scenario(url: str) -> tuple[str | None, str]:
         engine = make_engine(f"sglang:{url}?weight_version=9", timeout_s=60)
@@ -207,8 +222,9 @@ def test_sglang_reports_the_pushed_version_itself(tiny_model_dir: Path, tmp_path
 
 
 @pytest.mark.vllm
-def test_async_loop_on_vllm_restarts_it_between_batches_and_tags_every_call(tiny_model_dir: Path,
-                                                                           tmp_path: Path) -> None:
+def test_async_loop_on_vllm_restarts_it_between_batches_and_tags_every_call(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """The real vLLM CPU engine: started by the loop, restarted on the checkpoint (polar engine reload) only once
     the batch in flight finished; each batch's calls carry the version its server held; stopped at the end."""
     if not (REPO / ".venv-vllm" / "bin" / "python").exists():
@@ -216,8 +232,17 @@ def test_async_loop_on_vllm_restarts_it_between_batches_and_tags_every_call(tiny
 
         missing("vLLM CPU venv missing (.venv-vllm); run `make engine`")
     out = tmp_path / "loop"
-    cmd = _random_reward_loop(tmp_path, tiny_model_dir, out, 2, "--engine", "vllm", "--vllm-arg=--enforce-eager",
-                              "--vllm-arg=--max-model-len=4096", "--vllm-arg=--dtype=float32")
+    cmd = _random_reward_loop(
+        tmp_path,
+        tiny_model_dir,
+        out,
+        2,
+        "--engine",
+        "vllm",
+        "--vllm-arg=--enforce-eager",
+        "--vllm-arg=--max-model-len=4096",
+        "--vllm-arg=--dtype=float32",
+    )
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     state = json.loads((out / "loop.json").read_text())
@@ -225,8 +250,10 @@ def test_async_loop_on_vllm_restarts_it_between_batches_and_tags_every_call(tiny
     log = (out / ".engines").glob("engine-*.log")
     assert any("polar engine reload: " + state["steps"][0]["checkpoint"] in p.read_text() for p in log)
     assert not list((out / ".engines").glob("engine-*.json"))  # stopped and forgotten
-    print(f"async vLLM loop: {state['summary']['wall_s']:.0f} s, drain {state['pushes'][0]['drain_s']:.1f} s "
-          f"(reload {state['pushes'][0]['reload_s']:.1f} s)")
+    print(
+        f"async vLLM loop: {state['summary']['wall_s']:.0f} s, drain {state['pushes'][0]['drain_s']:.1f} s "
+        f"(reload {state['pushes'][0]['reload_s']:.1f} s)"
+    )
 
 
 def test_a_cut_ends_the_running_sessions_as_masked_errors(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -235,7 +262,6 @@ def test_a_cut_ends_the_running_sessions_as_masked_errors(tiny_model_dir: Path, 
     import asyncio
 
     from polar_addon.store import read_sessions
-    from polar_cli.rollout.proxy import start_proxy
     from polar_cli.rollout.runner import RolloutConfig, RolloutProgress, run_rollout
     from polar_cli.rollout.tasks import load_tasks
 
@@ -315,8 +341,9 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
     out = tmp_path / "loop"
     cmd = _random_reward_loop(tmp_path, tiny_model_dir, out, 3, "--max-staleness", "1")
     state_file = out / "loop.json"
-    killed = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    killed = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         # Killed once step 1 has taken a batch (loop.json says so) and its polar train runs.
         deadline = time.monotonic() + 600
@@ -358,14 +385,16 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
     assert steps[0] == before["steps"][0]
     for old in before["batches"]:
         new = batches[old["index"]]
-        assert {k: new[k] for k in ("shards", "started_at", "ended_at", "version")} == \
-            {k: old[k] for k in ("shards", "started_at", "ended_at", "version")}
+        assert {k: new[k] for k in ("shards", "started_at", "ended_at", "version")} == {
+            k: old[k] for k in ("shards", "started_at", "ended_at", "version")
+        }
     # No batch trained twice; each step's batches are exactly those marked with it.
     trained = [i for s in steps for i in s["batches"]]
     assert len(trained) == len(set(trained)) and [b["index"] for b in batches] == list(range(len(batches)))
     for s in steps:
-        assert sorted(s["batches"]) == sorted(b["index"] for b in batches if b["step"] == s["step"]
-                                              and not b["dropped_groups"])
+        assert sorted(s["batches"]) == sorted(
+            b["index"] for b in batches if b["step"] == s["step"] and not b["dropped_groups"]
+        )
     # The batches the killed step had taken waited for the trainer again and the resumed step 1 trained them.
     assert len(before["steps"]) == 1 and taken_by_the_killed_step
     assert set(taken_by_the_killed_step) <= set(steps[1]["batches"])
@@ -383,8 +412,9 @@ def test_a_killed_async_loop_resumes_from_its_last_finished_step(tiny_model_dir:
         assert batches[interrupted]["shards"] == str(out / f"batch-{interrupted:03d}-attempt2" / "shards")
 
 
-def test_a_batch_without_weight_versions_stops_the_loop_instead_of_spinning(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_without_weight_versions_stops_the_loop_instead_of_spinning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Calls with no version cannot be bounded; as every later batch of that engine would be the same, the trainer
     stops the loop with the reason rather than waiting forever for a usable batch."""
     from polar_cli.rollout import async_loop
@@ -392,8 +422,19 @@ def test_a_batch_without_weight_versions_stops_the_loop_instead_of_spinning(tmp_
 
     config = LoopConfig(tasks=[], harness="cmd:true", model=tmp_path, iterations=2, out=tmp_path / "o", engine="vllm")
     loop = async_loop._AsyncLoop(config, 1, "wait", None, None)
-    batch = async_loop.Batch(index=0, version=0, policy=str(tmp_path), shards=str(tmp_path / "s"), started_at=0.0,
-                             ended_at=1.0, sessions=2, statuses={}, rewarded=2, reward_mean=0.5, reward_se=0.1)
+    batch = async_loop.Batch(
+        index=0,
+        version=0,
+        policy=str(tmp_path),
+        shards=str(tmp_path / "s"),
+        started_at=0.0,
+        ended_at=1.0,
+        sessions=2,
+        statuses={},
+        rewarded=2,
+        reward_mean=0.5,
+        reward_se=0.1,
+    )
     monkeypatch.setattr(async_loop, "group_versions", lambda _store: {"g": ["0", None]})
     with pytest.raises(RuntimeError, match="carry no numeric weight_version"):
         loop._select(batch, 0, 0)
@@ -416,18 +457,51 @@ def test_a_loop_killed_after_its_last_batch_is_summarised_on_rerun(tmp_path: Pat
     config = LoopConfig(tasks=[], harness="cmd:true", model=model, iterations=2, out=out, engine="local")
 
     def batch(index: int, version: int, final: bool) -> dict:
-        return asdict(async_loop.Batch(index=index, version=version, policy=str(model), shards=str(out / "s"),
-                                       started_at=10.0 * index, ended_at=10.0 * index + 5, sessions=2, statuses={},
-                                       rewarded=2, reward_mean=0.25 + index / 4, reward_se=0.1, final=final,
-                                       step=0 if index == 0 else None))
+        return asdict(
+            async_loop.Batch(
+                index=index,
+                version=version,
+                policy=str(model),
+                shards=str(out / "s"),
+                started_at=10.0 * index,
+                ended_at=10.0 * index + 5,
+                sessions=2,
+                statuses={},
+                rewarded=2,
+                reward_mean=0.25 + index / 4,
+                reward_se=0.1,
+                final=final,
+                step=0 if index == 0 else None,
+            )
+        )
 
-    step = asdict(async_loop.Step(step=0, version=0, batches=[0], groups_kept=1, groups_dropped=0, started_at=5.0,
-                                  ended_at=9.0, status="trained", checkpoint=str(checkpoint), log=str(out / "l")))
+    step = asdict(
+        async_loop.Step(
+            step=0,
+            version=0,
+            batches=[0],
+            groups_kept=1,
+            groups_dropped=0,
+            started_at=5.0,
+            ended_at=9.0,
+            status="trained",
+            checkpoint=str(checkpoint),
+            log=str(out / "l"),
+        )
+    )
     stale = {"wall_s": 3.0, "complete": False, "final_version": 0, "final_reward_mean": 0.25}
     for summary in (None, stale):
-        save_state(out, {"mode": "async", "runs": [{"started_at": 0.0, "ended_at": 20.0}], "pushes": [],
-                         "batches": [batch(0, 0, False), batch(1, 1, True)], "steps": [step],
-                         **({"summary": summary} if summary else {})})
+        save_state(
+            out,
+            {
+                "mode": "async",
+                "runs": [{"started_at": 0.0, "ended_at": 20.0}],
+                "pushes": [],
+                "batches": [batch(0, 0, False), batch(1, 1, True)],
+                "steps": [step],
+                **({"summary": summary} if summary else {}),
+            },
+        )
         state = async_loop.run_async_loop(config)
         assert state["summary"]["complete"] and state["summary"]["final_version"] == 1
         assert state["summary"]["final_reward_mean"] == 0.5

@@ -37,10 +37,16 @@ TASK = {"role": "user", "content": "Fix the parser."}
 OTHER_TASK = {"role": "user", "content": "Summarize README.md"}
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {}}}]
 ASK = {"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."}
-SUMMARY = {"role": "user", "content": "This session is being continued from a previous conversation that ran out "
-                                      "of context. Summary: the parser is fixed."}
-SUMMARY_2 = {"role": "user", "content": "This session is being continued from a previous conversation that ran out "
-                                        "of context. Summary: the parser and the lexer are fixed."}
+SUMMARY = {
+    "role": "user",
+    "content": "This session is being continued from a previous conversation that ran out "
+    "of context. Summary: the parser is fixed.",
+}
+SUMMARY_2 = {
+    "role": "user",
+    "content": "This session is being continued from a previous conversation that ran out "
+    "of context. Summary: the parser and the lexer are fixed.",
+}
 
 
 def decode(ids: Sequence[int]) -> str:
@@ -65,9 +71,16 @@ def rec(
     tools: list[dict[str, Any]] | None = None,
 ) -> CaptureRecord:
     return CaptureRecord(
-        record_id=f"r{seq}", session_id="s", seq=seq, api="openai_chat", status="ok",
-        prompt_ids=list(prompt), response_ids=list(response), logprobs=[0.0] * len(response),
-        messages_json=orjson.dumps(messages).decode(), tools_json=orjson.dumps(tools or []).decode(),
+        record_id=f"r{seq}",
+        session_id="s",
+        seq=seq,
+        api="openai_chat",
+        status="ok",
+        prompt_ids=list(prompt),
+        response_ids=list(response),
+        logprobs=[0.0] * len(response),
+        messages_json=orjson.dumps(messages).decode(),
+        tools_json=orjson.dumps(tools or []).decode(),
         response_json=orjson.dumps(sampled).decode(),
     )
 
@@ -84,11 +97,13 @@ def test_text_of_missing_string_part_list_and_other_content() -> None:
 
 
 def test_history_calls_read_nested_and_flat_tool_calls_with_empty_defaults() -> None:
-    message = assistant(tool_calls=[
-        {"id": "x", "type": "function", "function": {"name": "bash", "arguments": '{"cmd":"ls"}'}},
-        {"name": "read_file", "arguments": '{"path":"a"}'},
-        {"function": {}},
-    ])
+    message = assistant(
+        tool_calls=[
+            {"id": "x", "type": "function", "function": {"name": "bash", "arguments": '{"cmd":"ls"}'}},
+            {"name": "read_file", "arguments": '{"path":"a"}'},
+            {"function": {}},
+        ]
+    )
     assert _history_calls(message) == [("bash", '{"cmd":"ls"}'), ("read_file", '{"path":"a"}'), ("", "")]
     assert _history_calls(assistant()) == [] and _history_calls(assistant(tool_calls=None)) == []
 
@@ -106,8 +121,11 @@ def test_first_difference_is_the_first_unequal_position_or_the_shorter_length() 
 
 def test_a_turn_sent_back_unchanged_has_no_rewrites() -> None:
     sampled = {"content": "done", "reasoning": "think", "tool_calls": [{"id": "a", "name": "bash", "arguments": "{}"}]}
-    history = assistant("done", reasoning_content="think",
-                        tool_calls=[{"id": "other-id", "function": {"name": "bash", "arguments": "{}"}}])
+    history = assistant(
+        "done",
+        reasoning_content="think",
+        tool_calls=[{"id": "other-id", "function": {"name": "bash", "arguments": "{}"}}],
+    )
     assert turn_rewrites(sampled, history) == []  # tool-call ids are re-keyed legitimately
 
 
@@ -153,7 +171,9 @@ def test_tool_calls_renamed_dropped_or_reserialized() -> None:
 def test_every_rewrite_is_listed_in_order() -> None:
     sampled = {"content": "a", "reasoning": "r", "tool_calls": [{"name": "bash", "arguments": "{}"}]}
     assert turn_rewrites(sampled, assistant("b")) == [
-        "the harness did not send the sampled reasoning back", "content text changed", "tool calls changed",
+        "the harness did not send the sampled reasoning back",
+        "content text changed",
+        "tool calls changed",
     ]
 
 
@@ -272,8 +292,12 @@ def test_the_continued_chain_is_the_one_with_the_most_matching_messages_then_the
 
 
 def test_a_compaction_call_relates_to_the_latest_chain_with_its_system_prompt() -> None:
-    tips = [rec(0, [SYS, TASK, assistant("a")]), rec(1, [SUB_SYS, OTHER_TASK]),
-            rec(2, [SYS, TASK, assistant("b")]), rec(3, [SUB_SYS, TASK])]
+    tips = [
+        rec(0, [SYS, TASK, assistant("a")]),
+        rec(1, [SUB_SYS, OTHER_TASK]),
+        rec(2, [SYS, TASK, assistant("b")]),
+        rec(3, [SUB_SYS, TASK]),
+    ]
     record = rec(4, [SYS, TASK, assistant("c"), ASK])
     assert relate_new_chain(record, tips, decode) == Relation(
         Break(BreakCause.COMPACTION, "claude-code compaction call (asks for a summary) after call 2"), 2
@@ -364,7 +388,8 @@ def test_a_same_root_chain_wins_over_a_chain_with_only_the_system_prompt() -> No
 def test_another_first_user_message_is_decided_by_whether_the_conversation_carries_on() -> None:
     tips = [rec(0, [SYS, TASK, assistant("a")]), rec(1, [SUB_SYS, TASK]), rec(2, [SYS, TASK, assistant("b")])]
     assert relate_new_chain(rec(3, [SYS, OTHER_TASK]), tips, decode) == Relation(
-        Break(BreakCause.REWRITTEN_HISTORY, "first user message replaced (compaction) after call 2"), 2,
+        Break(BreakCause.REWRITTEN_HISTORY, "first user message replaced (compaction) after call 2"),
+        2,
         decide_by_continuation=True,
     )
 

@@ -55,10 +55,18 @@ def rec(
     **fields: Any,
 ) -> CaptureRecord:
     return CaptureRecord(
-        record_id=f"r{seq}", session_id="s", seq=seq, api="openai_chat", status=fields.pop("status", "ok"),
-        prompt_ids=list(prompt), response_ids=list(response), logprobs=[-0.5] * len(response),
-        finish_reason=finish, messages_json=orjson.dumps(messages if messages is not None else [SYS, TASK]).decode(),
-        response_json=orjson.dumps(sampled or {"content": decode(response)}).decode(), **fields,
+        record_id=f"r{seq}",
+        session_id="s",
+        seq=seq,
+        api="openai_chat",
+        status=fields.pop("status", "ok"),
+        prompt_ids=list(prompt),
+        response_ids=list(response),
+        logprobs=[-0.5] * len(response),
+        finish_reason=finish,
+        messages_json=orjson.dumps(messages if messages is not None else [SYS, TASK]).decode(),
+        response_json=orjson.dumps(sampled or {"content": decode(response)}).decode(),
+        **fields,
     )
 
 
@@ -82,8 +90,12 @@ def test_detect_eot_prefers_a_stop_token_the_prompt_confirms() -> None:
     assert detect_eot([unconfirmed, other_unconfirmed]) == 9  # the first natural stop is the fallback
     assert detect_eot([unconfirmed], confirmed_only=True) is None
     # a length cap, a stop string, an empty turn and a failed call never name the token
-    skipped = [rec(0, [0, 8], [8], finish="length"), rec(1, [0, 8], [8], matched_stop="END"),
-               rec(2, [0, 8], []), rec(3, [0, 8], [8], status="failed")]
+    skipped = [
+        rec(0, [0, 8], [8], finish="length"),
+        rec(1, [0, 8], [8], matched_stop="END"),
+        rec(2, [0, 8], []),
+        rec(3, [0, 8], [8], status="failed"),
+    ]
     assert detect_eot(skipped) is None and detect_eot([]) is None
 
 
@@ -91,14 +103,17 @@ def test_detect_eot_prefers_a_stop_token_the_prompt_confirms() -> None:
 
 
 def test_merge_lays_out_sampled_and_interstitial_segments() -> None:
-    chain = Chain(index=0, records=[rec(0, [0], [7, EOT]), rec(1, [0], [8, 9, EOT]), rec(2, [0], [])],
-                  interstitials=[[1, 2], []])
+    chain = Chain(
+        index=0, records=[rec(0, [0], [7, EOT]), rec(1, [0], [8, 9, EOT]), rec(2, [0], [])], interstitials=[[1, 2], []]
+    )
     merged = chain.merge()
     assert merged.completion_ids == [7, EOT, 1, 2, 8, 9, EOT]
     assert merged.loss_mask == [1, 1, 0, 0, 1, 1, 1]
     assert merged.logprobs == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5, -0.5]
     assert merged.segments == [
-        Segment("sampled", 0, 0, 2), Segment("interstitial", 1, 2, 4), Segment("sampled", 1, 4, 7),
+        Segment("sampled", 0, 0, 2),
+        Segment("interstitial", 1, 2, 4),
+        Segment("sampled", 1, 4, 7),
     ]
 
 
@@ -211,8 +226,11 @@ def test_a_call_without_messages_starts_an_unrelated_chain() -> None:
 def test_a_chain_is_continued_by_the_first_chain_that_broke_from_it() -> None:
     history = [SYS, TASK, assistant("a"), tool("1"), assistant("b")]
     edited = [SYS, TASK, assistant("a"), tool("edited"), assistant("b")]
-    records = [rec(0, [0, 1], messages=history), rec(1, [0, 2], messages=edited),
-               rec(2, [0, 3], messages=history[:4] + [assistant("c")])]
+    records = [
+        rec(0, [0, 1], messages=history),
+        rec(1, [0, 2], messages=edited),
+        rec(2, [0, 3], messages=history[:4] + [assistant("c")]),
+    ]
     parent, first, second = reconstruct_session(records, eot=EOT, decode=decode)
     assert first.related == 0 and second.related == 0  # both share most messages with call 0
     assert parent.end == first.start and parent.continued_by == 1

@@ -33,7 +33,11 @@ runner = CliRunner()
 def _sessions() -> list[AgentSim]:
     sims = []
     for i, (harness, template) in enumerate(
-        [("claude-cli/2.1.197 (external, cli)", None), ("codex_exec/0.171.0", None), ("claude-cli/2.1.197", QWEN3_STYLE_TEMPLATE)]
+        [
+            ("claude-cli/2.1.197 (external, cli)", None),
+            ("codex_exec/0.171.0", None),
+            ("claude-cli/2.1.197", QWEN3_STYLE_TEMPLATE),
+        ]
     ):
         sim = AgentSim(f"sess-{i}", harness=harness, **({"template": template} if template else {}))
         messages = tool_loop(sim, [SYSTEM, {"role": "user", "content": f"task {i}"}], coding_turns(4, reasoning=i == 2))
@@ -74,7 +78,9 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_build_writes_a_dataset_trl_can_load(store, tokenizer_dir: Path, tmp_path: Path) -> None:
     root, sims = store
     out = tmp_path / "traces"
-    result = runner.invoke(app, ["build", str(root), "-o", str(out), "--tokenizer", str(tokenizer_dir), "--rows-per-file", "2"])
+    result = runner.invoke(
+        app, ["build", str(root), "-o", str(out), "--tokenizer", str(tokenizer_dir), "--rows-per-file", "2"]
+    )
     assert result.exit_code == 0, result.output
     assert "traces" in result.output
 
@@ -84,8 +90,16 @@ def test_build_writes_a_dataset_trl_can_load(store, tokenizer_dir: Path, tmp_pat
     assert [t.trace_id for t in traces] == dataset["trace_id"]
 
     by_session = {t.session_id: t for t in traces if t.chain_index == 0}
-    assert (by_session["sess-0"].reward, by_session["sess-0"].trainable, by_session["sess-0"].group_id) == (1.0, True, "g0")
-    assert (by_session["sess-1"].reward, by_session["sess-1"].trainable, by_session["sess-1"].status) == (0.0, True, "timeout")
+    assert (by_session["sess-0"].reward, by_session["sess-0"].trainable, by_session["sess-0"].group_id) == (
+        1.0,
+        True,
+        "g0",
+    )
+    assert (by_session["sess-1"].reward, by_session["sess-1"].trainable, by_session["sess-1"].status) == (
+        0.0,
+        True,
+        "timeout",
+    )
     sess2 = [t for t in traces if t.session_id == "sess-2"]
     # infrastructure failure: not for RL, but the mask still marks the sampled tokens (issue 10 #8)
     assert all(not t.trainable and sum(t.loss_mask) > 0 for t in sess2)
@@ -106,7 +120,9 @@ def test_build_writes_a_dataset_trl_can_load(store, tokenizer_dir: Path, tmp_pat
         assert la == pytest.approx(lb, abs=1e-6)  # stored as float32
 
     stats = read_build_stats(out)
-    assert stats["strategy"] == "prefix_merging" and stats["eot_token_id"] == tiny_tokenizer().convert_tokens_to_ids("<|im_end|>")
+    assert stats["strategy"] == "prefix_merging" and stats["eot_token_id"] == tiny_tokenizer().convert_tokens_to_ids(
+        "<|im_end|>"
+    )
     assert stats["total"]["calls_unusable"] == {"failed call": 1}
     assert set(stats["by_harness"]) == {"claude-cli", "codex_exec"}
     assert stats["by_harness"]["claude-cli"]["breaks"] == {"template_rerender": 1}
@@ -126,7 +142,9 @@ def test_build_refuses_to_overwrite_and_per_request_needs_the_flag(store, tmp_pa
     assert result.exit_code == 0, result.output
     traces = read_traces(out)
     assert {(t.session_id, t.reward, t.trainable) for t in traces} == {
-        ("sess-0", 1.0, True), ("sess-1", 0.0, True), ("sess-2", 0.0, False)
+        ("sess-0", 1.0, True),
+        ("sess-1", 0.0, True),
+        ("sess-2", 0.0, False),
     }
     assert runner.invoke(app, ["build", str(root), "-o", str(tmp_path / "x"), "--strategy", "nope"]).exit_code != 0
 

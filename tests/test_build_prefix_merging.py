@@ -88,7 +88,10 @@ def test_length_capped_turn_is_closed_by_the_interstitial() -> None:
     first = sim.call(messages, Turn(content="I will look at the parser module first and then", max_tokens=5))
     assert first.response_ids[-1] != eot_id()
     # The harness sends back the truncated text; the template closes the turn.
-    messages = messages + [{"role": "assistant", "content": decode(first.response_ids)}, {"role": "user", "content": "go on"}]
+    messages = messages + [
+        {"role": "assistant", "content": decode(first.response_ids)},
+        {"role": "user", "content": "go on"},
+    ]
     tool_loop(sim, messages, coding_turns(2))
     result = build(sim.records)
     checked(result, sim.records)
@@ -101,7 +104,10 @@ def test_sub_agent_gets_its_own_chain_and_cuts_nothing() -> None:
     sim = AgentSim()
     main = [SYSTEM, TASK]
     spawn = sim.call(main, Turn(tool_calls=[("bash", {"cmd": "grep -rn parse src"})]))
-    sub_messages = [{"role": "system", "content": "You are a search sub-agent."}, {"role": "user", "content": "Find parse()."}]
+    sub_messages = [
+        {"role": "system", "content": "You are a search sub-agent."},
+        {"role": "user", "content": "Find parse()."},
+    ]
     tool_loop(sim, sub_messages, coding_turns(3))
     main = main + [sim.sent_back(spawn), tool_result(spawn, "src/parse.py:10")]
     tool_loop(sim, main, coding_turns(3))
@@ -159,7 +165,9 @@ def test_qwen3_template_drops_old_thinking_after_a_new_user_turn() -> None:
     """Within a tool loop Qwen3 keeps thinking (merges); a new user turn re-renders earlier turns."""
     sim = AgentSim(template=QWEN3_STYLE_TEMPLATE)
     messages = tool_loop(sim, [SYSTEM, TASK], coding_turns(3, reasoning=True))
-    tool_loop(sim, messages + [{"role": "user", "content": "Now update the changelog."}], coding_turns(3, reasoning=True))
+    tool_loop(
+        sim, messages + [{"role": "user", "content": "Now update the changelog."}], coding_turns(3, reasoning=True)
+    )
     result = build(sim.records)
     checked(result, sim.records)
     first, second = result.traces
@@ -225,7 +233,10 @@ def test_retokenized_sampled_turn_is_merged_and_counted() -> None:
     [trace] = result.traces
     assert trace.calls_merged == 4 and result.report.total.retokenized_merges == 1
     # The sampled ids are kept as sampled (not the canonical re-tokenization).
-    assert sim.records[1].response_ids != sim.records[2].prompt_ids[len(sim.records[1].prompt_ids) :][: len(sim.records[1].response_ids)]
+    assert (
+        sim.records[1].response_ids
+        != sim.records[2].prompt_ids[len(sim.records[1].prompt_ids) :][: len(sim.records[1].response_ids)]
+    )
     # Without a tokenizer nothing proves the text is the same: break, cause other.
     blind = build(sim.records, use_decode=False)
     assert [t.break_cause for t in blind.traces] == ["other", None]
@@ -267,7 +278,7 @@ def test_a_retokenized_previous_prompt_starts_a_chain_with_cause_retokenized() -
     first, second = sim.records
     split = split_one_token(first.prompt_ids)
     assert decode(split) == decode(first.prompt_ids) and split != first.prompt_ids
-    second.prompt_ids = split + second.prompt_ids[len(first.prompt_ids):]
+    second.prompt_ids = split + second.prompt_ids[len(first.prompt_ids) :]
 
     chains = reconstruct_session(sim.records, eot=eot_id(), decode=decode)
     assert len(chains) == 2 and chains[1].related == 0
@@ -349,9 +360,18 @@ def test_eot_detection_skips_a_stop_token_the_template_never_writes() -> None:
     from polar_cli.build import iter_session_builds
 
     def rec(session: str, seq: int, prompt: list[int], response: list[int]) -> CaptureRecord:
-        return CaptureRecord(record_id=f"{session}{seq}", session_id=session, seq=seq, api="openai_chat", status="ok",
-                             prompt_ids=prompt, response_ids=response, logprobs=[-1.0] * len(response),
-                             finish_reason="stop", temperature=1.0)
+        return CaptureRecord(
+            record_id=f"{session}{seq}",
+            session_id=session,
+            seq=seq,
+            api="openai_chat",
+            status="ok",
+            prompt_ids=prompt,
+            response_ids=response,
+            logprobs=[-1.0] * len(response),
+            finish_reason="stop",
+            temperature=1.0,
+        )
 
     a = [rec("a", 0, [5, 6], [7, 0])]  # stopped on 0, which no prompt holds
     b = [rec("b", 0, [5, 2, 6], [8, 2])]  # 2 closes a turn in the prompt

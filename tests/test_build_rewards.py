@@ -52,8 +52,9 @@ def test_session_status_decides_reward_and_trainability(status: str, reward: flo
 
 def _call(content: str | None = "done", finish: str = "stop", calls: list | None = None) -> CaptureRecord:
     message = {"role": "assistant", "content": content, "tool_calls": calls}
-    return CaptureRecord("r", "s1", 0, "openai_chat", "ok", finish_reason=finish,
-                         response_json=orjson.dumps(message).decode())
+    return CaptureRecord(
+        "r", "s1", 0, "openai_chat", "ok", finish_reason=finish, response_json=orjson.dumps(message).decode()
+    )
 
 
 BAD_CALL = _call('<function=bash>{"cmd": "ls"}</function>')
@@ -71,12 +72,22 @@ PER_REQUEST_UNTRAINED = RewardDecision(0.0, False, "per-request trace without --
         (Info("s", reward=1.0), [], True, False, PER_REQUEST_UNTRAINED),
         (Info("s", status="timeout", reward=1.0), [BAD_CALL], True, True, RewardDecision(0.0, True, "agent timeout")),
         (Info("s", status="agent_error", reward=1.0), [], False, False, RewardDecision(0.0, True, "agent error")),
-        (Info("s", status="crashed", reward=1.0), [], False, False,
-         RewardDecision(0.0, False, "unknown session status 'crashed'")),
+        (
+            Info("s", status="crashed", reward=1.0),
+            [],
+            False,
+            False,
+            RewardDecision(0.0, False, "unknown session status 'crashed'"),
+        ),
         (Info("s"), [], False, False, RewardDecision(0.0, False, "no outcome reward")),
         (Info("s", reward=math.inf), [], False, False, RewardDecision(0.0, False, "non-finite outcome reward")),
-        (Info("s", reward=0.5), [_call(), BAD_CALL], False, False,
-         RewardDecision(0.0, True, "parser-invalid tool call")),
+        (
+            Info("s", reward=0.5),
+            [_call(), BAD_CALL],
+            False,
+            False,
+            RewardDecision(0.0, True, "parser-invalid tool call"),
+        ),
         (Info("s", reward=0.5), [_call()], True, True, RewardDecision(0.5, True, "outcome reward")),
         (Info("s", reward=2), [_call()], False, False, RewardDecision(2.0, True, "outcome reward")),
     ],

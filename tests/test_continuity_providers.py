@@ -15,8 +15,10 @@ from tests.support.providers import completion
 
 SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}}
 # Non-compact arguments (as a model writes them) and a broken call: both must survive every API's replay.
-CALLS = [ToolCall(id="call_abc", name="bash", arguments='{"cmd": "ls",  "n": 1.0, "deep": {"b": [true, null], "a": "é"}}'),
-         ToolCall(id="call_d", name="bash", arguments='{"cmd": ')]
+CALLS = [
+    ToolCall(id="call_abc", name="bash", arguments='{"cmd": "ls",  "n": 1.0, "deep": {"b": [true, null], "a": "é"}}'),
+    ToolCall(id="call_d", name="bash", arguments='{"cmd": '),
+]
 ANSWER = completion(content="Let me look.\n", reasoning="think hard", tool_calls=CALLS, finish_reason="tool_calls")
 PROVIDERS = {p.name: p for p in all_providers()}
 
@@ -32,13 +34,22 @@ def chat_replay(body: dict, response: dict, drop_reasoning: bool) -> dict:
 def anthropic_replay(body: dict, response: dict, drop_reasoning: bool) -> dict:
     blocks = [b for b in copy.deepcopy(response["content"]) if not (drop_reasoning and b["type"] == "thinking")]
     blocks[-1]["cache_control"] = {"type": "ephemeral"}  # Claude Code moves its cache breakpoint onto the last turn
-    results = [{"type": "tool_result", "tool_use_id": b["id"], "content": "out"} for b in blocks if b["type"] == "tool_use"]
-    return {**body, "messages": [*body["messages"], {"role": "assistant", "content": blocks}, {"role": "user", "content": results}]}
+    results = [
+        {"type": "tool_result", "tool_use_id": b["id"], "content": "out"} for b in blocks if b["type"] == "tool_use"
+    ]
+    return {
+        **body,
+        "messages": [*body["messages"], {"role": "assistant", "content": blocks}, {"role": "user", "content": results}],
+    }
 
 
 def responses_replay(body: dict, response: dict, drop_reasoning: bool) -> dict:
     items = [i for i in response["output"] if not (drop_reasoning and i["type"] == "reasoning")]
-    results = [{"type": "function_call_output", "call_id": i["call_id"], "output": "out"} for i in items if i["type"] == "function_call"]
+    results = [
+        {"type": "function_call_output", "call_id": i["call_id"], "output": "out"}
+        for i in items
+        if i["type"] == "function_call"
+    ]
     return {**body, "input": [*body["input"], *items, *results]}
 
 
@@ -47,19 +58,55 @@ def gemini_replay(body: dict, response: dict, drop_reasoning: bool) -> dict:
     if drop_reasoning:  # Gemini CLI keeps thought parts out of its history
         content["parts"] = [p for p in content["parts"] if not p.get("thought")]
     calls = [p["functionCall"] for p in content["parts"] if "functionCall" in p]
-    results = {"role": "user", "parts": [{"functionResponse": {"id": c["id"], "name": c["name"], "response": {"output": "out"}}} for c in calls]}
+    results = {
+        "role": "user",
+        "parts": [
+            {"functionResponse": {"id": c["id"], "name": c["name"], "response": {"output": "out"}}} for c in calls
+        ],
+    }
     return {**body, "contents": [*body["contents"], content, results]}
 
 
 CASES: dict[str, tuple[str, dict, Callable[[dict, dict, bool], dict]]] = {
-    "openai_chat": ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}],
-                                             "tools": [{"type": "function", "function": {"name": "bash", "parameters": SCHEMA}}]}, chat_replay),
-    "anthropic_messages": ("/v1/messages", {"model": "tiny", "max_tokens": 100, "system": "sys", "messages": [{"role": "user", "content": "hi"}],
-                                            "tools": [{"name": "bash", "input_schema": SCHEMA}]}, anthropic_replay),
-    "openai_responses": ("/v1/responses", {"model": "tiny", "instructions": "sys", "input": [{"role": "user", "content": "hi"}],
-                                           "tools": [{"type": "function", "name": "bash", "parameters": SCHEMA}]}, responses_replay),
-    "gemini": ("/v1beta/models/tiny:generateContent", {"systemInstruction": {"parts": [{"text": "sys"}]}, "contents": [{"role": "user", "parts": [{"text": "hi"}]}],
-                                                       "tools": [{"functionDeclarations": [{"name": "bash", "parameters": SCHEMA}]}]}, gemini_replay),
+    "openai_chat": (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "bash", "parameters": SCHEMA}}],
+        },
+        chat_replay,
+    ),
+    "anthropic_messages": (
+        "/v1/messages",
+        {
+            "model": "tiny",
+            "max_tokens": 100,
+            "system": "sys",
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "bash", "input_schema": SCHEMA}],
+        },
+        anthropic_replay,
+    ),
+    "openai_responses": (
+        "/v1/responses",
+        {
+            "model": "tiny",
+            "instructions": "sys",
+            "input": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "name": "bash", "parameters": SCHEMA}],
+        },
+        responses_replay,
+    ),
+    "gemini": (
+        "/v1beta/models/tiny:generateContent",
+        {
+            "systemInstruction": {"parts": [{"text": "sys"}]},
+            "contents": [{"role": "user", "parts": [{"text": "hi"}]}],
+            "tools": [{"functionDeclarations": [{"name": "bash", "parameters": SCHEMA}]}],
+        },
+        gemini_replay,
+    ),
 }
 
 
@@ -88,5 +135,3 @@ def test_an_edited_replay_diverges(api: str) -> None:
     response = provider.render_response(first, edited, ResponseContext("resp1", 0, "tiny"))
     second = provider.parse_request(replay(copy.deepcopy(body), response, False), provider.route("POST", path))
     assert isinstance(check_continuity(first, ANSWER.message, second), Diverged)
-
-

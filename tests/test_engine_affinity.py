@@ -91,7 +91,11 @@ def test_pool_counts_only_the_engines_own_faults_and_words_errors_for_clients() 
     pool = EnginePool([e0, e1], max_strikes=1)  # type: ignore[list-item]
     assert [pool.for_session(s).name for s in ("a", "b")] == [e0.name, e1.name]
     # Busy, timeouts and bad requests are not the engine dying.
-    for err in (PolarError(503, "overloaded", "busy"), PolarError(504, "timeout", "slow"), PolarError(400, "invalid_request", "x")):
+    for err in (
+        PolarError(503, "overloaded", "busy"),
+        PolarError(504, "timeout", "slow"),
+        PolarError(400, "invalid_request", "x"),
+    ):
         assert pool.failed(e1, err) == []
     assert pool.for_session("b") is e1
     assert pool.failed(e1, EngineFault(502, "api_error", "engine error 500: boom")) == ["b"]

@@ -39,8 +39,13 @@ def test_serve_starts_vllm_with_the_flags_polar_needs() -> None:
     cmd, model_arg = vllm_command("/m", 8000, "tiny", python="py", memory_fraction="0.2")
     assert cmd[model_arg] == "/m"
     flags = " ".join(cmd)
-    for expected in ("--enable-auto-tool-choice", "--tool-call-parser hermes", "--logprobs-mode processed_logprobs",
-                     "--generation-config vllm", "--gpu-memory-utilization 0.2"):
+    for expected in (
+        "--enable-auto-tool-choice",
+        "--tool-call-parser hermes",
+        "--logprobs-mode processed_logprobs",
+        "--generation-config vllm",
+        "--gpu-memory-utilization 0.2",
+    ):
         assert expected in flags
     # A flag the user passes wins over polar's own.
     cmd, _ = vllm_command("/m", 8000, "tiny", python="py", extra_args=["--tool-call-parser", "qwen3_coder"])
@@ -49,11 +54,23 @@ def test_serve_starts_vllm_with_the_flags_polar_needs() -> None:
 
 def test_serve_failure_shows_the_root_cause(tiny_model_dir: Path, tmp_path: Path) -> None:
     # An interpreter without vLLM: the server dies at once, and the error says why.
-    result = runner.invoke(app, ["engine", "serve", str(tiny_model_dir), "--port", str(free_port()),
-                                 "--python", sys.executable, "--state-dir", str(tmp_path / "state")])
+    result = runner.invoke(
+        app,
+        [
+            "engine",
+            "serve",
+            str(tiny_model_dir),
+            "--port",
+            str(free_port()),
+            "--python",
+            sys.executable,
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+    )
     assert result.exit_code == 1
     # The first line of the error is the cause, before the log's tail.
-    error = result.output[result.output.index("error:"):]
+    error = result.output[result.output.index("error:") :]
     assert "exited:" in error and "No module named 'vllm'" in error.split("(full log:")[0]
     assert not list((tmp_path / "state").glob("*.json"))  # nothing left to reload or stop
 
@@ -86,8 +103,10 @@ def foreign_engine() -> Iterator[str]:
 def test_reload_of_an_engine_polar_did_not_start_says_what_to_do(
     foreign_engine: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    result = runner.invoke(app, ["engine", "reload", str(tiny_model_dir), "--engine", f"vllm:{foreign_engine}",
-                                 "--state-dir", str(tmp_path)])
+    result = runner.invoke(
+        app,
+        ["engine", "reload", str(tiny_model_dir), "--engine", f"vllm:{foreign_engine}", "--state-dir", str(tmp_path)],
+    )
     assert result.exit_code == 1
     text = " ".join(result.output.split())
     port = foreign_engine.rsplit(":", 1)[1]
@@ -100,8 +119,9 @@ def test_reload_of_an_engine_polar_did_not_start_says_what_to_do(
 
 
 def test_stop_twice_says_it_is_already_stopped(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["engine", "stop", "--engine", "vllm:http://127.0.0.1:8123",
-                                 "--state-dir", str(tmp_path)])
+    result = runner.invoke(
+        app, ["engine", "stop", "--engine", "vllm:http://127.0.0.1:8123", "--state-dir", str(tmp_path)]
+    )
     assert result.exit_code == 1
     text = " ".join(result.output.split())
     assert "already stopped" in text and "restart" not in text
@@ -110,14 +130,16 @@ def test_stop_twice_says_it_is_already_stopped(tmp_path: Path) -> None:
 def test_train_checks_model_and_output_before_loading_anything(tiny_model_dir: Path, tmp_path: Path) -> None:
     store = tmp_path / "store"
     (store / "calls").mkdir(parents=True)
-    result = runner.invoke(app, ["train", str(store), "--model", "models/nope", "--output", str(tmp_path / "o")],
-                           env={"COLUMNS": "300"})
+    result = runner.invoke(
+        app, ["train", str(store), "--model", "models/nope", "--output", str(tmp_path / "o")], env={"COLUMNS": "300"}
+    )
     assert result.exit_code == 2 and "models/nope does not exist" in result.output, result.output
     assert "Traceback" not in result.output
     output = tmp_path / "ckpt"
     output.mkdir()
     (output / "config.json").write_text("{}")
-    result = runner.invoke(app, ["train", str(store), "--model", str(tiny_model_dir), "--output", str(output)],
-                           env={"COLUMNS": "300"})
+    result = runner.invoke(
+        app, ["train", str(store), "--model", str(tiny_model_dir), "--output", str(output)], env={"COLUMNS": "300"}
+    )
     assert result.exit_code == 2 and "exists and is not empty (use --overwrite" in result.output, result.output
     assert (output / "config.json").read_text() == "{}"

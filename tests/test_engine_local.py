@@ -20,7 +20,9 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 def request(messages=MESSAGES, tools=TOOLS, **sampling) -> CanonicalRequest:
-    return CanonicalRequest(api="openai_chat", model="m", messages=messages, tools=tools, sampling=SamplingParams(**sampling))
+    return CanonicalRequest(
+        api="openai_chat", model="m", messages=messages, tools=tools, sampling=SamplingParams(**sampling)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +136,9 @@ def test_generation_leaves_the_event_loop_free(engine):
     bench/engine_loop.py, not asserted here."""
 
     async def scenario():
-        generations = asyncio.gather(*(engine.complete(request(temperature=1.0, max_tokens=64, seed=s)) for s in range(3)))
+        generations = asyncio.gather(
+            *(engine.complete(request(temperature=1.0, max_tokens=64, seed=s)) for s in range(3))
+        )
         turns_while_generating = 0
         while not generations.done():
             await asyncio.sleep(0.005)

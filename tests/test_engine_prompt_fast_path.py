@@ -34,7 +34,11 @@ def test_fast_path_reads_exactly_what_the_json_path_reads() -> None:
         fast = parse_chat_response(orjson.loads(rest), prompt_ids=ids)
         general = parse_chat_response(orjson.loads(content))
         assert list(fast.prompt_ids) == list(general.prompt_ids) == prompt
-        assert (fast.response_ids, fast.logprobs, fast.message) == (general.response_ids, general.logprobs, general.message)
+        assert (fast.response_ids, fast.logprobs, fast.message) == (
+            general.response_ids,
+            general.logprobs,
+            general.message,
+        )
 
 
 def test_spaced_json_takes_the_general_path() -> None:
@@ -45,8 +49,21 @@ def test_spaced_json_takes_the_general_path() -> None:
 @pytest.mark.parametrize(
     "array_text",
     [
-        b"1.5,2", b"1,2,", b"1,2, ", b"1,,2", b",1", b"1 2", b"--1", b"1,-", b"-", b"-5,1", b"+5", b"true,1",
-        b"null", b'"1",2', b"[1],2",
+        b"1.5,2",
+        b"1,2,",
+        b"1,2, ",
+        b"1,,2",
+        b",1",
+        b"1 2",
+        b"--1",
+        b"1,-",
+        b"-",
+        b"-5,1",
+        b"+5",
+        b"true,1",
+        b"null",
+        b'"1",2',
+        b"[1],2",
     ],
 )
 def test_anything_unusual_takes_the_general_path(array_text: bytes) -> None:
@@ -88,13 +105,25 @@ def test_id_text_checks_syntax_at_once_and_range_on_use() -> None:
 
 
 def _record(prompt, seq: int) -> CaptureRecord:
-    return CaptureRecord(record_id=f"r{seq}", session_id="s", seq=seq, api="openai_chat", status="ok",
-                         prompt_ids=prompt, response_ids=[7, 8], logprobs=[-0.5, -0.25], messages_json="[]")
+    return CaptureRecord(
+        record_id=f"r{seq}",
+        session_id="s",
+        seq=seq,
+        api="openai_chat",
+        status="ok",
+        prompt_ids=prompt,
+        response_ids=[7, 8],
+        logprobs=[-0.5, -0.25],
+        messages_json="[]",
+    )
 
 
 def test_journal_keeps_the_text_and_the_shard_writer_reads_it() -> None:
-    entries = [call_entry(_record(IdText(b"1,2,3"), 0), 0), call_entry(_record(IdText(b"1,2,3,7,8,4"), 1), 1),
-               call_entry(_record([1, 2, 3, 7, 8, 4, 9], 2), 2)]
+    entries = [
+        call_entry(_record(IdText(b"1,2,3"), 0), 0),
+        call_entry(_record(IdText(b"1,2,3,7,8,4"), 1), 1),
+        call_entry(_record([1, 2, 3, 7, 8, 4, 9], 2), 2),
+    ]
     rows = encode_segment(entries, SessionTips().staged())["calls"]
     assert [r["prompt_len"] for r in rows] == [3, 6, 7]
     assert rows[0]["prompt_tail"] == [1, 2, 3] and rows[1]["prompt_ref"] == "r0" and rows[1]["prompt_tail"] == [4]
@@ -107,4 +136,3 @@ def test_an_id_past_int32_makes_that_call_failed_not_the_segment() -> None:
     assert huge["status"] == "failed" and "int32" in huge["error"] and huge["prompt_len"] == 0
     assert huge["response_ids"] == [] and huge["logprobs"] == []
     assert good["status"] == "ok" and good["prompt_tail"] == [1, 2]
-

@@ -75,7 +75,9 @@ def test_agent_loop_tokens_are_real_and_prefix_stable(tiny_model_dir, tmp_path, 
         held = before.prompt_ids + before.response_ids
         assert after.prompt_ids[: len(held)] == held
     # The full conversation rendered by the template is exactly the last prompt + response + "\n".
-    rendered = tok(tok.apply_chat_template(messages, tools=TOOLS, tokenize=False), add_special_tokens=False)["input_ids"]
+    rendered = tok(tok.apply_chat_template(messages, tools=TOOLS, tokenize=False), add_special_tokens=False)[
+        "input_ids"
+    ]
     assert rendered[: len(last.prompt_ids) + len(last.response_ids)] == last.prompt_ids + last.response_ids
     assert asyncio.run(engine.count_tokens(request(messages[:2]))) == len(first.prompt_ids)
 
@@ -92,7 +94,10 @@ def test_parallel_sessions_are_deterministic(tiny_model_dir, tmp_path):
 
 
 def test_cycle_and_exhaustion(tiny_model_dir, tmp_path):
-    three_done = [{"role": "user", "content": "x"}] + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}] * 3
+    three_done = [{"role": "user", "content": "x"}] + [
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "more"},
+    ] * 3
     cycling = ScriptedEngine(write_script(tmp_path, tiny_model_dir, cycle=True))
     assert asyncio.run(cycling.complete(request(three_done))).message.reasoning == "I should read the file."
     (tmp_path / "strict").mkdir()
@@ -130,12 +135,21 @@ def test_relative_model_dir_and_bad_scripts(tiny_model_dir, tmp_path):
 def test_by_model_picks_the_turns_of_the_requested_model(tiny_model_dir, tmp_path):
     """One proxy drives several harnesses: each model name replays its own turns, others get ``turns``."""
     script = tmp_path / "s.json"
-    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "turns": [{"content": "default"}],
-                                  "by_model": {"a": [{"content": "from a"}], "b": [{"content": "b1"}, {"content": "b2"}]}}))
+    script.write_text(
+        json.dumps(
+            {
+                "model_dir": str(tiny_model_dir),
+                "turns": [{"content": "default"}],
+                "by_model": {"a": [{"content": "from a"}], "b": [{"content": "b1"}, {"content": "b2"}]},
+            }
+        )
+    )
     engine = ScriptedEngine(script)
 
     def answer(model: str, messages: list) -> str:
-        req = CanonicalRequest(api="openai_chat", model=model, messages=messages, sampling=SamplingParams(temperature=1.0))
+        req = CanonicalRequest(
+            api="openai_chat", model=model, messages=messages, sampling=SamplingParams(temperature=1.0)
+        )
         return asyncio.run(engine.complete(req)).message.content
 
     first = [{"role": "user", "content": "go"}]

@@ -24,7 +24,9 @@ PROMPT = [1, 87, 512, 201]
 IDS = [300, 301, 2]
 LPS = [-0.5, -1.25, -0.01]
 TRIPLES = [[lp, i, f"t{i}"] for lp, i in zip(LPS, IDS)]
-CONTENT_LPS = {"content": [{"token": f"t{i}", "bytes": [], "logprob": lp, "top_logprobs": []} for lp, i in zip(LPS, IDS)]}
+CONTENT_LPS = {
+    "content": [{"token": f"t{i}", "bytes": [], "logprob": lp, "top_logprobs": []} for lp, i in zip(LPS, IDS)]
+}
 
 
 def sglang_answer(**choice_extra) -> dict:
@@ -98,7 +100,9 @@ def test_tool_calls_reasoning_and_stop_strings():
     parsed = parse_chat_response(vllm)
     assert (parsed.matched_stop, parsed.message.reasoning) == ("END", "r")
     # finish_reason missing on the choice: meta_info's dict says it.
-    meta_only = sglang_answer(prompt_token_ids=PROMPT, meta_info=META | {"finish_reason": {"type": "length", "length": 3}})
+    meta_only = sglang_answer(
+        prompt_token_ids=PROMPT, meta_info=META | {"finish_reason": {"type": "length", "length": 3}}
+    )
     meta_only["choices"][0]["finish_reason"] = None
     assert parse_chat_response(meta_only).finish_reason == "length"
 
@@ -112,13 +116,17 @@ def _broken(mutate):
 @pytest.mark.parametrize(
     "data",
     [
-        pytest.param(_broken(lambda c, d: c["meta_info"].update(output_token_logprobs=TRIPLES[:-1])), id="triples_short"),
+        pytest.param(
+            _broken(lambda c, d: c["meta_info"].update(output_token_logprobs=TRIPLES[:-1])), id="triples_short"
+        ),
         pytest.param(_broken(lambda c, d: c.update(response_token_ids=[300, 999, 2])), id="ids_disagree"),
         pytest.param(_broken(lambda c, d: (c.pop("meta_info"), c["logprobs"]["content"].pop())), id="content_short"),
         pytest.param(_broken(lambda c, d: (c.pop("meta_info"), c.pop("logprobs"))), id="no_logprobs"),
         pytest.param(_broken(lambda c, d: c.pop("prompt_token_ids")), id="no_prompt_ids"),
         pytest.param(_broken(lambda c, d: (c.pop("response_token_ids"), c.pop("meta_info"))), id="no_response_ids"),
-        pytest.param(_broken(lambda c, d: c["meta_info"]["output_token_logprobs"][0].__setitem__(0, None)), id="null_logprob"),
+        pytest.param(
+            _broken(lambda c, d: c["meta_info"]["output_token_logprobs"][0].__setitem__(0, None)), id="null_logprob"
+        ),
         pytest.param(_broken(lambda c, d: c.update(response_token_ids=["a", "b", "c"])), id="ids_not_ints"),
         pytest.param(_broken(lambda c, d: c.update(finish_reason="eos")), id="unknown_finish"),
         pytest.param(_broken(lambda c, d: d.update(choices=[])), id="no_choices"),
@@ -135,11 +143,25 @@ def test_misaligned_or_missing_fields_are_api_errors(data):
 
 def completion_answer(**choice_extra) -> dict:
     """An SGLang 0.5.23 /v1/completions answer to a token prompt (CompletionResponse, return_token_ids, logprobs=0)."""
-    choice = {"index": 0, "text": "hi", "prompt_token_ids": PROMPT, "token_ids": IDS, "finish_reason": "stop",
-              "matched_stop": 2, "logprobs": {"token_logprobs": LPS, "tokens": [], "text_offset": [], "top_logprobs": []}}
+    choice = {
+        "index": 0,
+        "text": "hi",
+        "prompt_token_ids": PROMPT,
+        "token_ids": IDS,
+        "finish_reason": "stop",
+        "matched_stop": 2,
+        "logprobs": {"token_logprobs": LPS, "tokens": [], "text_offset": [], "top_logprobs": []},
+    }
     choice.update(choice_extra)
-    return {"id": "x", "object": "text_completion", "created": 0, "model": "tiny", "choices": [choice],
-            "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}, "metadata": {"weight_version": "v2"}}
+    return {
+        "id": "x",
+        "object": "text_completion",
+        "created": 0,
+        "model": "tiny",
+        "choices": [choice],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+        "metadata": {"weight_version": "v2"},
+    }
 
 
 def test_completion_answer_parses():
@@ -176,18 +198,53 @@ def test_negative_ids_in_a_chat_answer_are_api_errors():
 @pytest.mark.parametrize(
     "status,body,expected",
     [
-        (400, {"object": "error", "message": "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
-               "type": "BadRequestError", "param": None, "code": 400}, (400, "context_length_exceeded")),  # fmt: skip
-        (400, {"error": {"message": "max_tokens=200000 cannot be greater than max_model_len=100000.", "type": "BadRequestError",
-               "param": "max_tokens", "code": 400}}, (400, "context_length_exceeded")),  # fmt: skip
-        (400, {"error": {"message": "This model's maximum context length is 2048 tokens.", "code": 400}}, (400, "context_length_exceeded")),
-        (400, {"object": "error", "message": "Unknown tool 'x'", "type": "BadRequestError", "code": 400}, (400, "invalid_request")),
+        (
+            400,
+            {
+                "object": "error",
+                "message": "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            },
+            (400, "context_length_exceeded"),
+        ),  # fmt: skip
+        (
+            400,
+            {
+                "error": {
+                    "message": "max_tokens=200000 cannot be greater than max_model_len=100000.",
+                    "type": "BadRequestError",
+                    "param": "max_tokens",
+                    "code": 400,
+                }
+            },
+            (400, "context_length_exceeded"),
+        ),  # fmt: skip
+        (
+            400,
+            {"error": {"message": "This model's maximum context length is 2048 tokens.", "code": 400}},
+            (400, "context_length_exceeded"),
+        ),
+        (
+            400,
+            {"object": "error", "message": "Unknown tool 'x'", "type": "BadRequestError", "code": 400},
+            (400, "invalid_request"),
+        ),
         (404, {"error": {"message": "The model `gpt-9` does not exist.", "code": 404}}, (400, "invalid_request")),
         (422, {"detail": [{"loc": ["body", "messages"], "msg": "field required"}]}, (400, "invalid_request")),
-        (500, {"object": "error", "message": "Internal server error: boom", "type": "InternalServerError", "code": 500}, (502, "api_error")),
+        (
+            500,
+            {"object": "error", "message": "Internal server error: boom", "type": "InternalServerError", "code": 500},
+            (502, "api_error"),
+        ),
         (502, b"<html>bad gateway</html>", (502, "api_error")),
         (503, b"", (503, "overloaded")),
-        (429, {"object": "error", "message": "The request queue is full.", "type": "TooManyRequests", "code": 429}, (503, "overloaded")),
+        (
+            429,
+            {"object": "error", "message": "The request queue is full.", "type": "TooManyRequests", "code": 429},
+            (503, "overloaded"),
+        ),
     ],
 )
 def test_engine_errors_map_to_canonical_kinds(status, body, expected):
@@ -233,7 +290,9 @@ def test_engine_reads_every_sglang_build(server, tiny_model_dir, variant):
     with server.configured(variant=variant):
         completion = asyncio.run(_call(server.url, req))
     sent = server.requests[-1]
-    assert sent["return_token_ids"] and sent["return_prompt_token_ids"] and sent["return_meta_info"] and sent["logprobs"]
+    assert (
+        sent["return_token_ids"] and sent["return_prompt_token_ids"] and sent["return_meta_info"] and sent["logprobs"]
+    )
     assert sent["model"] == "tiny" and sent["stream"] is False and sent["tool_choice"] == "auto"
     assert (sent["temperature"], sent["top_p"], sent["max_tokens"], sent["seed"]) == (0.8, 0.95, 12, 4)
 
@@ -290,13 +349,19 @@ def test_tool_calls_through_sglang_shape(sglang_protocol, tiny_model_dir, tmp_pa
     [call] = completion.message.tool_calls
     assert (call.name, orjson.loads(call.arguments)) == ("ls", {"path": "/tmp"})
     assert completion.message.content == "Listing."
-    assert completion.response_ids[-1] == AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids("<|im_end|>")
+    assert completion.response_ids[-1] == AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids(
+        "<|im_end|>"
+    )
 
 
 @pytest.mark.parametrize(
     "fail,expected",
-    [("internal", (502, "api_error")), ("misaligned", (502, "api_error")), ("no_ids", (502, "api_error")),
-     ("not_json", (502, "api_error"))],  # fmt: skip
+    [
+        ("internal", (502, "api_error")),
+        ("misaligned", (502, "api_error")),
+        ("no_ids", (502, "api_error")),
+        ("not_json", (502, "api_error")),
+    ],  # fmt: skip
 )
 def test_engine_faults(server, fail, expected):
     with server.configured(fail=fail), pytest.raises(PolarError) as err:
@@ -424,7 +489,9 @@ def test_token_input_without_max_tokens_asks_for_the_rest_of_the_window(sglang_p
 
     prompt = _prompt_ids(tiny_model_dir)
     # CompletionRequest reads a missing max_tokens as 16; the chat endpoint as the rest of the window.
-    with SGLangContractServer(LocalEngine(tiny_model_dir), protocol=sglang_protocol, context_len=len(prompt) + 5) as srv:
+    with SGLangContractServer(
+        LocalEngine(tiny_model_dir), protocol=sglang_protocol, context_len=len(prompt) + 5
+    ) as srv:
         completion = asyncio.run(_tokens(srv.url, request(temperature=1.0, seed=3), prompt))
         assert srv.requests[-1]["max_tokens"] == 5
     assert len(completion.response_ids) <= 5
@@ -432,8 +499,12 @@ def test_token_input_without_max_tokens_asks_for_the_rest_of_the_window(sglang_p
 
 @pytest.mark.parametrize(
     "fail,expected",
-    [("internal", (502, "api_error")), ("misaligned", (502, "api_error")), ("no_ids", (502, "api_error")),
-     ("not_json", (502, "api_error"))],  # fmt: skip
+    [
+        ("internal", (502, "api_error")),
+        ("misaligned", (502, "api_error")),
+        ("no_ids", (502, "api_error")),
+        ("not_json", (502, "api_error")),
+    ],  # fmt: skip
 )
 def test_token_input_faults(server, tiny_model_dir, fail, expected):
     with server.configured(fail=fail), pytest.raises(PolarError) as err:

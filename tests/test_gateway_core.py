@@ -17,24 +17,44 @@ from polar_addon.engines.scripted import ScriptedEngine
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
 from polar_addon.store import StorageUnavailable, TraceStore, read_records
 
-TOOL = {"name": "ls", "description": "List files.", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}
+TOOL = {
+    "name": "ls",
+    "description": "List files.",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
 
 
 @pytest.fixture()
 def script(tiny_model_dir: Path, tmp_path: Path) -> Path:
     path = tmp_path / "script.json"
     # Arguments written with spaces, as models write them; Anthropic clients echo them back as objects.
-    path.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [
-        {"content": "Let me look.", "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
-        {"content": "There is one file."},
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_dir": str(tiny_model_dir),
+                "cycle": True,
+                "turns": [
+                    {
+                        "content": "Let me look.",
+                        "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}],
+                    },
+                    {"content": "There is one file."},
+                ],
+            }
+        )
+    )
     return path
 
 
 def anthropic_call(session: str, messages: list, **body) -> IncomingCall:
     payload = {"model": "tiny", "max_tokens": 64, "tools": [TOOL], "messages": messages, **body}
-    return IncomingCall(method="POST", path="/v1/messages?beta=true", headers={"user-agent": "claude-cli/2.1.197"},
-                        body=orjson.dumps(payload), identity=Identity(session_id=session, source="header"))
+    return IncomingCall(
+        method="POST",
+        path="/v1/messages?beta=true",
+        headers={"user-agent": "claude-cli/2.1.197"},
+        body=orjson.dumps(payload),
+        identity=Identity(session_id=session, source="header"),
+    )
 
 
 async def _agent_loop(gateway: Gateway, session: str) -> list[dict]:
@@ -44,8 +64,10 @@ async def _agent_loop(gateway: Gateway, session: str) -> list[dict]:
     first = orjson.loads(reply.body)
     tool_use = next(b for b in first["content"] if b["type"] == "tool_use")
     assert tool_use["input"] == {"path": "."}
-    messages += [{"role": "assistant", "content": first["content"]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": "a.txt"}]}]
+    messages += [
+        {"role": "assistant", "content": first["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": "a.txt"}]},
+    ]
     reply = await gateway.handle(anthropic_call(session, messages))
     assert reply.status == 200
     return messages
@@ -73,8 +95,12 @@ def test_proxy_cap_is_recorded_as_length_but_ends_normally_for_the_client(tiny_m
     out = tmp_path / "shards"
 
     async def main() -> dict:
-        gateway = Gateway(EnginePool([LocalEngine(str(tiny_model_dir))]), TraceStore(str(out)), GatewayConfig(max_tokens_cap=3))
-        reply = await gateway.handle(anthropic_call("cap-1", [{"role": "user", "content": "hi"}], temperature=0, max_tokens=500, tools=[]))
+        gateway = Gateway(
+            EnginePool([LocalEngine(str(tiny_model_dir))]), TraceStore(str(out)), GatewayConfig(max_tokens_cap=3)
+        )
+        reply = await gateway.handle(
+            anthropic_call("cap-1", [{"role": "user", "content": "hi"}], temperature=0, max_tokens=500, tools=[])
+        )
         await gateway.close()
         return orjson.loads(reply.body)
 
@@ -174,7 +200,9 @@ def test_a_session_that_ends_frees_its_engine_slot(script: Path, tmp_path: Path)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_engine_bug_is_a_502_in_the_callers_shape_and_a_failed_record(script: Path, tmp_path: Path, stream: bool) -> None:
+def test_an_engine_bug_is_a_502_in_the_callers_shape_and_a_failed_record(
+    script: Path, tmp_path: Path, stream: bool
+) -> None:
     out = tmp_path / "shards"
 
     async def main() -> tuple[int, bytes]:

@@ -44,25 +44,32 @@ def engine(tiny_model_dir, sglang_protocol):
 @pytest.fixture(scope="module")
 def proxy(engine, echo, tmp_path_factory):
     out = tmp_path_factory.mktemp("failures") / "shards"
-    options = {"polar_engine_timeout": str(ENGINE_TIMEOUT_S), "polar_keepalive": "0.3", "polar_shard_seconds": "0.2",
-               "polar_hosts": f"127.0.0.1:{echo}"}
+    options = {
+        "polar_engine_timeout": str(ENGINE_TIMEOUT_S),
+        "polar_keepalive": "0.3",
+        "polar_shard_seconds": "0.2",
+        "polar_hosts": f"127.0.0.1:{echo}",
+    }
     with run_mitmdump(f"sglang:{engine.url}", out, options=options) as p:
         yield p
 
 
 def https(proxy, session: str, **kw) -> httpx.Client:
-    return httpx.Client(proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)),
-                        timeout=60, **kw)
+    return httpx.Client(
+        proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=60, **kw
+    )
 
 
 def test_engine_timeout_is_a_provider_timeout_and_a_failed_record(proxy, engine):
     with engine.configured(delay_s=ENGINE_TIMEOUT_S + 3):
         with pytest.raises(anthropic.APIStatusError) as ant:
             anthropic.Anthropic(api_key="x", http_client=https(proxy, "to-a"), max_retries=0).messages.create(
-                model="tiny", max_tokens=4, messages=HI)
+                model="tiny", max_tokens=4, messages=HI
+            )
         with pytest.raises(openai.APIStatusError) as oai:
             openai.OpenAI(api_key="x", http_client=https(proxy, "to-o"), max_retries=0).chat.completions.create(
-                model="tiny", max_tokens=4, messages=HI)
+                model="tiny", max_tokens=4, messages=HI
+            )
     assert ant.value.status_code == 504 and ant.value.body["error"]["type"] == "timeout_error"
     assert oai.value.status_code == 504 and oai.value.code == "timeout"
     for session in ("to-a", "to-o"):
@@ -73,8 +80,11 @@ def test_engine_timeout_is_a_provider_timeout_and_a_failed_record(proxy, engine)
 
 def test_engine_failing_after_keepalives_ends_the_stream_in_a_provider_error(proxy, engine):
     with engine.configured(delay_s=1.0, fail="internal"):
-        with https(proxy, "late-raw").stream("POST", "https://api.anthropic.com/v1/messages",
-                                             json={"model": "tiny", "max_tokens": 4, "stream": True, "messages": HI}) as r:
+        with https(proxy, "late-raw").stream(
+            "POST",
+            "https://api.anthropic.com/v1/messages",
+            json={"model": "tiny", "max_tokens": 4, "stream": True, "messages": HI},
+        ) as r:
             assert r.status_code == 200  # headers went out with the first keep-alive
             lines = [line for line in r.iter_lines() if line]
         with pytest.raises(anthropic.APIStatusError, match="engine error 500"):
@@ -97,8 +107,11 @@ def test_engine_failing_after_keepalives_ends_the_stream_in_a_provider_error(pro
 def test_a_client_leaving_mid_stream_leaves_the_call_recorded_and_the_proxy_serving(proxy, engine):
     with engine.configured(delay_s=1.5):
         client = https(proxy, "gone")
-        with client.stream("POST", "https://api.openai.com/v1/chat/completions",
-                           json={"model": "tiny", "max_tokens": 4, "stream": True, "messages": HI}) as r:
+        with client.stream(
+            "POST",
+            "https://api.openai.com/v1/chat/completions",
+            json={"model": "tiny", "max_tokens": 4, "stream": True, "messages": HI},
+        ) as r:
             first = next(line for line in r.iter_lines() if line)
             assert first == ": keep-alive"
         client.close()  # hang up while the engine is still working
@@ -106,7 +119,8 @@ def test_a_client_leaving_mid_stream_leaves_the_call_recorded_and_the_proxy_serv
     [record] = session_records(proxy.out, "gone", at_least=1)
     assert record.status == "ok" and record.response_ids
     after = openai.OpenAI(api_key="x", http_client=https(proxy, "after"), max_retries=0).chat.completions.create(
-        model="tiny", max_tokens=3, messages=HI)
+        model="tiny", max_tokens=3, messages=HI
+    )
     assert after.choices[0].message.content is not None
 
 

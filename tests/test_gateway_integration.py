@@ -22,35 +22,59 @@ from polar_addon.store.validate import validate_store
 from tests.support.proxy import run_mitmdump
 from tests.support.shards import wait_for_shards
 
-TOOLS_OAI = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
-              "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
-TOOLS_ANT = [{"name": "add", "description": "Add two integers.",
-              "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}]
+TOOLS_OAI = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+        },
+    }
+]
+TOOLS_ANT = [
+    {
+        "name": "add",
+        "description": "Add two integers.",
+        "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    }
+]
 
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gw") / "shards"
-    with run_mitmdump(f"local:{tiny_model_dir}", out, options={"polar_shard_seconds": "0.2", "polar_keepalive": "1"}) as p:
+    with run_mitmdump(
+        f"local:{tiny_model_dir}", out, options={"polar_shard_seconds": "0.2", "polar_keepalive": "1"}
+    ) as p:
         yield p
     # Whatever the tests did (bad input included), the shards they leave are valid.
     assert validate_store(str(out)) == []
 
 
 def oai(proxy, session: str) -> openai.OpenAI:
-    http = httpx.Client(proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120)
+    http = httpx.Client(
+        proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120
+    )
     return openai.OpenAI(api_key="sk-not-a-real-key", http_client=http, max_retries=0)
 
 
 def ant(proxy, session: str) -> anthropic.Anthropic:
-    http = httpx.Client(proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120)
+    http = httpx.Client(
+        proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120
+    )
     return anthropic.Anthropic(api_key="sk-ant-not-real", http_client=http, max_retries=0)
 
 
 def test_openai_stream_and_plain_agree(proxy):
     client = oai(proxy, "oai-1")
-    kwargs = dict(model="tiny", messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "add 2 and 3"}],
-                  tools=TOOLS_OAI, max_tokens=12, temperature=0)
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "add 2 and 3"}],
+        tools=TOOLS_OAI,
+        max_tokens=12,
+        temperature=0,
+    )
     plain = client.chat.completions.create(**kwargs)
     state = ChatCompletionStreamState()
     for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
@@ -71,13 +95,20 @@ def test_openai_stream_and_plain_agree(proxy):
 
 def test_anthropic_stream_and_plain_agree(proxy):
     client = ant(proxy, "ant-1")
-    kwargs = dict(model="tiny", max_tokens=12, temperature=0, system="x-anthropic-billing-header: cc_version=1; cch=abc\nbe brief",
-                  tools=TOOLS_ANT, messages=[{"role": "user", "content": "add 2 and 3"}])
+    kwargs = dict(
+        model="tiny",
+        max_tokens=12,
+        temperature=0,
+        system="x-anthropic-billing-header: cc_version=1; cch=abc\nbe brief",
+        tools=TOOLS_ANT,
+        messages=[{"role": "user", "content": "add 2 and 3"}],
+    )
     plain = client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as stream:
         final = stream.get_final_message()
-    assert [b.model_dump(exclude={"parsed_output"}) for b in plain.content] == \
-        [b.model_dump(exclude={"parsed_output"}) for b in final.content]
+    assert [b.model_dump(exclude={"parsed_output"}) for b in plain.content] == [
+        b.model_dump(exclude={"parsed_output"}) for b in final.content
+    ]
     assert plain.stop_reason == final.stop_reason
     wait_for_shards(proxy.out)
     records = read_records(str(proxy.out), ["ant-1"])
@@ -88,20 +119,26 @@ def test_anthropic_stream_and_plain_agree(proxy):
         assert answer.usage.output_tokens == len(records[0].response_ids)
         assert "".join(b.text for b in answer.content if b.type == "text") == text
         assert answer.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[records[0].finish_reason]
-    count = client.messages.count_tokens(model="tiny", system="be brief", tools=TOOLS_ANT,
-                                         messages=[{"role": "user", "content": "add 2 and 3"}])
+    count = client.messages.count_tokens(
+        model="tiny", system="be brief", tools=TOOLS_ANT, messages=[{"role": "user", "content": "add 2 and 3"}]
+    )
     assert count.input_tokens == plain.usage.input_tokens
 
 
 def test_reverse_mode_with_base_url(tiny_model_dir, tmp_path):
     out = tmp_path / "shards"
     with run_mitmdump(f"local:{tiny_model_dir}", out, mode="reverse:https://api.anthropic.com") as p:
-        client = anthropic.Anthropic(base_url=p.url, api_key="polar:session=rev-1;task=t1;group=g1;sample=2", max_retries=0)
+        client = anthropic.Anthropic(
+            base_url=p.url, api_key="polar:session=rev-1;task=t1;group=g1;sample=2", max_retries=0
+        )
         msg = client.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
         assert msg.usage.output_tokens > 0
         oclient = openai.OpenAI(base_url=p.url + "/v1", api_key="polar:rev-2", max_retries=0)
-        chunks = list(oclient.chat.completions.create(model="tiny", max_tokens=8, stream=True,
-                                                      messages=[{"role": "user", "content": "hi"}]))
+        chunks = list(
+            oclient.chat.completions.create(
+                model="tiny", max_tokens=8, stream=True, messages=[{"role": "user", "content": "hi"}]
+            )
+        )
         assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
     assert validate_store(str(out)) == []
     records = read_records(str(out))
@@ -113,16 +150,26 @@ def test_reverse_mode_with_base_url(tiny_model_dir, tmp_path):
 
 def test_records_are_token_exact_and_secret_free(proxy, tiny_model_dir):
     client = oai(proxy, "exact-1")
-    messages = [{"role": "system", "content": "sys"}, {"role": "developer", "content": "dev"},
-                {"role": "user", "content": "hello there"}]
-    resp = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS_OAI, max_tokens=10, temperature=0.7, seed=1)
+    messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "developer", "content": "dev"},
+        {"role": "user", "content": "hello there"},
+    ]
+    resp = client.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS_OAI, max_tokens=10, temperature=0.7, seed=1
+    )
     wait_for_shards(proxy.out)
     records = [r for r in read_records(str(proxy.out)) if r.session_id == "exact-1"]
     assert len(records) == 1
     rec = records[0]
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    expected = tok.apply_chat_template([{"role": "system", "content": "sys\n\ndev"}, {"role": "user", "content": "hello there"}],
-                                       tools=TOOLS_OAI, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": "sys\n\ndev"}, {"role": "user", "content": "hello there"}],
+        tools=TOOLS_OAI,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert rec.prompt_ids == list(expected)
     assert len(rec.response_ids) == len(rec.logprobs) == resp.usage.completion_tokens
     assert all(lp <= 0 for lp in rec.logprobs)
@@ -134,13 +181,19 @@ def test_records_are_token_exact_and_secret_free(proxy, tiny_model_dir):
 
 def test_bad_input_gets_provider_shaped_errors_and_is_recorded(proxy):
     with pytest.raises(anthropic.BadRequestError) as ant_err:
-        ant(proxy, "bad-1").messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": [{"type": "nonsense"}]}])
+        ant(proxy, "bad-1").messages.create(
+            model="tiny", max_tokens=5, messages=[{"role": "user", "content": [{"type": "nonsense"}]}]
+        )
     assert ant_err.value.body["type"] == "error" and ant_err.value.body["error"]["type"] == "invalid_request_error"
     http = httpx.Client(proxy=proxy.proxy_url("bad-2"), verify=ssl.create_default_context(cafile=str(proxy.ca)))
-    r = http.post("https://api.openai.com/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = http.post(
+        "https://api.openai.com/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     # The proxy keeps serving after bad input.
-    ok = oai(proxy, "bad-2").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    ok = oai(proxy, "bad-2").chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
     assert ok.choices[0].finish_reason in {"stop", "length"}
     wait_for_shards(proxy.out)
     records = [r for r in read_records(str(proxy.out)) if r.session_id in {"bad-1", "bad-2"}]

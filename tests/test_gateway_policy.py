@@ -33,8 +33,12 @@ def test_other_traffic_passes_through_unless_blocked(tiny_model_dir, tmp_path, e
 
 
 def test_oversized_body_is_a_provider_shaped_413(tiny_model_dir, tmp_path):
-    with run_mitmdump(f"local:{tiny_model_dir}", tmp_path / "shards", mode="reverse:https://api.anthropic.com",
-                      options={"polar_max_body_mb": "1"}) as proxy:
+    with run_mitmdump(
+        f"local:{tiny_model_dir}",
+        tmp_path / "shards",
+        mode="reverse:https://api.anthropic.com",
+        options={"polar_max_body_mb": "1"},
+    ) as proxy:
         big = {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
         r = httpx.post(proxy.url + "/v1/messages", json=big, headers={"x-api-key": "polar:big"}, timeout=60)
     assert r.status_code == 413
@@ -52,8 +56,15 @@ def test_tiny_model_is_deterministic(tmp_path: Path):
     assert a["model.safetensors"] != c["model.safetensors"] and a["tokenizer.json"] == c["tokenizer.json"]
 
 
-@pytest.mark.parametrize("change", [{"polar_engine": "vllm:http://127.0.0.1:10"}, {"polar_out": "other-shards"},
-                                    {"polar_engine_timeout": "30"}, {"polar_shard_records": 7}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"polar_engine": "vllm:http://127.0.0.1:10"},
+        {"polar_out": "other-shards"},
+        {"polar_engine_timeout": "30"},
+        {"polar_shard_records": 7},
+    ],
+)
 def test_engine_and_output_options_cannot_change_while_running(tmp_path, change):
     """Only the per-call settings apply live; a new engine or output needs a restart (what was
     captured so far must not silently move to another store or engine)."""

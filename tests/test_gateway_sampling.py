@@ -26,8 +26,13 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 
 def chat_call(session: str, **body) -> IncomingCall:
     payload = {"model": "tiny", "max_tokens": 6, "messages": MESSAGES, **body}
-    return IncomingCall(method="POST", path="/v1/chat/completions", headers={"user-agent": "openai-python"},
-                        body=orjson.dumps(payload), identity=Identity(session_id=session, source="header"))
+    return IncomingCall(
+        method="POST",
+        path="/v1/chat/completions",
+        headers={"user-agent": "openai-python"},
+        body=orjson.dumps(payload),
+        identity=Identity(session_id=session, source="header"),
+    )
 
 
 def test_omitted_parameters_are_filled_and_sent_explicitly() -> None:
@@ -36,11 +41,21 @@ def test_omitted_parameters_are_filled_and_sent_explicitly() -> None:
     body = chat_body(CanonicalRequest(api="openai_chat", model="m", messages=MESSAGES, sampling=filled), "m")
     # Nothing left for an engine to take from the model's generation_config.
     assert {k: body[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")} == {
-        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
     # A caller that filled nothing (an engine used directly) still leaves nothing to the engine.
     raw = chat_body(CanonicalRequest(api="openai_chat", model="m", messages=MESSAGES), "m")
     assert {k: raw[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")} == {
-        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
     # The client's own values win; its spellings of "no top-k" (-1, 0) are one value.
     mine = with_defaults(SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.05), SamplingDefaults(top_k=20))
     assert (mine.temperature, mine.top_p, mine.top_k, mine.min_p) == (0.7, 0.9, 0, 0.05)
@@ -61,8 +76,11 @@ def test_records_carry_the_defaults_the_engine_got(tiny_model_dir: Path, tmp_pat
     defaults = SamplingDefaults(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01)
 
     async def main() -> None:
-        gateway = Gateway(EnginePool([LocalEngine(str(tiny_model_dir))]), TraceStore(str(out)),
-                          GatewayConfig(sampling_defaults=defaults))
+        gateway = Gateway(
+            EnginePool([LocalEngine(str(tiny_model_dir))]),
+            TraceStore(str(out)),
+            GatewayConfig(sampling_defaults=defaults),
+        )
         assert (await gateway.handle(chat_call("d-1", seed=1))).status == 200
         assert (await gateway.handle(chat_call("d-2", seed=1, temperature=1.0, top_p=1.0, top_k=0))).status == 200
         await gateway.close()
@@ -70,7 +88,9 @@ def test_records_carry_the_defaults_the_engine_got(tiny_model_dir: Path, tmp_pat
     asyncio.run(main())
     by_session = {r.session_id: r for r in read_records(str(out))}
     assert [(r.temperature, r.top_p, r.top_k, r.min_p) for r in (by_session["d-1"], by_session["d-2"])] == [
-        (0.7, 0.9, 5, 0.01), (1.0, 1.0, 0, 0.01)]  # OpenAI clients have no min_p: the default stays
+        (0.7, 0.9, 5, 0.01),
+        (1.0, 1.0, 0, 0.01),
+    ]  # OpenAI clients have no min_p: the default stays
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +118,12 @@ def test_sglang_gets_every_sampling_parameter(sglang, tmp_path: Path) -> None:
     assert reply.status == 200, reply.body
     sent = sglang.requests[-1]  # accepted by SGLang's own ChatCompletionRequest
     assert {k: sent[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")} == {
-        "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
     [record] = read_records(str(tmp_path / "shards"))
     assert (record.temperature, record.top_p, record.top_k, record.min_p) == (1.0, 1.0, 0, 0.0)
 

@@ -46,8 +46,13 @@ def script(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
 
 def call(path: str, body: Any, session: str = "s1", raw: bytes | None = None) -> IncomingCall:
-    return IncomingCall(method="POST", path=path, headers={"user-agent": "claude-cli/2.1.197"},
-                        body=raw if raw is not None else orjson.dumps(body), identity=Identity(session_id=session, source="header"))
+    return IncomingCall(
+        method="POST",
+        path=path,
+        headers={"user-agent": "claude-cli/2.1.197"},
+        body=raw if raw is not None else orjson.dumps(body),
+        identity=Identity(session_id=session, source="header"),
+    )
 
 
 def anthropic(**body: Any) -> dict[str, Any]:
@@ -87,7 +92,10 @@ def test_canonical_arguments_sort_keys_and_keep_what_is_not_json() -> None:
 
 
 def test_header_values_become_printable_text() -> None:
-    assert _printable_headers({"user-agent": "ok", "x": "caf\udcc3\udca9 \udcff"}) == {"user-agent": "ok", "x": "café \ufffd"}
+    assert _printable_headers({"user-agent": "ok", "x": "caf\udcc3\udca9 \udcff"}) == {
+        "user-agent": "ok",
+        "x": "café \ufffd",
+    }
 
 
 def test_response_ids_in_each_providers_shape() -> None:
@@ -95,7 +103,7 @@ def test_response_ids_in_each_providers_shape() -> None:
     prefixes = {"openai_chat": "chatcmpl-", "anthropic_messages": "msg_", "openai_responses": "resp_", "gemini": ""}
     for name, prefix in prefixes.items():
         assert ids[name].startswith(prefix) and len(ids[name]) == len(prefix) + 24
-        int(ids[name][len(prefix):], 16)
+        int(ids[name][len(prefix) :], 16)
 
 
 # ---------------------------------------------------------------- refused before the engine
@@ -122,21 +130,56 @@ def test_requests_refused_before_the_engine(script: Path, tmp_path: Path) -> Non
         return [(r.status, orjson.loads(r.body)) for r in replies]
 
     got = run(script, out, steps, GatewayConfig(max_body_bytes=1000))
-    assert got[0] == (404, {"error": {"type": "not_found", "message": "polar: no provider route for POST /v1/embeddings"}})
-    assert got[1] == (413, {"type": "error", "error": {"type": "request_too_large",
-                                                      "message": "request body of 1001 bytes exceeds the proxy limit of 1000"}})
+    assert got[0] == (
+        404,
+        {"error": {"type": "not_found", "message": "polar: no provider route for POST /v1/embeddings"}},
+    )
+    assert got[1] == (
+        413,
+        {
+            "type": "error",
+            "error": {
+                "type": "request_too_large",
+                "message": "request body of 1001 bytes exceeds the proxy limit of 1000",
+            },
+        },
+    )
     status, body = got[2]
     assert status == 400 and body["error"]["message"].startswith("request body is not valid JSON: ")
-    assert got[3] == got[4] == (400, {"type": "error", "error": {"type": "invalid_request_error",
-                                                                "message": "request body must be a JSON object"}})
+    assert (
+        got[3]
+        == got[4]
+        == (
+            400,
+            {
+                "type": "error",
+                "error": {"type": "invalid_request_error", "message": "request body must be a JSON object"},
+            },
+        )
+    )
     # A body of exactly MAX_JSON_DEPTH levels reaches the translator (which wants messages); one more does not.
     assert got[5][0] == 400 and got[5][1]["error"]["message"] != "request body is nested deeper than 128 levels"
-    assert got[6] == (400, {"error": {"message": "request body is nested deeper than 128 levels", "type": "invalid_request_error",
-                                      "param": None, "code": None}})
+    assert got[6] == (
+        400,
+        {
+            "error": {
+                "message": "request body is nested deeper than 128 levels",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        },
+    )
     records = read_records(str(out))
     # Every refused call of a provider route is recorded as failed, with its status and kind.
-    assert [r.error.split(":")[0] for r in records] == ["413 request_too_large", "400 invalid_request", "400 invalid_request",
-                                                       "400 invalid_request", "400 invalid_request", "400 invalid_request"]
+    assert [r.error.split(":")[0] for r in records] == [
+        "413 request_too_large",
+        "400 invalid_request",
+        "400 invalid_request",
+        "400 invalid_request",
+        "400 invalid_request",
+        "400 invalid_request",
+    ]
     assert all(r.status == "failed" and r.api in ("anthropic_messages", "openai_chat") for r in records)
     [session] = read_table(str(out), "sessions").to_pylist()
     assert (session["session_id"], session["status"], session["harness"]) == ("s1", "running", "claude-cli/2.1.197")
@@ -148,7 +191,10 @@ def test_error_reply_uses_the_owners_shape_or_a_plain_one(script: Path, tmp_path
         return [gateway.error_reply("POST", MESSAGES, err), gateway.error_reply("POST", "/other", err)]
 
     owned, other = run(script, tmp_path / "shards", steps)
-    assert (owned.status, orjson.loads(owned.body)) == (429, {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})
+    assert (owned.status, orjson.loads(owned.body)) == (
+        429,
+        {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}},
+    )
     assert (other.status, orjson.loads(other.body)) == (429, {"error": {"type": "overloaded", "message": "busy"}})
 
 
@@ -165,10 +211,15 @@ def test_an_unexpected_error_is_a_500_in_the_callers_shape_and_a_failed_record(s
 
     reply = run(script, out, steps)
     assert (reply.status, orjson.loads(reply.body)) == (
-        500, {"type": "error", "error": {"type": "api_error", "message": "polar internal error (RuntimeError)"}})
+        500,
+        {"type": "error", "error": {"type": "api_error", "message": "polar internal error (RuntimeError)"}},
+    )
     [record] = read_records(str(out))
-    assert (record.status, record.api, record.error) == ("failed", "anthropic_messages",
-                                                         "500 api_error: polar internal error (RuntimeError)")
+    assert (record.status, record.api, record.error) == (
+        "failed",
+        "anthropic_messages",
+        "500 api_error: polar internal error (RuntimeError)",
+    )
 
 
 # ---------------------------------------------------------------- the cap, the record, the stream
@@ -178,40 +229,60 @@ def test_max_tokens_cap_clamps_and_fills_in(script: Path, tmp_path: Path) -> Non
     async def steps(gateway: Gateway) -> list[tuple[Any, Any]]:
         provider, route = gateway.match("POST", CHAT)
         seen = []
-        for body in ({"model": "m", "messages": [{"role": "user", "content": "x"}]},
-                     {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
-                     {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5},
-                     {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 6}):
+        for body in (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5},
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 6},
+        ):
             request = gateway._parse(provider, route, call(CHAT, body))
             seen.append((request.sampling.max_tokens, request.extra.get("client_max_tokens", "absent")))
         return seen
 
     assert run(script, tmp_path / "a", steps, GatewayConfig(max_tokens_cap=5)) == [(5, None), (3, 3), (5, 5), (5, 6)]
-    assert run(script, tmp_path / "b", steps, GatewayConfig(max_tokens_cap=0)) == [(None, "absent"), (3, "absent"), (5, "absent"),
-                                                                                  (6, "absent")]
+    assert run(script, tmp_path / "b", steps, GatewayConfig(max_tokens_cap=0)) == [
+        (None, "absent"),
+        (3, "absent"),
+        (5, "absent"),
+        (6, "absent"),
+    ]
 
 
 def test_a_counted_overflow_is_recorded_with_its_counts(script: Path, tmp_path: Path) -> None:
     out = tmp_path / "shards"
 
     async def steps(gateway: Gateway) -> None:
-        await gateway._record_failure(call(MESSAGES, {}, session="o1"), "anthropic_messages", None,
-                                      ContextLengthExceeded("too long", prompt_tokens=9000, window=8192))
-        await gateway._record_failure(call(MESSAGES, {}, session="o2"), "anthropic_messages", None,
-                                      ContextLengthExceeded("too long", window=8192))
+        await gateway._record_failure(
+            call(MESSAGES, {}, session="o1"),
+            "anthropic_messages",
+            None,
+            ContextLengthExceeded("too long", prompt_tokens=9000, window=8192),
+        )
+        await gateway._record_failure(
+            call(MESSAGES, {}, session="o2"), "anthropic_messages", None, ContextLengthExceeded("too long", window=8192)
+        )
 
     run(script, out, steps)
     assert [r.error for r in read_records(str(out))] == [
-        "400 context_length_exceeded: prompt_tokens=9000 window=8192: too long", "400 context_length_exceeded: too long"]
+        "400 context_length_exceeded: prompt_tokens=9000 window=8192: too long",
+        "400 context_length_exceeded: too long",
+    ]
 
 
 def test_stream_answered_whole_when_ready_else_kept_alive(script: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     slow = tmp_path / "slow.json"
-    slow.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.3, "turns": [{"content": "Hi there."}]}))
+    slow.write_text(
+        json.dumps(
+            {"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.3, "turns": [{"content": "Hi there."}]}
+        )
+    )
 
     async def main(path: Path, keepalive_s: float) -> tuple[FullReply | StreamReply, bytes]:
-        gateway = Gateway(EnginePool([ScriptedEngine(str(path))]), TraceStore(str(tmp_path / f"shards-{keepalive_s}")),
-                          GatewayConfig(keepalive_s=keepalive_s))
+        gateway = Gateway(
+            EnginePool([ScriptedEngine(str(path))]),
+            TraceStore(str(tmp_path / f"shards-{keepalive_s}")),
+            GatewayConfig(keepalive_s=keepalive_s),
+        )
         reply = await gateway.handle(call(MESSAGES, anthropic(stream=True)))
         body = reply.body if isinstance(reply, FullReply) else b"".join([c async for c in reply.chunks])
         await gateway.close()
@@ -219,7 +290,9 @@ def test_stream_answered_whole_when_ready_else_kept_alive(script: Path, tiny_mod
 
     fast, fast_body = asyncio.run(main(script, 30.0))
     assert isinstance(fast, FullReply) and (fast.status, fast.content_type) == (200, "text/event-stream")
-    assert fast_body.startswith(b"event: message_start\n") and fast_body.endswith(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    assert fast_body.startswith(b"event: message_start\n") and fast_body.endswith(
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    )
     kept, kept_body = asyncio.run(main(slow, 0.05))
     assert isinstance(kept, StreamReply) and (kept.status, kept.content_type) == (200, "text/event-stream")
     ping = b'event: ping\ndata: {"type": "ping"}\n\n'
@@ -234,7 +307,9 @@ def test_a_store_that_refuses_the_record(script: Path, tmp_path: Path, caplog) -
 
     async def steps(gateway: Gateway) -> list[tuple[int, Any]]:
         real_append = gateway.store.append
-        failures = iter([StorageUnavailable("disk full"), ValueError("column overflow"), StorageUnavailable("disk full")])
+        failures = iter(
+            [StorageUnavailable("disk full"), ValueError("column overflow"), StorageUnavailable("disk full")]
+        )
 
         async def append(record: Any) -> None:
             if record.status == "ok":
@@ -249,17 +324,27 @@ def test_a_store_that_refuses_the_record(script: Path, tmp_path: Path, caplog) -
         return [(r.status, orjson.loads(r.body)["error"]) for r in replies]
 
     assert run(script, out, steps) == [
-        (503, {"type": "api_error",
-               "message": "polar could not persist this call (disk full); retry later"}),
+        (503, {"type": "api_error", "message": "polar could not persist this call (disk full); retry later"}),
         (500, {"type": "api_error", "message": "polar could not record this call (ValueError)"}),
-        (503, {"type": "server_error", "code": "storage_unavailable", "param": None,
-               "message": "polar could not persist this call (disk full); retry later"}),
+        (
+            503,
+            {
+                "type": "server_error",
+                "code": "storage_unavailable",
+                "param": None,
+                "message": "polar could not persist this call (disk full); retry later",
+            },
+        ),
     ]
     assert [(r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
-        ("polar: the store refused a record of session s2", True)]
+        ("polar: the store refused a record of session s2", True)
+    ]
     [failed] = read_records(str(out))
-    assert (failed.session_id, failed.api, failed.error) == ("s2", "anthropic_messages",
-                                                             "500 api_error: polar could not record this call (ValueError)")
+    assert (failed.session_id, failed.api, failed.error) == (
+        "s2",
+        "anthropic_messages",
+        "500 api_error: polar could not record this call (ValueError)",
+    )
 
 
 # ---------------------------------------------------------------- what the gateway remembers
@@ -272,7 +357,10 @@ def test_sampled_arguments_are_remembered_per_session_within_bounds(script: Path
     async def steps(gateway: Gateway) -> None:
         calls = [ToolCall(f"c{i}", "ls", f'{{"n": {i}}}') for i in range(3)]
         gateway._remember_sampled_arguments("a", completion(tool_calls=calls))
-        assert list(gateway._sampled_arguments["a"].items()) == [(("ls", '{"n":1}'), '{"n": 1}'), (("ls", '{"n":2}'), '{"n": 2}')]
+        assert list(gateway._sampled_arguments["a"].items()) == [
+            (("ls", '{"n":1}'), '{"n": 1}'),
+            (("ls", '{"n":2}'), '{"n": 2}'),
+        ]
         gateway._remember_sampled_arguments("b", completion(tool_calls=calls[:1]))
         gateway._remember_sampled_arguments("none", completion())  # no calls: nothing to remember
         gateway._remember_sampled_arguments("a", completion(tool_calls=calls[:1]))  # "a" used again: "b" is older
@@ -280,15 +368,35 @@ def test_sampled_arguments_are_remembered_per_session_within_bounds(script: Path
         assert list(gateway._sampled_arguments) == ["a", "c"]
         # The history's re-serialized arguments get the sampled text back; others are left alone.
         provider, route = gateway.match("POST", MESSAGES)
-        history = anthropic(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "t1", "name": "ls", "input": {"n": 0}},
-            {"type": "tool_use", "id": "t2", "name": "ls", "input": {"n": 2}},
-            {"type": "tool_use", "id": "t3", "name": "cat", "input": {"n": 0}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": t, "content": "ok"} for t in ("t1", "t2", "t3")]}])
+        history = anthropic(
+            messages=[
+                {"role": "user", "content": "x"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "t1", "name": "ls", "input": {"n": 0}},
+                        {"type": "tool_use", "id": "t2", "name": "ls", "input": {"n": 2}},
+                        {"type": "tool_use", "id": "t3", "name": "cat", "input": {"n": 0}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": t, "content": "ok"} for t in ("t1", "t2", "t3")],
+                },
+            ]
+        )
         request = gateway._parse(provider, route, call(MESSAGES, history, session="a"))
-        assert [c["function"]["arguments"] for c in request.messages[1]["tool_calls"]] == ['{"n": 0}', '{"n": 2}', '{"n":0}']
+        assert [c["function"]["arguments"] for c in request.messages[1]["tool_calls"]] == [
+            '{"n": 0}',
+            '{"n": 2}',
+            '{"n":0}',
+        ]
         other = gateway._parse(provider, route, call(MESSAGES, history, session="zzz"))
-        assert [c["function"]["arguments"] for c in other.messages[1]["tool_calls"]] == ['{"n":0}', '{"n":2}', '{"n":0}']
+        assert [c["function"]["arguments"] for c in other.messages[1]["tool_calls"]] == [
+            '{"n":0}',
+            '{"n":2}',
+            '{"n":0}',
+        ]
 
     run(script, tmp_path / "shards", steps)
 
@@ -308,7 +416,9 @@ def test_sessions_of_a_lost_engine_end_as_error(script: Path, tmp_path: Path, ca
         gateway.store.session_update = full  # type: ignore[method-assign]
         with caplog.at_level("WARNING", logger="polar"):
             await gateway._end_lost_sessions(["z", "w"], "vllm:b")  # one refused: the others still end
-        assert [r.getMessage() for r in caplog.records] == ["polar: could not end session 'z' of a lost engine: disk full"]
+        assert [r.getMessage() for r in caplog.records] == [
+            "polar: could not end session 'z' of a lost engine: disk full"
+        ]
 
     run(script, out, steps)
     rows = {r["session_id"]: r for r in read_table(str(out), "sessions").to_pylist()}
@@ -330,18 +440,36 @@ def test_a_failed_engine_call_is_recorded_with_the_call_it_was(script: Path, tmp
         return await gateway.handle(incoming)
 
     reply = run(script, out, steps)
-    assert (reply.status, orjson.loads(reply.body)) == (503, {"type": "error", "error": {"type": "overloaded_error",
-                                                                                      "message": "engine busy"}})
+    assert (reply.status, orjson.loads(reply.body)) == (
+        503,
+        {"type": "error", "error": {"type": "overloaded_error", "message": "engine busy"}},
+    )
     [record] = read_records(str(out))
-    assert (record.status, record.seq, record.api, record.error) == ("failed", 0, "anthropic_messages", "503 overloaded: engine busy")
-    assert (record.engine, record.harness, record.started_at) == (f"scripted:{script}", "claude-cli/2.1.197", incoming.started_at)
+    assert (record.status, record.seq, record.api, record.error) == (
+        "failed",
+        0,
+        "anthropic_messages",
+        "503 overloaded: engine busy",
+    )
+    assert (record.engine, record.harness, record.started_at) == (
+        f"scripted:{script}",
+        "claude-cli/2.1.197",
+        incoming.started_at,
+    )
     assert (record.requested_model, record.max_tokens, orjson.loads(record.messages_json)) == (
-        "tiny", 12, [{"role": "user", "content": "hi"}])
+        "tiny",
+        12,
+        [{"role": "user", "content": "hi"}],
+    )
 
 
-def test_slow_streams_keep_alive_in_each_providers_words(tiny_model_dir: Path, tmp_path: Path, monkeypatch, caplog) -> None:
+def test_slow_streams_keep_alive_in_each_providers_words(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch, caplog
+) -> None:
     slow = tmp_path / "slow.json"
-    slow.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.3, "turns": [{"content": "Hi."}]}))
+    slow.write_text(
+        json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.3, "turns": [{"content": "Hi."}]})
+    )
 
     async def main(gateway: Gateway, incoming: IncomingCall) -> bytes:
         reply = await gateway.handle(incoming)
@@ -349,7 +477,11 @@ def test_slow_streams_keep_alive_in_each_providers_words(tiny_model_dir: Path, t
         return b"".join([c async for c in reply.chunks])
 
     async def both() -> tuple[bytes, bytes]:
-        gateway = Gateway(EnginePool([ScriptedEngine(str(slow))]), TraceStore(str(tmp_path / "shards")), GatewayConfig(keepalive_s=0.05))
+        gateway = Gateway(
+            EnginePool([ScriptedEngine(str(slow))]),
+            TraceStore(str(tmp_path / "shards")),
+            GatewayConfig(keepalive_s=0.05),
+        )
         responses = await main(gateway, call("/v1/responses", {"model": "tiny", "input": "hi", "stream": True}))
         provider, _ = gateway.match("POST", MESSAGES)
 
@@ -366,23 +498,36 @@ def test_slow_streams_keep_alive_in_each_providers_words(tiny_model_dir: Path, t
     # Responses: the keep-alives are the stream's own prelude, then in_progress; numbering runs on unbroken.
     events = [orjson.loads(line[6:]) for line in responses.split(b"\n") if line.startswith(b"data: ")]
     assert [e["type"] for e in events[:3]] == ["response.created", "response.in_progress", "response.in_progress"]
-    assert [e["sequence_number"] for e in events] == list(range(len(events))) and events[-1]["type"] == "response.completed"
-    assert events[0]["response"]["model"] == "tiny" and events[-1]["response"]["output"][0]["content"][0]["text"] == "Hi."
+    assert [e["sequence_number"] for e in events] == list(range(len(events))) and events[-1][
+        "type"
+    ] == "response.completed"
+    assert (
+        events[0]["response"]["model"] == "tiny" and events[-1]["response"]["output"][0]["content"][0]["text"] == "Hi."
+    )
     # A rendering failure after the headers: the stream ends in the provider's own error event, and it is logged.
     ping = b'event: ping\ndata: {"type": "ping"}\n\n'
     assert failed.startswith(ping) and failed.replace(ping, b"") == (
-        b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"polar internal error (ValueError)"}}\n\n')
+        b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"polar internal error (ValueError)"}}\n\n'
+    )
     assert [r.getMessage() for r in caplog.records] == ["polar: rendering a stream failed"]
 
 
-def test_a_stream_that_fails_to_render_tells_its_status_in_geminis_words(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_a_stream_that_fails_to_render_tells_its_status_in_geminis_words(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     """Gemini's error object carries the HTTP status (``code``): a rendering failure after the headers is a 500."""
     slow = tmp_path / "slow.json"
-    slow.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.2, "turns": [{"content": "Hi."}]}))
+    slow.write_text(
+        json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.2, "turns": [{"content": "Hi."}]})
+    )
     path = "/v1beta/models/tiny:streamGenerateContent?alt=sse"
 
     async def main() -> bytes:
-        gateway = Gateway(EnginePool([ScriptedEngine(str(slow))]), TraceStore(str(tmp_path / "shards")), GatewayConfig(keepalive_s=0.05))
+        gateway = Gateway(
+            EnginePool([ScriptedEngine(str(slow))]),
+            TraceStore(str(tmp_path / "shards")),
+            GatewayConfig(keepalive_s=0.05),
+        )
         provider, _ = gateway.match("POST", path)
 
         def broken(*args: Any) -> Any:
@@ -396,7 +541,10 @@ def test_a_stream_that_fails_to_render_tells_its_status_in_geminis_words(tiny_mo
         return body
 
     body = asyncio.run(main())
-    assert body.lstrip(b"\n") == b'data: {"error":{"code":500,"message":"polar internal error (ValueError)","status":"INTERNAL"}}\n\n'
+    assert (
+        body.lstrip(b"\n")
+        == b'data: {"error":{"code":500,"message":"polar internal error (ValueError)","status":"INTERNAL"}}\n\n'
+    )
 
 
 # ---------------------------------------------------------------- engine failures, end to end in-process
@@ -440,19 +588,29 @@ def test_an_engine_taken_out_ends_its_sessions_and_refuses_their_next_calls(scri
     rows = {r["session_id"]: r for r in read_table(str(out), "sessions").to_pylist()}
     for session in ("a", "c"):  # both were on the engine taken out
         assert rows[session]["status"] == "error" and rows[session]["ended_at"] is not None
-        assert orjson.loads(rows[session]["metadata_json"]) == {"error": f"engine scripted:{script} taken out mid-session"}
+        assert orjson.loads(rows[session]["metadata_json"]) == {
+            "error": f"engine scripted:{script} taken out mid-session"
+        }
     assert rows["b"]["status"] == "running"
     failed = sorted((r for r in read_records(str(out)) if r.status == "failed"), key=lambda r: r.session_id)
-    assert [(r.session_id, r.api, r.engine) for r in failed] == [("a", "anthropic_messages", None),
-                                                                 ("c", "anthropic_messages", f"scripted:{script}")]
+    assert [(r.session_id, r.api, r.engine) for r in failed] == [
+        ("a", "anthropic_messages", None),
+        ("c", "anthropic_messages", f"scripted:{script}"),
+    ]
     refused = failed[0]
     assert refused.error.startswith("502 api_error: the engine serving this session was taken out")
-    assert (refused.seq, refused.requested_model, refused.max_tokens, refused.harness) == (1, "tiny", 9, "claude-cli/2.1.197")
+    assert (refused.seq, refused.requested_model, refused.max_tokens, refused.harness) == (
+        1,
+        "tiny",
+        9,
+        "claude-cli/2.1.197",
+    )
     assert orjson.loads(refused.messages_json) == [{"role": "user", "content": "hi"}]
 
 
-def test_an_engine_bug_or_an_unusable_logprob_is_recorded_with_the_engine_and_the_call(script: Path, tmp_path: Path,
-                                                                                       caplog) -> None:
+def test_an_engine_bug_or_an_unusable_logprob_is_recorded_with_the_engine_and_the_call(
+    script: Path, tmp_path: Path, caplog
+) -> None:
     out = tmp_path / "shards"
 
     async def steps(gateway: Gateway) -> list[tuple[int, Any]]:
@@ -477,7 +635,10 @@ def test_an_engine_bug_or_an_unusable_logprob_is_recorded_with_the_engine_and_th
     engine = f"scripted:{script}"
     unusable = f"engine {engine} answered an unusable logprob: token 0 has logprob nan (not finite)"
     assert replies == [
-        (502, {"type": "error", "error": {"type": "api_error", "message": "engine error (KeyError); see the proxy log"}}),
+        (
+            502,
+            {"type": "error", "error": {"type": "api_error", "message": "engine error (KeyError); see the proxy log"}},
+        ),
         (502, {"type": "error", "error": {"type": "api_error", "message": unusable}}),
     ]
     # The engine's own words (they may name its URL) stay in the proxy log, with the engine named.
@@ -485,14 +646,21 @@ def test_an_engine_bug_or_an_unusable_logprob_is_recorded_with_the_engine_and_th
     records = sorted(read_records(str(out)), key=lambda r: r.session_id)
     assert [(r.session_id, r.status, r.error) for r in records] == [
         ("bug", "failed", "502 api_error: engine error (KeyError); see the proxy log"),
-        ("nan", "failed", f"502 api_error: {unusable}")]  # sorted by session
+        ("nan", "failed", f"502 api_error: {unusable}"),
+    ]  # sorted by session
     for record in records:
-        assert (record.api, record.engine, record.requested_model, record.max_tokens) == ("anthropic_messages", engine, "tiny", 7)
+        assert (record.api, record.engine, record.requested_model, record.max_tokens) == (
+            "anthropic_messages",
+            engine,
+            "tiny",
+            7,
+        )
         assert orjson.loads(record.messages_json) == [{"role": "user", "content": "hi"}]
 
 
-def test_a_harness_named_by_its_system_prompt_is_recorded_on_the_session_and_on_a_failed_call(script: Path,
-                                                                                               tmp_path: Path) -> None:
+def test_a_harness_named_by_its_system_prompt_is_recorded_on_the_session_and_on_a_failed_call(
+    script: Path, tmp_path: Path
+) -> None:
     """Pi speaks through the SDK's User-Agent; its system prompt names it, on the session row and on each record."""
     out = tmp_path / "shards"
 
@@ -512,8 +680,14 @@ def test_a_harness_named_by_its_system_prompt_is_recorded_on_the_session_and_on_
 
     assert run(script, out, steps) == [200, 503]
     pi = "pi (Anthropic/JS 0.60.0)"
-    assert {r["session_id"]: r["harness"] for r in read_table(str(out), "sessions").to_pylist()} == {"ok": pi, "busy": pi}
-    assert sorted((r.session_id, r.status, r.harness) for r in read_records(str(out))) == [("busy", "failed", pi), ("ok", "ok", pi)]
+    assert {r["session_id"]: r["harness"] for r in read_table(str(out), "sessions").to_pylist()} == {
+        "ok": pi,
+        "busy": pi,
+    }
+    assert sorted((r.session_id, r.status, r.harness) for r in read_records(str(out))) == [
+        ("busy", "failed", pi),
+        ("ok", "ok", pi),
+    ]
 
 
 def test_a_failed_call_whose_record_cannot_be_stored_is_logged(script: Path, tmp_path: Path, caplog) -> None:
@@ -533,18 +707,26 @@ def test_a_failed_call_whose_record_cannot_be_stored_is_logged(script: Path, tmp
     assert run(script, out, steps) == [400, 400]
     assert [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records] == [
         ("WARNING", "polar: could not record failed call for session 'w1': disk full", False),
-        ("ERROR", "polar: could not record failed call for session 'w2'", True)]
+        ("ERROR", "polar: could not record failed call for session 'w2'", True),
+    ]
 
 
-def test_an_engine_error_after_the_keepalives_ends_a_responses_stream_in_its_failed_event(tiny_model_dir: Path,
-                                                                                          tmp_path: Path) -> None:
+def test_an_engine_error_after_the_keepalives_ends_a_responses_stream_in_its_failed_event(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Headers are out: the engine's own error (its kind, its message) is told as ``response.failed``, numbered
     on from the keep-alives and naming the response the prelude announced."""
     slow = tmp_path / "slow.json"
-    slow.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.2, "turns": [{"content": "Hi."}]}))
+    slow.write_text(
+        json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 0.2, "turns": [{"content": "Hi."}]})
+    )
 
     async def main() -> bytes:
-        gateway = Gateway(EnginePool([ScriptedEngine(str(slow))]), TraceStore(str(tmp_path / "shards")), GatewayConfig(keepalive_s=0.05))
+        gateway = Gateway(
+            EnginePool([ScriptedEngine(str(slow))]),
+            TraceStore(str(tmp_path / "shards")),
+            GatewayConfig(keepalive_s=0.05),
+        )
         engine = gateway.pool.engines[0]
 
         async def busy(request: Any) -> Any:
@@ -583,8 +765,11 @@ def test_a_continued_session_hands_the_engine_its_planned_token_prompt(script: P
 
         engine.complete_tokens = spy  # type: ignore[method-assign]
         first = orjson.loads((await gateway.handle(call(MESSAGES, anthropic(), session="t"))).body)
-        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first["content"]},
-                   {"role": "user", "content": "and then?"}]
+        history = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": first["content"]},
+            {"role": "user", "content": "and then?"},
+        ]
         for session in ("t", "u"):
             assert (await gateway.handle(call(MESSAGES, anthropic(messages=history), session=session))).status == 200
         # The continued chain replaces the one it continued: one chain per session, holding the whole history.
@@ -594,17 +779,25 @@ def test_a_continued_session_hands_the_engine_its_planned_token_prompt(script: P
     run(script, out, steps)
     first, continued, other = sorted(read_records(str(out)), key=lambda r: (r.session_id, r.seq))
     assert [(r.session_id, r.prompt_source, r.prompt_reason) for r in (first, continued, other)] == [
-        ("t", "fresh", "first_call"), ("t", "continuity", "continues"), ("u", "fresh", "state_lost")]
+        ("t", "fresh", "first_call"),
+        ("t", "continuity", "continues"),
+        ("u", "fresh", "state_lost"),
+    ]
     assert given == [continued.prompt_ids]
     for record in (first, continued, other):  # what every answered call records besides its tokens
         assert record.harness == "claude-cli/2.1.197" and record.started_at <= record.finished_at
         assert 0 <= record.engine_latency_s <= record.finished_at - record.started_at
-    assert continued.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+    assert (
+        continued.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+    )
 
 
-@pytest.mark.parametrize(("tito", "token_input", "reason"), [("off", True, "tito_off"), ("auto", False, "no_token_input")])
-def test_without_token_continuity_every_call_is_rendered_fresh_and_says_why(script: Path, tmp_path: Path, tito: str,
-                                                                           token_input: bool, reason: str) -> None:
+@pytest.mark.parametrize(
+    ("tito", "token_input", "reason"), [("off", True, "tito_off"), ("auto", False, "no_token_input")]
+)
+def test_without_token_continuity_every_call_is_rendered_fresh_and_says_why(
+    script: Path, tmp_path: Path, tito: str, token_input: bool, reason: str
+) -> None:
     """``polar_tito=off``, or an engine that takes no token prompt: each call is rendered in full (never through
     ``complete_tokens``), recorded as fresh with the reason, and no chain is kept for the session."""
     out = tmp_path / "shards"
@@ -620,8 +813,11 @@ def test_without_token_continuity_every_call_is_rendered_fresh_and_says_why(scri
 
         engine.complete_tokens = spy if token_input else None  # type: ignore[method-assign]
         first = orjson.loads((await gateway.handle(call(MESSAGES, anthropic(), session="t"))).body)
-        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first["content"]},
-                   {"role": "user", "content": "and then?"}]
+        history = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": first["content"]},
+            {"role": "user", "content": "and then?"},
+        ]
         assert (await gateway.handle(call(MESSAGES, anthropic(messages=history), session="t"))).status == 200
         return gateway.tito.chains("t")
 
@@ -637,14 +833,23 @@ def test_claude_codes_account_calls_are_answered_locally(script: Path, tmp_path:
     from polar_addon.providers.anthropic_messages import POLICY_LIMITS_BODY
 
     async def steps(gateway: Gateway) -> list[tuple[int, Any]]:
-        replies = [await gateway.handle(IncomingCall("GET", path, {}, b"", Identity(session_id="s1", source="header")))
-                   for path in ("/api/claude_code/policy_limits?x=1", "/api/oauth/profile")]
+        replies = [
+            await gateway.handle(IncomingCall("GET", path, {}, b"", Identity(session_id="s1", source="header")))
+            for path in ("/api/claude_code/policy_limits?x=1", "/api/oauth/profile")
+        ]
         return [(r.status, orjson.loads(r.body)) for r in replies]
 
     out = tmp_path / "shards"
     assert run(script, out, steps) == [
         (200, POLICY_LIMITS_BODY),
-        (404, {"type": "error", "error": {"type": "not_found_error", "message": "/api/oauth/profile is not served by polar"}})]
+        (
+            404,
+            {
+                "type": "error",
+                "error": {"type": "not_found_error", "message": "/api/oauth/profile is not served by polar"},
+            },
+        ),
+    ]
     assert read_records(str(out)) == []  # not a model call: nothing recorded
 
 
@@ -679,9 +884,16 @@ def test_count_tokens_asks_the_sessions_own_engine(script: Path, tmp_path: Path)
 
     replies = asyncio.run(main())
     (s0, first), (s1, second_count) = replies[:2]
-    assert s0 == s1 == 200 and first == second_count and isinstance(first["input_tokens"], int) and first["input_tokens"] > 0
-    assert replies[2:] == [(200, {"input_tokens": 4242}),
-                           (503, {"type": "error", "error": {"type": "overloaded_error", "message": "engine busy"}})]
+    assert (
+        s0 == s1 == 200
+        and first == second_count
+        and isinstance(first["input_tokens"], int)
+        and first["input_tokens"] > 0
+    )
+    assert replies[2:] == [
+        (200, {"input_tokens": 4242}),
+        (503, {"type": "error", "error": {"type": "overloaded_error", "message": "engine busy"}}),
+    ]
     assert read_records(str(out)) == []
 
 
@@ -695,7 +907,11 @@ def test_a_large_body_is_read_off_the_event_loop_with_the_same_result(script: Pa
 
     assert run(script, out, steps) == 200
     [record] = read_records(str(out))
-    assert (record.session_id, record.status, orjson.loads(record.messages_json)) == ("big", "ok", [{"role": "user", "content": "hi"}])
+    assert (record.session_id, record.status, orjson.loads(record.messages_json)) == (
+        "big",
+        "ok",
+        [{"role": "user", "content": "hi"}],
+    )
 
 
 # Most of its bytes are metadata, which no history item holds: only the body's own size makes the cost reach it.
@@ -723,47 +939,78 @@ def test_what_parse_checks_at_its_edges(script: Path, tmp_path: Path, caplog) ->
         provider.parse_request = original  # type: ignore[method-assign]
         reply = await gateway.handle(call("/v1/responses", RESPONSES_BODY, session="r1"))
         response_id = orjson.loads(reply.body)["id"]
-        return [exact.sampling.max_tokens, (crashed.status, orjson.loads(crashed.body)), response_id,
-                dict(responses.history._by_session), responses.history._items[response_id].cost]
+        return [
+            exact.sampling.max_tokens,
+            (crashed.status, orjson.loads(crashed.body)),
+            response_id,
+            dict(responses.history._by_session),
+            responses.history._items[response_id].cost,
+        ]
 
-    cap, crashed, response_id, by_session, cost = run(script, out, steps,
-                                                      GatewayConfig(max_body_bytes=len(body), max_tokens_cap=1))
+    cap, crashed, response_id, by_session, cost = run(
+        script, out, steps, GatewayConfig(max_body_bytes=len(body), max_tokens_cap=1)
+    )
     reason = "unhashable type: 'dict'" + " x" * 150
     assert cap == 1
-    assert crashed == (400, {"type": "error", "error": {"type": "invalid_request_error",
-                                                        "message": f"request could not be read (TypeError: {reason[:200]})"}})
+    assert crashed == (
+        400,
+        {
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "message": f"request could not be read (TypeError: {reason[:200]})",
+            },
+        },
+    )
     assert [r.getMessage() for r in caplog.records if r.levelname == "INFO"] == [
-        f"polar: anthropic_messages could not read a request: TypeError: {reason}"]
+        f"polar: anthropic_messages could not read a request: TypeError: {reason}"
+    ]
     assert list(by_session) == ["r1"] and list(by_session["r1"]) == [response_id]
     assert cost >= len(orjson.dumps(RESPONSES_BODY))  # the history's byte bounds count the request body
 
 
-def test_errors_before_the_first_keepalive_are_plain_replies_except_a_responses_overflow(script: Path, tmp_path: Path) -> None:
+def test_errors_before_the_first_keepalive_are_plain_replies_except_a_responses_overflow(
+    script: Path, tmp_path: Path
+) -> None:
     """A stream whose engine fails before any byte left is answered whole: a JSON error with its status, except
     a context overflow on Responses, which Codex only reads as a ``response.failed`` event."""
     out = tmp_path / "shards"
 
     async def steps(gateway: Gateway) -> list[FullReply]:
         engine = gateway.pool.engines[0]
-        failures = iter([PolarError(503, "overloaded", "engine busy"), PolarError(503, "overloaded", "engine busy"),
-                         ContextLengthExceeded("too long", prompt_tokens=9000, window=8192),
-                         ContextLengthExceeded("too long", prompt_tokens=9000, window=8192)])
+        failures = iter(
+            [
+                PolarError(503, "overloaded", "engine busy"),
+                PolarError(503, "overloaded", "engine busy"),
+                ContextLengthExceeded("too long", prompt_tokens=9000, window=8192),
+                ContextLengthExceeded("too long", prompt_tokens=9000, window=8192),
+            ]
+        )
 
         async def failing(request: Any) -> Any:
             raise next(failures)
 
         engine.complete = failing  # type: ignore[method-assign]
         replies = []
-        for path, body in ((MESSAGES, anthropic(stream=True)), ("/v1/responses", {"model": "tiny", "input": "hi", "stream": True}),
-                           (MESSAGES, anthropic(stream=True)), ("/v1/responses", {"model": "tiny", "input": "hi", "stream": True})):
+        for path, body in (
+            (MESSAGES, anthropic(stream=True)),
+            ("/v1/responses", {"model": "tiny", "input": "hi", "stream": True}),
+            (MESSAGES, anthropic(stream=True)),
+            ("/v1/responses", {"model": "tiny", "input": "hi", "stream": True}),
+        ):
             reply = await gateway.handle(call(path, body))
             assert isinstance(reply, FullReply)
             replies.append(reply)
         return replies
 
-    busy_anthropic, busy_responses, long_anthropic, long_responses = run(script, out, steps, GatewayConfig(keepalive_s=30.0))
+    busy_anthropic, busy_responses, long_anthropic, long_responses = run(
+        script, out, steps, GatewayConfig(keepalive_s=30.0)
+    )
     assert (busy_anthropic.status, busy_anthropic.content_type, orjson.loads(busy_anthropic.body)) == (
-        503, "application/json", {"type": "error", "error": {"type": "overloaded_error", "message": "engine busy"}})
+        503,
+        "application/json",
+        {"type": "error", "error": {"type": "overloaded_error", "message": "engine busy"}},
+    )
     assert (busy_responses.status, busy_responses.content_type) == (503, "application/json")
     assert orjson.loads(busy_responses.body)["error"]["code"] == "server_is_overloaded"
     assert (long_anthropic.status, long_anthropic.content_type) == (400, "application/json")
@@ -779,8 +1026,10 @@ def test_errors_before_the_first_keepalive_are_plain_replies_except_a_responses_
 def test_replies_carry_the_request_and_the_call_time(script: Path, tmp_path: Path) -> None:
     """The rendered answer is of this request (Responses echoes its settings) and of this call's start time."""
     out = tmp_path / "shards"
-    incoming = [call("/v1/responses", {"model": "tiny", "input": "hi", "temperature": 0.25, "stream": stream})
-                for stream in (False, True)]
+    incoming = [
+        call("/v1/responses", {"model": "tiny", "input": "hi", "temperature": 0.25, "stream": stream})
+        for stream in (False, True)
+    ]
     incoming.append(call(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}))
 
     async def steps(gateway: Gateway) -> list[FullReply]:
@@ -790,12 +1039,16 @@ def test_replies_carry_the_request_and_the_call_time(script: Path, tmp_path: Pat
     response = orjson.loads(plain.body)
     assert (response["temperature"], response["created_at"]) == (0.25, int(incoming[0].started_at))
     completed = [orjson.loads(line[6:]) for line in streamed.body.split(b"\n") if line.startswith(b"data: ")][-1]
-    assert (completed["response"]["temperature"], completed["response"]["created_at"]) == (0.25, int(incoming[1].started_at))
+    assert (completed["response"]["temperature"], completed["response"]["created_at"]) == (
+        0.25,
+        int(incoming[1].started_at),
+    )
     assert orjson.loads(chat.body)["created"] == int(incoming[2].started_at)
 
 
-def test_an_unexpected_error_is_logged_with_the_method_and_the_path_without_its_query(script: Path, tmp_path: Path,
-                                                                                       caplog) -> None:
+def test_an_unexpected_error_is_logged_with_the_method_and_the_path_without_its_query(
+    script: Path, tmp_path: Path, caplog
+) -> None:
     async def steps(gateway: Gateway) -> int:
         async def broken(incoming: IncomingCall) -> Any:
             raise RuntimeError("bug")
@@ -831,7 +1084,12 @@ def test_a_sessions_row_holds_its_identity_and_its_first_calls_start(script: Pat
     assert run(script, out, steps) == [200, 200]
     [row] = read_table(str(out), "sessions").to_pylist()
     assert (row["session_id"], row["task_id"], row["group_id"], row["sample_index"], row["status"]) == (
-        "g1", "task-7", "grp-2", 3, "running")
+        "g1",
+        "task-7",
+        "grp-2",
+        3,
+        "running",
+    )
     assert row["started_at"] == pytest.approx(first.started_at)
 
 
@@ -839,7 +1097,9 @@ def test_a_gateway_answers_only_for_the_providers_it_was_given(script: Path, tmp
     from polar_addon.providers.anthropic_messages import PROVIDER as ANTHROPIC
 
     async def main() -> list[bool]:
-        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(tmp_path / "shards")), providers=[ANTHROPIC])
+        gateway = Gateway(
+            EnginePool([ScriptedEngine(str(script))]), TraceStore(str(tmp_path / "shards")), providers=[ANTHROPIC]
+        )
         owned = [gateway.owns("POST", MESSAGES), gateway.owns("POST", CHAT)]
         await gateway.close()
         return owned
@@ -856,6 +1116,14 @@ def test_an_unwritable_store_is_refused_before_the_engine_in_openais_code(script
         reply = await gateway.handle(call(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]}))
         return reply.status, orjson.loads(reply.body)
 
-    assert run(script, tmp_path / "shards", steps) == (503, {"error": {
-        "type": "server_error", "code": "storage_unavailable", "param": None,
-        "message": "polar cannot persist captured calls right now (disk full); retry later"}})
+    assert run(script, tmp_path / "shards", steps) == (
+        503,
+        {
+            "error": {
+                "type": "server_error",
+                "code": "storage_unavailable",
+                "param": None,
+                "message": "polar cannot persist captured calls right now (disk full); retry later",
+            }
+        },
+    )

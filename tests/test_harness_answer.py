@@ -38,7 +38,9 @@ def test_pi_final_answer_is_the_reward(tiny_model_dir: Path, tmp_path: Path) -> 
     logs = {s.session_id: (tmp_path / "logs" / "sessions" / s.session_id / "harness.log").read_text()
             for s in result.sessions}  # fmt: skip
     assert [(s.status, s.reward) for s in result.sessions] == [("completed", 0.6)] * 2, (
-        [s.reason for s in result.sessions], logs)
+        [s.reason for s in result.sessions],
+        logs,
+    )
     assert all(f"--- stdout\n{ANSWER}\n" in log for log in logs.values()), logs
 
     records = {r.record_id: r for r in read_records(str(store))}

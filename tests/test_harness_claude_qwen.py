@@ -18,8 +18,16 @@ from tests.support.proxy import run_mitmdump
 
 pytestmark = [pytest.mark.vllm, pytest.mark.harness]
 
-MODEL_ENV = {k: "tiny" for k in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
-                                 "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")}
+MODEL_ENV = {
+    k: "tiny"
+    for k in (
+        "ANTHROPIC_MODEL",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+        "ANTHROPIC_DEFAULT_SONNET_MODEL",
+        "ANTHROPIC_DEFAULT_OPUS_MODEL",
+        "CLAUDE_CODE_SUBAGENT_MODEL",
+    )
+}
 PROXY_OPTIONS = {"polar_max_tokens": "16", "polar_shard_seconds": "0.5"}
 
 
@@ -30,8 +38,14 @@ def calls(out: Path, session: str) -> list:
 
 
 def claude_env(**extra: str) -> dict[str, str]:
-    return {**MODEL_ENV, "ANTHROPIC_API_KEY": "sk-ant-not-real", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "CLAUDE_CODE_MAX_RETRIES": "1", "DISABLE_AUTOUPDATER": "1", **extra}
+    return {
+        **MODEL_ENV,
+        "ANTHROPIC_API_KEY": "sk-ant-not-real",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CODE_MAX_RETRIES": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        **extra,
+    }
 
 
 def test_claude_code_through_https_proxy(vllm_server, tmp_path):
@@ -55,7 +69,9 @@ def test_claude_code_through_https_proxy(vllm_server, tmp_path):
 def test_claude_code_with_base_url(vllm_server, tmp_path):
     claude = harness("claude")
     out = tmp_path / "shards"
-    with run_mitmdump(f"vllm:{vllm_server}", out, mode="reverse:https://api.anthropic.com", options=PROXY_OPTIONS) as proxy:
+    with run_mitmdump(
+        f"vllm:{vllm_server}", out, mode="reverse:https://api.anthropic.com", options=PROXY_OPTIONS
+    ) as proxy:
         env = claude_env(ANTHROPIC_BASE_URL=proxy.url, ANTHROPIC_API_KEY="polar:session=cc-base;task=hello")
         result = run([str(claude), "-p", "Say hello.", "--output-format", "json"], env, tmp_path / "home")
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
@@ -66,7 +82,9 @@ def test_claude_code_with_base_url(vllm_server, tmp_path):
 def test_qwen_code_with_base_url(vllm_server, tmp_path):
     qwen = harness("qwen")
     out = tmp_path / "shards"
-    with run_mitmdump(f"vllm:{vllm_server}", out, mode="reverse:https://api.openai.com", options=PROXY_OPTIONS) as proxy:
+    with run_mitmdump(
+        f"vllm:{vllm_server}", out, mode="reverse:https://api.openai.com", options=PROXY_OPTIONS
+    ) as proxy:
         env = {"OPENAI_BASE_URL": proxy.url + "/v1", "OPENAI_API_KEY": "polar:qwen-1", "OPENAI_MODEL": "tiny"}
         result = run([str(qwen), "-p", "Say hello.", "--auth-type", "openai"], env, tmp_path / "home")
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]

@@ -40,10 +40,26 @@ NO_CODEX_SANDBOX = ("--dangerously-bypass-approvals-and-sandbox",)
 
 def script(tmp_path: Path, model_dir: Path) -> str:
     path = tmp_path / "codex-script.json"
-    path.write_bytes(orjson.dumps({"model_dir": str(model_dir), "cycle": True, "turns": [
-        {"content": None, "tool_calls": [{"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": f"echo {MARKER}"}}}]},
-        {"content": "It printed polar-was-here."},
-    ]}))
+    path.write_bytes(
+        orjson.dumps(
+            {
+                "model_dir": str(model_dir),
+                "cycle": True,
+                "turns": [
+                    {
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "type": "function",
+                                "function": {"name": "exec_command", "arguments": {"cmd": f"echo {MARKER}"}},
+                            }
+                        ],
+                    },
+                    {"content": "It printed polar-was-here."},
+                ],
+            }
+        )
+    )
     return f"scripted:{path}"
 
 
@@ -80,9 +96,16 @@ def check_fidelity(flows: Path, label: str) -> None:
 def test_codex_default_provider_over_websocket(tiny_model_dir, tmp_path):
     codex = harness("codex")
     out, flows, home = tmp_path / "shards", tmp_path / "flows", tmp_path / "home"
-    with run_mitmdump(script(tmp_path, tiny_model_dir), out, options={**OPTIONS, "save_stream_file": str(flows)}) as proxy:
-        env = codex_env(home, HTTPS_PROXY=proxy.proxy_url("codex-ws"), CODEX_CA_CERTIFICATE=str(proxy.ca),
-                        SSL_CERT_FILE=str(proxy.ca), OPENAI_API_KEY="sk-not-a-real-key")
+    with run_mitmdump(
+        script(tmp_path, tiny_model_dir), out, options={**OPTIONS, "save_stream_file": str(flows)}
+    ) as proxy:
+        env = codex_env(
+            home,
+            HTTPS_PROXY=proxy.proxy_url("codex-ws"),
+            CODEX_CA_CERTIFICATE=str(proxy.ca),
+            SSL_CERT_FILE=str(proxy.ca),
+            OPENAI_API_KEY="sk-not-a-real-key",
+        )
         started = time.monotonic()
         result = run([str(codex), "exec", "--skip-git-repo-check", *NO_CODEX_SANDBOX, "-m", "tiny", PROMPT], env, home)
         elapsed = time.monotonic() - started
@@ -102,7 +125,9 @@ def test_codex_default_provider_over_websocket(tiny_model_dir, tmp_path):
     assert len(sockets) == 1  # one connection for the whole session
     messages = [(m.from_client, orjson.loads(m.content)) for m in sockets[0].websocket.messages]
     sent = [m for from_client, m in messages if from_client]
-    answered = [m["response"]["id"] for from_client, m in messages if not from_client and m["type"] == "response.completed"]
+    answered = [
+        m["response"]["id"] for from_client, m in messages if not from_client and m["type"] == "response.completed"
+    ]
     assert [m["type"] for m in sent] == ["response.create"] * 3 and len(answered) == 3
     prewarm, first, second = sent
     # Codex warms the connection (nothing generated), then each turn sends only the new items and
@@ -117,8 +142,12 @@ def test_codex_default_provider_over_websocket(tiny_model_dir, tmp_path):
 def test_codex_custom_provider_over_http(tiny_model_dir, tmp_path):
     codex = harness("codex")
     out, flows, home = tmp_path / "shards", tmp_path / "flows", tmp_path / "home"
-    with run_mitmdump(script(tmp_path, tiny_model_dir), out, mode="reverse:https://api.openai.com",
-                      options={**OPTIONS, "save_stream_file": str(flows)}) as proxy:
+    with run_mitmdump(
+        script(tmp_path, tiny_model_dir),
+        out,
+        mode="reverse:https://api.openai.com",
+        options={**OPTIONS, "save_stream_file": str(flows)},
+    ) as proxy:
         env = codex_env(home, POLAR_API_KEY="polar:session=codex-http;task=echo")
         (home / ".codex" / "config.toml").write_text(
             'model = "tiny"\nmodel_provider = "polar"\n\n[model_providers.polar]\nname = "polar"\n'
@@ -139,12 +168,21 @@ def test_codex_default_provider_with_vllm(vllm_server, tmp_path):
     """A real engine behind the WebSocket path: generation capped at 32 tokens, exit 0."""
     codex = harness("codex")
     out, home = tmp_path / "shards", tmp_path / "home"
-    with run_mitmdump(f"vllm:{vllm_server}", out, options={"polar_shard_seconds": "0.5", "polar_max_tokens": "32"}) as proxy:
-        env = codex_env(home, HTTPS_PROXY=proxy.proxy_url("codex-vllm"), CODEX_CA_CERTIFICATE=str(proxy.ca),
-                        SSL_CERT_FILE=str(proxy.ca), OPENAI_API_KEY="sk-not-a-real-key")
+    with run_mitmdump(
+        f"vllm:{vllm_server}", out, options={"polar_shard_seconds": "0.5", "polar_max_tokens": "32"}
+    ) as proxy:
+        env = codex_env(
+            home,
+            HTTPS_PROXY=proxy.proxy_url("codex-vllm"),
+            CODEX_CA_CERTIFICATE=str(proxy.ca),
+            SSL_CERT_FILE=str(proxy.ca),
+            OPENAI_API_KEY="sk-not-a-real-key",
+        )
         result = run([str(codex), "exec", "--skip-git-repo-check", "-m", "tiny", "Say hello."], env, home)
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
         assert "Falling back from WebSockets" not in result.stdout + result.stderr
         records = calls(out, "codex-vllm")
-    assert records and all(r.status == "ok" and r.api == "openai_responses" for r in records), [r.error for r in records]
+    assert records and all(r.status == "ok" and r.api == "openai_responses" for r in records), [
+        r.error for r in records
+    ]
     assert all(len(r.logprobs) == len(r.response_ids) > 0 for r in records)

@@ -15,17 +15,39 @@ from tests.support.proxy import run_mitmdump
 
 pytestmark = [pytest.mark.vllm, pytest.mark.harness]
 
-MODEL_ENV = {k: "tiny" for k in ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
-                                 "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")}
+MODEL_ENV = {
+    k: "tiny"
+    for k in (
+        "ANTHROPIC_MODEL",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+        "ANTHROPIC_DEFAULT_SONNET_MODEL",
+        "ANTHROPIC_DEFAULT_OPUS_MODEL",
+        "CLAUDE_CODE_SUBAGENT_MODEL",
+    )
+}
 CASES = {
     # name: (binary, api, reverse target, env (PROXY = the proxy's URL), arguments)
-    "claude-code": ("claude", "anthropic_messages", "https://api.anthropic.com",
-                    {**MODEL_ENV, "ANTHROPIC_BASE_URL": "PROXY", "ANTHROPIC_API_KEY": "polar:fid-claude-code",
-                     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "1", "DISABLE_AUTOUPDATER": "1"},
-                    ["-p", "Say hello.", "--output-format", "json"]),
-    "qwen-code": ("qwen", "openai_chat", "https://api.openai.com",
-                  {"OPENAI_BASE_URL": "PROXY/v1", "OPENAI_API_KEY": "polar:fid-qwen-code", "OPENAI_MODEL": "tiny"},
-                  ["-p", "Say hello.", "--auth-type", "openai"]),
+    "claude-code": (
+        "claude",
+        "anthropic_messages",
+        "https://api.anthropic.com",
+        {
+            **MODEL_ENV,
+            "ANTHROPIC_BASE_URL": "PROXY",
+            "ANTHROPIC_API_KEY": "polar:fid-claude-code",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "CLAUDE_CODE_MAX_RETRIES": "1",
+            "DISABLE_AUTOUPDATER": "1",
+        },
+        ["-p", "Say hello.", "--output-format", "json"],
+    ),
+    "qwen-code": (
+        "qwen",
+        "openai_chat",
+        "https://api.openai.com",
+        {"OPENAI_BASE_URL": "PROXY/v1", "OPENAI_API_KEY": "polar:fid-qwen-code", "OPENAI_MODEL": "tiny"},
+        ["-p", "Say hello.", "--auth-type", "openai"],
+    ),
 }
 
 
@@ -35,7 +57,12 @@ def test_round_trip_of_what_the_harness_sent(name, vllm_server, tmp_path):
     exe = harness(binary)
     out, flows = tmp_path / "shards", tmp_path / "flows"
     # polar_keepalive above the engine's latency: answers go back whole, so the flow file keeps bodies.
-    options = {"polar_max_tokens": "16", "polar_shard_seconds": "0.5", "polar_keepalive": "600", "save_stream_file": str(flows)}
+    options = {
+        "polar_max_tokens": "16",
+        "polar_shard_seconds": "0.5",
+        "polar_keepalive": "600",
+        "save_stream_file": str(flows),
+    }
     with run_mitmdump(f"vllm:{vllm_server}", out, mode=f"reverse:{target}", options=options) as proxy:
         result = run([str(exe), *args], {k: v.replace("PROXY", proxy.url) for k, v in env.items()}, tmp_path / "home")
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]

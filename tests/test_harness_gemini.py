@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.harness]
 
 def gemini_home(home: Path) -> Path:
     (home / ".gemini").mkdir(parents=True)
-    (home / ".gemini" / "settings.json").write_text(json.dumps({"security": {"auth": {"selectedType": "gemini-api-key"}}}))
+    (home / ".gemini" / "settings.json").write_text(
+        json.dumps({"security": {"auth": {"selectedType": "gemini-api-key"}}})
+    )
     return home
 
 
@@ -39,8 +41,15 @@ def check(records: list) -> None:
 def test_gemini_cli_with_base_url(vllm_server, tmp_path):
     gemini = harness("gemini")
     out, flows, home = tmp_path / "shards", tmp_path / "flows", gemini_home(tmp_path / "home")
-    options = {"polar_max_tokens": "32", "polar_shard_seconds": "0.5", "polar_keepalive": "600", "save_stream_file": str(flows)}
-    with run_mitmdump(f"vllm:{vllm_server}", out, mode="reverse:https://generativelanguage.googleapis.com", options=options) as proxy:
+    options = {
+        "polar_max_tokens": "32",
+        "polar_shard_seconds": "0.5",
+        "polar_keepalive": "600",
+        "save_stream_file": str(flows),
+    }
+    with run_mitmdump(
+        f"vllm:{vllm_server}", out, mode="reverse:https://generativelanguage.googleapis.com", options=options
+    ) as proxy:
         env = {"GOOGLE_GEMINI_BASE_URL": proxy.url, "GEMINI_API_KEY": "polar:gemini-base"}
         result = run([str(gemini), "-p", "Say hello.", "-m", "tiny", "--skip-trust"], env, home)
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]

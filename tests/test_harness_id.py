@@ -6,13 +6,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 from polar_addon.canonical import CanonicalRequest
 from polar_addon.harness_id import harness_name
 from tests.support.prereq import missing
 
-PI_PROMPT = Path(__file__).resolve().parents[1] / ".harness/node_modules/@mariozechner/pi-coding-agent/dist/core/system-prompt.js"
+PI_PROMPT = (
+    Path(__file__).resolve().parents[1]
+    / ".harness/node_modules/@mariozechner/pi-coding-agent/dist/core/system-prompt.js"
+)
 
 
 def request(system: str | None) -> CanonicalRequest:

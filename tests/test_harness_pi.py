@@ -35,16 +35,28 @@ def test_pi_print_mode(api, vllm_server, tmp_path):
     session = f"pi-{api}"
     out, flows, home = tmp_path / "shards", tmp_path / "flows", tmp_path / "home"
     # polar_keepalive above the engine's latency: answers go back whole, so the flow file keeps bodies.
-    options = {"polar_max_tokens": "32", "polar_shard_seconds": "0.5", "polar_keepalive": "600", "save_stream_file": str(flows)}
+    options = {
+        "polar_max_tokens": "32",
+        "polar_shard_seconds": "0.5",
+        "polar_keepalive": "600",
+        "save_stream_file": str(flows),
+    }
     with run_mitmdump(f"vllm:{vllm_server}", out, mode=f"reverse:{target}", options=options) as proxy:
-        provider = {"baseUrl": proxy.url + prefix, "api": api, "apiKey": f"polar:{session}",
-                    "models": [{"id": "tiny", "contextWindow": 100000, "maxTokens": 200}]}
+        provider = {
+            "baseUrl": proxy.url + prefix,
+            "api": api,
+            "apiKey": f"polar:{session}",
+            "models": [{"id": "tiny", "contextWindow": 100000, "maxTokens": 200}],
+        }
         if api.startswith("openai"):
             provider["compat"] = {"supportsDeveloperRole": False, "supportsReasoningEffort": False}
         (home / ".pi" / "agent").mkdir(parents=True)
         (home / ".pi" / "agent" / "models.json").write_text(json.dumps({"providers": {"polar": provider}}))
-        result = run([str(pi), "-p", "--provider", "polar", "--model", "tiny", "--no-session", "Say hello."],
-                     {"PI_OFFLINE": "1"}, home)
+        result = run(
+            [str(pi), "-p", "--provider", "polar", "--model", "tiny", "--no-session", "Say hello."],
+            {"PI_OFFLINE": "1"},
+            home,
+        )
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
         records = calls(out, session)
     assert records and all(r.status == "ok" for r in records), [r.error for r in records]

@@ -22,27 +22,59 @@ pytestmark = pytest.mark.harness
 def test_claude_code_tool_loop_merges_into_one_trace(tiny_model_dir, tmp_path):
     claude = harness("claude")
     script = tmp_path / "script.json"
-    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [
-        {"content": "I will look for text files.",
-         "tool_calls": [{"type": "function", "function": {"name": "Glob", "arguments": '{"pattern": "*.txt"}'}}]},
-        {"content": "There is one text file: notes.txt."},
-    ]}))
+    script.write_text(
+        json.dumps(
+            {
+                "model_dir": str(tiny_model_dir),
+                "cycle": True,
+                "turns": [
+                    {
+                        "content": "I will look for text files.",
+                        "tool_calls": [
+                            {"type": "function", "function": {"name": "Glob", "arguments": '{"pattern": "*.txt"}'}}
+                        ],
+                    },
+                    {"content": "There is one text file: notes.txt."},
+                ],
+            }
+        )
+    )
     home = tmp_path / "home"
     home.mkdir()
     (home / "notes.txt").write_text("hello\n")
     out = tmp_path / "shards"
-    env = {"ANTHROPIC_API_KEY": "polar:session=cc-loop;task=find-files;group=g0;sample=0", "ANTHROPIC_MODEL": "tiny",
-           "ANTHROPIC_DEFAULT_HAIKU_MODEL": "tiny", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-           "CLAUDE_CODE_MAX_RETRIES": "1"}
-    with run_mitmdump(f"scripted:{script}", out, mode="reverse:https://api.anthropic.com",
-                      options={"polar_shard_seconds": "0.5"}) as proxy:
+    env = {
+        "ANTHROPIC_API_KEY": "polar:session=cc-loop;task=find-files;group=g0;sample=0",
+        "ANTHROPIC_MODEL": "tiny",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "tiny",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CODE_MAX_RETRIES": "1",
+    }
+    with run_mitmdump(
+        f"scripted:{script}", out, mode="reverse:https://api.anthropic.com", options={"polar_shard_seconds": "0.5"}
+    ) as proxy:
         # A short system prompt and one tool keep the prompt small enough for a CPU forward pass.
-        result = run([str(claude), "-p", "Which text files are here?", "--output-format", "json", "--tools", "Glob",
-                      "--system-prompt", "You are a file finder."], {**env, "ANTHROPIC_BASE_URL": proxy.url}, home)
+        result = run(
+            [
+                str(claude),
+                "-p",
+                "Which text files are here?",
+                "--output-format",
+                "json",
+                "--tools",
+                "Glob",
+                "--system-prompt",
+                "You are a file finder.",
+            ],
+            {**env, "ANTHROPIC_BASE_URL": proxy.url},
+            home,
+        )
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
         # The verifier's verdict, posted to the reverse listener with the proxy's control token.
         for what, body in (("reward", {"value": 1.0}), ("status", {"status": "completed"})):
-            httpx.post(f"{proxy.url}/sessions/cc-loop/{what}", json=body, headers=proxy.control_headers()).raise_for_status()
+            httpx.post(
+                f"{proxy.url}/sessions/cc-loop/{what}", json=body, headers=proxy.control_headers()
+            ).raise_for_status()
     answer = json.loads(result.stdout)
     assert answer["num_turns"] == 2 and "notes.txt" in answer["result"]
 

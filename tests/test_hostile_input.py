@@ -54,7 +54,9 @@ def _headers_for_gateway(raw: dict[str, Any]) -> dict[str, str]:
     return {k: v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else v for k, v in raw.items()}
 
 
-async def _answer(gateway: Gateway, api: str, body: bytes, headers: dict[str, str], session: str = "fuzz") -> tuple[int, bytes]:
+async def _answer(
+    gateway: Gateway, api: str, body: bytes, headers: dict[str, str], session: str = "fuzz"
+) -> tuple[int, bytes]:
     """What the addon does for one call: identity from the headers, then the gateway."""
     try:
         ident = identity.resolve(None, headers, "conn-1") if headers else Identity(session_id=session, source="header")
@@ -74,12 +76,16 @@ def engine(tiny_model_dir: Path, tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("trigger", TRIGGERS, ids=[t.name for t in TRIGGERS])
-def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_writing(trigger, engine: str, tmp_path: Path) -> None:
+def test_each_known_trigger_gets_a_provider_shaped_answer_and_the_store_keeps_writing(
+    trigger, engine: str, tmp_path: Path
+) -> None:
     out = tmp_path / "shards"
 
     async def main() -> tuple[int, bytes, int]:
-        gateway = Gateway(EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
-                          TraceStore(str(out), shard_max_records=2, shard_max_seconds=0.2))
+        gateway = Gateway(
+            EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
+            TraceStore(str(out), shard_max_records=2, shard_max_seconds=0.2),
+        )
         body = trigger.encoded()
         status, answer = await _answer(gateway, trigger.api, body, _headers_for_gateway(trigger.headers))
         after, _ = await _answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {}, session="after")
@@ -105,8 +111,13 @@ def test_non_utf8_user_agent_is_recorded_readably(engine: str, tmp_path: Path) -
 
     async def main() -> int:
         gateway = Gateway(EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]), TraceStore(str(out)))
-        status, _ = await _answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")),
-                                  {"user-agent": b"agent\xff/1".decode("utf-8", "surrogateescape")}, session="ua")
+        status, _ = await _answer(
+            gateway,
+            "openai_chat",
+            orjson.dumps(valid_body("openai_chat")),
+            {"user-agent": b"agent\xff/1".decode("utf-8", "surrogateescape")},
+            session="ua",
+        )
         await gateway.close()
         return status
 
@@ -121,12 +132,19 @@ def test_fuzzed_bodies_through_the_gateway(api: str, engine: str, tmp_path: Path
     the store still writes afterwards."""
     out = tmp_path / "shards"
     loop = asyncio.new_event_loop()
-    gateway = Gateway(EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
-                      TraceStore(str(out), shard_max_records=16, shard_max_seconds=0.2), GatewayConfig(max_body_bytes=1 << 20))
+    gateway = Gateway(
+        EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
+        TraceStore(str(out), shard_max_records=16, shard_max_seconds=0.2),
+        GatewayConfig(max_body_bytes=1 << 20),
+    )
     seen: list[int] = []
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
     @given(body=hostile_body(api))
     def check(body: bytes) -> None:
         status, answer = loop.run_until_complete(_answer(gateway, api, body, {}))
@@ -138,7 +156,9 @@ def test_fuzzed_bodies_through_the_gateway(api: str, engine: str, tmp_path: Path
     try:
         with caplog.at_level(logging.ERROR, logger="polar"):
             check()
-        status, _ = loop.run_until_complete(_answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {}, session="after"))
+        status, _ = loop.run_until_complete(
+            _answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {}, session="after")
+        )
         assert status == 200
         gateway.store.check_writable()
     finally:
@@ -153,8 +173,10 @@ def test_fuzzed_identity(engine: str, tmp_path: Path) -> None:
     """Property: any identity header text gives a 400 from identity parsing or a call the store accepts."""
     out = tmp_path / "shards"
     loop = asyncio.new_event_loop()
-    gateway = Gateway(EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
-                      TraceStore(str(out), shard_max_records=16, shard_max_seconds=0.2))
+    gateway = Gateway(
+        EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
+        TraceStore(str(out), shard_max_records=16, shard_max_seconds=0.2),
+    )
     body = orjson.dumps(valid_body("anthropic_messages"))
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -206,26 +228,42 @@ def test_engine_pool_session_table_is_bounded_and_released() -> None:
 
 
 def _post(url: str, trigger_api: str, body: bytes, headers: dict[str, Any]) -> httpx.Response:
-    return httpx.post(url + PATHS[trigger_api], content=body,
-                      headers={"content-type": "application/json", "authorization": "Bearer sk-real-secret", **headers},
-                      timeout=60)
+    return httpx.post(
+        url + PATHS[trigger_api],
+        content=body,
+        headers={"content-type": "application/json", "authorization": "Bearer sk-real-secret", **headers},
+        timeout=60,
+    )
 
 
 @pytest.mark.timeout(600)
 def test_triggers_and_fuzz_through_mitmdump_never_reach_upstream(engine: str, tmp_path: Path) -> None:
     out = tmp_path / "shards"
-    with RecordingUpstream() as upstream, run_mitmdump(
-            engine, out, mode=f"reverse:http://127.0.0.1:{upstream.port}",
-            options={"polar_shard_seconds": "0.2", "polar_max_body_mb": "1"}) as proxy:
+    with (
+        RecordingUpstream() as upstream,
+        run_mitmdump(
+            engine,
+            out,
+            mode=f"reverse:http://127.0.0.1:{upstream.port}",
+            options={"polar_shard_seconds": "0.2", "polar_max_body_mb": "1"},
+        ) as proxy,
+    ):
         for trigger in TRIGGERS:
             body = trigger.encoded()
             response = _post(proxy.url, trigger.api, body, trigger.headers)
             assert response.status_code == trigger.expect, (trigger.name, response.text[:300])
             if trigger.expect != 200:
-                assert is_provider_error(trigger.api, response.status_code, response.content), (trigger.name, response.text[:300])
+                assert is_provider_error(trigger.api, response.status_code, response.content), (
+                    trigger.name,
+                    response.text[:300],
+                )
 
-        @settings(max_examples=max(10, EXAMPLES // 4), deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+        @settings(
+            max_examples=max(10, EXAMPLES // 4),
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+        )
         @given(api=st.sampled_from(list(PATHS)), data=st.data())
         def fuzz(api: str, data: st.DataObject) -> None:
             response = _post(proxy.url, api, data.draw(hostile_body(api)), {"x-polar-session": "fuzz"})
@@ -256,15 +294,21 @@ def test_responses_websocket_answers_hostile_messages_with_error_events(engine: 
             ssl_ctx = ssl.create_default_context(cafile=str(proxy.ca))
             answers: list[Any] = []
             async with aiohttp.ClientSession() as http:
-                async with http.ws_connect("wss://api.openai.com/v1/responses", proxy=proxy.proxy_url("ws-hostile"),
-                                           ssl=ssl_ctx) as ws:
-                    for message in ({**base, "tools": [{"type": ["function"], "name": "x"}]},
-                                    {**base, "max_output_tokens": 2**63 + 5},
-                                    {**base, "tools": [{"type": "function", "name": "f", "parameters": {"a": 1}}],
-                                     "tool_choice": {"type": "function", "name": ["f"]}},
-                                    {**base, "generate": False, "tools": [{"type": ["x"]}]},
-                                    base,
-                                    {**base, "input": "x" * (2 << 20)}):
+                async with http.ws_connect(
+                    "wss://api.openai.com/v1/responses", proxy=proxy.proxy_url("ws-hostile"), ssl=ssl_ctx
+                ) as ws:
+                    for message in (
+                        {**base, "tools": [{"type": ["function"], "name": "x"}]},
+                        {**base, "max_output_tokens": 2**63 + 5},
+                        {
+                            **base,
+                            "tools": [{"type": "function", "name": "f", "parameters": {"a": 1}}],
+                            "tool_choice": {"type": "function", "name": ["f"]},
+                        },
+                        {**base, "generate": False, "tools": [{"type": ["x"]}]},
+                        base,
+                        {**base, "input": "x" * (2 << 20)},
+                    ):
                         await ws.send_str(orjson.dumps(message).decode())
                         events = []
                         while True:
@@ -289,7 +333,7 @@ def test_responses_websocket_answers_hostile_messages_with_error_events(engine: 
 
 def _chunks(body: bytes, size: int = 1 << 16) -> Iterator[bytes]:
     for i in range(0, len(body), size):
-        yield body[i:i + size]
+        yield body[i : i + size]
 
 
 @pytest.mark.timeout(300)
@@ -298,9 +342,15 @@ def test_bodies_over_every_limit_get_a_provider_shaped_413_declared_or_chunked(e
     counts it on its way in: declared or chunked, it gets the provider's 413 and nothing reaches upstream."""
     out = tmp_path / "shards"
     huge = b'{"model":"tiny","messages":[{"role":"user","content":"' + b"x" * (20 << 20) + b'"}]}'
-    with RecordingUpstream() as upstream, run_mitmdump(
-            engine, out, mode=f"reverse:http://127.0.0.1:{upstream.port}",
-            options={"polar_shard_seconds": "0.2", "polar_max_body_mb": "1"}) as proxy:
+    with (
+        RecordingUpstream() as upstream,
+        run_mitmdump(
+            engine,
+            out,
+            mode=f"reverse:http://127.0.0.1:{upstream.port}",
+            options={"polar_shard_seconds": "0.2", "polar_max_body_mb": "1"},
+        ) as proxy,
+    ):
         answers = []
         for api in ("openai_chat", "anthropic_messages"):
             headers = {"content-type": "application/json", "x-api-key": "sk-real-secret", "x-polar-session": "big"}
@@ -309,10 +359,18 @@ def test_bodies_over_every_limit_get_a_provider_shaped_413_declared_or_chunked(e
             answers += [(api, "declared", declared), (api, "chunked", chunked)]
         # A chunked body within the limit is answered as any other call, streamed or not, and recorded.
         small = orjson.dumps(valid_body("openai_chat"))
-        plain = httpx.post(proxy.url + PATHS["openai_chat"], content=_chunks(small, 7),
-                           headers={"content-type": "application/json", "x-polar-session": "chunked"}, timeout=60)
-        streamed = httpx.post(proxy.url + PATHS["openai_chat"], content=_chunks(orjson.dumps({**valid_body("openai_chat"), "stream": True}), 7),
-                              headers={"content-type": "application/json", "x-polar-session": "chunked"}, timeout=60)
+        plain = httpx.post(
+            proxy.url + PATHS["openai_chat"],
+            content=_chunks(small, 7),
+            headers={"content-type": "application/json", "x-polar-session": "chunked"},
+            timeout=60,
+        )
+        streamed = httpx.post(
+            proxy.url + PATHS["openai_chat"],
+            content=_chunks(orjson.dumps({**valid_body("openai_chat"), "stream": True}), 7),
+            headers={"content-type": "application/json", "x-polar-session": "chunked"},
+            timeout=60,
+        )
         after = _post(proxy.url, "openai_chat", small, {"x-polar-session": "after"})
     for api, how, response in answers:
         assert response.status_code == 413, (api, how, response.text[:300])

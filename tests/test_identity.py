@@ -12,9 +12,18 @@ def basic(user: str, password: str | None = None) -> str:
 
 
 def test_proxy_credentials_win_over_headers_and_keys():
-    ident = identity.resolve(basic("sess-1", "task=t1;group=g1;sample=3"),
-                             {"x-polar-session": "hdr", "authorization": "Bearer polar:key"}, "conn")
-    assert (ident.session_id, ident.task_id, ident.group_id, ident.sample_index, ident.source) == ("sess-1", "t1", "g1", 3, "proxy_auth")
+    ident = identity.resolve(
+        basic("sess-1", "task=t1;group=g1;sample=3"),
+        {"x-polar-session": "hdr", "authorization": "Bearer polar:key"},
+        "conn",
+    )
+    assert (ident.session_id, ident.task_id, ident.group_id, ident.sample_index, ident.source) == (
+        "sess-1",
+        "t1",
+        "g1",
+        3,
+        "proxy_auth",
+    )
 
 
 def test_proxy_user_alone_and_percent_encoding():
@@ -32,7 +41,9 @@ def test_headers_then_api_key():
 
 
 def test_ordinary_api_keys_are_never_an_identity():
-    ident = identity.resolve(None, {"authorization": "Bearer sk-secret", "x-api-key": "sk-ant-secret"}, "0123456789abcdef")
+    ident = identity.resolve(
+        None, {"authorization": "Bearer sk-secret", "x-api-key": "sk-ant-secret"}, "0123456789abcdef"
+    )
     assert ident.source == "generated" and ident.session_id == "anon-0123456789ab"
     assert "secret" not in ident.session_id
 
@@ -76,8 +87,10 @@ def test_basic_scheme_is_case_insensitive_and_an_empty_user_takes_the_password_s
     assert (ident.session_id, ident.sample_index, ident.source) == ("p1", 2, "proxy_auth")
 
 
-@pytest.mark.parametrize("proxy_password,api_key", [("session=s;hunter2-xyz", None), ("sample=hunter2-xyz", None),
-                                                    (None, "polar:session=s;hunter2=1")])
+@pytest.mark.parametrize(
+    "proxy_password,api_key",
+    [("session=s;hunter2-xyz", None), ("sample=hunter2-xyz", None), (None, "polar:session=s;hunter2=1")],
+)
 def test_errors_never_quote_the_credentials(proxy_password, api_key):
     header = proxy_password and "Basic " + base64.b64encode(f"user:{proxy_password}".encode()).decode()
     with pytest.raises(PolarError) as info:
@@ -96,8 +109,9 @@ def test_values_keep_their_own_separators():
 
 def test_an_empty_sample_is_no_sample_and_every_header_field_is_read():
     assert identity.resolve(None, {"x-api-key": "polar:session=s;sample="}, "c").sample_index is None
-    ident = identity.resolve(None, {"x-polar-session": "h", "x-polar-task": "t", "x-polar-group": "g",
-                                    "x-polar-sample": "4"}, "c")
+    ident = identity.resolve(
+        None, {"x-polar-session": "h", "x-polar-task": "t", "x-polar-group": "g", "x-polar-sample": "4"}, "c"
+    )
     assert (ident.task_id, ident.group_id, ident.sample_index) == ("t", "g", 4)
 
 
@@ -129,15 +143,21 @@ def test_labels_are_at_most_256_printable_characters():
     assert identity.resolve(None, {"x-polar-session": "h", "x-polar-task": "a" * 256}, "c").task_id == "a" * 256
     for field, value in (("task", "a" * 257), ("group", "g\x01")):
         assert _refusal({"x-polar-session": "h", f"x-polar-{field}": value}) == (
-            f"polar identity: {field} must be at most 256 printable characters")
+            f"polar identity: {field} must be at most 256 printable characters"
+        )
 
 
 def test_the_sample_index_bound_and_the_exact_refusals():
-    assert identity.resolve(None, {"x-polar-session": "h", "x-polar-sample": "2147483647"}, "c").sample_index == 2**31 - 1
+    assert (
+        identity.resolve(None, {"x-polar-session": "h", "x-polar-sample": "2147483647"}, "c").sample_index == 2**31 - 1
+    )
     assert _refusal({"x-polar-session": "h", "x-polar-sample": "2147483648"}) == (
-        "polar identity: sample must be an integer from 0 to 2147483647")
+        "polar identity: sample must be an integer from 0 to 2147483647"
+    )
     assert _refusal({"x-polar-session": "-bad"}) == (
-        "polar identity: session id must match [A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+        "polar identity: session id must match [A-Za-z0-9][A-Za-z0-9_.:-]{0,127}"
+    )
     assert _refusal({"x-api-key": "polar:session=s;colour=red"}) == (
         "polar identity: cannot read the session fields (key=value pairs joined by ';', keys: session, task, group, "
-        "sample)")
+        "sample)"
+    )

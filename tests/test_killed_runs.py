@@ -63,8 +63,9 @@ def _wait(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_a_sigkilled_loop_takes_its_proxy_and_harnesses_down_and_the_rerun_is_clean(tiny_model_dir: Path,
-                                                                                      tmp_path: Path) -> None:
+def test_a_sigkilled_loop_takes_its_proxy_and_harnesses_down_and_the_rerun_is_clean(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     flag = tmp_path / "hang"
     flag.touch()
     marker = f"killed-loop-{os.getpid()}-{time.monotonic_ns()}"  # in each agent's command line
@@ -77,8 +78,9 @@ def test_a_sigkilled_loop_takes_its_proxy_and_harnesses_down_and_the_rerun_is_cl
            "{instruction}", "--model", str(tiny_model_dir), "--iterations", "1", "--out", str(out), "--samples", "2",
            "--no-progress", "--eot-token-id", "2", "--set", "polar_shard_seconds=0.2",
            "--runtime", "local", "--trust-agent"]  # fmt: skip
-    killed = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    killed = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     children: list[int] = []
     try:
         # Both harnesses made their call (its record is in the store) and now hang: mid-rollout.
@@ -86,8 +88,11 @@ def test_a_sigkilled_loop_takes_its_proxy_and_harnesses_down_and_the_rerun_is_cl
 
         def both_called() -> bool:
             assert killed.poll() is None, "the loop ended before it could be killed"
-            return shards.is_dir() and len(_mentioning(marker)) >= 2 and len(
-                [s for s in read_sessions(str(shards)) if s.session_id.startswith("it000")]) == 2
+            return (
+                shards.is_dir()
+                and len(_mentioning(marker)) >= 2
+                and len([s for s in read_sessions(str(shards)) if s.session_id.startswith("it000")]) == 2
+            )
 
         _wait(both_called, 120, "the two harnesses never made their first call")
         proxies = _mentioning(f"polar_out={shards}")
@@ -99,8 +104,11 @@ def test_a_sigkilled_loop_takes_its_proxy_and_harnesses_down_and_the_rerun_is_cl
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait()
         # The proxy and every harness process die with the loop, by PID (not merely by name).
-        _wait(lambda: not [p for p in children if _alive(p)], 5,
-              f"outlived the SIGKILLed loop: {[p for p in children if _alive(p)]} of proxy {proxies}")
+        _wait(
+            lambda: not [p for p in children if _alive(p)],
+            5,
+            f"outlived the SIGKILLed loop: {[p for p in children if _alive(p)]} of proxy {proxies}",
+        )
         assert _mentioning(marker) == [] and _mentioning(str(out)) == []
     finally:
         if killed.poll() is None:
@@ -154,9 +162,16 @@ def test_a_child_tied_from_a_thread_that_ended_dies_with_the_process(tmp_path: P
         "    lifeline.tie(p.pid)\n"
         "    print(p.pid, p.stdout.readline().strip(), flush=True)\n"
         "t = threading.Thread(target=spawn); t.start(); t.join()\n"
-        "time.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
     pids: list[int] = []
     try:
         assert parent.stdout is not None
@@ -185,13 +200,36 @@ def test_a_sigkilled_async_loop_takes_down_the_vllm_it_is_still_starting(tiny_mo
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"id": "t", "instruction": "say hi", "verify": "true"}) + "\n")
     out = tmp_path / "loop"
-    cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", f"cmd:{sys.executable} {AGENT} "
-           "{instruction}", "--model", str(tiny_model_dir), "--iterations", "2", "--out", str(out), "--samples", "2",
-           "--no-progress", "--async", "--engine", "vllm", "--vllm-arg=--enforce-eager", "--eot-token-id", "2"]
-    killed = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "polar_cli.app",
+        "loop",
+        str(tasks),
+        "--harness",
+        f"cmd:{sys.executable} {AGENT} {{instruction}}",
+        "--model",
+        str(tiny_model_dir),
+        "--iterations",
+        "2",
+        "--out",
+        str(out),
+        "--samples",
+        "2",
+        "--no-progress",
+        "--async",
+        "--engine",
+        "vllm",
+        "--vllm-arg=--enforce-eager",
+        "--eot-token-id",
+        "2",
+    ]
+    killed = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     server = 0
     try:
+
         def started() -> bool:
             nonlocal server
             assert killed.poll() is None, "the loop ended before it could be killed"
@@ -239,9 +277,16 @@ def test_a_sigkilled_rollout_leaves_no_container(tmp_path: Path) -> None:
         "                   proxy=ProxyEndpoints(1, 2, tmp / 'ca.pem'))\n"
         "box = asyncio.run(oci.make(image=sys.argv[2]).start(spec))\n"
         "print(box.container, flush=True)\n"
-        "time.sleep(600)\n")
-    starter = subprocess.Popen([sys.executable, str(script), str(tmp_path), image], cwd=REPO, stdout=subprocess.PIPE,
-                               text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+        "time.sleep(600)\n"
+    )
+    starter = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), image],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
     container = ""
     try:
         assert starter.stdout is not None

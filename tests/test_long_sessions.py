@@ -28,7 +28,7 @@ from google import genai
 from google.genai import errors as genai_errors
 from google.genai import types
 
-from polar_addon.canonical import CanonicalRequest, Completion, AssistantMessage, ContextLengthExceeded
+from polar_addon.canonical import AssistantMessage, Completion, ContextLengthExceeded
 from polar_addon.context_compaction import (
     POLAR_COMPACTION_PROMPT,
     compaction_prompt,
@@ -51,13 +51,18 @@ LONG = "word " * 200  # far past the window in any tokenizer
 @pytest.fixture(scope="module")
 def small_window_proxy(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("long-sessions")
-    with run_mitmdump(f"local:{tiny_model_dir}?max_len={WINDOW}", root / "shards",
-                      options={"polar_shard_seconds": "0.2", "polar_keepalive": "30"}) as proxy:
+    with run_mitmdump(
+        f"local:{tiny_model_dir}?max_len={WINDOW}",
+        root / "shards",
+        options={"polar_shard_seconds": "0.2", "polar_keepalive": "30"},
+    ) as proxy:
         yield proxy
 
 
 def _http(proxy, session: str) -> httpx.Client:
-    return httpx.Client(proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120)
+    return httpx.Client(
+        proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120
+    )
 
 
 def _failed_record(proxy, session: str):
@@ -72,15 +77,22 @@ def _failed_record(proxy, session: str):
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_overflow_is_prompt_too_long(small_window_proxy, stream):
     session = f"ant-overflow-{stream}"
-    client = anthropic.Anthropic(api_key="sk-ant-not-real", http_client=_http(small_window_proxy, session), max_retries=0)
+    client = anthropic.Anthropic(
+        api_key="sk-ant-not-real", http_client=_http(small_window_proxy, session), max_retries=0
+    )
     with pytest.raises(anthropic.BadRequestError) as err:
-        response = client.messages.create(model="tiny", max_tokens=8, stream=stream, messages=[{"role": "user", "content": LONG}])
+        response = client.messages.create(
+            model="tiny", max_tokens=8, stream=stream, messages=[{"role": "user", "content": LONG}]
+        )
         if stream:
             list(response)
     body = err.value.body["error"]
     prompt_tokens = _failed_record(small_window_proxy, session)
     # Claude Code matches /prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)/ and compacts.
-    assert body == {"type": "invalid_request_error", "message": f"prompt is too long: {prompt_tokens} tokens > {WINDOW} maximum"}
+    assert body == {
+        "type": "invalid_request_error",
+        "message": f"prompt is too long: {prompt_tokens} tokens > {WINDOW} maximum",
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -88,7 +100,9 @@ def test_openai_chat_overflow_is_context_length_exceeded(small_window_proxy, str
     session = f"chat-overflow-{stream}"
     client = openai.OpenAI(api_key="sk-not-real", http_client=_http(small_window_proxy, session), max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:
-        response = client.chat.completions.create(model="tiny", max_tokens=8, stream=stream, messages=[{"role": "user", "content": LONG}])
+        response = client.chat.completions.create(
+            model="tiny", max_tokens=8, stream=stream, messages=[{"role": "user", "content": LONG}]
+        )
         if stream:
             list(response)
     prompt_tokens = _failed_record(small_window_proxy, session)
@@ -103,7 +117,9 @@ def test_responses_overflow_plain_is_400_and_stream_is_response_failed(small_win
         client.responses.create(model="tiny", input=LONG)
     assert err.value.code == "context_length_exceeded"
     # Codex maps only a streamed response.failed with this code to ContextWindowExceeded (then compacts).
-    stream_client = openai.OpenAI(api_key="sk-not-real", http_client=_http(small_window_proxy, "resp-overflow-stream"), max_retries=0)
+    stream_client = openai.OpenAI(
+        api_key="sk-not-real", http_client=_http(small_window_proxy, "resp-overflow-stream"), max_retries=0
+    )
     events = list(stream_client.responses.create(model="tiny", input=LONG, stream=True))
     assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
     failed = events[-1].response
@@ -115,7 +131,9 @@ def test_responses_overflow_plain_is_400_and_stream_is_response_failed(small_win
 @pytest.mark.parametrize("stream", [False, True])
 def test_gemini_overflow_is_invalid_argument(small_window_proxy, stream):
     session = f"gemini-overflow-{stream}"
-    client = genai.Client(api_key="not-a-real-key", http_options=types.HttpOptions(httpx_client=_http(small_window_proxy, session)))
+    client = genai.Client(
+        api_key="not-a-real-key", http_options=types.HttpOptions(httpx_client=_http(small_window_proxy, session))
+    )
     with pytest.raises(genai_errors.ClientError) as err:
         if stream:
             list(client.models.generate_content_stream(model="tiny", contents=LONG))
@@ -123,8 +141,9 @@ def test_gemini_overflow_is_invalid_argument(small_window_proxy, stream):
             client.models.generate_content(model="tiny", contents=LONG)
     prompt_tokens = _failed_record(small_window_proxy, session)
     assert err.value.code == 400 and err.value.status == "INVALID_ARGUMENT"
-    assert err.value.message == (f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens "
-                                 f"allowed ({WINDOW}).")
+    assert err.value.message == (
+        f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens allowed ({WINDOW})."
+    )
 
 
 def test_token_counts_are_the_served_models(small_window_proxy, tiny_model_dir):
@@ -139,7 +158,9 @@ def test_token_counts_are_the_served_models(small_window_proxy, tiny_model_dir):
     assert ant.messages.count_tokens(model="tiny", messages=messages).input_tokens == expected
     message = ant.messages.create(model="tiny", max_tokens=4, messages=messages)
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == expected
-    gem = genai.Client(api_key="not-a-real-key", http_options=types.HttpOptions(httpx_client=_http(small_window_proxy, "count")))
+    gem = genai.Client(
+        api_key="not-a-real-key", http_options=types.HttpOptions(httpx_client=_http(small_window_proxy, "count"))
+    )
     assert gem.models.count_tokens(model="tiny", contents="hi").total_tokens == expected
 
 
@@ -147,17 +168,30 @@ def test_token_counts_are_the_served_models(small_window_proxy, tiny_model_dir):
 
 
 def _completion(text: str) -> Completion:
-    return Completion(message=AssistantMessage(content=text), finish_reason="stop", prompt_ids=[1, 2, 3],
-                      response_ids=[4, 5], logprobs=[-0.1, -0.2], served_model="tiny", engine="test")
+    return Completion(
+        message=AssistantMessage(content=text),
+        finish_reason="stop",
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5],
+        logprobs=[-0.1, -0.2],
+        served_model="tiny",
+        engine="test",
+    )
 
 
 def test_compaction_trigger_asks_the_engine_for_a_summary_and_answers_one_compaction_item():
     provider = OpenAIResponsesProvider()
-    body = {"model": "tiny", "stream": True, "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}],
-            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]},
-                      {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
-                      {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
-                      {"type": "compaction_trigger"}]}
+    body = {
+        "model": "tiny",
+        "stream": True,
+        "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}],
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]},
+            {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "a.py"},
+            {"type": "compaction_trigger"},
+        ],
+    }
     request = provider.parse_request(body, Route(kind="generate"))
     assert request.extra["compaction"] == "remote_v2" and request.tool_choice == "none"
     assert request.messages[-1] == {"role": "user", "content": POLAR_COMPACTION_PROMPT}
@@ -168,8 +202,10 @@ def test_compaction_trigger_asks_the_engine_for_a_summary_and_answers_one_compac
     assert [i["type"] for i in done] == ["compaction"] and events[-1]["type"] == "response.completed"
     assert decode_summary(done[0]["encrypted_content"]) == "Goal: fix it. Seen: a.py."
     # Codex sends the item back in the next window: the engine reads the summary.
-    later = provider.parse_request({"model": "tiny", "input": [done[0], {"type": "message", "role": "user", "content": "go on"}]},
-                                   Route(kind="generate"))
+    later = provider.parse_request(
+        {"model": "tiny", "input": [done[0], {"type": "message", "role": "user", "content": "go on"}]},
+        Route(kind="generate"),
+    )
     assert summarised_history(later.messages) == "polar"
     assert "Goal: fix it. Seen: a.py." in later.messages[0]["content"]
 
@@ -177,27 +213,55 @@ def test_compaction_trigger_asks_the_engine_for_a_summary_and_answers_one_compac
 def test_responses_compact_endpoint_answers_the_compacted_window():
     provider = OpenAIResponsesProvider()
     user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]}
-    body = {"model": "tiny", "instructions": "You are Codex.", "tools": [], "parallel_tool_calls": False,
-            "input": [user, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}]}
+    body = {
+        "model": "tiny",
+        "instructions": "You are Codex.",
+        "tools": [],
+        "parallel_tool_calls": False,
+        "input": [user, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}],
+    }
     request = provider.parse_request(body, provider.route("POST", "/v1/responses/compact"))
     assert request.extra["compaction"] == "remote_v1" and not request.stream
     answer = provider.render_response(request, _completion("summary"), ResponseContext("resp_y", 0, "tiny"))
     assert answer["output"][0] == user
-    assert answer["output"][1]["type"] == "compaction" and decode_summary(answer["output"][1]["encrypted_content"]) == "summary"
+    assert (
+        answer["output"][1]["type"] == "compaction"
+        and decode_summary(answer["output"][1]["encrypted_content"]) == "summary"
+    )
     assert decode_summary(encode_summary("é")) == "é" and decode_summary("gAAAA-openai-blob") is None
 
 
 def test_engine_overflow_messages_keep_the_counts():
-    vllm = engine_error(400, orjson.dumps({"error": {"message": (
-        "This model's maximum context length is 8192 tokens. However, your prompt contains 9000 input tokens, "
-        "which exceeds this limit even without any output tokens. Please reduce the length of the input prompt.")}}))
-    sglang = engine_error(400, orjson.dumps({"object": "error", "message": "The input (9000 tokens) is longer than the model's context length (8192 tokens)."}))
+    vllm = engine_error(
+        400,
+        orjson.dumps(
+            {
+                "error": {
+                    "message": (
+                        "This model's maximum context length is 8192 tokens. However, your prompt contains 9000 input tokens, "
+                        "which exceeds this limit even without any output tokens. Please reduce the length of the input prompt."
+                    )
+                }
+            }
+        ),
+    )
+    sglang = engine_error(
+        400,
+        orjson.dumps(
+            {
+                "object": "error",
+                "message": "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
+            }
+        ),
+    )
     for err in (vllm, sglang):
         assert isinstance(err, ContextLengthExceeded) and (err.prompt_tokens, err.window) == (9000, 8192)
 
 
-CLAUDE_SUMMARY = ("This session is being continued from a previous conversation that ran out of context. "
-                  "The summary below covers the earlier portion of the conversation.\n\nSummary: listed files.")
+CLAUDE_SUMMARY = (
+    "This session is being continued from a previous conversation that ran out of context. "
+    "The summary below covers the earlier portion of the conversation.\n\nSummary: listed files."
+)
 CLAUDE_PROMPT = "Your task is to create a detailed summary of the conversation so far, paying close attention to ..."
 
 
@@ -216,19 +280,25 @@ def test_compaction_breaks_the_chain_with_cause_compaction():
     sim.call(messages + [{"role": "user", "content": CLAUDE_PROMPT}], Turn(content="Summary: listed files."), tools=[])
     compacted = [system, {"role": "user", "content": CLAUDE_SUMMARY}, {"role": "user", "content": "now read a.py"}]
     fourth = sim.call(compacted, Turn(tool_calls=[("ls", {"path": "a.py"})]))
-    sim.call(compacted + [sim.sent_back(fourth), {"role": "tool", "tool_call_id": "call_3_0", "content": "x = 1"}],
-             Turn(content="a.py sets x."))
+    sim.call(
+        compacted + [sim.sent_back(fourth), {"role": "tool", "tool_call_id": "call_3_0", "content": "x = 1"}],
+        Turn(content="a.py sets x."),
+    )
     result = build_traces(sim.records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
     assert [t.calls_merged for t in result.traces] == [2, 1, 2]
     assert result.report.total.breaks == {"compaction": 2}
     assert [t.break_cause for t in result.traces] == ["compaction", None, None]
 
 
-GEMINI_PROMPT = "You are a component that specializes in distilling chat history into a structured XML <state_snapshot>."
+GEMINI_PROMPT = (
+    "You are a component that specializes in distilling chat history into a structured XML <state_snapshot>."
+)
 
 
-@pytest.mark.parametrize("summary, cause", [("no snapshot format, just words from a small model", "compaction"),
-                                            ("short", "rewritten_history")])
+@pytest.mark.parametrize(
+    "summary, cause",
+    [("no snapshot format, just words from a small model", "compaction"), ("short", "rewritten_history")],
+)
 def test_a_summary_without_its_marker_is_known_by_the_compaction_calls_answer(summary, cause):
     """Gemini CLI's shape with a model that ignores the ``<state_snapshot>`` format: the history after the
     compaction call carries that call's answer as it came, which alone marks it as the summary (an answer too
@@ -240,10 +310,17 @@ def test_a_summary_without_its_marker_is_known_by_the_compaction_calls_answer(su
     messages = [system, {"role": "user", "content": "count"}]
     first = sim.call(messages, Turn(content="1 2 3"))
     history = messages + [sim.sent_back(first)]
-    sim.call([{"role": "system", "content": GEMINI_PROMPT}, *history[1:], {"role": "user", "content": "Summarise."}],
-             Turn(content=summary), tools=[])
-    compressed = [system, {"role": "user", "content": summary}, {"role": "assistant", "content": "Got it."},
-                  {"role": "user", "content": "go on"}]
+    sim.call(
+        [{"role": "system", "content": GEMINI_PROMPT}, *history[1:], {"role": "user", "content": "Summarise."}],
+        Turn(content=summary),
+        tools=[],
+    )
+    compressed = [
+        system,
+        {"role": "user", "content": summary},
+        {"role": "assistant", "content": "Got it."},
+        {"role": "user", "content": "go on"},
+    ]
     sim.call(compressed, Turn(content="4 5 6"))
     built = build_traces(sim.records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
     assert [t.calls_merged for t in built.traces] == [1, 1, 1]
@@ -252,7 +329,10 @@ def test_a_summary_without_its_marker_is_known_by_the_compaction_calls_answer(su
 
 # --- Codex through the forward proxy: it compacts remotely, through polar --------------------------
 
-CODEX_TOOL_TURN = {"content": None, "tool_calls": [{"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "seq 1 50"}}}]}
+CODEX_TOOL_TURN = {
+    "content": None,
+    "tool_calls": [{"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "seq 1 50"}}}],
+}
 
 
 @pytest.mark.harness
@@ -264,17 +344,46 @@ def test_codex_default_provider_compacts_remotely_through_polar(tiny_model_dir, 
 
     codex = harness("codex")
     script = tmp_path / "script.json"
-    script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "turns": [CODEX_TOOL_TURN] * 8,
-                                     "summary": "Goal: count. Done: seq ran several times.",
-                                     "after_compaction": [{"content": "Counting is done."}]}))
+    script.write_bytes(
+        orjson.dumps(
+            {
+                "model_dir": str(tiny_model_dir),
+                "cycle": False,
+                "turns": [CODEX_TOOL_TURN] * 8,
+                "summary": "Goal: count. Done: seq ran several times.",
+                "after_compaction": [{"content": "Counting is done."}],
+            }
+        )
+    )
     out, home = tmp_path / "shards", tmp_path / "home"
     (home / ".codex").mkdir(parents=True)
-    with run_mitmdump(f"scripted:{script}", out, options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}) as proxy:
-        env = {"CODEX_HOME": str(home / ".codex"), "RUST_LOG": "warn", "HTTPS_PROXY": proxy.proxy_url("codex-compact"),
-               "CODEX_CA_CERTIFICATE": str(proxy.ca), "SSL_CERT_FILE": str(proxy.ca), "OPENAI_API_KEY": "sk-not-a-real-key"}
+    with run_mitmdump(
+        f"scripted:{script}", out, options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}
+    ) as proxy:
+        env = {
+            "CODEX_HOME": str(home / ".codex"),
+            "RUST_LOG": "warn",
+            "HTTPS_PROXY": proxy.proxy_url("codex-compact"),
+            "CODEX_CA_CERTIFICATE": str(proxy.ca),
+            "SSL_CERT_FILE": str(proxy.ca),
+            "OPENAI_API_KEY": "sk-not-a-real-key",
+        }
         # The first prompt is ~15.2k tokens of the tiny tokenizer; each tool turn adds ~120.
-        result = run([str(codex), "exec", "--skip-git-repo-check", "-m", "tiny", "-c", "model_auto_compact_token_limit=15400",
-                      "Count a few times."], env, home, timeout=240)
+        result = run(
+            [
+                str(codex),
+                "exec",
+                "--skip-git-repo-check",
+                "-m",
+                "tiny",
+                "-c",
+                "model_auto_compact_token_limit=15400",
+                "Count a few times.",
+            ],
+            env,
+            home,
+            timeout=240,
+        )
         assert result.returncode == 0, result.stdout + result.stderr + proxy.logs()[-3000:]
         records = calls(out, "codex-compact")
     assert "Counting is done." in result.stdout
@@ -293,7 +402,10 @@ def test_codex_default_provider_compacts_remotely_through_polar(tiny_model_dir, 
 
 # --- Claude Code: auto-compaction through polar ---------------------------------------------------
 
-GLOB_TURN = {"content": "Looking.", "tool_calls": [{"type": "function", "function": {"name": "Glob", "arguments": '{"pattern": "*.txt"}'}}]}
+GLOB_TURN = {
+    "content": "Looking.",
+    "tool_calls": [{"type": "function", "function": {"name": "Glob", "arguments": '{"pattern": "*.txt"}'}}],
+}
 
 
 def claude_run(tmp_path, script: dict, session: str, extra_env: dict[str, str], timeout: float = 240):
@@ -306,11 +418,33 @@ def claude_run(tmp_path, script: dict, session: str, extra_env: dict[str, str], 
     home, out = tmp_path / "home", tmp_path / "shards"
     home.mkdir()
     (home / "notes.txt").write_text("hello\n")
-    env = {"ANTHROPIC_API_KEY": f"polar:session={session}", "ANTHROPIC_MODEL": "tiny", "ANTHROPIC_DEFAULT_HAIKU_MODEL": "tiny",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "1", **extra_env}
-    with run_mitmdump(f"scripted:{path}", out, mode="reverse:https://api.anthropic.com", options={"polar_shard_seconds": "0.5"}) as proxy:
-        result = run([str(claude), "-p", "Which text files are here?", "--output-format", "json", "--tools", "Glob",
-                      "--system-prompt", "You are a file finder."], {**env, "ANTHROPIC_BASE_URL": proxy.url}, home, timeout=timeout)
+    env = {
+        "ANTHROPIC_API_KEY": f"polar:session={session}",
+        "ANTHROPIC_MODEL": "tiny",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "tiny",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CODE_MAX_RETRIES": "1",
+        **extra_env,
+    }
+    with run_mitmdump(
+        f"scripted:{path}", out, mode="reverse:https://api.anthropic.com", options={"polar_shard_seconds": "0.5"}
+    ) as proxy:
+        result = run(
+            [
+                str(claude),
+                "-p",
+                "Which text files are here?",
+                "--output-format",
+                "json",
+                "--tools",
+                "Glob",
+                "--system-prompt",
+                "You are a file finder.",
+            ],
+            {**env, "ANTHROPIC_BASE_URL": proxy.url},
+            home,
+            timeout=timeout,
+        )
         records = calls(out, session, include_failed=True)
         logs = proxy.logs()[-3000:]
     return result, records, logs
@@ -322,12 +456,20 @@ def test_claude_code_auto_compacts_through_polar(tiny_model_dir, tmp_path):
     CLAUDE_AUTOCOMPACT_PCT_OVERRIDE=1 (compact past 1% = 1000 tokens, going by the usage polar reports):
     after four ~60-token tool turns on a ~600-token prompt Claude Code compacts with its own prompt,
     carries on from its summary and exits 0."""
-    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [GLOB_TURN] * 8,
-              "summary": "Goal: find text files. Found notes.txt.",
-              # Claude Code keeps the turn in flight after its summary: the answer is the second turn.
-              "after_compaction": [GLOB_TURN, {"content": "There is one text file: notes.txt."}]}
-    result, records, logs = claude_run(tmp_path, script, "cc-compact", {
-        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "1"})
+    script = {
+        "model_dir": str(tiny_model_dir),
+        "cycle": False,
+        "turns": [GLOB_TURN] * 8,
+        "summary": "Goal: find text files. Found notes.txt.",
+        # Claude Code keeps the turn in flight after its summary: the answer is the second turn.
+        "after_compaction": [GLOB_TURN, {"content": "There is one text file: notes.txt."}],
+    }
+    result, records, logs = claude_run(
+        tmp_path,
+        script,
+        "cc-compact",
+        {"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "100000", "CLAUDE_AUTOCOMPACT_PCT_OVERRIDE": "1"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr + logs
     assert orjson.loads(result.stdout)["result"] == "There is one text file: notes.txt."
     assert all(r.status == "ok" for r in records), [r.error for r in records]
@@ -339,14 +481,28 @@ def test_claude_code_auto_compacts_through_polar(tiny_model_dir, tmp_path):
     # summarised history; both breaks are compactions.
     built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
     assert built.report.total.breaks == {"compaction": 2}
-    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]
+    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [
+        (asking[0], "compaction"),
+        (1, None),
+        (len(summarised), None),
+    ]
 
 
 # --- Qwen Code, Pi, Gemini CLI: their own compaction, with the window their rollout preset writes ----------
 
 
-def preset_run(preset, tmp_path, script: dict, session: str, window: int, instruction: str, target: str,
-               settings: tuple[str, dict] | None = None, extra_env: dict[str, str] | None = None, timeout: float = 240):
+def preset_run(
+    preset,
+    tmp_path,
+    script: dict,
+    session: str,
+    window: int,
+    instruction: str,
+    target: str,
+    settings: tuple[str, dict] | None = None,
+    extra_env: dict[str, str] | None = None,
+    timeout: float = 240,
+):
     """Run a harness as its rollout preset configures it (``context_window=window``) against the scripted
     engine behind a reverse proxy; ``settings`` = (a file under HOME, keys merged into what the preset wrote
     there, if anything), e.g. to trim its prompt for a CPU forward pass."""
@@ -356,8 +512,12 @@ def preset_run(preset, tmp_path, script: dict, session: str, window: int, instru
     path.write_bytes(orjson.dumps(script))
     home, out = tmp_path / "home", tmp_path / "shards"
     home.mkdir()
-    with run_mitmdump(f"scripted:{path}", out, mode=f"reverse:{target}",
-                      options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}) as proxy:
+    with run_mitmdump(
+        f"scripted:{path}",
+        out,
+        mode=f"reverse:{target}",
+        options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"},
+    ) as proxy:
         ctx = configured_session(preset, proxy, home, session, window, settings)
         result = run(preset.command(instruction, ctx), {**preset.env(ctx), **(extra_env or {})}, home, timeout=timeout)
         records = calls(out, session, include_failed=True)
@@ -366,11 +526,16 @@ def preset_run(preset, tmp_path, script: dict, session: str, window: int, instru
 
 
 def shell_turn(name: str, key: str, command: str) -> dict:
-    return {"content": None, "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {key: command}}}]}
+    return {
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {key: command}}}],
+    }
 
 
 QWEN_TURN = shell_turn("run_shell_command", "command", "seq 1 300")  # ~1,130 tokens a round
-STATE_SNAPSHOT = "<state_snapshot>\n<overall_goal>Count.</overall_goal>\n<key_knowledge>seq ran.</key_knowledge>\n</state_snapshot>"
+STATE_SNAPSHOT = (
+    "<state_snapshot>\n<overall_goal>Count.</overall_goal>\n<key_knowledge>seq ran.</key_knowledge>\n</state_snapshot>"
+)
 
 
 @pytest.mark.harness
@@ -380,29 +545,55 @@ def test_qwen_code_compresses_through_polar(tiny_model_dir, tmp_path):
     the older turns with the snapshot, carries on and exits 0. The trace breaks exactly there."""
     from polar_cli.rollout.harnesses.qwen_code import QwenCode
 
-    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [QWEN_TURN] * 8, "summary": STATE_SNAPSHOT,
-              "after_compaction": [{"content": "Counting is done."}] * 8}
+    script = {
+        "model_dir": str(tiny_model_dir),
+        "cycle": False,
+        "turns": [QWEN_TURN] * 8,
+        "summary": STATE_SNAPSHOT,
+        "after_compaction": [{"content": "Counting is done."}] * 8,
+    }
     system = tmp_path / "system.md"
     system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
     # One tool and a short system prompt: the first prompt is ~10.3k tokens, each round adds ~1.1k; the window
     # is such that 70 % of it (12.2k) is passed after the third round.
     result, records, logs = preset_run(
-        QwenCode(), tmp_path, script, "qwen-compact", 17_400, "Count a few times.", "https://api.openai.com",
-        settings=(".qwen/settings.json", {"tools": {"approvalMode": "yolo", "core": ["run_shell_command"],
-                                                    "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"]}}),
-        extra_env={"QWEN_SYSTEM_MD": str(system)})
+        QwenCode(),
+        tmp_path,
+        script,
+        "qwen-compact",
+        17_400,
+        "Count a few times.",
+        "https://api.openai.com",
+        settings=(
+            ".qwen/settings.json",
+            {
+                "tools": {
+                    "approvalMode": "yolo",
+                    "core": ["run_shell_command"],
+                    "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"],
+                }
+            },
+        ),
+        extra_env={"QWEN_SYSTEM_MD": str(system)},
+    )
     assert result.returncode == 0, result.stdout + result.stderr + logs
     assert "Counting is done." in result.stdout
     assert all(r.status == "ok" for r in records), [r.error for r in records]
     asking = [r.seq for r in records if compaction_prompt(r.messages) == "qwen-code"]
     # The compression prompt itself shows the <state_snapshot> structure: only later calls carry a summary.
-    summarised = [r.seq for r in records if summarised_history(r.messages) == "gemini-cli/qwen-code" and r.seq not in asking]
+    summarised = [
+        r.seq for r in records if summarised_history(r.messages) == "gemini-cli/qwen-code" and r.seq not in asking
+    ]
     assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
     assert len(records[asking[0] - 1].prompt_ids) > 0.7 * 17_400 > len(records[asking[0] - 2].prompt_ids)
     built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
     # Its compression call has its own system prompt: it breaks the chain, and the summarised history starts another.
     assert built.report.total.breaks == {"compaction": 2}
-    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]
+    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [
+        (asking[0], "compaction"),
+        (1, None),
+        (len(summarised), None),
+    ]
 
 
 def gemini_turns(n: int) -> list[dict]:
@@ -419,14 +610,26 @@ def test_gemini_cli_does_not_compress_a_one_prompt_session(tiny_model_dir, tmp_p
     engine refuses it: then it exits 1, see the README)."""
     from polar_cli.rollout.harnesses.gemini_cli import GeminiCli
 
-    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": gemini_turns(5) + [{"content": "Counting is done."}],
-              "summary": STATE_SNAPSHOT}
+    script = {
+        "model_dir": str(tiny_model_dir),
+        "cycle": False,
+        "turns": gemini_turns(5) + [{"content": "Counting is done."}],
+        "summary": STATE_SNAPSHOT,
+    }
     system = tmp_path / "system.md"
     system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
     # First prompt ~1.5k tokens with one tool, ~1.4k more a round; half the window is 3.6k.
     result, records, logs = preset_run(
-        GeminiCli(), tmp_path, script, "gemini-long", 7_200, "Count a few times.", "https://generativelanguage.googleapis.com",
-        settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}), extra_env={"GEMINI_SYSTEM_MD": str(system)})
+        GeminiCli(),
+        tmp_path,
+        script,
+        "gemini-long",
+        7_200,
+        "Count a few times.",
+        "https://generativelanguage.googleapis.com",
+        settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}),
+        extra_env={"GEMINI_SYSTEM_MD": str(system)},
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
     assert "Counting is done." in result.stdout
     assert all(r.status == "ok" for r in records), [r.error for r in records]
@@ -443,11 +646,23 @@ def test_codex_custom_provider_compacts_through_polar(tiny_model_dir, tmp_path):
     its own checkpoint prompt as a normal call, carries on from the summary and exits 0."""
     from polar_cli.rollout.harnesses.codex import Codex
 
-    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [CODEX_TOOL_TURN] * 8,
-              "summary": "Goal: count. Done: seq ran several times.", "after_compaction": [{"content": "Counting is done."}] * 4}
+    script = {
+        "model_dir": str(tiny_model_dir),
+        "cycle": False,
+        "turns": [CODEX_TOOL_TURN] * 8,
+        "summary": "Goal: count. Done: seq ran several times.",
+        "after_compaction": [{"content": "Counting is done."}] * 4,
+    }
     # The first prompt is ~15.2k tokens, each tool turn adds ~120: 80 % of 19,250 is 15,400.
-    result, records, logs = preset_run(Codex(custom_provider=True), tmp_path, script, "codex-http-compact", 19_250,
-                                       "Count a few times.", "https://api.openai.com")
+    result, records, logs = preset_run(
+        Codex(custom_provider=True),
+        tmp_path,
+        script,
+        "codex-http-compact",
+        19_250,
+        "Count a few times.",
+        "https://api.openai.com",
+    )
     assert result.returncode == 0, result.stdout + result.stderr + logs
     assert "Counting is done." in result.stdout
     assert all(r.status == "ok" for r in records), [r.error for r in records]
@@ -459,7 +674,11 @@ def test_codex_custom_provider_compacts_through_polar(tiny_model_dir, tmp_path):
     # As for Claude Code: the compaction call re-renders the earlier turns, so it breaks the chain, and the
     # summarised history starts another.
     assert built.report.total.breaks == {"compaction": 2}
-    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [(asking[0], "compaction"), (1, None), (len(summarised), None)]
+    assert [(t.calls_merged, t.break_cause) for t in built.traces] == [
+        (asking[0], "compaction"),
+        (1, None),
+        (len(summarised), None),
+    ]
 
 
 PI_TURN = shell_turn("bash", "command", "seq 1 300")  # ~1,070 tokens a round
@@ -473,10 +692,16 @@ def test_pi_compacts_after_its_answer_in_print_mode(tiny_model_dir, tmp_path):
     checkpoint prompt, and Pi exits 0. (The summary is for a next prompt, which ``pi -p`` never sends.)"""
     from polar_cli.rollout.harnesses.pi import Pi
 
-    script = {"model_dir": str(tiny_model_dir), "cycle": False, "turns": [PI_TURN] * 3 + [{"content": "Done counting."}],
-              "summary": PI_SUMMARY}
+    script = {
+        "model_dir": str(tiny_model_dir),
+        "cycle": False,
+        "turns": [PI_TURN] * 3 + [{"content": "Done counting."}],
+        "summary": PI_SUMMARY,
+    }
     # The last prompt is ~5.4k tokens, past 19,384 - 16,384 = 3,000.
-    result, records, logs = preset_run(Pi(), tmp_path, script, "pi-compact", 19_384, "Count a few times.", "https://api.openai.com")
+    result, records, logs = preset_run(
+        Pi(), tmp_path, script, "pi-compact", 19_384, "Count a few times.", "https://api.openai.com"
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
     assert result.stdout.strip() == "Done counting."
     assert all(r.status == "ok" for r in records), [r.error for r in records]
@@ -500,26 +725,73 @@ def test_qwen_code_and_pi_recover_from_an_overflow(name, tiny_model_dir, tmp_pat
     system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
     runs = {
         # Qwen: prompts of ~10.3k, 11.4k, 12.5k tokens, then 13.6k > 13,500.
-        "qwen": (QwenCode(), "qwen-code", "gemini-cli/qwen-code", QWEN_TURN, STATE_SNAPSHOT, 13_500,
-                 (".qwen/settings.json", {"tools": {"approvalMode": "yolo", "core": ["run_shell_command"],
-                                                    "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"]}}),
-                 {"QWEN_SYSTEM_MD": str(system)}),
+        "qwen": (
+            QwenCode(),
+            "qwen-code",
+            "gemini-cli/qwen-code",
+            QWEN_TURN,
+            STATE_SNAPSHOT,
+            13_500,
+            (
+                ".qwen/settings.json",
+                {
+                    "tools": {
+                        "approvalMode": "yolo",
+                        "core": ["run_shell_command"],
+                        "exclude": ["tool_search", "agent", "task_stop", "send_message", "skill"],
+                    }
+                },
+            ),
+            {"QWEN_SYSTEM_MD": str(system)},
+        ),
         # Pi: prompts of ~2.2k, 3.3k, 4.4k tokens, then 5.4k > 5,000. It sizes what it keeps at 4 characters a
         # token (a round here is ~300 by that count, ~1,070 real tokens): keeping 100 keeps the last round.
-        "pi": (Pi(), "pi", "pi", PI_TURN, PI_SUMMARY, 5_000, (".pi/agent/settings.json", {"compaction": {"keepRecentTokens": 100}}), {}),
+        "pi": (
+            Pi(),
+            "pi",
+            "pi",
+            PI_TURN,
+            PI_SUMMARY,
+            5_000,
+            (".pi/agent/settings.json", {"compaction": {"keepRecentTokens": 100}}),
+            {},
+        ),
     }
     preset, asks, summarises, turn, summary, max_len, settings, env = runs[name]
-    script = {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": [turn] * 8,
-              "summary": summary, "after_compaction": [{"content": "Counting is done."}] * 8}
-    result, records, logs = preset_run(preset, tmp_path, script, f"{name}-overflow", 1_000_000, "Count a few times.",
-                                       "https://api.openai.com", settings=settings, extra_env=env)
+    script = {
+        "model_dir": str(tiny_model_dir),
+        "cycle": False,
+        "max_len": max_len,
+        "turns": [turn] * 8,
+        "summary": summary,
+        "after_compaction": [{"content": "Counting is done."}] * 8,
+    }
+    result, records, logs = preset_run(
+        preset,
+        tmp_path,
+        script,
+        f"{name}-overflow",
+        1_000_000,
+        "Count a few times.",
+        "https://api.openai.com",
+        settings=settings,
+        extra_env=env,
+    )
     for r in records:
-        print(name, r.seq, r.status, len(r.prompt_ids), compaction_prompt(r.messages), summarised_history(r.messages), (r.error or "")[:80])
+        print(
+            name,
+            r.seq,
+            r.status,
+            len(r.prompt_ids),
+            compaction_prompt(r.messages),
+            summarised_history(r.messages),
+            (r.error or "")[:80],
+        )
     assert result.returncode == 0, result.stdout + result.stderr[-1500:] + logs
     failed = [r for r in records if r.status == "failed"]
     assert len(failed) == 1 and failed[0].error.startswith("400 context_length_exceeded: prompt_tokens=")
     assert f"window={max_len}" in failed[0].error
-    after = records[failed[0].seq + 1:]
+    after = records[failed[0].seq + 1 :]
     assert compaction_prompt(after[0].messages) == asks
     assert after[1:] and all(summarised_history(r.messages) == summarises and r.status == "ok" for r in after[1:])
     if name == "qwen":
@@ -535,7 +807,7 @@ def _refused_as_too_long(records, max_len: int) -> list:
     refused recorded failed with their prompt length and the window in the error text."""
     assert [r.seq for r in records] == list(range(len(records)))
     failed = [r for r in records if r.status == "failed"]
-    assert failed and all(r.status == "ok" for r in records[:failed[0].seq]), [(r.status, r.error) for r in records]
+    assert failed and all(r.status == "ok" for r in records[: failed[0].seq]), [(r.status, r.error) for r in records]
     for r in failed:
         assert r.error.startswith("400 context_length_exceeded: prompt_tokens="), r.error
         assert int(r.error.split("prompt_tokens=")[1].split()[0]) > max_len and f"window={max_len}" in r.error
@@ -558,8 +830,13 @@ def test_claude_codex_and_gemini_end_cleanly_on_an_overflow(name, tiny_model_dir
     if name == "claude-code":
         # ~600-token prompts, ~60 more a Glob round: the fourth or fifth call passes 800.
         max_len = 800
-        script = {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": [GLOB_TURN] * 8,
-                  "summary": "Goal: find text files."}
+        script = {
+            "model_dir": str(tiny_model_dir),
+            "cycle": False,
+            "max_len": max_len,
+            "turns": [GLOB_TURN] * 8,
+            "summary": "Goal: find text files.",
+        }
         result, records, logs = claude_run(tmp_path, script, "cc-overflow", {}, timeout=120)
         out = tmp_path / "shards"
     elif name == "codex":
@@ -567,13 +844,29 @@ def test_claude_codex_and_gemini_end_cleanly_on_an_overflow(name, tiny_model_dir
         max_len = 15_300
         codex = harness("codex")
         path, out, home = tmp_path / "script.json", tmp_path / "shards", tmp_path / "home"
-        path.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len,
-                                       "turns": [CODEX_TOOL_TURN] * 8}))
+        path.write_bytes(
+            orjson.dumps(
+                {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": [CODEX_TOOL_TURN] * 8}
+            )
+        )
         (home / ".codex").mkdir(parents=True)
-        with run_mitmdump(f"scripted:{path}", out, options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}) as proxy:
-            env = {"CODEX_HOME": str(home / ".codex"), "RUST_LOG": "warn", "HTTPS_PROXY": proxy.proxy_url("codex-overflow"),
-                   "CODEX_CA_CERTIFICATE": str(proxy.ca), "SSL_CERT_FILE": str(proxy.ca), "OPENAI_API_KEY": "sk-not-a-real-key"}
-            result = run([str(codex), "exec", "--skip-git-repo-check", "-m", "tiny", "Count a few times."], env, home, timeout=120)
+        with run_mitmdump(
+            f"scripted:{path}", out, options={"polar_shard_seconds": "0.5", "polar_keepalive": "600"}
+        ) as proxy:
+            env = {
+                "CODEX_HOME": str(home / ".codex"),
+                "RUST_LOG": "warn",
+                "HTTPS_PROXY": proxy.proxy_url("codex-overflow"),
+                "CODEX_CA_CERTIFICATE": str(proxy.ca),
+                "SSL_CERT_FILE": str(proxy.ca),
+                "OPENAI_API_KEY": "sk-not-a-real-key",
+            }
+            result = run(
+                [str(codex), "exec", "--skip-git-repo-check", "-m", "tiny", "Count a few times."],
+                env,
+                home,
+                timeout=120,
+            )
             records = calls(out, "codex-overflow", include_failed=True)
             logs = proxy.logs()[-3000:]
     else:
@@ -583,9 +876,17 @@ def test_claude_codex_and_gemini_end_cleanly_on_an_overflow(name, tiny_model_dir
         system.write_text("You are a counting agent. Run commands with run_shell_command.\n")
         script = {"model_dir": str(tiny_model_dir), "cycle": False, "max_len": max_len, "turns": gemini_turns(6)}
         result, records, logs = preset_run(
-            GeminiCli(), tmp_path, script, "gemini-overflow", 1_000_000, "Count a few times.",
-            "https://generativelanguage.googleapis.com", settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}),
-            extra_env={"GEMINI_SYSTEM_MD": str(system)}, timeout=120)
+            GeminiCli(),
+            tmp_path,
+            script,
+            "gemini-overflow",
+            1_000_000,
+            "Count a few times.",
+            "https://generativelanguage.googleapis.com",
+            settings=(".gemini/settings.json", {"tools": {"core": ["run_shell_command"]}}),
+            extra_env={"GEMINI_SYSTEM_MD": str(system)},
+            timeout=120,
+        )
         out = tmp_path / "shards"
     for r in records:
         print(name, r.seq, r.status, len(r.prompt_ids), compaction_prompt(r.messages), (r.error or "")[:90])
@@ -598,10 +899,15 @@ def test_claude_codex_and_gemini_end_cleanly_on_an_overflow(name, tiny_model_dir
         # The first refusal is a normal turn; every call after it is Claude Code's own compaction prompt (its
         # summary request adds ~2.1k tokens, so it is refused too), and then it gives up with its own verdict.
         assert compaction_prompt(first.messages) is None
-        assert records[first.seq + 1:] and all(r.status == "failed" and compaction_prompt(r.messages) == "claude-code"
-                                               for r in records[first.seq + 1:])
+        assert records[first.seq + 1 :] and all(
+            r.status == "failed" and compaction_prompt(r.messages) == "claude-code" for r in records[first.seq + 1 :]
+        )
         answer = orjson.loads(result.stdout)
-        assert (answer["is_error"], answer["result"], answer["terminal_reason"]) == (True, "Prompt is too long", "prompt_too_long")
+        assert (answer["is_error"], answer["result"], answer["terminal_reason"]) == (
+            True,
+            "Prompt is too long",
+            "prompt_too_long",
+        )
     else:
         # No reactive compaction: the refused call is the last one, and the run ends with the harness's message.
         assert failed == [records[-1]] and first.seq > 0
@@ -609,6 +915,8 @@ def test_claude_codex_and_gemini_end_cleanly_on_an_overflow(name, tiny_model_dir
             assert "ERROR: Codex ran out of room in the model's context window." in result.stderr, result.stderr[-1500:]
         else:
             prompt_tokens = first.error.split("prompt_tokens=")[1].split()[0]
-            assert (f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens allowed ({max_len})."
-                    in result.stderr), result.stderr[-1500:]
+            assert (
+                f"The input token count ({prompt_tokens}) exceeds the maximum number of tokens allowed ({max_len})."
+                in result.stderr
+            ), result.stderr[-1500:]
             assert "An unexpected critical error occurred" in result.stderr, result.stderr[-1500:]

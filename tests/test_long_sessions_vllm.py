@@ -34,9 +34,18 @@ WORD = " word"  # two tokens in the tiny tokenizer
 PROXY_OPTIONS = {"polar_shard_seconds": "0.5", "polar_keepalive": "600", "polar_max_tokens": "16"}
 
 
-def vllm_run(preset, tmp_path, url: str, session: str, commands, mode: str | None,
-             settings: tuple[str, dict] | None = None, extra_env: dict[str, str] | None = None, timeout: float = 180,
-             window: int | None = VLLM_SMALL_WINDOW):
+def vllm_run(
+    preset,
+    tmp_path,
+    url: str,
+    session: str,
+    commands,
+    mode: str | None,
+    settings: tuple[str, dict] | None = None,
+    extra_env: dict[str, str] | None = None,
+    timeout: float = 180,
+    window: int | None = VLLM_SMALL_WINDOW,
+):
     """Run ``preset`` as a rollout would (its config, its env, the window polar reads from the engine; ``window=None``:
     none told) against vLLM through a real mitmdump: ``commands(ctx)`` gives the command lines, run one after the
     other in the same HOME."""
@@ -53,8 +62,16 @@ def vllm_run(preset, tmp_path, url: str, session: str, commands, mode: str | Non
         logs = proxy.logs()[-3000:]
     t0 = records[0].started_at if records else 0
     for r in records:
-        print(session, r.seq, f"{r.started_at - t0:.1f}s", r.status, len(r.prompt_ids), compaction_prompt(r.messages),
-              summarised_history(r.messages), (r.error or "")[:100])
+        print(
+            session,
+            r.seq,
+            f"{r.started_at - t0:.1f}s",
+            r.status,
+            len(r.prompt_ids),
+            compaction_prompt(r.messages),
+            summarised_history(r.messages),
+            (r.error or "")[:100],
+        )
     for result in results:
         print(session, "exit", result.returncode, result.stdout[-1500:], result.stderr[-1500:])
     assert [r.seq for r in records] == list(range(len(records))), "a call is missing from the shards"
@@ -87,9 +104,14 @@ def test_vllm_overflow_becomes_each_providers_error(vllm_small_window_server, ti
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected = len(tok(text, add_special_tokens=False)["input_ids"])
     assert expected > VLLM_SMALL_WINDOW + 500
-    with run_mitmdump(f"vllm:{vllm_small_window_server}", tmp_path / "shards", options={"polar_shard_seconds": "0.2"}) as proxy:
-        http = lambda session: httpx.Client(proxy=proxy.proxy_url(session), timeout=120,  # noqa: E731
-                                            verify=ssl.create_default_context(cafile=str(proxy.ca)))
+    with run_mitmdump(
+        f"vllm:{vllm_small_window_server}", tmp_path / "shards", options={"polar_shard_seconds": "0.2"}
+    ) as proxy:
+        http = lambda session: httpx.Client(
+            proxy=proxy.proxy_url(session),
+            timeout=120,  # noqa: E731
+            verify=ssl.create_default_context(cafile=str(proxy.ca)),
+        )
         chat = openai.OpenAI(api_key="sk-not-real", http_client=http("vllm-chat"), max_retries=0)
         with pytest.raises(openai.BadRequestError) as chat_err:
             list(chat.chat.completions.create(model="tiny", max_tokens=8, stream=True, messages=messages))
@@ -103,8 +125,10 @@ def test_vllm_overflow_becomes_each_providers_error(vllm_small_window_server, ti
     assert chat_err.value.code == "context_length_exceeded"
     assert f"maximum context length is {VLLM_SMALL_WINDOW} tokens" in chat_err.value.message
     assert f"resulted in {expected} tokens" in chat_err.value.message
-    assert ant_err.value.body["error"] == {"type": "invalid_request_error",
-                                           "message": f"prompt is too long: {expected} tokens > {VLLM_SMALL_WINDOW} maximum"}
+    assert ant_err.value.body["error"] == {
+        "type": "invalid_request_error",
+        "message": f"prompt is too long: {expected} tokens > {VLLM_SMALL_WINDOW} maximum",
+    }
 
 
 def compacted_once(records, results, asks: str, summarises: str | None, side_calls: int = 0) -> list[int]:
@@ -120,10 +144,12 @@ def compacted_once(records, results, asks: str, summarises: str | None, side_cal
     assert all(r.status == "ok" for r in records), [(r.seq, r.error) for r in records]
     asking = [r.seq for r in records if compaction_prompt(r.messages) == asks]
     assert asking and asking == list(range(asking[0], asking[-1] + 1)), asking
-    after = records[asking[-1] + 1:]
+    after = records[asking[-1] + 1 :]
     assert after, "nothing was sent after the compaction"
     if summarises is not None:
-        assert all(summarised_history(r.messages) == summarises for r in after), [summarised_history(r.messages) for r in after]
+        assert all(summarised_history(r.messages) == summarises for r in after), [
+            summarised_history(r.messages) for r in after
+        ]
     built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
     seq_of = {r.record_id: r.seq for r in records}
     starts = sorted(seq_of[t.record_ids[0]] for t in built.traces)
@@ -152,11 +178,17 @@ def test_claude_code_compacts_on_vllm_and_exits_0(vllm_small_window_server, tmp_
     preset = ClaudeCode()
     short = ["--system-prompt", "You are a file finder.", "--tools", "Glob"]
     results, records, logs = vllm_run(
-        preset, tmp_path, vllm_small_window_server, "cc-20k",
-        lambda ctx: [preset.command("Remember this:" + WORD * 2500, ctx) + short,
-                     preset.command("And now?", ctx) + short + ["--continue"],
-                     preset.command("And then?", ctx) + short + ["--continue"]],
-        mode="reverse:https://api.anthropic.com")
+        preset,
+        tmp_path,
+        vllm_small_window_server,
+        "cc-20k",
+        lambda ctx: [
+            preset.command("Remember this:" + WORD * 2500, ctx) + short,
+            preset.command("And now?", ctx) + short + ["--continue"],
+            preset.command("And then?", ctx) + short + ["--continue"],
+        ],
+        mode="reverse:https://api.anthropic.com",
+    )
     assert 4_920 < len(records[0].prompt_ids) < VLLM_SMALL_WINDOW
     assert compacted_once(records, results, "claude-code", "claude-code") == [2]
     assert orjson.loads(results[2].stdout)["is_error"] is False
@@ -171,9 +203,16 @@ def test_codex_compacts_on_vllm_and_exits_0(vllm_small_window_server, tmp_path):
 
     preset = Codex()
     results, records, logs = vllm_run(
-        preset, tmp_path, vllm_small_window_server, "codex-20k",
-        lambda ctx: [preset.command("Remember this:" + WORD * 900, ctx),
-                     preset.command("Go on.", ctx)[:-1] + ["resume", "--last", "Go on."]], mode=None)
+        preset,
+        tmp_path,
+        vllm_small_window_server,
+        "codex-20k",
+        lambda ctx: [
+            preset.command("Remember this:" + WORD * 900, ctx),
+            preset.command("Go on.", ctx)[:-1] + ["resume", "--last", "Go on."],
+        ],
+        mode=None,
+    )
     assert 16_384 < len(records[0].prompt_ids) < VLLM_SMALL_WINDOW
     compacted_once(records, results, "polar", "polar")
 
@@ -187,9 +226,13 @@ def test_pi_compacts_on_vllm_and_exits_0(vllm_small_window_server, tmp_path):
 
     preset = Pi()
     results, records, logs = vllm_run(
-        preset, tmp_path, vllm_small_window_server, "pi-20k",
+        preset,
+        tmp_path,
+        vllm_small_window_server,
+        "pi-20k",
         lambda ctx: [preset.command("Remember this:" + WORD * 600, ctx) + ["And this:" + WORD * 600, "Done?"]],
         mode="reverse:https://api.openai.com",
-        settings=(".pi/agent/settings.json", {"compaction": {"reserveTokens": 16_384, "keepRecentTokens": 100}}))
+        settings=(".pi/agent/settings.json", {"compaction": {"reserveTokens": 16_384, "keepRecentTokens": 100}}),
+    )
     assert len(records[0].prompt_ids) < 4_096 < len(records[1].prompt_ids)
     assert compacted_once(records, results, "pi", "pi")[0] == 2

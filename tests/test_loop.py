@@ -62,8 +62,9 @@ def test_loop_resumes_and_keeps_the_policy_when_there_is_nothing_to_train(tiny_m
     assert json.loads((out / "loop.json").read_text())["iterations"] == state["iterations"]
 
 
-def test_loop_refuses_unknown_train_options_and_another_run_in_the_same_directory(tiny_model_dir: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_loop_refuses_unknown_train_options_and_another_run_in_the_same_directory(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"id": "t", "instruction": "x", "verify": "true"}) + "\n")
     cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", "cmd:true", "--model",
@@ -82,9 +83,9 @@ def test_loop_refuses_unknown_train_options_and_another_run_in_the_same_director
         assert refused.exit_code == 2 and said in " ".join(refused.output.replace("│", " ").split()), refused.output
     assert not (tmp_path / "o" / "loop.json").exists()
 
-    from polar_cli.rollout.loop import _check_same_run
-
     import pytest
+
+    from polar_cli.rollout.loop import _check_same_run
 
     with pytest.raises(ValueError, match="harness"):
         _check_same_run({"identity": {"harness": "a", "tasks": "h"}}, {"harness": "b", "tasks": "h"})

@@ -19,8 +19,8 @@ from polar_addon.canonical import (
 )
 from polar_addon.providers import ResponseContext, Route, encode_sse
 from polar_addon.providers.anthropic_messages import PROVIDER
-from tests.support.providers import canned_http, completion
 from polar_addon.providers.common import arguments_object as tool_input
+from tests.support.providers import canned_http, completion
 
 GENERATE = Route(kind="generate")
 CTX = ResponseContext(response_id="msg_test1", created=1_700_000_000, model="claude-sonnet-4-6")
@@ -51,7 +51,9 @@ def parse(route: Route = GENERATE, **body: Any) -> CanonicalRequest:
 
 
 def client_for(status: int, body: bytes, content_type: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(api_key="x", base_url="http://polar.test", http_client=canned_http(status, body, content_type), max_retries=0)
+    return anthropic.Anthropic(
+        api_key="x", base_url="http://polar.test", http_client=canned_http(status, body, content_type), max_retries=0
+    )
 
 
 def sse_bytes(events, interleave: bytes = b"") -> bytes:
@@ -101,8 +103,13 @@ def test_local_answers_for_claude_code_account_calls() -> None:
     assert settings["status"] == 200 and settings["body"]["settings"] == {}
     assert isinstance(settings["body"]["uuid"], str) and isinstance(settings["body"]["checksum"], str)
     other = PROVIDER.route("GET", "/api/oauth/profile").params
-    assert other == {"status": 404, "body": {"type": "error", "error": {
-        "type": "not_found_error", "message": "/api/oauth/profile is not served by polar"}}}
+    assert other == {
+        "status": 404,
+        "body": {
+            "type": "error",
+            "error": {"type": "not_found_error", "message": "/api/oauth/profile is not served by polar"},
+        },
+    }
     # The 404 is an error body the SDK reads as such.
     client = client_for(404, orjson.dumps(other["body"]), "application/json")
     with pytest.raises(anthropic.NotFoundError, match="is not served by polar"):
@@ -114,11 +121,19 @@ def test_local_answers_for_claude_code_account_calls() -> None:
 
 def test_system_messages_inside_messages_join_the_system_prompt() -> None:
     # Claude Code 2.1.197 sends the list of agent types as messages[1] with role "system".
-    req = parse(system="Top.", messages=[{"role": "user", "content": "hi"},
-                                         {"role": "system", "content": "Agent types: claude."},
-                                         {"role": "user", "content": "go"}])
-    assert req.messages == [{"role": "system", "content": "Top.\n\nAgent types: claude."},
-                            {"role": "user", "content": "hi"}, {"role": "user", "content": "go"}]
+    req = parse(
+        system="Top.",
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": "Agent types: claude."},
+            {"role": "user", "content": "go"},
+        ],
+    )
+    assert req.messages == [
+        {"role": "system", "content": "Top.\n\nAgent types: claude."},
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "go"},
+    ]
 
 
 def test_system_blocks_joined_and_billing_header_stripped() -> None:
@@ -333,43 +348,93 @@ REFUSED_SYSTEM = "'system' must be a string or a list of text blocks"
         ({"messages": "hi"}, "'messages' is required and must be a non-empty list"),
         ({"messages": [{"role": "system", "content": "x"}]}, "'messages' needs at least one user or assistant message"),
         ({"messages": ["hi"]}, "messages[0] must be an object"),
-        ({"messages": [{"role": "tool", "content": "x"}]},
-         "messages[0]: role must be 'user', 'assistant' or 'system', got 'tool'"),
-        ({"messages": [{"role": "user", "content": 3}]},
-         "messages[0]: content must be a string or a list of content blocks"),
-        ({"messages": [{"role": "user", "content": [{"type": "video"}]}]},
-         "messages[0]: unsupported content block type 'video'"),
-        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]},
-         "messages[0]: image blocks are not supported by this engine (text only)"),
-        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-         "messages[0]: text block needs a string 'text'"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
-         "messages[0]: tool_result block needs a string 'tool_use_id'"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]},
-         "messages[0]: content must be a string or a list of content blocks"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                                     "content": [{"type": "text"}]}]}]},
-         "messages[0]: text block needs a string 'text'"),
-        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                                     "content": [{"type": "document"}]}]}]},
-         "messages[0] tool_result: document blocks are not supported by this engine (text only)"),
-        ({"messages": [USER_FIRST, {"role": "assistant", "content": 3}]},
-         "messages[1]: content must be a string or a list of content blocks"),
-        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "text", "text": 1}]}]},
-         "messages[1]: text block needs a string 'text'"),
-        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "thinking"}]}]},
-         "messages[1]: thinking block needs a string 'thinking'"),
-        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]},
-         "messages[1]: tool_use block needs a string 'id'"),
-        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]},
-         "messages[1]: tool_use block needs a string 'name'"),
-        ({"messages": [USER_FIRST, {"role": "assistant",
-                                    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]},
-         "messages[1]: tool_use input must be an object"),
-        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "image"}]}]},
-         "messages[1]: image blocks are not supported by this engine (text only)"),
-        ({"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "video"}]}]},
-         "messages[1]: unsupported content block type 'video'"),
+        (
+            {"messages": [{"role": "tool", "content": "x"}]},
+            "messages[0]: role must be 'user', 'assistant' or 'system', got 'tool'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": 3}]},
+            "messages[0]: content must be a string or a list of content blocks",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+            "messages[0]: unsupported content block type 'video'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "messages[0]: image blocks are not supported by this engine (text only)",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0]: text block needs a string 'text'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+            "messages[0]: tool_result block needs a string 'tool_use_id'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]},
+            "messages[0]: content must be a string or a list of content blocks",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}]}],
+                    }
+                ]
+            },
+            "messages[0]: text block needs a string 'text'",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document"}]}],
+                    }
+                ]
+            },
+            "messages[0] tool_result: document blocks are not supported by this engine (text only)",
+        ),
+        (
+            {"messages": [USER_FIRST, {"role": "assistant", "content": 3}]},
+            "messages[1]: content must be a string or a list of content blocks",
+        ),
+        (
+            {"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "text", "text": 1}]}]},
+            "messages[1]: text block needs a string 'text'",
+        ),
+        (
+            {"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "thinking"}]}]},
+            "messages[1]: thinking block needs a string 'thinking'",
+        ),
+        (
+            {"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "tool_use", "name": "f"}]}]},
+            "messages[1]: tool_use block needs a string 'id'",
+        ),
+        (
+            {"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "tool_use", "id": "t"}]}]},
+            "messages[1]: tool_use block needs a string 'name'",
+        ),
+        (
+            {
+                "messages": [
+                    USER_FIRST,
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]},
+                ]
+            },
+            "messages[1]: tool_use input must be an object",
+        ),
+        (
+            {"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "image"}]}]},
+            "messages[1]: image blocks are not supported by this engine (text only)",
+        ),
+        (
+            {"messages": [USER_FIRST, {"role": "assistant", "content": [{"type": "video"}]}]},
+            "messages[1]: unsupported content block type 'video'",
+        ),
         ({"model": ""}, "'model' is required and must be a non-empty string"),
         ({"max_tokens": None}, "'max_tokens' is required"),
         ({"max_tokens": "many"}, "'max_tokens' must be an integer"),
@@ -393,8 +458,10 @@ REFUSED_SYSTEM = "'system' must be a string or a list of text blocks"
         ({"tools": ["Bash"]}, "tools[0] must be an object"),
         ({"tools": [{"input_schema": {}}]}, "tools[0]: 'name' is required"),
         # A server tool is skipped, not the end of the list.
-        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}, {"input_schema": {}}]},
-         "tools[1]: 'name' is required"),
+        (
+            {"tools": [{"type": "web_search_20250305", "name": "web_search"}, {"input_schema": {}}]},
+            "tools[1]: 'name' is required",
+        ),
     ],
 )
 def test_invalid_requests_say_what_and_where(patch: dict[str, Any], message: str) -> None:
@@ -405,9 +472,13 @@ def test_invalid_requests_say_what_and_where(patch: dict[str, Any], message: str
 
 
 def test_a_tool_use_without_input_has_empty_arguments_and_server_tools_anywhere_are_dropped() -> None:
-    req = parse(messages=[USER_FIRST, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}],
-                tools=[{"type": "web_search_20250305", "name": "web_search"}, BASH])
-    assert req.messages[1]["tool_calls"] == [{"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    req = parse(
+        messages=[USER_FIRST, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}],
+        tools=[{"type": "web_search_20250305", "name": "web_search"}, BASH],
+    )
+    assert req.messages[1]["tool_calls"] == [
+        {"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ]
     assert [t["function"]["name"] for t in req.tools] == ["Bash"]
 
 
@@ -552,7 +623,9 @@ def test_sdk_accumulated_stream_equals_non_stream(name: str) -> None:
 def _sdk_events(comp: Completion, request: CanonicalRequest) -> list[Any]:
     """The SDK's own parse of our stream: its typed raw events, in order."""
     client = client_for(200, sse_bytes(PROVIDER.render_stream(request, comp, CTX)), "text/event-stream")
-    with client.messages.create(model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}], stream=True) as s:
+    with client.messages.create(
+        model="m", max_tokens=10, messages=[{"role": "user", "content": "hi"}], stream=True
+    ) as s:
         return list(s)
 
 
@@ -564,7 +637,11 @@ def test_sdk_stream_matches_the_spec_not_just_the_non_stream_render() -> None:
     events = _sdk_events(STREAM_CASES["thinking_text"], request)
     start = events[0]
     assert start.type == "message_start"
-    assert (start.message.id, start.message.model, start.message.role) == ("msg_test1", "claude-sonnet-4-6", "assistant")
+    assert (start.message.id, start.message.model, start.message.role) == (
+        "msg_test1",
+        "claude-sonnet-4-6",
+        "assistant",
+    )
     assert start.message.content == [] and start.message.stop_reason is None
     usage = start.message.usage
     assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (8, 3, 0)
@@ -572,7 +649,9 @@ def test_sdk_stream_matches_the_spec_not_just_the_non_stream_render() -> None:
     delta = events[-2]
     assert delta.type == "message_delta" and delta.delta.stop_reason == "end_turn" and delta.usage.output_tokens == 7
     assert events[-1].type == "message_stop"
-    thinking = "".join(e.delta.thinking for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+    thinking = "".join(
+        e.delta.thinking for e in events if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+    )
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
     assert thinking == "Six times seven is forty-two, so the answer is 42." and text == "Answer: 42."
 
@@ -617,12 +696,22 @@ def test_stream_event_sequence() -> None:
     assert opened == closed == [0, 1, 2, 3]
     # The spec's opening of each block kind: empty thinking and signature, empty text, input {} (filled by deltas).
     assert [e.data for e in events if e.event == "content_block_start"] == [
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": "", "signature": ""}},
+        {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+        },
         {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
-        {"type": "content_block_start", "index": 2,
-         "content_block": {"type": "tool_use", "id": "toolu_call_1", "name": "Bash", "input": {}}},
-        {"type": "content_block_start", "index": 3,
-         "content_block": {"type": "tool_use", "id": "toolu_call_2", "name": "Read", "input": {}}},
+        {
+            "type": "content_block_start",
+            "index": 2,
+            "content_block": {"type": "tool_use", "id": "toolu_call_1", "name": "Bash", "input": {}},
+        },
+        {
+            "type": "content_block_start",
+            "index": 3,
+            "content_block": {"type": "tool_use", "id": "toolu_call_2", "name": "Read", "input": {}},
+        },
     ]
     deltas = [e.data["delta"]["type"] for e in events if e.event == "content_block_delta" and e.data["index"] == 0]
     assert deltas[-1] == "signature_delta" and set(deltas[:-1]) == {"thinking_delta"}

@@ -7,14 +7,24 @@ import hashlib
 import pytest
 
 from polar_addon.canonical import PolarError
-from polar_addon.providers.common import content_text, opt_bool, strip_billing_header, system_message, thinking_signature
+from polar_addon.providers.common import (
+    content_text,
+    opt_bool,
+    strip_billing_header,
+    system_message,
+    thinking_signature,
+)
 
 HEADER = "x-anthropic-billing-header: cc_version=2.1.197.a1b; cch=9f2e;"
 
 
 def test_opt_bool_reads_absent_and_null_as_false() -> None:
     assert [opt_bool(body, "stream") for body in ({}, {"stream": None}, {"stream": False}, {"stream": True})] == [
-        False, False, False, True]
+        False,
+        False,
+        False,
+        True,
+    ]
     with pytest.raises(PolarError, match="^'stream' must be a boolean$"):
         opt_bool({"stream": 1}, "stream")
 
@@ -29,7 +39,8 @@ def test_the_billing_header_line_is_dropped_wherever_it_is_indented() -> None:
 
 def test_system_message_trims_only_newlines_around_each_part() -> None:
     assert system_message(["  Indented rules.  \n\n", "\nXylophone X\n", " \n ", HEADER]) == [
-        {"role": "system", "content": "  Indented rules.  \n\nXylophone X"}]
+        {"role": "system", "content": "  Indented rules.  \n\nXylophone X"}
+    ]
     assert system_message([]) == [] and system_message(["\n", HEADER]) == []
 
 
@@ -41,5 +52,8 @@ def test_thinking_signature_is_a_stable_hash_of_the_thinking() -> None:
 def test_content_parts_must_be_objects() -> None:
     with pytest.raises(PolarError) as err:
         content_text(["text"], "messages[0]", ("text",), unsupported=())
-    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request",
-                                                                     "messages[0]: each content part must be an object")
+    assert (err.value.status, err.value.kind, err.value.message) == (
+        400,
+        "invalid_request",
+        "messages[0]: each content part must be an object",
+    )

@@ -20,12 +20,28 @@ from tests.support.providers import sse_bytes as sse
 def completion(*args: Any, **kwargs: Any) -> Completion:
     return qwen_completion(*args, served_model="gem-test", **kwargs)
 
+
 CTX = ResponseContext(response_id="4f1c2d3e4f5a6b7c8d9e0f1a", created=1_700_000_000, model="gem-test")
-ERROR_KINDS = ["invalid_request", "request_too_large", "authentication", "not_found", "context_length_exceeded", "overloaded", "timeout",
-               "api_error", "storage_unavailable"]
-READ_FILE = {"name": "read_file", "description": "Read a file.",
-             "parameters": {"type": "OBJECT", "properties": {"path": {"type": "STRING"}, "lines": {"type": "ARRAY", "items": {"type": "INTEGER"}}},
-                            "required": ["path"]}}
+ERROR_KINDS = [
+    "invalid_request",
+    "request_too_large",
+    "authentication",
+    "not_found",
+    "context_length_exceeded",
+    "overloaded",
+    "timeout",
+    "api_error",
+    "storage_unavailable",
+]
+READ_FILE = {
+    "name": "read_file",
+    "description": "Read a file.",
+    "parameters": {
+        "type": "OBJECT",
+        "properties": {"path": {"type": "STRING"}, "lines": {"type": "ARRAY", "items": {"type": "INTEGER"}}},
+        "required": ["path"],
+    },
+}
 
 
 def route(path: str = "/v1beta/models/gem-test:generateContent") -> Route:
@@ -37,9 +53,6 @@ def route(path: str = "/v1beta/models/gem-test:generateContent") -> Route:
 def parse(path: str = "/v1beta/models/gem-test:generateContent", **body: Any):
     body.setdefault("contents", [{"role": "user", "parts": [{"text": "hi"}]}])
     return PROVIDER.parse_request(body, route(path))
-
-
-
 
 
 class Recorder:
@@ -55,15 +68,25 @@ class Recorder:
             return httpx.Response(self.status, content=self.body, headers={"content-type": self.content_type})
 
         http = httpx.Client(transport=httpx.MockTransport(handler))
-        return genai.Client(api_key="x", http_options=types.HttpOptions(base_url="http://polar.test", httpx_client=http))
+        return genai.Client(
+            api_key="x", http_options=types.HttpOptions(base_url="http://polar.test", httpx_client=http)
+        )
 
 
 def sdk_response(body: dict[str, Any]) -> types.GenerateContentResponse:
-    return Recorder(200, orjson.dumps(body), "application/json").client().models.generate_content(model="gem-test", contents="hi")
+    return (
+        Recorder(200, orjson.dumps(body), "application/json")
+        .client()
+        .models.generate_content(model="gem-test", contents="hi")
+    )
 
 
 def sdk_stream(body: bytes) -> list[types.GenerateContentResponse]:
-    return list(Recorder(200, body, "text/event-stream").client().models.generate_content_stream(model="gem-test", contents="hi"))
+    return list(
+        Recorder(200, body, "text/event-stream")
+        .client()
+        .models.generate_content_stream(model="gem-test", contents="hi")
+    )
 
 
 def merged(chunks: list[types.GenerateContentResponse]) -> dict[str, Any]:
@@ -78,11 +101,13 @@ def merged(chunks: list[types.GenerateContentResponse]) -> dict[str, Any]:
             else:
                 parts.append(p)
     last = chunks[-1]
-    return {"parts": parts, "finish": last.candidates[0].finish_reason, "usage": last.usage_metadata.model_dump(),
-            "ids": {c.response_id for c in chunks}, "model": {c.model_version for c in chunks}}
-
-
-
+    return {
+        "parts": parts,
+        "finish": last.candidates[0].finish_reason,
+        "usage": last.usage_metadata.model_dump(),
+        "ids": {c.response_id for c in chunks},
+        "model": {c.model_version for c in chunks},
+    }
 
 
 # ---------------------------------------------------------------- routes
@@ -119,7 +144,10 @@ def test_system_instruction_contents_and_model_from_path() -> None:
         systemInstruction={"role": "user", "parts": [{"text": "You are a coder."}, {"text": "Be brief."}]},
         contents=[
             {"role": "user", "parts": [{"text": "context"}, {"text": "question"}]},
-            {"role": "model", "parts": [{"text": "thinking about it", "thought": True}, {"text": "Ans"}, {"text": "wer."}]},
+            {
+                "role": "model",
+                "parts": [{"text": "thinking about it", "thought": True}, {"text": "Ans"}, {"text": "wer."}],
+            },
             {"parts": [{"text": "thanks"}]},  # role defaults to user
         ],
     )
@@ -137,23 +165,33 @@ def test_function_calls_and_responses_with_and_without_ids() -> None:
     req = parse(
         contents=[
             {"role": "user", "parts": [{"text": "read a and b"}]},
-            {"role": "model", "parts": [
-                {"functionCall": {"name": "read_file", "args": {"path": "a"}}, "thoughtSignature": "c2ln"},
-                {"functionCall": {"name": "read_file", "args": {"path": "b"}}},
-                {"functionCall": {"id": "call_x", "name": "ls", "args": {}}},
-            ]},
-            {"role": "user", "parts": [
-                {"functionResponse": {"id": "call_x", "name": "ls", "response": {"output": "a b"}}},
-                {"functionResponse": {"name": "read_file", "response": {"output": "A"}}},
-                {"function_response": {"name": "read_file", "response": {"error": "no such file"}}},
-            ]},
+            {
+                "role": "model",
+                "parts": [
+                    {"functionCall": {"name": "read_file", "args": {"path": "a"}}, "thoughtSignature": "c2ln"},
+                    {"functionCall": {"name": "read_file", "args": {"path": "b"}}},
+                    {"functionCall": {"id": "call_x", "name": "ls", "args": {}}},
+                ],
+            },
+            {
+                "role": "user",
+                "parts": [
+                    {"functionResponse": {"id": "call_x", "name": "ls", "response": {"output": "a b"}}},
+                    {"functionResponse": {"name": "read_file", "response": {"output": "A"}}},
+                    {"function_response": {"name": "read_file", "response": {"error": "no such file"}}},
+                ],
+            },
         ]
     )
-    assert req.messages[1] == {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1_0", "type": "function", "function": {"name": "read_file", "arguments": '{"path":"a"}'}},
-        {"id": "call_1_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path":"b"}'}},
-        {"id": "call_x", "type": "function", "function": {"name": "ls", "arguments": "{}"}},
-    ]}
+    assert req.messages[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1_0", "type": "function", "function": {"name": "read_file", "arguments": '{"path":"a"}'}},
+            {"id": "call_1_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path":"b"}'}},
+            {"id": "call_x", "type": "function", "function": {"name": "ls", "arguments": "{}"}},
+        ],
+    }
     # Responses without ids answer the earliest open call of their name, in order.
     assert req.messages[2:] == [
         {"role": "tool", "tool_call_id": "call_x", "content": '{"output":"a b"}'},
@@ -173,15 +211,39 @@ def test_ids_are_stable_across_requests() -> None:
 
 
 def test_tools_schema_and_hosted_tools() -> None:
-    req = parse(tools=[{"functionDeclarations": [READ_FILE, {"name": "noop"}]},
-                       {"function_declarations": [{"name": "js", "parametersJsonSchema": {"type": "object", "properties": {"a": {"type": "string"}}}}]},
-                       {"googleSearch": {}}, {"code_execution": {}}])
+    req = parse(
+        tools=[
+            {"functionDeclarations": [READ_FILE, {"name": "noop"}]},
+            {
+                "function_declarations": [
+                    {"name": "js", "parametersJsonSchema": {"type": "object", "properties": {"a": {"type": "string"}}}}
+                ]
+            },
+            {"googleSearch": {}},
+            {"code_execution": {}},
+        ]
+    )
     assert req.tools == [
-        {"type": "function", "function": {"name": "read_file", "description": "Read a file.", "parameters": {
-            "type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "array", "items": {"type": "integer"}}},
-            "required": ["path"]}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "description": "Read a file.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string"},
+                        "lines": {"type": "array", "items": {"type": "integer"}},
+                    },
+                    "required": ["path"],
+                },
+            },
+        },
         {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}},
-        {"type": "function", "function": {"name": "js", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}},
+        {
+            "type": "function",
+            "function": {"name": "js", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}},
+        },
     ]
     assert req.extra == {"dropped_tools": ["googleSearch", "codeExecution"]}
 
@@ -196,8 +258,10 @@ def test_json_schema_keeps_property_names_called_type() -> None:
     [
         ({"functionCallingConfig": {"mode": "AUTO"}}, "auto"),
         ({"functionCallingConfig": {"mode": "ANY"}}, "required"),
-        ({"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["read_file"]}},
-         {"type": "function", "function": {"name": "read_file"}}),
+        (
+            {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["read_file"]}},
+            {"type": "function", "function": {"name": "read_file"}},
+        ),
         ({"function_calling_config": {"mode": "NONE"}}, "none"),
         ({"functionCallingConfig": {"mode": "VALIDATED"}}, "auto"),
         ({"functionCallingConfig": {}}, None),
@@ -208,8 +272,18 @@ def test_tool_config(config: dict, expected: Any) -> None:
 
 
 def test_generation_config_and_thinking() -> None:
-    req = parse(generationConfig={"temperature": 0.2, "topP": 0.9, "topK": 40, "maxOutputTokens": 64, "stopSequences": ["END"],
-                                  "seed": 7, "candidateCount": 1, "thinkingConfig": {"thinkingBudget": 1024, "includeThoughts": True}})
+    req = parse(
+        generationConfig={
+            "temperature": 0.2,
+            "topP": 0.9,
+            "topK": 40,
+            "maxOutputTokens": 64,
+            "stopSequences": ["END"],
+            "seed": 7,
+            "candidateCount": 1,
+            "thinkingConfig": {"thinkingBudget": 1024, "includeThoughts": True},
+        }
+    )
     s = req.sampling
     assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.seed) == (0.2, 0.9, 40, 64, ["END"], 7)
     assert req.enable_thinking is True
@@ -228,8 +302,16 @@ def test_stream_flags() -> None:
 def test_count_tokens_bodies() -> None:
     count = PROVIDER.route("POST", "/v1beta/models/gem-test:countTokens")
     plain = PROVIDER.parse_request({"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}, count)
-    wrapped = PROVIDER.parse_request({"generateContentRequest": {"model": "models/gem-test", "contents": [{"parts": [{"text": "hi"}]}],
-                                                                 "systemInstruction": {"parts": [{"text": "sys"}]}}}, count)
+    wrapped = PROVIDER.parse_request(
+        {
+            "generateContentRequest": {
+                "model": "models/gem-test",
+                "contents": [{"parts": [{"text": "hi"}]}],
+                "systemInstruction": {"parts": [{"text": "sys"}]},
+            }
+        },
+        count,
+    )
     assert plain.messages == [{"role": "user", "content": "hi"}]
     assert wrapped.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
     assert PROVIDER.render_count_tokens(9) == {"totalTokens": 9}
@@ -269,12 +351,27 @@ def test_what_the_sdk_sends_parses() -> None:
     recorder = Recorder(200, orjson.dumps(PROVIDER.render_response(parse(), completion(), CTX)), "application/json")
     history = [
         types.Content(role="user", parts=[types.Part(text="read a")]),
-        types.Content(role="model", parts=[types.Part(text="plan", thought=True),
-                                           types.Part(function_call=types.FunctionCall(id="c1", name="read_file", args={"path": "a"}))]),
-        types.Content(role="user", parts=[types.Part(function_response=types.FunctionResponse(id="c1", name="read_file", response={"output": "A"}))]),
+        types.Content(
+            role="model",
+            parts=[
+                types.Part(text="plan", thought=True),
+                types.Part(function_call=types.FunctionCall(id="c1", name="read_file", args={"path": "a"})),
+            ],
+        ),
+        types.Content(
+            role="user",
+            parts=[
+                types.Part(
+                    function_response=types.FunctionResponse(id="c1", name="read_file", response={"output": "A"})
+                )
+            ],
+        ),
     ]
     config = types.GenerateContentConfig(
-        system_instruction="sys", temperature=0.5, max_output_tokens=32, stop_sequences=["X"],
+        system_instruction="sys",
+        temperature=0.5,
+        max_output_tokens=32,
+        stop_sequences=["X"],
         tools=[types.Tool(function_declarations=[types.FunctionDeclaration(**READ_FILE)])],
         tool_config=types.ToolConfig(function_calling_config=types.FunctionCallingConfig(mode="ANY")),
         thinking_config=types.ThinkingConfig(thinking_budget=0),
@@ -285,8 +382,14 @@ def test_what_the_sdk_sends_parses() -> None:
     assert req.messages == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "read a"},
-        {"role": "assistant", "content": None, "reasoning_content": "plan", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path":"a"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "plan",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path":"a"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": '{"output":"A"}'},
     ]
     assert (req.sampling.temperature, req.sampling.max_tokens, req.sampling.stop) == (0.5, 32, ["X"])
@@ -302,11 +405,16 @@ CASES = {
     "thinking": completion(content="Answer: 42.", reasoning="Six times seven is forty-two, so the answer is 42."),
     "tools": completion(
         content="Let me look.",
-        tool_calls=[ToolCall("call_1", "read_file", '{"path": "src/main.py", "lines": [1, 2]}'), ToolCall("call_2", "ls", "")],
+        tool_calls=[
+            ToolCall("call_1", "read_file", '{"path": "src/main.py", "lines": [1, 2]}'),
+            ToolCall("call_2", "ls", ""),
+        ],
         finish_reason="tool_calls",
         cached_tokens=4,
     ),
-    "tool_only": completion(content=None, tool_calls=[ToolCall("call_9", "ls", "not json")], finish_reason="tool_calls"),
+    "tool_only": completion(
+        content=None, tool_calls=[ToolCall("call_9", "ls", "not json")], finish_reason="tool_calls"
+    ),
     "truncated": completion(content="", finish_reason="length"),
 }
 
@@ -321,20 +429,37 @@ def test_non_stream_render_through_the_sdk() -> None:
     ]
     assert r.candidates[0].finish_reason == types.FinishReason.STOP
     u = r.usage_metadata
-    assert (u.prompt_token_count, u.candidates_token_count, u.total_token_count, u.cached_content_token_count) == (11, 7, 18, 4)
+    assert (u.prompt_token_count, u.candidates_token_count, u.total_token_count, u.cached_content_token_count) == (
+        11,
+        7,
+        18,
+        4,
+    )
 
 
 def test_thought_parts_and_broken_arguments() -> None:
     r = sdk_response(PROVIDER.render_response(parse(), CASES["thinking"], CTX))
     parts = r.candidates[0].content.parts
-    assert (parts[0].thought, parts[0].text, parts[1].text) == (True, CASES["thinking"].message.reasoning, "Answer: 42.")
+    assert (parts[0].thought, parts[0].text, parts[1].text) == (
+        True,
+        CASES["thinking"].message.reasoning,
+        "Answer: 42.",
+    )
     assert r.text == "Answer: 42."  # the SDK leaves thoughts out of .text
     broken = sdk_response(PROVIDER.render_response(parse(), CASES["tool_only"], CTX))
     assert broken.function_calls[0].args == {"raw": "not json"} and broken.text is None
 
 
-@pytest.mark.parametrize("finish,expected", [("stop", "STOP"), ("length", "MAX_TOKENS"), ("abort", "MAX_TOKENS"),
-                                             ("content_filter", "SAFETY"), ("tool_calls", "STOP")])
+@pytest.mark.parametrize(
+    "finish,expected",
+    [
+        ("stop", "STOP"),
+        ("length", "MAX_TOKENS"),
+        ("abort", "MAX_TOKENS"),
+        ("content_filter", "SAFETY"),
+        ("tool_calls", "STOP"),
+    ],
+)
 def test_finish_reason(finish: str, expected: str) -> None:
     body = PROVIDER.render_response(parse(), completion(finish_reason=finish), CTX)
     assert body["candidates"][0]["finishReason"] == expected
@@ -387,9 +512,16 @@ def test_text_streams_in_pieces_and_calls_whole() -> None:
     request = parse("/v1beta/models/gem-test:streamGenerateContent?alt=sse")
     events = list(PROVIDER.render_stream(request, CASES["tools"], CTX))
     assert all(e.event is None for e in events) and len(events) == 2  # "Let me look." is one piece
-    assert [p["functionCall"]["name"] for p in events[-1].data["candidates"][0]["content"]["parts"]] == ["read_file", "ls"]
+    assert [p["functionCall"]["name"] for p in events[-1].data["candidates"][0]["content"]["parts"]] == [
+        "read_file",
+        "ls",
+    ]
     text = list(PROVIDER.render_stream(request, CASES["text"], CTX))
-    assert len(text) > 3 and "".join(e.data["candidates"][0]["content"]["parts"][0]["text"] for e in text) == CASES["text"].message.content
+    assert (
+        len(text) > 3
+        and "".join(e.data["candidates"][0]["content"]["parts"][0]["text"] for e in text)
+        == CASES["text"].message.content
+    )
 
 
 def test_json_array_answer_for_stream_without_alt_sse() -> None:
@@ -397,7 +529,10 @@ def test_json_array_answer_for_stream_without_alt_sse() -> None:
     body = PROVIDER.render_response(request, CASES["thinking"], CTX)
     assert isinstance(body, list) and body == [e.data for e in PROVIDER.render_stream(request, CASES["thinking"], CTX)]
     chunks = [types.GenerateContentResponse.model_validate(c) for c in body]
-    assert "".join(c.candidates[0].content.parts[0].text for c in chunks if not c.candidates[0].content.parts[0].thought) == "Answer: 42."
+    assert (
+        "".join(c.candidates[0].content.parts[0].text for c in chunks if not c.candidates[0].content.parts[0].thought)
+        == "Answer: 42."
+    )
 
 
 def test_keepalive_is_invisible_to_the_sdk() -> None:
@@ -441,7 +576,9 @@ def test_an_unknown_error_kind_is_internal() -> None:
     assert PROVIDER.render_error(PolarError(500, "brand_new", "x"))["error"]["status"] == "INTERNAL"
 
 
-@pytest.mark.parametrize("status,kind,exc", [(400, "context_length_exceeded", errors.ClientError), (503, "overloaded", errors.ServerError)])
+@pytest.mark.parametrize(
+    "status,kind,exc", [(400, "context_length_exceeded", errors.ClientError), (503, "overloaded", errors.ServerError)]
+)
 def test_sdk_reads_error_bodies(status: int, kind: str, exc: type[Exception]) -> None:
     error = PolarError(status, kind, f"{kind} happened")
     client = Recorder(status, orjson.dumps(PROVIDER.render_error(error)), "application/json").client()
@@ -477,48 +614,92 @@ H = [{"parts": [{"text": "hi"}]}]
         ({"contents": [{"role": "wizard", "parts": []}]}, "contents[0]: role must be 'user' or 'model', got 'wizard'"),
         ({"contents": [{"parts": "hi"}]}, "contents[0]: 'parts' must be a list of objects"),
         ({"contents": [{"parts": [{"text": 5}]}]}, "contents[0].parts[0]: 'text' must be a string"),
-        ({"contents": [{"role": "model", "parts": [{"text": "a"}, {"text": 5}]}]}, "contents[0].parts[1]: 'text' must be a string"),
+        (
+            {"contents": [{"role": "model", "parts": [{"text": "a"}, {"text": 5}]}]},
+            "contents[0].parts[1]: 'text' must be a string",
+        ),
         ({"contents": [{"parts": ["hi"]}]}, "contents[0]: 'parts' must be a list of objects"),
         ({"contents": [{"parts": 5}]}, "contents[0]: 'parts' must be a list of objects"),
         # Inline and file data under either spelling, with or without a thought signature beside them.
-        *[({"contents": [{"role": role, "parts": [{"thoughtSignature": "c2ln", kind: {}}]}]},
-           "contents[0].parts[0]: inline or file data parts are not supported by this engine (text only)")
-          for kind in ("inlineData", "inline_data", "fileData", "file_data") for role in ("user", "model")],
-        ({"contents": [{"parts": [{"thought": True, "thoughtSignature": "c2ln", "executableCode": {}}]}]},
-         "contents[0].parts[0]: unsupported part ['executableCode']"),
-        ({"contents": [{"role": "model", "parts": [{"executableCode": {}, "codeExecutionResult": {}}]}]},
-         "contents[0].parts[0]: unsupported part ['executableCode', 'codeExecutionResult']"),
+        *[
+            (
+                {"contents": [{"role": role, "parts": [{"thoughtSignature": "c2ln", kind: {}}]}]},
+                "contents[0].parts[0]: inline or file data parts are not supported by this engine (text only)",
+            )
+            for kind in ("inlineData", "inline_data", "fileData", "file_data")
+            for role in ("user", "model")
+        ],
+        (
+            {"contents": [{"parts": [{"thought": True, "thoughtSignature": "c2ln", "executableCode": {}}]}]},
+            "contents[0].parts[0]: unsupported part ['executableCode']",
+        ),
+        (
+            {"contents": [{"role": "model", "parts": [{"executableCode": {}, "codeExecutionResult": {}}]}]},
+            "contents[0].parts[0]: unsupported part ['executableCode', 'codeExecutionResult']",
+        ),
         # A user turn holds no thoughts.
-        ({"contents": [{"parts": [{"text": "t", "thought": True}]}]}, "contents[0].parts[0]: unsupported part ['text']"),
-        ({"contents": [{"role": "model", "parts": [{"text": "a"}, {"functionCall": "f"}]}]},
-         "contents[0].parts[1]: functionCall needs a string 'name'"),
-        ({"contents": [{"role": "model", "parts": [{"text": "a"}, {"functionCall": {"name": "f", "args": [1]}}]}]},
-         "contents[0].parts[1]: functionCall 'args' must be an object"),
-        ({"contents": [{"parts": [{"text": "a"}, {"functionResponse": {"name": 1}}]}]},
-         "contents[0].parts[1]: functionResponse needs a string 'name'"),
+        (
+            {"contents": [{"parts": [{"text": "t", "thought": True}]}]},
+            "contents[0].parts[0]: unsupported part ['text']",
+        ),
+        (
+            {"contents": [{"role": "model", "parts": [{"text": "a"}, {"functionCall": "f"}]}]},
+            "contents[0].parts[1]: functionCall needs a string 'name'",
+        ),
+        (
+            {"contents": [{"role": "model", "parts": [{"text": "a"}, {"functionCall": {"name": "f", "args": [1]}}]}]},
+            "contents[0].parts[1]: functionCall 'args' must be an object",
+        ),
+        (
+            {"contents": [{"parts": [{"text": "a"}, {"functionResponse": {"name": 1}}]}]},
+            "contents[0].parts[1]: functionResponse needs a string 'name'",
+        ),
         ({"contents": H, "systemInstruction": 5}, "'systemInstruction' must be a Content object"),
-        ({"contents": H, "systemInstruction": {"parts": [{"text": "a"}, {"inlineData": {}}]}},
-         "systemInstruction.parts[1]: inline or file data parts are not supported by this engine (text only)"),
-        ({"contents": H, "systemInstruction": {"parts": [{"text": "a"}, {"text": 1}]}},
-         "systemInstruction.parts[1]: 'text' must be a string"),
+        (
+            {"contents": H, "systemInstruction": {"parts": [{"text": "a"}, {"inlineData": {}}]}},
+            "systemInstruction.parts[1]: inline or file data parts are not supported by this engine (text only)",
+        ),
+        (
+            {"contents": H, "systemInstruction": {"parts": [{"text": "a"}, {"text": 1}]}},
+            "systemInstruction.parts[1]: 'text' must be a string",
+        ),
         ({"contents": H, "systemInstruction": {"parts": "a"}}, "systemInstruction: 'parts' must be a list of objects"),
         ({"contents": H, "tools": {}}, "'tools' must be a list"),
         ({"contents": H, "tools": [{"googleSearch": {}}, 1]}, "tools[1] must be an object"),
-        ({"contents": H, "tools": [{"googleSearch": {}}, {"teleport_me": {}}]}, "tools[1]: unsupported tool 'teleport_me'"),
-        ({"contents": H, "tools": [{"functionDeclarations": {"name": "f"}}]}, "tools[0]: functionDeclarations must be a list"),
-        ({"contents": H, "tools": [{"functionDeclarations": [{"name": "f"}, {"description": "x"}]}]},
-         "tools[0].functionDeclarations[1]: 'name' is required"),
-        ({"contents": H, "tools": [{"functionDeclarations": [{"name": "f", "parameters": [1]}]}]},
-         "tools[0].functionDeclarations[0]: parameters must be an object"),
-        ({"contents": H, "tools": [{"functionDeclarations": [{"name": "f", "parametersJsonSchema": True}]}]},
-         "tools[0].functionDeclarations[0]: parameters must be an object"),
+        (
+            {"contents": H, "tools": [{"googleSearch": {}}, {"teleport_me": {}}]},
+            "tools[1]: unsupported tool 'teleport_me'",
+        ),
+        (
+            {"contents": H, "tools": [{"functionDeclarations": {"name": "f"}}]},
+            "tools[0]: functionDeclarations must be a list",
+        ),
+        (
+            {"contents": H, "tools": [{"functionDeclarations": [{"name": "f"}, {"description": "x"}]}]},
+            "tools[0].functionDeclarations[1]: 'name' is required",
+        ),
+        (
+            {"contents": H, "tools": [{"functionDeclarations": [{"name": "f", "parameters": [1]}]}]},
+            "tools[0].functionDeclarations[0]: parameters must be an object",
+        ),
+        (
+            {"contents": H, "tools": [{"functionDeclarations": [{"name": "f", "parametersJsonSchema": True}]}]},
+            "tools[0].functionDeclarations[0]: parameters must be an object",
+        ),
         ({"contents": H, "toolConfig": "ANY"}, "'toolConfig' must be an object"),
-        ({"contents": H, "toolConfig": {"functionCallingConfig": 1}}, "'toolConfig.functionCallingConfig' must be an object"),
-        ({"contents": H, "toolConfig": {"functionCallingConfig": {"mode": "sometimes"}}},
-         "unsupported functionCallingConfig.mode 'sometimes'"),
+        (
+            {"contents": H, "toolConfig": {"functionCallingConfig": 1}},
+            "'toolConfig.functionCallingConfig' must be an object",
+        ),
+        (
+            {"contents": H, "toolConfig": {"functionCallingConfig": {"mode": "sometimes"}}},
+            "unsupported functionCallingConfig.mode 'sometimes'",
+        ),
         ({"contents": H, "generationConfig": 1}, "'generationConfig' must be an object"),
-        ({"contents": H, "generationConfig": {"candidateCount": 2}},
-         "generationConfig.candidateCount > 1 is not supported: one candidate per request"),
+        (
+            {"contents": H, "generationConfig": {"candidateCount": 2}},
+            "generationConfig.candidateCount > 1 is not supported: one candidate per request",
+        ),
         ({"contents": H, "generationConfig": {"maxOutputTokens": 0}}, "generationConfig.maxOutputTokens must be >= 1"),
         ({"contents": H, "generationConfig": {"topK": 1.5}}, "generationConfig.topK must be an integer"),
         ({"contents": H, "generationConfig": {"topK": True}}, "generationConfig.topK must be an integer"),
@@ -526,15 +707,30 @@ H = [{"parts": [{"text": "hi"}]}]
         ({"contents": H, "generationConfig": {"temperature": "hot"}}, "generationConfig.temperature must be a number"),
         ({"contents": H, "generationConfig": {"topK": 2**31}}, "'generationConfig.topK' must be <= 2147483647"),
         ({"contents": H, "generationConfig": {"top_k": -(2**31)}}, "'generationConfig.topK' must be >= -2147483647"),
-        ({"contents": H, "generationConfig": {"max_output_tokens": 2**31}},
-         "'generationConfig.maxOutputTokens' must be <= 2147483647"),
-        ({"contents": H, "generationConfig": {"seed": 2**63}}, "'generationConfig.seed' must be <= 9223372036854775807"),
-        ({"contents": H, "generationConfig": {"seed": -(2**63)}}, "'generationConfig.seed' must be >= -9223372036854775807"),
-        ({"contents": H, "generationConfig": {"candidate_count": 2**31}},
-         "'generationConfig.candidateCount' must be <= 2147483647"),
-        ({"contents": H, "generationConfig": {"thinkingConfig": 1}}, "generationConfig.thinkingConfig must be an object"),
-        ({"contents": H, "generationConfig": {"stopSequences": 1}},
-         "'generationConfig.stopSequences' must be a string or a list of strings"),
+        (
+            {"contents": H, "generationConfig": {"max_output_tokens": 2**31}},
+            "'generationConfig.maxOutputTokens' must be <= 2147483647",
+        ),
+        (
+            {"contents": H, "generationConfig": {"seed": 2**63}},
+            "'generationConfig.seed' must be <= 9223372036854775807",
+        ),
+        (
+            {"contents": H, "generationConfig": {"seed": -(2**63)}},
+            "'generationConfig.seed' must be >= -9223372036854775807",
+        ),
+        (
+            {"contents": H, "generationConfig": {"candidate_count": 2**31}},
+            "'generationConfig.candidateCount' must be <= 2147483647",
+        ),
+        (
+            {"contents": H, "generationConfig": {"thinkingConfig": 1}},
+            "generationConfig.thinkingConfig must be an object",
+        ),
+        (
+            {"contents": H, "generationConfig": {"stopSequences": 1}},
+            "'generationConfig.stopSequences' must be a string or a list of strings",
+        ),
     ],
 )
 def test_invalid_requests_say_what_and_where(body: dict[str, Any], message: str) -> None:
@@ -546,11 +742,18 @@ def test_invalid_requests_say_what_and_where(body: dict[str, Any], message: str)
 def test_a_body_that_is_not_an_object_and_a_route_without_a_model() -> None:
     with pytest.raises(PolarError) as err:
         PROVIDER.parse_request([{"contents": H}], route())  # type: ignore[arg-type]
-    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request", "request body must be a JSON object")
+    assert (err.value.status, err.value.kind, err.value.message) == (
+        400,
+        "invalid_request",
+        "request body must be a JSON object",
+    )
     with pytest.raises(PolarError) as err:
         PROVIDER.parse_request({"contents": H}, Route(kind="generate"))
     assert (err.value.status, err.value.kind, err.value.message) == (
-        400, "invalid_request", "the model must be named in the path: /models/{model}:generateContent")
+        400,
+        "invalid_request",
+        "the model must be named in the path: /models/{model}:generateContent",
+    )
 
 
 def test_history_details_the_api_allows() -> None:
@@ -559,25 +762,39 @@ def test_history_details_the_api_allows() -> None:
         contents=[
             {"role": "user", "parts": []},  # an empty user turn is an empty message
             {"role": "model"},  # no parts at all
-            {"role": "model", "parts": [
-                {"thoughtSignature": "c2ln"},  # a signature on its own is skipped
-                {"thought_signature": "c2ln", "thought": True},
-                {"thought": True, "thoughtSignature": "c2ln", "thought_signature": "c2ln"},
-                {"functionCall": {"name": "f"}},  # no args: an empty object
-                {"function_call": {"name": "g", "args": {}}},
-            ]},
+            {
+                "role": "model",
+                "parts": [
+                    {"thoughtSignature": "c2ln"},  # a signature on its own is skipped
+                    {"thought_signature": "c2ln", "thought": True},
+                    {"thought": True, "thoughtSignature": "c2ln", "thought_signature": "c2ln"},
+                    {"functionCall": {"name": "f"}},  # no args: an empty object
+                    {"function_call": {"name": "g", "args": {}}},
+                ],
+            },
             # A response to no open call keeps a positional id; `function` is the older role of responses.
-            {"role": "function", "parts": [{"functionResponse": {"name": "h"}}, {"functionResponse": {"name": "g", "response": None}}]},
-            {"role": "user", "parts": [{"functionResponse": {"name": "f", "response": {"ok": 1}}}, {"text": "a"}, {"text": "b"}]},
+            {
+                "role": "function",
+                "parts": [{"functionResponse": {"name": "h"}}, {"functionResponse": {"name": "g", "response": None}}],
+            },
+            {
+                "role": "user",
+                "parts": [{"functionResponse": {"name": "f", "response": {"ok": 1}}}, {"text": "a"}, {"text": "b"}],
+            },
         ],
     )
     assert req.messages == [
         {"role": "system", "content": "plain text"},
         {"role": "user", "content": ""},
         {"role": "assistant", "content": None},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_2_3", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-            {"id": "call_2_4", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_2_3", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "call_2_4", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_3_0", "content": "{}"},
         {"role": "tool", "tool_call_id": "call_2_4", "content": "{}"},
         # Tool results come before the user's text of the same turn; user text parts are paragraphs.
@@ -585,28 +802,53 @@ def test_history_details_the_api_allows() -> None:
         {"role": "user", "content": "a\nb"},
     ]
     # A response's own id wins over the order of the calls, even before any model turn.
-    by_id = parse(contents=[
-        {"parts": [{"functionResponse": {"name": "f"}}]},
-        {"role": "model", "parts": [{"functionCall": {"id": "a", "name": "f"}}, {"functionCall": {"id": "b", "name": "f"}}]},
-        {"parts": [{"functionResponse": {"id": "b", "name": "f"}}, {"functionResponse": {"name": "f"}}]},
-    ]).messages
+    by_id = parse(
+        contents=[
+            {"parts": [{"functionResponse": {"name": "f"}}]},
+            {
+                "role": "model",
+                "parts": [{"functionCall": {"id": "a", "name": "f"}}, {"functionCall": {"id": "b", "name": "f"}}],
+            },
+            {"parts": [{"functionResponse": {"id": "b", "name": "f"}}, {"functionResponse": {"name": "f"}}]},
+        ]
+    ).messages
     assert [m.get("tool_call_id") for m in by_id] == ["call_0_0", None, "b", "a"]
     # An answered call is closed: a second response of that name answers nothing open.
-    again = parse(contents=[
-        {"role": "model", "parts": [{"functionCall": {"name": "f"}}]},
-        {"parts": [{"functionResponse": {"name": "f"}}]},
-        {"parts": [{"functionResponse": {"name": "f"}}]},
-    ]).messages
+    again = parse(
+        contents=[
+            {"role": "model", "parts": [{"functionCall": {"name": "f"}}]},
+            {"parts": [{"functionResponse": {"name": "f"}}]},
+            {"parts": [{"functionResponse": {"name": "f"}}]},
+        ]
+    ).messages
     assert [m.get("tool_call_id") for m in again] == [None, "call_0_0", "call_2_0"]
 
 
 def test_tool_details_the_api_allows() -> None:
-    req = parse(tools=[{"functionDeclarations": [
-        {"name": "a", "description": None, "parameters": {"type": "OBJECT", "anyOf": [{"type": "STRING"}, {"type": "custom"}]}},
-        {"name": "b", "parameters_json_schema": {"type": "OBJECT"}},  # JSON Schema is passed on as it is
-    ]}, {"functionDeclarations": []}, {"google_search_retrieval": {}, "url_context": {}}])
+    req = parse(
+        tools=[
+            {
+                "functionDeclarations": [
+                    {
+                        "name": "a",
+                        "description": None,
+                        "parameters": {"type": "OBJECT", "anyOf": [{"type": "STRING"}, {"type": "custom"}]},
+                    },
+                    {"name": "b", "parameters_json_schema": {"type": "OBJECT"}},  # JSON Schema is passed on as it is
+                ]
+            },
+            {"functionDeclarations": []},
+            {"google_search_retrieval": {}, "url_context": {}},
+        ]
+    )
     assert req.tools == [
-        {"type": "function", "function": {"name": "a", "parameters": {"type": "object", "anyOf": [{"type": "string"}, {"type": "custom"}]}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "a",
+                "parameters": {"type": "object", "anyOf": [{"type": "string"}, {"type": "custom"}]},
+            },
+        },
         {"type": "function", "function": {"name": "b", "parameters": {"type": "OBJECT"}}},
     ]
     assert req.extra == {"dropped_tools": ["googleSearchRetrieval", "urlContext"]}
@@ -616,7 +858,10 @@ def test_tool_details_the_api_allows() -> None:
 @pytest.mark.parametrize(
     "config,expected",
     [
-        ({"functionCallingConfig": {"mode": "any", "allowed_function_names": ["f"]}}, {"type": "function", "function": {"name": "f"}}),
+        (
+            {"functionCallingConfig": {"mode": "any", "allowed_function_names": ["f"]}},
+            {"type": "function", "function": {"name": "f"}},
+        ),
         ({"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["f", "g"]}}, "required"),
         ({"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": [1]}}, "required"),
         ({"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": "f"}}, "required"),
@@ -633,7 +878,9 @@ def test_tool_config_details(config: dict, expected: Any) -> None:
 
 
 def test_generation_config_details() -> None:
-    s = parse(generationConfig={"temperature": 1, "topP": 1, "maxOutputTokens": 1, "stopSequences": "END", "seed": 2**40}).sampling
+    s = parse(
+        generationConfig={"temperature": 1, "topP": 1, "maxOutputTokens": 1, "stopSequences": "END", "seed": 2**40}
+    ).sampling
     assert (s.temperature, s.top_p, s.max_tokens, s.stop, s.seed) == (1.0, 1.0, 1, ["END"], 2**40)
     assert isinstance(s.temperature, float) and isinstance(s.top_p, float)
     assert parse(generationConfig={"seed": -(2**40), "top_k": -(2**31 - 1)}).sampling.seed == -(2**40)
@@ -642,7 +889,10 @@ def test_generation_config_details() -> None:
     assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.seed) == (None, None, None, None, [], None)
     assert parse(generationConfig=None).sampling == s
     assert parse(generationConfig={"thinkingConfig": {"thinkingLevel": "LOW"}}).enable_thinking is True
-    assert parse(generationConfig={"thinkingConfig": {"thinking_level": "HIGH", "thinkingBudget": None}}).enable_thinking is True
+    assert (
+        parse(generationConfig={"thinkingConfig": {"thinking_level": "HIGH", "thinkingBudget": None}}).enable_thinking
+        is True
+    )
     assert parse(generationConfig={"thinkingConfig": {"thinkingBudget": -1}}).enable_thinking is True
     assert parse(generationConfig={"thinking_config": None}).enable_thinking is None
 
@@ -650,11 +900,15 @@ def test_generation_config_details() -> None:
 def test_count_tokens_body_forms() -> None:
     count = route("/v1beta/models/gem-test:countTokens")
     # A generateContentRequest wrapper only means something to countTokens, and only as an object.
-    assert PROVIDER.parse_request({"generate_content_request": {"contents": [{"parts": [{"text": "w"}]}]}, "contents": H},
-                                  count).messages == [{"role": "user", "content": "w"}]
-    assert PROVIDER.parse_request({"generateContentRequest": {"contents": [{"parts": [{"text": "w"}]}]}, "contents": H},
-                                  route()).messages == [{"role": "user", "content": "hi"}]
-    assert PROVIDER.parse_request({"generateContentRequest": "w", "contents": H}, count).messages == [{"role": "user", "content": "hi"}]
+    assert PROVIDER.parse_request(
+        {"generate_content_request": {"contents": [{"parts": [{"text": "w"}]}]}, "contents": H}, count
+    ).messages == [{"role": "user", "content": "w"}]
+    assert PROVIDER.parse_request(
+        {"generateContentRequest": {"contents": [{"parts": [{"text": "w"}]}]}, "contents": H}, route()
+    ).messages == [{"role": "user", "content": "hi"}]
+    assert PROVIDER.parse_request({"generateContentRequest": "w", "contents": H}, count).messages == [
+        {"role": "user", "content": "hi"}
+    ]
 
 
 def test_routes_read_the_query_parameters_exactly() -> None:
@@ -670,25 +924,44 @@ def test_routes_read_the_query_parameters_exactly() -> None:
 def test_non_stream_body_is_the_api_shape() -> None:
     body = PROVIDER.render_response(parse(), CASES["tools"], CTX)
     assert body == {
-        "candidates": [{
-            "content": {"role": "model", "parts": [
-                {"text": "Let me look."},
-                {"functionCall": {"id": "call_1", "name": "read_file", "args": {"path": "src/main.py", "lines": [1, 2]}}},
-                {"functionCall": {"id": "call_2", "name": "ls", "args": {}}},
-            ]},
-            "index": 0,
-            "finishReason": "STOP",
-        }],
+        "candidates": [
+            {
+                "content": {
+                    "role": "model",
+                    "parts": [
+                        {"text": "Let me look."},
+                        {
+                            "functionCall": {
+                                "id": "call_1",
+                                "name": "read_file",
+                                "args": {"path": "src/main.py", "lines": [1, 2]},
+                            }
+                        },
+                        {"functionCall": {"id": "call_2", "name": "ls", "args": {}}},
+                    ],
+                },
+                "index": 0,
+                "finishReason": "STOP",
+            }
+        ],
         "modelVersion": "gem-test",
         "responseId": CTX.response_id,
-        "usageMetadata": {"promptTokenCount": 11, "candidatesTokenCount": 7, "totalTokenCount": 18, "cachedContentTokenCount": 4},
+        "usageMetadata": {
+            "promptTokenCount": 11,
+            "candidatesTokenCount": 7,
+            "totalTokenCount": 18,
+            "cachedContentTokenCount": 4,
+        },
     }
     types.GenerateContentResponse.model_validate(body)
     thinking = PROVIDER.render_response(parse(), completion(content="", reasoning="hm"), CTX)
     assert thinking["candidates"][0]["content"]["parts"] == [{"text": "hm", "thought": True}, {"text": ""}]
     assert "cachedContentTokenCount" not in thinking["usageMetadata"]
     # A finish reason Gemini has no name for is a plain STOP.
-    assert PROVIDER.render_response(parse(), completion(finish_reason="other"), CTX)["candidates"][0]["finishReason"] == "STOP"
+    assert (
+        PROVIDER.render_response(parse(), completion(finish_reason="other"), CTX)["candidates"][0]["finishReason"]
+        == "STOP"
+    )
 
 
 def test_stream_chunks_are_the_api_shape() -> None:
@@ -696,11 +969,22 @@ def test_stream_chunks_are_the_api_shape() -> None:
     chunks = [e.data for e in PROVIDER.render_stream(request, completion(content="", reasoning="x" * 17), CTX)]
     head = {"modelVersion": "gem-test", "responseId": CTX.response_id}
     assert chunks == [
-        {"candidates": [{"content": {"role": "model", "parts": [{"text": "x" * 16, "thought": True}]}, "index": 0}], **head},
+        {
+            "candidates": [{"content": {"role": "model", "parts": [{"text": "x" * 16, "thought": True}]}, "index": 0}],
+            **head,
+        },
         # An empty answer text streams no piece: the last thought piece carries the finish.
-        {"candidates": [{"content": {"role": "model", "parts": [{"text": "x", "thought": True}]}, "index": 0,
-                         "finishReason": "STOP"}], **head,
-         "usageMetadata": {"promptTokenCount": 11, "candidatesTokenCount": 7, "totalTokenCount": 18}},
+        {
+            "candidates": [
+                {
+                    "content": {"role": "model", "parts": [{"text": "x", "thought": True}]},
+                    "index": 0,
+                    "finishReason": "STOP",
+                }
+            ],
+            **head,
+            "usageMetadata": {"promptTokenCount": 11, "candidatesTokenCount": 7, "totalTokenCount": 18},
+        },
     ]
     # An empty answer is still one chunk, with one empty text part.
     empty = [e.data for e in PROVIDER.render_stream(request, completion(content=None), CTX)]
@@ -709,6 +993,11 @@ def test_stream_chunks_are_the_api_shape() -> None:
 
 def test_context_length_message_in_gemini_wording() -> None:
     counted = PROVIDER.render_error(ContextLengthExceeded("x", prompt_tokens=40000, window=32768))
-    assert counted == {"error": {"code": 400, "status": "INVALID_ARGUMENT", "message":
-                                 "The input token count (40000) exceeds the maximum number of tokens allowed (32768)."}}
+    assert counted == {
+        "error": {
+            "code": 400,
+            "status": "INVALID_ARGUMENT",
+            "message": "The input token count (40000) exceeds the maximum number of tokens allowed (32768).",
+        }
+    }
     assert PROVIDER.render_error(ContextLengthExceeded("too long"))["error"]["message"] == "too long"

@@ -37,7 +37,9 @@ def parse(**body: Any):
 
 
 def client_for(status: int, body: bytes, content_type: str) -> openai.OpenAI:
-    return openai.OpenAI(api_key="x", base_url="http://polar.test/v1", http_client=canned_http(status, body, content_type), max_retries=0)
+    return openai.OpenAI(
+        api_key="x", base_url="http://polar.test/v1", http_client=canned_http(status, body, content_type), max_retries=0
+    )
 
 
 def sdk_stream_final(request, comp: Completion, prefix: bytes = b"") -> dict[str, Any]:
@@ -229,19 +231,33 @@ def _assistant(**fields: Any) -> dict[str, Any]:
         ({"messages": ["hi"]}, "messages[0] must be an object"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]: unsupported role 'wizard'"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]: tool messages need a string 'tool_call_id'"),
-        ({"messages": [{"role": "user", "content": 5}]},
-         "messages[0]: content must be a string or a list of content parts"),
-        ({"messages": [{"role": "system", "content": 5}]},
-         "messages[0]: content must be a string or a list of content parts"),
-        ({"messages": [USER, {"role": "tool", "tool_call_id": "c", "content": 5}]},
-         "messages[1]: content must be a string or a list of content parts"),
-        *[({"messages": [{"role": "user", "content": [{"type": kind}]}]},
-           f"messages[0]: {kind} parts are not supported by this engine (text only)")
-          for kind in ("image_url", "input_audio", "file")],
-        ({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
-         "messages[0]: unsupported content part type 'refusal'"),
-        (_assistant(content=[{"type": "image_url"}]),
-         "messages[1]: image_url parts are not supported by this engine (text only)"),
+        (
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages[0]: content must be a string or a list of content parts",
+        ),
+        (
+            {"messages": [{"role": "system", "content": 5}]},
+            "messages[0]: content must be a string or a list of content parts",
+        ),
+        (
+            {"messages": [USER, {"role": "tool", "tool_call_id": "c", "content": 5}]},
+            "messages[1]: content must be a string or a list of content parts",
+        ),
+        *[
+            (
+                {"messages": [{"role": "user", "content": [{"type": kind}]}]},
+                f"messages[0]: {kind} parts are not supported by this engine (text only)",
+            )
+            for kind in ("image_url", "input_audio", "file")
+        ],
+        (
+            {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
+            "messages[0]: unsupported content part type 'refusal'",
+        ),
+        (
+            _assistant(content=[{"type": "image_url"}]),
+            "messages[1]: image_url parts are not supported by this engine (text only)",
+        ),
         (_assistant(content=[{"type": "refusal"}]), "messages[1]: refusal part needs a string 'refusal'"),
         (_assistant(content="x", reasoning_content=5), "messages[1]: reasoning_content must be a string"),
         (_assistant(tool_calls="bash"), "messages[1]: tool_calls must be a list"),
@@ -281,13 +297,22 @@ def test_invalid_requests_say_what_and_where(patch: dict[str, Any], message: str
 
 def test_history_details_the_api_allows() -> None:
     req = parse(
-        messages=[USER, {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}],
-                         "tool_calls": [{"id": "c", "function": {"name": "f"}}]}],
+        messages=[
+            USER,
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}],
+                "tool_calls": [{"id": "c", "function": {"name": "f"}}],
+            },
+        ],
         tools=[{"function": {"name": "f"}}],  # "type" defaults to "function"
         tool_choice="none",
     )
-    assert req.messages[1] == {"role": "assistant", "content": "a\nb",
-                               "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}]}
+    assert req.messages[1] == {
+        "role": "assistant",
+        "content": "a\nb",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}],
+    }
     assert req.tools == [{"type": "function", "function": {"name": "f"}}] and req.tool_choice == "none"
     # Reasoning sent back under vLLM's newer key "reasoning" is the same history.
     thought = parse(messages=[USER, {"role": "assistant", "content": "a", "reasoning": "think"}]).messages[1]
@@ -376,8 +401,13 @@ def test_sdk_accumulated_stream_equals_non_stream(name: str, include_usage: bool
     assert sdk_stream_final(request, comp) == expected
 
 
-STREAM_FINISH = {"text": "stop", "reasoning_text": "stop", "parallel_tools": "tool_calls", "tool_only": "tool_calls",
-                 "empty": "length"}
+STREAM_FINISH = {
+    "text": "stop",
+    "reasoning_text": "stop",
+    "parallel_tools": "tool_calls",
+    "tool_only": "tool_calls",
+    "empty": "length",
+}
 
 
 @pytest.mark.parametrize("name", sorted(STREAM_CASES))
@@ -392,7 +422,9 @@ def test_sdk_stream_parse_carries_the_completion(name: str) -> None:
     message = choice["message"]
     assert (message["content"] or "") == (comp.message.content or "")
     assert message.get("reasoning_content") == comp.message.reasoning
-    calls = [(c["id"], c["type"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or []]
+    calls = [
+        (c["id"], c["type"], c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or []
+    ]
     assert calls == [(c.id, "function", c.name, c.arguments) for c in comp.message.tool_calls]
     usage = final["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (11, 7, 18)
@@ -428,17 +460,29 @@ def test_every_chunk_is_a_chat_completion_chunk_of_the_api() -> None:
     """Each chunk validated by the SDK's own ChatCompletionChunk type (its literals included); with
     include_usage every chunk carries "usage": null except the last, which carries only the usage."""
     comp = STREAM_CASES["parallel_tools"]
-    chunks = [e.data for e in PROVIDER.render_stream(parse(stream=True, stream_options={"include_usage": True}), comp, CTX)]
+    chunks = [
+        e.data for e in PROVIDER.render_stream(parse(stream=True, stream_options={"include_usage": True}), comp, CTX)
+    ]
     assert chunks[-1] == "[DONE]"
     for chunk in chunks[:-1]:
         ChatCompletionChunk.model_validate(chunk, strict=True)
     assert all(c["usage"] is None for c in chunks[:-2])
-    assert chunks[-2] == {"id": "chatcmpl-test1", "object": "chat.completion.chunk", "created": 1_700_000_000,
-                          "model": "qwen-test", "choices": [],
-                          "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18,
-                                    "prompt_tokens_details": {"cached_tokens": 8}}}
+    assert chunks[-2] == {
+        "id": "chatcmpl-test1",
+        "object": "chat.completion.chunk",
+        "created": 1_700_000_000,
+        "model": "qwen-test",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 11,
+            "completion_tokens": 7,
+            "total_tokens": 18,
+            "prompt_tokens_details": {"cached_tokens": 8},
+        },
+    }
     assert {(c["id"], c["object"], c["created"], c["model"]) for c in chunks[:-1]} == {
-        ("chatcmpl-test1", "chat.completion.chunk", 1_700_000_000, "qwen-test")}
+        ("chatcmpl-test1", "chat.completion.chunk", 1_700_000_000, "qwen-test")
+    }
 
 
 def test_text_is_streamed_in_several_pieces() -> None:
@@ -493,8 +537,10 @@ def test_context_length_error_code() -> None:
     assert (err["type"], err["code"]) == ("invalid_request_error", "context_length_exceeded")
     # With the engine's counts, OpenAI's own wording (clients match "maximum context length").
     counted = PROVIDER.render_error(ContextLengthExceeded("x", prompt_tokens=40000, window=32768))["error"]
-    assert counted["message"] == ("This model's maximum context length is 32768 tokens. However, your messages "
-                                  "resulted in 40000 tokens. Please reduce the length of the messages.")
+    assert counted["message"] == (
+        "This model's maximum context length is 32768 tokens. However, your messages "
+        "resulted in 40000 tokens. Please reduce the length of the messages."
+    )
 
 
 @pytest.mark.parametrize(

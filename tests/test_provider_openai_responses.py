@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import logging
 import dataclasses
+import logging
 from typing import Any
 
 import openai
@@ -51,8 +51,15 @@ NAMESPACE = {
     "type": "namespace",
     "name": "multi_agent_v1",
     "description": "Tools for sub-agents.",
-    "tools": [{"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
-               "parameters": {"type": "object", "properties": {"target": {"type": "string"}}}}],
+    "tools": [
+        {
+            "type": "function",
+            "name": "close_agent",
+            "description": "Close an agent.",
+            "strict": False,
+            "parameters": {"type": "object", "properties": {"target": {"type": "string"}}},
+        }
+    ],
 }
 WEB_SEARCH = {"type": "web_search", "external_web_access": False}
 
@@ -64,7 +71,9 @@ def parse(provider: OpenAIResponsesProvider = PROVIDER, **body: Any):
 
 
 def client_for(status: int, body: bytes, content_type: str) -> openai.OpenAI:
-    return openai.OpenAI(api_key="x", base_url="http://polar.test/v1", http_client=canned_http(status, body, content_type), max_retries=0)
+    return openai.OpenAI(
+        api_key="x", base_url="http://polar.test/v1", http_client=canned_http(status, body, content_type), max_retries=0
+    )
 
 
 def sdk_final(body: bytes, tools: list[dict[str, Any]] | None = None) -> Response:
@@ -123,7 +132,10 @@ def test_registered_after_chat_and_messages() -> None:
 
 def test_string_input_and_instructions() -> None:
     req = parse(input="list files", instructions="You are a coder.")
-    assert req.messages == [{"role": "system", "content": "You are a coder."}, {"role": "user", "content": "list files"}]
+    assert req.messages == [
+        {"role": "system", "content": "You are a coder."},
+        {"role": "user", "content": "list files"},
+    ]
     assert req.api == "openai_responses" and req.model == "qwen-test"
 
 
@@ -131,11 +143,21 @@ def test_instructions_and_developer_messages_form_one_system_message() -> None:
     req = parse(
         instructions="Base rules.",
         input=[
-            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: read-only."},
-                                                                  {"type": "input_text", "text": "Skills: none."}]},
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [
+                    {"type": "input_text", "text": "Sandbox: read-only."},
+                    {"type": "input_text", "text": "Skills: none."},
+                ],
+            },
             {"role": "user", "content": "hi"},  # EasyInputMessage: no type
             {"type": "message", "role": "system", "content": "Be brief."},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+            },
         ],
     )
     assert req.messages == [
@@ -149,15 +171,29 @@ def test_function_calls_and_outputs_grouped_into_assistant_tool_calls() -> None:
     req = parse(
         input=[
             {"type": "message", "role": "user", "content": "list then read"},
-            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "short"}],
-             "content": [{"type": "reasoning_text", "text": "use ls then cat"}], "encrypted_content": None},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [{"type": "summary_text", "text": "short"}],
+                "content": [{"type": "reasoning_text", "text": "use ls then cat"}],
+                "encrypted_content": None,
+            },
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
-            {"type": "function_call", "id": "fc_1", "status": "completed", "call_id": "call_a", "name": "exec_command",
-             "arguments": '{"cmd":"ls"}'},
+            {
+                "type": "function_call",
+                "id": "fc_1",
+                "status": "completed",
+                "call_id": "call_a",
+                "name": "exec_command",
+                "arguments": '{"cmd":"ls"}',
+            },
             {"type": "function_call", "call_id": "call_b", "name": "read", "arguments": {"path": "x"}},
             {"type": "function_call_output", "id": "fco_1", "call_id": "call_a", "output": "a.txt"},
-            {"type": "function_call_output", "call_id": "call_b", "output": [{"type": "input_text", "text": "X"},
-                                                                            {"type": "input_text", "text": "Y"}]},
+            {
+                "type": "function_call_output",
+                "call_id": "call_b",
+                "output": [{"type": "input_text", "text": "X"}, {"type": "input_text", "text": "Y"}],
+            },
             {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "done"}]},
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
         ]
@@ -186,14 +222,29 @@ def test_custom_tool_calls_are_single_string_function_calls() -> None:
         tools=[APPLY_PATCH],
         input=[
             {"type": "message", "role": "user", "content": "add a.txt"},
-            {"type": "custom_tool_call", "id": "ctc_1", "status": "completed", "call_id": "call_p", "name": "apply_patch", "input": patch},
+            {
+                "type": "custom_tool_call",
+                "id": "ctc_1",
+                "status": "completed",
+                "call_id": "call_p",
+                "name": "apply_patch",
+                "input": patch,
+            },
             {"type": "custom_tool_call_output", "call_id": "call_p", "output": "Done!"},
         ],
     )
     assert req.messages[1:] == [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_p", "type": "function", "function": {"name": "apply_patch", "arguments": orjson.dumps({"input": patch}).decode()}}
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_p",
+                    "type": "function",
+                    "function": {"name": "apply_patch", "arguments": orjson.dumps({"input": patch}).decode()},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_p", "content": "Done!"},
     ]
     (tool,) = req.tools
@@ -208,13 +259,25 @@ def test_custom_tool_calls_are_single_string_function_calls() -> None:
 def test_codex_tool_list_namespace_flattened_hosted_tools_dropped() -> None:
     req = parse(tools=[EXEC, NAMESPACE, WEB_SEARCH], tool_choice="auto", parallel_tool_calls=True)
     assert [t["function"]["name"] for t in req.tools] == ["exec_command", "multi_agent_v1.close_agent"]
-    assert req.tools[0] == {"type": "function", "function": {"name": "exec_command", "description": "Runs a command.",
-                                                             "parameters": EXEC["parameters"]}}
+    assert req.tools[0] == {
+        "type": "function",
+        "function": {"name": "exec_command", "description": "Runs a command.", "parameters": EXEC["parameters"]},
+    }
     assert req.extra["namespaced_tools"] == {"multi_agent_v1.close_agent": "multi_agent_v1"}
     assert req.extra["dropped_tools"] == ["web_search"] and req.tool_choice == "auto"
     # A namespaced call in the history reads back under the same flat name.
-    hist = parse(tools=[NAMESPACE], input=[
-        {"type": "function_call", "call_id": "c1", "name": "close_agent", "namespace": "multi_agent_v1", "arguments": "{}"}])
+    hist = parse(
+        tools=[NAMESPACE],
+        input=[
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "close_agent",
+                "namespace": "multi_agent_v1",
+                "arguments": "{}",
+            }
+        ],
+    )
     assert hist.messages[0]["tool_calls"][0]["function"]["name"] == "multi_agent_v1.close_agent"
 
 
@@ -238,12 +301,24 @@ def test_tool_choice_dropped_without_tools() -> None:
 
 
 def test_sampling_reasoning_and_extras() -> None:
-    req = parse(temperature=0.7, top_p=0.9, max_output_tokens=64, stream=True, store=False,
-                reasoning={"effort": "low", "summary": "auto"}, include=["reasoning.encrypted_content"])
+    req = parse(
+        temperature=0.7,
+        top_p=0.9,
+        max_output_tokens=64,
+        stream=True,
+        store=False,
+        reasoning={"effort": "low", "summary": "auto"},
+        include=["reasoning.encrypted_content"],
+    )
     s = req.sampling
     assert (s.temperature, s.top_p, s.max_tokens) == (0.7, 0.9, 64)
     assert req.stream is True and req.enable_thinking is True
-    assert req.extra == {"store": False, "parallel_tool_calls": True, "reasoning_summary": "auto", "reasoning_effort": "low"}
+    assert req.extra == {
+        "store": False,
+        "parallel_tool_calls": True,
+        "reasoning_summary": "auto",
+        "reasoning_effort": "low",
+    }
     assert parse(reasoning={"effort": "none"}).enable_thinking is False
     assert parse(reasoning={"summary": "auto"}).enable_thinking is None
     assert parse().extra == {"store": True, "parallel_tool_calls": True, "reasoning_summary": None}
@@ -258,7 +333,10 @@ def test_sampling_reasoning_and_extras() -> None:
         {"model": "m", "input": 5},
         {"model": "m", "input": [5]},
         {"model": "m", "input": [{"type": "message", "role": "wizard", "content": "x"}]},
-        {"model": "m", "input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}]},
+        {
+            "model": "m",
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}],
+        },
         {"model": "m", "input": [{"type": "message", "role": "user", "content": [{"type": "output_text"}]}]},
         {"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
         {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]},
@@ -287,11 +365,32 @@ def test_invalid_requests_are_400(body: Any) -> None:
 def test_every_input_item_codex_sends_is_accepted() -> None:
     """Codex 0.171's item types (its ResponseItem enum): with its default model the tool list comes as an
     ``additional_tools`` item, not in ``tools``; that used to be a 400 for every `codex exec` without -m."""
-    ns = {"type": "namespace", "name": "functions", "description": "", "tools": [
-        {"type": "custom", "name": "exec", "description": "run JS", "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
-        {"type": "function", "name": "wait", "description": "wait", "strict": False, "parameters": {"type": "object", "properties": {}}},
-    ]}
-    loaded = {"type": "function", "name": "calendar_create", "description": "make an event", "parameters": {"type": "object", "properties": {}}}
+    ns = {
+        "type": "namespace",
+        "name": "functions",
+        "description": "",
+        "tools": [
+            {
+                "type": "custom",
+                "name": "exec",
+                "description": "run JS",
+                "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+            },
+            {
+                "type": "function",
+                "name": "wait",
+                "description": "wait",
+                "strict": False,
+                "parameters": {"type": "object", "properties": {}},
+            },
+        ],
+    }
+    loaded = {
+        "type": "function",
+        "name": "calendar_create",
+        "description": "make an event",
+        "parameters": {"type": "object", "properties": {}},
+    }
     request = parse(
         OpenAIResponsesProvider(),
         tools=[EXEC],
@@ -299,13 +398,33 @@ def test_every_input_item_codex_sends_is_accepted() -> None:
             {"type": "additional_tools", "id": "at_1", "role": "developer", "tools": [ns]},
             {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "plan my day"}]},
-            {"type": "tool_search_call", "call_id": "ts_1", "execution": "client", "status": "completed",
-             "arguments": {"query": "calendar"}},
-            {"type": "tool_search_output", "call_id": "ts_1", "execution": "client", "status": "completed", "tools": [loaded]},
-            {"type": "local_shell_call", "call_id": "ls_1", "status": "completed",
-             "action": {"type": "exec", "command": ["ls"]}},
+            {
+                "type": "tool_search_call",
+                "call_id": "ts_1",
+                "execution": "client",
+                "status": "completed",
+                "arguments": {"query": "calendar"},
+            },
+            {
+                "type": "tool_search_output",
+                "call_id": "ts_1",
+                "execution": "client",
+                "status": "completed",
+                "tools": [loaded],
+            },
+            {
+                "type": "local_shell_call",
+                "call_id": "ls_1",
+                "status": "completed",
+                "action": {"type": "exec", "command": ["ls"]},
+            },
             {"type": "function_call_output", "call_id": "ls_1", "output": "a.txt"},
-            {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "x"}},
+            {
+                "type": "web_search_call",
+                "id": "ws_1",
+                "status": "completed",
+                "action": {"type": "search", "query": "x"},
+            },
             {"type": "compaction", "encrypted_content": "gAAA"},
             {"type": "agent_message", "content": [{"type": "input_text", "text": "subagent: done"}]},
         ],
@@ -330,19 +449,38 @@ def test_every_input_item_codex_sends_is_accepted() -> None:
 
 def test_previous_response_id_prepends_the_remembered_history() -> None:
     provider = OpenAIResponsesProvider()
-    first = parse(provider, instructions="rules", input=[{"role": "developer", "content": "dev"}, {"role": "user", "content": "ls"}],
-                  tools=[EXEC])
+    first = parse(
+        provider,
+        instructions="rules",
+        input=[{"role": "developer", "content": "dev"}, {"role": "user", "content": "ls"}],
+        tools=[EXEC],
+    )
     call = ToolCall("call_1", "exec_command", '{"cmd":"ls"}')
     ctx1 = ResponseContext("resp_one", 1, "qwen-test")
-    list(provider.render_stream(first, completion(content=None, reasoning="think", tool_calls=[call], finish_reason="tool_calls"), ctx1))
+    list(
+        provider.render_stream(
+            first, completion(content=None, reasoning="think", tool_calls=[call], finish_reason="tool_calls"), ctx1
+        )
+    )
     # Codex over its WebSocket: only the new items, pointing at the previous response.
-    second = parse(provider, instructions="rules", previous_response_id="resp_one", tools=[EXEC],
-                   input=[{"type": "function_call_output", "call_id": "call_1", "output": "a.txt"}])
+    second = parse(
+        provider,
+        instructions="rules",
+        previous_response_id="resp_one",
+        tools=[EXEC],
+        input=[{"type": "function_call_output", "call_id": "call_1", "output": "a.txt"}],
+    )
     assert second.messages == [
         {"role": "system", "content": "rules\n\ndev"},
         {"role": "user", "content": "ls"},
-        {"role": "assistant", "content": None, "reasoning_content": "think", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "exec_command", "arguments": '{"cmd":"ls"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "think",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "exec_command", "arguments": '{"cmd":"ls"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"},
     ]
     assert second.extra["previous_response_id"] == "resp_one"
@@ -377,20 +515,42 @@ def test_history_is_bounded_and_parsed_inputs_are_not_kept() -> None:
 
 
 def test_non_stream_render_is_a_valid_response() -> None:
-    calls = [ToolCall("call_1", "exec_command", '{"cmd": "ls"}'), ToolCall("call_2", "apply_patch", '{"input": "*** Begin Patch"}'),
-             ToolCall("call_3", "multi_agent_v1.close_agent", '{"target": "a"}')]
-    request = parse(tools=[EXEC, APPLY_PATCH, NAMESPACE], reasoning={"summary": "auto"}, max_output_tokens=100, temperature=0.5)
-    body = PROVIDER.render_response(request, completion(content="On it.", reasoning="plan", tool_calls=calls, cached_tokens=4), CTX)
+    calls = [
+        ToolCall("call_1", "exec_command", '{"cmd": "ls"}'),
+        ToolCall("call_2", "apply_patch", '{"input": "*** Begin Patch"}'),
+        ToolCall("call_3", "multi_agent_v1.close_agent", '{"target": "a"}'),
+    ]
+    request = parse(
+        tools=[EXEC, APPLY_PATCH, NAMESPACE], reasoning={"summary": "auto"}, max_output_tokens=100, temperature=0.5
+    )
+    body = PROVIDER.render_response(
+        request, completion(content="On it.", reasoning="plan", tool_calls=calls, cached_tokens=4), CTX
+    )
     parsed = Response.model_validate(body)
-    assert (parsed.id, parsed.created_at, parsed.model, parsed.status) == ("resp_test1", 1_700_000_000, "qwen-test", "completed")
+    assert (parsed.id, parsed.created_at, parsed.model, parsed.status) == (
+        "resp_test1",
+        1_700_000_000,
+        "qwen-test",
+        "completed",
+    )
     assert (parsed.max_output_tokens, parsed.temperature) == (100, 0.5)
-    assert [o.type for o in parsed.output] == ["reasoning", "message", "function_call", "custom_tool_call", "function_call"]
+    assert [o.type for o in parsed.output] == [
+        "reasoning",
+        "message",
+        "function_call",
+        "custom_tool_call",
+        "function_call",
+    ]
     reasoning, message, fn, custom, namespaced = parsed.output
     assert reasoning.content[0].text == "plan" and reasoning.summary[0].text == "plan"
     assert message.content[0].text == "On it." and parsed.output_text == "On it."
     assert (fn.call_id, fn.name, fn.arguments) == ("call_1", "exec_command", '{"cmd": "ls"}')
     assert (custom.call_id, custom.name, custom.input) == ("call_2", "apply_patch", "*** Begin Patch")
-    assert (namespaced.name, namespaced.namespace, namespaced.arguments) == ("close_agent", "multi_agent_v1", '{"target": "a"}')
+    assert (namespaced.name, namespaced.namespace, namespaced.arguments) == (
+        "close_agent",
+        "multi_agent_v1",
+        '{"target": "a"}',
+    )
     assert len({o.id for o in parsed.output}) == 5
     u = parsed.usage
     assert (u.input_tokens, u.output_tokens, u.total_tokens, u.input_tokens_details.cached_tokens) == (11, 7, 18, 4)
@@ -398,13 +558,17 @@ def test_non_stream_render_is_a_valid_response() -> None:
 
 def test_summary_only_when_asked_and_truncation_is_incomplete() -> None:
     body = PROVIDER.render_response(parse(), completion(reasoning="r", finish_reason="length"), CTX)
-    assert body["output"][0]["summary"] == [] and body["output"][0]["content"] == [{"type": "reasoning_text", "text": "r"}]
+    assert body["output"][0]["summary"] == [] and body["output"][0]["content"] == [
+        {"type": "reasoning_text", "text": "r"}
+    ]
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["output"][1]["status"] == "incomplete"
 
 
 def test_tool_only_turn_has_no_message_and_empty_turn_has_an_empty_one() -> None:
-    only = PROVIDER.render_response(parse(tools=[EXEC]), completion(content=None, tool_calls=[ToolCall("c", "exec_command", "{}")]), CTX)
+    only = PROVIDER.render_response(
+        parse(tools=[EXEC]), completion(content=None, tool_calls=[ToolCall("c", "exec_command", "{}")]), CTX
+    )
     assert [o["type"] for o in only["output"]] == ["function_call"]
     empty = PROVIDER.render_response(parse(), completion(content=None), CTX)
     assert empty["output"][0]["content"][0]["text"] == ""
@@ -440,7 +604,9 @@ STREAM_CASES = {
         finish_reason="tool_calls",
         cached_tokens=8,
     ),
-    "tool_only": completion(content=None, tool_calls=[ToolCall("call_9", "exec_command", "")], finish_reason="tool_calls"),
+    "tool_only": completion(
+        content=None, tool_calls=[ToolCall("call_9", "exec_command", "")], finish_reason="tool_calls"
+    ),
     "truncated": completion(content="", reasoning="thinking for a long", finish_reason="length"),
 }
 STREAM_REQUEST = {"tools": [EXEC, APPLY_PATCH, NAMESPACE], "reasoning": {"summary": "auto"}, "stream": True}
@@ -479,12 +645,28 @@ def test_sdk_stream_parse_carries_the_completion() -> None:
     assert (tools["id"], tools["status"], tools["incomplete_details"]) == ("resp_test1", "completed", None)
     assert _items(tools) == [
         {"type": "message", "status": "completed", "role": "assistant", "text": ["Let me look."]},
-        {"type": "function_call", "status": "completed", "call_id": "call_1", "name": "exec_command",
-         "arguments": '{"cmd": "ls -la /tmp && cat /etc/hostname"}'},
-        {"type": "custom_tool_call", "status": "completed", "call_id": "call_2", "name": "apply_patch",
-         "input": "*** Begin Patch\n*** Add File: a\n+x\n*** End Patch"},
-        {"type": "function_call", "status": "completed", "call_id": "call_3", "name": "close_agent",
-         "namespace": "multi_agent_v1", "arguments": '{"target": "agent-1"}'},
+        {
+            "type": "function_call",
+            "status": "completed",
+            "call_id": "call_1",
+            "name": "exec_command",
+            "arguments": '{"cmd": "ls -la /tmp && cat /etc/hostname"}',
+        },
+        {
+            "type": "custom_tool_call",
+            "status": "completed",
+            "call_id": "call_2",
+            "name": "apply_patch",
+            "input": "*** Begin Patch\n*** Add File: a\n+x\n*** End Patch",
+        },
+        {
+            "type": "function_call",
+            "status": "completed",
+            "call_id": "call_3",
+            "name": "close_agent",
+            "namespace": "multi_agent_v1",
+            "arguments": '{"target": "agent-1"}',
+        },
     ]
     usage = tools["usage"]
     assert (usage["input_tokens"], usage["output_tokens"], usage["total_tokens"]) == (11, 7, 18)
@@ -534,7 +716,9 @@ def test_stream_events_are_typed_numbered_and_rebuild_every_item(name: str) -> N
             assert "".join(deltas["response.reasoning_text.delta"]) == item.content[0].text
             assert "".join(deltas["response.reasoning_summary_text.delta"]) == item.summary[0].text
             kinds = [e.type for e in own]
-            assert kinds.index("response.reasoning_summary_part.added") < kinds.index("response.reasoning_summary_part.done")
+            assert kinds.index("response.reasoning_summary_part.added") < kinds.index(
+                "response.reasoning_summary_part.done"
+            )
 
 
 def test_codex_reads_what_it_needs() -> None:
@@ -554,7 +738,9 @@ def test_codex_reads_what_it_needs() -> None:
 def test_deterministic_render() -> None:
     request = parse(**STREAM_REQUEST)
     comp = STREAM_CASES["tools"]
-    assert [e.data for e in PROVIDER.render_stream(request, comp, CTX)] == [e.data for e in PROVIDER.render_stream(request, comp, CTX)]
+    assert [e.data for e in PROVIDER.render_stream(request, comp, CTX)] == [
+        e.data for e in PROVIDER.render_stream(request, comp, CTX)
+    ]
 
 
 # ---------------------------------------------------------------- keep-alive
@@ -568,8 +754,13 @@ def test_stream_keepalive_sends_the_prelude_then_in_progress_and_numbering_conti
     keep = b"".join(provider.keepalive(request, ctx) for _ in range(3))
     body = keep + sse_bytes(provider.render_stream(request, comp, ctx))
     events = raw_events(body)
-    assert [e.type for e in events[:5]] == ["response.created", "response.in_progress", "response.in_progress",
-                                            "response.in_progress", "response.output_item.added"]
+    assert [e.type for e in events[:5]] == [
+        "response.created",
+        "response.in_progress",
+        "response.in_progress",
+        "response.in_progress",
+        "response.output_item.added",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert sum(e.type == "response.created" for e in events) == 1
     # The SDK's stream helper accepts it, with the same final response as without keep-alives.
@@ -577,8 +768,6 @@ def test_stream_keepalive_sends_the_prelude_then_in_progress_and_numbering_conti
     request2 = parse(provider2, **STREAM_REQUEST)
     fresh = ResponseContext("resp_slow", 5, "qwen-test")
     assert plain(sdk_final(body)) == plain(sdk_final(sse_bytes(provider2.render_stream(request2, comp, fresh))))
-
-
 
 
 # ---------------------------------------------------------------- errors
@@ -657,13 +846,18 @@ def test_count_tokens() -> None:
 
 
 def test_stream_events_are_stream_events() -> None:
-    assert all(isinstance(e, StreamEvent) and e.event == e.data["type"]
-               for e in PROVIDER.render_stream(parse(stream=True), completion(), CTX))
+    assert all(
+        isinstance(e, StreamEvent) and e.event == e.data["type"]
+        for e in PROVIDER.render_stream(parse(stream=True), completion(), CTX)
+    )
 
 
 def test_parse_does_not_mutate_the_body() -> None:
-    body = {"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}],
-            "tools": [NAMESPACE, APPLY_PATCH]}
+    body = {
+        "model": "m",
+        "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}],
+        "tools": [NAMESPACE, APPLY_PATCH],
+    }
     before = copy.deepcopy(body)
     PROVIDER.parse_request(body, GENERATE)
     assert body == before
@@ -679,75 +873,135 @@ def test_parse_does_not_mutate_the_body() -> None:
         ({"model": "m"}, "'input' is required and must be a string or a list of items"),
         ({"model": "m", "input": 5}, "'input' is required and must be a string or a list of items"),
         ({"model": "m", "input": [5]}, "input[0] must be an object"),
-        ({"model": "m", "input": [{"type": "message", "role": "wizard", "content": "x"}]},
-         "input[0]: unsupported role 'wizard'"),
-        ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
-         "input[0]: input_image parts are not supported by this engine (text only)"),
-        ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_file"}]}]},
-         "input[0]: input_file parts are not supported by this engine (text only)"),
-        ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_audio"}]}]},
-         "input[0]: input_audio parts are not supported by this engine (text only)"),
-        ({"model": "m", "input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
-         "input[0]: unsupported content part type 'output_text'"),
-        ({"model": "m", "input": [{"role": "system", "content": [{"type": "output_text", "text": "x"}]}]},
-         "input[0]: unsupported content part type 'output_text'"),
-        ({"model": "m", "input": [{"role": "assistant", "content": [{"type": "reasoning_text", "text": "x"}]}]},
-         "input[0]: unsupported content part type 'reasoning_text'"),
-        ({"model": "m", "input": [{"type": "reasoning", "summary": [{"text": 1}]}]},
-         "input[0]: reasoning summary parts need a string 'text'"),
-        ({"model": "m", "input": [{"type": "reasoning", "summary": ["x"]}]},
-         "input[0]: reasoning summary parts need a string 'text'"),
-        ({"model": "m", "input": [{"type": "reasoning", "content": {"type": "reasoning_text", "text": "x"}}]},
-         "input[0]: reasoning 'content' must be a list"),
-        ({"model": "m", "input": [{"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]}]},
-         "input[0]: unsupported reasoning part type 'output_text'"),
-        ({"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
-         "input[0]: 'function_call' needs a string 'call_id'"),
-        ({"model": "m", "input": [{"type": "function_call", "call_id": "", "name": "f"}]},
-         "input[0]: 'function_call' needs a string 'call_id'"),
-        ({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": ""}]},
-         "input[0]: 'function_call' needs a string 'name'"),
-        ({"model": "m", "input": [{"type": "function_call_output", "output": "x"}]},
-         "input[0]: 'function_call_output' needs a string 'call_id'"),
-        ({"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
-         "input[0]: input_image parts are not supported by this engine (text only)"),
-        ({"model": "m", "input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": {}}]},
-         "input[0]: custom_tool_call 'input' must be a string"),
-        ({"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]},
-         "input[0]: item_reference needs server-side item storage, which polar does not keep; send the item itself"),
-        ({"model": "m", "input": [{"type": "local_shell_call", "action": {}}]},
-         "input[0]: 'local_shell_call' needs a string 'call_id'"),
-        ({"model": "m", "input": [{"type": "additional_tools", "tools": {}}]},
-         "input[0]: additional_tools needs a list 'tools'"),
-        ({"model": "m", "input": [{"type": "teleport_call"}]},
-         "input[0]: unsupported input item type 'teleport_call'"),
+        (
+            {"model": "m", "input": [{"type": "message", "role": "wizard", "content": "x"}]},
+            "input[0]: unsupported role 'wizard'",
+        ),
+        (
+            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0]: input_image parts are not supported by this engine (text only)",
+        ),
+        (
+            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+            "input[0]: input_file parts are not supported by this engine (text only)",
+        ),
+        (
+            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            "input[0]: input_audio parts are not supported by this engine (text only)",
+        ),
+        (
+            {"model": "m", "input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
+            "input[0]: unsupported content part type 'output_text'",
+        ),
+        (
+            {"model": "m", "input": [{"role": "system", "content": [{"type": "output_text", "text": "x"}]}]},
+            "input[0]: unsupported content part type 'output_text'",
+        ),
+        (
+            {"model": "m", "input": [{"role": "assistant", "content": [{"type": "reasoning_text", "text": "x"}]}]},
+            "input[0]: unsupported content part type 'reasoning_text'",
+        ),
+        (
+            {"model": "m", "input": [{"type": "reasoning", "summary": [{"text": 1}]}]},
+            "input[0]: reasoning summary parts need a string 'text'",
+        ),
+        (
+            {"model": "m", "input": [{"type": "reasoning", "summary": ["x"]}]},
+            "input[0]: reasoning summary parts need a string 'text'",
+        ),
+        (
+            {"model": "m", "input": [{"type": "reasoning", "content": {"type": "reasoning_text", "text": "x"}}]},
+            "input[0]: reasoning 'content' must be a list",
+        ),
+        (
+            {"model": "m", "input": [{"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]}]},
+            "input[0]: unsupported reasoning part type 'output_text'",
+        ),
+        (
+            {"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "input[0]: 'function_call' needs a string 'call_id'",
+        ),
+        (
+            {"model": "m", "input": [{"type": "function_call", "call_id": "", "name": "f"}]},
+            "input[0]: 'function_call' needs a string 'call_id'",
+        ),
+        (
+            {"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": ""}]},
+            "input[0]: 'function_call' needs a string 'name'",
+        ),
+        (
+            {"model": "m", "input": [{"type": "function_call_output", "output": "x"}]},
+            "input[0]: 'function_call_output' needs a string 'call_id'",
+        ),
+        (
+            {
+                "model": "m",
+                "input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}],
+            },
+            "input[0]: input_image parts are not supported by this engine (text only)",
+        ),
+        (
+            {"model": "m", "input": [{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": {}}]},
+            "input[0]: custom_tool_call 'input' must be a string",
+        ),
+        (
+            {"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]},
+            "input[0]: item_reference needs server-side item storage, which polar does not keep; send the item itself",
+        ),
+        (
+            {"model": "m", "input": [{"type": "local_shell_call", "action": {}}]},
+            "input[0]: 'local_shell_call' needs a string 'call_id'",
+        ),
+        (
+            {"model": "m", "input": [{"type": "additional_tools", "tools": {}}]},
+            "input[0]: additional_tools needs a list 'tools'",
+        ),
+        ({"model": "m", "input": [{"type": "teleport_call"}]}, "input[0]: unsupported input item type 'teleport_call'"),
         ({"model": "m", "input": [{"content": "no type no role"}]}, "input[0]: unsupported input item type None"),
-        ({"model": "m", "input": "hi", "tools": [{"type": "function"}]},
-         "tools[0]: 'function' needs a string 'name'"),
+        ({"model": "m", "input": "hi", "tools": [{"type": "function"}]}, "tools[0]: 'function' needs a string 'name'"),
         ({"model": "m", "input": "hi", "tools": [5]}, "tools[0] must be an object"),
         ({"model": "m", "input": "hi", "tools": [{"type": 5}]}, "tools[0]: 'type' must be a string"),
-        ({"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": [1]}]},
-         "tools[0]: 'parameters' must be an object"),
-        ({"model": "m", "input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": {}}]},
-         "tools[0]: namespace tools need a list 'tools'"),
-        ({"model": "m", "input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "namespace", "name": "m", "tools": []}]}]},
-         "tools[0].tools[0]: unsupported tool type 'namespace'"),
-        ({"model": "m", "input": "hi", "tools": [{"type": "teleport", "name": "x"}]},
-         "tools[0]: unsupported tool type 'teleport'"),
+        (
+            {"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": [1]}]},
+            "tools[0]: 'parameters' must be an object",
+        ),
+        (
+            {"model": "m", "input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": {}}]},
+            "tools[0]: namespace tools need a list 'tools'",
+        ),
+        (
+            {
+                "model": "m",
+                "input": "hi",
+                "tools": [
+                    {"type": "namespace", "name": "n", "tools": [{"type": "namespace", "name": "m", "tools": []}]}
+                ],
+            },
+            "tools[0].tools[0]: unsupported tool type 'namespace'",
+        ),
+        (
+            {"model": "m", "input": "hi", "tools": [{"type": "teleport", "name": "x"}]},
+            "tools[0]: unsupported tool type 'teleport'",
+        ),
         ({"model": "m", "input": "hi", "tools": {"type": "function", "name": "f"}}, "'tools' must be a list"),
-        ({"model": "m", "input": "hi", "tool_choice": "sometimes"},
-         "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}"),
-        ({"model": "m", "input": "hi", "tool_choice": {"type": "allowed_tools", "mode": "none"}},
-         "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}"),
+        (
+            {"model": "m", "input": "hi", "tool_choice": "sometimes"},
+            "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}",
+        ),
+        (
+            {"model": "m", "input": "hi", "tool_choice": {"type": "allowed_tools", "mode": "none"}},
+            "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}",
+        ),
         ({"model": "m", "input": "hi", "temperature": "hot"}, "'temperature' must be a number"),
         ({"model": "m", "input": "hi", "top_p": True}, "'top_p' must be a number"),
         ({"model": "m", "input": "hi", "max_output_tokens": 0}, "'max_output_tokens' must be >= 1"),
-        ({"model": "m", "input": "hi", "max_output_tokens": 2147483648},
-         "'max_output_tokens' must be <= 2147483647"),
+        ({"model": "m", "input": "hi", "max_output_tokens": 2147483648}, "'max_output_tokens' must be <= 2147483647"),
         ({"model": "m", "input": "hi", "stream": "yes"}, "'stream' must be a boolean"),
         ({"model": "m", "input": "hi", "previous_response_id": 7}, "'previous_response_id' must be a string"),
-        ({"model": "m", "input": "hi", "instructions": [{"role": "user", "content": "x"}]},
-         "'instructions' may hold only system or developer messages"),
+        (
+            {"model": "m", "input": "hi", "instructions": [{"role": "user", "content": "x"}]},
+            "'instructions' may hold only system or developer messages",
+        ),
         ({"model": "m", "input": "hi", "instructions": 5}, "'instructions' must be a string or a list of messages"),
         ({"model": "m", "input": "hi", "reasoning": "high"}, "'reasoning' must be an object"),
     ],
@@ -761,11 +1015,18 @@ def test_invalid_requests_say_what_and_where(body: dict[str, Any], message: str)
 def test_a_body_that_is_not_an_object_and_an_unknown_previous_response_are_named() -> None:
     with pytest.raises(PolarError) as err:
         PROVIDER.parse_request([{"model": "m", "input": "hi"}], GENERATE)  # type: ignore[arg-type]
-    assert (err.value.status, err.value.kind, err.value.message) == (400, "invalid_request", "request body must be a JSON object")
+    assert (err.value.status, err.value.kind, err.value.message) == (
+        400,
+        "invalid_request",
+        "request body must be a JSON object",
+    )
     with pytest.raises(PolarError) as err:
         parse(OpenAIResponsesProvider(), previous_response_id="resp_x")
     assert (err.value.status, err.value.kind, err.value.message) == (
-        400, "previous_response_not_found", "Previous response with id 'resp_x' not found.")
+        400,
+        "previous_response_not_found",
+        "Previous response with id 'resp_x' not found.",
+    )
 
 
 def test_the_response_object_echoes_the_request_settings() -> None:
@@ -773,30 +1034,70 @@ def test_the_response_object_echoes_the_request_settings() -> None:
     provider = OpenAIResponsesProvider()
     first = parse(provider)
     provider.render_response(first, completion(), ResponseContext("resp_prev", 1, "qwen-test"))
-    request = parse(provider, previous_response_id="resp_prev", tools=[EXEC], tool_choice={"type": "function", "name": "exec_command"},
-                    parallel_tool_calls=False, store=False, temperature=0.5, top_p=0.25, max_output_tokens=9,
-                    reasoning={"effort": "high", "generate_summary": "concise"})
+    request = parse(
+        provider,
+        previous_response_id="resp_prev",
+        tools=[EXEC],
+        tool_choice={"type": "function", "name": "exec_command"},
+        parallel_tool_calls=False,
+        store=False,
+        temperature=0.5,
+        top_p=0.25,
+        max_output_tokens=9,
+        reasoning={"effort": "high", "generate_summary": "concise"},
+    )
     body = provider.render_response(request, completion(content="ok"), CTX)
     assert body == {
-        "id": "resp_test1", "object": "response", "created_at": 1_700_000_000, "status": "completed", "error": None,
-        "incomplete_details": None, "instructions": None, "max_output_tokens": 9, "model": "qwen-test",
-        "output": [{"id": "msg_test1", "type": "message", "role": "assistant", "status": "completed",
-                    "content": [{"type": "output_text", "text": "ok", "annotations": [], "logprobs": []}]}],
-        "parallel_tool_calls": False, "previous_response_id": "resp_prev",
-        "reasoning": {"effort": "high", "summary": "concise"}, "store": False, "temperature": 0.5,
-        "text": {"format": {"type": "text"}}, "tool_choice": {"type": "function", "name": "exec_command"}, "tools": [],
-        "top_p": 0.25, "truncation": "disabled",
-        "usage": {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                  "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 18},
+        "id": "resp_test1",
+        "object": "response",
+        "created_at": 1_700_000_000,
+        "status": "completed",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": None,
+        "max_output_tokens": 9,
+        "model": "qwen-test",
+        "output": [
+            {
+                "id": "msg_test1",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "ok", "annotations": [], "logprobs": []}],
+            }
+        ],
+        "parallel_tool_calls": False,
+        "previous_response_id": "resp_prev",
+        "reasoning": {"effort": "high", "summary": "concise"},
+        "store": False,
+        "temperature": 0.5,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": {"type": "function", "name": "exec_command"},
+        "tools": [],
+        "top_p": 0.25,
+        "truncation": "disabled",
+        "usage": {
+            "input_tokens": 11,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": 7,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 18,
+        },
         "metadata": {},
     }
     Response.model_validate(body)
     plain_body = PROVIDER.render_response(parse(reasoning={"summary": "none"}), completion(finish_reason="abort"), CTX)
-    assert (plain_body["tool_choice"], plain_body["parallel_tool_calls"], plain_body["store"], plain_body["reasoning"]) == (
-        "auto", True, True, {"effort": None, "summary": None})
+    assert (
+        plain_body["tool_choice"],
+        plain_body["parallel_tool_calls"],
+        plain_body["store"],
+        plain_body["reasoning"],
+    ) == ("auto", True, True, {"effort": None, "summary": None})
     assert (plain_body["status"], plain_body["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
-    assert [PROVIDER.render_response(parse(tools=[EXEC], tool_choice=c), completion(), CTX)["tool_choice"]
-            for c in ("none", "required")] == ["none", "required"]
+    assert [
+        PROVIDER.render_response(parse(tools=[EXEC], tool_choice=c), completion(), CTX)["tool_choice"]
+        for c in ("none", "required")
+    ] == ["none", "required"]
 
 
 def test_reasoning_settings() -> None:
@@ -808,67 +1109,132 @@ def test_reasoning_settings() -> None:
     assert (request.enable_thinking, request.extra["reasoning_effort"]) == (False, "none")
     # A summary is rendered only when asked for.
     body = PROVIDER.render_response(parse(reasoning={"generate_summary": "auto"}), completion(reasoning="r"), CTX)
-    assert body["output"][0] == {"id": "rs_test1", "type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}],
-                                 "content": [{"type": "reasoning_text", "text": "r"}], "encrypted_content": None}
+    assert body["output"][0] == {
+        "id": "rs_test1",
+        "type": "reasoning",
+        "summary": [{"type": "summary_text", "text": "r"}],
+        "content": [{"type": "reasoning_text", "text": "r"}],
+        "encrypted_content": None,
+    }
 
 
 def test_items_the_api_allows() -> None:
-    req = parse(tools=[{"type": "custom", "name": "free"}, {"type": "function", "name": "bare"},
-                       {"type": "function", "name": "bare", "description": "a second definition is ignored"},
-                       {"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "raw", "description": None,
-                                                                      "format": {"type": "grammar", "definition": "x"}}]},
-                       {"type": "file_search"}],
-                input=[
-                    {"type": "message", "role": "developer", "content": "one"},
-                    {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "two"}]},
-                    {"type": "reasoning", "summary": [{"text": "s1"}, {"type": "text", "text": "s2"}]},
-                    {"type": "reasoning", "content": [], "summary": []},  # nothing readable: no assistant turn from it
-                    {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
-                    {"type": "message", "role": "assistant", "content": "again"},
-                    {"type": "function_call", "call_id": "c1", "name": "bare"},  # no arguments
-                    {"type": "custom_tool_call", "call_id": "c2", "name": "free"},  # no input
-                    {"type": "local_shell_call", "call_id": "c3", "action": "ls"},
-                    {"type": "tool_search_call", "call_id": "c4"},
-                    {"type": "function_call_output", "call_id": "c1"},
-                    {"type": "tool_search_output", "tools": [{"type": "function", "name": "late"}]},  # no call_id: no tool message
-                    {"type": "custom_tool_call_output", "call_id": "c2", "output": [{"type": "output_text", "text": "o"},
-                                                                                    {"type": "text", "text": "p"}]},
-                    {"type": "compaction_summary"}, {"type": "ghost_snapshot"},
-                    {"type": "reasoning", "summary": [{"text": "after"}]},
-                ])
+    req = parse(
+        tools=[
+            {"type": "custom", "name": "free"},
+            {"type": "function", "name": "bare"},
+            {"type": "function", "name": "bare", "description": "a second definition is ignored"},
+            {
+                "type": "namespace",
+                "name": "ns",
+                "tools": [
+                    {
+                        "type": "custom",
+                        "name": "raw",
+                        "description": None,
+                        "format": {"type": "grammar", "definition": "x"},
+                    }
+                ],
+            },
+            {"type": "file_search"},
+        ],
+        input=[
+            {"type": "message", "role": "developer", "content": "one"},
+            {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "two"}]},
+            {"type": "reasoning", "summary": [{"text": "s1"}, {"type": "text", "text": "s2"}]},
+            {"type": "reasoning", "content": [], "summary": []},  # nothing readable: no assistant turn from it
+            {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+            {"type": "message", "role": "assistant", "content": "again"},
+            {"type": "function_call", "call_id": "c1", "name": "bare"},  # no arguments
+            {"type": "custom_tool_call", "call_id": "c2", "name": "free"},  # no input
+            {"type": "local_shell_call", "call_id": "c3", "action": "ls"},
+            {"type": "tool_search_call", "call_id": "c4"},
+            {"type": "function_call_output", "call_id": "c1"},
+            {
+                "type": "tool_search_output",
+                "tools": [{"type": "function", "name": "late"}],
+            },  # no call_id: no tool message
+            {
+                "type": "custom_tool_call_output",
+                "call_id": "c2",
+                "output": [{"type": "output_text", "text": "o"}, {"type": "text", "text": "p"}],
+            },
+            {"type": "compaction_summary"},
+            {"type": "ghost_snapshot"},
+            {"type": "reasoning", "summary": [{"text": "after"}]},
+        ],
+    )
     assert req.messages == [
         {"role": "system", "content": "one\n\ntwo"},
-        {"role": "assistant", "content": "no\n\nagain", "reasoning_content": "s1\n\ns2", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "bare", "arguments": ""}},
-            {"id": "c2", "type": "function", "function": {"name": "free", "arguments": '{"input":""}'}},
-            {"id": "c3", "type": "function", "function": {"name": "local_shell", "arguments": "ls"}},
-            {"id": "c4", "type": "function", "function": {"name": "tool_search", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "no\n\nagain",
+            "reasoning_content": "s1\n\ns2",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "bare", "arguments": ""}},
+                {"id": "c2", "type": "function", "function": {"name": "free", "arguments": '{"input":""}'}},
+                {"id": "c3", "type": "function", "function": {"name": "local_shell", "arguments": "ls"}},
+                {"id": "c4", "type": "function", "function": {"name": "tool_search", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": ""},
         {"role": "tool", "tool_call_id": "c2", "content": "o\np"},
         {"role": "assistant", "content": None, "reasoning_content": "after"},
     ]
-    free = {"type": "object", "properties": {"input": {"type": "string", "description": "The raw input of this tool (free text)."}},
-            "required": ["input"], "additionalProperties": False}
+    free = {
+        "type": "object",
+        "properties": {"input": {"type": "string", "description": "The raw input of this tool (free text)."}},
+        "required": ["input"],
+        "additionalProperties": False,
+    }
     assert req.tools == [
         {"type": "function", "function": {"name": "free", "parameters": free}},
         {"type": "function", "function": {"name": "bare", "parameters": {"type": "object", "properties": {}}}},
-        {"type": "function", "function": {"name": "ns.raw", "parameters": {**free, "properties": {"input": {
-            "type": "string", "description": "The raw input of this tool, written in this  grammar:\nx"}}}}},
+        {
+            "type": "function",
+            "function": {
+                "name": "ns.raw",
+                "parameters": {
+                    **free,
+                    "properties": {
+                        "input": {
+                            "type": "string",
+                            "description": "The raw input of this tool, written in this  grammar:\nx",
+                        }
+                    },
+                },
+            },
+        },
         {"type": "function", "function": {"name": "late", "parameters": {"type": "object", "properties": {}}}},
     ]
-    assert req.extra == {"store": True, "parallel_tool_calls": True, "reasoning_summary": None, "custom_tools": ["free", "ns.raw"],
-                         "namespaced_tools": {"ns.raw": "ns"}, "dropped_tools": ["file_search"],
-                         "dropped_items": ["compaction_summary", "ghost_snapshot"]}
+    assert req.extra == {
+        "store": True,
+        "parallel_tool_calls": True,
+        "reasoning_summary": None,
+        "custom_tools": ["free", "ns.raw"],
+        "namespaced_tools": {"ns.raw": "ns"},
+        "dropped_tools": ["file_search"],
+        "dropped_items": ["compaction_summary", "ghost_snapshot"],
+    }
     # A custom tool whose format is not a grammar is free text.
     text_format = parse(tools=[{"type": "custom", "name": "t", "format": {"type": "text"}}]).tools[0]
-    assert text_format["function"]["parameters"]["properties"]["input"]["description"] == "The raw input of this tool (free text)."
+    assert (
+        text_format["function"]["parameters"]["properties"]["input"]["description"]
+        == "The raw input of this tool (free text)."
+    )
     # Instructions as a list of system messages; input as an empty list.
     listed = parse(instructions=[{"role": "system", "content": "a"}, {"role": "developer", "content": "b"}], input=[])
     assert listed.messages == [{"role": "system", "content": "a\n\nb"}]
     # A user message and an agent message each end the assistant turn before them.
-    turns = parse(input=[{"role": "assistant", "content": "x"}, {"role": "user", "content": "u"},
-                         {"role": "assistant", "content": "y"}, {"type": "agent_message", "content": "z"},
-                         {"role": "assistant", "content": "w"}]).messages
+    turns = parse(
+        input=[
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "y"},
+            {"type": "agent_message", "content": "z"},
+            {"role": "assistant", "content": "w"},
+        ]
+    ).messages
     assert [m["content"] for m in turns] == ["x", "u", "y", "z", "w"]
 
 
@@ -876,8 +1242,10 @@ def test_items_the_api_allows() -> None:
     "raw,expected",
     [
         ("auto", "auto"),
-        ({"type": "function", "name": "close_agent", "namespace": "multi_agent_v1"},
-         {"type": "function", "function": {"name": "multi_agent_v1.close_agent"}}),
+        (
+            {"type": "function", "name": "close_agent", "namespace": "multi_agent_v1"},
+            {"type": "function", "function": {"name": "multi_agent_v1.close_agent"}},
+        ),
         ({"type": "allowed_tools", "mode": "auto", "tools": []}, "auto"),
     ],
 )
@@ -890,14 +1258,35 @@ def test_rendered_calls_the_api_allows() -> None:
     calls = [ToolCall("c1", "apply_patch", "raw text"), ToolCall("c2", "ns.apply_patch", '{"input": "x"}')]
     body = PROVIDER.render_response(request, completion(content=None, tool_calls=calls), CTX)
     assert body["output"] == [
-        {"id": "ctc_test1_0", "type": "custom_tool_call", "status": "completed", "call_id": "c1", "name": "apply_patch",
-         "input": "raw text"},
-        {"id": "ctc_test1_1", "type": "custom_tool_call", "status": "completed", "call_id": "c2", "name": "apply_patch",
-         "input": "x", "namespace": "ns"},
+        {
+            "id": "ctc_test1_0",
+            "type": "custom_tool_call",
+            "status": "completed",
+            "call_id": "c1",
+            "name": "apply_patch",
+            "input": "raw text",
+        },
+        {
+            "id": "ctc_test1_1",
+            "type": "custom_tool_call",
+            "status": "completed",
+            "call_id": "c2",
+            "name": "apply_patch",
+            "input": "x",
+            "namespace": "ns",
+        },
     ]
-    fn = PROVIDER.render_response(parse(tools=[EXEC]), completion(content="a", tool_calls=[ToolCall("c", "exec_command", "{}")]), CTX)
-    assert fn["output"][1] == {"id": "fc_test1_0", "type": "function_call", "status": "completed", "call_id": "c",
-                               "name": "exec_command", "arguments": "{}"}
+    fn = PROVIDER.render_response(
+        parse(tools=[EXEC]), completion(content="a", tool_calls=[ToolCall("c", "exec_command", "{}")]), CTX
+    )
+    assert fn["output"][1] == {
+        "id": "fc_test1_0",
+        "type": "function_call",
+        "status": "completed",
+        "call_id": "c",
+        "name": "exec_command",
+        "arguments": "{}",
+    }
 
 
 def test_custom_input_of_one_string_among_others() -> None:
@@ -908,33 +1297,68 @@ def test_custom_input_of_one_string_among_others() -> None:
 
 def test_overflow_messages_in_openai_wording() -> None:
     counted = PROVIDER.render_error(ContextLengthExceeded("x", prompt_tokens=40000, window=32768))["error"]
-    assert counted == {"message": "Your input exceeds the context window of this model. (40000 input tokens > 32768 maximum) "
-                                  "Please adjust your input and try again.",
-                       "type": "invalid_request_error", "param": None, "code": "context_length_exceeded"}
+    assert counted == {
+        "message": "Your input exceeds the context window of this model. (40000 input tokens > 32768 maximum) "
+        "Please adjust your input and try again.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "context_length_exceeded",
+    }
     plain_overflow = PROVIDER.render_error(ContextLengthExceeded("prompt too long"))["error"]["message"]
-    assert plain_overflow == "Your input exceeds the context window of this model. (prompt too long) Please adjust your input and try again."
+    assert (
+        plain_overflow
+        == "Your input exceeds the context window of this model. (prompt too long) Please adjust your input and try again."
+    )
 
 
 def test_a_stream_error_in_full() -> None:
     provider = OpenAIResponsesProvider()
     ctx = ResponseContext("resp_f", 7, "qwen-test")
     events = list(provider.render_stream_error(PolarError(503, "overloaded", "busy"), ctx))
-    start = {"id": "resp_f", "object": "response", "created_at": 7, "status": "in_progress", "error": None,
-             "incomplete_details": None, "instructions": None, "max_output_tokens": None, "model": "qwen-test", "output": [],
-             "parallel_tool_calls": True, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-             "store": True, "temperature": None, "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [],
-             "top_p": None, "truncation": "disabled", "usage": None, "metadata": {}}
+    start = {
+        "id": "resp_f",
+        "object": "response",
+        "created_at": 7,
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": None,
+        "max_output_tokens": None,
+        "model": "qwen-test",
+        "output": [],
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": True,
+        "temperature": None,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": None,
+        "truncation": "disabled",
+        "usage": None,
+        "metadata": {},
+    }
     assert [(e.event, e.data) for e in events] == [
         ("response.created", {"type": "response.created", "sequence_number": 0, "response": start}),
         ("response.in_progress", {"type": "response.in_progress", "sequence_number": 1, "response": start}),
-        ("response.failed", {"type": "response.failed", "sequence_number": 2, "response": {
-            **start, "status": "failed", "error": {"code": "server_is_overloaded", "message": "busy"}}}),
+        (
+            "response.failed",
+            {
+                "type": "response.failed",
+                "sequence_number": 2,
+                "response": {**start, "status": "failed", "error": {"code": "server_is_overloaded", "message": "busy"}},
+            },
+        ),
     ]
     # After three keep-alives (created, in_progress, then two in_progress) only the failure is left, numbered on.
     provider.keepalive(parse(provider, stream=True), ctx)
     provider.keepalive(parse(provider, stream=True), ctx)
     [failed] = provider.render_stream_error(PolarError(500, "brand_new", "x"), ctx)
-    assert failed.data["sequence_number"] == 3 and failed.data["response"]["error"] == {"code": "server_error", "message": "x"}
+    assert failed.data["sequence_number"] == 3 and failed.data["response"]["error"] == {
+        "code": "server_error",
+        "message": "x",
+    }
 
 
 def test_keepalive_bytes() -> None:
@@ -952,16 +1376,26 @@ def test_keepalive_bytes() -> None:
 def test_compaction_calls() -> None:
     provider = OpenAIResponsesProvider()
     user = {"type": "message", "role": "user", "content": "fix it"}
-    body = {"model": "m", "stream": True, "tool_choice": "required", "tools": [EXEC],
-            "input": [user, {"role": "assistant", "content": "ok"}, "not an item"]}
+    body = {
+        "model": "m",
+        "stream": True,
+        "tool_choice": "required",
+        "tools": [EXEC],
+        "input": [user, {"role": "assistant", "content": "ok"}, "not an item"],
+    }
     with pytest.raises(PolarError, match=r"^input\[2\] must be an object$"):
         provider.parse_request(body, provider.route("POST", "/v1/responses/compact"))
     body["input"] = body["input"][:2] + [{"role": "user", "content": [{"type": "input_text", "text": "more"}]}]
     compact = provider.parse_request(body, provider.route("POST", "/v1/responses/compact"))
     assert (compact.stream, compact.tool_choice, compact.extra["compaction"]) == (False, "none", "remote_v1")
     answer = provider.render_response(compact, completion(content="  summary \n"), ResponseContext("resp_c", 0, "m"))
-    assert answer == {"output": [user, body["input"][2], {"id": "cmp_c", "type": "compaction",
-                                                          "encrypted_content": encode_summary("summary")}]}
+    assert answer == {
+        "output": [
+            user,
+            body["input"][2],
+            {"id": "cmp_c", "type": "compaction", "encrypted_content": encode_summary("summary")},
+        ]
+    }
     assert provider.history.get("resp_c") is None  # a compaction answer starts no chain
     trigger = provider.parse_request({**body, "input": [user, {"type": "compaction_trigger"}]}, GENERATE)
     assert (trigger.stream, trigger.tool_choice, trigger.extra["compaction"]) == (True, "none", "remote_v2")
@@ -970,7 +1404,9 @@ def test_compaction_calls() -> None:
     [item] = provider.render_response(trigger, completion(content=None), ResponseContext("resp_d", 0, "m"))["output"]
     assert item == {"id": "cmp_d", "type": "compaction", "encrypted_content": encode_summary("")}
     # Our own compaction item reads back as the summary; an empty one too.
-    again = provider.parse_request({"model": "m", "input": [{"type": "compaction", "encrypted_content": encode_summary("S")}]}, GENERATE)
+    again = provider.parse_request(
+        {"model": "m", "input": [{"type": "compaction", "encrypted_content": encode_summary("S")}]}, GENERATE
+    )
     assert again.messages == [summary_message("S")] and "dropped_items" not in again.extra
     assert provider.parse_request({"model": "m", "input": [item]}, GENERATE).messages == [summary_message("")]
 
@@ -1008,8 +1444,10 @@ def test_response_history_bounds_in_detail() -> None:
     one = provider.history.entry("resp_1")
     out = provider.history.get("resp_1")[-1:]
     assert (one.session, one.cost, one.prewarm) == ("s", 100 + len(orjson.dumps(out)), False)
-    second = provider.parse_request({"model": "m", "input": "more", "previous_response_id": "resp_1"},
-                                    Route(kind="generate", session="s", body_bytes=10))
+    second = provider.parse_request(
+        {"model": "m", "input": "more", "previous_response_id": "resp_1"},
+        Route(kind="generate", session="s", body_bytes=10),
+    )
     provider.remember(second, "resp_2", [], prewarm=True)
     two = provider.history.entry("resp_2")
     assert (two.cost, two.prewarm, len(two.items)) == (one.cost + 10, True, 3)
@@ -1105,14 +1543,18 @@ def test_routes_with_a_trailing_slash_or_a_question_mark_in_the_query() -> None:
 
 
 def test_a_reasoning_part_without_a_type_is_read_as_its_fields_kind() -> None:
-    request = parse(input=[{"type": "reasoning", "content": [{"text": "plan"}]}, {"role": "assistant", "content": "ok"}])
+    request = parse(
+        input=[{"type": "reasoning", "content": [{"text": "plan"}]}, {"role": "assistant", "content": "ok"}]
+    )
     assert request.messages[-1] == {"role": "assistant", "content": "ok", "reasoning_content": "plan"}
 
 
 def test_a_custom_tool_whose_format_is_not_an_object_takes_free_text() -> None:
     request = parse(tools=[{"type": "custom", "name": "note", "format": "text"}])
     assert request.tools[0]["function"]["parameters"]["properties"]["input"] == {
-        "type": "string", "description": "The raw input of this tool (free text)."}
+        "type": "string",
+        "description": "The raw input of this tool (free text).",
+    }
 
 
 def _sse_blocks(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
@@ -1123,7 +1565,7 @@ def _sse_blocks(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
     for block in blocks:
         event, data = block.split(b"\n")
         assert event.startswith(b"event: ") and data.startswith(b"data: ")
-        out.append((event[len(b"event: "):].decode(), orjson.loads(data[len(b"data: "):])))
+        out.append((event[len(b"event: ") :].decode(), orjson.loads(data[len(b"data: ") :])))
     return out
 
 
@@ -1133,7 +1575,9 @@ def test_keepalives_are_whole_valid_events_of_the_stream() -> None:
     request = parse(provider, stream=True, temperature=0.5)
     first = _sse_blocks(provider.keepalive(request, ctx))
     later = _sse_blocks(provider.keepalive(request, ctx))
-    assert [name for name, _ in first] == ["response.created", "response.in_progress"] and [n for n, _ in later] == ["response.in_progress"]
+    assert [name for name, _ in first] == ["response.created", "response.in_progress"] and [n for n, _ in later] == [
+        "response.in_progress"
+    ]
     for name, data in first + later:
         STREAM_EVENT.validate_python(data, strict=True)
         assert data["type"] == name and data["response"]["status"] == "in_progress"
@@ -1152,8 +1596,14 @@ def test_a_compact_request_whose_inputs_are_gone_keeps_no_window() -> None:
 
 def test_a_streamed_compaction_assembles_as_the_spec_says() -> None:
     provider = OpenAIResponsesProvider()
-    request = provider.parse_request({"model": "m", "stream": True, "input": [
-        {"role": "user", "content": "fix it"}, {"type": "compaction_trigger"}]}, GENERATE)
+    request = provider.parse_request(
+        {
+            "model": "m",
+            "stream": True,
+            "input": [{"role": "user", "content": "fix it"}, {"type": "compaction_trigger"}],
+        },
+        GENERATE,
+    )
     events = list(provider.render_stream(request, completion(content="summary"), CTX))
     for event in events:
         STREAM_EVENT.validate_python(event.data, strict=True)
@@ -1164,7 +1614,8 @@ def test_a_streamed_compaction_assembles_as_the_spec_says() -> None:
 def test_a_grammar_tool_names_its_syntax_and_its_definition() -> None:
     request = parse(tools=[APPLY_PATCH])
     assert request.tools[0]["function"]["parameters"]["properties"]["input"]["description"] == (
-        "The raw input of this tool, written in this lark grammar:\n" + APPLY_PATCH["format"]["definition"])
+        "The raw input of this tool, written in this lark grammar:\n" + APPLY_PATCH["format"]["definition"]
+    )
 
 
 # ---------------------------------------------------------------- from the sixth round's run of the slow end
@@ -1183,7 +1634,8 @@ def test_history_bounds_at_their_edges_and_the_refusal_logged(caplog: pytest.Log
     assert history.get("huge") is None
     assert [r.getMessage() for r in caplog.records if r.name == "polar"] == [
         "polar: response huge (11 bytes of history) is over the history bound; "
-        "a request continuing from it will get previous_response_not_found"]
+        "a request continuing from it will get previous_response_not_found"
+    ]
 
 
 def test_replacing_an_entry_takes_only_its_own_cost_off_its_session() -> None:
@@ -1211,11 +1663,16 @@ def test_item_content_parts_the_api_allows_in_assistant_and_agent_messages() -> 
     assistant = {"type": "message", "role": "assistant", "content": [{"type": "input_text", "text": "typed back"}]}
     INPUT_ITEM.validate_python(assistant)  # an EasyInputMessage of any role may hold input parts
     # Codex's multi-agent message (no SDK type): its parts as a message's, input or output text.
-    agent = {"type": "agent_message", "content": [{"type": "output_text", "text": "from"},
-                                                   {"type": "text", "text": "the other agent"}]}
+    agent = {
+        "type": "agent_message",
+        "content": [{"type": "output_text", "text": "from"}, {"type": "text", "text": "the other agent"}],
+    }
     req = parse(input=[{"type": "message", "role": "user", "content": "go"}, assistant, agent])
-    assert req.messages == [{"role": "user", "content": "go"}, {"role": "assistant", "content": "typed back"},
-                            {"role": "user", "content": "from\nthe other agent"}]
+    assert req.messages == [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "typed back"},
+        {"role": "user", "content": "from\nthe other agent"},
+    ]
 
 
 def test_a_tool_search_output_lists_the_names_of_the_tools_it_loaded() -> None:
@@ -1229,10 +1686,18 @@ def test_a_tool_search_output_lists_the_names_of_the_tools_it_loaded() -> None:
 
 def test_polar_compaction_item_ends_the_assistant_turn_before_it() -> None:
     summary = {"type": "compaction", "encrypted_content": encode_summary("the summary")}
-    req = parse(input=[{"type": "message", "role": "assistant", "content": "before"}, summary,
-                       {"type": "message", "role": "assistant", "content": "after"}])
-    assert req.messages == [{"role": "assistant", "content": "before"}, summary_message("the summary"),
-                            {"role": "assistant", "content": "after"}]
+    req = parse(
+        input=[
+            {"type": "message", "role": "assistant", "content": "before"},
+            summary,
+            {"type": "message", "role": "assistant", "content": "after"},
+        ]
+    )
+    assert req.messages == [
+        {"role": "assistant", "content": "before"},
+        summary_message("the summary"),
+        {"role": "assistant", "content": "after"},
+    ]
 
 
 def test_instructions_as_items_leave_out_what_nothing_reads() -> None:
@@ -1243,18 +1708,31 @@ def test_instructions_as_items_leave_out_what_nothing_reads() -> None:
 @pytest.mark.parametrize(
     "body,message",
     [
-        ({"input": [{"type": "additional_tools", "tools": [{"type": "function"}]}]},
-         "input[0].tools[0]: 'function' needs a string 'name'"),
-        ({"input": [{"type": "tool_search_output", "tools": [{"type": "function"}]}]},
-         "input[0].tools[0]: 'function' needs a string 'name'"),
-        ({"input": [{"type": "tool_search_output", "tools": "exec_command"}]}, "input[0]: tool_search_output 'tools' must be a list"),
-        ({"input": [{"type": "tool_search_output", "call_id": "", "tools": []}]},
-         "input[0]: 'tool_search_output' needs a string 'call_id'"),
-        ({"input": [{"type": "agent_message", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input[0]: input_image parts are not supported by this engine (text only)"),
+        (
+            {"input": [{"type": "additional_tools", "tools": [{"type": "function"}]}]},
+            "input[0].tools[0]: 'function' needs a string 'name'",
+        ),
+        (
+            {"input": [{"type": "tool_search_output", "tools": [{"type": "function"}]}]},
+            "input[0].tools[0]: 'function' needs a string 'name'",
+        ),
+        (
+            {"input": [{"type": "tool_search_output", "tools": "exec_command"}]},
+            "input[0]: tool_search_output 'tools' must be a list",
+        ),
+        (
+            {"input": [{"type": "tool_search_output", "call_id": "", "tools": []}]},
+            "input[0]: 'tool_search_output' needs a string 'call_id'",
+        ),
+        (
+            {"input": [{"type": "agent_message", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0]: input_image parts are not supported by this engine (text only)",
+        ),
         ({"tools": [{"type": "namespace", "tools": [EXEC]}]}, "tools[0]: 'namespace' needs a string 'name'"),
-        ({"tool_choice": {"type": "function"}},
-         "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}"),
+        (
+            {"tool_choice": {"type": "function"}},
+            "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}",
+        ),
     ],
 )
 def test_invalid_items_and_tools_say_where(body: dict[str, Any], message: str) -> None:

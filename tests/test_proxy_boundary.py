@@ -17,10 +17,10 @@ import ssl
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -77,13 +77,21 @@ def agent_attempts(proxy) -> Iterator[tuple[str, httpx.Response]]:
                                 url = f"{scheme}://{host}/sessions/{target}/{what}"
                                 yield f"{url} {headers}", client.post(url, json=body, headers=headers)
             # Spellings of the control host and path, and the token's places taken by the agent's credentials.
-            for url in ("http://POLAR.LOCAL/sessions/{s}/reward", "http://polar.local./sessions/{s}/reward",
-                        "http://polar.local/sessions/{s}/reward?authorization=Bearer+polar:{s}",
-                        "http://polar.local/sessions/{s}/reward/", "http://polar.local//sessions/{s}/reward",
-                        "http://polar.local/sessions/{s}/%72eward", "http://polar.local:8080/sessions/{s}/reward",
-                        "http://API.OPENAI.COM/sessions/{s}/reward"):
+            for url in (
+                "http://POLAR.LOCAL/sessions/{s}/reward",
+                "http://polar.local./sessions/{s}/reward",
+                "http://polar.local/sessions/{s}/reward?authorization=Bearer+polar:{s}",
+                "http://polar.local/sessions/{s}/reward/",
+                "http://polar.local//sessions/{s}/reward",
+                "http://polar.local/sessions/{s}/%72eward",
+                "http://polar.local:8080/sessions/{s}/reward",
+                "http://API.OPENAI.COM/sessions/{s}/reward",
+            ):
                 url = url.format(s=SESSION)
-                yield url, client.post(url, json={"value": 1.0}, headers={"proxy-authorization": f"Bearer polar:{SESSION}"})
+                yield (
+                    url,
+                    client.post(url, json={"value": 1.0}, headers={"proxy-authorization": f"Bearer polar:{SESSION}"}),
+                )
             # The remaining evil values, on the control host with the agent's own credentials.
             for body in EVIL_REWARDS[1:]:
                 url = f"http://polar.local/sessions/{SESSION}/reward"
@@ -105,22 +113,40 @@ def test_the_agent_cannot_post_a_reward_or_status_through_any_host_or_header(pro
 def test_the_control_token_authorizes_and_values_are_checked(proxy):
     verifier = httpx.Client(proxy=proxy.url, headers=proxy.control_headers(), timeout=30)
     base = "http://polar.local/sessions/judged-1"
-    for body in ({"value": 1e308}, {"value": True}, {"value": "1e308"}, {"value": 1e6 + 1}, {"value": None},
-                 {"value": 1, "name": ["x"]}, {"value": 1, "name": "[/bold]"}, {"value": 1, "name": "x" * 65}, {}):
+    for body in (
+        {"value": 1e308},
+        {"value": True},
+        {"value": "1e308"},
+        {"value": 1e6 + 1},
+        {"value": None},
+        {"value": 1, "name": ["x"]},
+        {"value": 1, "name": "[/bold]"},
+        {"value": 1, "name": "x" * 65},
+        {},
+    ):
         r = verifier.post(f"{base}/reward", json=body)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request"
-    for body in ({"status": "completed", "metadata": 5}, {"status": "completed", "metadata": "x"},
-                 {"status": "completed", "metadata": {"x": "y" * 20000}}, {"status": "won"}, {"status": ["error"]},
-                 {"status": "running"}):
+    for body in (
+        {"status": "completed", "metadata": 5},
+        {"status": "completed", "metadata": "x"},
+        {"status": "completed", "metadata": {"x": "y" * 20000}},
+        {"status": "won"},
+        {"status": ["error"]},
+        {"status": "running"},
+    ):
         assert verifier.post(f"{base}/status", json=body).status_code == 400, body
     assert verifier.get(f"{base}/reward").status_code == 405
     assert verifier.post(f"{base}/reward", json={"value": -1e6, "name": "tests_passed"}).status_code == 200
     assert verifier.post(f"{base}/reward", json={"value": 0.5}).status_code == 200
     assert verifier.post(f"{base}/status", json={"status": "timeout", "metadata": {"turns": 3}}).status_code == 200
     # Over intercepted TLS to polar.local too.
-    tls = httpx.Client(proxy=proxy.url, verify=ssl.create_default_context(cafile=str(proxy.ca)),
-                       headers=proxy.control_headers(), timeout=30)
+    tls = httpx.Client(
+        proxy=proxy.url,
+        verify=ssl.create_default_context(cafile=str(proxy.ca)),
+        headers=proxy.control_headers(),
+        timeout=30,
+    )
     assert tls.post("https://polar.local/sessions/judged-2/reward", json={"value": 1}).status_code == 200
     # The token is for polar.local only: on a provider host it is refused and never forwarded.
     assert tls.post("https://api.openai.com/sessions/judged-3/reward", json={"value": 1}).status_code == 404
@@ -132,11 +158,20 @@ def test_the_control_token_authorizes_and_values_are_checked(proxy):
 
 
 def test_reverse_mode_needs_the_token_too(tiny_model_dir, tmp_path):
-    with run_mitmdump(f"local:{tiny_model_dir}", tmp_path / "shards", mode="reverse:https://api.anthropic.com",
-                      options={"polar_shard_seconds": "0.2"}) as p:
+    with run_mitmdump(
+        f"local:{tiny_model_dir}",
+        tmp_path / "shards",
+        mode="reverse:https://api.anthropic.com",
+        options={"polar_shard_seconds": "0.2"},
+    ) as p:
         url = f"{p.url}/sessions/rev-1/reward"
-        for headers in ({}, {"x-api-key": "polar:rev-1"}, {"authorization": "Bearer polar:rev-1"},
-                        {"x-polar-session": "rev-1"}, {"authorization": "Bearer " + p.control_token[:-1]}):
+        for headers in (
+            {},
+            {"x-api-key": "polar:rev-1"},
+            {"authorization": "Bearer polar:rev-1"},
+            {"x-polar-session": "rev-1"},
+            {"authorization": "Bearer " + p.control_token[:-1]},
+        ):
             assert httpx.post(url, json={"value": 1}, headers=headers).status_code == 401, headers
         assert httpx.post(url, json={"value": 1}, headers=p.control_headers()).status_code == 200
         wait_for_shards(tmp_path / "shards")
@@ -265,18 +300,25 @@ def test_block_other_refuses_connect_and_raw_tcp(tiny_model_dir, tmp_path, block
 def _self_signed(tmp_path: Path) -> tuple[ssl.SSLContext, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "third-party.test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
     pem = tmp_path / "third-party.pem"
     pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_pem = tmp_path / "third-party.key"
-    key_pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+    key_pem.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(pem, key_pem)
     return server, pem

@@ -41,10 +41,12 @@ def _call(url: str, session: str, history: list[dict]) -> str:
     """One turn of ``session`` through the proxy, in the Anthropic or the OpenAI shape."""
     if _speaks_anthropic(session):
         msg = anthropic.Anthropic(base_url=url, api_key=f"polar:{session}", max_retries=0).messages.create(
-            model="tiny", max_tokens=64, messages=history)
+            model="tiny", max_tokens=64, messages=history
+        )
         return msg.content[0].text
     reply = openai.OpenAI(base_url=url + "/v1", api_key=f"polar:{session}", max_retries=0).chat.completions.create(
-        model="tiny", max_tokens=64, messages=history)
+        model="tiny", max_tokens=64, messages=history
+    )
     return reply.choices[0].message.content or ""
 
 
@@ -65,13 +67,21 @@ def _turn(proxies: list, session: str, histories: dict[str, list[dict]]) -> None
 
 @pytest.mark.timeout(300)
 def test_two_proxies_keep_sessions_on_one_engine_and_a_dead_engine_fails_only_its_sessions(
-        tiny_model_dir: Path, sglang_protocol, tmp_path: Path) -> None:
+    tiny_model_dir: Path, sglang_protocol, tmp_path: Path
+) -> None:
     from tests.support.sglang_contract_server import SGLangContractServer
 
     protocol = sglang_protocol
     script = tmp_path / "script.json"
-    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True,
-                                  "turns": [{"content": "Looking."}, {"content": "Found it."}, {"content": "Done."}]}))
+    script.write_text(
+        json.dumps(
+            {
+                "model_dir": str(tiny_model_dir),
+                "cycle": True,
+                "turns": [{"content": "Looking."}, {"content": "Found it."}, {"content": "Done."}],
+            }
+        )
+    )
     out = tmp_path / "shards"
     a = SGLangContractServer(ScriptedEngine(script), protocol=protocol).__enter__()
     b = SGLangContractServer(ScriptedEngine(script), protocol=protocol).__enter__()
@@ -79,8 +89,10 @@ def test_two_proxies_keep_sessions_on_one_engine_and_a_dead_engine_fails_only_it
     try:
         engines, options = f"sglang:{a.url},sglang:{b.url}", {"polar_shard_seconds": "0.2"}
         # Started one after the other: the first creates the store's control token and the CA the second reuses.
-        with run_mitmdump(engines, out, mode="reverse:https://api.anthropic.com", options=options) as first, \
-                run_mitmdump(engines, out, mode="reverse:https://api.anthropic.com", options=options) as second:
+        with (
+            run_mitmdump(engines, out, mode="reverse:https://api.anthropic.com", options=options) as first,
+            run_mitmdump(engines, out, mode="reverse:https://api.anthropic.com", options=options) as second,
+        ):
             proxies = [first, second]
             histories: dict[str, list[dict]] = {}
             sessions = [f"s-{i}" for i in range(SESSIONS)]
@@ -110,7 +122,10 @@ def test_two_proxies_keep_sessions_on_one_engine_and_a_dead_engine_fails_only_it
             for session, exc in errors.items():
                 assert exc.status_code in (502, 503)
                 if isinstance(exc, anthropic.APIStatusError):
-                    assert exc.body["type"] == "error" and exc.body["error"]["type"] in ("api_error", "overloaded_error")
+                    assert exc.body["type"] == "error" and exc.body["error"]["type"] in (
+                        "api_error",
+                        "overloaded_error",
+                    )
                 else:
                     assert exc.body["type"] in ("server_error", "overloaded") and exc.body["message"]
                 assert b.url.split("//")[1] not in str(exc.body)  # the engine's address stays in the proxy log
@@ -123,8 +138,12 @@ def test_two_proxies_keep_sessions_on_one_engine_and_a_dead_engine_fails_only_it
             # The rollout runner posts how the harness ended (it exited 0) after the proxy ended the session: the
             # proxy's error stands.
             late = on_b[0]
-            posted = httpx.post(f"{_proxy_of(late, proxies).url}/sessions/{late}/status", json={"status": "completed"},
-                                headers=first.control_headers(), timeout=30)
+            posted = httpx.post(
+                f"{_proxy_of(late, proxies).url}/sessions/{late}/status",
+                json={"status": "completed"},
+                headers=first.control_headers(),
+                timeout=30,
+            )
             assert posted.status_code == 200, posted.text
             # ... and the proxy answers with the status the store keeps, so the runner's summary says error too.
             assert posted.json()["status"] == "error" and "taken out" in posted.json()["final_because"]

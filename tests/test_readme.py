@@ -79,14 +79,27 @@ def sections(text: str) -> dict[str, str]:
 def clean_env(home: Path, **extra: str) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
     path = f"{BIN}:{VENV_BIN}:{base.get('PATH', '')}"
-    return {**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "PATH": path,
-            "PYTHONPATH": str(REPO), **extra}
+    return {
+        **base,
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "PATH": path,
+        "PYTHONPATH": str(REPO),
+        **extra,
+    }
 
 
 def run_shell(script: str, cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def on_ports(text: str, ports: dict[int, int]) -> str:
@@ -117,14 +130,22 @@ def stop(process: subprocess.Popen, logs: list[str] | None = None) -> None:
             process.wait()
         took = time.monotonic() - started
         if took > 20:  # seen only in full two-worker runs; the log says what mitmdump was doing
-            warnings.warn(f"{process.args[:2]} took {took:.0f} s to stop on SIGINT; log tail:\n"
-                          + "".join(logs or [])[-2000:], stacklevel=2)
+            warnings.warn(
+                f"{process.args[:2]} took {took:.0f} s to stop on SIGINT; log tail:\n" + "".join(logs or [])[-2000:],
+                stacklevel=2,
+            )
 
 
 # harness recipe -> what its records' harness starts with
 MITM_LOG = re.compile(r"^\[\d\d:\d\d:\d\d\.\d+\]|^Loading weights")
-HARNESS_NAMES = {"Claude Code": "claude-cli/", "Codex": "codex_exec/", "Qwen Code": "QwenCode/",
-                 "Gemini CLI": "GeminiCLI", "Pi": "pi (", "openai / anthropic / google-genai SDKs": "OpenAI/Python"}
+HARNESS_NAMES = {
+    "Claude Code": "claude-cli/",
+    "Codex": "codex_exec/",
+    "Qwen Code": "QwenCode/",
+    "Gemini CLI": "GeminiCLI",
+    "Pi": "pi (",
+    "openai / anthropic / google-genai SDKs": "OpenAI/Python",
+}
 
 
 @pytest.mark.harness
@@ -132,8 +153,11 @@ def test_every_harness_recipe_through_polar_proxy(tiny_model_dir: Path, tmp_path
     if not BIN.exists():
         missing("harness CLIs missing: run `make harnesses`")
     script = tmp_path / "script.json"
-    script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True,
-                                     "turns": [{"content": "Here are the files: none."}]}))
+    script.write_bytes(
+        orjson.dumps(
+            {"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "Here are the files: none."}]}
+        )
+    )
     fwd, rev = free_port(), free_port()
     out, conf = tmp_path / "shards", tmp_path / "mitmproxy"
     proxy = subprocess.Popen(
@@ -175,13 +199,17 @@ def test_every_harness_recipe_through_polar_proxy(tiny_model_dir: Path, tmp_path
         assert result.returncode == 0, f"{name}: {result.stdout[-2000:]}{result.stderr[-3000:]}{tail}"
         records = by_session.get(session, [])
         assert records and all(r.status == "ok" for r in records), (name, [r.error for r in records])
-        assert all(r.harness and r.harness.startswith(HARNESS_NAMES[name]) for r in records), \
-            (name, {r.harness for r in records})
+        assert all(r.harness and r.harness.startswith(HARNESS_NAMES[name]) for r in records), (
+            name,
+            {r.harness for r in records},
+        )
     # Codex with its default model (no -m): its additional_tools item is accepted, its tools reach the engine,
     # and the model name it asked for is echoed back.
     codex = by_session[results["Codex"][0]]
     assert "Here are the files" in results["Codex"][1].stdout
-    assert all(r.requested_model != "tiny" and r.tools for r in codex), [(r.requested_model, len(r.tools)) for r in codex]
+    assert all(r.requested_model != "tiny" and r.tools for r in codex), [
+        (r.requested_model, len(r.tools)) for r in codex
+    ]
 
 
 @pytest.mark.vllm
@@ -212,8 +240,14 @@ def test_serve_capture_reward_build_train_reload_stop(tiny_model_dir: Path, tmp_
         assert f"vllm:http://127.0.0.1:{engine_port}" in served.stdout
         assert (work / ".polar" / "engines" / f"engine-{engine_port}.json").is_file()  # state in the cwd, not $HOME
         (capture,) = commands(block("capture"))
-        proxy = subprocess.Popen(["bash", "-c", "exec " + on_ports(capture, ports)], cwd=work, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proxy = subprocess.Popen(
+            ["bash", "-c", "exec " + on_ports(capture, ports)],
+            cwd=work,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             wait_for_port(fwd, 120, proxy)
             wait_for_port(rev, 30, proxy)
@@ -277,8 +311,12 @@ def test_rollout_block_runs(tiny_model_dir: Path, tmp_path: Path) -> None:
     # Each trace carries its session's reward, except one with a tool call polar could not parse: the random
     # tiny model now and then samples Qwen3's <tool_call> token into broken markup, and such a trace scores 0.
     records = {r.record_id: r for r in read_records(str(tmp_path / "shards"))}
-    expected = {(t.group_id, t.sample_index): 0.0 if any(invalid_tool_call(records[i]) for i in t.record_ids)
-                else rewards[(t.group_id, t.sample_index)] for t in traces}
+    expected = {
+        (t.group_id, t.sample_index): 0.0
+        if any(invalid_tool_call(records[i]) for i in t.record_ids)
+        else rewards[(t.group_id, t.sample_index)]
+        for t in traces
+    }
     assert {(t.group_id, t.sample_index): t.reward for t in traces} == expected
     assert {(t.group_id, t.sample_index) for t in traces} == set(rewards)
     assert all(0.0 <= r <= 1.0 for r in rewards.values()) and {g for g, _ in rewards} == {"capital", "sky"}

@@ -4,7 +4,6 @@ mid-stream, and engine faults seen end to end (provider-shaped error, recorded a
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -29,8 +28,12 @@ TURNS = int(os.environ.get("POLAR_LOAD_TURNS", "20"))
 def test_load_through_mitmdump_loses_duplicates_and_mixes_up_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "shards"
     engine = write_script(tmp_path / "script.json", tiny_model_dir)
-    with run_mitmdump(engine, out, mode="reverse:https://api.openai.com",
-                      options={"polar_shard_records": "128", "polar_shard_seconds": "1"}) as proxy:
+    with run_mitmdump(
+        engine,
+        out,
+        mode="reverse:https://api.openai.com",
+        options={"polar_shard_records": "128", "polar_shard_seconds": "1"},
+    ) as proxy:
         result = run_load(proxy.url, proxy.process.pid, out, SESSIONS, TURNS)
         logs = proxy.logs()
     result = check_store(result, out)
@@ -42,7 +45,7 @@ def test_load_through_mitmdump_loses_duplicates_and_mixes_up_nothing(tiny_model_
     assert not any("sk-load-secret" in r.messages_json for r in read_records(str(out)))
 
 
-ENGINE_SERVER = r'''
+ENGINE_SERVER = r"""
 import sys
 from aiohttp import web
 mode, port = sys.argv[1], int(sys.argv[2])
@@ -64,7 +67,7 @@ app.router.add_get("/v1/models", models)
 app.router.add_post("/v1/chat/completions", chat)
 app.router.add_post("/generate", chat)
 web.run_app(app, host="127.0.0.1", port=port, print=None)
-'''
+"""
 
 
 @pytest.mark.timeout(300)
@@ -78,12 +81,22 @@ def test_engine_faults_become_provider_errors_recorded_as_failed(mode: str, stat
     out = tmp_path / "shards"
     try:
         wait_for_port(port, 30, server)
-        with run_mitmdump(f"vllm:http://127.0.0.1:{port}", out, mode="reverse:https://api.anthropic.com",
-                          options={"polar_engine_timeout": "2", "polar_shard_seconds": "0.2"}) as proxy:
+        with run_mitmdump(
+            f"vllm:http://127.0.0.1:{port}",
+            out,
+            mode="reverse:https://api.anthropic.com",
+            options={"polar_engine_timeout": "2", "polar_shard_seconds": "0.2"},
+        ) as proxy:
             body = orjson.dumps(valid_body("anthropic_messages"))
-            answers = [httpx.post(proxy.url + "/v1/messages", content=body, timeout=60,
-                                  headers={"content-type": "application/json", "x-polar-session": f"fault-{i}"})
-                       for i in range(2)]
+            answers = [
+                httpx.post(
+                    proxy.url + "/v1/messages",
+                    content=body,
+                    timeout=60,
+                    headers={"content-type": "application/json", "x-polar-session": f"fault-{i}"},
+                )
+                for i in range(2)
+            ]
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
@@ -91,7 +104,9 @@ def test_engine_faults_become_provider_errors_recorded_as_failed(mode: str, stat
     first = answers[0]
     assert first.status_code in ({status, 503} if mode == "die" else {status}), first.text[:300]
     assert is_provider_error("anthropic_messages", first.status_code, first.content), first.text[:300]
-    assert answers[1].status_code >= 500 and is_provider_error("anthropic_messages", answers[1].status_code, answers[1].content)
+    assert answers[1].status_code >= 500 and is_provider_error(
+        "anthropic_messages", answers[1].status_code, answers[1].content
+    )
     records = read_records(str(out))
     assert sorted(r.session_id for r in records) == ["fault-0", "fault-1"]
     assert all(r.status == "failed" and not r.response_ids and not r.prompt_ids for r in records)
@@ -101,12 +116,19 @@ def test_engine_faults_become_provider_errors_recorded_as_failed(mode: str, stat
 def test_client_disconnecting_mid_stream_leaves_the_proxy_serving(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "shards"
     engine = write_script(tmp_path / "script.json", tiny_model_dir, latency_s=1.5)
-    with run_mitmdump(engine, out, mode="reverse:https://api.openai.com",
-                      options={"polar_keepalive": "0.2", "polar_shard_seconds": "0.2"}) as proxy:
-
+    with run_mitmdump(
+        engine,
+        out,
+        mode="reverse:https://api.openai.com",
+        options={"polar_keepalive": "0.2", "polar_shard_seconds": "0.2"},
+    ) as proxy:
         hang_up_mid_stream(proxy.url, out)
-        after = httpx.post(proxy.url + "/v1/chat/completions", json=valid_body("openai_chat"),
-                           headers={"x-polar-session": "after"}, timeout=60)
+        after = httpx.post(
+            proxy.url + "/v1/chat/completions",
+            json=valid_body("openai_chat"),
+            headers={"x-polar-session": "after"},
+            timeout=60,
+        )
     assert after.status_code == 200
     records = read_records(str(out))
     # An abandoned call was still generated and persisted (the engine did the work): recorded exactly once.

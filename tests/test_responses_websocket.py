@@ -17,9 +17,18 @@ from polar_addon.responses_websocket import error_event, is_responses_upgrade, s
 from polar_addon.store import read_records
 from tests.support.proxy import run_mitmdump
 
-EXEC = {"type": "function", "name": "exec_command", "description": "Runs a command.", "strict": False,
-        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}
-DEVELOPER = {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are a coding agent."}]}
+EXEC = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Runs a command.",
+    "strict": False,
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+}
+DEVELOPER = {
+    "type": "message",
+    "role": "developer",
+    "content": [{"type": "input_text", "text": "You are a coding agent."}],
+}
 USER = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "say hi"}]}
 
 
@@ -43,10 +52,20 @@ def test_upgrade_detection_and_error_event() -> None:
 
 def write_script(path, model_dir) -> str:
     # 0.3 s a call: with polar_keepalive=0.01 keep-alives surely go out before the answer.
-    script = {"model_dir": str(model_dir), "cycle": True, "latency_s": 0.3, "turns": [
-        {"content": None, "tool_calls": [{"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "echo hi"}}}]},
-        {"content": "All done."},
-    ]}
+    script = {
+        "model_dir": str(model_dir),
+        "cycle": True,
+        "latency_s": 0.3,
+        "turns": [
+            {
+                "content": None,
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "exec_command", "arguments": {"cmd": "echo hi"}}}
+                ],
+            },
+            {"content": "All done."},
+        ],
+    }
     path.write_bytes(orjson.dumps(script))
     return f"scripted:{path}"
 
@@ -73,15 +92,29 @@ def test_codex_websocket_session_through_mitmdump(tiny_model_dir, tmp_path, keep
         async def session() -> list[list[dict[str, Any]]]:
             ssl_ctx = ssl.create_default_context(cafile=str(proxy.ca))
             async with aiohttp.ClientSession() as http:
-                async with http.ws_connect("wss://api.openai.com/v1/responses", proxy=proxy.proxy_url("ws-1"), ssl=ssl_ctx,
-                                           headers={"openai-beta": "responses_websockets=2026-02-06"}) as ws:
-                    base = {"type": "response.create", "model": "tiny", "stream": True, "store": False, "tools": [EXEC],
-                            "tool_choice": "auto", "parallel_tool_calls": True, "instructions": ""}
+                async with http.ws_connect(
+                    "wss://api.openai.com/v1/responses",
+                    proxy=proxy.proxy_url("ws-1"),
+                    ssl=ssl_ctx,
+                    headers={"openai-beta": "responses_websockets=2026-02-06"},
+                ) as ws:
+                    base = {
+                        "type": "response.create",
+                        "model": "tiny",
+                        "stream": True,
+                        "store": False,
+                        "tools": [EXEC],
+                        "tool_choice": "auto",
+                        "parallel_tool_calls": True,
+                        "instructions": "",
+                    }
                     prewarm = await exchange(ws, {**base, "input": [DEVELOPER], "generate": False})
                     first = await exchange(ws, {**base, "input": [DEVELOPER, USER]})
                     call = next(e["item"] for e in first if e["type"] == "response.output_item.done")
                     output = {"type": "function_call_output", "call_id": call["call_id"], "output": "hi\n"}
-                    second = await exchange(ws, {**base, "input": [output], "previous_response_id": first[-1]["response"]["id"]})
+                    second = await exchange(
+                        ws, {**base, "input": [output], "previous_response_id": first[-1]["response"]["id"]}
+                    )
                     unknown = await exchange(ws, {**base, "input": [output], "previous_response_id": "resp_nope"})
                     wrong = await exchange(ws, {"type": "session.update"})
                     return [prewarm, first, second, unknown, wrong]
@@ -98,7 +131,9 @@ def test_codex_websocket_session_through_mitmdump(tiny_model_dir, tmp_path, keep
         if keepalive == "0.01":  # the engine is slower than that: keep-alives went out as in_progress events
             assert kinds.count("response.in_progress") >= 2
     done = [e["item"] for e in first if e["type"] == "response.output_item.done"]
-    assert [(i["type"], i["name"], i["arguments"]) for i in done] == [("function_call", "exec_command", '{"cmd":"echo hi"}')]
+    assert [(i["type"], i["name"], i["arguments"]) for i in done] == [
+        ("function_call", "exec_command", '{"cmd":"echo hi"}')
+    ]
     assert second[-1]["response"]["output"][0]["content"][0]["text"] == "All done."
     assert unknown[-1]["type"] == "error" and unknown[-1]["status"] == 400
     assert unknown[-1]["error"]["code"] == "previous_response_not_found"

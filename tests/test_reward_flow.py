@@ -18,8 +18,8 @@ import pytest
 from polar_addon.store import read_sessions
 from polar_addon.store.rewards import RewardRecord
 from polar_addon.store.sessions import merge_sessions
-from polar_cli.train.dataset import explain_nothing_to_train
 from polar_cli.trace import Trace
+from polar_cli.train.dataset import explain_nothing_to_train
 from tests.support.proxy import REPO, run_mitmdump
 
 
@@ -82,10 +82,15 @@ def test_readme_offline_flow_trains(tiny_model_dir: Path, tmp_path: Path) -> Non
     sessions = ["flow-a", "flow-b", "flow-c"]
     with run_mitmdump(f"local:{tiny_model_dir}", shards, options={"polar_shard_seconds": "0.2"}) as proxy:
         for session in sessions:
-            http = httpx.Client(proxy=proxy.proxy_url(f"{session}:task=t1;group=g1"),
-                                verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120)
+            http = httpx.Client(
+                proxy=proxy.proxy_url(f"{session}:task=t1;group=g1"),
+                verify=ssl.create_default_context(cafile=str(proxy.ca)),
+                timeout=120,
+            )
             client = openai.OpenAI(api_key="sk-not-a-real-key", http_client=http, max_retries=0)
-            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6)
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Say hi."}], max_tokens=6
+            )
     assert {s.session_id: s.status for s in read_sessions(str(shards))} == dict.fromkeys(sessions, "running")
 
     train = ["train", str(shards), "--model", str(tiny_model_dir), "--max-steps", "1", "--no-progress"]
@@ -99,7 +104,10 @@ def test_readme_offline_flow_trains(tiny_model_dir: Path, tmp_path: Path) -> Non
     ended = polar("reward", str(shards), "--session", "flow-c", "--status", "error")
     assert ended.returncode == 0 and "marked 1 session(s) error" in _said(ended)
     assert {s.session_id: s.status for s in read_sessions(str(shards))} == {
-        "flow-a": "completed", "flow-b": "completed", "flow-c": "error"}
+        "flow-a": "completed",
+        "flow-b": "completed",
+        "flow-c": "error",
+    }
     same = polar(*train, "--output", str(tmp_path / "same"))
     assert same.returncode == 3, _said(same)
     assert "1 sessions ended in an infrastructure error" in _said(same)

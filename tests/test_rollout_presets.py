@@ -25,9 +25,9 @@ import pytest
 from polar_addon.store.validate import validate_store
 from polar_cli.mitm import REPO
 from polar_cli.rollout.harnesses.base import SessionContext
+from tests.support.prereq import missing
 from tests.support.proxy import SharedProxy, shared_proxy
 from tests.support.shards import session_records
-from tests.support.prereq import missing
 
 SWE_MINI = REPO / "examples" / "swe_mini"
 SCRIPTS = SWE_MINI / "scripts"
@@ -54,12 +54,17 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     """One mitmdump for all five harnesses: its scripted engine picks each harness's turns by model name."""
     base = tmp_path_factory.mktemp("presets-proxy")
     # The scripts name files under {workspace}: the session's workspace as the harness sees it (bwrap: /workspace).
-    by_model = {model_name(h): json.loads(json.dumps(script(h)["turns"]).replace("{workspace}", "/workspace"))
-                for h in HARNESSES}
-    (base / "script.json").write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model}))
+    by_model = {
+        model_name(h): json.loads(json.dumps(script(h)["turns"]).replace("{workspace}", "/workspace"))
+        for h in HARNESSES
+    }
+    (base / "script.json").write_text(
+        json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model})
+    )
     # Registered sessions and non-model traffic refused, as `polar rollout --proxy` requires of a running proxy.
-    with shared_proxy(base / "script.json", base / "shards", {"polar_sessions": "registered",
-                                                              "polar_block_other": "true"}) as started:
+    with shared_proxy(
+        base / "script.json", base / "shards", {"polar_sessions": "registered", "polar_block_other": "true"}
+    ) as started:
         yield started
 
 
@@ -73,14 +78,29 @@ def verify(task: dict, workspace: Path) -> float:
 def test_preset_writes_the_window(harness: str, tmp_path: Path) -> None:
     """Each preset puts the served window and output cap where its CLI reads them (see the README's table)."""
     preset = importlib.import_module(f"polar_cli.rollout.harnesses.{harness.replace('-', '_')}").make(None)
-    ctx = SessionContext(session_id="s", task_id="t", group_id="g", sample=0, model="m", proxy_url="http://127.0.0.1:1",
-                         reverse_url="http://127.0.0.1:2", ca_path="/ca.pem", home=str(tmp_path), workspace="/workspace",
-                         secret="psk-test", context_window=WINDOW, max_output_tokens=MAX_OUTPUT)
+    ctx = SessionContext(
+        session_id="s",
+        task_id="t",
+        group_id="g",
+        sample=0,
+        model="m",
+        proxy_url="http://127.0.0.1:1",
+        reverse_url="http://127.0.0.1:2",
+        ca_path="/ca.pem",
+        home=str(tmp_path),
+        workspace="/workspace",
+        secret="psk-test",
+        context_window=WINDOW,
+        max_output_tokens=MAX_OUTPUT,
+    )
     preset.configure(tmp_path, ctx)
     env = preset.env(ctx)
     if harness == "claude-code":
-        assert (env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"], env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"],
-                env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == (str(WINDOW), str(WINDOW), str(MAX_OUTPUT))
+        assert (
+            env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"],
+            env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"],
+            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"],
+        ) == (str(WINDOW), str(WINDOW), str(MAX_OUTPUT))
     elif harness == "codex":
         import tomllib
 
@@ -114,12 +134,26 @@ def test_claude_code_caps_its_output_so_it_can_compact_below_the_window() -> Non
     no cap given the preset caps answers at an eighth."""
     from polar_cli.rollout.harnesses.claude_code import ClaudeCode
 
-    ctx = SessionContext(session_id="s", task_id="t", group_id="g", sample=0, model="m", proxy_url="http://127.0.0.1:1",
-                         reverse_url="http://127.0.0.1:2", ca_path="/ca.pem", home="/h", workspace="/w", secret="psk-test",
-                         context_window=32_768)
+    ctx = SessionContext(
+        session_id="s",
+        task_id="t",
+        group_id="g",
+        sample=0,
+        model="m",
+        proxy_url="http://127.0.0.1:1",
+        reverse_url="http://127.0.0.1:2",
+        ca_path="/ca.pem",
+        home="/h",
+        workspace="/w",
+        secret="psk-test",
+        context_window=32_768,
+    )
     env = ClaudeCode().env(ctx)
-    assert (env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"], env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"],
-            env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) == ("32768", "32768", "4096")
+    assert (
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"],
+        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"],
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"],
+    ) == ("32768", "32768", "4096")
 
 
 # --- the task set in both formats ---------------------------------------------------------------------------
@@ -127,12 +161,51 @@ def test_claude_code_caps_its_output_so_it_can_compact_below_the_window() -> Non
 
 def bwrap_harbor(task_dir: Path, app: Path, logs: Path, script_path: str) -> subprocess.CompletedProcess:
     """Run a Harbor script with /app, /tests and /logs/verifier where Harbor puts them (no network)."""
-    cmd = ["bwrap", "--unshare-user", "--uid", "1000", "--unshare-net", "--die-with-parent",
-           "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-           "--symlink", "usr/lib64", "/lib64", "--ro-bind", "/etc", "/etc", "--proc", "/proc", "--dev", "/dev",
-           "--tmpfs", "/tmp", "--bind", str(app), "/app", "--ro-bind", str(task_dir / "tests"), "/tests",
-           "--ro-bind", str(task_dir / "solution"), "/solution", "--bind", str(logs), "/logs/verifier",
-           "--chdir", "/app", "bash", script_path]
+    cmd = [
+        "bwrap",
+        "--unshare-user",
+        "--uid",
+        "1000",
+        "--unshare-net",
+        "--die-with-parent",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "--ro-bind",
+        "/etc",
+        "/etc",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+        "--bind",
+        str(app),
+        "/app",
+        "--ro-bind",
+        str(task_dir / "tests"),
+        "/tests",
+        "--ro-bind",
+        str(task_dir / "solution"),
+        "/solution",
+        "--bind",
+        str(logs),
+        "/logs/verifier",
+        "--chdir",
+        "/app",
+        "bash",
+        script_path,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
@@ -166,21 +239,50 @@ def test_swe_mini_task_in_both_formats(task_id: str, tmp_path: Path) -> None:
     assert result.returncode == 0 and (logs / "reward.txt").read_text().strip() == "1", result.stderr
 
 
-def rollout_through(proxy: SharedProxy, tasks: Path, harness: str, runtime: str, seed: int, report: Path
-                    ) -> tuple[dict, str]:
+def rollout_through(
+    proxy: SharedProxy, tasks: Path, harness: str, runtime: str, seed: int, report: Path
+) -> tuple[dict, str]:
     """`polar rollout` of one sample of ``tasks`` through the shared proxy in a proxy-only ``runtime`` sandbox;
     returns the session's summary (asserted completed with reward 1.0) and the tail of its logs."""
     from polar_addon.control import token_file
 
     token = token_file(str(proxy.out), str(proxy.ca.parent)).read_text().strip()
-    cmd = [str(REPO / ".venv" / "bin" / "polar"), "rollout", str(tasks), "--harness", harness, "--samples", "1",
-           "--proxy", f"http://127.0.0.1:{proxy.forward}", "--reverse-url", f"http://127.0.0.1:{proxy.reverse}",
-           "--control-token", token, "--confdir", str(proxy.ca.parent), "--out", str(proxy.out),
-           "--runtime", runtime, "--network", "proxy-only", "--model", model_name(harness),
-           "--seed", str(seed), "--no-progress", "--report-dir", str(report)]
+    cmd = [
+        str(REPO / ".venv" / "bin" / "polar"),
+        "rollout",
+        str(tasks),
+        "--harness",
+        harness,
+        "--samples",
+        "1",
+        "--proxy",
+        f"http://127.0.0.1:{proxy.forward}",
+        "--reverse-url",
+        f"http://127.0.0.1:{proxy.reverse}",
+        "--control-token",
+        token,
+        "--confdir",
+        str(proxy.ca.parent),
+        "--out",
+        str(proxy.out),
+        "--runtime",
+        runtime,
+        "--network",
+        "proxy-only",
+        "--model",
+        model_name(harness),
+        "--seed",
+        str(seed),
+        "--no-progress",
+        "--report-dir",
+        str(report),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
-    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((report / "logs").rglob("*")) if p.is_file()) \
-        if (report / "logs").exists() else ""
+    logs = (
+        "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted((report / "logs").rglob("*")) if p.is_file())
+        if (report / "logs").exists()
+        else ""
+    )
     assert result.returncode == 0, result.stdout + result.stderr + logs
     summary = json.loads((report / "rollout-summary.json").read_text())
     (session,) = summary["session_results"]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -53,8 +53,17 @@ def _race_task(root: Path, task_id: str) -> Path:
     workspace.mkdir()
     (workspace / "README").write_text("start\n")
     tasks = root / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": task_id, "instruction": "MODE=slow-unless-0 write it", "workspace": "ws",
-                                 "verify": "test -f answer.txt"}) + "\n")
+    tasks.write_text(
+        json.dumps(
+            {
+                "id": task_id,
+                "instruction": "MODE=slow-unless-0 write it",
+                "workspace": "ws",
+                "verify": "test -f answer.txt",
+            }
+        )
+        + "\n"
+    )
     return tasks
 
 
@@ -103,8 +112,8 @@ def _finished_on(store: Path, node: str) -> bool:
 
 
 def test_early_stop_on_a_ray_cluster_writing_to_s3_cancels_the_stragglers_of_every_node(
-        cluster: RayCluster, moto_port: int, tiny_model_dir: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster: RayCluster, moto_port: int, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every node's proxy writes one s3:// store (a real moto server), with the credentials of the nodes' own
     environment (the driver has none). --early-stop 1 on two nodes with one RUN slot each: sample 0 answers at once on
     one node while sample 1 waits 60 s on the other; once sample 0 is usable the driver has the other node cancel
@@ -115,12 +124,42 @@ def test_early_stop_on_a_ray_cluster_writing_to_s3_cancels_the_stragglers_of_eve
     tasks = _race_task(tmp_path, "race")
     store = s3_uri(new_bucket(moto_port), moto_port)
     done = subprocess.run(
-        [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness",
-         f"cmd:{sys.executable} {AGENT} {{instruction}}", "--samples", "3", "--early-stop", "1",
-         "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", store, "--seed", "7",
-         "--ray", cluster.address, "--concurrency", "1", "--ready", "0", "--confdir", str(tmp_path / "conf"),
-         "--set", "polar_shard_seconds=0.2", "--no-progress"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=_driver_env())
+        [
+            sys.executable,
+            "-m",
+            "polar_cli.app",
+            "rollout",
+            str(tasks),
+            "--harness",
+            f"cmd:{sys.executable} {AGENT} {{instruction}}",
+            "--samples",
+            "3",
+            "--early-stop",
+            "1",
+            "--engine",
+            f"scripted:{_script(tmp_path, tiny_model_dir)}",
+            "--out",
+            store,
+            "--seed",
+            "7",
+            "--ray",
+            cluster.address,
+            "--concurrency",
+            "1",
+            "--ready",
+            "0",
+            "--confdir",
+            str(tmp_path / "conf"),
+            "--set",
+            "polar_shard_seconds=0.2",
+            "--no-progress",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_driver_env(),
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = tmp_path / "polar-rollouts" / "r7"
     manifest = json.loads((report / "rollout-manifest.json").read_text())
@@ -143,7 +182,10 @@ def test_early_stop_on_a_ray_cluster_writing_to_s3_cancels_the_stragglers_of_eve
     for sample in (0, 1):
         stored = sessions[by_sample[sample]["session_id"]]
         assert (stored.metadata["group"], stored.metadata["sample"], stored.metadata["node"]) == (
-            "race", sample, by_sample[sample]["node"])
+            "race",
+            sample,
+            by_sample[sample]["node"],
+        )
     assert sessions[by_sample[0]["session_id"]].status == "completed"
     cancelled = sessions[by_sample[1]["session_id"]]
     assert cancelled.status == "error" and cancelled.metadata["cancelled"] is True  # masked
@@ -151,8 +193,13 @@ def test_early_stop_on_a_ray_cluster_writing_to_s3_cancels_the_stragglers_of_eve
     # Sample 0's two turns, written by its node's proxy (sample 1 slept before any call).
     assert Counter(r.session_id for r in records if r.status == "ok") == {by_sample[0]["session_id"]: 2}, records
     assert all((r.group_id, r.sample_index) == ("race", 0) for r in records)
-    validated = subprocess.run([sys.executable, "-m", "polar_cli.app", "shards", "validate", store],
-                               capture_output=True, text=True, timeout=120, env={**_driver_env(), **AWS_ENV})
+    validated = subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", "shards", "validate", store],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_driver_env(), **AWS_ENV},
+    )
     assert validated.returncode == 0, validated.stdout + validated.stderr
 
 
@@ -176,21 +223,55 @@ def test_ctrl_c_stops_a_ray_rollout_on_every_node(cluster: RayCluster, tiny_mode
     tasks = _race_task(tmp_path, "stop")
     store = tmp_path / "store"
     rollout = subprocess.Popen(
-        [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness",
-         f"cmd:{sys.executable} {AGENT} {{instruction}}", "--samples", "4",
-         "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "9",
-         "--ray", cluster.address, "--concurrency", "1", "--ready", "0", "--confdir", str(tmp_path / "conf"),
-         "--set", "polar_shard_seconds=0.2", "--no-progress",
-         "--runtime", "local", "--trust-agent"],  # _harnesses tells sessions by host workspace, which bwrap hides
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_driver_env())
+        [
+            sys.executable,
+            "-m",
+            "polar_cli.app",
+            "rollout",
+            str(tasks),
+            "--harness",
+            f"cmd:{sys.executable} {AGENT} {{instruction}}",
+            "--samples",
+            "4",
+            "--engine",
+            f"scripted:{_script(tmp_path, tiny_model_dir)}",
+            "--out",
+            str(store),
+            "--seed",
+            "9",
+            "--ray",
+            cluster.address,
+            "--concurrency",
+            "1",
+            "--ready",
+            "0",
+            "--confdir",
+            str(tmp_path / "conf"),
+            "--set",
+            "polar_shard_seconds=0.2",
+            "--no-progress",
+            "--runtime",
+            "local",
+            "--trust-agent",
+        ],  # _harnesses tells sessions by host workspace, which bwrap hides
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_driver_env(),
+    )
     try:
         deadline = time.monotonic() + 240
         # Sample 0 stored completed (on either node) and a harness running on each node.
         while not (_harnesses(w0) and _harnesses(w1) and any(_finished_on(store, w.node_id()) for w in (w0, w1))):
             assert rollout.poll() is None and time.monotonic() < deadline, rollout.poll()
             time.sleep(0.3)
-        watched = {pid: cmd for node in (w0, w1) for pid, cmd in node.processes().items()
-                   if str(AGENT) in cmd or "mitmdump" in cmd}
+        watched = {
+            pid: cmd
+            for node in (w0, w1)
+            for pid, cmd in node.processes().items()
+            if str(AGENT) in cmd or "mitmdump" in cmd
+        }
         assert sum("mitmdump" in cmd for cmd in watched.values()) == 2, watched  # a proxy per node
         interrupted_at = time.monotonic()
         rollout.send_signal(signal.SIGINT)
@@ -212,7 +293,9 @@ def test_ctrl_c_stops_a_ray_rollout_on_every_node(cluster: RayCluster, tiny_mode
     assert manifest["interrupted"] == summary["interrupted"] == "SIGINT"
     results = summary["session_results"]
     got = {s["sample"]: (s["status"], s["ran"]) for s in results}
-    assert got == {0: ("completed", True), 1: ("cancelled", True), 2: ("cancelled", True), 3: ("cancelled", False)}, results
+    assert got == {0: ("completed", True), 1: ("cancelled", True), 2: ("cancelled", True), 3: ("cancelled", False)}, (
+        results
+    )
     by_sample = {s["sample"]: s for s in results}
     assert {by_sample[1]["node"], by_sample[2]["node"]} == {w0.node_id(), w1.node_id()}  # one running on each
 
@@ -230,7 +313,8 @@ def test_ctrl_c_stops_a_ray_rollout_on_every_node(cluster: RayCluster, tiny_mode
 
 
 def test_polar_loop_on_a_ray_cluster_trains_between_iterations_and_every_node_serves_the_checkpoint(
-        cluster: RayCluster, tiny_model_dir: Path, tmp_path: Path) -> None:
+    cluster: RayCluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """`polar loop --ray` over two iterations of the toy task (its openai-SDK agent, the real tiny model on each
     node's local engine): iteration 0 runs on both workers, `polar train` runs here between the iterations, and
     iteration 1 runs on both workers again with the first checkpoint. What each node served is read off the stored
@@ -240,8 +324,11 @@ def test_polar_loop_on_a_ray_cluster_trains_between_iterations_and_every_node_se
     _, w0, w1 = cluster.nodes
     toy = REPO / "examples" / "toy_task"
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join([line for line in (toy / "tasks.jsonl").read_text().splitlines(keepends=True)
-                              if line.startswith("{")][:2]))
+    tasks.write_text(
+        "".join(
+            [line for line in (toy / "tasks.jsonl").read_text().splitlines(keepends=True) if line.startswith("{")][:2]
+        )
+    )
     out = tmp_path / "loop"
     done = subprocess.run(
         [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness",
@@ -278,20 +365,52 @@ def test_polar_loop_on_a_ray_cluster_trains_between_iterations_and_every_node_se
     assert before.max_abs_dev > 100 * max(served.max_abs_dev, 1e-6), (served, before)
 
 
-def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayCluster, tiny_model_dir: Path,
-                                                                tmp_path: Path) -> None:
+def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(
+    cluster: RayCluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     _, w0, w1 = cluster.nodes  # head, worker 0 (polar_w0), worker 1 (polar_w1)
     survivor, victim = w0.node_id(), w1.node_id()
     store = tmp_path / "store"
     # Each harness waits 4 s before its first call: the victim still runs one when its finished one is seen stored.
     harness = f"cmd:sleep 4; {sys.executable} {AGENT} {{instruction}}"
     rollout = subprocess.Popen(
-        [sys.executable, "-m", "polar_cli.app", "rollout", str(SWE_MINI), "--harness", harness, "--samples", "2",
-         "--engine", f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", str(store), "--seed", "5",
-         "--ray", cluster.address, "--concurrency", "2", "--ready", "1", "--confdir", str(tmp_path / "conf"),
-         "--set", "polar_shard_seconds=0.2", "--no-progress",
-         "--runtime", "local", "--trust-agent"],  # _harnesses tells sessions by host workspace, which bwrap hides
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_driver_env())
+        [
+            sys.executable,
+            "-m",
+            "polar_cli.app",
+            "rollout",
+            str(SWE_MINI),
+            "--harness",
+            harness,
+            "--samples",
+            "2",
+            "--engine",
+            f"scripted:{_script(tmp_path, tiny_model_dir)}",
+            "--out",
+            str(store),
+            "--seed",
+            "5",
+            "--ray",
+            cluster.address,
+            "--concurrency",
+            "2",
+            "--ready",
+            "1",
+            "--confdir",
+            str(tmp_path / "conf"),
+            "--set",
+            "polar_shard_seconds=0.2",
+            "--no-progress",
+            "--runtime",
+            "local",
+            "--trust-agent",
+        ],  # _harnesses tells sessions by host workspace, which bwrap hides
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_driver_env(),
+    )
     try:
         # The victim dies once it has stored a finished session and runs a harness again.
         deadline = time.monotonic() + 300
@@ -308,8 +427,7 @@ def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayClus
     manifest = json.loads((store / "rollouts" / "r5" / "rollout-manifest.json").read_text())
     assert manifest["ray"] == cluster.address
     results = summary["session_results"]
-    timings = [(s["status"], (s["node"] or "")[:6], {k: round(v, 1) for k, v in s["timings"].items()})
-               for s in results]
+    timings = [(s["status"], (s["node"] or "")[:6], {k: round(v, 1) for k, v in s["timings"].items()}) for s in results]
     print(output, summary["seconds"], json.dumps(timings))  # shown with -rP: where the time went
     assert len(results) == 6 and len({s["session_id"] for s in results}) == 6
     assert Counter(s["task_id"] for s in results) == {"calc-add": 2, "text-shout": 2, "stats-mean": 2}
@@ -332,7 +450,10 @@ def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayClus
     for s in results:
         stored = sessions[s["session_id"]]
         assert (stored.metadata["task"], stored.metadata["group"], stored.metadata["sample"]) == (
-            s["task_id"], s["group_id"], s["sample"])
+            s["task_id"],
+            s["group_id"],
+            s["sample"],
+        )
         assert stored.metadata["node"] == s["node"]
         if s in lost:
             assert stored.status == "error" and stored.metadata["reason"] == WORKER_LOST
@@ -342,10 +463,18 @@ def test_polar_rollout_on_a_ray_cluster_survives_a_dying_worker(cluster: RayClus
             assert calls[s["session_id"]] == 2, (s, calls)
     for r in records:
         stored = sessions[r.session_id]
-        assert (r.task_id, r.group_id, r.sample_index) == (stored.metadata["task"], stored.metadata["group"],
-                                                           stored.metadata["sample"])
-    validated = subprocess.run([sys.executable, "-m", "polar_cli.app", "shards", "validate", str(store)],
-                               capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert (r.task_id, r.group_id, r.sample_index) == (
+            stored.metadata["task"],
+            stored.metadata["group"],
+            stored.metadata["sample"],
+        )
+    validated = subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", "shards", "validate", str(store)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert validated.returncode == 0, validated.stdout + validated.stderr
 
 
@@ -360,8 +489,14 @@ def test_ray_refuses_a_running_proxy_and_help_says_so(tmp_path: Path) -> None:
                            cwd=REPO, capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert proxy.returncode == 2 and "give --engine (not --proxy)" in proxy.stderr, proxy.stderr
     assert not (tmp_path / "store").exists()
-    shown = subprocess.run([sys.executable, "-m", "polar_cli.app", "rollout", "--help"], cwd=REPO,
-                           capture_output=True, text=True, timeout=120, env=env)
+    shown = subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", "rollout", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     text = " ".join(shown.stdout.replace("│", " ").split())
     assert "Refused with --proxy" in text and "with --ray, on every node" in text
     assert "each node writes with its own credentials" in text and "the driver's AWS_* are not shipped" in text

@@ -55,14 +55,23 @@ def _tasks(root: Path, *entries: dict) -> Path:
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("rollout-proxy")
-    with start_proxy(f"scripted:{_script(root, tiny_model_dir)}", str(root / "store"), confdir=root / "conf",
-                     log_dir=root, options={"polar_shard_seconds": "0.2"}) as started:
+    with start_proxy(
+        f"scripted:{_script(root, tiny_model_dir)}",
+        str(root / "store"),
+        confdir=root / "conf",
+        log_dir=root,
+        options={"polar_shard_seconds": "0.2"},
+    ) as started:
         yield started
 
 
 def _run(proxy: StartedProxy, tasks: Path, **fields) -> RolloutResult:
-    external = ExternalProxy(f"http://127.0.0.1:{proxy.endpoints.forward_port}", proxy.control_token,
-                             f"http://127.0.0.1:{proxy.endpoints.reverse_port}", proxy.endpoints.ca)
+    external = ExternalProxy(
+        f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+        proxy.control_token,
+        f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
+        proxy.endpoints.ca,
+    )
     config = RolloutConfig(tasks=load_tasks(tasks), proxy=external, **{"harness": HARNESS, **fields})
     return asyncio.run(run_rollout(config))
 
@@ -90,17 +99,24 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
         {"id": "stdout", "instruction": "Write the answer.",
          "verify": 'test "$(cat "$POLAR_AGENT_OUTPUT")" = done && case "$POLAR_AGENT_OUTPUT" in "$PWD"/*) exit 1;; esac'},
     )  # fmt: skip
-    result = _run(proxy, tasks, samples=2, concurrency=4, ready=4, init_attempts=2, seed=11,
-                  logs_dir=tmp_path / "logs")
+    result = _run(proxy, tasks, samples=2, concurrency=4, ready=4, init_attempts=2, seed=11, logs_dir=tmp_path / "logs")
     by_task: dict[str, list] = {}
     for s in result.sessions:
         by_task.setdefault(s.task_id, []).append(s)
     statuses = {t: sorted(s.status for s in ss) for t, ss in by_task.items()}
     # A harness that kills itself is failed (reward 0, trained), not masked; a verifier that wrote no reward file
     # scores 0 (the code under test could have stopped it); only the broken setup (infrastructure) is an error.
-    assert statuses == {"pass": ["completed"] * 2, "fail": ["completed"] * 2, "crash": ["failed"] * 2,
-                        "hang": ["timeout"] * 2, "self": ["completed"] * 2, "flaky-setup": ["completed"] * 2,
-                        "broken-setup": ["error"] * 2, "planted": ["completed"] * 2, "stdout": ["completed"] * 2}, [(s.session_id, s.task_id, s.reason) for s in result.sessions]
+    assert statuses == {
+        "pass": ["completed"] * 2,
+        "fail": ["completed"] * 2,
+        "crash": ["failed"] * 2,
+        "hang": ["timeout"] * 2,
+        "self": ["completed"] * 2,
+        "flaky-setup": ["completed"] * 2,
+        "broken-setup": ["error"] * 2,
+        "planted": ["completed"] * 2,
+        "stdout": ["completed"] * 2,
+    }, [(s.session_id, s.task_id, s.reason) for s in result.sessions]
     rewards = {t: sorted(s.reward for s in ss if s.reward is not None) for t, ss in by_task.items()}
     assert rewards["pass"] == [1.0, 1.0] and rewards["fail"] == [0.0, 0.0] and rewards["self"] == [1.0, 1.0]
     assert rewards["stdout"] == [1.0, 1.0] and rewards["crash"] == [0.0, 0.0] and rewards["planted"] == [0.0, 0.0]
@@ -112,8 +128,13 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
     summary = result.summary()
     assert summary["statuses"] == {"completed": 12, "failed": 2, "timeout": 2, "error": 2, "cancelled": 0}
     assert summary["mask_rate"] == 2 / 18 and summary["groups"]["broken-setup"]["mask_rate"] == 1.0
-    assert summary["groups"]["crash"] == {"rewards": [0.0, 0.0], "mean": 0.0, "sessions": 2, "masked": 0,
-                                          "mask_rate": 0.0}
+    assert summary["groups"]["crash"] == {
+        "rewards": [0.0, 0.0],
+        "mean": 0.0,
+        "sessions": 2,
+        "masked": 0,
+        "mask_rate": 0.0,
+    }
 
     store = _store(proxy)
     wait_for_shards(store)
@@ -139,7 +160,9 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
 def test_early_stop_cancels_the_stragglers(proxy: StartedProxy, tmp_path: Path) -> None:
     # Sample 0 answers at once; samples 1 and 2 would wait 60 s. One RUN slot: sample 1 is cancelled while
     # running, sample 2 before it ever runs.
-    tasks = _tasks(tmp_path, {"id": "race", "instruction": "MODE=slow-unless-0 write it", "verify": "test -f answer.txt"})
+    tasks = _tasks(
+        tmp_path, {"id": "race", "instruction": "MODE=slow-unless-0 write it", "verify": "test -f answer.txt"}
+    )
     started = time.monotonic()
     result = _run(proxy, tasks, samples=3, concurrency=1, ready=1, early_stop=1)
     assert time.monotonic() - started < 50
@@ -170,12 +193,20 @@ def test_a_session_the_store_holds_as_error_does_not_early_stop_its_group(proxy:
     asyncio.run(end_first())
     result = _run(proxy, tasks, samples=3, concurrency=1, ready=1, early_stop=1, run_id="estop")
     got = {s.sample: s.status for s in result.sessions}
-    assert got == {0: "error", 1: "completed", 2: "cancelled"}, [(s.sample, s.status, s.reason) for s in result.sessions]
+    assert got == {0: "error", 1: "completed", 2: "cancelled"}, [
+        (s.sample, s.status, s.reason) for s in result.sessions
+    ]
 
 
 def _polar(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "polar_cli.app", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_polar_rollout_command_then_build(tiny_model_dir: Path, tmp_path: Path, proxy: StartedProxy) -> None:
@@ -184,9 +215,27 @@ def test_polar_rollout_command_then_build(tiny_model_dir: Path, tmp_path: Path, 
         {"id": "fail", "instruction": "Write the answer.", "verify": 'test "$(cat answer.txt)" = 43'})  # fmt: skip
     store = tmp_path / "store"
     # Relative --out and --work-dir, as `make demo` gives them: git and mitmdump run from other directories.
-    done = _polar("rollout", str(tasks), "--harness", HARNESS, "--samples", "2", "--engine",
-                  f"scripted:{_script(tmp_path, tiny_model_dir)}", "--out", "store", "--work-dir", "work", "--seed", "3",
-                  "--confdir", str(tmp_path / "conf"), "--set", "polar_shard_seconds=0.2", cwd=tmp_path)
+    done = _polar(
+        "rollout",
+        str(tasks),
+        "--harness",
+        HARNESS,
+        "--samples",
+        "2",
+        "--engine",
+        f"scripted:{_script(tmp_path, tiny_model_dir)}",
+        "--out",
+        "store",
+        "--work-dir",
+        "work",
+        "--seed",
+        "3",
+        "--confdir",
+        str(tmp_path / "conf"),
+        "--set",
+        "polar_shard_seconds=0.2",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 sessions (4 completed)" in done.stdout
     report = store / "rollouts" / "r3"
@@ -200,17 +249,34 @@ def test_polar_rollout_command_then_build(tiny_model_dir: Path, tmp_path: Path, 
     assert _polar("build", str(store), "--out", str(built)).returncode == 0
     traces = read_traces(built)
     assert sorted((t.group_id, t.sample_index, t.reward, t.trainable) for t in traces) == [
-        ("fail", 0, 0.0, True), ("fail", 1, 0.0, True), ("pass", 0, 1.0, True), ("pass", 1, 1.0, True)]
+        ("fail", 0, 0.0, True),
+        ("fail", 1, 0.0, True),
+        ("pass", 0, 1.0, True),
+        ("pass", 1, 1.0, True),
+    ]
 
     # Every session failing is a failed command; here through the running proxy and its control token.
-    broken = _tasks(tmp_path / "broken" if (tmp_path / "broken").mkdir() is None else tmp_path,
-                    {"id": "broken", "instruction": "x", "setup": "exit 1"})
-    failed = _polar("rollout", str(broken), "--harness", HARNESS, "--proxy",
-                    f"http://127.0.0.1:{proxy.endpoints.forward_port}",
-                    "--reverse-url", f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
-                    "--confdir", str(Path(proxy.endpoints.ca).parent),
-                    "--init-attempts", "1", "--report-dir", str(tmp_path / "report"),
-                    env={"POLAR_CONTROL_TOKEN": proxy.control_token})
+    broken = _tasks(
+        tmp_path / "broken" if (tmp_path / "broken").mkdir() is None else tmp_path,
+        {"id": "broken", "instruction": "x", "setup": "exit 1"},
+    )
+    failed = _polar(
+        "rollout",
+        str(broken),
+        "--harness",
+        HARNESS,
+        "--proxy",
+        f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+        "--reverse-url",
+        f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
+        "--confdir",
+        str(Path(proxy.endpoints.ca).parent),
+        "--init-attempts",
+        "1",
+        "--report-dir",
+        str(tmp_path / "report"),
+        env={"POLAR_CONTROL_TOKEN": proxy.control_token},
+    )
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "no session was usable" in failed.stderr
     assert json.loads((tmp_path / "report" / "rollout-summary.json").read_text())["statuses"]["error"] == 1
@@ -233,15 +299,29 @@ def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> 
     if not shutil.which("bwrap") or not shutil.which("socat"):
         missing("bubblewrap/socat missing (make sandbox)")
     tasks = tmp_path / "harbor"
-    _harbor_task(tasks, "txt", 'test "$(cat answer.txt)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n')
-    _harbor_task(tasks, "json", 'test -e /tests/test.sh && test ! -e /app/tests && echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n')
+    _harbor_task(
+        tasks,
+        "txt",
+        'test "$(cat answer.txt)" = 42 && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n',
+    )
+    _harbor_task(
+        tasks,
+        "json",
+        'test -e /tests/test.sh && test ! -e /app/tests && echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n',
+    )
     _harbor_task(tasks, "silent", "true\n")  # writes no reward: a 0, never a mask
     # The harness's stdout at Harbor's /logs/agent, and in POLAR_AGENT_OUTPUT as for JSONL tasks.
-    _harbor_task(tasks, "stdout", 'test "$(cat /logs/agent/stdout.txt)" = done && test "$POLAR_AGENT_OUTPUT" = /logs/agent/stdout.txt && echo 1 > /logs/verifier/reward.txt\n')
+    _harbor_task(
+        tasks,
+        "stdout",
+        'test "$(cat /logs/agent/stdout.txt)" = done && test "$POLAR_AGENT_OUTPUT" = /logs/agent/stdout.txt && echo 1 > /logs/verifier/reward.txt\n',
+    )
     # The cmd: preset shows the venv and the agent script it names read-only inside; nothing else of the host.
     result = _run(proxy, tasks, samples=1, concurrency=3, runtime="bwrap")
     got = {s.task_id: (s.status, s.rewards) for s in result.sessions}
-    assert got["stdout"] == ("completed", {"reward": 1.0}), next(s.reason for s in result.sessions if s.task_id == "stdout")
+    assert got["stdout"] == ("completed", {"reward": 1.0}), next(
+        s.reason for s in result.sessions if s.task_id == "stdout"
+    )
     assert got["txt"] == ("completed", {"reward": 1.0})
     assert got["json"] == ("completed", {"reward": 0.5, "tests": 1.0, "style": 0.0})
     # No reward is a 0 (the code under test could have killed test.sh before it wrote one), never a mask.
@@ -277,9 +357,15 @@ def test_the_engines_window_reaches_the_harness_config(tiny_model_dir: Path, tmp
     """No --context-window: the started proxy's engine serves 3000 tokens (local:DIR?max_len), so Pi's models.json
     in the session's HOME says so; --set polar_max_tokens is its output cap."""
     tasks = _tasks(tmp_path, {"id": "window", "instruction": "x"})
-    config = RolloutConfig(tasks=load_tasks(tasks), harness=_PiShowingItsConfig(), out=str(tmp_path / "store"),
-                           engine=f"local:{tiny_model_dir}?max_len=3000", confdir=tmp_path / "conf",
-                           logs_dir=tmp_path / "logs", proxy_options={"polar_max_tokens": "256"})
+    config = RolloutConfig(
+        tasks=load_tasks(tasks),
+        harness=_PiShowingItsConfig(),
+        out=str(tmp_path / "store"),
+        engine=f"local:{tiny_model_dir}?max_len=3000",
+        confdir=tmp_path / "conf",
+        logs_dir=tmp_path / "logs",
+        proxy_options={"polar_max_tokens": "256"},
+    )
     result = asyncio.run(run_rollout(config))
     models = json.loads(_harness_stdout(tmp_path / "logs", result))["providers"]["polar"]["models"]
     assert models == [{"id": "policy", "contextWindow": 3000, "maxTokens": 256}]
@@ -314,8 +400,10 @@ def test_sigint_mid_run_cancels_every_session_and_keeps_the_traces(proxy: Starte
         deadline = time.monotonic() + 180
         while len(running) < 2:  # two RUN slots: the first two sessions to start made their call and now hang
             if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"{process.communicate(timeout=5)}: {list((report / 'logs').rglob('*.log'))} "
-                                     f"{(report / 'rollout-summary.json').read_text()[-3000:]}")
+                raise AssertionError(
+                    f"{process.communicate(timeout=5)}: {list((report / 'logs').rglob('*.log'))} "
+                    f"{(report / 'rollout-summary.json').read_text()[-3000:]}"
+                )
             running = [sid for sid in ids if session_records(store, sid, timeout=10)]
             time.sleep(0.2)
         process.send_signal(signal.SIGINT)
@@ -407,5 +495,9 @@ except Exception as exc:
     assert summary["statuses"]["error"] == 1 and summary["statuses"]["completed"] == 0
     assert summary["reward_mean"] is None and summary["groups"]["t"]["rewards"] == []
     assert [s["status"] for s in summary["session_results"]] == ["error"] and result.all_failed
-    assert config.progress is not None and config.progress.statuses["error"] == 1 and config.progress.statuses["completed"] == 0
+    assert (
+        config.progress is not None
+        and config.progress.statuses["error"] == 1
+        and config.progress.statuses["completed"] == 0
+    )
     assert config.progress.group_rewards.get("t", []) == []

@@ -16,9 +16,9 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import orjson
 import pytest
@@ -38,9 +38,14 @@ def two_listener_proxy(engine: str, root: Path) -> Iterator[tuple[Proxy, int]]:
     fwd, rev = free_port(), free_port()
     out, confdir, log = root / "store", root / "mitmproxy-conf", root / "mitmdump.log"
     confdir.mkdir(parents=True, exist_ok=True)
-    cmd = mitmdump_command(engine, out, port=None, confdir=confdir,
-                           modes=[f"regular@{fwd}", f"reverse:https://api.openai.com@{rev}"],
-                           options={"polar_shard_seconds": "0.2", "polar_block_other": "true"})
+    cmd = mitmdump_command(
+        engine,
+        out,
+        port=None,
+        confdir=confdir,
+        modes=[f"regular@{fwd}", f"reverse:https://api.openai.com@{rev}"],
+        options={"polar_shard_seconds": "0.2", "polar_block_other": "true"},
+    )
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:
@@ -136,9 +141,11 @@ def test_runs_as_unprivileged_user_and_cannot_write_the_host(tmp_path):
     async def main():
         box = await bwrap.make().start(spec_for(tmp_path, "a", endpoints(tmp_path), network="none"))
         try:
-            result = await box.exec(f"id -u; cat /etc/shadow; ls /etc/ssh; touch /usr/{marker}; touch /etc/{marker}; mount -o remount,rw /usr; "
-                                    f"echo ok > {box.workspace}/w; echo h > $HOME/h; echo t > /tmp/t; "
-                                    f"cat {box.ca_path}")
+            result = await box.exec(
+                f"id -u; cat /etc/shadow; ls /etc/ssh; touch /usr/{marker}; touch /etc/{marker}; mount -o remount,rw /usr; "
+                f"echo ok > {box.workspace}/w; echo h > $HOME/h; echo t > /tmp/t; "
+                f"cat {box.ca_path}"
+            )
         finally:
             await box.stop()
         return box, result
@@ -221,15 +228,21 @@ def test_proxy_only_reaches_the_proxy_and_nothing_else(make_runtime, proxy, host
         box = await make_runtime().start(spec_for(tmp_path, network, ends, network=network))
         curl = "curl -sS --max-time 20 -H 'content-type: application/json' -H 'authorization: Bearer k'"
         try:
-            forward = await box.exec(f"{curl} --proxy http://{session}@127.0.0.1:{p.port} --cacert {box.ca_path} "
-                                     f"https://api.openai.com/v1/chat/completions -d '{chat}'", timeout_s=60)
+            forward = await box.exec(
+                f"{curl} --proxy http://{session}@127.0.0.1:{p.port} --cacert {box.ca_path} "
+                f"https://api.openai.com/v1/chat/completions -d '{chat}'",
+                timeout_s=60,
+            )
             reverse = await box.exec(f"{curl} {box.reverse_url}/v1/chat/completions -d '{chat}'", timeout_s=60)
-            loopback = await box.exec(f"curl -sS --max-time 3 telnet://127.0.0.1:{host_listener} </dev/null",
-                                      timeout_s=30)
+            loopback = await box.exec(
+                f"curl -sS --max-time 3 telnet://127.0.0.1:{host_listener} </dev/null", timeout_s=30
+            )
             lan = await box.exec(f"curl -sS --max-time 3 telnet://{ip}:{host_listener} </dev/null", timeout_s=30)
             # Through the proxy itself: polar_block_other (which a proxy serving sandboxes must set) refuses the rest.
-            via_proxy = await box.exec(f"curl -sS --max-time 5 --proxy {box.proxy_url} "
-                                       f"http://127.0.0.1:{host_listener}/ -w ' %{{http_code}}'", timeout_s=30)
+            via_proxy = await box.exec(
+                f"curl -sS --max-time 5 --proxy {box.proxy_url} http://127.0.0.1:{host_listener}/ -w ' %{{http_code}}'",
+                timeout_s=30,
+            )
             dns = await box.exec("getent hosts api.openai.com example.com", timeout_s=30)
             routes = await box.exec("tail -n +3 /proc/net/dev; echo ROUTES; tail -n +2 /proc/net/route", timeout_s=30)
         finally:
@@ -270,8 +283,9 @@ def test_exec_timeout_and_cancel_kill_the_whole_process_tree(make_runtime, tmp_p
 
     # A daemonised grandchild in its own session, and a child ignoring SIGTERM: neither may survive.
     def tree(tag: str) -> str:
-        return (f"setsid sh -c 'sleep {tag}' </dev/null >/dev/null 2>&1 & "
-                f"sh -c 'trap \"\" TERM; sleep {tag}' & sleep {tag}")
+        return (
+            f"setsid sh -c 'sleep {tag}' </dev/null >/dev/null 2>&1 & sh -c 'trap \"\" TERM; sleep {tag}' & sleep {tag}"
+        )
 
     async def main():
         box = await make_runtime().start(spec_for(tmp_path, "t", endpoints(tmp_path), network="none"))
@@ -326,18 +340,31 @@ def test_upload_download_binds_and_environment(make_runtime, tmp_path):
     outside.write_text("host secret\n")
 
     async def main():
-        box = await make_runtime().start(spec_for(
-            tmp_path, "u", endpoints(tmp_path), network="none", env={"FROM_SPEC": "spec"},
-            binds={"/tests": tests_dir, "/logs/verifier": logs_dir}, read_only=(REPO / ".harness",)))
+        box = await make_runtime().start(
+            spec_for(
+                tmp_path,
+                "u",
+                endpoints(tmp_path),
+                network="none",
+                env={"FROM_SPEC": "spec"},
+                binds={"/tests": tests_dir, "/logs/verifier": logs_dir},
+                read_only=(REPO / ".harness",),
+            )
+        )
         try:
             await box.upload(src, "/tmp/in/src")
             await box.upload(src / "top.txt", "/workspace/top.txt")
-            listing = await box.exec("find /tmp/in -type f | sort; cat /workspace/top.txt; sh /tests/test.sh; "
-                                     "echo $FROM_SPEC $FROM_EXEC $PWD; ls " + str(REPO / ".harness"),
-                                     env={"FROM_EXEC": "exec"}, cwd="/tmp")
+            listing = await box.exec(
+                "find /tmp/in -type f | sort; cat /workspace/top.txt; sh /tests/test.sh; "
+                "echo $FROM_SPEC $FROM_EXEC $PWD; ls " + str(REPO / ".harness"),
+                env={"FROM_EXEC": "exec"},
+                cwd="/tmp",
+            )
             # An agent plants links pointing out of the sandbox; downloading must not follow them on the host.
-            await box.exec(f"mkdir -p /workspace/out && echo mine > /workspace/out/f && "
-                           f"ln -s {outside} /workspace/out/abs && ln -s ../../../../outside-secret /workspace/out/rel")
+            await box.exec(
+                f"mkdir -p /workspace/out && echo mine > /workspace/out/f && "
+                f"ln -s {outside} /workspace/out/abs && ln -s ../../../../outside-secret /workspace/out/rel"
+            )
             await box.download("/workspace/out", tmp_path / "got")
             await box.download("/tmp/in/src/pkg/a.py", tmp_path / "a.py")
             with pytest.raises(FileNotFoundError):
@@ -361,8 +388,9 @@ def test_harness_cli_runs_inside(tmp_path):
     harness = REPO / ".harness"
 
     async def main():
-        box = await bwrap.make().start(spec_for(tmp_path, "h", endpoints(tmp_path), network="none",
-                                                read_only=(harness,)))
+        box = await bwrap.make().start(
+            spec_for(tmp_path, "h", endpoints(tmp_path), network="none", read_only=(harness,))
+        )
         try:
             return await box.exec([str(harness / "node_modules" / ".bin" / "codex"), "--version"], timeout_s=60)
         finally:
@@ -380,19 +408,31 @@ def test_oci_limits_host_untouched_and_dockerfile_built_once(oci_image, tmp_path
 
     async def main():
         rt = oci.make()
-        spec = spec_for(tmp_path, "l", endpoints(tmp_path), network="none", dockerfile=context / "Dockerfile",
-                        workdir="/app", cpus=0.5, memory_mb=256, pids=64)
+        spec = spec_for(
+            tmp_path,
+            "l",
+            endpoints(tmp_path),
+            network="none",
+            dockerfile=context / "Dockerfile",
+            workdir="/app",
+            cpus=0.5,
+            memory_mb=256,
+            pids=64,
+        )
         box = await rt.start(spec)
         assert box.host_workspace is None  # an empty workspace: the image's own /app, brought out by download
         try:
-            probe = await box.exec(f"cat /built; touch /usr/{marker}; "
-                                   "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/pids/pids.max "
-                                   "/sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us; pwd")
+            probe = await box.exec(
+                f"cat /built; touch /usr/{marker}; "
+                "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/pids/pids.max "
+                "/sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us; pwd"
+            )
         finally:
             await box.stop()
         started = time.monotonic()
-        again = await rt.start(spec_for(tmp_path, "l2", endpoints(tmp_path), network="none",
-                                        dockerfile=context / "Dockerfile"))
+        again = await rt.start(
+            spec_for(tmp_path, "l2", endpoints(tmp_path), network="none", dockerfile=context / "Dockerfile")
+        )
         second_start = time.monotonic() - started
         await again.stop()
         gone = subprocess.run(["podman", "container", "exists", box.container]).returncode
@@ -427,7 +467,9 @@ def test_oci_task_image_is_rebuilt_when_its_base_changes(oci_image, tmp_path):
         spec = spec_for(tmp_path, "b", endpoints(tmp_path), network="none", dockerfile=context / "Dockerfile")
         subprocess.run(["podman", "tag", oci_image, base], check=True)
         tags.append(await rt.image_for(spec))
-        subprocess.run(["podman", "build", *rt._engine_flags(), "-t", base, str(newer)], check=True, capture_output=True)
+        subprocess.run(
+            ["podman", "build", *rt._engine_flags(), "-t", base, str(newer)], check=True, capture_output=True
+        )
         tags.append(await oci.make().image_for(spec))
         box = await rt.start(spec)
         try:
@@ -440,7 +482,7 @@ def test_oci_task_image_is_rebuilt_when_its_base_changes(oci_image, tmp_path):
     finally:
         subprocess.run(["podman", "rmi", "-f", *tags, base], capture_output=True)
     assert tags[0] != tags[1] and seen == "newer\n"
-    assert oci.from_images(f"FROM a AS x\nRUN true\nfrom --platform=p b\nFROM x\n") == ["a", "b", "x"]
+    assert oci.from_images("FROM a AS x\nRUN true\nfrom --platform=p b\nFROM x\n") == ["a", "b", "x"]
 
 
 def test_bwrap_limits_hold_for_the_sandbox(tmp_path):
@@ -450,9 +492,17 @@ def test_bwrap_limits_hold_for_the_sandbox(tmp_path):
     memory = "head -c 200000000 /dev/zero | tail > /dev/null; echo survived $?"
 
     async def main(limited: bool):
-        box = await bwrap.make().start(spec_for(tmp_path, f"lim{limited}", endpoints(tmp_path), network="none",
-                                                pids=30 if limited else None, memory_mb=64 if limited else None,
-                                                cpus=0.5 if limited else None))
+        box = await bwrap.make().start(
+            spec_for(
+                tmp_path,
+                f"lim{limited}",
+                endpoints(tmp_path),
+                network="none",
+                pids=30 if limited else None,
+                memory_mb=64 if limited else None,
+                cpus=0.5 if limited else None,
+            )
+        )
         try:
             assert (box.cgroup is not None) == limited
             return await box.exec(forks, timeout_s=60), await box.exec(memory, timeout_s=60)
@@ -479,6 +529,7 @@ def test_codex_tool_loop_inside_bwrap_proxy_only(tiny_model_dir, tmp_path):
     ]}))  # fmt: skip
     harness = REPO / ".harness"
     with two_listener_proxy(f"scripted:{script}", tmp_path) as (p, rev):
+
         async def main():
             spec = spec_for(tmp_path, "codex", ProxyEndpoints(p.port, rev, p.ca), read_only=(harness,))
             box = await bwrap.make().start(spec)
@@ -487,12 +538,24 @@ def test_codex_tool_loop_inside_bwrap_proxy_only(tiny_model_dir, tmp_path):
                 (spec.home / ".codex" / "config.toml").write_text(
                     'model = "tiny"\nmodel_provider = "polar"\n\n[model_providers.polar]\nname = "polar"\n'
                     f'base_url = "{box.reverse_url}/v1"\nenv_key = "POLAR_API_KEY"\nwire_api = "responses"\n'
-                    "supports_websockets = false\nrequest_max_retries = 0\nstream_max_retries = 0\n")
-                env = {"CODEX_HOME": f"{box.home}/.codex", "POLAR_API_KEY": "polar:session=codex-bwrap",
-                       "RUST_LOG": "warn"}
-                return await box.exec([str(harness / "node_modules" / ".bin" / "codex"), "exec",
-                                       "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-                                       "Write proof.txt."], env=env, timeout_s=240)
+                    "supports_websockets = false\nrequest_max_retries = 0\nstream_max_retries = 0\n"
+                )
+                env = {
+                    "CODEX_HOME": f"{box.home}/.codex",
+                    "POLAR_API_KEY": "polar:session=codex-bwrap",
+                    "RUST_LOG": "warn",
+                }
+                return await box.exec(
+                    [
+                        str(harness / "node_modules" / ".bin" / "codex"),
+                        "exec",
+                        "--skip-git-repo-check",
+                        "--dangerously-bypass-approvals-and-sandbox",
+                        "Write proof.txt.",
+                    ],
+                    env=env,
+                    timeout_s=240,
+                )
             finally:
                 await box.stop()
 
@@ -510,7 +573,8 @@ def test_codex_tool_loop_inside_bwrap_proxy_only(tiny_model_dir, tmp_path):
 def test_a_missing_mount_is_an_infrastructure_error(make_runtime, tmp_path):
     async def main():
         with pytest.raises(RuntimeUnavailable, match="do not exist: /nonexistent/harness"):
-            await make_runtime().start(spec_for(tmp_path, "m", endpoints(tmp_path), network="none",
-                                                read_only=(Path("/nonexistent/harness"),)))
+            await make_runtime().start(
+                spec_for(tmp_path, "m", endpoints(tmp_path), network="none", read_only=(Path("/nonexistent/harness"),))
+            )
 
     run(main())

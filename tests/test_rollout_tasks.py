@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from polar_addon.identity import SESSION_ID
+from polar_cli.rollout import workspace as ws
 from polar_cli.rollout.harnesses import get_preset
 from polar_cli.rollout.harnesses.base import SessionContext
 from polar_cli.rollout.runner import session_ids
 from polar_cli.rollout.runtimes import get_runtime
 from polar_cli.rollout.runtimes.base import ProxyEndpoints, RuntimeUnavailable, SandboxSpec
 from polar_cli.rollout.tasks import TaskFileError, image_free_copies, load_tasks, task_set_hash
-from polar_cli.rollout import workspace as ws
 from polar_cli.rollout.verify import NoReward, file_rewards, harbor_rewards, resolve_env
-from polar_addon.identity import SESSION_ID
 
 
 def _jsonl(tmp_path: Path, *lines: object) -> Path:
@@ -38,7 +38,13 @@ def test_jsonl_tasks_resolve_paths_and_timeouts(tmp_path: Path) -> None:
                   {"id": 7, "instruction": "clone", "repo": "repo", "revision": "v1", "verify": "true",
                    "reward_file": "r.json", "verify_timeout_s": 9})  # fmt: skip
     a, b = load_tasks(path)
-    assert (a.id, a.workspace, a.agent_timeout_s, a.verify_timeout_s, a.setup_timeout_s) == ("a", tmp_path / "repo", 30.0, 5.0, 300.0)
+    assert (a.id, a.workspace, a.agent_timeout_s, a.verify_timeout_s, a.setup_timeout_s) == (
+        "a",
+        tmp_path / "repo",
+        30.0,
+        5.0,
+        300.0,
+    )
     assert a.metadata == {"level": 1} and a.source == f"{path}:3"
     assert (b.id, b.repo, b.revision, b.reward_file, b.workspace) == ("7", str(tmp_path / "repo"), "v1", "r.json", None)
     assert b.verify_timeout_s == 9.0  # Task's own field name works at the top level too
@@ -69,12 +75,18 @@ def _harbor(root: Path, name: str = "fix-bug", toml: str | None = None) -> Path:
     task = root / name
     (task / "environment" / "src").mkdir(parents=True)
     (task / "tests").mkdir()
-    (task / "task.toml").write_text(toml if toml is not None else (
-        'version = "1.0"\n[metadata]\ndifficulty = "easy"\n[verifier]\ntimeout_sec = 45.0\nenv = {TOKEN = "${POLAR_TEST_UNSET:-d}"}\n'
-        '[agent]\ntimeout_sec = 120.0\n[environment]\ncpus = 2\nmemory_mb = 1024\nallow_internet = false\n'))
+    (task / "task.toml").write_text(
+        toml
+        if toml is not None
+        else (
+            'version = "1.0"\n[metadata]\ndifficulty = "easy"\n[verifier]\ntimeout_sec = 45.0\nenv = {TOKEN = "${POLAR_TEST_UNSET:-d}"}\n'
+            "[agent]\ntimeout_sec = 120.0\n[environment]\ncpus = 2\nmemory_mb = 1024\nallow_internet = false\n"
+        )
+    )
     (task / "instruction.md").write_text("<!-- canary GUID 1234 -->\n\nFix the bug in calc.py.\n")
     (task / "environment" / "Dockerfile").write_text(
-        "FROM python:3.11-slim\nWORKDIR /app\nCOPY src/ /app/\nCOPY extra.txt notes/\nRUN pip install pytest\n")
+        "FROM python:3.11-slim\nWORKDIR /app\nCOPY src/ /app/\nCOPY extra.txt notes/\nRUN pip install pytest\n"
+    )
     (task / "environment" / "src" / "calc.py").write_text("def add(a, b):\n    return a - b\n")
     (task / "environment" / "extra.txt").write_text("x")
     (task / "tests" / "test.sh").write_text("#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
@@ -85,9 +97,19 @@ def test_harbor_task_directory(tmp_path: Path) -> None:
     task_dir = _harbor(tmp_path)
     [task] = load_tasks(task_dir)
     assert (task.id, task.format, task.instruction) == ("fix-bug", "harbor", "Fix the bug in calc.py.\n")
-    assert (task.agent_timeout_s, task.verify_timeout_s, task.cpus, task.memory_mb, task.allow_internet) == (120.0, 45.0, 2.0, 1024, False)
+    assert (task.agent_timeout_s, task.verify_timeout_s, task.cpus, task.memory_mb, task.allow_internet) == (
+        120.0,
+        45.0,
+        2.0,
+        1024,
+        False,
+    )
     assert task.tests_dir == task_dir / "tests" and task.dockerfile == task_dir / "environment" / "Dockerfile"
-    assert task.workdir == "/app" and task.metadata == {"difficulty": "easy"} and "bash /tests/test.sh" in (task.verify or "")
+    assert (
+        task.workdir == "/app"
+        and task.metadata == {"difficulty": "easy"}
+        and "bash /tests/test.sh" in (task.verify or "")
+    )
     assert resolve_env(dict(task.verify_env)) == {"TOKEN": "d"}
     copies = {rel: src.name for src, rel in image_free_copies(task)}
     assert copies == {".": "src", "notes/extra.txt": "extra.txt"}
@@ -122,8 +144,15 @@ def test_task_set_hash_follows_the_files(tmp_path: Path) -> None:
 def test_reward_files_read_as_harbor_reads_them() -> None:
     """For a task whose tests write reward.json (tests/security/test_verifier.py: one whose tests never do)."""
     assert harbor_rewards(None, "0.5\n", honour_json=True) == {"reward": 0.5}
-    assert harbor_rewards('{"reward": 1, "style": 0.2, "note": "x"}', "0", honour_json=True) == {"reward": 1.0, "style": 0.2}
-    assert harbor_rewards('{"tests": 1.0, "lint": 0.0}', None, honour_json=True) == {"reward": 0.5, "tests": 1.0, "lint": 0.0}
+    assert harbor_rewards('{"reward": 1, "style": 0.2, "note": "x"}', "0", honour_json=True) == {
+        "reward": 1.0,
+        "style": 0.2,
+    }
+    assert harbor_rewards('{"tests": 1.0, "lint": 0.0}', None, honour_json=True) == {
+        "reward": 0.5,
+        "tests": 1.0,
+        "lint": 0.0,
+    }
     assert harbor_rewards('{"tests": 1.0}', "0.25", honour_json=True) == {"reward": 0.25, "tests": 1.0}
     for bad in [(None, None), (None, ""), (None, "pass"), ("[1]", None), ('{"reward": NaN}', None)]:
         with pytest.raises(NoReward):
@@ -158,7 +187,11 @@ def test_session_ids_are_valid_and_fixed_by_the_run_id() -> None:
     plan = session_ids(tasks, 3, "r7")
     assert [s for _, _, s in plan] == [s for _, _, s in session_ids(tasks, 3, "r7")]
     assert len({s for _, _, s in plan}) == 6 and all(SESSION_ID.fullmatch(s) for _, _, s in plan)
-    assert [(t.id, n) for t, n, _ in plan][:3] == [("org/task with spaces", 0), ("org/task with spaces", 1), ("org/task with spaces", 2)]
+    assert [(t.id, n) for t, n, _ in plan][:3] == [
+        ("org/task with spaces", 0),
+        ("org/task with spaces", 1),
+        ("org/task with spaces", 2),
+    ]
 
 
 def test_patch_round_trip_ignores_the_agents_git(tmp_path: Path) -> None:
@@ -194,8 +227,9 @@ def _spec(tmp_path: Path, **fields: object) -> SandboxSpec:
     (tmp_path / "ws").mkdir(exist_ok=True)
     (tmp_path / "home").mkdir(exist_ok=True)
     endpoints = ProxyEndpoints(8080, 8081, tmp_path / "ca.pem")
-    return SandboxSpec(name="s1", workspace=tmp_path / "ws", home=tmp_path / "home", proxy=endpoints,
-                       network="host", **fields)  # type: ignore[arg-type]
+    return SandboxSpec(
+        name="s1", workspace=tmp_path / "ws", home=tmp_path / "home", proxy=endpoints, network="host", **fields
+    )  # type: ignore[arg-type]
 
 
 def test_local_runtime_env_limits_and_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,8 +249,10 @@ def test_local_runtime_env_limits_and_refusals(tmp_path: Path, monkeypatch: pyte
             assert big.exit_code != 0 and "MemoryError" in big.stderr and small.exit_code == 0
         finally:
             await sandbox.stop()
-        for spec, word in [(_spec(tmp_path, binds={"/tests": tmp_path}), "bwrap"),
-                           (SandboxSpec(**{**_spec(tmp_path).__dict__, "network": "proxy-only"}), "bwrap")]:
+        for spec, word in [
+            (_spec(tmp_path, binds={"/tests": tmp_path}), "bwrap"),
+            (SandboxSpec(**{**_spec(tmp_path).__dict__, "network": "proxy-only"}), "bwrap"),
+        ]:
             with pytest.raises(RuntimeUnavailable, match=word):
                 await runtime.start(spec)
 

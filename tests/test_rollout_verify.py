@@ -74,7 +74,10 @@ def test_an_integer_beyond_any_float_is_cut_in_the_message() -> None:
 
 
 def test_reward_json_ignores_booleans_strings_and_non_numbers() -> None:
-    assert parse_reward_json('{"a": true, "b": "1", "c": null, "d": [1], "e": 0.5, "f": 2}', "j") == {"e": 0.5, "f": 2.0}
+    assert parse_reward_json('{"a": true, "b": "1", "c": null, "d": [1], "e": 0.5, "f": 2}', "j") == {
+        "e": 0.5,
+        "f": 2.0,
+    }
 
 
 # ---- outcome ---------------------------------------------------------------------------------------------------
@@ -127,11 +130,15 @@ def test_reward_txt_that_fills_the_reward_is_checked_as_reward_txt(monkeypatch: 
 
 def test_no_reward_file_messages_and_the_ignored_note() -> None:
     assert _no_reward(harbor_rewards, None, None, honour_json=True) == (
-        "the verifier wrote neither /logs/verifier/reward.txt nor reward.json")
-    assert _no_reward(harbor_rewards, None, None, honour_json=False) == "the verifier wrote no /logs/verifier/reward.txt"
+        "the verifier wrote neither /logs/verifier/reward.txt nor reward.json"
+    )
+    assert (
+        _no_reward(harbor_rewards, None, None, honour_json=False) == "the verifier wrote no /logs/verifier/reward.txt"
+    )
     assert _no_reward(harbor_rewards, '{"reward": 1}', None, honour_json=False) == (
         "the verifier wrote no /logs/verifier/reward.txt"
-        " (the reward.json there is ignored: the task's tests never write one)")
+        " (the reward.json there is ignored: the task's tests never write one)"
+    )
     assert harbor_rewards('{"reward": 1}', "0", honour_json=False) == {"reward": 0.0}
 
 
@@ -180,11 +187,15 @@ def test_a_link_or_a_file_at_any_directory_component_is_no_reward(tmp_path: Path
     (tmp_path / "real" / "sublink").symlink_to(tmp_path / "real" / "sub")
     (tmp_path / "real" / "file").write_text("not a directory")
     assert read_reward_file(tmp_path, "real/sub/r.txt") == "1"
-    assert _no_reward(read_reward_file, tmp_path, "link/sub/r.txt") == "link/sub/r.txt: link is not a directory (a link?)"
+    assert (
+        _no_reward(read_reward_file, tmp_path, "link/sub/r.txt") == "link/sub/r.txt: link is not a directory (a link?)"
+    )
     assert _no_reward(read_reward_file, tmp_path, "real/sublink/r.txt") == (
-        "real/sublink/r.txt: sublink is not a directory (a link?)")
+        "real/sublink/r.txt: sublink is not a directory (a link?)"
+    )
     assert _no_reward(read_reward_file, tmp_path, "real/file/r.txt") == (
-        "real/file/r.txt: file is not a directory (a link?)")
+        "real/file/r.txt: file is not a directory (a link?)"
+    )
 
 
 def test_the_last_component_must_be_a_regular_file(tmp_path: Path) -> None:
@@ -205,13 +216,15 @@ def test_the_size_bound_exactly_at_the_limit_and_one_byte_over(tmp_path: Path) -
     (tmp_path / "over").write_bytes(b"7" * 101)
     assert read_reward_file(tmp_path, "at", limit=100) == "7" * 100
     assert _no_reward(read_reward_file, tmp_path, "over", limit=100) == (
-        "over is 101 bytes, over the 100 a reward file may have")
+        "over is 101 bytes, over the 100 a reward file may have"
+    )
     limit = verify.REWARD_FILE_LIMIT
     (tmp_path / "big").write_bytes(b"1" + b" " * (limit - 1))
     assert read_reward_file(tmp_path, "big") == "1" + " " * (limit - 1)
     (tmp_path / "bigger").write_bytes(b"1" + b" " * limit)
     assert _no_reward(read_reward_file, tmp_path, "bigger") == (
-        f"bigger is {limit + 1} bytes, over the {limit} a reward file may have")
+        f"bigger is {limit + 1} bytes, over the {limit} a reward file may have"
+    )
 
 
 def test_bytes_that_are_not_utf8_are_replaced(tmp_path: Path) -> None:
@@ -302,7 +315,10 @@ def test_short_reads_are_joined_and_the_bound_holds(tmp_path: Path, monkeypatch:
     path.write_text("0")
     _grow_after_stat(monkeypatch, path, 10_000)
     returned.clear()
-    assert _no_reward(read_reward_file, tmp_path, "grows", limit=10) == "grows grew over the 10 bytes a reward file may have"
+    assert (
+        _no_reward(read_reward_file, tmp_path, "grows", limit=10)
+        == "grows grew over the 10 bytes a reward file may have"
+    )
     assert sum(returned) == 11
 
 
@@ -319,7 +335,10 @@ def test_a_growing_file_is_never_read_past_the_limit_plus_one(tmp_path: Path, mo
     path = tmp_path / "grows"
     path.write_text("0")
     _grow_after_stat(monkeypatch, path, 10_000)
-    assert _no_reward(read_reward_file, tmp_path, "grows", limit=100) == "grows grew over the 100 bytes a reward file may have"
+    assert (
+        _no_reward(read_reward_file, tmp_path, "grows", limit=100)
+        == "grows grew over the 100 bytes a reward file may have"
+    )
     assert sum(returned) == 101
 
 
@@ -329,10 +348,12 @@ def test_a_growing_file_is_never_read_past_the_limit_plus_one(tmp_path: Path, mo
 def test_the_guard_verdict() -> None:
     assert guard_left(f"output\n{GUARD_CLEAN}\n") is None
     assert guard_left(f"a\nb\n{GUARD_LEFT} 12 13\n") == (
-        "processes were left running past the verifier (pids 12 13): any could have rewritten its reward")
+        "processes were left running past the verifier (pids 12 13): any could have rewritten its reward"
+    )
     pids = " " + " ".join(str(1000 + i) for i in range(100))
     assert guard_left(f"a\nb\n{GUARD_LEFT}{pids}\n\n") == (
-        f"processes were left running past the verifier (pids{pids[:200]}): any could have rewritten its reward")
+        f"processes were left running past the verifier (pids{pids[:200]}): any could have rewritten its reward"
+    )
     silent = "the verifier's guard did not report (its output was cut or it was killed)"
     assert guard_left("a\nb\n") == silent
     assert guard_left(f"{GUARD_CLEAN} but not at the end") == silent
@@ -352,10 +373,15 @@ def test_resolve_env_defaults_and_missing_vars(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("POLAR_TEST_SET", "from-host")
     monkeypatch.delenv("POLAR_TEST_UNSET", raising=False)
     monkeypatch.delenv("fallback", raising=False)
-    assert resolve_env({
-        "A": "${POLAR_TEST_SET}", "B": "${POLAR_TEST_SET:-fallback}", "C": "x${POLAR_TEST_UNSET:-fallback}y",
-        "D": "${POLAR_TEST_UNSET:-}", "E": "plain $POLAR_TEST_SET",
-    }) == {"A": "from-host", "B": "from-host", "C": "xfallbacky", "D": "", "E": "plain $POLAR_TEST_SET"}
+    assert resolve_env(
+        {
+            "A": "${POLAR_TEST_SET}",
+            "B": "${POLAR_TEST_SET:-fallback}",
+            "C": "x${POLAR_TEST_UNSET:-fallback}y",
+            "D": "${POLAR_TEST_UNSET:-}",
+            "E": "plain $POLAR_TEST_SET",
+        }
+    ) == {"A": "from-host", "B": "from-host", "C": "xfallbacky", "D": "", "E": "plain $POLAR_TEST_SET"}
     with pytest.raises(VerifierError) as info:
         resolve_env({"K": "${POLAR_TEST_UNSET}"})
     assert str(info.value) == "the verifier's env needs ${POLAR_TEST_UNSET}, which is not set"

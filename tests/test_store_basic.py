@@ -156,8 +156,12 @@ def test_nothing_is_truncated(tmp_path: Path) -> None:
     big_text = "x" * (3 << 20)  # 3 MiB in one message: Polar cut fields at 1 MiB
     messages = [{"role": "user", "content": big_text}]
     first = make_record("big", prompt, [5] * 4000, messages)
-    second = make_record("big", prompt + [5] * 4000 + [7, 8, 9], [1, 2], messages + [
-        {"role": "assistant", "content": "done"}, {"role": "user", "content": big_text[:10]}])
+    second = make_record(
+        "big",
+        prompt + [5] * 4000 + [7, 8, 9],
+        [1, 2],
+        messages + [{"role": "assistant", "content": "done"}, {"role": "user", "content": big_text[:10]}],
+    )
 
     async def main() -> None:
         async with TraceStore(str(tmp_path)) as store:
@@ -229,8 +233,16 @@ def test_sessions_and_rewards(tmp_path: Path) -> None:
 
     async def main() -> None:
         async with TraceStore(str(tmp_path)) as store:
-            await store.session_update("a", task_id="t1", group_id="g1", sample_index=0, harness="claude",
-                                       status="running", started_at=10.0, metadata={"repo": "x"})
+            await store.session_update(
+                "a",
+                task_id="t1",
+                group_id="g1",
+                sample_index=0,
+                harness="claude",
+                status="running",
+                started_at=10.0,
+                metadata={"repo": "x"},
+            )
             await store.append(a.next_call())
             await store.append(a.next_call())
             await store.append(b.next_call())
@@ -307,7 +319,8 @@ async def _shards(path: Path, count: int) -> None:
 
 
 def test_inline_writes_when_idle_are_cut_by_time_and_slow_disks_go_to_the_writer_thread(
-        tmp_path: Path, monkeypatch) -> None:
+    tmp_path: Path, monkeypatch
+) -> None:
     import polar_addon.store.trace_store as trace_store
 
     taken: list[bool] = []
@@ -353,12 +366,16 @@ def test_shards_load_with_pyarrow_dataset_and_datasets(tmp_path: Path) -> None:
     import datasets
 
     calls = datasets.load_dataset(
-        "parquet", data_files=str(tmp_path / "calls" / "*.parquet"), split="train",
+        "parquet",
+        data_files=str(tmp_path / "calls" / "*.parquet"),
+        split="train",
         cache_dir=str(tmp_path / "hf-cache"),
     )
     assert len(calls) == 5 and set(calls["session_id"]) == {"d"}
     rewards = datasets.load_dataset(
-        "parquet", data_files=str(tmp_path / "rewards" / "*.parquet"), split="train",
+        "parquet",
+        data_files=str(tmp_path / "rewards" / "*.parquet"),
+        split="train",
         cache_dir=str(tmp_path / "hf-cache"),
     )
     assert rewards[0]["value"] == 1.0

@@ -28,8 +28,15 @@ def store(tmp_path: Path) -> Path:
         async with TraceStore(str(tmp_path)) as st:
             for i in range(3):
                 agent = Agent(f"sess-{i}", rng)
-                await st.session_update(agent.session_id, task_id="t", group_id="g", sample_index=i,
-                                        harness="claude-cli/2.1", status="running", started_at=1.0)
+                await st.session_update(
+                    agent.session_id,
+                    task_id="t",
+                    group_id="g",
+                    sample_index=i,
+                    harness="claude-cli/2.1",
+                    status="running",
+                    started_at=1.0,
+                )
                 for _ in range(4):
                     await st.append(agent.next_call())
             await st.append(make_record("sess-0", [], [], [], status="failed"))
@@ -43,7 +50,9 @@ def test_reward_single_file_and_unknown(store: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["reward", str(store), "--session", "sess-1", "--value", "1.0"])
     assert result.exit_code == 0, result.output
     rewards = tmp_path / "rewards.jsonl"
-    rewards.write_text('{"session_id": "sess-0", "value": 0}\n\n{"session_id": "sess-2", "value": 0.5, "name": "tests"}\n')
+    rewards.write_text(
+        '{"session_id": "sess-0", "value": 0}\n\n{"session_id": "sess-2", "value": 0.5, "name": "tests"}\n'
+    )
     result = runner.invoke(app, ["reward", str(store), "--file", str(rewards)])
     assert result.exit_code == 0, result.output
     assert "recorded 2 reward(s)" in result.output
@@ -74,7 +83,8 @@ def test_reward_sees_sessions_still_in_a_live_writers_journal(tmp_path: Path) ->
         async with TraceStore(str(tmp_path), shard_max_records=1000, shard_max_seconds=600) as proxy:
             await proxy.append(make_record("live", [1, 2], [3], []))
             result = await asyncio.to_thread(
-                runner.invoke, app, ["reward", str(tmp_path), "--session", "live", "--value", "2"])
+                runner.invoke, app, ["reward", str(tmp_path), "--session", "live", "--value", "2"]
+            )
             assert result.exit_code == 0, result.output
 
     asyncio.run(main())
@@ -86,8 +96,19 @@ def test_inspect_and_validate_a_good_store(store: Path) -> None:
     result = runner.invoke(app, ["shards", "inspect", str(store)], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output
     out = result.output
-    for expected in ("sessions", "calls ok", "12", "calls failed", "test-agent/1.0", "completed", "running",
-                     "engine down", "sess-2", "t/g/2", "4/1"):
+    for expected in (
+        "sessions",
+        "calls ok",
+        "12",
+        "calls failed",
+        "test-agent/1.0",
+        "completed",
+        "running",
+        "engine down",
+        "sess-2",
+        "t/g/2",
+        "4/1",
+    ):
         assert expected in out, expected
     result = runner.invoke(app, ["shards", "validate", str(store)])
     assert result.exit_code == 0, result.output
@@ -126,12 +147,27 @@ def test_validate_lists_every_violation(tmp_path: Path) -> None:
 
     (tmp_path / "calls" / "0004-truncated.parquet").write_bytes(b"PAR1\x00\x01")  # not a whole file
     (tmp_path / "calls" / ".0005-in-progress.parquet.tmp").write_bytes(b"ignored: hidden temp name")
-    wrong = pa.Table.from_pylist([{"reward_id": "r1", "session_id": "good", "name": "reward", "value": "1",
-                                   "source": "x", "created_at": 1.0}])
+    wrong = pa.Table.from_pylist(
+        [{"reward_id": "r1", "session_id": "good", "name": "reward", "value": "1", "source": "x", "created_at": 1.0}]
+    )
     out.write_shard(REWARDS, "0006-wrong-type", wrong)
-    out.write_shard(REWARDS, "0007-unknown", pa.Table.from_pylist(
-        [{"reward_id": "r2", "session_id": "ghost", "name": "reward", "value": float("nan"), "source": "x",
-          "created_at": 1.0}], schema=SCHEMAS[REWARDS]))
+    out.write_shard(
+        REWARDS,
+        "0007-unknown",
+        pa.Table.from_pylist(
+            [
+                {
+                    "reward_id": "r2",
+                    "session_id": "ghost",
+                    "name": "reward",
+                    "value": float("nan"),
+                    "source": "x",
+                    "created_at": 1.0,
+                }
+            ],
+            schema=SCHEMAS[REWARDS],
+        ),
+    )
 
     result = runner.invoke(app, ["shards", "validate", str(tmp_path)])
     assert result.exit_code == 1
@@ -165,8 +201,16 @@ def test_validate_catches_a_prefix_longer_than_its_reference(tmp_path: Path) -> 
 def test_validate_of_a_capture_record_without_compaction(tmp_path: Path) -> None:
     """A store written by a foreign tool with whole prompts (no references) is valid too."""
     out = Output.from_uri(str(tmp_path))
-    record = CaptureRecord(record_id=new_record_id(), session_id="x", seq=0, api="openai_chat", status="ok",
-                           prompt_ids=[1, 2, 3], response_ids=[4], logprobs=[-0.1])
+    record = CaptureRecord(
+        record_id=new_record_id(),
+        session_id="x",
+        seq=0,
+        api="openai_chat",
+        status="ok",
+        prompt_ids=[1, 2, 3],
+        response_ids=[4],
+        logprobs=[-0.1],
+    )
     row, _ = stored_row(record, 0)
     _write_calls(out, "0001", [row])
     assert runner.invoke(app, ["shards", "validate", str(tmp_path)]).exit_code == 0

@@ -33,11 +33,25 @@ def packed(ids: list[int]) -> bytes:
     return array.array("i", ids).tobytes()
 
 
-def record(seq: int, prompt: list[int], messages: list[dict[str, Any]] | None = None, *, status: str = "ok",
-           response: tuple[int, ...] = (7, 8), content: str = "ok", sid: str = "s") -> CaptureRecord:
+def record(
+    seq: int,
+    prompt: list[int],
+    messages: list[dict[str, Any]] | None = None,
+    *,
+    status: str = "ok",
+    response: tuple[int, ...] = (7, 8),
+    content: str = "ok",
+    sid: str = "s",
+) -> CaptureRecord:
     return CaptureRecord(
-        record_id=f"r{seq}", session_id=sid, seq=seq, api="openai_chat", status=status, prompt_ids=prompt,
-        response_ids=list(response), logprobs=[-0.5] * len(response),
+        record_id=f"r{seq}",
+        session_id=sid,
+        seq=seq,
+        api="openai_chat",
+        status=status,
+        prompt_ids=prompt,
+        response_ids=list(response),
+        logprobs=[-0.5] * len(response),
         messages_json=orjson.dumps(messages if messages is not None else [SYS, TASK]).decode(),
         response_json=orjson.dumps({"content": content, "reasoning": None, "tool_calls": []}).decode(),
     )
@@ -53,7 +67,7 @@ def test_common_prefix_counts_tokens_not_bytes() -> None:
     assert _common_prefix(packed([1, 2]), packed([1, 2, 3, 4])) == 2
     for k in range(6):  # every position of the first difference, through the binary search
         a = list(range(1, 7))
-        b = a[:k] + [99] + a[k + 1:]
+        b = a[:k] + [99] + a[k + 1 :]
         assert _common_prefix(packed(a), packed(b)) == k
     assert _common_prefix(packed([256]), packed([257])) == 0  # a difference in any byte of the first token
     assert _common_prefix(b"", packed([1])) == 0
@@ -69,7 +83,9 @@ def test_response_part_is_the_assistant_message_the_next_call_carries() -> None:
     assert response_part("null") is None and response_part("") is None and response_part("[1]") is None
     message = {"content": "hi", "reasoning": "r", "tool_calls": [{"id": "c", "name": "bash", "arguments": "{}"}]}
     assert orjson.loads(response_part(orjson.dumps(message).decode())) == {
-        "role": "assistant", "content": "hi", "reasoning_content": "r",
+        "role": "assistant",
+        "content": "hi",
+        "reasoning_content": "r",
         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "bash", "arguments": "{}"}}],
     }
 
@@ -164,10 +180,13 @@ def test_failed_or_promptless_calls_are_no_tips_and_odd_json_is_stored_as_is() -
 
 def test_a_finished_session_drops_its_tips_a_running_one_keeps_them() -> None:
     tips = SessionTips()
-    entries = [call_entry(record(0, [1, 2], sid="a"), 0), call_entry(record(0, [1, 2], sid="b"), 0),
-               row_entry("sessions", {"session_id": "a", "status": "completed"}),
-               row_entry("sessions", {"session_id": "b", "status": "running"}),
-               row_entry("sessions", {"session_id": "c"})]
+    entries = [
+        call_entry(record(0, [1, 2], sid="a"), 0),
+        call_entry(record(0, [1, 2], sid="b"), 0),
+        row_entry("sessions", {"session_id": "a", "status": "completed"}),
+        row_entry("sessions", {"session_id": "b", "status": "running"}),
+        row_entry("sessions", {"session_id": "c"}),
+    ]
     staged = tips.staged()
     rows = encode_segment(entries, staged)
     assert [r["session_id"] for r in rows["calls"]] == ["a", "b"] and len(rows["sessions"]) == 3
@@ -180,16 +199,22 @@ def _rows(records: list[CaptureRecord]) -> list[dict[str, Any]]:
 
 def test_expand_session_rebuilds_every_call_exactly() -> None:
     history = [SYS, TASK, {"role": "assistant", "content": "ok"}]
-    records = [record(0, [1, 2, 3]), record(1, [1, 2, 3, 7, 8, 4], history + [TASK]),
-               record(2, [1, 2], [SYS]),  # a prefix shorter than the referenced prompt
-               record(3, [1, 2, 3, 7], history[:2] + [{"role": "assistant", "content": "other"}])]
+    records = [
+        record(0, [1, 2, 3]),
+        record(1, [1, 2, 3, 7, 8, 4], history + [TASK]),
+        record(2, [1, 2], [SYS]),  # a prefix shorter than the referenced prompt
+        record(3, [1, 2, 3, 7], history[:2] + [{"role": "assistant", "content": "other"}]),
+    ]
     rows = _rows(records)
     assert [r["prompt_ref"] for r in rows] == [None, "r0", "r1", "r1"]
     back = list(expand_session(rows))
     for original, rebuilt in zip(records, back, strict=True):
         assert (list(rebuilt.prompt_ids), rebuilt.messages_json) == (list(original.prompt_ids), original.messages_json)
         assert (rebuilt.response_ids, rebuilt.logprobs, rebuilt.record_id) == (
-            original.response_ids, original.logprobs, original.record_id)
+            original.response_ids,
+            original.logprobs,
+            original.record_id,
+        )
 
 
 def test_a_prefix_reaching_into_the_referenced_response_takes_only_its_start() -> None:

@@ -21,10 +21,9 @@ import orjson
 import pytest
 
 from polar_addon.capture import CaptureRecord, new_record_id
-from polar_addon.store import TraceStore, read_records
-from polar_addon.store import journal
-from polar_addon.store.shards import Output
+from polar_addon.store import TraceStore, journal, read_records
 from polar_addon.store.entries import call_entry
+from polar_addon.store.shards import Output
 from polar_addon.store.validate import validate_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +76,11 @@ def _start(out: Path, seed: int, turns: int, sessions: int = 16) -> subprocess.P
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
         [sys.executable, __file__, str(out), str(sessions), str(turns), str(seed)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
     )
 
 
@@ -157,8 +160,16 @@ def _orphan_segment(journal_root: Path, entries: list[bytes], torn: bytes = b"")
 
 
 def _call(session_id: str, seq: int) -> CaptureRecord:
-    return CaptureRecord(record_id=new_record_id(), session_id=session_id, seq=seq, api="openai_chat",
-                         status="ok", prompt_ids=[1, 2, seq], response_ids=[3], logprobs=[-0.5])
+    return CaptureRecord(
+        record_id=new_record_id(),
+        session_id=session_id,
+        seq=seq,
+        api="openai_chat",
+        status="ok",
+        prompt_ids=[1, 2, seq],
+        response_ids=[3],
+        logprobs=[-0.5],
+    )
 
 
 def test_torn_last_entry_is_dropped_and_sequence_continues(tmp_path: Path) -> None:
@@ -169,8 +180,16 @@ def test_torn_last_entry_is_dropped_and_sequence_continues(tmp_path: Path) -> No
     async def main() -> CaptureRecord:
         async with TraceStore(str(tmp_path)) as store:
             assert not segment.exists()  # replayed on open
-            record = CaptureRecord(record_id=new_record_id(), session_id="s", seq=-1, api="openai_chat",
-                                   status="ok", prompt_ids=[1, 2, 9], response_ids=[4], logprobs=[-1.0])
+            record = CaptureRecord(
+                record_id=new_record_id(),
+                session_id="s",
+                seq=-1,
+                api="openai_chat",
+                status="ok",
+                prompt_ids=[1, 2, 9],
+                response_ids=[4],
+                logprobs=[-1.0],
+            )
             await store.append(record)
             return record
 
@@ -230,16 +249,33 @@ def test_a_live_writers_journal_is_left_alone(tmp_path: Path) -> None:
 
     async def main() -> None:
         async with TraceStore(str(tmp_path), shard_max_records=1000) as proxy:
-            record = CaptureRecord(record_id=new_record_id(), session_id="s", seq=-1, api="openai_chat",
-                                   status="ok", prompt_ids=[1], response_ids=[2], logprobs=[-1.0])
+            record = CaptureRecord(
+                record_id=new_record_id(),
+                session_id="s",
+                seq=-1,
+                api="openai_chat",
+                status="ok",
+                prompt_ids=[1],
+                response_ids=[2],
+                logprobs=[-1.0],
+            )
             await proxy.append(record)
             async with TraceStore(str(tmp_path)) as cli:
                 await cli.add_reward("s", 1.0)
             # The proxy's open segment is untouched and it keeps appending to it.
             assert len(list((tmp_path / "_journal").glob("w-*/*.wal"))) == 1
-            await proxy.append(CaptureRecord(record_id=new_record_id(), session_id="s", seq=-1,
-                                             api="openai_chat", status="ok", prompt_ids=[1, 2, 3],
-                                             response_ids=[4], logprobs=[-1.0]))
+            await proxy.append(
+                CaptureRecord(
+                    record_id=new_record_id(),
+                    session_id="s",
+                    seq=-1,
+                    api="openai_chat",
+                    status="ok",
+                    prompt_ids=[1, 2, 3],
+                    response_ids=[4],
+                    logprobs=[-1.0],
+                )
+            )
 
     asyncio.run(main())
     assert [r.seq for r in read_records(str(tmp_path))] == [0, 1]
@@ -263,8 +299,16 @@ def test_a_batch_larger_than_one_writev_is_written_whole(tmp_path: Path) -> None
 
 
 def _with_prompt(prompt: list[int], seq: int) -> CaptureRecord:
-    return CaptureRecord(record_id=f"r{seq}", session_id="s", seq=seq, api="openai_chat", status="ok",
-                         prompt_ids=prompt, response_ids=[7, 8], logprobs=[-0.5, -0.25])
+    return CaptureRecord(
+        record_id=f"r{seq}",
+        session_id="s",
+        seq=seq,
+        api="openai_chat",
+        status="ok",
+        prompt_ids=prompt,
+        response_ids=[7, 8],
+        logprobs=[-0.5, -0.25],
+    )
 
 
 def test_a_conversion_retried_after_a_failed_write_never_references_itself() -> None:
@@ -276,10 +320,17 @@ def test_a_conversion_retried_after_a_failed_write_never_references_itself() -> 
     staged = tips.staged()
     encode_segment(first, staged)
     tips.commit(staged)
-    second = [call_entry(_with_prompt([1, 2, 3, 7, 8, 4], 1), 1), call_entry(_with_prompt([1, 2, 3, 7, 8, 4, 7, 8, 5], 2), 2)]
+    second = [
+        call_entry(_with_prompt([1, 2, 3, 7, 8, 4], 1), 1),
+        call_entry(_with_prompt([1, 2, 3, 7, 8, 4, 7, 8, 5], 2), 2),
+    ]
     attempt = encode_segment(second, tips.staged())["calls"]  # its shard write "fails": nothing committed
     retry = encode_segment(second, tips.staged())["calls"]
     assert retry == attempt
     assert [r["prompt_ref"] for r in retry] == ["r0", "r1"]
     rows = encode_segment(first, SessionTips().staged())["calls"] + retry
-    assert [list(r.prompt_ids) for r in expand_session(rows)] == [[1, 2, 3], [1, 2, 3, 7, 8, 4], [1, 2, 3, 7, 8, 4, 7, 8, 5]]
+    assert [list(r.prompt_ids) for r in expand_session(rows)] == [
+        [1, 2, 3],
+        [1, 2, 3, 7, 8, 4],
+        [1, 2, 3, 7, 8, 4, 7, 8, 5],
+    ]

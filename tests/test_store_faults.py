@@ -30,9 +30,15 @@ NOBODY = 65534
 def _record(rng: random.Random, session_id: str, prompt_tokens: int) -> CaptureRecord:
     response = [rng.randrange(100_000) for _ in range(20)]
     return CaptureRecord(
-        record_id=new_record_id(), session_id=session_id, seq=-1, api="openai_chat", status="ok",
-        prompt_ids=[rng.randrange(100_000) for _ in range(prompt_tokens)], response_ids=response,
-        logprobs=[-0.5] * len(response), finish_reason="stop",
+        record_id=new_record_id(),
+        session_id=session_id,
+        seq=-1,
+        api="openai_chat",
+        status="ok",
+        prompt_ids=[rng.randrange(100_000) for _ in range(prompt_tokens)],
+        response_ids=response,
+        logprobs=[-0.5] * len(response),
+        finish_reason="stop",
         messages_json=orjson.dumps([{"role": "user", "content": "q" * prompt_tokens}]).decode(),
     )
 
@@ -68,8 +74,9 @@ def small_tmpfs():
     if os.geteuid() != 0:
         _cannot_run("mounting a size-limited tmpfs needs root")
     mount_point = Path(tempfile.mkdtemp(prefix="polar-tmpfs-"))
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         mount_point.rmdir()
         _cannot_run(f"cannot mount a tmpfs here: {result.stderr.strip()}")
@@ -151,8 +158,9 @@ class Worker:
     def __init__(self, out: Path, as_nobody: bool) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         args = [sys.executable, __file__, str(out)] + (["--nobody"] if as_nobody else [])
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        )
         assert self.ask("") == "ready", self.proc.stderr.read() if self.proc.stderr else ""
 
     def ask(self, command: str) -> str:

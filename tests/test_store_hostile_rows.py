@@ -55,12 +55,35 @@ def hostile_store(tmp_path: Path) -> Path:
     asyncio.run(main())
     out = Output.from_uri(str(tmp_path))
     # What an older proxy let a status post write, and a reward name it did not check.
-    out.write_shard(SESSIONS, "9000-bad-metadata", pa.Table.from_pylist(
-        [_sessions_row("good", "5", "error"), _sessions_row("good", "{not json"),
-         _sessions_row(EVIL_SESSION, '{"k": 1}', "completed")], schema=SCHEMAS[SESSIONS]))
-    out.write_shard(REWARDS, "9001-evil-name", pa.Table.from_pylist(
-        [{"reward_id": "r-evil", "session_id": EVIL_SESSION, "name": "[/]\x1b[5mblink", "value": 0.5,
-          "source": "x", "created_at": 3.0}], schema=SCHEMAS[REWARDS]))
+    out.write_shard(
+        SESSIONS,
+        "9000-bad-metadata",
+        pa.Table.from_pylist(
+            [
+                _sessions_row("good", "5", "error"),
+                _sessions_row("good", "{not json"),
+                _sessions_row(EVIL_SESSION, '{"k": 1}', "completed"),
+            ],
+            schema=SCHEMAS[SESSIONS],
+        ),
+    )
+    out.write_shard(
+        REWARDS,
+        "9001-evil-name",
+        pa.Table.from_pylist(
+            [
+                {
+                    "reward_id": "r-evil",
+                    "session_id": EVIL_SESSION,
+                    "name": "[/]\x1b[5mblink",
+                    "value": 0.5,
+                    "source": "x",
+                    "created_at": 3.0,
+                }
+            ],
+            schema=SCHEMAS[REWARDS],
+        ),
+    )
     return tmp_path
 
 
@@ -81,8 +104,12 @@ def test_inspect_build_and_stats_print_store_text_as_text(hostile_store: Path, t
     result = runner.invoke(app, ["shards", "inspect", str(hostile_store), "--limit", "-1"], env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.output and "\x07" not in result.output  # inspect prints no escape at all
-    for shown in ("[/bold]evil\\x1b]0;pwned\\x07", "[bold red]agent[/]\\x1b[31m/1.0", "[/]\\x1b[5mblink",
-                  "500 [/red] \\x1b]8;;http://x\\x07link"):
+    for shown in (
+        "[/bold]evil\\x1b]0;pwned\\x07",
+        "[bold red]agent[/]\\x1b[31m/1.0",
+        "[/]\\x1b[5mblink",
+        "500 [/red] \\x1b]8;;http://x\\x07link",
+    ):
         assert shown in result.output, (shown, result.output)
     build = runner.invoke(app, ["build", str(hostile_store), "-o", str(tmp_path / "traces")])
     assert build.exit_code == 0, build.output

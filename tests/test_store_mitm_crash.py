@@ -58,8 +58,12 @@ def test_kill9_of_mitmdump_under_load_loses_and_duplicates_nothing(vllm_server: 
     def controller() -> None:
         for round_ in range(KILLS + 1):
             last = round_ == KILLS
-            with run_mitmdump(f"vllm:{vllm_server}", out, mode="reverse:https://api.openai.com",
-                              options={"polar_shard_records": "64", "polar_shard_seconds": "2"}) as proxy:
+            with run_mitmdump(
+                f"vllm:{vllm_server}",
+                out,
+                mode="reverse:https://api.openai.com",
+                options={"polar_shard_records": "64", "polar_shard_seconds": "2"},
+            ) as proxy:
                 current["url"] = proxy.url
                 if last:
                     all_done.wait(timeout=900)
@@ -99,8 +103,10 @@ def test_kill9_of_mitmdump_under_load_loses_and_duplicates_nothing(vllm_server: 
                 break
             message = response.json()["choices"][0]["message"]
             received[(sid, turn)] = _answer(message)
-            messages = messages + [{"role": "assistant", "content": message.get("content") or ""},
-                                   {"role": "user", "content": f"{sid} result {turn}"}]
+            messages = messages + [
+                {"role": "assistant", "content": message.get("content") or ""},
+                {"role": "user", "content": f"{sid} result {turn}"},
+            ]
 
     async def clients() -> None:
         limits = httpx.Limits(max_connections=SESSIONS, max_keepalive_connections=SESSIONS)
@@ -139,8 +145,12 @@ def test_kill9_of_mitmdump_under_load_loses_and_duplicates_nothing(vllm_server: 
     # Answered calls come back in the order they were made, per session.
     for i in range(SESSIONS):
         sid = f"sess-{i:02d}"
-        seqs = [next(r.seq for r in by_turn[(sid, t)] if _stored_answer(r.response_json) == received[(sid, t)])
-                for t in range(TURNS)]
+        seqs = [
+            next(r.seq for r in by_turn[(sid, t)] if _stored_answer(r.response_json) == received[(sid, t)])
+            for t in range(TURNS)
+        ]
         assert seqs == sorted(seqs)
     failures = Counter(r.error for r in records if r.status != "ok")
-    print(f"{'; '.join(kill_log)}; {len(records)} records, {extra} not answered (cut by a kill or failed: {dict(failures)})")
+    print(
+        f"{'; '.join(kill_log)}; {len(records)} records, {extra} not answered (cut by a kill or failed: {dict(failures)})"
+    )

@@ -45,8 +45,9 @@ def test_a_live_writers_unsealed_calls_are_read_without_touching_its_journal(tmp
             segments = _segments(tmp_path)
             assert len(segments) == 1 and not list(tmp_path.glob("calls/*.parquet"))
             # What the CLI reads in another thread, while the proxy holds its journal.
-            inspect = await asyncio.to_thread(runner.invoke, app, ["shards", "inspect", str(tmp_path)],
-                                              env={"COLUMNS": "200"})
+            inspect = await asyncio.to_thread(
+                runner.invoke, app, ["shards", "inspect", str(tmp_path)], env={"COLUMNS": "200"}
+            )
             validate = await asyncio.to_thread(runner.invoke, app, ["shards", "validate", str(tmp_path)])
             records = await asyncio.to_thread(read_records, str(tmp_path))
             sessions = {s.session_id: s for s in await asyncio.to_thread(read_sessions, str(tmp_path))}
@@ -79,8 +80,13 @@ def test_a_killed_writers_calls_are_read_before_any_restart(tmp_path: Path) -> N
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "asyncio.run(main())\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     segments = _segments(tmp_path)
     assert len(segments) == 1
@@ -95,22 +101,32 @@ def test_a_segment_already_in_shards_is_counted_once(tmp_path: Path) -> None:
     entries = [call_entry(_call("s", i), i) for i in range(4)]
     segment = _orphan_segment(tmp_path / "_journal", entries)
     out = Output.from_uri(str(tmp_path))
-    out.write_shard("calls", journal.segment_name(str(segment)),
-                    segment_tables(entries, SessionTips().staged())["calls"])
+    out.write_shard(
+        "calls", journal.segment_name(str(segment)), segment_tables(entries, SessionTips().staged())["calls"]
+    )
     assert [r.seq for r in read_records(str(tmp_path))] == [0, 1, 2, 3]
     assert validate_store(str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("argv", [
-    ["shards", "inspect"], ["shards", "validate"], ["stats"], ["build", "-o", "{tmp}/traces"],
-    ["view", "--session", "s", "-o", "{tmp}/t.html"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["shards", "inspect"],
+        ["shards", "validate"],
+        ["stats"],
+        ["build", "-o", "{tmp}/traces"],
+        ["view", "--session", "s", "-o", "{tmp}/t.html"],
+    ],
+)
 def test_a_path_with_no_store_is_an_error(tmp_path: Path, argv: list[str]) -> None:
     argv = [a.format(tmp=tmp_path) for a in argv]
     (tmp_path / "empty").mkdir()
     for store, why in ((tmp_path / "nope", "does not exist"), (tmp_path / "empty", "holds none of")):
-        result = runner.invoke(app, [*argv[:1 if argv[0] != "shards" else 2], str(store),
-                                     *argv[1 if argv[0] != "shards" else 2:]], env={"COLUMNS": "300"})
+        result = runner.invoke(
+            app,
+            [*argv[: 1 if argv[0] != "shards" else 2], str(store), *argv[1 if argv[0] != "shards" else 2 :]],
+            env={"COLUMNS": "300"},
+        )
         assert result.exit_code == 2, result.output
         assert "no trace store" in result.output and why in result.output
     assert not (tmp_path / "traces").exists()
@@ -119,8 +135,11 @@ def test_a_path_with_no_store_is_an_error(tmp_path: Path, argv: list[str]) -> No
 def test_train_on_a_path_with_no_store_is_an_error(tmp_path: Path, tiny_model_dir: Path) -> None:
     (tmp_path / "empty").mkdir()
     for store, why in ((tmp_path / "nope", "does not exist"), (tmp_path / "empty", "no trace store")):
-        result = runner.invoke(app, ["train", str(store), "--model", str(tiny_model_dir), "-o", str(tmp_path / "ckpt")],
-                               env={"COLUMNS": "300"})
+        result = runner.invoke(
+            app,
+            ["train", str(store), "--model", str(tiny_model_dir), "-o", str(tmp_path / "ckpt")],
+            env={"COLUMNS": "300"},
+        )
         assert result.exit_code == 2, result.output
         assert why in result.output and "nothing to train" not in result.output
     assert not (tmp_path / "ckpt").exists()

@@ -24,9 +24,17 @@ TOO_BIG = 9223372036854775813  # 2^63 + 5: orjson writes it, an int64 column can
 
 def _record(session_id: str, **fields) -> CaptureRecord:
     return CaptureRecord(
-        record_id=new_record_id(), session_id=session_id, seq=-1, api="openai_chat", status="ok",
-        prompt_ids=[1, 2, 3], response_ids=[4, 5], logprobs=[-0.5, -0.25], finish_reason="stop",
-        messages_json=orjson.dumps([{"role": "user", "content": "q"}]).decode(), **fields,
+        record_id=new_record_id(),
+        session_id=session_id,
+        seq=-1,
+        api="openai_chat",
+        status="ok",
+        prompt_ids=[1, 2, 3],
+        response_ids=[4, 5],
+        logprobs=[-0.5, -0.25],
+        finish_reason="stop",
+        messages_json=orjson.dumps([{"role": "user", "content": "q"}]).decode(),
+        **fields,
     )
 
 
@@ -48,13 +56,15 @@ def test_an_integer_past_int64_is_refused_at_append_and_the_store_keeps_writing(
                 await store.append(_record("s1"))
             await _wait_converted(store)
             store.check_writable()
+
     asyncio.run(run())
     assert [r.seq for r in read_records(str(tmp_path / "out"))] == [0, 1, 2, 3, 4]
     assert validate_store(str(tmp_path / "out")) == []
 
 
-def test_a_journaled_bad_record_is_quarantined_and_replay_after_restart_heals(tmp_path: Path, monkeypatch,
-                                                                            caplog) -> None:
+def test_a_journaled_bad_record_is_quarantined_and_replay_after_restart_heals(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
     """A journal written by a polar that still accepted such a record (forged here by skipping the append-time
     check) is replayed by the next store: the bad entry goes to quarantine, the rest of its segment to shards."""
     out = tmp_path / "out"
@@ -82,6 +92,7 @@ def test_a_journaled_bad_record_is_quarantined_and_replay_after_restart_heals(tm
             await store.append(_record("c"))
             await _wait_converted(store)
             store.check_writable()
+
     asyncio.run(reopen())
     stored = sorted((r.session_id, r.seq) for r in read_records(str(out)))
     assert stored == [("a", 0), ("a", 1), ("c", 0)]
@@ -92,4 +103,5 @@ def test_a_journaled_bad_record_is_quarantined_and_replay_after_restart_heals(tm
     line = orjson.loads(quarantined[0].read_bytes().splitlines()[0])
     assert line["entry"] == 1 and line["payload_b64"] and line["segment"] == quarantined[0].stem
     assert [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()] == [
-        f"segment {quarantined[0].stem}: 1 entries quarantined ({line['reason']})"]
+        f"segment {quarantined[0].stem}: 1 entries quarantined ({line['reason']})"
+    ]

@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from polar_addon.store import StorageUnavailable, TraceStore, read_records, read_sessions
-from polar_addon.store import journal
+from polar_addon.store import StorageUnavailable, TraceStore, journal, read_records, read_sessions
 from polar_addon.store.entries import call_entry
 from polar_addon.store.validate import validate_store
 from polar_cli.app import app
-from tests.test_store_basic import Agent, assert_same
 from tests.support.s3 import AWS_ENV, free_port, moto_server, new_bucket, s3_uri
+from tests.test_store_basic import Agent, assert_same
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +104,7 @@ def test_s3_round_trip_validate_inspect_and_reward(moto_port: int, tmp_path: Pat
 
     async def main() -> None:
         async with TraceStore(uri, shard_max_records=7, journal_dir=str(tmp_path / "journal")) as store:
+
             async def drive(agent: Agent) -> None:
                 await store.session_update(agent.session_id, status="running", harness="codex")
                 for _ in range(8):
@@ -121,8 +121,9 @@ def test_s3_round_trip_validate_inspect_and_reward(moto_port: int, tmp_path: Pat
     assert validate_store(uri) == []
 
     runner = CliRunner()
-    result = runner.invoke(app, ["reward", uri, "--session", "s2", "--value", "0.75",
-                                 "--journal-dir", str(tmp_path / "cli-journal")])
+    result = runner.invoke(
+        app, ["reward", uri, "--session", "s2", "--value", "0.75", "--journal-dir", str(tmp_path / "cli-journal")]
+    )
     assert result.exit_code == 0, result.output
     assert {s.session_id: s.reward for s in read_sessions(uri)}["s2"] == 0.75
     result = runner.invoke(app, ["shards", "inspect", uri], env={"COLUMNS": "160"})
@@ -139,9 +140,19 @@ def test_s3_store_replays_a_dead_writers_local_journal(moto_port: int, tmp_path:
     writer = tmp_path / "journal" / "w-0badc0de"
     writer.mkdir(parents=True)
     (writer / "lock").touch()
-    records = [CaptureRecord(record_id=new_record_id(), session_id="s", seq=seq, api="openai_chat",
-                             status="ok", prompt_ids=[seq, 1], response_ids=[2], logprobs=[-0.5])
-               for seq in range(3)]
+    records = [
+        CaptureRecord(
+            record_id=new_record_id(),
+            session_id="s",
+            seq=seq,
+            api="openai_chat",
+            status="ok",
+            prompt_ids=[seq, 1],
+            response_ids=[2],
+            logprobs=[-0.5],
+        )
+        for seq in range(3)
+    ]
     segment = writer / f"{journal.new_segment_name('0badc0de', 1)}{journal.SEGMENT_SUFFIX}"
     entries = b"".join(journal.frame(call_entry(r, r.seq)) for r in records)
     segment.write_bytes(journal.MAGIC + entries + b"\x07\x00")

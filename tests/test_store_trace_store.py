@@ -66,8 +66,9 @@ class Fault:
         monkeypatch.setattr(os, "fdatasync", fdatasync)
 
 
-def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_path: Path, monkeypatch,
-                                                                            caplog) -> None:
+def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
     fault = Fault(monkeypatch)
 
     async def main() -> None:
@@ -83,7 +84,10 @@ def test_a_failed_journal_write_refuses_until_a_write_or_the_probe_succeeds(tmp_
                 with pytest.raises(StorageUnavailable) as caught:
                     await store.append(make_record("s", [1, 2, 3], [4], []))
                 fault.on = False
-                assert caught.value.reason == f"cannot write the trace journal in {root}: [Errno 28] No space left on device"
+                assert (
+                    caught.value.reason
+                    == f"cannot write the trace journal in {root}: [Errno 28] No space left on device"
+                )
                 assert caplog.records[-1].getMessage() == caught.value.reason
                 # The write's reason, or the failing probe's once the shard writer (woken by the failure) ran it.
                 assert _refused(store) in (caught.value.reason, probe_failed)
@@ -143,7 +147,8 @@ def test_a_failed_shard_write_refuses_until_the_output_probe_succeeds(tmp_path: 
             await _until(lambda: _refused(store, journal_too=False) is not None, "the output error")
             assert _refused(store) == f"cannot write shards to {out}: [Errno 30] Read-only file system"
             assert f"cannot write shards to {out}: [Errno 30] Read-only file system" in [
-                r.getMessage() for r in caplog.records if r.name == "polar.store"]
+                r.getMessage() for r in caplog.records if r.name == "polar.store"
+            ]
             with pytest.raises(StorageUnavailable):
                 await store.append(make_record("s", [1, 2, 3], [4], []))
             assert store.pending_segments == 1
@@ -156,14 +161,17 @@ def test_a_failed_shard_write_refuses_until_the_output_probe_succeeds(tmp_path: 
             await _until(lambda: _refused(store) is None, "the probe to clear the output error")
             assert store.pending_segments == 0 and probes and probes[-1] is False
             assert [r.getMessage() for r in caplog.records if "writable again" in r.getMessage()] == [
-                f"output {out} is writable again"]
+                f"output {out} is writable again"
+            ]
             await store.append(make_record("s", [1, 2, 3], [4], []))
 
     asyncio.run(main())
     assert [(r.seq, r.prompt_ids) for r in read_records(out)] == [(0, [1]), (1, [1, 2, 3])]
 
 
-def test_an_unexpected_error_in_a_write_reaches_the_caller_inline_or_queued(tmp_path: Path, monkeypatch, caplog) -> None:
+def test_an_unexpected_error_in_a_write_reaches_the_caller_inline_or_queued(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
     """Whatever a journal write raises goes to the waiting caller (never a caller left waiting forever)."""
     from polar_addon.store import journal
 
@@ -313,7 +321,9 @@ def test_a_journal_that_cannot_be_created_is_storage_unavailable(tmp_path: Path)
     journal_dir = tmp_path / "file" / "journal"
     with pytest.raises(StorageUnavailable) as caught:
         TraceStore(str(tmp_path / "out"), journal_dir=str(journal_dir))
-    assert caught.value.reason.startswith(f"cannot create the trace journal in {journal_dir}: [Errno 20] Not a directory")
+    assert caught.value.reason.startswith(
+        f"cannot create the trace journal in {journal_dir}: [Errno 20] Not a directory"
+    )
 
 
 def test_a_closed_store_says_so(tmp_path: Path) -> None:
@@ -334,7 +344,11 @@ def test_segments_are_cut_at_shard_max_records_and_named_by_writer_and_counter(t
     writer = asyncio.run(main())
     shards = sorted((out / "calls").glob("*.parquet"))
     names = [re.fullmatch(r"\d{19}-(.+)-(\d{6})\.parquet", p.name) for p in shards]
-    assert [(m.group(1), m.group(2)) for m in names if m] == [(writer, "000001"), (writer, "000002"), (writer, "000003")]
+    assert [(m.group(1), m.group(2)) for m in names if m] == [
+        (writer, "000001"),
+        (writer, "000002"),
+        (writer, "000003"),
+    ]
     assert [pq.read_metadata(p).num_rows for p in shards] == [2, 2, 1]  # the last one cut by close
 
 
@@ -378,10 +392,11 @@ def test_a_dead_writers_journal_is_kept_until_its_segments_reach_shards(tmp_path
     assert _refused(store, journal_too=False) == reason
     store.close()
     logged = [r.getMessage() for r in caplog.records if r.name == "polar.store"]
-    assert logged[:2] == [f"replay of {segment} failed: [Errno 30] Read-only file system",
-                          "1 journal segments wait for the output"]
-    assert logged[-1] == (f"trace store closed with 1 journal segments not in shards yet ({reason}): "
-                          f"{journal_root}")
+    assert logged[:2] == [
+        f"replay of {segment} failed: [Errno 30] Read-only file system",
+        "1 journal segments wait for the output",
+    ]
+    assert logged[-1] == (f"trace store closed with 1 journal segments not in shards yet ({reason}): {journal_root}")
     assert segment.exists()
 
     # With the output back, the next store replays it and removes the directory; a clean close leaves nothing.
@@ -407,13 +422,25 @@ def test_an_error_session_stays_error_with_its_first_reason(tmp_path: Path) -> N
             await store.session_update("plain", status="error")
             await store.session_update("fine", status="running", metadata={"error": "not an error status"})
             await store.session_update("fine", status="completed")
-            return [store.final_status("lost", "completed"), store.final_status("lost", "error"),
-                    store.final_status("why", "timeout"), store.final_status("bare", "agent_error"),
-                    store.final_status("plain", "completed"), store.final_status("fine", "completed"),
-                    store.final_status("never", "timeout")]
+            return [
+                store.final_status("lost", "completed"),
+                store.final_status("lost", "error"),
+                store.final_status("why", "timeout"),
+                store.final_status("bare", "agent_error"),
+                store.final_status("plain", "completed"),
+                store.final_status("fine", "completed"),
+                store.final_status("never", "timeout"),
+            ]
 
-    assert asyncio.run(main()) == [("error", "engine e1 taken out"), ("error", None), ("error", "harness crashed"),
-                                   ("error", "error"), ("error", "error"), ("completed", None), ("timeout", None)]
+    assert asyncio.run(main()) == [
+        ("error", "engine e1 taken out"),
+        ("error", None),
+        ("error", "harness crashed"),
+        ("error", "error"),
+        ("error", "error"),
+        ("completed", None),
+        ("timeout", None),
+    ]
 
 
 @pytest.fixture
@@ -425,8 +452,9 @@ def bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "bucket"
     root.mkdir()
     fs = pafs.SubTreeFileSystem(str(root), pafs.LocalFileSystem())
-    monkeypatch.setattr(trace_store.Output, "from_uri",
-                        classmethod(lambda cls, uri: cls(uri=uri, fs=fs, root="traces", local=False)))
+    monkeypatch.setattr(
+        trace_store.Output, "from_uri", classmethod(lambda cls, uri: cls(uri=uri, fs=fs, root="traces", local=False))
+    )
     monkeypatch.setenv("POLAR_JOURNAL_DIR", str(tmp_path / "journal"))
     return root
 

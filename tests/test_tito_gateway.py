@@ -31,10 +31,17 @@ def script(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return write_script(qwen3_model(tiny_model_dir, root), root / "script.json")
 
 
-def chat_call(session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] = TOOLS, **body: Any) -> IncomingCall:
+def chat_call(
+    session: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] = TOOLS, **body: Any
+) -> IncomingCall:
     payload = {"model": "tiny", "max_tokens": 64, "messages": messages, "tools": tools, **body}
-    return IncomingCall(method="POST", path="/v1/chat/completions", headers={"user-agent": "OpenAI/Python 2.0"},
-                        body=orjson.dumps(payload), identity=Identity(session_id=session, source="header"))
+    return IncomingCall(
+        method="POST",
+        path="/v1/chat/completions",
+        headers={"user-agent": "OpenAI/Python 2.0"},
+        body=orjson.dumps(payload),
+        identity=Identity(session_id=session, source="header"),
+    )
 
 
 async def turn(gateway: Gateway, session: str, messages: list[dict[str, Any]], **body: Any) -> list[dict[str, Any]]:
@@ -42,7 +49,11 @@ async def turn(gateway: Gateway, session: str, messages: list[dict[str, Any]], *
     reply = await gateway.handle(chat_call(session, messages, **body))
     assert reply.status == 200, reply.body
     message = orjson.loads(reply.body)["choices"][0]["message"]
-    sent = {"role": "assistant", "content": message.get("content"), **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {})}
+    sent = {
+        "role": "assistant",
+        "content": message.get("content"),
+        **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {}),
+    }
     results = [{"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in message.get("tool_calls") or []]
     return [*messages, sent, *results]
 
@@ -100,8 +111,12 @@ def test_a_restarted_proxy_renders_fresh_and_starts_a_new_chain(script: Path, tm
         await restarted.close()
 
     asyncio.run(main())
-    assert reasons(out, "s") == [("fresh", "first_call"), ("continuity", "continues"), ("fresh", "state_lost"),
-                                 ("continuity", "continues")]
+    assert reasons(out, "s") == [
+        ("fresh", "first_call"),
+        ("continuity", "continues"),
+        ("fresh", "state_lost"),
+        ("continuity", "continues"),
+    ]
     records = read_records(str(out))
     # The fresh render after the restart is the engine's own full render of the history, not a guess.
     assert records[2].prompt_ids[:1] == records[0].prompt_ids[:1]
@@ -114,12 +129,18 @@ def test_side_calls_do_not_end_the_main_chain(script: Path, tmp_path: Path) -> N
     async def main() -> None:
         gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(out)))
         history = await turn(gateway, "main", START)
-        await turn(gateway, "main", [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "hi"}])
+        await turn(
+            gateway, "main", [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "hi"}]
+        )
         await turn(gateway, "main", history)
         await gateway.close()
 
     asyncio.run(main())
-    assert reasons(out, "main") == [("fresh", "first_call"), ("fresh", "new_system_prompt"), ("continuity", "continues")]
+    assert reasons(out, "main") == [
+        ("fresh", "first_call"),
+        ("fresh", "new_system_prompt"),
+        ("continuity", "continues"),
+    ]
 
 
 def test_tito_off_renders_every_call_fresh(script: Path, tmp_path: Path) -> None:
@@ -136,7 +157,9 @@ def test_tito_off_renders_every_call_fresh(script: Path, tmp_path: Path) -> None
 
 def test_the_store_is_bounded_and_keeps_a_few_chains_per_session() -> None:
     store = TitoStore(max_sessions=2, chains_per_session=2)
-    chain = [Chain(CanonicalRequest("openai_chat", "m", []), AssistantMessage("x"), [1], [2], "stop", "e") for _ in range(3)]
+    chain = [
+        Chain(CanonicalRequest("openai_chat", "m", []), AssistantMessage("x"), [1], [2], "stop", "e") for _ in range(3)
+    ]
     for c in chain:
         store.remember("a", c)
     assert store.chains("a") == [chain[2], chain[1]]
@@ -150,8 +173,11 @@ def test_the_store_is_bounded_and_keeps_a_few_chains_per_session() -> None:
 def test_a_session_on_another_engine_does_not_continue() -> None:
     request = CanonicalRequest("openai_chat", "m", [{"role": "user", "content": "hi"}])
     chain = Chain(request, AssistantMessage("x"), [1], [2], "stop", "engine-a")
-    nxt = CanonicalRequest("openai_chat", "m", [*request.messages, {"role": "assistant", "content": "x"},
-                                                {"role": "user", "content": "more"}])
+    nxt = CanonicalRequest(
+        "openai_chat",
+        "m",
+        [*request.messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}],
+    )
     plan = plan_prompt([chain], nxt, "engine-b", lambda **_: pytest.fail("no delta is computed"))
     assert (plan.prompt_ids, plan.source, plan.reason) == (None, "fresh", "engine_changed")
 

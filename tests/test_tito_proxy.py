@@ -14,7 +14,13 @@ from transformers import AutoTokenizer
 
 from tests.support.proxy import run_mitmdump
 from tests.support.tito_sessions import (
-    anthropic_session, build, figures, openai_session, qwen3_model, sampled_tokens_are_trained, write_script,
+    anthropic_session,
+    build,
+    figures,
+    openai_session,
+    qwen3_model,
+    sampled_tokens_are_trained,
+    write_script,
 )
 
 
@@ -44,7 +50,9 @@ def test_linear_sessions_are_one_exact_trace_with_tito_and_split_without(script:
     assert all(sampled_tokens_are_trained(t, by_id) for t in traces)
     for record in records:
         first = record.seq == 0
-        assert (record.prompt_source, record.prompt_reason) == (("fresh", "first_call") if first else ("continuity", "continues"))
+        assert (record.prompt_source, record.prompt_reason) == (
+            ("fresh", "first_call") if first else ("continuity", "continues")
+        )
 
     _capture(script, tmp_path / "off", "off", anthropic=False)
     records_off, traces_off = build(tmp_path / "off", merge_retokenized=False)
@@ -59,8 +67,9 @@ def test_thinking_off_sessions_are_one_exact_trace_too(tiny_model_dir: Path, tmp
     continuity keeps the sampled tokens."""
     script = write_script(qwen3_model(tiny_model_dir, tmp_path), tmp_path / "script.json", thinking=False)
     for tito in ("on", "off"):
-        with run_mitmdump(f"scripted:{script}", tmp_path / tito,
-                          options={"polar_tito": tito, "polar_shard_seconds": "0.2"}) as proxy:
+        with run_mitmdump(
+            f"scripted:{script}", tmp_path / tito, options={"polar_tito": tito, "polar_shard_seconds": "0.2"}
+        ) as proxy:
             anthropic_session(proxy, "nothink", user_turns=2, thinking={"type": "disabled"})
     records, traces = build(tmp_path / "on")
     by_id = {r.record_id: r for r in records}

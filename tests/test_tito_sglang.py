@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import orjson
-import pytest
 from typer.testing import CliRunner
 
 from polar_addon.capture import Identity
@@ -26,11 +25,19 @@ from polar_addon.store import TraceStore
 from polar_cli.app import app
 from tests.support.proxy import run_mitmdump
 from tests.support.tito_sessions import (
-    anthropic_session, build, figures, openai_session, qwen3_model, sampled_tokens_are_trained, write_script,
+    anthropic_session,
+    build,
+    figures,
+    openai_session,
+    qwen3_model,
+    sampled_tokens_are_trained,
+    write_script,
 )
 
 
-def test_sglang_sessions_continue_in_tokens_the_engine_saw(sglang_protocol, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sglang_sessions_continue_in_tokens_the_engine_saw(
+    sglang_protocol, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     from tests.support.sglang_contract_server import SGLangContractServer
 
     model = qwen3_model(tiny_model_dir, tmp_path)
@@ -49,7 +56,9 @@ def test_sglang_sessions_continue_in_tokens_the_engine_saw(sglang_protocol, tiny
     continued = [r for r in records if r.seq > 0]
     for record in records:
         first = record.seq == 0
-        assert (record.prompt_source, record.prompt_reason) == (("fresh", "first_call") if first else ("continuity", "continues"))
+        assert (record.prompt_source, record.prompt_reason) == (
+            ("fresh", "first_call") if first else ("continuity", "continues")
+        )
         # SGLang's chat endpoint parsed the first call; polar parsed every token-input call, and each parsed cleanly.
         assert record.parse_failures == (None if first else 0)
     # The engine sampled after exactly the prompt each record holds: one /v1/completions call per continued record.
@@ -69,7 +78,10 @@ FAILED_PARSE_TURNS = [
     {"tool_calls": [{"type": "function", "function": {"name": "read", "arguments": '{"path": "a.txt"}'}}]},
     {"content": "Done. (Qwen3-Coder would have written <function=read> here.)"},
 ]
-START = [{"role": "system", "content": "You are a file assistant."}, {"role": "user", "content": "What does a.txt say?"}]
+START = [
+    {"role": "system", "content": "You are a file assistant."},
+    {"role": "user", "content": "What does a.txt say?"},
+]
 
 
 async def _turn(gateway, session: str, messages: list[dict]) -> list[dict]:
@@ -77,8 +89,15 @@ async def _turn(gateway, session: str, messages: list[dict]) -> list[dict]:
     from tests.support.tito_sessions import TOOLS
 
     body = orjson.dumps({"model": "tiny", "max_tokens": 64, "messages": messages, "tools": TOOLS})
-    reply = await gateway.handle(IncomingCall(method="POST", path="/v1/chat/completions", headers={"user-agent": "OpenAI/Python 2.0"},
-                                              body=body, identity=Identity(session_id=session, source="header")))
+    reply = await gateway.handle(
+        IncomingCall(
+            method="POST",
+            path="/v1/chat/completions",
+            headers={"user-agent": "OpenAI/Python 2.0"},
+            body=body,
+            identity=Identity(session_id=session, source="header"),
+        )
+    )
     assert reply.status == 200, reply.body
     message = orjson.loads(reply.body)["choices"][0]["message"]
     calls = message.get("tool_calls") or []
@@ -86,7 +105,9 @@ async def _turn(gateway, session: str, messages: list[dict]) -> list[dict]:
     return [*messages, sent, *({"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls)]
 
 
-def test_a_call_polar_cannot_parse_scores_0_but_stays_trainable(sglang_protocol, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_call_polar_cannot_parse_scores_0_but_stays_trainable(
+    sglang_protocol, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """Parser -> record -> shard -> build -> stats: the malformed call of a token-input turn is counted on its
     record, its trace gets reward 0 and stays trainable, and `polar stats` shows it."""
     from tests.support.sglang_contract_server import SGLangContractServer
@@ -103,8 +124,13 @@ def test_a_call_polar_cannot_parse_scores_0_but_stays_trainable(sglang_protocol,
             gateway = Gateway(EnginePool([engine]), TraceStore(str(out)))
             await _turn(gateway, "bad", await _turn(gateway, "bad", START))  # turns 0 (chat) and 1 (tokens)
             # "good" starts from a history of two assistant turns (fresh: state_lost), then continues in tokens.
-            history = [*START, {"role": "assistant", "content": "Looking."}, {"role": "user", "content": "Go on."},
-                       {"role": "assistant", "content": "Still looking."}, {"role": "user", "content": "Read it."}]
+            history = [
+                *START,
+                {"role": "assistant", "content": "Looking."},
+                {"role": "user", "content": "Go on."},
+                {"role": "assistant", "content": "Still looking."},
+                {"role": "user", "content": "Read it."},
+            ]
             await _turn(gateway, "good", await _turn(gateway, "good", history))  # turns 2 (chat) and 3 (tokens)
             for session in ("bad", "good"):
                 await gateway.store.session_update(session, status="completed")

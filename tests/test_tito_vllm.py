@@ -19,18 +19,27 @@ from tests.support.tito_sessions import TOOLS
 pytestmark = pytest.mark.vllm
 
 START = [{"role": "system", "content": "You are a file assistant."}, {"role": "user", "content": "What is here?"}]
-TURN = {"role": "assistant", "content": "",
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]}
+TURN = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}],
+}
 RESULT = {"role": "tool", "tool_call_id": "c1", "content": "a.txt"}
 
 
 def request(messages: list[dict], temperature: float, seed: int = 7) -> CanonicalRequest:
-    return CanonicalRequest("openai_chat", "tiny", messages, tools=TOOLS,
-                            sampling=SamplingParams(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
-                                                    max_tokens=12, seed=seed))
+    return CanonicalRequest(
+        "openai_chat",
+        "tiny",
+        messages,
+        tools=TOOLS,
+        sampling=SamplingParams(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=12, seed=seed),
+    )
 
 
-def test_vllm_samples_after_exactly_the_continuation_prompt(vllm_server: str, tiny_model_dir: Path, reference_logprobs) -> None:
+def test_vllm_samples_after_exactly_the_continuation_prompt(
+    vllm_server: str, tiny_model_dir: Path, reference_logprobs
+) -> None:
     engine = VLLMEngine(vllm_server)
     engine.tokenizer_dir = str(tiny_model_dir)
     engine.tool_parsers = ParserChoice("tiny=hermes")
@@ -40,11 +49,19 @@ def test_vllm_samples_after_exactly_the_continuation_prompt(vllm_server: str, ti
         tok = engine.tokenizer()
         # The assistant turn as the template writes it after the generation prompt, up to <|im_end|>: the ids a
         # model that made this call would have sampled (what the scripted engine replays).
-        full = tok(tok.apply_chat_template([*START, TURN], tools=TOOLS, tokenize=False), add_special_tokens=False)["input_ids"]
-        tail = full[len(first.prompt_ids):]
+        full = tok(tok.apply_chat_template([*START, TURN], tools=TOOLS, tokenize=False), add_special_tokens=False)[
+            "input_ids"
+        ]
+        tail = full[len(first.prompt_ids) :]
         sampled = tail[: tail.index(tok.convert_tokens_to_ids("<|im_end|>")) + 1]
-        delta = engine.continuation(prompt_ids=first.prompt_ids, sampled_ids=sampled, history=[*START, TURN],
-                                    new_messages=[RESULT], tools=TOOLS, enable_thinking=None)
+        delta = engine.continuation(
+            prompt_ids=first.prompt_ids,
+            sampled_ids=sampled,
+            history=[*START, TURN],
+            new_messages=[RESULT],
+            tools=TOOLS,
+            enable_thinking=None,
+        )
         assert isinstance(delta, DeltaPrompt), delta
         sampled_run = await engine.complete_tokens(request([*START, TURN, RESULT], 0.8), delta.prompt_ids)
         greedy_tokens = await engine.complete_tokens(request([*START, TURN, RESULT], 0.0), delta.prompt_ids)
@@ -55,8 +72,10 @@ def test_vllm_samples_after_exactly_the_continuation_prompt(vllm_server: str, ti
     first, delta, sampled_run, greedy_tokens, greedy_chat = asyncio.run(main())
     assert list(sampled_run.prompt_ids) == delta.prompt_ids  # what the engine reports it saw
     # This template renders history as generated: the continuation is the engine's own full render, token for token.
-    tokenized = httpx.post(f"{vllm_server}/tokenize", json={"model": "tiny", "messages": [*START, TURN, RESULT],
-                                                           "tools": TOOLS, "add_generation_prompt": True}).json()
+    tokenized = httpx.post(
+        f"{vllm_server}/tokenize",
+        json={"model": "tiny", "messages": [*START, TURN, RESULT], "tools": TOOLS, "add_generation_prompt": True},
+    ).json()
     assert delta.prompt_ids == tokenized["tokens"]
     assert list(greedy_tokens.response_ids) == list(greedy_chat.response_ids)
     assert greedy_tokens.message.content == greedy_chat.message.content

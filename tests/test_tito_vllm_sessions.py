@@ -31,7 +31,13 @@ from tests.support.proxy import run_mitmdump
 from tests.support.slow_forwarder import Exchange, slow_forwarder
 from tests.support.tito_sessions import build, figures, sampled_tokens_are_trained
 from tests.support.tito_vllm import (
-    TEMPERATURE, anthropic_chat, by_session, engine_answers, first_step_ratios, full_render_delta, openai_chat,
+    TEMPERATURE,
+    anthropic_chat,
+    by_session,
+    engine_answers,
+    first_step_ratios,
+    full_render_delta,
+    openai_chat,
     trainer_logprobs,
 )
 
@@ -52,16 +58,25 @@ def ending_vllm(ending_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     the logprobs."""
     if not Path(".venv-vllm/bin/python").exists():
         pytest.fail("vLLM CPU venv missing (.venv-vllm); run `make engine`")
-    server = serve_vllm(str(ending_model), port=free_port(), served_model_name=SERVED,
-                        state_dir=tmp_path_factory.mktemp("engines"), dtype="float32", max_model_len=4096,
-                        extra_args=["--generation-config", "auto", "--enforce-eager"], kvcache_gib="1")
+    server = serve_vllm(
+        str(ending_model),
+        port=free_port(),
+        served_model_name=SERVED,
+        state_dir=tmp_path_factory.mktemp("engines"),
+        dtype="float32",
+        max_model_len=4096,
+        extra_args=["--generation-config", "auto", "--enforce-eager"],
+        kvcache_gib="1",
+    )
     try:
         yield server.url
     finally:
         stop_process(server)
 
 
-def test_sessions_on_vllm_are_continuations_of_what_vllm_saw(ending_vllm: str, ending_model: Path, tmp_path: Path) -> None:
+def test_sessions_on_vllm_are_continuations_of_what_vllm_saw(
+    ending_vllm: str, ending_model: Path, tmp_path: Path
+) -> None:
     exchanges: list[Exchange] = []
     out = tmp_path / "shards"
     options = {"polar_tito": "on", "polar_tokenizer": str(ending_model), "polar_shard_seconds": "0.2"}
@@ -70,8 +85,9 @@ def test_sessions_on_vllm_are_continuations_of_what_vllm_saw(ending_vllm: str, e
             openai_chat(proxy, "oai", user_turns=4, seed=1)
             anthropic_chat(proxy, "ant", user_turns=3)
     records, traces = build(out)
-    assert len(records) == 7 and all(r.status == "ok" and r.finish_reason == "stop" for r in records), \
-        [(r.status, r.finish_reason, r.error) for r in records]
+    assert len(records) == 7 and all(r.status == "ok" and r.finish_reason == "stop" for r in records), [
+        (r.status, r.finish_reason, r.error) for r in records
+    ]
 
     # What vLLM answered, call by call (the sessions ran one after the other): polar stored exactly that.
     answers = engine_answers(exchanges)
@@ -95,11 +111,18 @@ def test_sessions_on_vllm_are_continuations_of_what_vllm_saw(ending_vllm: str, e
             assert prompt[: len(prev_prompt) + len(prev_sampled)] == prev_prompt + prev_sampled, (session, call.seq)
             # ...then exactly the tokens vLLM's own full render of this request has after that turn's end
             # (the template's glue, the new user turn, the generation prompt).
-            full = httpx.post(f"{ending_vllm}/tokenize", timeout=30, json={
-                "model": SERVED, "messages": call.messages, "tools": json.loads(call.tools_json),
-                "add_generation_prompt": True}).json()["tokens"]
+            full = httpx.post(
+                f"{ending_vllm}/tokenize",
+                timeout=30,
+                json={
+                    "model": SERVED,
+                    "messages": call.messages,
+                    "tools": json.loads(call.tools_json),
+                    "add_generation_prompt": True,
+                },
+            ).json()["tokens"]
             kept = prev_prompt + prev_sampled
-            assert prompt[len(kept):] == full_render_delta(full, end_id, kept.count(end_id)), (session, call.seq)
+            assert prompt[len(kept) :] == full_render_delta(full, end_id, kept.count(end_id)), (session, call.seq)
 
     by_id = {r.record_id: r for r in records}
     per_session = figures(records, traces)
@@ -108,7 +131,9 @@ def test_sessions_on_vllm_are_continuations_of_what_vllm_saw(ending_vllm: str, e
     assert all(sampled_tokens_are_trained(t, by_id) for t in traces)
 
     ratios = first_step_ratios(traces, trainer_logprobs(ending_model))
-    print(f"continuity on, vLLM fp32: {ratios.tokens} trainable tokens, ratio {ratios.min:.7f}..{ratios.max:.7f}, "
-          f"mean |r-1| {ratios.mean_abs_dev:.2e}")
+    print(
+        f"continuity on, vLLM fp32: {ratios.tokens} trainable tokens, ratio {ratios.min:.7f}..{ratios.max:.7f}, "
+        f"mean |r-1| {ratios.mean_abs_dev:.2e}"
+    )
     assert ratios.tokens == sum(len(r.response_ids) for r in records)
     assert ratios.max_abs_dev <= 1e-4, ratios

@@ -15,7 +15,9 @@ def test_plain_text_is_content_untouched():
 
 
 def test_single_call_with_leading_text():
-    msg = parse_assistant_text('Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>')
+    msg = parse_assistant_text(
+        'Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>'
+    )
     assert msg.content == "Let me look."
     [call] = msg.tool_calls
     assert call.name == "read_file"

@@ -17,9 +17,18 @@ def _tool(name: str, properties: dict) -> dict:
 
 # vLLM's sample_tools fixture.
 TOOLS = [
-    _tool("get_current_weather", {"city": {"type": "string"}, "state": {"type": "string"},
-                                  "unit": {"type": "string", "enum": ["fahrenheit", "celsius"]}}),
-    _tool("calculate_area", {"shape": {"type": "string"}, "dimensions": {"type": "object"}, "precision": {"type": "integer"}}),
+    _tool(
+        "get_current_weather",
+        {
+            "city": {"type": "string"},
+            "state": {"type": "string"},
+            "unit": {"type": "string", "enum": ["fahrenheit", "celsius"]},
+        },
+    ),
+    _tool(
+        "calculate_area",
+        {"shape": {"type": "string"}, "dimensions": {"type": "object"}, "precision": {"type": "integer"}},
+    ),
 ]
 
 DALLAS = "<tool_call>\n<function=get_current_weather>\n<parameter=city>\nDallas\n</parameter>\n<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n</tool_call>"
@@ -29,16 +38,33 @@ WEATHER = {"city": "Dallas", "state": "TX", "unit": "fahrenheit"}
 # (id, model output, expected [(name, arguments)], expected content): vLLM's test_extract_tool_calls cases.
 VLLM_CASES = [
     ("single_tool", DALLAS, [("get_current_weather", WEATHER)], None),
-    ("single_tool_with_content", "Sure! Let me check the weather for you." + DALLAS,
-     [("get_current_weather", WEATHER)], "Sure! Let me check the weather for you."),
-    ("single_tool_multiline_param",
-     '<tool_call>\n<function=calculate_area>\n<parameter=shape>\nrectangle\n</parameter>\n<parameter=dimensions>\n{"width": 10, \n "height": 20}\n</parameter>\n<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>',
-     [("calculate_area", {"shape": "rectangle", "dimensions": {"width": 10, "height": 20}, "precision": 2})], None),
-    ("parallel_tools", DALLAS + "\n" + ORLANDO,
-     [("get_current_weather", WEATHER), ("get_current_weather", {"city": "Orlando", "state": "FL", "unit": "fahrenheit"})], None),
-    ("tool_with_typed_params",
-     'Let me calculate that area for you.<tool_call>\n<function=calculate_area>\n<parameter=shape>\ncircle\n</parameter>\n<parameter=dimensions>\n{"radius": 15.5}\n</parameter>\n<parameter=precision>\n3\n</parameter>\n</function>\n</tool_call>',
-     [("calculate_area", {"shape": "circle", "dimensions": {"radius": 15.5}, "precision": 3})], "Let me calculate that area for you."),
+    (
+        "single_tool_with_content",
+        "Sure! Let me check the weather for you." + DALLAS,
+        [("get_current_weather", WEATHER)],
+        "Sure! Let me check the weather for you.",
+    ),
+    (
+        "single_tool_multiline_param",
+        '<tool_call>\n<function=calculate_area>\n<parameter=shape>\nrectangle\n</parameter>\n<parameter=dimensions>\n{"width": 10, \n "height": 20}\n</parameter>\n<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>',
+        [("calculate_area", {"shape": "rectangle", "dimensions": {"width": 10, "height": 20}, "precision": 2})],
+        None,
+    ),
+    (
+        "parallel_tools",
+        DALLAS + "\n" + ORLANDO,
+        [
+            ("get_current_weather", WEATHER),
+            ("get_current_weather", {"city": "Orlando", "state": "FL", "unit": "fahrenheit"}),
+        ],
+        None,
+    ),
+    (
+        "tool_with_typed_params",
+        'Let me calculate that area for you.<tool_call>\n<function=calculate_area>\n<parameter=shape>\ncircle\n</parameter>\n<parameter=dimensions>\n{"radius": 15.5}\n</parameter>\n<parameter=precision>\n3\n</parameter>\n</function>\n</tool_call>',
+        [("calculate_area", {"shape": "circle", "dimensions": {"radius": 15.5}, "precision": 3})],
+        "Let me calculate that area for you.",
+    ),
 ]
 
 
@@ -60,15 +86,31 @@ def test_vllm_no_tools_output_is_content():
 
 
 def test_vllm_type_conversion():
-    tools = [_tool("test_types", {"int_param": {"type": "integer"}, "float_param": {"type": "float"},
-                                  "bool_param": {"type": "boolean"}, "str_param": {"type": "string"},
-                                  "obj_param": {"type": "object"}})]
-    text = ("<tool_call>\n<function=test_types>\n<parameter=int_param>\n42\n</parameter>\n<parameter=float_param>\n3.14\n"
-            "</parameter>\n<parameter=bool_param>\ntrue\n</parameter>\n<parameter=str_param>\nhello world\n</parameter>\n"
-            '<parameter=obj_param>\n{"key": "value"}\n</parameter>\n</function>\n</tool_call>')
+    tools = [
+        _tool(
+            "test_types",
+            {
+                "int_param": {"type": "integer"},
+                "float_param": {"type": "float"},
+                "bool_param": {"type": "boolean"},
+                "str_param": {"type": "string"},
+                "obj_param": {"type": "object"},
+            },
+        )
+    ]
+    text = (
+        "<tool_call>\n<function=test_types>\n<parameter=int_param>\n42\n</parameter>\n<parameter=float_param>\n3.14\n"
+        "</parameter>\n<parameter=bool_param>\ntrue\n</parameter>\n<parameter=str_param>\nhello world\n</parameter>\n"
+        '<parameter=obj_param>\n{"key": "value"}\n</parameter>\n</function>\n</tool_call>'
+    )
     [call] = parse(text, tools).message.tool_calls
-    assert json.loads(call.arguments) == {"int_param": 42, "float_param": 3.14, "bool_param": True,
-                                          "str_param": "hello world", "obj_param": {"key": "value"}}
+    assert json.loads(call.arguments) == {
+        "int_param": 42,
+        "float_param": 3.14,
+        "bool_param": True,
+        "str_param": "hello world",
+        "obj_param": {"key": "value"},
+    }
 
 
 # The installed vLLM's qwen3_coder parser gives the same values for these (checked side by side once).
@@ -106,12 +148,21 @@ def test_typed_value(value, spec, known, expected):
 
 
 @pytest.mark.parametrize("keyword", ["anyOf", "oneOf", "allOf"])
-@pytest.mark.parametrize(("kind", "value", "expected"), [("integer", "42", 42), ("boolean", "true", True),
-                                                         ("object", '{"x": 1}', {"x": 1}), ("array", "[1, 2]", [1, 2])])
+@pytest.mark.parametrize(
+    ("kind", "value", "expected"),
+    [("integer", "42", 42), ("boolean", "true", True), ("object", '{"x": 1}', {"x": 1}), ("array", "[1, 2]", [1, 2])],
+)
 def test_sglang_composite_parameter_schemas(keyword, kind, value, expected):
     # SGLang's cases: the parameters schema is a composite of object schemas; their properties type the values.
-    tools = [{"type": "function", "function": {"name": "example_function", "parameters": {
-        keyword: [{"type": "object", "properties": {"value": {"type": kind}}}]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "example_function",
+                "parameters": {keyword: [{"type": "object", "properties": {"value": {"type": kind}}}]},
+            },
+        }
+    ]
     text = f"<tool_call><function=example_function><parameter=value>{value}</parameter></function></tool_call>"
     [call] = parse(text, tools).message.tool_calls
     assert (call.name, json.loads(call.arguments)) == ("example_function", {"value": expected})
@@ -119,7 +170,12 @@ def test_sglang_composite_parameter_schemas(keyword, kind, value, expected):
 
 def test_sglang_nullable_array_parameter():
     # SGLang's "cities" case: anyOf [array of strings, null] reads the value as JSON.
-    tools = [_tool("get_weather", {"cities": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}], "default": None}})]
+    tools = [
+        _tool(
+            "get_weather",
+            {"cities": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}], "default": None}},
+        )
+    ]
     text = '<tool_call>\n<function=get_weather>\n<parameter=cities>\n["Paris", "Rome"]\n</parameter>\n</function>\n</tool_call>'
     [call] = parse(text, tools).message.tool_calls
     assert json.loads(call.arguments) == {"cities": ["Paris", "Rome"]}
@@ -136,12 +192,16 @@ def test_think_block_and_calls():
 
 
 def test_several_functions_in_one_block_and_values_with_markup():
-    text = ("<tool_call>\n<function=write>\n<parameter=content>\n<b>x</b>\n</function> <tool_call>\n</parameter>\n</function>\n"
-            "<function=ls>\n</function>\n</tool_call>")
+    text = (
+        "<tool_call>\n<function=write>\n<parameter=content>\n<b>x</b>\n</function> <tool_call>\n</parameter>\n</function>\n"
+        "<function=ls>\n</function>\n</tool_call>"
+    )
     turn = parse(text, [])
     # A value may hold tags, even </function>; only </parameter> ends it (and </tool_call> ends the block).
     assert [(c.name, json.loads(c.arguments)) for c in turn.message.tool_calls] == [
-        ("write", {"content": "<b>x</b>\n</function> <tool_call>"}), ("ls", {})]
+        ("write", {"content": "<b>x</b>\n</function> <tool_call>"}),
+        ("ls", {}),
+    ]
     assert turn.failed == []
 
 
@@ -159,8 +219,14 @@ MALFORMED = [
     ("hermes_json_in_xml_format", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'),
     ("empty_name", "<tool_call>\n<function=>\n</function>\n</tool_call>"),
     ("name_without_close", "<tool_call>\n<function=f\n</function>\n</tool_call>"),
-    ("text_between_parameters", "<tool_call>\n<function=f>\nhello\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"),
-    ("repeated_parameter", "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>"),
+    (
+        "text_between_parameters",
+        "<tool_call>\n<function=f>\nhello\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+    ),
+    (
+        "repeated_parameter",
+        "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=a>\n2\n</parameter>\n</function>\n</tool_call>",
+    ),
     ("unclosed_function", "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</tool_call>"),
 ]
 
@@ -186,8 +252,15 @@ def test_bare_function_without_tool_call_is_text():
     assert [c.name for c in mixed.message.tool_calls] == ["get_current_weather"] and mixed.failed == [text]
 
 
-@pytest.mark.parametrize("text", ["<tool_call>" * 1000, "<tool_call><function=" * 500, "<parameter=" * 1000,
-                                  "\x00<tool_call>\n<function=\x00>\n</function>\n</tool_call>"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>" * 1000,
+        "<tool_call><function=" * 500,
+        "<parameter=" * 1000,
+        "\x00<tool_call>\n<function=\x00>\n</function>\n</tool_call>",
+    ],
+)
 def test_hostile_text_never_raises(text):
     turn = parse(text, TOOLS)
     assert turn.message.content is not None or turn.message.tool_calls

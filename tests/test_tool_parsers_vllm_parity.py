@@ -17,12 +17,49 @@ pytestmark = pytest.mark.vllm
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 
-TYPED_TOOLS = [{"type": "function", "function": {"name": "t", "parameters": {"type": "object", "properties": {
-    "s": {"type": "string"}, "b": {"type": "boolean"}, "n": {"type": "number"}, "i": {"type": "integer"},
-    "a": {"type": "array"}, "e": {"enum": [1, 2, None]}, "u": {"anyOf": [{"type": "object"}, {"type": "null"}]},
-    "f": {"type": "float64"}, "o": {"type": ["string", "null"]}}}}}]
-VALUES = ["null", "NULL", "yes", "4.0", "['a', 'b']", "nan", "1e999", "[1e999]", "1", "0", " 42 ", "1_000", "True",
-          '{"x": [1, 2.50]}', "null ", "-0", "9" * 30, "ü\n<b>", ""]
+TYPED_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "t",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "s": {"type": "string"},
+                    "b": {"type": "boolean"},
+                    "n": {"type": "number"},
+                    "i": {"type": "integer"},
+                    "a": {"type": "array"},
+                    "e": {"enum": [1, 2, None]},
+                    "u": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                    "f": {"type": "float64"},
+                    "o": {"type": ["string", "null"]},
+                },
+            },
+        },
+    }
+]
+VALUES = [
+    "null",
+    "NULL",
+    "yes",
+    "4.0",
+    "['a', 'b']",
+    "nan",
+    "1e999",
+    "[1e999]",
+    "1",
+    "0",
+    " 42 ",
+    "1_000",
+    "True",
+    '{"x": [1, 2.50]}',
+    "null ",
+    "-0",
+    "9" * 30,
+    "ü\n<b>",
+    "",
+]
 
 # vLLM's parser, run in the engine's own venv on the cases given as JSON on stdin.
 VLLM_SIDE = """
@@ -49,12 +86,17 @@ def test_same_calls_as_vllm(tiny_model_dir: Path) -> None:
         params = "".join(f"<parameter={k}>\n{value}\n</parameter>\n" for k in "sbniaeufoz")
         cases.append((f"<tool_call>\n<function=t>\n{params}</function>\n</tool_call>", TYPED_TOOLS))
     malformed = [(text, TOOLS) for _, text in MALFORMED]
-    done = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_SIDE, str(tiny_model_dir)], input=json.dumps(cases + malformed),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", VLLM_SIDE, str(tiny_model_dir)],
+        input=json.dumps(cases + malformed),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     ours = [[[c.name, c.arguments] for c in parse(text, tools).message.tool_calls] for text, tools in cases + malformed]
     assert ours[: len(cases)] == theirs[: len(cases)]
     # Malformed blocks: no call from polar (a visible failed parse); vLLM reads some of them as calls anyway.
-    assert ours[len(cases):] == [[] for _ in malformed]
-    assert any(theirs[len(cases):])
+    assert ours[len(cases) :] == [[] for _ in malformed]
+    assert any(theirs[len(cases) :])

@@ -108,7 +108,10 @@ def test_groups_fall_back_to_task_then_session() -> None:
 def test_session_in_two_groups_is_refused() -> None:
     with pytest.raises(ValueError) as err:
         session_advantages([trace("a", "g1", 1.0, 0), trace("a", "g2", 1.0, 1)])
-    assert str(err.value) == "session a has traces in two groups ('g1' and 'g2'); a session must belong to exactly one group"
+    assert (
+        str(err.value)
+        == "session a has traces in two groups ('g1' and 'g2'); a session must belong to exactly one group"
+    )
 
 
 def test_penalised_chain_keeps_its_own_reward() -> None:
@@ -181,7 +184,10 @@ def test_values_by_hand_with_a_unit_std_and_without_scaling() -> None:
     # Exact: the group's scale is 1 without scaling, not 1 + SCALE_EPS (approx's rel 1e-6 would not tell them apart).
     assert [raw[s].advantage for s in "abc"] == [-1.5, 0.0, 1.5]
     assert [(raw[s].session_id, raw[s].group_id, raw[s].reward, raw[s].num_traces) for s in "abc"] == [
-        ("a", "g", 0.0, 1), ("b", "g", 1.0, 1), ("c", "g", 2.0, 1)]
+        ("a", "g", 0.0, 1),
+        ("b", "g", 1.0, 1),
+        ("c", "g", 2.0, 1),
+    ]
     with pytest.raises(ValueError, match="scale_rewards must be 'group' or 'none', not 'batch'"):
         loo_advantages([0.0, 1.0], scale_rewards="batch")
 

@@ -66,6 +66,7 @@ def test_breaking_at_retokenized_turns_keeps_the_first_step_on_policy(
 ) -> None:
     """Length-capped random samples often come back re-tokenized in the next prompt: merged, the
     later turns sit after ids they were not sampled after; broken there, every trace is exact."""
+
     def totals(shards: Path, retokenized: str) -> dict:
         done = polar("stats", str(shards), "--tokenizer", str(tiny_model_dir), "--eot-token-id", "2",
                      "--retokenized", retokenized, "--json")  # fmt: skip

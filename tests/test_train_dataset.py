@@ -60,9 +60,7 @@ def test_overlong_completion_is_clipped_as_causal_prefix_prompt_untouched() -> N
     assert clip_to_length(t, 10)[3] is False
     assert clip_to_length(t, 4) is None  # the prompt alone fills max_length: never left-trimmed
 
-    data = prepare_rows(
-        [t, trace("b", "g", 0.0, prompt=tuple(range(50)))], max_length=7, drop_zero_advantage=False
-    )
+    data = prepare_rows([t, trace("b", "g", 0.0, prompt=tuple(range(50)))], max_length=7, drop_zero_advantage=False)
     assert data.stats["overlong_prompt"] == 1 and data.stats["clipped"] == 1
     (row,) = data.rows
     assert row.prompt_ids == [1, 2, 3, 4] and len(row.completion_ids) == 3 and row.clipped
@@ -165,22 +163,34 @@ def test_nothing_to_train_explains_each_reason_with_its_count() -> None:
         t.status = status
         return t
 
-    traces = [untrainable("r1", "running"), untrainable("r1", "running"), untrainable("r2", "running"),
-              untrainable("e1", "error"), untrainable("n1", "completed"), untrainable("n2", "unknown"),
-              trace("a", "g", 1.0), trace("b", "g", 1.0), trace("c", "h", 0.0), trace("d", "h", 1.0),
-              trace("e", "k", 0.5), trace("f", "k", 0.5)]
+    traces = [
+        untrainable("r1", "running"),
+        untrainable("r1", "running"),
+        untrainable("r2", "running"),
+        untrainable("e1", "error"),
+        untrainable("n1", "completed"),
+        untrainable("n2", "unknown"),
+        trace("a", "g", 1.0),
+        trace("b", "g", 1.0),
+        trace("c", "h", 0.0),
+        trace("d", "h", 1.0),
+        trace("e", "k", 0.5),
+        trace("f", "k", 0.5),
+    ]
     stats = {"zero_advantage": 4, "overlong_prompt": 3, "no_trainable_tokens": 4}
-    assert explain_nothing_to_train(traces, stats) == "; ".join([
-        "2 sessions still running: post a reward (`polar reward STORE --session S --value V`, which marks the "
-        "session completed) or a status (`--status completed|timeout|agent_error|error`)",
-        "1 sessions ended in an infrastructure error (status error): never training data",
-        "2 sessions have no outcome reward (or no session row): post one with `polar reward STORE --session S "
-        "--value V`",
-        "4 traces in 2 groups have zero advantage: all sessions of the group got the same reward; GRPO needs "
-        "several sessions per group (the same group id in their credentials) with different rewards",
-        "3 traces have a prompt of --max-length tokens or more: raise --max-length",
-        "4 traces have no sampled token left to train on",
-    ])
+    assert explain_nothing_to_train(traces, stats) == "; ".join(
+        [
+            "2 sessions still running: post a reward (`polar reward STORE --session S --value V`, which marks the "
+            "session completed) or a status (`--status completed|timeout|agent_error|error`)",
+            "1 sessions ended in an infrastructure error (status error): never training data",
+            "2 sessions have no outcome reward (or no session row): post one with `polar reward STORE --session S "
+            "--value V`",
+            "4 traces in 2 groups have zero advantage: all sessions of the group got the same reward; GRPO needs "
+            "several sessions per group (the same group id in their credentials) with different rewards",
+            "3 traces have a prompt of --max-length tokens or more: raise --max-length",
+            "4 traces have no sampled token left to train on",
+        ]
+    )
     assert explain_nothing_to_train(traces[4:6], {}, unrewarded_per_request=True) == (
         "2 sessions give per_request traces without a reward: pass --broadcast-rewards"
     )
@@ -221,8 +231,11 @@ def test_trainable_tokens_need_a_finite_logprob_at_most_a_hair_above_zero() -> N
     for bad in (2e-4, float("inf"), None):
         t = trace("a", "g", 1.0, mask=[1, 1])
         t.behavior_logprobs = [-0.1, bad]
-        with pytest.raises(ValueError, match=r"^trace a-t: trainable token 1 has behaviour logprob .*; every "
-                                             r"loss-mask-1 token needs the engine's finite logprob$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^trace a-t: trainable token 1 has behaviour logprob .*; every "
+            r"loss-mask-1 token needs the engine's finite logprob$",
+        ):
             _check_logprobs(t)
     short = trace("a", "g", 1.0, mask=[1, 1])
     short.behavior_logprobs = [-0.1]
@@ -250,12 +263,25 @@ def test_rows_are_sorted_grouped_and_counted() -> None:
     # the only sampled token is clipped away
     no_tokens = [trace(s, "g1", 0.0, t=0.5, prompt=(1, 2, 3, 4), mask=[0, 0, 0, 0, 1]) for s in ("x", "v")]
     untrainable = [trace(s, "g1", 0.0, t=0.5, trainable=False) for s in ("u", "t")]
-    data = prepare_rows([b, a1, a0, z, *overlong, *no_tokens, *untrainable], max_length=8, scale_rewards="none",
-                        drop_zero_advantage=False)
+    data = prepare_rows(
+        [b, a1, a0, z, *overlong, *no_tokens, *untrainable],
+        max_length=8,
+        scale_rewards="none",
+        drop_zero_advantage=False,
+    )
     assert [(r.session_id, r.trace_id) for r in data.rows] == [("z", "z-t"), ("a", "a-t"), ("a", "a-1"), ("b", "b-t")]
     assert data.groups == [[0], [1, 2, 3]] and data.group_keys == ["g1", "g2"] and data.temperature == 0.5
-    assert data.stats == dict(traces=10, untrainable=2, overlong_prompt=2, no_trainable_tokens=2, zero_advantage=0,
-                              clipped=1, rows=4, groups=2, sessions=3)
+    assert data.stats == dict(
+        traces=10,
+        untrainable=2,
+        overlong_prompt=2,
+        no_trainable_tokens=2,
+        zero_advantage=0,
+        clipped=1,
+        rows=4,
+        groups=2,
+        sessions=3,
+    )
     assert [r.clipped for r in data.rows] == [False, True, False, False] and len(data.rows[1].completion_ids) == 3
     row = data.rows[3]
     assert (row.group_id, row.loss_mask, row.behavior_logprobs) == ("g2", [1, 0, 1], b.behavior_logprobs)
@@ -316,7 +342,10 @@ def test_parquet_files_of_directories_and_files(tmp_path: Path) -> None:
     for name in ("d/b.parquet", "d/sub/a.parquet", "d/notes.txt", "one.parquet"):
         (tmp_path / name).write_bytes(b"")
     assert parquet_files([tmp_path / "d", tmp_path / "one.parquet"]) == [
-        tmp_path / "d/b.parquet", tmp_path / "d/sub/a.parquet", tmp_path / "one.parquet"]
+        tmp_path / "d/b.parquet",
+        tmp_path / "d/sub/a.parquet",
+        tmp_path / "one.parquet",
+    ]
     with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'gone'} does not exist$"):
         parquet_files([tmp_path / "gone"])
     (tmp_path / "empty").mkdir()
@@ -326,8 +355,10 @@ def test_parquet_files_of_directories_and_files(tmp_path: Path) -> None:
 def test_trace_columns_decide_the_kind(tmp_path: Path) -> None:
     import pyarrow as pa
 
-    exact = pa.table({n: [[1]] for n in ("prompt_ids", "completion_ids", "loss_mask")} |
-                     {"trace_id": ["t"], "behavior_logprobs": [[-0.5]]})
+    exact = pa.table(
+        {n: [[1]] for n in ("prompt_ids", "completion_ids", "loss_mask")}
+        | {"trace_id": ["t"], "behavior_logprobs": [[-0.5]]}
+    )
     pq.write_table(exact, tmp_path / "exact.parquet")
     assert is_trace_dataset([tmp_path / "exact.parquet"])  # exactly the trace columns is enough
     pq.write_table(pa.table({"record_id": ["x"]}), tmp_path / "raw.parquet")
@@ -405,8 +436,11 @@ def test_load_traces_builds_a_raw_store_with_the_builds_options(raw_stores: dict
     assert no_tok == built() and len(no_tok) == 2 and no_tok[1][3] is None and no_tok[0][3] == "other"
     with_tok = _shape(load_traces([store], "prefix_merging", tokenizer=tok))
     assert with_tok == built(decode=decode) and len(with_tok) == 1
-    assert _shape(load_traces([store], "prefix_merging", tokenizer=str(tok), merge_retokenized=False)) == built(
-        decode=decode, merge_retokenized=False) != with_tok
+    assert (
+        _shape(load_traces([store], "prefix_merging", tokenizer=str(tok), merge_retokenized=False))
+        == built(decode=decode, merge_retokenized=False)
+        != with_tok
+    )
     per_request = _shape(load_traces([store], "per_request", tokenizer=tok))
     assert per_request == built("per_request") and [t[1:3] for t in per_request] == [(0.0, False)] * 3
     broadcast = _shape(load_traces([store], "per_request", broadcast_rewards=True))

@@ -80,7 +80,9 @@ def test_two_cpu_processes_train_like_one(tiny_model_dir: Path, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_accelerate_launch_trains_a_captured_store_each_process_on_its_own_traces(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_accelerate_launch_trains_a_captured_store_each_process_on_its_own_traces(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """The multi-process path users run: `accelerate launch ... $(which polar) train SHARDS` on a real capture (the toy
     task's agent through mitmdump, as tests/test_train_cli.py builds it), 2 gloo processes."""
     sys.path.insert(0, str(REPO / "examples" / "toy_task"))

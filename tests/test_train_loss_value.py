@@ -19,16 +19,31 @@ EPS_LOW, EPS_HIGH, CISPO_CAP, TIS_CAP, CLAMP = 0.2, 0.28, 5.0, 2.0, 20.0
 OLD = -1.0  # pi_old of every token; logp = OLD + log r
 
 
-def _loss(ratios: list[float], adv: float, *, loss_type: str = "dapo", tis: list[float] | None = None,
-          behavior: list[float] | None = None) -> tuple[list[float], list[float], list[float]]:
+def _loss(
+    ratios: list[float],
+    adv: float,
+    *,
+    loss_type: str = "dapo",
+    tis: list[float] | None = None,
+    behavior: list[float] | None = None,
+) -> tuple[list[float], list[float], list[float]]:
     logps = torch.tensor([[OLD + math.log(r) for r in ratios]], dtype=torch.float64, requires_grad=True)
     old = torch.full_like(logps, OLD).detach()
     if behavior is None:
         behavior = [OLD - math.log(w) for w in (tis or [1.0] * len(ratios))]
     behav = torch.tensor([behavior], dtype=torch.float64)
-    per_token, ratio, log_is = policy_loss(logps, old, behav, torch.tensor([[adv]], dtype=torch.float64),
-                                           loss_type=loss_type, epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH,
-                                           cispo_cap=CISPO_CAP, tis_cap=TIS_CAP, log_ratio_clamp=CLAMP)
+    per_token, ratio, log_is = policy_loss(
+        logps,
+        old,
+        behav,
+        torch.tensor([[adv]], dtype=torch.float64),
+        loss_type=loss_type,
+        epsilon_low=EPS_LOW,
+        epsilon_high=EPS_HIGH,
+        cispo_cap=CISPO_CAP,
+        tis_cap=TIS_CAP,
+        log_ratio_clamp=CLAMP,
+    )
     per_token.sum().backward()
     return per_token[0].tolist(), logps.grad[0].tolist(), torch.exp(log_is)[0].tolist()
 
@@ -55,7 +70,9 @@ def test_ppo_clip_with_a_negative_advantage() -> None:
 
 def test_tis_weights_the_loss_and_is_capped() -> None:
     # w = pi_old / pi_behaviour: 3 (capped to C = 2), 0.5, 1; and vLLM's -9999 sentinel gives C, not inf.
-    loss, grad, weights = _loss([1.1, 1.1, 1.1, 1.1], 1.0, behavior=[OLD - math.log(3.0), OLD - math.log(0.5), OLD, -9999.0])
+    loss, grad, weights = _loss(
+        [1.1, 1.1, 1.1, 1.1], 1.0, behavior=[OLD - math.log(3.0), OLD - math.log(0.5), OLD, -9999.0]
+    )
     assert weights == pytest.approx([2.0, 0.5, 1.0, 2.0])
     assert loss == pytest.approx([-2.2, -0.55, -1.1, -2.2])
     assert grad == pytest.approx([-2.2, -0.55, -1.1, -2.2])
@@ -85,8 +102,17 @@ def test_both_log_ratios_are_clamped_at_both_ends() -> None:
     logps = torch.tensor([[OLD + 50.0, OLD - 50.0]], dtype=torch.float64)
     old = torch.full_like(logps, OLD)
     behav = torch.tensor([[OLD, OLD + 50.0]], dtype=torch.float64)
-    _, ratio, log_is = policy_loss(logps, old, behav, torch.tensor([[1.0]], dtype=torch.float64), loss_type="dapo",
-                                   epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, cispo_cap=CISPO_CAP, tis_cap=TIS_CAP,
-                                   log_ratio_clamp=CLAMP)
+    _, ratio, log_is = policy_loss(
+        logps,
+        old,
+        behav,
+        torch.tensor([[1.0]], dtype=torch.float64),
+        loss_type="dapo",
+        epsilon_low=EPS_LOW,
+        epsilon_high=EPS_HIGH,
+        cispo_cap=CISPO_CAP,
+        tis_cap=TIS_CAP,
+        log_ratio_clamp=CLAMP,
+    )
     assert ratio[0].tolist() == pytest.approx([math.exp(CLAMP), math.exp(-CLAMP)], rel=1e-12)
     assert log_is[0].tolist() == pytest.approx([0.0, -CLAMP])

@@ -294,8 +294,9 @@ def test_resume_mid_batch_is_exact_with_two_iterations(bf16_model_dir: Path, tra
         torch.testing.assert_close(a[k], b[k], atol=0, rtol=0)
 
 
-def test_clip_against_start_scores_every_row_with_the_weights_before_any_update(bf16_model_dir: Path, traces,
-                                                                             tmp_path: Path) -> None:
+def test_clip_against_start_scores_every_row_with_the_weights_before_any_update(
+    bf16_model_dir: Path, traces, tmp_path: Path
+) -> None:
     """The starting weights' logprob of every completion token (what --clip-against start clips against) is the
     trainer's own first-step logprob, in the right place: the traces were sampled by these weights, so it equals
     the captured behaviour logprob; and the step's chunks carry exactly that table as old_logps."""
@@ -323,8 +324,7 @@ def test_clip_against_start_bounds_the_drift_of_the_whole_run(bf16_model_dir: Pa
     ratio (1 for these on-policy traces)."""
     kw = dict(max_steps=6, groups_per_step=1, learning_rate=5e-3, weight_decay=0.0)
     step = _logged(run_training(config(bf16_model_dir, tmp_path / "step", clip_against="step", **kw), traces=traces))
-    start = _logged(run_training(config(bf16_model_dir, tmp_path / "start", clip_against="start", **kw),
-                                 traces=traces))
+    start = _logged(run_training(config(bf16_model_dir, tmp_path / "start", clip_against="start", **kw), traces=traces))
     print([(r["step"], round(r["clip_ratio/region_mean"], 3), round(r["tis/weight_mean"], 3)) for r in start])
     assert all(r["clip_ratio/region_mean"] == 0.0 for r in step)
     assert max(abs(r["tis/weight_mean"] - 1) for r in step[1:]) > 0.05
@@ -332,8 +332,9 @@ def test_clip_against_start_bounds_the_drift_of_the_whole_run(bf16_model_dir: Pa
     assert all(abs(r["tis/weight_mean"] - 1) < 1e-3 for r in start)
 
 
-def test_resume_with_clip_against_start_clips_against_the_run_s_start(bf16_model_dir: Path, traces,
-                                                                      tmp_path: Path) -> None:
+def test_resume_with_clip_against_start_clips_against_the_run_s_start(
+    bf16_model_dir: Path, traces, tmp_path: Path
+) -> None:
     """checkpoint-1's weights are not the start: a resumed run takes the table saved with the checkpoint, so it
     ends exactly where the uninterrupted run does; a checkpoint without the table is refused."""
     from safetensors.torch import load_file

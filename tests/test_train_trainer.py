@@ -33,7 +33,13 @@ def traces(factory: TraceFactory):
 
 def config(model: Path, out: Path, **kw) -> TrainConfig:
     base = dict(
-        inputs=[], model=str(model), output=out, learning_rate=1e-3, groups_per_step=2, max_steps=1, progress=False,
+        inputs=[],
+        model=str(model),
+        output=out,
+        learning_rate=1e-3,
+        groups_per_step=2,
+        max_steps=1,
+        progress=False,
         dtype="float32",  # the 1e-4 on-policy bound is an fp32 statement (auto would pick bf16 on a GPU)
     )
     base.update(kw)

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from polar_cli.build import SessionInfo, build_traces
-from polar_cli.train.dataset import TruncatedSampling, prepare_rows, read_trace_dataset
 from polar_cli.trace import traces_to_table
+from polar_cli.train.dataset import TruncatedSampling, prepare_rows, read_trace_dataset
 from tests.build_helpers import AgentSim, coding_turns, decode, tool_loop
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}

@@ -62,7 +62,11 @@ def _session() -> tuple[AgentSim, SessionInfo]:
     turns = coding_turns(3)
     turns[1].retokenize = True
     spawn = sim.call(main, turns[0])
-    tool_loop(sim, [{"role": "system", "content": "You are a search sub-agent."}, {"role": "user", "content": "find it"}], coding_turns(2))
+    tool_loop(
+        sim,
+        [{"role": "system", "content": "You are a search sub-agent."}, {"role": "user", "content": "find it"}],
+        coding_turns(2),
+    )
     main = main + [sim.sent_back(spawn), tool_result(spawn, "output of read_file #0")]
     sim.call(main, Turn(content="x"), status="failed")
     main = tool_loop(sim, main, turns[1:2])
@@ -85,7 +89,9 @@ def test_page_structure_tokens_and_breaks() -> None:
     sampled = dom.find("t s")
     assert len(sampled) == sum(len(r.response_ids) for r in ok)
     assert [int(a["data-id"]) for _, a, _ in sampled][: len(ok[0].response_ids)] == ok[0].response_ids
-    assert [float(a["data-lp"]) for _, a, _ in sampled][: len(ok[0].response_ids)] == pytest.approx(ok[0].logprobs, abs=1e-5)
+    assert [float(a["data-lp"]) for _, a, _ in sampled][: len(ok[0].response_ids)] == pytest.approx(
+        ok[0].logprobs, abs=1e-5
+    )
     assert all(a["style"].startswith("background:hsl(") for _, a, _ in sampled)
     masked = [a for _, a, _ in dom.find("t m") if "data-id" in a]
     assert masked and all("data-lp" not in a for a in masked)
@@ -137,7 +143,9 @@ def test_polar_view_in_headless_chromium(tmp_path: Path) -> None:
 
     asyncio.run(write())
     page = tmp_path / "trace.html"
-    result = CliRunner().invoke(app, ["view", str(store), "--session", "view-1", "-o", str(page), "--tokenizer", str(tok_dir)])
+    result = CliRunner().invoke(
+        app, ["view", str(store), "--session", "view-1", "-o", str(page), "--tokenizer", str(tok_dir)]
+    )
     assert result.exit_code == 0, result.output
 
     dumped = _chromium("--dump-dom", page.as_uri(), profile=tmp_path / "p1")

@@ -12,6 +12,9 @@ from pathlib import Path
 from openai import OpenAI
 
 reply = OpenAI(max_retries=0).chat.completions.create(
-    model=os.environ.get("POLAR_MODEL", "policy"), messages=[{"role": "user", "content": sys.argv[1]}],
-    max_tokens=16, temperature=1.0)
+    model=os.environ.get("POLAR_MODEL", "policy"),
+    messages=[{"role": "user", "content": sys.argv[1]}],
+    max_tokens=16,
+    temperature=1.0,
+)
 Path("answer.txt").write_text(reply.choices[0].message.content or "")

@@ -19,16 +19,33 @@ from polar_cli.rollout.tasks import load_tasks
 HERE = Path(__file__).resolve().parent
 
 
-def collect(model_dir: Path, shards: Path, *, groups: int, samples: int, turns: int = 2, max_tokens: int = 16,
-            seed: int = 0, concurrency: int = 4) -> list[SessionResult]:
+def collect(
+    model_dir: Path,
+    shards: Path,
+    *,
+    groups: int,
+    samples: int,
+    turns: int = 2,
+    max_tokens: int = 16,
+    seed: int = 0,
+    concurrency: int = 4,
+) -> list[SessionResult]:
     tasks = load_tasks(HERE / "tasks.jsonl")
     if groups > len(tasks):
         raise ValueError(f"the toy task set has {len(tasks)} tasks; asked for {groups} groups")
     agent = f"cmd:{sys.executable} {HERE / 'agent.py'} {{instruction}} --turns {turns} --max-tokens {max_tokens}"
-    config = RolloutConfig(tasks=tasks[:groups], harness=agent, samples=samples, out=str(shards),
-                           engine=f"local:{model_dir}", concurrency=concurrency, seed=seed,
-                           work_dir=shards.parent / "sessions", logs_dir=shards.parent / "logs",
-                           proxy_options={"polar_shard_seconds": "1"})
+    config = RolloutConfig(
+        tasks=tasks[:groups],
+        harness=agent,
+        samples=samples,
+        out=str(shards),
+        engine=f"local:{model_dir}",
+        concurrency=concurrency,
+        seed=seed,
+        work_dir=shards.parent / "sessions",
+        logs_dir=shards.parent / "logs",
+        proxy_options={"polar_shard_seconds": "1"},
+    )
     shards.parent.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run_rollout(config))
     failed = [s for s in result.sessions if s.status != "completed"]

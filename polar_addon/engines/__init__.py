@@ -62,8 +62,9 @@ def local_options(target: str, spec: str = "") -> tuple[str, dict[str, str]]:
     options = dict(part.partition("=")[::2] for part in query.split("&") if part)
     unknown = set(options) - {"max_len", "weight_version"}
     if unknown:
-        raise ValueError(f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} "
-                         "(local takes max_len, weight_version)")
+        raise ValueError(
+            f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} (local takes max_len, weight_version)"
+        )
     return model_dir, options
 
 
@@ -78,8 +79,9 @@ def http_options(target: str, spec: str = "") -> tuple[str, dict[str, str]]:
     options = dict(part.partition("=")[::2] for part in query.split("&") if part)
     unknown = set(options) - {"weight_version"}
     if unknown:
-        raise ValueError(f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} "
-                         "(vllm and sglang take weight_version)")
+        raise ValueError(
+            f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} (vllm and sglang take weight_version)"
+        )
     return url, options
 
 
@@ -107,7 +109,9 @@ def make_engine(spec: str, *, timeout_s: float) -> Engine:
 
         model_dir, max_len = parse_local_target(target, spec)
         # weight_version: what a loop that restarts the proxy on each checkpoint tags its captures with.
-        return LocalEngine(model_dir, max_len=max_len, weight_version=local_options(target, spec)[1].get("weight_version"))
+        return LocalEngine(
+            model_dir, max_len=max_len, weight_version=local_options(target, spec)[1].get("weight_version")
+        )
     if kind == "scripted":
         from polar_addon.engines.scripted import ScriptedEngine
 
@@ -118,16 +122,23 @@ def make_engine(spec: str, *, timeout_s: float) -> Engine:
 class EnginePool:
     """The engines of one proxy, with each session sticky to one of them (rules: polar_addon.engines.affinity)."""
 
-    def __init__(self, engines: list[Engine], *, max_strikes: int = MAX_STRIKES, revive_after_s: float = REVIVE_AFTER_S,
-                 max_sessions: int = MAX_SESSIONS) -> None:
+    def __init__(
+        self,
+        engines: list[Engine],
+        *,
+        max_strikes: int = MAX_STRIKES,
+        revive_after_s: float = REVIVE_AFTER_S,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
         if not engines:
             raise ValueError("at least one engine is required")
         self.engines = engines
-        self.affinity = Affinity(len(engines), max_strikes=max_strikes, revive_after_s=revive_after_s,
-                                 max_sessions=max_sessions)
+        self.affinity = Affinity(
+            len(engines), max_strikes=max_strikes, revive_after_s=revive_after_s, max_sessions=max_sessions
+        )
 
     @classmethod
-    def from_spec(cls, spec: str, *, timeout_s: float = 900.0) -> "EnginePool":
+    def from_spec(cls, spec: str, *, timeout_s: float = 900.0) -> EnginePool:
         return cls([make_engine(s, timeout_s=timeout_s) for s in spec.split(",") if s.strip()])
 
     def for_session(self, session_id: str) -> Engine:
@@ -136,8 +147,12 @@ class EnginePool:
             return self.engines[self.affinity.engine_for(session_id, time.monotonic())]
         except SessionLost as exc:
             # Clients never learn where the engine lives: its name goes to the proxy log only.
-            raise PolarError(502, "api_error", "the engine serving this session was taken out after failing; "
-                             "the session cannot go on (it is never moved to another engine mid-session)") from exc
+            raise PolarError(
+                502,
+                "api_error",
+                "the engine serving this session was taken out after failing; "
+                "the session cannot go on (it is never moved to another engine mid-session)",
+            ) from exc
         except NoLiveEngine as exc:
             raise PolarError(503, "overloaded", "every engine of this proxy is failing; retry later") from exc
 
@@ -154,7 +169,9 @@ class EnginePool:
         lost = self.affinity.failed(self.index(engine), time.monotonic(), refused=err.refused)
         if lost is None:
             return []
-        log.warning("polar: engine %s taken out (%s); %d session(s) on it end as error", engine.name, err.message, len(lost))
+        log.warning(
+            "polar: engine %s taken out (%s); %d session(s) on it end as error", engine.name, err.message, len(lost)
+        )
         return lost
 
     def __len__(self) -> int:

@@ -45,8 +45,14 @@ class _Engine:
 
 
 class Affinity:
-    def __init__(self, engines: int, *, max_strikes: int = MAX_STRIKES, revive_after_s: float = REVIVE_AFTER_S,
-                 max_sessions: int = MAX_SESSIONS) -> None:
+    def __init__(
+        self,
+        engines: int,
+        *,
+        max_strikes: int = MAX_STRIKES,
+        revive_after_s: float = REVIVE_AFTER_S,
+        max_sessions: int = MAX_SESSIONS,
+    ) -> None:
         if engines < 1:
             raise ValueError("at least one engine is required")
         if max_strikes < 1:
@@ -68,7 +74,9 @@ class Affinity:
         lost = self._lost.get(session)
         if lost is not None:
             raise SessionLost(lost)
-        ready = [i for i, e in enumerate(self._engines) if e.out_since is None or now - e.out_since >= self.revive_after_s]
+        ready = [
+            i for i, e in enumerate(self._engines) if e.out_since is None or now - e.out_since >= self.revive_after_s
+        ]
         if not ready:
             raise NoLiveEngine()
         index = min(ready, key=lambda i: (self._engines[i].sessions, i))

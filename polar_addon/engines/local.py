@@ -40,8 +40,14 @@ def served_window(native: int | None, max_len: int) -> int | None:
 class LocalEngine:
     kind = "local"
 
-    def __init__(self, model_dir: str | Path, *, default_max_tokens: int = DEFAULT_MAX_TOKENS, max_len: int = 0,
-                 weight_version: str | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_len: int = 0,
+        weight_version: str | None = None,
+    ) -> None:
         self.model_dir = str(model_dir)
         self.name = f"{self.kind}:{self.model_dir}"
         # A served window smaller than the model's own (vLLM's --max-model-len): long-session tests
@@ -111,8 +117,11 @@ class LocalEngine:
         enable_thinking: bool | None,
     ) -> list[int]:
         """Chat template -> text -> ids, the way vLLM and SGLang tokenize a chat request."""
-        return self.encode(self.render_text(messages, tools, add_generation_prompt=add_generation_prompt,
-                                            enable_thinking=enable_thinking))
+        return self.encode(
+            self.render_text(
+                messages, tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+            )
+        )
 
     def render_text(
         self,
@@ -209,7 +218,9 @@ class LocalEngine:
                 else:
                     scaled = logits / temperature
                     log_probs = torch.log_softmax(scaled, dim=-1)
-                    probs = torch.softmax(_filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p, sampling.min_p), dim=-1)
+                    probs = torch.softmax(
+                        _filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p, sampling.min_p), dim=-1
+                    )
                     token = int(torch.multinomial(probs, 1, generator=generator))
                 ids.append(token)
                 logprobs.append(float(log_probs[token]))

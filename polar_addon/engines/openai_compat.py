@@ -10,7 +10,6 @@ with misaligned arrays would silently poison training data.
 from __future__ import annotations
 
 import array
-import asyncio
 import logging
 import re
 import threading
@@ -22,7 +21,15 @@ import aiohttp
 import numpy as np
 import orjson
 
-from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, ContextLengthExceeded, EngineFault, PolarError, ToolCall
+from polar_addon.canonical import (
+    AssistantMessage,
+    CanonicalRequest,
+    Completion,
+    ContextLengthExceeded,
+    EngineFault,
+    PolarError,
+    ToolCall,
+)
 from polar_addon.continuity_tokens import DeltaPrompt, NoDelta, continuation_prompt
 from polar_addon.token_ids import IdText, pack_token_ids
 from polar_addon.tool_parsers import ParsedTurn, ParserChoice
@@ -36,9 +43,15 @@ _CONTEXT_LENGTH_RE = re.compile(
 )
 # vLLM: "This model's maximum context length is M tokens. However, your prompt contains N input tokens";
 # SGLang: "The input (N tokens) is longer than the model's context length (M tokens)."
-_WINDOW_RES = [re.compile(r"maximum context length is (\d+)", re.I), re.compile(r"context length \((\d+) tokens\)", re.I)]
+_WINDOW_RES = [
+    re.compile(r"maximum context length is (\d+)", re.I),
+    re.compile(r"context length \((\d+) tokens\)", re.I),
+]
 _AT_LEAST_RE = re.compile(r"at least \d+ input tokens", re.I)
-_PROMPT_RES = [re.compile(r"(?:contains|has) (?:at least )?(\d+) input tokens", re.I), re.compile(r"input \((\d+) tokens\)", re.I)]
+_PROMPT_RES = [
+    re.compile(r"(?:contains|has) (?:at least )?(\d+) input tokens", re.I),
+    re.compile(r"input \((\d+) tokens\)", re.I),
+]
 _FINISH_REASONS = {
     "stop": "stop",
     "length": "length",
@@ -94,8 +107,9 @@ def engine_error(status: int, content: bytes) -> PolarError:
     if status >= 500:
         return EngineFault(502, "api_error", f"engine error {status}: {message}")
     if _CONTEXT_LENGTH_RE.search(message):
-        return ContextLengthExceeded(message, prompt_tokens=_first_int(_PROMPT_RES, message),
-                                     window=_first_int(_WINDOW_RES, message))
+        return ContextLengthExceeded(
+            message, prompt_tokens=_first_int(_PROMPT_RES, message), window=_first_int(_WINDOW_RES, message)
+        )
     return PolarError(400, "invalid_request", message)
 
 
@@ -192,18 +206,22 @@ class HTTPEngine:
                 log.warning("polar: engine %s unreachable: connect timeout", self.url)
                 raise EngineFault(503, "overloaded", "the engine is unreachable: connect timeout") from exc
             raise PolarError(504, "timeout", f"the engine did not answer within {self.timeout_s:g} s") from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise PolarError(504, "timeout", f"the engine did not answer within {self.timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:
             log.warning("polar: engine %s unreachable: %r", self.url, exc)
             # Refused: nothing listens there (the server is gone), unlike a dropped or reset connection.
             refused = isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, ConnectionRefusedError)
-            raise EngineFault(503, "overloaded", f"the engine is unreachable ({type(exc).__name__})", refused=refused) from exc
+            raise EngineFault(
+                503, "overloaded", f"the engine is unreachable ({type(exc).__name__})", refused=refused
+            ) from exc
         if status >= 400:
             raise engine_error(status, content)
         return content
 
-    async def _send(self, method: str, path: str, data: bytes | None, headers: dict[str, str] | None) -> tuple[int, bytes]:
+    async def _send(
+        self, method: str, path: str, data: bytes | None, headers: dict[str, str] | None
+    ) -> tuple[int, bytes]:
         async with self._client().request(method, self.url + path, data=data, headers=headers) as response:
             return response.status, await response.read()
 
@@ -272,8 +290,9 @@ class HTTPEngine:
         parsed.message = turn.message
         if parsed.message.tool_calls and parsed.finish_reason == "stop":
             parsed.finish_reason = "tool_calls"
-        completion = parsed.to_completion(engine=self.name, default_model=self._model or request.model,
-                                          default_weight_version=self.weight_version)
+        completion = parsed.to_completion(
+            engine=self.name, default_model=self._model or request.model, default_weight_version=self.weight_version
+        )
         completion.parse_failures = len(turn.failed)
         return completion
 
@@ -300,8 +319,9 @@ class HTTPEngine:
         else:
             rest, prompt_ids = cut
             parsed = parse_chat_response(self._json(rest), prompt_ids=prompt_ids)
-        return parsed.to_completion(engine=self.name, default_model=self._model or request.model,
-                                    default_weight_version=self.weight_version)
+        return parsed.to_completion(
+            engine=self.name, default_model=self._model or request.model, default_weight_version=self.weight_version
+        )
 
     async def close(self) -> None:
         if self._session is not None:
@@ -320,7 +340,9 @@ class ParsedChat:
     weight_version: str | None
     cached_tokens: int | None
 
-    def to_completion(self, *, engine: str, default_model: str, default_weight_version: str | None = None) -> Completion:
+    def to_completion(
+        self, *, engine: str, default_model: str, default_weight_version: str | None = None
+    ) -> Completion:
         return Completion(
             message=self.message,
             finish_reason=self.finish_reason,  # type: ignore[arg-type]

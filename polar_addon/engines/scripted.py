@@ -35,8 +35,8 @@ from typing import Any
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
-from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
 from polar_addon.context_compaction import compaction_prompt, summarised_history
+from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
 from polar_addon.engines.local import LocalEngine
 from polar_addon.tool_parsers.calls import new_call_id
 from polar_addon.tool_parsers.hermes import parse
@@ -58,7 +58,9 @@ def _normalise_turn(turn: Any, index: int) -> dict[str, Any]:
         arguments = fn.get("arguments", {})
         if not isinstance(arguments, str):
             arguments = orjson.dumps(arguments).decode()
-        calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+        calls.append(
+            {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+        )
     if calls:
         message["tool_calls"] = calls
     if not message["content"] and not calls and not reasoning:
@@ -107,7 +109,7 @@ class ScriptedEngine:
         if self.after_compaction and summarised_history(messages) is not None:
             # Counted from the summary on: a harness may re-add turns of its own around it.
             turns = self.after_compaction
-            messages = messages[max(i for i, m in enumerate(messages) if summarised_history([m]) is not None):]
+            messages = messages[max(i for i, m in enumerate(messages) if summarised_history([m]) is not None) :]
         index = sum(1 for m in messages if m.get("role") == "assistant")
         if index >= len(turns):
             if not self.cycle:
@@ -127,20 +129,24 @@ class ScriptedEngine:
         temperature = request.sampling.effective_temperature()
         with local.lock:
             thinking = request.enable_thinking
-            prompt_text = local.render_text(request.messages, request.tools, add_generation_prompt=True,
-                                            enable_thinking=thinking)
-            full_text = local.render_text(request.messages + [turn], request.tools, add_generation_prompt=False,
-                                          enable_thinking=thinking)
+            prompt_text = local.render_text(
+                request.messages, request.tools, add_generation_prompt=True, enable_thinking=thinking
+            )
+            full_text = local.render_text(
+                request.messages + [turn], request.tools, add_generation_prompt=False, enable_thinking=thinking
+            )
             if not full_text.startswith(prompt_text):
                 raise PolarError(
-                    502, "api_error", "scripted turn: the chat template does not render it as a continuation of the prompt"
+                    502,
+                    "api_error",
+                    "scripted turn: the chat template does not render it as a continuation of the prompt",
                 )
             prompt, full = local.encode(prompt_text), local.encode(full_text)
             local.check_context(len(prompt))
             # A model samples its turn after the prompt's tokens. Where the whole render re-tokenizes across the
             # prompt's end (Qwen3 with thinking off: "</think>\n\n" + "a.txt" splits the newlines differently),
             # the turn is its own text's tokens.
-            tail = full[len(prompt):] if full[: len(prompt)] == prompt else local.encode(full_text[len(prompt_text):])
+            tail = full[len(prompt) :] if full[: len(prompt)] == prompt else local.encode(full_text[len(prompt_text) :])
             if given_prompt is not None:
                 prompt = list(given_prompt)
                 local.check_context(len(prompt))
@@ -164,7 +170,9 @@ class ScriptedEngine:
                 content=turn.get("content"),
                 reasoning=turn.get("reasoning_content"),
                 tool_calls=[
-                    ToolCall(id=c["id"] or new_call_id(), name=c["function"]["name"], arguments=c["function"]["arguments"])
+                    ToolCall(
+                        id=c["id"] or new_call_id(), name=c["function"]["name"], arguments=c["function"]["arguments"]
+                    )
                     for c in turn.get("tool_calls", [])
                 ],
             )
@@ -182,12 +190,15 @@ class ScriptedEngine:
         )
 
     async def complete(self, request: CanonicalRequest) -> Completion:
-        completion, _ = await asyncio.gather(asyncio.to_thread(self._complete_sync, request), asyncio.sleep(self.latency_s))
+        completion, _ = await asyncio.gather(
+            asyncio.to_thread(self._complete_sync, request), asyncio.sleep(self.latency_s)
+        )
         return completion
 
     async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
-        completion, _ = await asyncio.gather(asyncio.to_thread(self._complete_sync, request, prompt_ids),
-                                             asyncio.sleep(self.latency_s))
+        completion, _ = await asyncio.gather(
+            asyncio.to_thread(self._complete_sync, request, prompt_ids), asyncio.sleep(self.latency_s)
+        )
         return completion
 
     async def count_tokens(self, request: CanonicalRequest) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
 from polar_addon.continuity import Continues, check_continuity
 from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
@@ -58,7 +59,9 @@ def _has_assistant_turn(request: CanonicalRequest) -> bool:
     return any(isinstance(m, dict) and m.get("role") == "assistant" for m in request.messages)
 
 
-def plan_prompt(chains: Sequence[Chain], request: CanonicalRequest, engine: str, continuation: Continuation) -> PromptPlan:
+def plan_prompt(
+    chains: Sequence[Chain], request: CanonicalRequest, engine: str, continuation: Continuation
+) -> PromptPlan:
     """The prompt of ``request``: a continuation of the newest chain it continues, else a fresh render and why.
 
     ``chains`` newest first. The reason of a fresh call is the newest chain's: that is the one a linear
@@ -75,9 +78,12 @@ def plan_prompt(chains: Sequence[Chain], request: CanonicalRequest, engine: str,
             if isinstance(verdict, Continues):
                 at = len(chain.request.messages)
                 delta = continuation(
-                    prompt_ids=chain.prompt_ids, sampled_ids=chain.sampled_ids,
-                    history=request.messages[: at + 1], new_messages=verdict.new_messages,
-                    tools=request.tools, enable_thinking=request.enable_thinking,
+                    prompt_ids=chain.prompt_ids,
+                    sampled_ids=chain.sampled_ids,
+                    history=request.messages[: at + 1],
+                    new_messages=verdict.new_messages,
+                    tools=request.tools,
+                    enable_thinking=request.enable_thinking,
                 )
                 if isinstance(delta, DeltaPrompt):
                     return PromptPlan(delta.prompt_ids, CONTINUITY, "continues", chain)

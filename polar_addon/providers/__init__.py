@@ -7,8 +7,9 @@ and sends what they return. Adding a provider is one new module plus one line in
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 from polar_addon.canonical import CanonicalRequest, Completion, PolarError
 
@@ -60,11 +61,14 @@ class Provider(Protocol):
     def parse_request(self, body: dict[str, Any], route: Route) -> CanonicalRequest:
         """Validate and normalize; raise PolarError(400, "invalid_request", …) on bad input."""
 
-    def render_response(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> dict[str, Any] | list[Any]:
+    def render_response(
+        self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext
+    ) -> dict[str, Any] | list[Any]:
         """The non-streaming body (a list for Gemini's JSON-array stream)."""
 
-    def render_stream(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> Iterator[StreamEvent]:
-        ...
+    def render_stream(
+        self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext
+    ) -> Iterator[StreamEvent]: ...
 
     def keepalive(self, request: CanonicalRequest, ctx: ResponseContext) -> bytes:
         """Raw SSE bytes that keep a streaming client's idle timer alive while the engine works.
@@ -100,4 +104,9 @@ def all_providers() -> list[Provider]:
     # Imported here: the provider modules import this package's types.
     from polar_addon.providers import anthropic_messages, gemini, openai_chat, openai_responses
 
-    return [openai_chat.PROVIDER, anthropic_messages.PROVIDER, openai_responses.OpenAIResponsesProvider(), gemini.PROVIDER]
+    return [
+        openai_chat.PROVIDER,
+        anthropic_messages.PROVIDER,
+        openai_responses.OpenAIResponsesProvider(),
+        gemini.PROVIDER,
+    ]

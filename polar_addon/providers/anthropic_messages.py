@@ -6,9 +6,8 @@ runs offline through a forward proxy.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
-
-import orjson
+from collections.abc import Iterator
+from typing import Any
 
 from polar_addon.canonical import (
     CanonicalRequest,
@@ -293,7 +292,12 @@ def _content_blocks(completion: Completion) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": msg.content})
     for call in msg.tool_calls:
         blocks.append(
-            {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": arguments_object(call.arguments)}
+            {
+                "type": "tool_use",
+                "id": tool_use_id(call.id),
+                "name": call.name,
+                "input": arguments_object(call.arguments),
+            }
         )
     return blocks
 

@@ -14,7 +14,8 @@ Function responses are objects; the engine sees them as compact JSON text.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
 from polar_addon.providers import ResponseContext, Route, StreamEvent
@@ -39,9 +40,24 @@ MODEL_PART_SEPARATOR = ""
 # Gemini schemas spell types as enum names ("OBJECT"); JSON Schema, which chat templates show, in lower case.
 _SCHEMA_TYPES = {"STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY", "OBJECT", "NULL"}
 # Tools Google runs on its side: no engine here can run them.
-HOSTED_TOOLS = ("googleSearch", "googleSearchRetrieval", "codeExecution", "urlContext", "computerUse",
-                "fileSearch", "googleMaps", "enterpriseWebSearch", "retrieval")
-_FINISH = {"stop": "STOP", "tool_calls": "STOP", "length": "MAX_TOKENS", "abort": "MAX_TOKENS", "content_filter": "SAFETY"}
+HOSTED_TOOLS = (
+    "googleSearch",
+    "googleSearchRetrieval",
+    "codeExecution",
+    "urlContext",
+    "computerUse",
+    "fileSearch",
+    "googleMaps",
+    "enterpriseWebSearch",
+    "retrieval",
+)
+_FINISH = {
+    "stop": "STOP",
+    "tool_calls": "STOP",
+    "length": "MAX_TOKENS",
+    "abort": "MAX_TOKENS",
+    "content_filter": "SAFETY",
+}
 _STATUS = {
     "invalid_request": "INVALID_ARGUMENT",
     "request_too_large": "INVALID_ARGUMENT",
@@ -100,7 +116,9 @@ def _model_turn(parts: list[dict[str, Any]], index: int, where: str) -> tuple[di
             if not isinstance(args, dict):
                 raise invalid(f"{where}.parts[{j}]: functionCall 'args' must be an object")
             call_id = call.get("id") or f"call_{index}_{j}"
-            calls.append({"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": compact_json(args)}})
+            calls.append(
+                {"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": compact_json(args)}}
+            )
         elif "text" in part:
             (thoughts if part.get("thought") else texts).append(_text(part, f"{where}.parts[{j}]"))
         elif set(part) <= _SIGNATURE_KEYS:
@@ -115,7 +133,9 @@ def _model_turn(parts: list[dict[str, Any]], index: int, where: str) -> tuple[di
     return msg, [(c["id"], c["function"]["name"]) for c in calls]
 
 
-def _user_turn(parts: list[dict[str, Any]], index: int, where: str, open_calls: list[tuple[str, str]]) -> list[dict[str, Any]]:
+def _user_turn(
+    parts: list[dict[str, Any]], index: int, where: str, open_calls: list[tuple[str, str]]
+) -> list[dict[str, Any]]:
     texts: list[str] = []
     results: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
@@ -125,7 +145,9 @@ def _user_turn(parts: list[dict[str, Any]], index: int, where: str, open_calls: 
                 raise invalid(f"{where}.parts[{j}]: functionResponse needs a string 'name'")
             call_id = response.get("id") or _answer(open_calls, response["name"]) or f"call_{index}_{j}"
             open_calls[:] = [c for c in open_calls if c[0] != call_id]
-            results.append({"role": "tool", "tool_call_id": call_id, "content": compact_json(response.get("response") or {})})
+            results.append(
+                {"role": "tool", "tool_call_id": call_id, "content": compact_json(response.get("response") or {})}
+            )
         elif "text" in part and not part.get("thought"):
             texts.append(_text(part, f"{where}.parts[{j}]"))
         else:
@@ -432,8 +454,10 @@ class GeminiProvider:
     def render_error(self, error: PolarError) -> dict[str, Any]:
         message = error.message
         if isinstance(error, ContextLengthExceeded) and error.counted:
-            message = (f"The input token count ({error.prompt_tokens}) exceeds the maximum number of tokens "
-                       f"allowed ({error.window}).")
+            message = (
+                f"The input token count ({error.prompt_tokens}) exceeds the maximum number of tokens "
+                f"allowed ({error.window})."
+            )
         return {"error": {"code": error.status, "message": message, "status": _STATUS.get(error.kind, "INTERNAL")}}
 
     def render_stream_error(self, error: PolarError, ctx: ResponseContext) -> Iterator[StreamEvent]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from polar_addon.canonical import (
     CanonicalRequest,
@@ -14,8 +15,8 @@ from polar_addon.canonical import (
 from polar_addon.providers import ResponseContext, Route, StreamEvent
 from polar_addon.providers.common import (
     INT64_MAX,
-    content_text,
     compact_json,
+    content_text,
     drop_tool_choice_without_tools,
     invalid,
     opt_bool,
@@ -240,8 +241,10 @@ class OpenAIChatProvider:
         message = error.message
         if isinstance(error, ContextLengthExceeded) and error.counted:
             # OpenAI's wording: harnesses and SDK users match on "maximum context length".
-            message = (f"This model's maximum context length is {error.window} tokens. However, your messages "
-                       f"resulted in {error.prompt_tokens} tokens. Please reduce the length of the messages.")
+            message = (
+                f"This model's maximum context length is {error.window} tokens. However, your messages "
+                f"resulted in {error.prompt_tokens} tokens. Please reduce the length of the messages."
+            )
         return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
     def render_stream_error(self, error: PolarError, ctx: ResponseContext) -> Iterator[StreamEvent]:

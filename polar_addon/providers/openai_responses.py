@@ -38,8 +38,9 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import orjson
 
@@ -47,8 +48,8 @@ from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExc
 from polar_addon.context_compaction import POLAR_COMPACTION_PROMPT, decode_summary, encode_summary, summary_message
 from polar_addon.providers import ResponseContext, Route, StreamEvent, encode_sse
 from polar_addon.providers.common import (
-    content_text,
     compact_json,
+    content_text,
     drop_tool_choice_without_tools,
     invalid,
     opt_bool,
@@ -144,8 +145,9 @@ class ResponseHistory:
     Thread-safe: large requests are parsed on a worker thread.
     """
 
-    def __init__(self, size: int = HISTORY_SIZE, max_bytes: int = HISTORY_BYTES,
-                 session_bytes: int = SESSION_HISTORY_BYTES) -> None:
+    def __init__(
+        self, size: int = HISTORY_SIZE, max_bytes: int = HISTORY_BYTES, session_bytes: int = SESSION_HISTORY_BYTES
+    ) -> None:
         self.size = size
         self.max_bytes = max_bytes
         self.session_bytes = session_bytes
@@ -155,12 +157,23 @@ class ResponseHistory:
         self.total_bytes = 0
         self._lock = threading.Lock()
 
-    def remember(self, response_id: str, items: list[dict[str, Any]], *, session: str | None = None,
-                 cost: int = 0, prewarm: bool = False) -> None:
+    def remember(
+        self,
+        response_id: str,
+        items: list[dict[str, Any]],
+        *,
+        session: str | None = None,
+        cost: int = 0,
+        prewarm: bool = False,
+    ) -> None:
         with self._lock:
             if cost > self.session_bytes or cost > self.max_bytes:
-                log.warning("polar: response %s (%d bytes of history) is over the history bound; "
-                            "a request continuing from it will get previous_response_not_found", response_id, cost)
+                log.warning(
+                    "polar: response %s (%d bytes of history) is over the history bound; "
+                    "a request continuing from it will get previous_response_not_found",
+                    response_id,
+                    cost,
+                )
                 return
             self._drop(response_id)
             if prewarm:
@@ -258,7 +271,7 @@ def flat_name(namespace: str | None, name: str) -> str:
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
 
 
-def _conversation(items: list[Any], tools: "_Tools") -> tuple[list[str], list[dict[str, Any]]]:
+def _conversation(items: list[Any], tools: _Tools) -> tuple[list[str], list[dict[str, Any]]]:
     """(system texts, canonical messages without the system message) for a list of input items.
 
     Tools that items make available (``additional_tools``, ``tool_search_output``) are added to ``tools``;
@@ -353,9 +366,17 @@ def _conversation(items: list[Any], tools: "_Tools") -> tuple[list[str], list[di
             assistant().setdefault("tool_calls", []).append(call)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             turn = None
-            out.append({"role": "tool", "tool_call_id": _call_id(item, where), "content": _output_text(item.get("output"), where)})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _call_id(item, where),
+                    "content": _output_text(item.get("output"), where),
+                }
+            )
         elif kind == "item_reference":
-            raise invalid(f"{where}: item_reference needs server-side item storage, which polar does not keep; send the item itself")
+            raise invalid(
+                f"{where}: item_reference needs server-side item storage, which polar does not keep; send the item itself"
+            )
         else:
             raise invalid(f"{where}: unsupported input item type {kind!r}")
     return system, out
@@ -484,7 +505,9 @@ def _tool_choice(raw: Any) -> str | dict[str, Any] | None:
         if kind == "allowed_tools" and raw.get("mode") in ("auto", "required"):
             # The engine cannot restrict itself to a subset; the mode is what it can honour.
             return raw["mode"]
-    raise invalid("'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}")
+    raise invalid(
+        "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}"
+    )
 
 
 def _reasoning(raw: Any) -> tuple[bool | None, bool]:
@@ -532,7 +555,9 @@ def overflow_message(error: PolarError) -> str:
     """OpenAI's own words for an input over the window, with the engine's counts when known."""
     if not isinstance(error, ContextLengthExceeded):
         return error.message
-    counts = f" ({error.prompt_tokens} input tokens > {error.window} maximum)" if error.counted else f" ({error.message})"
+    counts = (
+        f" ({error.prompt_tokens} input tokens > {error.window} maximum)" if error.counted else f" ({error.message})"
+    )
     return f"Your input exceeds the context window of this model.{counts} Please adjust your input and try again."
 
 
@@ -574,11 +599,23 @@ def output_items(request: CanonicalRequest, completion: Completion, ctx: Respons
     namespaces: dict[str, str] = request.extra.get("namespaced_tools") or {}
     for index, call in enumerate(msg.tool_calls):
         if call.name in custom:
-            item: dict[str, Any] = {"id": f"ctc_{suffix}_{index}", "type": "custom_tool_call", "status": "completed",
-                                    "call_id": call.id, "name": call.name, "input": custom_input(call.arguments)}
+            item: dict[str, Any] = {
+                "id": f"ctc_{suffix}_{index}",
+                "type": "custom_tool_call",
+                "status": "completed",
+                "call_id": call.id,
+                "name": call.name,
+                "input": custom_input(call.arguments),
+            }
         else:
-            item = {"id": f"fc_{suffix}_{index}", "type": "function_call", "status": "completed",
-                    "call_id": call.id, "name": call.name, "arguments": call.arguments}
+            item = {
+                "id": f"fc_{suffix}_{index}",
+                "type": "function_call",
+                "status": "completed",
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": call.arguments,
+            }
         namespace = namespaces.get(call.name)
         if namespace:
             item.update(namespace=namespace, name=call.name[len(namespace) + len(NAMESPACE_SEPARATOR) :])
@@ -633,7 +670,9 @@ def _echo_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, An
     return choice or "auto"
 
 
-def _final_response(request: CanonicalRequest, completion: Completion, ctx: ResponseContext, items: list[dict[str, Any]]) -> dict[str, Any]:
+def _final_response(
+    request: CanonicalRequest, completion: Completion, ctx: ResponseContext, items: list[dict[str, Any]]
+) -> dict[str, Any]:
     status = _status(completion)
     response = response_object(request, ctx, status)
     response["output"] = items
@@ -700,7 +739,9 @@ class OpenAIResponsesProvider:
                 raise invalid("'previous_response_id' must be a string")
             found = self.history.entry(previous)
             if found is None:
-                raise PolarError(400, "previous_response_not_found", f"Previous response with id '{previous}' not found.")
+                raise PolarError(
+                    400, "previous_response_not_found", f"Previous response with id '{previous}' not found."
+                )
             history, base_cost = found.items, found.cost
         items = history + _input_items(body.get("input"))
         # Codex's remote compaction: POST /responses/compact (v1), or a call whose input ends with a
@@ -754,14 +795,17 @@ class OpenAIResponsesProvider:
         weakref.finalize(request, self._inputs.pop, key, None)
         return drop_tool_choice_without_tools(request)
 
-    def remember(self, request: CanonicalRequest, response_id: str, output: list[dict[str, Any]], *,
-                 prewarm: bool = False) -> None:
+    def remember(
+        self, request: CanonicalRequest, response_id: str, output: list[dict[str, Any]], *, prewarm: bool = False
+    ) -> None:
         """Keep ``request``'s items plus ``output`` as the history of ``response_id``."""
         pending = self._inputs.get(id(request)) or _Pending([], None, 0)
         cost = pending.cost + (len(orjson.dumps(output)) if output else 0)
         self.history.remember(response_id, pending.items + output, session=pending.session, cost=cost, prewarm=prewarm)
 
-    def render_response(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> dict[str, Any]:
+    def render_response(
+        self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext
+    ) -> dict[str, Any]:
         items = output_items(request, completion, ctx)
         if request.extra.get("compaction") == "remote_v1":
             return {"output": self._compacted_window(request) + items}
@@ -772,7 +816,11 @@ class OpenAIResponsesProvider:
         """What /responses/compact keeps besides the compaction item: the user's own messages, as sent."""
         pending = self._inputs.get(id(request))
         items = pending.items if pending is not None else []
-        return [i for i in items if isinstance(i, dict) and i.get("type", "message") == "message" and i.get("role") == "user"]
+        return [
+            i
+            for i in items
+            if isinstance(i, dict) and i.get("type", "message") == "message" and i.get("role") == "user"
+        ]
 
     def _prelude(self, request: CanonicalRequest, ctx: ResponseContext, seq: _Sequencer) -> Iterator[StreamEvent]:
         start = response_object(request, ctx, "in_progress")
@@ -787,14 +835,23 @@ class OpenAIResponsesProvider:
         seq = _Sequencer(0)
         return seq, list(self._prelude(request, ctx, seq))
 
-    def render_stream(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext) -> Iterator[StreamEvent]:
+    def render_stream(
+        self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext
+    ) -> Iterator[StreamEvent]:
         items = output_items(request, completion, ctx)
         self.remember(request, ctx.response_id, items)
         seq, prelude = self._sequencer(request, ctx)
         return self._events(request, completion, ctx, items, seq, prelude)
 
-    def _events(self, request: CanonicalRequest, completion: Completion, ctx: ResponseContext,
-                items: list[dict[str, Any]], seq: _Sequencer, prelude: list[StreamEvent]) -> Iterator[StreamEvent]:
+    def _events(
+        self,
+        request: CanonicalRequest,
+        completion: Completion,
+        ctx: ResponseContext,
+        items: list[dict[str, Any]],
+        seq: _Sequencer,
+        prelude: list[StreamEvent],
+    ) -> Iterator[StreamEvent]:
         yield from prelude
         for index, item in enumerate(items):
             kind = item["type"]
@@ -802,19 +859,33 @@ class OpenAIResponsesProvider:
             if kind == "reasoning":
                 yield seq("response.output_item.added", output_index=index, item={**item, "summary": [], "content": []})
                 for s_index, part in enumerate(item["summary"]):
-                    yield seq("response.reasoning_summary_part.added", **at, summary_index=s_index, part={"type": "summary_text", "text": ""})
+                    yield seq(
+                        "response.reasoning_summary_part.added",
+                        **at,
+                        summary_index=s_index,
+                        part={"type": "summary_text", "text": ""},
+                    )
                     for piece in pieces(part["text"]):
                         yield seq("response.reasoning_summary_text.delta", **at, summary_index=s_index, delta=piece)
                     yield seq("response.reasoning_summary_text.done", **at, summary_index=s_index, text=part["text"])
                     yield seq("response.reasoning_summary_part.done", **at, summary_index=s_index, part=part)
                 for c_index, part in enumerate(item["content"]):
-                    yield seq("response.content_part.added", **at, content_index=c_index, part={"type": "reasoning_text", "text": ""})
+                    yield seq(
+                        "response.content_part.added",
+                        **at,
+                        content_index=c_index,
+                        part={"type": "reasoning_text", "text": ""},
+                    )
                     for piece in pieces(part["text"]):
                         yield seq("response.reasoning_text.delta", **at, content_index=c_index, delta=piece)
                     yield seq("response.reasoning_text.done", **at, content_index=c_index, text=part["text"])
                     yield seq("response.content_part.done", **at, content_index=c_index, part=part)
             elif kind == "message":
-                yield seq("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "content": []})
+                yield seq(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "status": "in_progress", "content": []},
+                )
                 for c_index, part in enumerate(item["content"]):
                     yield seq("response.content_part.added", **at, content_index=c_index, part={**part, "text": ""})
                     for piece in pieces(part["text"]):
@@ -822,14 +893,22 @@ class OpenAIResponsesProvider:
                     yield seq("response.output_text.done", **at, content_index=c_index, text=part["text"], logprobs=[])
                     yield seq("response.content_part.done", **at, content_index=c_index, part=part)
             elif kind == "function_call":
-                yield seq("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "arguments": ""})
+                yield seq(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "status": "in_progress", "arguments": ""},
+                )
                 for piece in pieces(item["arguments"]):
                     yield seq("response.function_call_arguments.delta", **at, delta=piece)
                 yield seq("response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"])
             elif kind == "compaction":
                 yield seq("response.output_item.added", output_index=index, item=item)
             else:  # custom_tool_call
-                yield seq("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "input": ""})
+                yield seq(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={**item, "status": "in_progress", "input": ""},
+                )
                 for piece in pieces(item["input"]):
                     yield seq("response.custom_tool_call_input.delta", **at, delta=piece)
                 yield seq("response.custom_tool_call_input.done", **at, input=item["input"])

@@ -100,10 +100,10 @@ class SessionTips:
         self.max_sessions = max_sessions
         self._tips: OrderedDict[str, list[Tip]] = OrderedDict()
 
-    def staged(self) -> "StagedTips":
+    def staged(self) -> StagedTips:
         return StagedTips(self)
 
-    def commit(self, staged: "StagedTips") -> None:
+    def commit(self, staged: StagedTips) -> None:
         for sid, tips in staged.changes.items():
             if tips is None:
                 self._tips.pop(sid, None)
@@ -125,7 +125,7 @@ class StagedTips:
         return self.base._tips.get(sid, [])
 
     def push(self, sid: str, tip: Tip) -> None:
-        self.changes[sid] = [*self.get(sid)[-(TIPS_PER_SESSION - 1):], tip]
+        self.changes[sid] = [*self.get(sid)[-(TIPS_PER_SESSION - 1) :], tip]
 
     def end(self, sid: str) -> None:
         """A session that ended keeps no tips (it is not expected to make more calls)."""
@@ -149,7 +149,7 @@ def encode_call(call: JournaledCall, tips: Sequence[Tip]) -> tuple[dict[str, Any
     row["prompt_len"] = prompt_len
     row["prompt_ref"] = best_ref
     row["prompt_prefix_len"] = best_tokens
-    row["prompt_tail"] = array.array("i", prompt_arr[4 * best_tokens:]).tolist()
+    row["prompt_tail"] = array.array("i", prompt_arr[4 * best_tokens :]).tolist()
 
     parts = message_parts(call.messages_json)
     best_msgs, best_msg_ref = 0, None

@@ -33,10 +33,35 @@ _CALL_HEAD = struct.Struct("<III")
 
 # Stored as they are; token arrays and messages travel separately (see compaction.encode_call).
 PLAIN_FIELDS = (
-    "record_id", "session_id", "seq", "api", "status", "task_id", "group_id", "sample_index", "harness",
-    "requested_model", "served_model", "engine", "started_at", "engine_latency_s", "finished_at",
-    "temperature", "top_p", "top_k", "min_p", "max_tokens", "finish_reason", "matched_stop", "weight_version",
-    "tools_json", "tool_choice_json", "response_json", "error", "prompt_source", "prompt_reason",
+    "record_id",
+    "session_id",
+    "seq",
+    "api",
+    "status",
+    "task_id",
+    "group_id",
+    "sample_index",
+    "harness",
+    "requested_model",
+    "served_model",
+    "engine",
+    "started_at",
+    "engine_latency_s",
+    "finished_at",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "finish_reason",
+    "matched_stop",
+    "weight_version",
+    "tools_json",
+    "tool_choice_json",
+    "response_json",
+    "error",
+    "prompt_source",
+    "prompt_reason",
     "parse_failures",
 )
 
@@ -110,10 +135,17 @@ def call_entry(record: CaptureRecord, seq: int) -> bytes:
     except TypeError as exc:
         raise TypeError(f"logprobs must hold numbers: {exc}") from exc
     header = orjson.dumps(row)
-    return b"".join((
-        tag, _CALL_HEAD.pack(len(header), len(prompt), len(response) // 4), header, prompt, response,
-        logprobs, record.messages_json.encode(),
-    ))
+    return b"".join(
+        (
+            tag,
+            _CALL_HEAD.pack(len(header), len(prompt), len(response) // 4),
+            header,
+            prompt,
+            response,
+            logprobs,
+            record.messages_json.encode(),
+        )
+    )
 
 
 def row_entry(kind: str, row: dict[str, Any]) -> bytes:
@@ -126,7 +158,7 @@ def entry_header(payload: bytes) -> tuple[str, dict[str, Any]]:
     if payload[:1] in (_CALL, _CALL_TEXT):
         header_len = _CALL_HEAD.unpack_from(payload, 1)[0]
         start = 1 + _CALL_HEAD.size
-        return CALLS, orjson.loads(payload[start:start + header_len])
+        return CALLS, orjson.loads(payload[start : start + header_len])
     entry = orjson.loads(payload[1:])
     return entry["k"], entry["r"]
 
@@ -137,14 +169,14 @@ def decode_entry(payload: bytes) -> tuple[str, JournaledCall | dict[str, Any]]:
         return entry_header(payload)
     header_len, prompt_bytes, n_response = _CALL_HEAD.unpack_from(payload, 1)
     pos = 1 + _CALL_HEAD.size
-    row = orjson.loads(payload[pos:pos + header_len])
+    row = orjson.loads(payload[pos : pos + header_len])
     pos += header_len
-    prompt = payload[pos:pos + prompt_bytes]
+    prompt = payload[pos : pos + prompt_bytes]
     pos += prompt_bytes
-    response = payload[pos:pos + 4 * n_response]
+    response = payload[pos : pos + 4 * n_response]
     response_ids = array.array("i", response).tolist()
     pos += 4 * n_response
-    logprobs = array.array("d", payload[pos:pos + 8 * n_response]).tolist()
+    logprobs = array.array("d", payload[pos : pos + 8 * n_response]).tolist()
     pos += 8 * n_response
     call = JournaledCall(row, prompt, response, response_ids, logprobs, payload[pos:].decode())
     if tag == _CALL_TEXT:

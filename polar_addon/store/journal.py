@@ -48,7 +48,7 @@ def parse_segment(data: bytes) -> list[bytes]:
     if not data.startswith(MAGIC):
         if len(data) >= len(MAGIC) and data.startswith(MAGIC[:4]):
             # Another format version: refuse rather than treat it as empty (its conversion would delete it).
-            raise ValueError(f"journal segment in format {data[:len(MAGIC)]!r}, this polar reads {MAGIC!r}")
+            raise ValueError(f"journal segment in format {data[: len(MAGIC)]!r}, this polar reads {MAGIC!r}")
         return []
     payloads = []
     pos = len(MAGIC)
@@ -102,12 +102,12 @@ class Segment:
         total = sum(map(len, parts))
         try:
             for i in range(0, len(parts), _IOV_MAX):
-                chunk = parts[i:i + _IOV_MAX]
+                chunk = parts[i : i + _IOV_MAX]
                 written = os.writev(self.fd, chunk)
                 if written < sum(map(len, chunk)):  # a short write (rare on a regular file): finish it
                     view = memoryview(b"".join(chunk))[written:]
                     while view:
-                        view = view[os.write(self.fd, view):]
+                        view = view[os.write(self.fd, view) :]
             os.fdatasync(self.fd)
         except OSError:
             try:
@@ -183,9 +183,7 @@ def adopt_orphans(root: str, own: str) -> list[WriterDir]:
             os.close(lock_fd)
             continue  # a live writer
         try:
-            segments = sorted(
-                os.path.join(path, n) for n in os.listdir(path) if n.endswith(SEGMENT_SUFFIX)
-            )
+            segments = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(SEGMENT_SUFFIX))
         except FileNotFoundError:
             os.close(lock_fd)
             continue

@@ -16,9 +16,9 @@ import pyarrow.dataset as ds
 
 from polar_addon.capture import CaptureRecord
 from polar_addon.store.compaction import expand_session
+from polar_addon.store.pending import default_journal_root, pending_table, read_pending
 from polar_addon.store.rewards import RewardRecord
 from polar_addon.store.sessions import SessionRecord, merge_sessions
-from polar_addon.store.pending import default_journal_root, pending_table, read_pending
 from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
 
 
@@ -45,8 +45,9 @@ def shard_dataset(uri: str, kind: str = CALLS) -> ds.Dataset:
     return ds.dataset(out.list_shards(kind), schema=SCHEMAS[kind], format="parquet", filesystem=out.fs)
 
 
-def read_table(uri: str, kind: str = CALLS, columns: list[str] | None = None,
-               session_ids: Iterable[str] | None = None) -> pa.Table:
+def read_table(
+    uri: str, kind: str = CALLS, columns: list[str] | None = None, session_ids: Iterable[str] | None = None
+) -> pa.Table:
     """Stored rows of one kind, in shard order (oldest first) then row order."""
     out = Output.from_uri(uri)
     segments = read_pending(default_journal_root(out))  # before listing shards: see pending.pending_table
@@ -67,8 +68,9 @@ def read_table(uri: str, kind: str = CALLS, columns: list[str] | None = None,
     return pa.concat_tables([table, pending.cast(table.schema)])
 
 
-def iter_records(uri: str, session_ids: Iterable[str] | None = None,
-                 include_failed: bool = True) -> Iterator[CaptureRecord]:
+def iter_records(
+    uri: str, session_ids: Iterable[str] | None = None, include_failed: bool = True
+) -> Iterator[CaptureRecord]:
     """Full records, one session at a time, sorted by (session_id, seq); memory stays per session."""
     table = read_table(uri, CALLS, session_ids=session_ids)
     if table.num_rows == 0:
@@ -85,8 +87,9 @@ def iter_records(uri: str, session_ids: Iterable[str] | None = None,
         start = end
 
 
-def read_records(uri: str, session_ids: Iterable[str] | None = None,
-                 include_failed: bool = True) -> list[CaptureRecord]:
+def read_records(
+    uri: str, session_ids: Iterable[str] | None = None, include_failed: bool = True
+) -> list[CaptureRecord]:
     """Every record with full prompt_ids / messages_json, sorted by (session_id, seq)."""
     return list(iter_records(uri, session_ids, include_failed))
 
@@ -103,9 +106,20 @@ def read_sessions(uri: str) -> list[SessionRecord]:
     updates = read_table(uri, SESSIONS).to_pylist()
     updates.sort(key=lambda r: r["updated_at"] or 0.0)  # stable: ties keep shard and row order
     calls = read_table(
-        uri, CALLS,
-        columns=["session_id", "seq", "status", "task_id", "group_id", "sample_index", "harness",
-                 "started_at", "prompt_len", "response_ids"],
+        uri,
+        CALLS,
+        columns=[
+            "session_id",
+            "seq",
+            "status",
+            "task_id",
+            "group_id",
+            "sample_index",
+            "harness",
+            "started_at",
+            "prompt_len",
+            "response_ids",
+        ],
     )
     calls = calls.append_column("response_len", pc.list_value_length(calls.column("response_ids")))
     calls = calls.drop_columns(["response_ids"])

@@ -72,7 +72,9 @@ CALLS_SCHEMA = pa.schema(
         pa.field("error", pa.string()),
         pa.field("prompt_source", pa.string()),
         pa.field("prompt_reason", pa.string()),
-        pa.field("parse_failures", pa.int64()),  # tool-call blocks polar's parser could not read; null: not parsed by polar
+        pa.field(
+            "parse_failures", pa.int64()
+        ),  # tool-call blocks polar's parser could not read; null: not parsed by polar
     ]
 )
 
@@ -135,7 +137,7 @@ class Output:
         return None
 
     @classmethod
-    def from_uri(cls, uri: str) -> "Output":
+    def from_uri(cls, uri: str) -> Output:
         path = cls.local_root(uri)
         if path is not None:
             return cls(uri, pafs.LocalFileSystem(), path, True)
@@ -212,8 +214,11 @@ class Output:
 
     def list_quarantine(self) -> list[str]:
         selector = pafs.FileSelector(f"{self.root}/{QUARANTINE_DIR}", allow_not_found=True)
-        return sorted(i.path for i in self.fs.get_file_info(selector)
-                      if i.type == pafs.FileType.File and i.base_name.endswith(".jsonl") and not i.base_name.startswith("."))
+        return sorted(
+            i.path
+            for i in self.fs.get_file_info(selector)
+            if i.type == pafs.FileType.File and i.base_name.endswith(".jsonl") and not i.base_name.startswith(".")
+        )
 
     def probe(self) -> None:
         """Raise OSError unless a file can be created in the output right now."""

@@ -9,11 +9,11 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from polar_addon.store import journal
+from polar_addon.store.entries import entry_header
 from polar_addon.store.pending import journal_segments
 from polar_addon.store.reader import read_sessions, read_table
 from polar_addon.store.sessions import SessionRecord
 from polar_addon.store.shards import CALLS, KINDS, Output
-from polar_addon.store.entries import entry_header
 from polar_addon.store.trace_store import default_journal_dir
 
 

@@ -35,7 +35,7 @@ from polar_addon.store import journal
 from polar_addon.store.compaction import SessionTips, StagedTips, encode_segment
 from polar_addon.store.entries import call_entry, entry_header, row_entry
 from polar_addon.store.rewards import check_reward
-from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
+from polar_addon.store.shards import CALLS, REWARDS, SCHEMAS, SESSIONS, Output
 
 log = logging.getLogger("polar.store")
 
@@ -91,8 +91,10 @@ def split_segment(payloads: list[bytes]) -> tuple[list[bytes], list[tuple[int, b
 
 def quarantine_lines(segment: str, bad: list[tuple[int, bytes, str]]) -> bytes:
     return b"".join(
-        orjson.dumps({"segment": segment, "entry": index, "reason": reason,
-                      "payload_b64": base64.b64encode(payload).decode()}) + b"\n"
+        orjson.dumps(
+            {"segment": segment, "entry": index, "reason": reason, "payload_b64": base64.b64encode(payload).decode()}
+        )
+        + b"\n"
         for index, payload, reason in bad
     )
 
@@ -258,8 +260,12 @@ class TraceStore:
         with self._pending_lock:
             left = list(self._unconverted)
         if left:
-            log.warning("trace store closed with %d journal segments not in shards yet (%s): %s",
-                        len(left), self._output_error, self.journal_root)
+            log.warning(
+                "trace store closed with %d journal segments not in shards yet (%s): %s",
+                len(left),
+                self._output_error,
+                self.journal_root,
+            )
         self._own_dir.release(remove=True)
         for wd in self._adopted:
             wd.release(remove=not wd.segments)
@@ -267,13 +273,13 @@ class TraceStore:
     async def aclose(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
-    def __enter__(self) -> "TraceStore":
+    def __enter__(self) -> TraceStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def __aenter__(self) -> "TraceStore":
+    async def __aenter__(self) -> TraceStore:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -302,8 +308,13 @@ class TraceStore:
         a slow fsync (over _INLINE_MAX_S) they all go there for a while, so a slow disk never stalls the
         event loop for long.
         """
-        if (self._closed or self._next_seq is None or not self._queue.empty()
-                or time.monotonic() < self._inline_after or not self._write_lock.acquire(blocking=False)):
+        if (
+            self._closed
+            or self._next_seq is None
+            or not self._queue.empty()
+            or time.monotonic() < self._inline_after
+            or not self._write_lock.acquire(blocking=False)
+        ):
             return False
         try:
             opened = self._segment is None

@@ -14,9 +14,9 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from polar_addon.store.compaction import ShardIntegrityError, expand_session
+from polar_addon.store.pending import pending_table, read_pending
 from polar_addon.store.sessions import row_metadata
 from polar_addon.store.shards import CALLS, KINDS, LATER_COLUMNS, REWARDS, SCHEMAS, SESSIONS, Output
-from polar_addon.store.pending import pending_table, read_pending
 from polar_addon.store.trace_store import SESSION_STATUSES, default_journal_dir
 
 
@@ -26,7 +26,7 @@ def _check_schemas(out: Output) -> tuple[list[str], dict[str, list[str]]]:
     for kind in KINDS:
         readable[kind] = []
         for path in out.list_shards(kind):
-            name = path[len(out.root) + 1:]
+            name = path[len(out.root) + 1 :]
             try:
                 schema = pq.read_schema(path, filesystem=out.fs)
             except Exception as exc:  # a truncated or foreign file
@@ -72,7 +72,9 @@ def _check_call_row(row: dict[str, Any]) -> list[str]:
     elif len(logprobs) != len(response):
         problems.append(f"{where}: {len(logprobs)} logprobs for {len(response)} response tokens")
     if row["prompt_len"] != (row["prompt_prefix_len"] or 0) + len(tail):
-        problems.append(f"{where}: prompt_len {row['prompt_len']} != prefix {row['prompt_prefix_len']} + tail {len(tail)}")
+        problems.append(
+            f"{where}: prompt_len {row['prompt_len']} != prefix {row['prompt_prefix_len']} + tail {len(tail)}"
+        )
     if (row["prompt_ref"] is None) != (not row["prompt_prefix_len"]):
         problems.append(f"{where}: prompt_ref and prompt_prefix_len disagree")
     if (row["messages_ref"] is None) != (not row["messages_prefix_len"]):
@@ -100,7 +102,10 @@ def _check_calls(rows: list[dict[str, Any]]) -> tuple[list[str], set[str]]:
             continue  # expanding would only repeat the duplicate-id finding
         try:
             for record, row in zip(expand_session(session_rows), session_rows):
-                if row["messages_count"] is not None and len(orjson.loads(record.messages_json)) != row["messages_count"]:
+                if (
+                    row["messages_count"] is not None
+                    and len(orjson.loads(record.messages_json)) != row["messages_count"]
+                ):
                     problems.append(f"call {record.record_id}: rebuilt messages count differs from messages_count")
         except (ShardIntegrityError, orjson.JSONDecodeError, KeyError) as exc:
             problems.append(f"session {sid}: cannot rebuild records ({exc})")
@@ -151,8 +156,10 @@ def validate_store(uri: str) -> list[str]:
         with out.fs.open_input_stream(path) as f:
             for line in f.read().splitlines():
                 entry = orjson.loads(line)
-                problems.append(f"quarantined: segment {entry['segment']} entry {entry['entry']} could not become a row "
-                                f"({entry['reason']}); kept in {path[len(out.root) + 1:]}")
+                problems.append(
+                    f"quarantined: segment {entry['segment']} entry {entry['entry']} could not become a row "
+                    f"({entry['reason']}); kept in {path[len(out.root) + 1 :]}"
+                )
     rewards = _read(out, REWARDS, readable[REWARDS], segments)
     reward_ids = Counter(r["reward_id"] for r in rewards)
     problems += [f"reward_id {rid} appears {n} times" for rid, n in reward_ids.items() if n > 1]

@@ -41,15 +41,40 @@ _WHITESPACE = " \t\r\n"
 
 # vLLM's spellings of JSON Schema types (vllm/tool_parsers/utils.py _TYPE_ALIASES).
 _TYPE_ALIASES = {
-    "str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
-    "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",
-    "uint64": "integer", "long": "integer", "short": "integer", "unsigned": "integer",
-    "float": "number", "float32": "number", "float64": "number", "double": "number",
-    "bool": "boolean", "dict": "object", "arr": "array", "list": "array", "sequence": "array",
+    "str": "string",
+    "text": "string",
+    "varchar": "string",
+    "char": "string",
+    "enum": "string",
+    "int": "integer",
+    "int32": "integer",
+    "int64": "integer",
+    "uint": "integer",
+    "uint32": "integer",
+    "uint64": "integer",
+    "long": "integer",
+    "short": "integer",
+    "unsigned": "integer",
+    "float": "number",
+    "float32": "number",
+    "float64": "number",
+    "double": "number",
+    "bool": "boolean",
+    "dict": "object",
+    "arr": "array",
+    "list": "array",
+    "sequence": "array",
 }
 # The order vLLM tries a value's possible types in.
 _PRIORITY = ("null", "integer", "number", "boolean", "object", "array", "string")
-_ENUM_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"), (dict, "object"))
+_ENUM_TYPES = (
+    (bool, "boolean"),
+    (int, "integer"),
+    (float, "number"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+)
 
 
 def _skip_space(text: str, at: int) -> int:
@@ -231,7 +256,7 @@ def _extract(text: str, tools: Sequence[dict[str, Any]]) -> tuple[str | None, li
     kept.append(text[at:])
     # Between blocks, a bare <function= is a call written without its <tool_call> (vLLM reads it as one): a
     # failed parse, from the tag to the next block.
-    failed.extend(segment[segment.index(FUNC_OPEN):] for segment in between if FUNC_OPEN in segment)
+    failed.extend(segment[segment.index(FUNC_OPEN) :] for segment in between if FUNC_OPEN in segment)
     if not calls:
         return text, [], failed
     remaining = "".join(kept).strip()

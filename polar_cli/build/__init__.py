@@ -200,7 +200,12 @@ def build_traces(
     report = BuildReport()
     eot = eot_token_id
     for built in iter_session_builds(
-        ordered, by_id, strategy, eot_token_id=eot_token_id, decode=decode, broadcast_rewards=broadcast_rewards,
+        ordered,
+        by_id,
+        strategy,
+        eot_token_id=eot_token_id,
+        decode=decode,
+        broadcast_rewards=broadcast_rewards,
         merge_retokenized=merge_retokenized,
     ):
         traces.extend(built.traces)

@@ -204,7 +204,8 @@ def relate_new_chain(
 
     # Same messages up to the tip's, same tools: the tokens changed under an unchanged history.
     continuing = [
-        i for i, old in enumerate(olds)
+        i
+        for i, old in enumerate(olds)
         if old.tools_json == new.tools_json and new.messages[: len(old.messages)] == old.messages
     ]
     if continuing:
@@ -218,11 +219,9 @@ def relate_new_chain(
             Break(BreakCause.TEMPLATE_RERENDER, f"same messages rendered into different tokens: {where}"), i
         )
 
-    same_root = [
-        i for i, old in enumerate(olds)
-        if old.system == new.system and old.first_user == new.first_user
-    ]
+    same_root = [i for i, old in enumerate(olds) if old.system == new.system and old.first_user == new.first_user]
     if same_root:
+
         def common(j: int) -> int:
             return _first_difference(olds[j].messages, new.messages)
 
@@ -254,9 +253,10 @@ def _compaction_relation(new: Conversation, tips: list[CaptureRecord], olds: lis
     conversation (same system prompt when there is one)."""
     asking = compaction_prompt(new.messages)
     summary = None if asking is not None else summarised_history(new.messages)
-    if summary is not None and any(summarised_history(old.messages) == summary and
-                                   new.messages[: len(old.messages)] == old.messages
-                                   for old in olds):
+    if summary is not None and any(
+        summarised_history(old.messages) == summary and new.messages[: len(old.messages)] == old.messages
+        for old in olds
+    ):
         summary = None  # continues (or re-sends) a chain that already starts from this summary
     if asking is None and summary is None:
         summary = _summary_answered_by(new, tips, olds)
@@ -268,8 +268,11 @@ def _compaction_relation(new: Conversation, tips: list[CaptureRecord], olds: lis
         related = [i for i in related if compaction_prompt(olds[i].messages) is None] or related
     i = related[-1] if related else None
     after = f" after call {tips[i].seq}" if i is not None else ""
-    detail = (f"{asking} compaction call (asks for a summary){after}" if asking is not None
-              else f"history replaced by a {summary} compaction summary{after}")
+    detail = (
+        f"{asking} compaction call (asks for a summary){after}"
+        if asking is not None
+        else f"history replaced by a {summary} compaction summary{after}"
+    )
     return Relation(Break(BreakCause.COMPACTION, detail), i)
 
 
@@ -297,7 +300,9 @@ def as_compaction(record: CaptureRecord, brk: Break) -> Break:
     harness = compaction_prompt(record.messages)
     if harness is None or brk.cause == BreakCause.COMPACTION:
         return brk
-    return Break(BreakCause.COMPACTION, f"{harness} compaction call (asks for a summary); {brk.cause.value}: {brk.detail}")
+    return Break(
+        BreakCause.COMPACTION, f"{harness} compaction call (asks for a summary); {brk.cause.value}: {brk.detail}"
+    )
 
 
 def sub_agent_break(parent_seq: int) -> Break:

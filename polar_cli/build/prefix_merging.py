@@ -165,9 +165,12 @@ def join(
 
     ``merge_retokenized`` False: a re-tokenized copy of ``prev``'s turn is a break, not a merge.
     """
-    tail = nxt.prompt_ids[len(prev.prompt_ids):]
+    tail = nxt.prompt_ids[len(prev.prompt_ids) :]
     if not tail:
-        return Break(BreakCause.OTHER, f"call {nxt.seq} re-sent call {prev.seq}'s prompt unchanged (a retry or a parallel sample)")
+        return Break(
+            BreakCause.OTHER,
+            f"call {nxt.seq} re-sent call {prev.seq}'s prompt unchanged (a retry or a parallel sample)",
+        )
     for name in ("temperature", "top_p", "top_k", "min_p"):
         # One trace carries one set of sampling parameters.
         before, after = getattr(prev, name), getattr(nxt, name)

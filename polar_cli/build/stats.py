@@ -192,8 +192,12 @@ def _total(masks: dict[str, GroupMask]) -> GroupMask:
 
 def masks_to_dict(masks: dict[str, GroupMask]) -> dict[str, Any]:
     total = _total(masks)
-    return {"mask_rate": total.rate, "masked": total.masked, "sessions": total.sessions,
-            "groups": {g: {"sessions": m.sessions, "masked": m.masked, "mask_rate": m.rate} for g, m in masks.items()}}
+    return {
+        "mask_rate": total.rate,
+        "masked": total.masked,
+        "sessions": total.sessions,
+        "groups": {g: {"sessions": m.sessions, "masked": m.masked, "mask_rate": m.rate} for g, m in masks.items()},
+    }
 
 
 def mask_table(masks: dict[str, GroupMask], limit: int = 20) -> Any:

@@ -44,13 +44,25 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
-from polar_cli.rollout.loop import (EXIT_NOTHING_TO_TRAIN, LoopConfig, _check_same_run, _Engine, die_with_parent,
-                                    engine_kind, load_state, mean_se, rollout_config, save_state, stop_stale_engines,
-                                    train_command)
+from polar_cli.rollout.loop import (
+    EXIT_NOTHING_TO_TRAIN,
+    LoopConfig,
+    _check_same_run,
+    _Engine,
+    die_with_parent,
+    engine_kind,
+    load_state,
+    mean_se,
+    rollout_config,
+    save_state,
+    stop_stale_engines,
+    train_command,
+)
 from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.runner import REWARDED, RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import task_set_hash
@@ -160,9 +172,13 @@ class _Shared:
         self.published: dict[int, float] = {}  # version -> when its checkpoint was made (this run's pushes)
 
 
-def run_async_loop(config: LoopConfig, max_staleness: int = 1, drain: Drain = "wait",
-                   on_event: Callable[[dict[str, Any]], None] | None = None,
-                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_async_loop(
+    config: LoopConfig,
+    max_staleness: int = 1,
+    drain: Drain = "wait",
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Run the async loop to ``config.iterations - 1`` trainings and a last measuring batch; returns loop.json."""
     if config.iterations < 1:
         raise ValueError("iterations must be at least 1")
@@ -185,15 +201,25 @@ def run_async_loop(config: LoopConfig, max_staleness: int = 1, drain: Drain = "w
 
 
 class _AsyncLoop:
-    def __init__(self, config: LoopConfig, max_staleness: int, drain: Drain,
-                 on_event: Callable[[dict[str, Any]], None] | None, progress: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        config: LoopConfig,
+        max_staleness: int,
+        drain: Drain,
+        on_event: Callable[[dict[str, Any]], None] | None,
+        progress: Callable[[str], None] | None,
+    ) -> None:
         self.config, self.max_staleness, self.drain = config, max_staleness, drain
         self.on_event = on_event or (lambda _e: None)
         self.say = progress or (lambda _line: None)
         self.engine = _Engine(config, config.out / ".engines")
         self.started_at = time.time()
-        identity = {"tasks": task_set_hash(list(config.tasks)), "harness": config.harness,
-                    "model": str(config.model.resolve()), "samples": config.samples}
+        identity = {
+            "tasks": task_set_hash(list(config.tasks)),
+            "harness": config.harness,
+            "model": str(config.model.resolve()),
+            "samples": config.samples,
+        }
         old = load_state(config.out)
         if old.get("iterations"):
             raise ValueError(f"{config.out} holds a synchronous loop (polar loop without --async): use another --out")
@@ -203,8 +229,10 @@ class _AsyncLoop:
             "engine": config.engine,
         }  # fmt: skip
         self.state.pop("iterations", None)
-        self.runs: list[dict[str, float]] = [*old.get("runs", []), {"started_at": self.started_at,
-                                                                     "ended_at": self.started_at}]
+        self.runs: list[dict[str, float]] = [
+            *old.get("runs", []),
+            {"started_at": self.started_at, "ended_at": self.started_at},
+        ]
         self.pushes: list[dict[str, Any]] = list(old.get("pushes", []))
         # Resume: every recorded step finished; a recorded batch is finished, and taken for good only by a finished
         # step (one taken by the step that was interrupted waits for the trainer again).
@@ -216,8 +244,10 @@ class _AsyncLoop:
         trained = [s for s in self.steps if s.status == "trained"]
         for s in trained:
             if not (Path(s.checkpoint or "") / "config.json").is_file():
-                raise ValueError(f"step {s.step}'s checkpoint {s.checkpoint} is gone: the loop in {config.out} "
-                                 "cannot resume; use another --out")
+                raise ValueError(
+                    f"step {s.step}'s checkpoint {s.checkpoint} is gone: the loop in {config.out} "
+                    "cannot resume; use another --out"
+                )
         self.resumed = bool(self.steps or self.batches)
         self.first_version = len(trained)
         self.first_policy = Path(trained[-1].checkpoint) if trained else config.model  # type: ignore[arg-type]
@@ -231,8 +261,10 @@ class _AsyncLoop:
         waiting = [b for b in self.batches if b.step is None and not b.final]
         shared = _Shared(self.first_policy, self.first_version, len(self.steps) >= trainings, waiting)
         if self.resumed:
-            self.say(f"resuming {self.config.out}: {len(self.steps)} step(s) and {len(self.batches)} batch(es) done, "
-                     f"version {shared.version}, batches {[b.index for b in waiting]} waiting for the trainer")
+            self.say(
+                f"resuming {self.config.out}: {len(self.steps)} step(s) and {len(self.batches)} batch(es) done, "
+                f"version {shared.version}, batches {[b.index for b in waiting]} waiting for the trainer"
+            )
         await asyncio.to_thread(stop_stale_engines, self.engine.state_dir)
         rollouts = asyncio.create_task(self._rollouts(shared))
         trainer = asyncio.create_task(self._trainer(shared))
@@ -307,8 +339,9 @@ class _AsyncLoop:
         write_json(bdir / "rollout-summary.json", result.summary(), control_tokens(rollout.out, rollout.confdir, None))
         cut = result.interrupted == "stop"
         if result.interrupted and not cut:
-            raise RolloutInterrupted(f"batch {index}: interrupted by {result.interrupted} (summary in {bdir})",
-                                     result.interrupted)
+            raise RolloutInterrupted(
+                f"batch {index}: interrupted by {result.interrupted} (summary in {bdir})", result.interrupted
+            )
         if result.all_failed and not cut:
             raise RuntimeError(f"batch {index}: no session was usable (logs in {bdir / 'logs'})")
         return _batch_of(index, version, policy, bdir / "shards", started, time.time(), result, cut)
@@ -362,12 +395,16 @@ class _AsyncLoop:
         chosen = select_groups(group_versions(batch.shards), version, self.max_staleness)
         if chosen.untagged:
             # Every batch after it would be untagged too: dropping them would spin the loop forever.
-            raise RuntimeError(f"batch {batch.index}: calls of group(s) {chosen.untagged[:3]} carry no numeric "
-                               f"weight_version (engine {self.config.engine}): their staleness cannot be bounded")
+            raise RuntimeError(
+                f"batch {batch.index}: calls of group(s) {chosen.untagged[:3]} carry no numeric "
+                f"weight_version (engine {self.config.engine}): their staleness cannot be bounded"
+            )
         batch.dropped_groups = {**chosen.stale, **{g: -1 for g in chosen.untagged}}
         if chosen.stale or chosen.untagged:
-            self.say(f"step {step}: batch {batch.index} (version {batch.version}): dropped "
-                     f"{len(batch.dropped_groups)} group(s) beyond --max-staleness {self.max_staleness}")
+            self.say(
+                f"step {step}: batch {batch.index} (version {batch.version}): dropped "
+                f"{len(batch.dropped_groups)} group(s) beyond --max-staleness {self.max_staleness}"
+            )
         # A batch is one store sampled by one version, so its groups share their staleness; one dropped group leaves
         # the batch out whole (polar train, told the bound, would refuse the store anyway).
         return bool(chosen.kept) and not batch.dropped_groups
@@ -381,8 +418,9 @@ class _AsyncLoop:
             "--max-staleness", str(self.max_staleness)])  # fmt: skip
         with log.open("w") as f:
             # die_with_parent: a killed loop leaves no training running into the directory its resumed run trains in.
-            proc = await asyncio.create_subprocess_exec(*command, stdout=f, stderr=asyncio.subprocess.STDOUT,
-                                                        preexec_fn=die_with_parent)
+            proc = await asyncio.create_subprocess_exec(
+                *command, stdout=f, stderr=asyncio.subprocess.STDOUT, preexec_fn=die_with_parent
+            )
             try:
                 code = await proc.wait()
             except asyncio.CancelledError:
@@ -432,8 +470,9 @@ class _AsyncLoop:
         save_state(self.config.out, self.state)
 
 
-def busy_within(intervals: Sequence[tuple[float, float]], windows: Sequence[tuple[float, float]], start: float,
-                end: float) -> float:
+def busy_within(
+    intervals: Sequence[tuple[float, float]], windows: Sequence[tuple[float, float]], start: float, end: float
+) -> float:
     """The busy fraction of ``[start, end]`` counting only the time inside ``windows`` (the runs of a resumed loop:
     the time between two runs is nobody's idle time)."""
     spans = [(max(a, start), min(b, end)) for a, b in windows if min(b, end) > max(a, start)]
@@ -447,8 +486,9 @@ def _kept_groups(batch: Batch) -> list[str]:
     return [g for g in group_versions(batch.shards) if g not in batch.dropped_groups]
 
 
-def _batch_of(index: int, version: int, policy: Path, shards: Path, started: float, ended: float,
-              result: RolloutResult, cut: bool) -> Batch:
+def _batch_of(
+    index: int, version: int, policy: Path, shards: Path, started: float, ended: float, result: RolloutResult, cut: bool
+) -> Batch:
     rewards = [s.reward for s in result.sessions if s.status in REWARDED and s.reward is not None]
     mean, se = mean_se(rewards)
     return Batch(index=index, version=version, policy=str(policy), shards=str(shards), started_at=started,

@@ -27,9 +27,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from polar_cli.rollout.proxy import wait_writer_gone
 from polar_cli.rollout.redact import control_tokens, write_json
@@ -127,8 +128,10 @@ def _check_same_run(state: dict[str, Any], identity: dict[str, Any]) -> None:
         return
     changed = [k for k in identity if old.get(k) != identity[k]]
     if changed:
-        raise ValueError(f"{', '.join(changed)} differ from the loop already in this directory "
-                         f"({', '.join(f'{k}={old.get(k)!r}' for k in changed)}): use another --out")
+        raise ValueError(
+            f"{', '.join(changed)} differ from the loop already in this directory "
+            f"({', '.join(f'{k}={old.get(k)!r}' for k in changed)}): use another --out"
+        )
 
 
 # -- one phase each ----------------------------------------------------------------------------------------------------
@@ -184,8 +187,12 @@ def run_train(shards: Path, policy: Path, output: Path, train_args: Sequence[str
     shutil.rmtree(output, ignore_errors=True)
     started = time.monotonic()
     with log.open("w") as f:
-        done = subprocess.run(train_command([shards], policy, output, train_args), stdout=f, stderr=subprocess.STDOUT,
-                              preexec_fn=die_with_parent)
+        done = subprocess.run(
+            train_command([shards], policy, output, train_args),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
     seconds = time.monotonic() - started
     if done.returncode == EXIT_NOTHING_TO_TRAIN:
         shutil.rmtree(output, ignore_errors=True)
@@ -251,8 +258,12 @@ class _Engine:
             url = self.config.engine.partition(":")[2].partition("?")[0]
             if self.serving != wanted:
                 progress(f"loading {policy} into SGLang {url} (update_weights_from_disk) as version {version}")
-                reload_engine(f"sglang:{url}", policy, state_dir=self.state_dir,
-                              weight_version=None if version is None else str(version))
+                reload_engine(
+                    f"sglang:{url}",
+                    policy,
+                    state_dir=self.state_dir,
+                    weight_version=None if version is None else str(version),
+                )
                 self._pushed(policy, version, started)
             return f"sglang:{url}{tag}"
         if self.server is None:
@@ -264,20 +275,25 @@ class _Engine:
             self.serving = wanted
         elif self.serving != wanted:
             progress(f"reloading vLLM with {policy} as version {version}")
-            reload_engine(self.server.spec, policy, state_dir=self.state_dir, tie=True,
-                          weight_version=None if version is None else str(version))
+            reload_engine(
+                self.server.spec,
+                policy,
+                state_dir=self.state_dir,
+                tie=True,
+                weight_version=None if version is None else str(version),
+            )
             self._pushed(policy, version, started)
         # vLLM reports no version: the tag in the spec is only true if this server serves ``policy`` now.
         root = served_root(self.server.url)
         if root is not None and Path(root).resolve() != policy.resolve():
-            raise RuntimeError(f"vLLM on {self.server.url} serves {root}, not {policy}: its calls cannot be tagged "
-                               f"version {version}")
+            raise RuntimeError(
+                f"vLLM on {self.server.url} serves {root}, not {policy}: its calls cannot be tagged version {version}"
+            )
         return f"{self.server.spec}{tag}"
 
     def _pushed(self, policy: Path, version: int | None, started: float) -> None:
         if self.serving is not None:  # the first load of a run is not a push of new weights
-            self.pushes.append({"version": version, "checkpoint": str(policy),
-                                "reload_s": time.monotonic() - started})
+            self.pushes.append({"version": version, "checkpoint": str(policy), "reload_s": time.monotonic() - started})
         self.serving = (policy, version)
 
     def close(self) -> None:
@@ -288,8 +304,11 @@ class _Engine:
             self.server = None
 
 
-def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], None] | None = None,
-             progress: Callable[[str], None] | None = None) -> list[IterationStats]:
+def run_loop(
+    config: LoopConfig,
+    on_iteration: Callable[[list[IterationStats]], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[IterationStats]:
     """Run (or continue) the loop to ``config.iterations`` rollouts; returns every iteration's stats."""
     if config.iterations < 1:
         raise ValueError("iterations must be at least 1")
@@ -301,8 +320,12 @@ def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], 
     state = load_state(out)
     if state.get("mode") == "async":
         raise ValueError(f"{out} holds an async loop (polar loop --async): use another --out")
-    identity = {"tasks": task_set_hash(list(config.tasks)), "harness": config.harness,
-                "model": str(config.model.resolve()), "samples": config.samples}
+    identity = {
+        "tasks": task_set_hash(list(config.tasks)),
+        "harness": config.harness,
+        "model": str(config.model.resolve()),
+        "samples": config.samples,
+    }
     _check_same_run(state, identity)
     state["identity"] = identity
     records: list[dict[str, Any]] = state["iterations"]
@@ -328,8 +351,9 @@ def run_loop(config: LoopConfig, on_iteration: Callable[[list[IterationStats]], 
             record = records[i]
             if i < config.iterations - 1 and record.get("train") is None:
                 say(f"iteration {i}: polar train")
-                record["train"] = run_train(idir / "shards", Path(record["policy"]), idir / "checkpoint",
-                                            config.train_args, idir / "train.log")
+                record["train"] = run_train(
+                    idir / "shards", Path(record["policy"]), idir / "checkpoint", config.train_args, idir / "train.log"
+                )
                 save_state(out, state)
                 if on_iteration:
                     on_iteration([IterationStats(**r) for r in records])
@@ -349,8 +373,9 @@ def _policy(records: list[dict[str, Any]], start: Path) -> Path:
     return start
 
 
-def rollout_config(config: LoopConfig, directory: Path, engine: str, seed: int, run_id: str,
-                   stop: asyncio.Event | None = None) -> RolloutConfig:
+def rollout_config(
+    config: LoopConfig, directory: Path, engine: str, seed: int, run_id: str, stop: asyncio.Event | None = None
+) -> RolloutConfig:
     """One rollout of the loop's tasks into ``directory`` (shards/, logs/, a work/ scratch dir)."""
     return RolloutConfig(
         tasks=config.tasks, harness=config.harness, samples=config.samples, out=str(directory / "shards"),
@@ -369,8 +394,9 @@ async def _ray_rollout(rollout: RolloutConfig, config: LoopConfig) -> RolloutRes
     return await run_rollout_ray(rollout, RayOptions(config.ray, config.ray_resource))
 
 
-def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None],
-             version: int | None = None) -> RolloutResult:
+def _rollout(
+    config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None], version: int | None = None
+) -> RolloutResult:
     idir = iteration_dir(config.out, i)
     idir.mkdir(parents=True)
     spec = engine.spec(policy, say, version)
@@ -383,8 +409,9 @@ def _rollout(config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Cal
     write_json(idir / "rollout-summary.json", result.summary(), control_tokens(rollout.out, rollout.confdir, None))
     if result.interrupted:
         # Not recorded: re-running the loop starts this iteration over.
-        raise RolloutInterrupted(f"iteration {i}: interrupted by {result.interrupted} (summary in {idir})",
-                                 result.interrupted)
+        raise RolloutInterrupted(
+            f"iteration {i}: interrupted by {result.interrupted} (summary in {idir})", result.interrupted
+        )
     if result.all_failed:
         raise RuntimeError(f"iteration {i}: no session was usable (logs in {idir / 'logs'})")
     return result

@@ -17,10 +17,11 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -56,7 +57,9 @@ class ExternalProxy:
 def _loopback_port(url: str, what: str) -> int:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
-        raise ValueError(f"{what} {url!r}: give http://127.0.0.1:PORT (sandboxes reach the proxy on this host's loopback)")
+        raise ValueError(
+            f"{what} {url!r}: give http://127.0.0.1:PORT (sandboxes reach the proxy on this host's loopback)"
+        )
     return parts.port
 
 
@@ -72,8 +75,16 @@ class StartedProxy:
 
 
 @contextmanager
-def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options: dict[str, str] | None = None,
-                reverse_target: str = DEFAULT_REVERSE_TARGET, timeout_s: float = 600.0) -> Iterator[StartedProxy]:
+def start_proxy(
+    engine: str,
+    out: str,
+    *,
+    confdir: Path,
+    log_dir: Path,
+    options: dict[str, str] | None = None,
+    reverse_target: str = DEFAULT_REVERSE_TARGET,
+    timeout_s: float = 600.0,
+) -> Iterator[StartedProxy]:
     """mitmdump + the addon with a forward and a reverse listener on free loopback ports; stopped gracefully (the open
     shard sealed) on exit. The control token is the addon's own (generated 0600 next to a local store, or in the
     confdir for a remote one)."""
@@ -94,15 +105,33 @@ def start_proxy(engine: str, out: str, *, confdir: Path, log_dir: Path, options:
     # would make `polar train` refuse the batch); `--set polar_sampling=client` gives the choice back.
     # Registered sessions: labels from the runner's registrations alone, whatever the agent's calls claim (last: no
     # --set turns it off).
-    options = {"polar_block_other": "true", "polar_sampling": "fixed", **(options or {}), "polar_sessions": "registered"}
-    cmd = mitmdump_command(engine, out, port=None, modes=[f"regular@{forward}", f"reverse:{reverse_target}@{reverse}"],
-                           confdir=confdir, options=options)
+    options = {
+        "polar_block_other": "true",
+        "polar_sampling": "fixed",
+        **(options or {}),
+        "polar_sessions": "registered",
+    }
+    cmd = mitmdump_command(
+        engine,
+        out,
+        port=None,
+        modes=[f"regular@{forward}", f"reverse:{reverse_target}@{reverse}"],
+        confdir=confdir,
+        options=options,
+    )
     fence, fence_path = claim_writer(log_dir)
     try:
         with open(log, "wb") as fh:
             # Holds the fence's lock (an inherited descriptor) for as long as it lives.
-            process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                                       pass_fds=(fence,), preexec_fn=_deliverable_stop_signals)
+            process = subprocess.Popen(
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                start_new_session=True,
+                pass_fds=(fence,),
+                preexec_fn=_deliverable_stop_signals,
+            )
         lifeline.tie(process.pid)  # its own session (Ctrl-C handling): a SIGKILLed polar must still take it down
         os.pwrite(fence, f"{process.pid}\n".encode(), 0)
     except BaseException:
@@ -167,8 +196,10 @@ def wait_writer_gone(log_dir: Path, timeout_s: float = WRITER_GONE_S) -> None:
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
                         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                        raise WriterAlive(f"a proxy of an earlier run (pid {holder}) still writes into "
-                                          f"{log_dir.parent}: stop it, or use another directory") from None
+                        raise WriterAlive(
+                            f"a proxy of an earlier run (pid {holder}) still writes into "
+                            f"{log_dir.parent}: stop it, or use another directory"
+                        ) from None
                     time.sleep(0.05)  # a lock another process holds: no event to wait on, so poll to the deadline
         finally:
             os.close(fd)
@@ -178,9 +209,11 @@ class ControlError(RuntimeError):
     pass
 
 
-CLAIMED_REFUSAL = ("the proxy runs polar_sessions=claimed: an agent in one session could write calls into another "
-                   "and relabel task, group and sample (trust on claim). Restart it with --set "
-                   "polar_sessions=registered, or pass --trust-claimed-sessions if every agent is trusted")
+CLAIMED_REFUSAL = (
+    "the proxy runs polar_sessions=claimed: an agent in one session could write calls into another "
+    "and relabel task, group and sample (trust on claim). Restart it with --set "
+    "polar_sessions=registered, or pass --trust-claimed-sessions if every agent is trusted"
+)
 
 
 def check_sessions_mode(mode: str, trust_claimed: bool) -> str | None:
@@ -199,8 +232,9 @@ class ControlClient:
     listener, with the control token; retries while the store says it cannot persist (503)."""
 
     def __init__(self, forward_port: int, token: str, attempts: int = 5) -> None:
-        self._client = httpx.AsyncClient(proxy=f"http://127.0.0.1:{forward_port}", timeout=60,
-                                         headers={"authorization": f"Bearer {token}"})
+        self._client = httpx.AsyncClient(
+            proxy=f"http://127.0.0.1:{forward_port}", timeout=60, headers={"authorization": f"Bearer {token}"}
+        )
         self._attempts = attempts
 
     async def _post(self, session_id: str, what: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -241,10 +275,14 @@ class ControlClient:
     async def reward(self, session_id: str, value: float, name: str = "reward") -> None:
         await self._post(session_id, "reward", {"value": value, "name": name})
 
-    async def status(self, session_id: str, status: str, metadata: dict[str, Any] | None = None) -> tuple[str, str | None]:
+    async def status(
+        self, session_id: str, status: str, metadata: dict[str, Any] | None = None
+    ) -> tuple[str, str | None]:
         """Post ``status``; what the store now says of the session (``error`` is final: a proxy that ended the
         session as error answers error) and why, when that is not ``status``."""
-        answer = await self._post(session_id, "status", {"status": status, **({"metadata": metadata} if metadata else {})})
+        answer = await self._post(
+            session_id, "status", {"status": status, **({"metadata": metadata} if metadata else {})}
+        )
         final = answer.get("status")
         if not isinstance(final, str) or final == status:
             return status, None  # an older proxy does not say
@@ -256,6 +294,7 @@ class ControlClient:
 
 def proxy_sessions_mode(proxy: ExternalProxy) -> str:
     """The running proxy's session mode, asked once before a rollout starts on it."""
+
     async def ask() -> str:
         client = ControlClient(proxy.endpoints().forward_port, proxy.control_token, attempts=1)
         try:

@@ -44,11 +44,17 @@ def probe_requests(target: int) -> list[tuple[str, str, bytes]]:
     """(route, listener: forward | reverse, raw request) for each way to reach 127.0.0.1:``target``."""
     host = f"127.0.0.1:{target}"
     return [
-        (f"GET http://{host}{PROBE_PATH} (absolute URL)", "forward",
-         f"GET http://{host}{PROBE_PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()),
+        (
+            f"GET http://{host}{PROBE_PATH} (absolute URL)",
+            "forward",
+            f"GET http://{host}{PROBE_PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode(),
+        ),
         (f"CONNECT {host}", "forward", f"CONNECT {host} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()),
-        (f"GET {PROBE_PATH} with Host: {host} (reverse listener)", "reverse",
-         f"GET {PROBE_PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()),
+        (
+            f"GET {PROBE_PATH} with Host: {host} (reverse listener)",
+            "reverse",
+            f"GET {PROBE_PATH} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode(),
+        ),
     ]
 
 
@@ -60,9 +66,11 @@ def verdict(url: str, probes: list[Probe], reached: bool) -> str | None:
     if not open_routes and not reached:
         return None
     said = "; ".join(f"{p.route}: {_said(p)}" for p in open_routes) or "a probe reached the listener"
-    return (f"the proxy at {url} passes non-model traffic ({said}): a proxy-only sandbox would reach any service on "
-            "this machine through it. Start it with `polar proxy` (it blocks non-model traffic by default; not "
-            "--pass-through), or give mitmdump --set polar_block_other=true")
+    return (
+        f"the proxy at {url} passes non-model traffic ({said}): a proxy-only sandbox would reach any service on "
+        "this machine through it. Start it with `polar proxy` (it blocks non-model traffic by default; not "
+        "--pass-through), or give mitmdump --set polar_block_other=true"
+    )
 
 
 def _said(probe: Probe) -> str:

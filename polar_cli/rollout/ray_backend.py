@@ -45,8 +45,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from polar_cli.rollout.runner import (REWARDED, USABLE, PlannedSession, RolloutConfig, RolloutProgress,
-                                      RolloutResult, SessionResult, check_config, plan_sessions, rollout_run_id)
+from polar_cli.rollout.runner import (
+    REWARDED,
+    USABLE,
+    PlannedSession,
+    RolloutConfig,
+    RolloutProgress,
+    RolloutResult,
+    SessionResult,
+    check_config,
+    plan_sessions,
+    rollout_run_id,
+)
 
 log = logging.getLogger("polar.rollout")
 
@@ -94,22 +104,43 @@ class NodeWorker:
         # A CA per node: nodes may share a home directory, and two mitmdumps creating one CA at once would race.
         confdir = Path(config.confdir).expanduser() / f"node-{self.node_id[:12]}"
         assert config.engine is not None and config.out is not None
-        started = await asyncio.to_thread(self.stack.enter_context, start_proxy(
-            config.engine, config.out, confdir=confdir, log_dir=Path(config.logs_dir or work_dir),
-            options=dict(config.proxy_options)))
+        started = await asyncio.to_thread(
+            self.stack.enter_context,
+            start_proxy(
+                config.engine,
+                config.out,
+                confdir=confdir,
+                log_dir=Path(config.logs_dir or work_dir),
+                options=dict(config.proxy_options),
+            ),
+        )
         control = ControlClient(started.endpoints.forward_port, started.control_token)
         preset = get_preset(config.harness) if isinstance(config.harness, str) else config.harness
-        runtime = get_runtime(config.runtime, **dict(config.runtime_options)) if isinstance(config.runtime, str) else config.runtime
+        runtime = (
+            get_runtime(config.runtime, **dict(config.runtime_options))
+            if isinstance(config.runtime, str)
+            else config.runtime
+        )
         window, output_cap = await budget(config)
         self.closers = [control.aclose, runtime.close]
         # Every status this node posts names it (the store shows where each session ran).
-        local = replace(config, progress=RolloutProgress(), stop_on_signals=False,
-                        status_metadata={**config.status_metadata, "node": self.node_id})
-        self.runner = _Runner(local,
-                              preset, runtime, started.endpoints, control, work_dir, self.run_id, window, output_cap)
+        local = replace(
+            config,
+            progress=RolloutProgress(),
+            stop_on_signals=False,
+            status_metadata={**config.status_metadata, "node": self.node_id},
+        )
+        self.runner = _Runner(
+            local, preset, runtime, started.endpoints, control, work_dir, self.run_id, window, output_cap
+        )
         self.slots = asyncio.Semaphore(config.concurrency)
-        return {"node_id": self.node_id, "pid": os.getpid(), "proxy_pid": started.process.pid,
-                "context_window": window, "max_output_tokens": output_cap}
+        return {
+            "node_id": self.node_id,
+            "pid": os.getpid(),
+            "proxy_pid": started.process.pid,
+            "context_window": window,
+            "max_output_tokens": output_cap,
+        }
 
     async def run(self, planned: PlannedSession) -> SessionResult:
         assert self.runner is not None and self.slots is not None
@@ -187,9 +218,15 @@ async def run_rollout_ray(config: RolloutConfig, options: RayOptions) -> Rollout
     progress.stages["pending"] = len(plan)
     if config.stop is not None:
         raise ValueError("--ray does not take a stop event yet (polar loop --async runs locally)")
-    shipped = replace(config, out=out, progress=None, tasks=(), proxy=None,
-                      logs_dir=Path(config.logs_dir).resolve() if config.logs_dir else None,
-                      work_dir=Path(config.work_dir).resolve() if config.work_dir else None)
+    shipped = replace(
+        config,
+        out=out,
+        progress=None,
+        tasks=(),
+        proxy=None,
+        logs_dir=Path(config.logs_dir).resolve() if config.logs_dir else None,
+        work_dir=Path(config.work_dir).resolve() if config.work_dir else None,
+    )
 
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -212,13 +249,21 @@ async def run_rollout_ray(config: RolloutConfig, options: RayOptions) -> Rollout
             loop.remove_signal_handler(sig)
         if started_ray:
             ray.shutdown()
-    return RolloutResult(run_id, results, started, time.time(), out, driver.window, driver.output_cap,
-                         driver.interrupted)
+    return RolloutResult(
+        run_id, results, started, time.time(), out, driver.window, driver.output_cap, driver.interrupted
+    )
 
 
 class _Driver:
-    def __init__(self, ray: Any, config: RolloutConfig, run_id: str, plan: list[PlannedSession],
-                 progress: RolloutProgress, options: RayOptions) -> None:
+    def __init__(
+        self,
+        ray: Any,
+        config: RolloutConfig,
+        run_id: str,
+        plan: list[PlannedSession],
+        progress: RolloutProgress,
+        options: RayOptions,
+    ) -> None:
         self.ray, self.config, self.run_id, self.plan, self.progress = ray, config, run_id, plan, progress
         self.options = options
         self.queue: deque[PlannedSession] = deque(plan)
@@ -238,8 +283,16 @@ class _Driver:
         log.warning("polar rollout: %s: stopping (running sessions are cancelled, their statuses posted)", reason)
         self.interrupted = reason
         for planned in self.queue:  # never handed out: cancelled before INIT
-            self._done(SessionResult(planned.session_id, planned.task.id, planned.task.id, planned.sample,
-                                     "cancelled", reason=f"interrupted by {reason} before INIT"))
+            self._done(
+                SessionResult(
+                    planned.session_id,
+                    planned.task.id,
+                    planned.task.id,
+                    planned.sample,
+                    "cancelled",
+                    reason=f"interrupted by {reason} before INIT",
+                )
+            )
         self.queue.clear()
         self.progress.stages["pending"] = 0
         for worker in self.workers.values():
@@ -251,12 +304,21 @@ class _Driver:
 
         actor_class = ray.remote(NodeWorker)
         nodes = cluster_nodes(ray, self.options.resource)
-        per_node = self.config.concurrency + (self.config.concurrency if self.config.ready is None else self.config.ready)
-        handles = {node: actor_class.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False), num_cpus=0,
-            max_concurrency=per_node + 8, max_restarts=0).remote(self.config, self.run_id, node) for node in nodes}
-        infos = await asyncio.wait_for(asyncio.gather(*(h.start.remote() for h in handles.values()),
-                                                      return_exceptions=True), self.options.ready_s)
+        per_node = self.config.concurrency + (
+            self.config.concurrency if self.config.ready is None else self.config.ready
+        )
+        handles = {
+            node: actor_class.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                num_cpus=0,
+                max_concurrency=per_node + 8,
+                max_restarts=0,
+            ).remote(self.config, self.run_id, node)
+            for node in nodes
+        }
+        infos = await asyncio.wait_for(
+            asyncio.gather(*(h.start.remote() for h in handles.values()), return_exceptions=True), self.options.ready_s
+        )
         for (node, handle), info in zip(handles.items(), infos):
             if isinstance(info, BaseException):
                 log.error("polar rollout: node %s: its worker did not start: %s", node[:12], info)
@@ -292,9 +354,16 @@ class _Driver:
             planned = self.queue.popleft()
             self.progress.stages["pending"] -= 1
             if planned.task.id in self.stopped_groups:  # never handed out: its group stopped early
-                self._done(SessionResult(planned.session_id, planned.task.id, planned.task.id, planned.sample,
-                                         "cancelled", reason="early stop: the group had enough usable sessions "
-                                         "before it ran"))
+                self._done(
+                    SessionResult(
+                        planned.session_id,
+                        planned.task.id,
+                        planned.task.id,
+                        planned.sample,
+                        "cancelled",
+                        reason="early stop: the group had enough usable sessions before it ran",
+                    )
+                )
                 continue
             try:
                 result = await self.workers[node].run.remote(planned)
@@ -355,20 +424,38 @@ class _Driver:
         store = await asyncio.to_thread(TraceStore, self.config.out)
         try:
             for planned, node, why in self.lost:
-                result = SessionResult(planned.session_id, planned.task.id, planned.task.id, planned.sample, "error",
-                                       reason=why, node=node or None)
-                metadata = {"rollout": self.run_id, "task": planned.task.id, "group": planned.task.id,
-                            "sample": planned.sample, "harness": preset_name, **self.config.status_metadata,
-                            "reason": WORKER_LOST, "node": node or None}
+                result = SessionResult(
+                    planned.session_id,
+                    planned.task.id,
+                    planned.task.id,
+                    planned.sample,
+                    "error",
+                    reason=why,
+                    node=node or None,
+                )
+                metadata = {
+                    "rollout": self.run_id,
+                    "task": planned.task.id,
+                    "group": planned.task.id,
+                    "sample": planned.sample,
+                    "harness": preset_name,
+                    **self.config.status_metadata,
+                    "reason": WORKER_LOST,
+                    "node": node or None,
+                }
                 try:
-                    await store.session_update(planned.session_id, task_id=planned.task.id, group_id=planned.task.id,
-                                               sample_index=planned.sample, status="error", ended_at=time.time(),
-                                               metadata=metadata)
+                    await store.session_update(
+                        planned.session_id,
+                        task_id=planned.task.id,
+                        group_id=planned.task.id,
+                        sample_index=planned.sample,
+                        status="error",
+                        ended_at=time.time(),
+                        metadata=metadata,
+                    )
                     result.posted = True
                 except Exception as exc:
                     log.error("polar rollout: %s: status not stored: %s", planned.session_id, exc)
                 self._done(result)
         finally:
             await asyncio.to_thread(store.close)
-
-

@@ -15,8 +15,9 @@ def modules_with_make(package: str, path: Iterable[str], skip: set[str]) -> list
     return sorted(n for n in names if hasattr(importlib.import_module(f"{package}.{n}"), "make"))
 
 
-def find_make(package: str, module_name: str, skip: set[str], unknown: Callable[[], str],
-              not_an_entry: str) -> tuple[str, Callable[..., Any]]:
+def find_make(
+    package: str, module_name: str, skip: set[str], unknown: Callable[[], str], not_an_entry: str
+) -> tuple[str, Callable[..., Any]]:
     """``(module's full name, its make)``; ValueError ``unknown()`` when no such module, ``not_an_entry`` (with the
     module name in front) when it has no ``make``. Import errors inside an existing module propagate as they are."""
     if not module_name.isidentifier() or module_name in skip:

@@ -58,21 +58,37 @@ import signal
 import tempfile
 import time
 from collections import Counter, deque
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from polar_cli.rollout import workspace as ws
 from polar_cli.rollout.harnesses import get_preset
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 from polar_cli.rollout.proxy import ControlClient, ExternalProxy, check_sessions_mode, start_proxy
 from polar_cli.rollout.runtimes import get_runtime
-from polar_cli.rollout.runtimes.base import (ExecResult, IsolatedSandbox, NetworkMode, ProxyEndpoints, Runtime, Sandbox,
-                                             SandboxSpec)
+from polar_cli.rollout.runtimes.base import (
+    ExecResult,
+    IsolatedSandbox,
+    NetworkMode,
+    ProxyEndpoints,
+    Runtime,
+    Sandbox,
+    SandboxSpec,
+)
 from polar_cli.rollout.tasks import Task
-from polar_cli.rollout.verify import (VERIFY_GUARD, NoReward, VerifierError, file_rewards, guard_left, harbor_rewards,
-                                     read_reward_file, resolve_env)
+from polar_cli.rollout.verify import (
+    VERIFY_GUARD,
+    NoReward,
+    VerifierError,
+    file_rewards,
+    guard_left,
+    harbor_rewards,
+    read_reward_file,
+    resolve_env,
+)
 from polar_cli.rollout.window import engine_window
 
 log = logging.getLogger("polar.rollout")
@@ -127,7 +143,7 @@ class RolloutConfig:
     env: Mapping[str, str] = field(default_factory=dict)  # extra environment for the harness
     read_only: Sequence[Path] = ()  # host paths visible read-only in sandboxes (harness installs)
     run_id: str | None = None  # prefix of session ids; None: from the seed, else random
-    progress: "RolloutProgress | None" = None  # live counters for a display (mutated in place)
+    progress: RolloutProgress | None = None  # live counters for a display (mutated in place)
     # SIGINT/SIGTERM interrupt the rollout (see run_rollout); False leaves the process's signal handling alone.
     stop_on_signals: bool = True
     # Set, it interrupts the rollout as a signal would (reason "stop"): the async loop's drain "cut".
@@ -277,8 +293,10 @@ def plan_sessions(config: RolloutConfig, run_id: str) -> list[PlannedSession]:
     tasks = list(config.tasks)
     if config.seed is not None:
         random.Random(config.seed).shuffle(tasks)
-    return [PlannedSession(task, sample, sid, i)
-            for i, (task, sample, sid) in enumerate(session_ids(tasks, config.samples, run_id))]
+    return [
+        PlannedSession(task, sample, sid, i)
+        for i, (task, sample, sid) in enumerate(session_ids(tasks, config.samples, run_id))
+    ]
 
 
 def session_ids(tasks: Sequence[Task], samples: int, run_id: str) -> list[tuple[Task, int, str]]:
@@ -295,7 +313,11 @@ async def run_rollout(config: RolloutConfig) -> RolloutResult:
     """Run every session of ``config`` to an end (completed, timeout, error or cancelled) and return them all."""
     check_config(config)
     preset = get_preset(config.harness) if isinstance(config.harness, str) else config.harness
-    runtime = get_runtime(config.runtime, **dict(config.runtime_options)) if isinstance(config.runtime, str) else config.runtime
+    runtime = (
+        get_runtime(config.runtime, **dict(config.runtime_options))
+        if isinstance(config.runtime, str)
+        else config.runtime
+    )
     check_runtime(config.tasks, runtime)
     run_id = rollout_run_id(config)
     plan = plan_sessions(config, run_id)
@@ -314,12 +336,20 @@ async def run_rollout(config: RolloutConfig) -> RolloutResult:
         started = time.time()
         with _signals_interrupt(runner, config.stop_on_signals), _stop_interrupts(runner, config.stop):
             sessions = await runner.run(plan)
-        return RolloutResult(run_id, [s.result for s in sessions], started, time.time(),
-                             config.out if config.proxy is None else None, window, output_cap, runner.interrupted)
+        return RolloutResult(
+            run_id,
+            [s.result for s in sessions],
+            started,
+            time.time(),
+            config.out if config.proxy is None else None,
+            window,
+            output_cap,
+            runner.interrupted,
+        )
 
 
 @contextmanager
-def _signals_interrupt(runner: "_Runner", enabled: bool) -> Iterator[None]:
+def _signals_interrupt(runner: _Runner, enabled: bool) -> Iterator[None]:
     """While the sessions run, SIGINT and SIGTERM interrupt the runner instead of killing the process (whose
     sessions would stay ``running`` in the store, their sandboxes and harnesses alive)."""
     loop = asyncio.get_running_loop()
@@ -339,7 +369,7 @@ def _signals_interrupt(runner: "_Runner", enabled: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _stop_interrupts(runner: "_Runner", stop: asyncio.Event | None) -> Iterator[None]:
+def _stop_interrupts(runner: _Runner, stop: asyncio.Event | None) -> Iterator[None]:
     async def watch(event: asyncio.Event) -> None:
         await event.wait()
         runner.interrupt("stop")
@@ -368,9 +398,11 @@ def check_runtime(tasks: Sequence[Task], runtime: Runtime) -> None:
     their absolute paths (a harness run that could never be scored would only cost its time)."""
     harbor = [t.id for t in tasks if t.format == "harbor"]
     if harbor and not runtime.places_directories:
-        raise ValueError(f"Harbor tasks ({', '.join(harbor[:3])}{', ...' if len(harbor) > 3 else ''}) need /tests and "
-                         f"/logs at absolute paths, which the {runtime.name} runtime cannot place: use --runtime bwrap "
-                         "or --runtime oci")
+        raise ValueError(
+            f"Harbor tasks ({', '.join(harbor[:3])}{', ...' if len(harbor) > 3 else ''}) need /tests and "
+            f"/logs at absolute paths, which the {runtime.name} runtime cannot place: use --runtime bwrap "
+            "or --runtime oci"
+        )
 
 
 def check_config(config: RolloutConfig) -> None:
@@ -403,8 +435,13 @@ async def _proxy(config: RolloutConfig, work_dir: Path) -> AsyncIterator[tuple[P
         yield config.proxy.endpoints(), config.proxy.control_token
         return
     assert config.engine is not None and config.out is not None
-    manager = start_proxy(config.engine, config.out, confdir=Path(config.confdir), log_dir=config.logs_dir or work_dir,
-                          options=dict(config.proxy_options))
+    manager = start_proxy(
+        config.engine,
+        config.out,
+        confdir=Path(config.confdir),
+        log_dir=config.logs_dir or work_dir,
+        options=dict(config.proxy_options),
+    )
     started = await asyncio.to_thread(manager.__enter__)
     try:
         yield started.endpoints, started.control_token
@@ -413,9 +450,18 @@ async def _proxy(config: RolloutConfig, work_dir: Path) -> AsyncIterator[tuple[P
 
 
 class _Runner:
-    def __init__(self, config: RolloutConfig, preset: HarnessPreset, runtime: Runtime, endpoints: ProxyEndpoints,
-                 control: ControlClient, work_dir: Path, run_id: str, context_window: int | None = None,
-                 max_output_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        config: RolloutConfig,
+        preset: HarnessPreset,
+        runtime: Runtime,
+        endpoints: ProxyEndpoints,
+        control: ControlClient,
+        work_dir: Path,
+        run_id: str,
+        context_window: int | None = None,
+        max_output_tokens: int | None = None,
+    ) -> None:
         self.config, self.preset, self.runtime = config, preset, runtime
         self.context_window, self.max_output_tokens = context_window, max_output_tokens
         self.endpoints, self.control, self.work_dir, self.run_id = endpoints, control, work_dir, run_id
@@ -448,8 +494,16 @@ class _Runner:
     # -- the pipeline -------------------------------------------------------------------------------------------
 
     async def run(self, plan: Sequence[PlannedSession]) -> list[_Session]:
-        sessions = [_Session(p.task, p.sample, p.session_id, p.index,
-                             SessionResult(p.session_id, p.task.id, p.task.id, p.sample, "error")) for p in plan]
+        sessions = [
+            _Session(
+                p.task,
+                p.sample,
+                p.session_id,
+                p.index,
+                SessionResult(p.session_id, p.task.id, p.task.id, p.sample, "error"),
+            )
+            for p in plan
+        ]
         self.progress.total = len(sessions)
         self.progress.stages["pending"] = len(sessions)
         pending: deque[_Session] = deque(sessions)
@@ -530,8 +584,13 @@ class _Runner:
         sessions one at a time (``ray_backend``: as many at once as RUN slots plus READY). Cancelled (an
         interrupt), it ends ``cancelled``, posted as ``error`` when the harness ran, as :meth:`run` does."""
         p = planned
-        session = _Session(p.task, p.sample, p.session_id, p.index,
-                           SessionResult(p.session_id, p.task.id, p.task.id, p.sample, "error"))
+        session = _Session(
+            p.task,
+            p.sample,
+            p.session_id,
+            p.index,
+            SessionResult(p.session_id, p.task.id, p.task.id, p.sample, "error"),
+        )
         self.progress.total += 1
         self.progress.stages["pending"] += 1
         try:
@@ -555,12 +614,16 @@ class _Runner:
                 stage = session.stage
                 self._finish(session, "cancelled", f"interrupted by {self.interrupted} in {stage.upper()}")
                 if session.result.ran:
-                    await self._post_status(session, "error", {"reason": "interrupted", "cancelled": True,
-                                                               "signal": self.interrupted, "stage": stage})
+                    await self._post_status(
+                        session,
+                        "error",
+                        {"reason": "interrupted", "cancelled": True, "signal": self.interrupted, "stage": stage},
+                    )
             elif session.result.ran and not session.result.posted:  # it ended, but the interruption cut its post
                 status = session.result.status
-                await self._post_status(session, STORE_STATUS.get(status, status),
-                                        {"reason": "interrupted", "signal": self.interrupted})
+                await self._post_status(
+                    session, STORE_STATUS.get(status, status), {"reason": "interrupted", "signal": self.interrupted}
+                )
 
     def _refinish(self, session: _Session, status: Status, reason: str) -> None:
         """Change a finished session's status (the store's final word differs): counts, rewards and the early-stop
@@ -655,8 +718,16 @@ class _Runner:
                 self.templates[task.id] = await ws.prepare_template(task, cache)
             return self.templates[task.id]
 
-    def _spec(self, task: Task, name: str, workspace: Path, home: Path, binds: Mapping[str, Path] | None = None,
-              env: Mapping[str, str] | None = None, read_only_binds: Mapping[str, Path] | None = None) -> SandboxSpec:
+    def _spec(
+        self,
+        task: Task,
+        name: str,
+        workspace: Path,
+        home: Path,
+        binds: Mapping[str, Path] | None = None,
+        env: Mapping[str, str] | None = None,
+        read_only_binds: Mapping[str, Path] | None = None,
+    ) -> SandboxSpec:
         read_only = (*self.config.read_only, *getattr(self.preset, "read_only", ()))
         return SandboxSpec(name=name, workspace=workspace, home=home, proxy=self.endpoints, network=self.network,
                            image=task.image, dockerfile=task.dockerfile, workdir=task.workdir, cpus=task.cpus,
@@ -677,12 +748,16 @@ class _Runner:
         session.workspace = session.dir / "workspace"
         await ws.copy_template(template, session.workspace)
         await ws.ensure_repo(session.workspace)
-        session.sandbox = await self.runtime.start(self._spec(task, session.session_id, session.workspace, session.home))
+        session.sandbox = await self.runtime.start(
+            self._spec(task, session.session_id, session.workspace, session.home)
+        )
         if task.setup:
             done = await session.sandbox.exec(task.setup, cwd=session.sandbox.workspace, timeout_s=task.setup_timeout_s)
             if done.exit_code != 0:
-                raise RuntimeError(f"setup exited {done.exit_code}{' (timed out)' if done.timed_out else ''}: "
-                                   f"{(done.stderr or done.stdout)[-_LOG_TAIL:]}")
+                raise RuntimeError(
+                    f"setup exited {done.exit_code}{' (timed out)' if done.timed_out else ''}: "
+                    f"{(done.stderr or done.stdout)[-_LOG_TAIL:]}"
+                )
         view = await self._workspace_view(session, "base-view")
         session.base_tree = await ws.snapshot(view, session.dir / "base.git")
         sandbox = session.sandbox
@@ -723,8 +798,9 @@ class _Runner:
         env = {**self.config.env, **self.preset.env(ctx), "POLAR_INSTRUCTION": task.instruction}
         started = time.monotonic()
         try:
-            done = await sandbox.exec(self.preset.command(task.instruction, ctx), env=env, cwd=sandbox.workspace,
-                                      timeout_s=deadline)
+            done = await sandbox.exec(
+                self.preset.command(task.instruction, ctx), env=env, cwd=sandbox.workspace, timeout_s=deadline
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the runtime failed under a running harness: it ran, so it is not retried
@@ -737,22 +813,34 @@ class _Runner:
             return await self._end(session, "error", failure, {"reason": "runtime_failed"})
         session.result.exit_code = done.exit_code
         session.agent_output = done.stdout
-        self._write_log(session, "harness.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+        self._write_log(
+            session, "harness.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+        )
         if done.cancelled and task.id in self.stopped_groups:
-            return await self._end(session, "cancelled", "early stop: cancelled while running",
-                                   {"reason": "cancelled", "cancelled": True})
+            return await self._end(
+                session, "cancelled", "early stop: cancelled while running", {"reason": "cancelled", "cancelled": True}
+            )
         if done.cancelled:  # the runner's own cancel (an interruption): nothing the harness did
-            return await self._end(session, "error", "cancelled by the runner while running",
-                                   {"reason": "cancelled", "cancelled": True})
+            return await self._end(
+                session, "error", "cancelled by the runner while running", {"reason": "cancelled", "cancelled": True}
+            )
         if done.timed_out:
-            return await self._end(session, "timeout", f"the harness ran past its {deadline:g} s deadline",
-                                   {"reason": "timeout", "deadline_s": deadline})
+            return await self._end(
+                session,
+                "timeout",
+                f"the harness ran past its {deadline:g} s deadline",
+                {"reason": "timeout", "deadline_s": deadline},
+            )
         if done.exit_code != 0:
             # Exit codes and signals are the sandbox's own doing (`kill -9 $$` included): the policy's failure,
             # scored 0, or failing loudly would escape the 0 that failing quietly gets.
             tail = (done.stderr or done.stdout)[-_LOG_TAIL:]
-            return await self._end(session, "failed", f"the harness exited {done.exit_code}: {tail}",
-                                   {"reason": "harness_failed", "exit_code": done.exit_code})
+            return await self._end(
+                session,
+                "failed",
+                f"the harness exited {done.exit_code}: {tail}",
+                {"reason": "harness_failed", "exit_code": done.exit_code},
+            )
         return True
 
     async def _end(self, session: _Session, status: Status, reason: str, metadata: dict[str, Any]) -> bool:
@@ -827,7 +915,9 @@ class _Runner:
                 log.warning("polar rollout: %s: verify attempt %d: %s", session.session_id, attempt, exc)
         raise RuntimeError(f"verification failed {self.config.verify_attempts} times; last: {last}")
 
-    async def _verify_once(self, session: _Session, vdir: Path, patch: bytes) -> tuple[Status, str | None, dict[str, float]]:
+    async def _verify_once(
+        self, session: _Session, vdir: Path, patch: bytes
+    ) -> tuple[Status, str | None, dict[str, float]]:
         task = session.task
         shutil.rmtree(vdir, ignore_errors=True)
         vdir.mkdir(parents=True)
@@ -851,8 +941,9 @@ class _Runner:
             # The code under test must rewrite neither the tests that score it nor the agent's answer they read.
             read_only_binds = {"/tests": tests, HARBOR_AGENT_DIR: agent_logs}
         env = resolve_env(dict(task.verify_env))
-        sandbox = await self.runtime.start(self._spec(task, f"{session.session_id}-verify", workspace, home, binds,
-                                                      read_only_binds=read_only_binds))
+        sandbox = await self.runtime.start(
+            self._spec(task, f"{session.session_id}-verify", workspace, home, binds, read_only_binds=read_only_binds)
+        )
         # Where a reward file is on the host once the sandbox is stopped (a directory, the path under it): in the
         # verifier's workspace where the runtime binds it, else a copy brought out before the stop.
         reward_at = (Path(sandbox.host_workspace), task.reward_file or "") if sandbox.host_workspace else None
@@ -862,15 +953,18 @@ class _Runner:
             if task.setup:
                 done = await sandbox.exec(task.setup, cwd=sandbox.workspace, timeout_s=task.setup_timeout_s)
                 if done.exit_code != 0:
-                    raise RuntimeError(f"setup exited {done.exit_code} in the verifier's sandbox: {done.stderr[-_LOG_TAIL:]}")
+                    raise RuntimeError(
+                        f"setup exited {done.exit_code} in the verifier's sandbox: {done.stderr[-_LOG_TAIL:]}"
+                    )
             if patch:
                 if sandbox.host_workspace is not None:
                     await ws.apply(Path(sandbox.host_workspace), vdir / "apply.git", patch)
                 else:
                     (vdir / "agent.patch").write_bytes(patch)
                     await sandbox.upload(vdir / "agent.patch", "/tmp/polar-agent.patch")
-                    applied = await sandbox.exec(["git", "apply", "--binary", "/tmp/polar-agent.patch"],
-                                                 cwd=sandbox.workspace, timeout_s=120)
+                    applied = await sandbox.exec(
+                        ["git", "apply", "--binary", "/tmp/polar-agent.patch"], cwd=sandbox.workspace, timeout_s=120
+                    )
                     if applied.exit_code != 0:
                         raise RuntimeError(f"the patch does not apply: {applied.stderr[-_LOG_TAIL:]}")
             if task.reward_file:
@@ -883,7 +977,9 @@ class _Runner:
             if guarded:
                 command = ["/bin/sh", "-c", VERIFY_GUARD, "polar-verify-guard", "/bin/sh", "-c", command]
             done = await sandbox.exec(command, env=env, cwd=sandbox.workspace, timeout_s=task.verify_timeout_s)
-            self._write_log(session, "verifier.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+            self._write_log(
+                session, "verifier.log", f"exit {done.exit_code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+            )
             if done.cancelled:
                 raise RuntimeError("the verifier was cancelled")
             if task.reward_file and reward_at is None:  # an image's own workspace: copied out by the runtime
@@ -902,8 +998,9 @@ class _Runner:
             return "completed", f"{exc}: scored 0", {"reward": 0.0}
 
     @staticmethod
-    def _reward(task: Task, done: ExecResult, guarded: bool, logs: Path,
-                reward_at: tuple[Path, str] | None) -> dict[str, float]:
+    def _reward(
+        task: Task, done: ExecResult, guarded: bool, logs: Path, reward_at: tuple[Path, str] | None
+    ) -> dict[str, float]:
         """The verifier's rewards, read from the host after its sandbox stopped (NoReward: scored 0)."""
         if done.timed_out:
             # The agent's patch made the tests hang: the policy's failure, scored like any failing test.
@@ -925,8 +1022,15 @@ class _Runner:
     # -- store and teardown ---------------------------------------------------------------------------------------
 
     async def _post_status(self, session: _Session, status: str, metadata: dict[str, Any]) -> None:
-        full = {"rollout": self.run_id, "task": session.task.id, "group": session.task.id, "sample": session.sample,
-                "harness": self.preset.name, **self.config.status_metadata, **metadata}
+        full = {
+            "rollout": self.run_id,
+            "task": session.task.id,
+            "group": session.task.id,
+            "sample": session.sample,
+            "harness": self.preset.name,
+            **self.config.status_metadata,
+            **metadata,
+        }
         try:
             stored, why = await self.control.status(session.session_id, status, full)
             session.result.posted = True
@@ -945,7 +1049,10 @@ class _Runner:
             return
         from polar_cli.rollout.redact import redact
 
-        known = (session.ctx.secret if session.ctx else None, self.config.proxy.control_token if self.config.proxy else None)
+        known = (
+            session.ctx.secret if session.ctx else None,
+            self.config.proxy.control_token if self.config.proxy else None,
+        )
         directory = Path(self.config.logs_dir).resolve() / "sessions" / session.session_id
         directory.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(redact(text, known))

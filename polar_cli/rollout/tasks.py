@@ -32,9 +32,10 @@ import os
 import re
 import shlex
 import tomllib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,22 @@ class TaskFileError(ValueError):
 
 _TIMEOUT_KEYS = {"agent": "agent_timeout_s", "verify": "verify_timeout_s", "setup": "setup_timeout_s"}
 # Task's own field names for the timeouts are accepted at the top level too (``"agent_timeout_s": 300``).
-_JSONL_FIELDS = {"id", "instruction", "workspace", "repo", "revision", "setup", "verify", "reward_file", "timeouts",
-                 "metadata", "image", "workdir", "tests_dir", *_TIMEOUT_KEYS.values()}
+_JSONL_FIELDS = {
+    "id",
+    "instruction",
+    "workspace",
+    "repo",
+    "revision",
+    "setup",
+    "verify",
+    "reward_file",
+    "timeouts",
+    "metadata",
+    "image",
+    "workdir",
+    "tests_dir",
+    *_TIMEOUT_KEYS.values(),
+}
 # Harbor strips provenance canaries (HTML or hash comments naming a canary) from the top of instruction.md.
 _CANARY = re.compile(r"^(<!--.*canary.*-->|#.*canary.*)$", re.IGNORECASE)
 
@@ -108,8 +123,10 @@ def load_tasks(path: str | os.PathLike[str], limit: int | None = None) -> list[T
         elif harbor:
             tasks = [_load_harbor(d) for d in harbor]
         else:
-            raise TaskFileError(f"{root}: no tasks: expected a .jsonl file, a directory of .jsonl files, a Harbor task "
-                                "directory (task.toml, instruction.md, tests/test.sh) or a directory of them")
+            raise TaskFileError(
+                f"{root}: no tasks: expected a .jsonl file, a directory of .jsonl files, a Harbor task "
+                "directory (task.toml, instruction.md, tests/test.sh) or a directory of them"
+            )
     seen: dict[str, str] = {}
     for task in tasks:
         if task.id in seen:
@@ -183,7 +200,7 @@ def _jsonl_task(entry: dict[str, Any], base: Path, where: str) -> Task:
     verify = _text(entry, "verify", where, required=True)
     timeouts = entry.get("timeouts") or {}
     if not isinstance(timeouts, dict):
-        raise TaskFileError(f"{where}: 'timeouts' must be an object like {{\"agent\": 600, \"verify\": 300}}")
+        raise TaskFileError(f'{where}: \'timeouts\' must be an object like {{"agent": 600, "verify": 300}}')
     unknown_timeouts = set(timeouts) - set(_TIMEOUT_KEYS)
     if unknown_timeouts:
         raise TaskFileError(f"{where}: unknown timeout(s) {sorted(unknown_timeouts)}; known: {sorted(_TIMEOUT_KEYS)}")
@@ -207,10 +224,12 @@ def _jsonl_task(entry: dict[str, Any], base: Path, where: str) -> Task:
         if not tests_dir.is_dir():
             raise TaskFileError(f"{where}: tests_dir {tests_dir} is not a directory")
     reward_file = _text(entry, "reward_file", where)
-    if reward_file is not None and (not reward_file.strip() or reward_file.startswith("/")
-                                    or ".." in reward_file.split("/")):
-        raise TaskFileError(f"{where}: 'reward_file' must be a path relative to the workspace, without '..' "
-                            f"(got {reward_file!r})")
+    if reward_file is not None and (
+        not reward_file.strip() or reward_file.startswith("/") or ".." in reward_file.split("/")
+    ):
+        raise TaskFileError(
+            f"{where}: 'reward_file' must be a path relative to the workspace, without '..' (got {reward_file!r})"
+        )
     return Task(id=task_id, instruction=instruction or "", workspace=workspace, repo=repo, revision=revision,
                 setup=_text(entry, "setup", where), verify=verify, reward_file=reward_file,
                 tests_dir=tests_dir, image=_text(entry, "image", where), workdir=_text(entry, "workdir", where),
@@ -388,7 +407,7 @@ def image_free_copies(task: Task) -> list[tuple[Path, str]]:
     return copies
 
 
-def _hash_tree(digest: "hashlib._Hash", root: Path) -> None:
+def _hash_tree(digest: hashlib._Hash, root: Path) -> None:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d != ".git")
         for name in sorted(filenames):

@@ -74,15 +74,20 @@ def parse_reward_json(text: str, where: str) -> dict[str, float]:
         raise NoReward(f"{where} is nested too deeply") from None
     if not isinstance(data, dict):
         raise NoReward(f"{where} must be a JSON object of name -> number")
-    return {k: _check(v, f"{where}[{k!r}]") for k, v in data.items()
-            if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: _check(v, f"{where}[{k!r}]")
+        for k, v in data.items()
+        if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def _check(value: float, where: str) -> float:
     try:
         number = float(value)
     except OverflowError:  # a JSON integer beyond any float
-        raise NoReward(f"{where}: reward {str(value)[:40]}... is not a finite number within +-{REWARD_LIMIT:g}") from None
+        raise NoReward(
+            f"{where}: reward {str(value)[:40]}... is not a finite number within +-{REWARD_LIMIT:g}"
+        ) from None
     if not math.isfinite(number) or abs(number) > REWARD_LIMIT:
         raise NoReward(f"{where}: reward {number} is not a finite number within +-{REWARD_LIMIT:g}")
     return number
@@ -212,8 +217,10 @@ def guard_left(stdout: str) -> str | None:
         return None
     last = stdout.rstrip("\n").rsplit("\n", 1)[-1]
     if last.startswith(GUARD_LEFT):
-        return (f"processes were left running past the verifier (pids{last[len(GUARD_LEFT):][:200]}): any could have "
-                "rewritten its reward")
+        return (
+            f"processes were left running past the verifier (pids{last[len(GUARD_LEFT) :][:200]}): any could have "
+            "rewritten its reward"
+        )
     return "the verifier's guard did not report (its output was cut or it was killed)"
 
 

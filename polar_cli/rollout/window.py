@@ -75,8 +75,10 @@ def engine_window(spec: str) -> int | None:
             except (OSError, ValueError, KeyError, TypeError):
                 data, model_dir = {}, None
             if model_dir is not None:
-                window = served_window_of(model_window(model_dir if model_dir.is_absolute() else script.parent / model_dir),
-                                    int(data.get("max_len") or 0))
+                window = served_window_of(
+                    model_window(model_dir if model_dir.is_absolute() else script.parent / model_dir),
+                    int(data.get("max_len") or 0),
+                )
         elif kind in ("vllm", "sglang"):
             window = served_window(target.partition("?")[0])  # without ?weight_version=V
         if window:

@@ -24,11 +24,27 @@ from polar_cli.rollout.tasks import Task, image_free_copies
 # Same commits on every host: no user config (the runner's own ~/.gitconfig could set diff.noprefix or
 # diff.external, which change the patch; only a task's clone reads it, for the user's credentials), no signing, a
 # fixed identity and clock.
-_GIT_ENV = {"GIT_CONFIG_NOSYSTEM": "1", "GIT_AUTHOR_NAME": "polar", "GIT_AUTHOR_EMAIL": "polar@localhost",
-            "GIT_COMMITTER_NAME": "polar", "GIT_COMMITTER_EMAIL": "polar@localhost",
-            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
-_GIT_FLAGS = ["-c", "core.excludesFile=/dev/null", "-c", "safe.directory=*", "-c", "commit.gpgsign=false",
-              "-c", "core.autocrlf=false", "-c", "init.defaultBranch=main"]
+_GIT_ENV = {
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_AUTHOR_NAME": "polar",
+    "GIT_AUTHOR_EMAIL": "polar@localhost",
+    "GIT_COMMITTER_NAME": "polar",
+    "GIT_COMMITTER_EMAIL": "polar@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+}
+_GIT_FLAGS = [
+    "-c",
+    "core.excludesFile=/dev/null",
+    "-c",
+    "safe.directory=*",
+    "-c",
+    "commit.gpgsign=false",
+    "-c",
+    "core.autocrlf=false",
+    "-c",
+    "init.defaultBranch=main",
+]
 
 
 MAX_PATCH_BYTES = 64 * 1024 * 1024
@@ -44,12 +60,21 @@ class PatchTooLarge(WorkspaceError):
     """The agent's changes exceed the rollout's patch bound (the policy's failure, not infrastructure)."""
 
 
-async def git(*args: str, cwd: Path | None = None, stdin: bytes | None = None, check: bool = True,
-              max_output: int | None = None, user_config: bool = False) -> bytes:
+async def git(
+    *args: str,
+    cwd: Path | None = None,
+    stdin: bytes | None = None,
+    check: bool = True,
+    max_output: int | None = None,
+    user_config: bool = False,
+) -> bytes:
     """git's stdout; with ``max_output``, git is killed and :class:`PatchTooLarge` raised once it printed more.
     ``user_config``: read the user's ~/.gitconfig (a task repository's clone: its credentials, insteadOf)."""
-    env = {**{k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}, **_GIT_ENV,
-           "HOME": os.environ.get("HOME", "/")}
+    env = {
+        **{k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")},
+        **_GIT_ENV,
+        "HOME": os.environ.get("HOME", "/"),
+    }
     if not user_config:
         env["GIT_CONFIG_GLOBAL"] = "/dev/null"
     proc = await asyncio.create_subprocess_exec(
@@ -72,7 +97,9 @@ async def git(*args: str, cwd: Path | None = None, stdin: bytes | None = None, c
         out, err = b"".join(chunks), await errors
         await proc.wait()
     if check and proc.returncode != 0:
-        raise WorkspaceError(f"git {' '.join(args[:3])} failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}")
+        raise WorkspaceError(
+            f"git {' '.join(args[:3])} failed ({proc.returncode}): {err.decode(errors='replace')[-2000:]}"
+        )
     return out
 
 
@@ -168,7 +195,9 @@ async def diff(workspace: Path, git_dir: Path, base_tree: str, max_bytes: int = 
     now = await snapshot(workspace, git_dir, max_growth=max_bytes)
     if now == base_tree:
         return b""
-    return await git("--git-dir", str(git_dir), "diff", "--binary", "--full-index", base_tree, now, max_output=max_bytes)
+    return await git(
+        "--git-dir", str(git_dir), "diff", "--binary", "--full-index", base_tree, now, max_output=max_bytes
+    )
 
 
 async def apply(workspace: Path, git_dir: Path, patch: bytes) -> None:
@@ -177,5 +206,15 @@ async def apply(workspace: Path, git_dir: Path, patch: bytes) -> None:
         return
     if not (git_dir / "HEAD").exists():
         await git("init", "--quiet", "--bare", str(git_dir))
-    await git("--git-dir", str(git_dir), "--work-tree", str(workspace), "apply", "--binary", "--whitespace=nowarn",
-              "-", cwd=workspace, stdin=patch)
+    await git(
+        "--git-dir",
+        str(git_dir),
+        "--work-tree",
+        str(workspace),
+        "apply",
+        "--binary",
+        "--whitespace=nowarn",
+        "-",
+        cwd=workspace,
+        stdin=patch,
+    )

@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from polar_cli.train.advantages import group_key, session_advantages
 from polar_cli.trace import LATER_TRACE_COLUMNS, TRACE_SCHEMA, Trace, table_to_traces
+from polar_cli.train.advantages import group_key, session_advantages
 
 # A captured logprob is log p <= 0; engines round, so allow a hair above zero.
 _LOGPROB_SLACK = 1e-4
@@ -86,7 +86,9 @@ def check_untruncated(traces: Sequence[Trace]) -> None:
     )
 
 
-def explain_nothing_to_train(traces: Sequence[Trace], stats: dict[str, int], *, unrewarded_per_request: bool = False) -> str:
+def explain_nothing_to_train(
+    traces: Sequence[Trace], stats: dict[str, int], *, unrewarded_per_request: bool = False
+) -> str:
     """Why no row is left, counted, each with what to do about it."""
     reasons: list[str] = []
     untrainable: dict[str, set[str]] = {}
@@ -123,7 +125,9 @@ def explain_nothing_to_train(traces: Sequence[Trace], stats: dict[str, int], *, 
             "credentials) with different rewards"
         )
     if stats.get("overlong_prompt"):
-        reasons.append(f"{stats['overlong_prompt']} traces have a prompt of --max-length tokens or more: raise --max-length")
+        reasons.append(
+            f"{stats['overlong_prompt']} traces have a prompt of --max-length tokens or more: raise --max-length"
+        )
     if stats.get("no_trainable_tokens"):
         reasons.append(f"{stats['no_trainable_tokens']} traces have no sampled token left to train on")
     if not traces:
@@ -337,7 +341,9 @@ def read_trace_dataset(paths: Sequence[Path]) -> list[Trace]:
             raise ValueError(f"{f}: trace dataset lacks columns {missing}")
         for name in LATER_TRACE_COLUMNS:
             if name not in table.column_names:
-                table = table.append_column(TRACE_SCHEMA.field(name), pa.nulls(len(table), TRACE_SCHEMA.field(name).type))
+                table = table.append_column(
+                    TRACE_SCHEMA.field(name), pa.nulls(len(table), TRACE_SCHEMA.field(name).type)
+                )
         traces.extend(table_to_traces(table.select(TRACE_SCHEMA.names)))
     return traces
 

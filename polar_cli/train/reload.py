@@ -19,8 +19,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -154,7 +154,8 @@ def vllm_command(
     ]  # fmt: skip
     wanted = [
         # Harnesses send tools: without a parser vLLM answers tool calls as plain text.
-        ("--enable-auto-tool-choice", None), ("--tool-call-parser", tool_call_parser),
+        ("--enable-auto-tool-choice", None),
+        ("--tool-call-parser", tool_call_parser),
         # The trainer's importance ratios need log_softmax(logits / T), not raw logprobs.
         ("--logprobs-mode", "processed_logprobs"),
         # Never the model's generation_config.json sampling defaults: captures must be sampled as requested.
@@ -310,7 +311,9 @@ def serve_vllm(
     env = dict(env or {})
     if on_cpu():
         memory_fraction = memory_fraction or CPU_MEMORY_FRACTION
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", kvcache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB))
+        env.setdefault(
+            "VLLM_CPU_KVCACHE_SPACE", kvcache_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+        )
     elif kvcache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = kvcache_gib
     command, model_arg = vllm_command(
@@ -366,8 +369,10 @@ def _restart_advice(url: str, checkpoint: str, state_dir: Path) -> str:
     port = port_of(url)
     names = served_names(url)
     if names is None:
-        return (f"nothing answers on {url} either. Start one that reload can restart: "
-                f"`polar engine serve {checkpoint} --port {port}`")
+        return (
+            f"nothing answers on {url} either. Start one that reload can restart: "
+            f"`polar engine serve {checkpoint} --port {port}`"
+        )
     name = names[0] if names else "NAME"
     return (
         f"{url} serves {names} but was started some other way, so polar cannot restart it. Either restart it "
@@ -427,8 +432,13 @@ def reload_engine(
         return f"sglang {target}: loaded {ckpt} in place ({answer.get('message', 'ok')})"
     if kind == "vllm":
         server = restart_vllm(
-            target, ckpt, state_dir=state_dir, weight_version=weight_version, ready_timeout_s=timeout_s,
-            progress=progress, tie=tie,
+            target,
+            ckpt,
+            state_dir=state_dir,
+            weight_version=weight_version,
+            ready_timeout_s=timeout_s,
+            progress=progress,
+            tie=tie,
         )
         line = f"vllm {server.url}: restarted as {server.served_model_name!r} with {ckpt} (pid {server.pid})"
         if weight_version is not None:

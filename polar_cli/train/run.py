@@ -100,12 +100,18 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
         # The model being trained carries the tokenizer the traces were sampled with.
         tokenizer = cfg.model if (Path(cfg.model) / "tokenizer_config.json").is_file() else None
         traces = load_traces(
-            cfg.inputs, cfg.strategy, tokenizer=tokenizer, broadcast_rewards=cfg.broadcast_rewards,
-            eot_token_id=cfg.eot_token_id, merge_retokenized=cfg.retokenized == "merge",
+            cfg.inputs,
+            cfg.strategy,
+            tokenizer=tokenizer,
+            broadcast_rewards=cfg.broadcast_rewards,
+            eot_token_id=cfg.eot_token_id,
+            merge_retokenized=cfg.retokenized == "merge",
         )
     unrewarded = cfg.strategy == "per_request" and not cfg.broadcast_rewards
     if not any(t.trainable for t in traces):
-        raise NothingToTrain(f"no trainable traces: {explain_nothing_to_train(traces, {}, unrewarded_per_request=unrewarded)}")
+        raise NothingToTrain(
+            f"no trainable traces: {explain_nothing_to_train(traces, {}, unrewarded_per_request=unrewarded)}"
+        )
     check_staleness(traces, cfg.current_weight_version, cfg.max_staleness)
     data = prepare_rows(
         traces,
@@ -115,7 +121,9 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
         temperature=cfg.temperature,
     )
     if not data.rows:
-        raise NothingToTrain(f"no trainable rows: {explain_nothing_to_train(traces, data.stats, unrewarded_per_request=unrewarded)}")
+        raise NothingToTrain(
+            f"no trainable rows: {explain_nothing_to_train(traces, data.stats, unrewarded_per_request=unrewarded)}"
+        )
     cfg.output.mkdir(parents=True, exist_ok=True)
     metrics_path = cfg.output / METRICS_FILE
     if cfg.resume is None and metrics_path.exists():
@@ -152,9 +160,8 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
 
 def serving_dtype(model: str):
     """The dtype the starting checkpoint is stored in, i.e. what an engine loading it serves."""
-    from transformers import AutoConfig
-
     import torch
+    from transformers import AutoConfig
 
     dtype = AutoConfig.from_pretrained(model).dtype
     if isinstance(dtype, str):
@@ -276,7 +283,6 @@ def save_checkpoint(trainer, out_dir: Path, serving_dtype=None) -> None:
 
 def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default") -> dict:
     """A PEFT LoRA state dict -> the plain model's, with ``W + scaling * B @ A`` computed in fp32."""
-    import torch
 
     prefix = "base_model.model."
     out: dict = {}

@@ -29,14 +29,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
-from dataclasses import dataclass, field
-
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import identity, nanmax, nanmin, use_adapter
 
@@ -192,8 +191,13 @@ class TraceGRPOTrainer(GRPOTrainer):
         bins = partition_rows([r.num_tokens for r in rows], nproc * grad_accum)
         mine = bins[rank * grad_accum : (rank + 1) * grad_accum]
         # `polar train --verbose`: which traces each process trains (under DDP, each a different share of the step).
-        log.info("process %d of %d, step %d: traces %s", rank, nproc, self.state.global_step,
-                 " ".join(rows[i].trace_id for b in mine for i in b))
+        log.info(
+            "process %d of %d, step %d: traces %s",
+            rank,
+            nproc,
+            self.state.global_step,
+            " ".join(rows[i].trace_id for b in mine for i in b),
+        )
         # The loss normalizer counts the whole step's trainable tokens, over all processes; every
         # process knows the whole step, so no collective is needed.
         num_items = torch.tensor(float(sum(r.num_trainable for r in rows)), device=self.accelerator.device)
@@ -218,7 +222,9 @@ class TraceGRPOTrainer(GRPOTrainer):
     def _tensorize(self, rows: list[TrainRow], num_items: torch.Tensor) -> dict[str, Any]:
         # DDP reduces gradients once per backward, so under it one micro-batch is one forward.
         single = self.accelerator.num_processes > 1
-        groups = [list(range(len(rows)))] if single else length_buckets([r.num_tokens for r in rows], self.args.pad_waste)
+        groups = (
+            [list(range(len(rows)))] if single else length_buckets([r.num_tokens for r in rows], self.args.pad_waste)
+        )
         chunks = [self._chunk([rows[i] for i in g]) for g in groups]
         return {"chunks": chunks, "num_items_in_batch": num_items}
 
@@ -253,8 +259,11 @@ class TraceGRPOTrainer(GRPOTrainer):
             input_ids[i, : len(ids)] = torch.tensor(ids)
             attention[i, : len(ids)] = 1
         device = self.accelerator.device
-        return {"input_ids": input_ids.to(device), "attention_mask": attention.to(device),
-                "logits_to_keep": width - min(len(r.prompt_ids) for r in rows)}
+        return {
+            "input_ids": input_ids.to(device),
+            "attention_mask": attention.to(device),
+            "logits_to_keep": width - min(len(r.prompt_ids) for r in rows),
+        }
 
     def _start_logps_of(self, row: TrainRow) -> Any:
         at = self._row_index.get(id(row))
@@ -321,12 +330,16 @@ class TraceGRPOTrainer(GRPOTrainer):
         if self.args.clip_against == "start":
             path = Path(checkpoint) / START_LOGPS_FILE
             if not path.is_file():
-                raise FileNotFoundError(f"{path} missing: with --clip-against start, resume needs the starting "
-                                        "weights' logprobs saved with the checkpoint")
+                raise FileNotFoundError(
+                    f"{path} missing: with --clip-against start, resume needs the starting "
+                    "weights' logprobs saved with the checkpoint"
+                )
             self._start_logps = torch.load(path, weights_only=True)
             if len(self._start_logps) != len(self.data.rows):
-                raise ValueError(f"{path} scores {len(self._start_logps)} traces, these inputs have "
-                                 f"{len(self.data.rows)}: resume with the inputs the checkpoint was trained on")
+                raise ValueError(
+                    f"{path} scores {len(self._start_logps)} traces, these inputs have "
+                    f"{len(self.data.rows)}: resume with the inputs the checkpoint was trained on"
+                )
 
     def _restore_step_buffer(self, path: Path) -> None:
         self._resume_buffer = None
@@ -373,8 +386,17 @@ class TraceGRPOTrainer(GRPOTrainer):
         adv = chunk["advantages"].unsqueeze(1)
         bound = args.log_ratio_clamp
         per_token, ratio, log_is = policy_loss(
-            logps, old, behavior, adv, loss_type=self.loss_type, epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high, cispo_cap=args.cispo_cap, tis_cap=args.tis_cap, log_ratio_clamp=bound)
+            logps,
+            old,
+            behavior,
+            adv,
+            loss_type=self.loss_type,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            cispo_cap=args.cispo_cap,
+            tis_cap=args.tis_cap,
+            log_ratio_clamp=bound,
+        )
         if self.beta != 0.0:
             ref_diff = torch.clamp(chunk["ref_logps"] - logps, -bound, bound)
             per_token_kl = torch.exp(ref_diff) - ref_diff - 1
@@ -427,9 +449,19 @@ class TraceGRPOTrainer(GRPOTrainer):
         metrics["tis/weight_mean"].append(t["tis_weight"] / count)
 
 
-def policy_loss(logps: torch.Tensor, old: torch.Tensor, behavior: torch.Tensor, advantages: torch.Tensor, *,
-                loss_type: str, epsilon_low: float, epsilon_high: float, cispo_cap: float, tis_cap: float,
-                log_ratio_clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_loss(
+    logps: torch.Tensor,
+    old: torch.Tensor,
+    behavior: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    loss_type: str,
+    epsilon_low: float,
+    epsilon_high: float,
+    cispo_cap: float,
+    tis_cap: float,
+    log_ratio_clamp: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token policy loss (before the mask and the normaliser), the ratio pi_theta / pi_old, and log of the TIS weight.
 
     PPO-clip (``dapo``/``grpo``): ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``; CISPO: ``-sg(min(r, cap)) A

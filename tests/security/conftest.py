@@ -20,7 +20,11 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("attacks-proxy")
     script = root / "script.json"
     script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "ok"}]}))
-    with start_proxy(f"scripted:{script}", str(root / "store"), confdir=root / "conf", log_dir=root,
-                     options={"polar_shard_seconds": "0.2"}) as started:
+    with start_proxy(
+        f"scripted:{script}",
+        str(root / "store"),
+        confdir=root / "conf",
+        log_dir=root,
+        options={"polar_shard_seconds": "0.2"},
+    ) as started:
         yield started
-

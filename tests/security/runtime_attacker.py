@@ -42,11 +42,15 @@ def find_tokens() -> tuple[list[str], list[str]]:
 
 def post_reward(session: str, token: str | None, value: float) -> int | str:
     forward = urlsplit(os.environ["HTTPS_PROXY"])
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": f"http://{forward.hostname}:{forward.port}"}))
-    request = urllib.request.Request(f"http://polar.local/sessions/{session}/reward",
-                                     data=json.dumps({"value": value}).encode(), method="POST",
-                                     headers={"content-type": "application/json",
-                                              "authorization": f"Bearer {token or 'none'}"})
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({"http": f"http://{forward.hostname}:{forward.port}"})
+    )
+    request = urllib.request.Request(
+        f"http://polar.local/sessions/{session}/reward",
+        data=json.dumps({"value": value}).encode(),
+        method="POST",
+        headers={"content-type": "application/json", "authorization": f"Bearer {token or 'none'}"},
+    )
     try:
         return opener.open(request, timeout=5).status
     except urllib.error.HTTPError as exc:
@@ -73,9 +77,13 @@ def main() -> None:
             break
     report = {"polar_out": outs, "token": token is not None, "posted": posted}
     if mode == "survive":
-        child = subprocess.Popen([sys.executable, __file__, "post-forever", session, token or "none", sys.argv[3]],
-                                 start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL)
+        child = subprocess.Popen(
+            [sys.executable, __file__, "post-forever", session, token or "none", sys.argv[3]],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         report["survivor"] = child.pid
     print(json.dumps(report), flush=True)
 

@@ -24,7 +24,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from polar_cli.rollout.proxy import StartedProxy
 from polar_cli.rollout.runtimes import bridge, confine
 from polar_cli.rollout.runtimes.base import ProxyEndpoints, SandboxSpec
@@ -37,17 +36,32 @@ PYTHON = "/usr/bin/python3"  # the host's: /usr is inside every sandbox
 ALLOWED_ETC = {name.split("/")[0] for name in confine.ETC_ALLOWLIST} | {"passwd", "group"}
 
 
-
-
-
-
-def _rollout_command(proxy: StartedProxy, root: Path, harness: str, *extra: str, seed: int,
-                     verify: str = "false") -> list[str]:
-    return [sys.executable, "-m", "polar_cli.app", "rollout", str(write_task(root, verify=verify)), "--harness", harness,
-            "--runtime", "bwrap", "--proxy", f"http://127.0.0.1:{proxy.endpoints.forward_port}",
-            "--reverse-url", f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
-            "--confdir", str(Path(proxy.endpoints.ca).parent), "--report-dir", str(root / "report"),
-            "--seed", str(seed), "--no-progress", *extra]
+def _rollout_command(
+    proxy: StartedProxy, root: Path, harness: str, *extra: str, seed: int, verify: str = "false"
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "polar_cli.app",
+        "rollout",
+        str(write_task(root, verify=verify)),
+        "--harness",
+        harness,
+        "--runtime",
+        "bwrap",
+        "--proxy",
+        f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+        "--reverse-url",
+        f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
+        "--confdir",
+        str(Path(proxy.endpoints.ca).parent),
+        "--report-dir",
+        str(root / "report"),
+        "--seed",
+        str(seed),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def _env(proxy: StartedProxy, **extra: str) -> dict[str, str]:
@@ -65,24 +79,70 @@ def _harness_log(root: Path, session_id: str) -> str:
 
 def _host_socats(marker: str) -> list[int]:
     """Host pids of the bridge's host-side socats (UNIX-LISTEN) whose sockets are under ``marker``."""
-    return host_pids(lambda words: words[0].endswith(b"socat") and any(
-        w.startswith(b"UNIX-LISTEN:") and marker.encode() in w for w in words))
+    return host_pids(
+        lambda words: (
+            words[0].endswith(b"socat") and any(w.startswith(b"UNIX-LISTEN:") and marker.encode() in w for w in words)
+        )
+    )
 
 
 # --- the pure parts --------------------------------------------------------------------------------------------
 
 
 def test_every_parent_of_a_mount_point_is_made_0755_just_before_it() -> None:
-    mounts = ["--ro-bind", "/usr", "/usr", "--ro-bind", "/h/hosts", "/etc/hosts", "--ro-bind", "/h/c", "/etc/ssl/certs",
-              "--bind", "/s/tmp", "/tmp", "--perms", "0700", "--dir", "/var/tmp",
-              "--ro-bind", "/x/a.sh", "/tmp/pytest-of-root/t/a.sh"]
+    mounts = [
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--ro-bind",
+        "/h/hosts",
+        "/etc/hosts",
+        "--ro-bind",
+        "/h/c",
+        "/etc/ssl/certs",
+        "--bind",
+        "/s/tmp",
+        "/tmp",
+        "--perms",
+        "0700",
+        "--dir",
+        "/var/tmp",
+        "--ro-bind",
+        "/x/a.sh",
+        "/tmp/pytest-of-root/t/a.sh",
+    ]
     assert confine.with_parent_dirs(mounts) == [
-        "--ro-bind", "/usr", "/usr", "--dir", "/etc", "--ro-bind", "/h/hosts", "/etc/hosts",
-        "--dir", "/etc/ssl", "--ro-bind", "/h/c", "/etc/ssl/certs", "--bind", "/s/tmp", "/tmp",
-        "--dir", "/var", "--perms", "0700", "--dir", "/var/tmp",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--dir",
+        "/etc",
+        "--ro-bind",
+        "/h/hosts",
+        "/etc/hosts",
+        "--dir",
+        "/etc/ssl",
+        "--ro-bind",
+        "/h/c",
+        "/etc/ssl/certs",
+        "--bind",
+        "/s/tmp",
+        "/tmp",
+        "--dir",
+        "/var",
+        "--perms",
+        "0700",
+        "--dir",
+        "/var/tmp",
         # made after /tmp is mounted, so inside it: the sandbox's uid reaches the script
-        "--dir", "/tmp/pytest-of-root", "--dir", "/tmp/pytest-of-root/t", "--ro-bind", "/x/a.sh",
-        "/tmp/pytest-of-root/t/a.sh"]
+        "--dir",
+        "/tmp/pytest-of-root",
+        "--dir",
+        "/tmp/pytest-of-root/t",
+        "--ro-bind",
+        "/x/a.sh",
+        "/tmp/pytest-of-root/t/a.sh",
+    ]
 
 
 def test_etc_shows_only_its_allowlist_and_keeps_links_into_usr(tmp_path: Path) -> None:
@@ -96,13 +156,22 @@ def test_etc_shows_only_its_allowlist_and_keeps_links_into_usr(tmp_path: Path) -
     (etc / "resolv.conf").symlink_to(etc / "elsewhere")
     args = confine.etc_args(str(etc))
     destinations = [args[i + 2] for i in range(0, len(args), 3)]
-    assert sorted(destinations) == ["/etc/hosts", "/etc/localtime", "/etc/mtab", "/etc/resolv.conf",
-                                    "/etc/ssl/certs", "/etc/ssl/openssl.cnf"]
-    assert ["--symlink", "/usr/share/zoneinfo/Etc/UTC", "/etc/localtime"] == args[args.index("/etc/localtime") - 2:
-                                                                                args.index("/etc/localtime") + 1]
+    assert sorted(destinations) == [
+        "/etc/hosts",
+        "/etc/localtime",
+        "/etc/mtab",
+        "/etc/resolv.conf",
+        "/etc/ssl/certs",
+        "/etc/ssl/openssl.cnf",
+    ]
+    assert ["--symlink", "/usr/share/zoneinfo/Etc/UTC", "/etc/localtime"] == args[
+        args.index("/etc/localtime") - 2 : args.index("/etc/localtime") + 1
+    ]
     # a link out of /usr is bound as its target: the sandbox never follows a host path of its own choosing
-    assert args[args.index("/etc/resolv.conf") - 2:args.index("/etc/resolv.conf")] == ["--ro-bind",
-                                                                                       str(etc / "elsewhere")]
+    assert args[args.index("/etc/resolv.conf") - 2 : args.index("/etc/resolv.conf")] == [
+        "--ro-bind",
+        str(etc / "elsewhere"),
+    ]
 
 
 def test_setid_bits_are_stripped_and_ownership_handed_over_without_following_links(tmp_path: Path) -> None:
@@ -152,10 +221,25 @@ def test_the_sandbox_is_no_host_root(proxy: StartedProxy, tmp_path: Path) -> Non
     attack = tmp_path / "attack.sh"
     attack.write_text(ATTACK)
     work = tmp_path / "work"
-    done = subprocess.run(_rollout_command(proxy, tmp_path, f"cmd:sh {attack} {secret}", "--read-only", str(secret),
-                                           "--work-dir", str(work), "--keep-sessions", seed=2391,
-                                           verify="grep -qx honest result.txt"),
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env=_env(proxy))
+    done = subprocess.run(
+        _rollout_command(
+            proxy,
+            tmp_path,
+            f"cmd:sh {attack} {secret}",
+            "--read-only",
+            str(secret),
+            "--work-dir",
+            str(work),
+            "--keep-sessions",
+            seed=2391,
+            verify="grep -qx honest result.txt",
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(proxy),
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     session = _only_session(tmp_path)
     log = _harness_log(tmp_path, session["session_id"])
@@ -185,16 +269,24 @@ def test_filling_tmp_fails_inside_and_keeps_the_store_disk(tmp_path: Path) -> No
     if find_bwrap() is None:
         missing("bwrap is not installed (make sandbox)")
     (tmp_path / "ca.pem").write_text("not a real CA\n")
-    spec = SandboxSpec(name="fill", workspace=tmp_path / "ws", home=tmp_path / "home", network="none",
-                       proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"))
+    spec = SandboxSpec(
+        name="fill",
+        workspace=tmp_path / "ws",
+        home=tmp_path / "home",
+        network="none",
+        proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"),
+    )
 
     async def main():
         box = await BwrapRuntime(tmp_mb=16, scratch_dir=tmp_path).start(spec)
         try:
-            filled = await box.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=64; echo dd=$?; "
-                                    "stat -c %s /tmp/fill; grep ' /tmp ' /proc/self/mounts")
-            host_mount = [line for line in Path("/proc/mounts").read_text().splitlines()
-                          if f" {box.scratch / 'tmp'} " in line]
+            filled = await box.exec(
+                "dd if=/dev/zero of=/tmp/fill bs=1M count=64; echo dd=$?; "
+                "stat -c %s /tmp/fill; grep ' /tmp ' /proc/self/mounts"
+            )
+            host_mount = [
+                line for line in Path("/proc/mounts").read_text().splitlines() if f" {box.scratch / 'tmp'} " in line
+            ]
             again = await box.exec("stat -c %s /tmp/fill")
         finally:
             await box.stop()
@@ -238,9 +330,14 @@ def test_a_connection_flood_gets_a_bounded_number_of_host_processes(proxy: Start
     flood.write_text(CONNECT_FLOOD)
     # The runtime's per-sandbox directories (its bridge sockets) land here: short, a socket path has 107 bytes.
     scratch = Path(tempfile.mkdtemp(prefix="pb-"))
-    process = subprocess.Popen(_rollout_command(proxy, tmp_path, f"cmd:{PYTHON} {flood} 3", seed=2392),
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=_env(proxy, TMPDIR=str(scratch)))
+    process = subprocess.Popen(
+        _rollout_command(proxy, tmp_path, f"cmd:{PYTHON} {flood} 3", seed=2392),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(proxy, TMPDIR=str(scratch)),
+    )
     # pid -> its cgroups when first seen (a dying socat may already show none)
     most, cgroups_seen, stop = 0, {}, threading.Event()
 

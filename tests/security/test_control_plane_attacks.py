@@ -15,7 +15,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-
 ATTACK = r"""
 rev="${OPENAI_BASE_URL%/v1}"
 sid="$POLAR_SESSION"
@@ -50,21 +49,47 @@ echo "TOKEN-FOUND:${found:-none}"
 
 
 def _polar(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "polar_cli.app", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"},
+    )
 
 
-@pytest.mark.skipif(not (shutil.which("bwrap") and shutil.which("socat") and shutil.which("curl")),
-                    reason="bubblewrap/socat/curl missing (make sandbox)")
+@pytest.mark.skipif(
+    not (shutil.which("bwrap") and shutil.which("socat") and shutil.which("curl")),
+    reason="bubblewrap/socat/curl missing (make sandbox)",
+)
 def test_no_route_to_the_control_plane_lets_the_agent_reward_itself(tiny_model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "attack.sh").write_text(ATTACK)
     (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "zero", "instruction": "x", "verify": "false"}) + "\n")
     script = tmp_path / "script.json"
     script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "hi"}]}))
-    done = _polar("rollout", "tasks.jsonl", "--harness", f"cmd:sh {tmp_path / 'attack.sh'}", "--samples", "2",
-                  "--runtime", "bwrap", "--engine", f"scripted:{script}", "--out", "store", "--seed", "5",
-                  "--confdir", str(tmp_path / "conf"), "--set", "polar_shard_seconds=0.2", "--no-progress",
-                  cwd=tmp_path)
+    done = _polar(
+        "rollout",
+        "tasks.jsonl",
+        "--harness",
+        f"cmd:sh {tmp_path / 'attack.sh'}",
+        "--samples",
+        "2",
+        "--runtime",
+        "bwrap",
+        "--engine",
+        f"scripted:{script}",
+        "--out",
+        "store",
+        "--seed",
+        "5",
+        "--confdir",
+        str(tmp_path / "conf"),
+        "--set",
+        "polar_shard_seconds=0.2",
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert done.returncode in (0, 1), done.stdout + done.stderr
     logs = sorted((tmp_path / "store" / "rollouts" / "r5").rglob("harness.log"))
     assert len(logs) == 2, done.stdout + done.stderr

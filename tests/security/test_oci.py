@@ -76,8 +76,14 @@ def test_container_root_is_an_unprivileged_host_range(image: str, tmp_path: Path
     workspace.mkdir()
     (workspace / "README").write_text("the task\n")  # a bound workspace: the host directory is the sandbox's
     (tmp_path / "ca.pem").write_text("not a real CA\n")
-    spec = SandboxSpec(name="noroot", workspace=workspace, home=home, network="none",
-                       proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"), read_only=(secret, public, attack))
+    spec = SandboxSpec(
+        name="noroot",
+        workspace=workspace,
+        home=home,
+        network="none",
+        proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"),
+        read_only=(secret, public, attack),
+    )
 
     async def main():
         box = await oci.make(image=image).start(spec)
@@ -86,8 +92,11 @@ def test_container_root_is_an_unprivileged_host_range(image: str, tmp_path: Path
             # What the runner does between execs, as host root: a harness config in HOME, a patched workspace file.
             (home / "config.json").write_text("{}\n")
             (workspace / "README").write_text("patched\n")
-            honest = await box.exec("echo mine >> $HOME/config.json && echo edited >> README && mkdir -p sub && "
-                                    "echo new > sub/file && cat $HOME/config.json README sub/file", timeout_s=60)
+            honest = await box.exec(
+                "echo mine >> $HOME/config.json && echo edited >> README && mkdir -p sub && "
+                "echo new > sub/file && cat $HOME/config.json README sub/file",
+                timeout_s=60,
+            )
         finally:
             await box.stop()
         return attacked, honest
@@ -119,13 +128,40 @@ def test_an_oci_agent_is_no_host_root(proxy: StartedProxy, image: str, tmp_path:
     attack.write_text(ATTACK)
     work = tmp_path / "work"
     tasks = write_task(tmp_path, image=image, verify="grep -qx honest result.txt")
-    cmd = [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks),
-           "--harness", f"cmd:sh {attack} {secret} {public}", "--runtime", "oci", "--proxy", f"http://127.0.0.1:{proxy.endpoints.forward_port}",
-           "--reverse-url", f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
-           "--confdir", str(Path(proxy.endpoints.ca).parent), "--report-dir", str(tmp_path / "report"),
-           "--work-dir", str(work), "--keep-sessions", "--seed", "2395", "--no-progress"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "POLAR_CONTROL_TOKEN": proxy.control_token})
+    cmd = [
+        sys.executable,
+        "-m",
+        "polar_cli.app",
+        "rollout",
+        str(tasks),
+        "--harness",
+        f"cmd:sh {attack} {secret} {public}",
+        "--runtime",
+        "oci",
+        "--proxy",
+        f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+        "--reverse-url",
+        f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
+        "--confdir",
+        str(Path(proxy.endpoints.ca).parent),
+        "--report-dir",
+        str(tmp_path / "report"),
+        "--work-dir",
+        str(work),
+        "--keep-sessions",
+        "--seed",
+        "2395",
+        "--no-progress",
+    ]
+    done = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "POLAR_CONTROL_TOKEN": proxy.control_token},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     (session,) = json.loads((tmp_path / "report" / "rollout-summary.json").read_text())["session_results"]
     log = (tmp_path / "report" / "logs" / "sessions" / session["session_id"] / "harness.log").read_text()

@@ -38,8 +38,9 @@ from tests.support.proxy import register_session
 
 BODY_TIMEOUT_S = 6
 MIB = 1 << 20
-needs_bwrap = pytest.mark.skipif(not (shutil.which("bwrap") and shutil.which("socat")),
-                                 reason="bubblewrap/socat missing (make sandbox)")
+needs_bwrap = pytest.mark.skipif(
+    not (shutil.which("bwrap") and shutil.which("socat")), reason="bubblewrap/socat missing (make sandbox)"
+)
 
 
 @dataclass
@@ -215,7 +216,9 @@ def _rollout(proxy: RunningProxy, tmp: Path, target: int) -> tuple[subprocess.Co
     attack = tmp / "attack.py"
     attack.write_text(ATTACK)
     tasks = tmp / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": "boundary", "instruction": f"TARGET={target}", "verify": "test -f done.txt"}) + "\n")
+    tasks.write_text(
+        json.dumps({"id": "boundary", "instruction": f"TARGET={target}", "verify": "test -f done.txt"}) + "\n"
+    )
     report = tmp / "report"
     done = subprocess.run(
         [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", f"cmd:{sys.executable} {attack} {{instruction}}",
@@ -227,8 +230,9 @@ def _rollout(proxy: RunningProxy, tmp: Path, target: int) -> tuple[subprocess.Co
 
 
 @needs_bwrap
-def test_rollout_on_polar_proxy_runs_and_the_agent_reaches_no_loopback_service(guarded: RunningProxy,
-                                                                               tmp_path: Path) -> None:
+def test_rollout_on_polar_proxy_runs_and_the_agent_reaches_no_loopback_service(
+    guarded: RunningProxy, tmp_path: Path
+) -> None:
     with loopback_service() as (target, hits):
         done, report = _rollout(guarded, tmp_path, target)
         time.sleep(0.5)
@@ -291,8 +295,10 @@ def hold_bodies(port: int, count: int, declared: int) -> list[socket.socket]:
     held = []
     for i in range(count):
         sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-        sock.sendall(f"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-                     f"x-api-key: polar:flood-{i}\r\ncontent-length: {declared}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"x-api-key: polar:flood-{i}\r\ncontent-length: {declared}\r\n\r\n".encode()
+        )
         left = declared - 1
         while left:
             n = min(left, len(chunk))
@@ -314,8 +320,12 @@ def cut_by_proxy(sock: socket.socket, within_s: float) -> bool:
 
 def anthropic_call(proxy: RunningProxy, secret: str, pad: int = 0) -> httpx.Response:
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * pad or "hi"}]}
-    return httpx.post(f"http://127.0.0.1:{proxy.reverse}/v1/messages", json=body, timeout=60,
-                      headers={"x-api-key": f"polar:{secret}", "anthropic-version": "2023-06-01"})
+    return httpx.post(
+        f"http://127.0.0.1:{proxy.reverse}/v1/messages",
+        json=body,
+        timeout=60,
+        headers={"x-api-key": f"polar:{secret}", "anthropic-version": "2023-06-01"},
+    )
 
 
 def settled_rss(pid: int, above: float, within_s: float = 15.0) -> float:
@@ -347,8 +357,10 @@ def test_a_flood_of_large_bodies_stays_bounded_is_cut_and_released(guarded: Runn
     released = settled_rss(pid, base + 32) - base
     # The budget is back: the same call is no longer refused (the engine says it is too long for the window).
     after = anthropic_call(guarded, secret, pad=MIB)
-    print(f"mitmdump RSS {base:.0f} MiB; +{over_held:.0f} MiB holding 20 x 30 MiB, +{under_held:.0f} MiB holding "
-          f"20 x 15 MiB more; +{released:.0f} MiB after they were cut")
+    print(
+        f"mitmdump RSS {base:.0f} MiB; +{over_held:.0f} MiB holding 20 x 30 MiB, +{under_held:.0f} MiB holding "
+        f"20 x 15 MiB more; +{released:.0f} MiB after they were cut"
+    )
 
     assert over_held < 50, over_held
     assert under_held < 256 * 1.25 + 50, under_held  # the budget, with the buffers' own overhead
@@ -363,21 +375,28 @@ def test_a_flood_of_large_bodies_stays_bounded_is_cut_and_released(guarded: Runn
 
 def test_a_body_over_the_limit_is_refused_in_the_callers_protocol(guarded: RunningProxy) -> None:
     big = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * (17 * MIB)}]}
-    anthropic = httpx.post(f"http://127.0.0.1:{guarded.reverse}/v1/messages", json=big, timeout=60,
-                           headers={"x-api-key": "polar:whoever"})
+    anthropic = httpx.post(
+        f"http://127.0.0.1:{guarded.reverse}/v1/messages", json=big, timeout=60, headers={"x-api-key": "polar:whoever"}
+    )
     assert anthropic.status_code == 413
     assert anthropic.json()["error"]["type"] == "request_too_large"
     # Chunked (no declared length): counted on its way in, dropped once over the limit.
     chunks = (b"x" * MIB for _ in range(17))
-    openai = httpx.post(f"http://127.0.0.1:{guarded.reverse}/v1/chat/completions", content=chunks, timeout=60,
-                        headers={"authorization": "Bearer polar:whoever", "content-type": "application/json"})
+    openai = httpx.post(
+        f"http://127.0.0.1:{guarded.reverse}/v1/chat/completions",
+        content=chunks,
+        timeout=60,
+        headers={"authorization": "Bearer polar:whoever", "content-type": "application/json"},
+    )
     assert openai.status_code == 413 and openai.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_a_slow_loris_body_is_cut_after_the_body_timeout(guarded: RunningProxy) -> None:
     with socket.create_connection(("127.0.0.1", guarded.reverse), timeout=5) as sock:
-        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                     b"x-api-key: polar:slow\r\ntransfer-encoding: chunked\r\n\r\n")
+        sock.sendall(
+            b"POST /v1/messages HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"x-api-key: polar:slow\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
         started = time.monotonic()
         cut_at = None
         while time.monotonic() - started < BODY_TIMEOUT_S + 10:
@@ -418,8 +437,17 @@ def test_a_counted_body_is_dropped_once_over_its_cap_or_its_budget() -> None:
     from polar_addon.relay import OVER_BUDGET, TOO_LARGE, BodyBudget, CountedBody
 
     def counted(cap: int, budget: BodyBudget) -> CountedBody:
-        return CountedBody(cap=cap, token="t", scheme="http", host="h", port=1, path="/", host_header=None,
-                           take=lambda n: budget.take("f", "c", "conn", n), drop=lambda: budget.release("f"))
+        return CountedBody(
+            cap=cap,
+            token="t",
+            scheme="http",
+            host="h",
+            port=1,
+            path="/",
+            host_header=None,
+            take=lambda n: budget.take("f", "c", "conn", n),
+            drop=lambda: budget.release("f"),
+        )
 
     budget = BodyBudget(1000)
     body = counted(10, budget)
@@ -436,7 +464,9 @@ def test_a_counted_body_is_dropped_once_over_its_cap_or_its_budget() -> None:
 def test_the_probe_verdict() -> None:
     from polar_cli.rollout.proxy_check import Probe, verdict
 
-    polar_403 = b"HTTP/1.1 403 Forbidden\r\ncontent-length: 55\r\n\r\npolar: non-model traffic is blocked (polar_block_other)"
+    polar_403 = (
+        b"HTTP/1.1 403 Forbidden\r\ncontent-length: 55\r\n\r\npolar: non-model traffic is blocked (polar_block_other)"
+    )
     blocked = [Probe("a", polar_403), Probe("b", polar_403)]
     assert verdict("u", blocked, reached=False) is None
     assert "passes non-model traffic" in (verdict("u", blocked, reached=True) or "")

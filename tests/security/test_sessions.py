@@ -38,7 +38,7 @@ from tests.support.shards import session_records
 # The agent of both tasks. On "victim": one honest call. On "attack", the attacker: it knows how session ids are made
 # (RUN-TASKHASH-SAMPLE) and tries every way a call names its session, printing `TRY name status error-shape` for
 # each; then one honest call of its own.
-AGENT = r'''
+AGENT = r"""
 import hashlib, json, os, secrets, sys
 import httpx, openai
 
@@ -95,7 +95,7 @@ proxy_host = os.environ["HTTPS_PROXY"].rsplit("@", 1)[1]
 raw("forward-claimed", "https://api.openai.com/v1/chat/completions", {"authorization": "Bearer sk-none"},
     proxy=f"http://{victim}:task%3Dvictim%3Bgroup%3Dattack@{proxy_host}", verify=os.environ["SSL_CERT_FILE"])
 sdk("honest", key)
-'''
+"""
 
 REFUSED = {  # attempt -> (status, the error's shape: the caller's own protocol)
     "sibling-claimed": (403, "openai:authentication_error"), "sibling-bare-id": (403, "openai:authentication_error"),
@@ -108,8 +108,14 @@ REFUSED = {  # attempt -> (status, the error's shape: the caller's own protocol)
 
 
 def _polar(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "polar_cli.app", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"},
+    )
 
 
 def _script(path: Path, model_dir: Path) -> Path:
@@ -122,13 +128,38 @@ def test_an_agent_cannot_write_into_a_sibling_session_nor_relabel_its_own(tiny_m
         missing("bubblewrap/socat missing (make sandbox)")
     (tmp_path / "agent.py").write_text(AGENT)
     agent = f"cmd:{sys.executable} {tmp_path / 'agent.py'} {{task}}"
-    (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "victim", "instruction": "x", "verify": "true"}) + "\n"
-                                          + json.dumps({"id": "attack", "instruction": "x", "verify": "false"}) + "\n")
-    done = _polar("rollout", "tasks.jsonl", "--harness", agent, "--samples", "2", "--concurrency", "4",
-                  "--runtime", "bwrap", "--network", "proxy-only", "--engine",
-                  f"scripted:{_script(tmp_path / 'script.json', tiny_model_dir)}", "--out", "store", "--seed", "9",
-                  "--confdir", str(tmp_path / "conf"), "--set", "polar_shard_seconds=0.2", "--no-progress",
-                  cwd=tmp_path)
+    (tmp_path / "tasks.jsonl").write_text(
+        json.dumps({"id": "victim", "instruction": "x", "verify": "true"})
+        + "\n"
+        + json.dumps({"id": "attack", "instruction": "x", "verify": "false"})
+        + "\n"
+    )
+    done = _polar(
+        "rollout",
+        "tasks.jsonl",
+        "--harness",
+        agent,
+        "--samples",
+        "2",
+        "--concurrency",
+        "4",
+        "--runtime",
+        "bwrap",
+        "--network",
+        "proxy-only",
+        "--engine",
+        f"scripted:{_script(tmp_path / 'script.json', tiny_model_dir)}",
+        "--out",
+        "store",
+        "--seed",
+        "9",
+        "--confdir",
+        str(tmp_path / "conf"),
+        "--set",
+        "polar_shard_seconds=0.2",
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "store" / "rollouts" / "r9" / "rollout-summary.json").read_text())
     results = {s["session_id"]: s for s in summary["session_results"]}
@@ -136,8 +167,11 @@ def test_an_agent_cannot_write_into_a_sibling_session_nor_relabel_its_own(tiny_m
     attackers = [sid for sid, s in results.items() if s["task_id"] == "attack"]
     for sid in attackers:
         log = (tmp_path / "store" / "rollouts" / "r9" / "logs" / "sessions" / sid / "harness.log").read_text()
-        tried = {line.split()[1]: (int(line.split()[2]), line.split()[3]) for line in log.splitlines()
-                 if line.startswith("TRY ")}
+        tried = {
+            line.split()[1]: (int(line.split()[2]), line.split()[3])
+            for line in log.splitlines()
+            if line.startswith("TRY ")
+        }
         assert tried == {**REFUSED, "honest": (200, "-")}, log
 
     built = tmp_path / "built"
@@ -147,8 +181,9 @@ def test_an_agent_cannot_write_into_a_sibling_session_nor_relabel_its_own(tiny_m
     traces = read_traces(built)
     got = sorted((t.session_id, t.group_id, t.sample_index, t.reward) for t in traces)
     # One trace per session (its own honest call), in its own group, with its own verifier's reward.
-    assert got == sorted((sid, s["task_id"], s["sample"], 1.0 if s["task_id"] == "victim" else 0.0)
-                         for sid, s in results.items()), got
+    assert got == sorted(
+        (sid, s["task_id"], s["sample"], 1.0 if s["task_id"] == "victim" else 0.0) for sid, s in results.items()
+    ), got
     for sid in results:
         records = read_records(str(tmp_path / "store"), [sid])
         assert [(r.task_id, r.group_id, r.status) for r in records] == [(results[sid]["task_id"],) * 2 + ("ok",)]
@@ -171,20 +206,45 @@ def test_a_claimed_mode_proxy_is_refused_unless_trusted(tiny_model_dir: Path, tm
     (tmp_path / "agent.py").write_text(AGENT)
     (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "victim", "instruction": "x", "verify": "true"}) + "\n")
     # Closed to non-model traffic (rollout --proxy checks that too): only its session mode is left as it defaults.
-    with shared_proxy(_script(tmp_path / "script.json", tiny_model_dir), tmp_path / "shards",
-                      {"polar_block_other": "true"}) as proxy:
-        args = ["rollout", "tasks.jsonl", "--harness", f"cmd:{sys.executable} {tmp_path / 'agent.py'} {{task}}",
-                "--runtime", "bwrap", "--network", "proxy-only", "--proxy", f"http://127.0.0.1:{proxy.forward}",
-                "--reverse-url", f"http://127.0.0.1:{proxy.reverse}", "--control-token", proxy.control_token,
-                "--confdir", str(proxy.ca.parent), "--seed", "4", "--no-progress"]
+    with shared_proxy(
+        _script(tmp_path / "script.json", tiny_model_dir), tmp_path / "shards", {"polar_block_other": "true"}
+    ) as proxy:
+        args = [
+            "rollout",
+            "tasks.jsonl",
+            "--harness",
+            f"cmd:{sys.executable} {tmp_path / 'agent.py'} {{task}}",
+            "--runtime",
+            "bwrap",
+            "--network",
+            "proxy-only",
+            "--proxy",
+            f"http://127.0.0.1:{proxy.forward}",
+            "--reverse-url",
+            f"http://127.0.0.1:{proxy.reverse}",
+            "--control-token",
+            proxy.control_token,
+            "--confdir",
+            str(proxy.ca.parent),
+            "--seed",
+            "4",
+            "--no-progress",
+        ]
         refused = _polar(*args, "--report-dir", "refused", cwd=tmp_path)
         assert refused.returncode == 2 and "polar_sessions=claimed" in refused.stderr, refused.stdout + refused.stderr
         assert not (tmp_path / "refused" / "rollout-summary.json").exists()
 
-        external = ExternalProxy(f"http://127.0.0.1:{proxy.forward}", proxy.control_token,
-                                 f"http://127.0.0.1:{proxy.reverse}", proxy.ca)
-        config = RolloutConfig(tasks=load_tasks(tmp_path / "tasks.jsonl"), harness="cmd:true", proxy=external,
-                               runtime="bwrap", init_attempts=1, run_id="lib")
+        external = ExternalProxy(
+            f"http://127.0.0.1:{proxy.forward}", proxy.control_token, f"http://127.0.0.1:{proxy.reverse}", proxy.ca
+        )
+        config = RolloutConfig(
+            tasks=load_tasks(tmp_path / "tasks.jsonl"),
+            harness="cmd:true",
+            proxy=external,
+            runtime="bwrap",
+            init_attempts=1,
+            run_id="lib",
+        )
         (session,) = asyncio.run(run_rollout(config)).sessions
         assert session.status == "error" and not session.ran and "polar_sessions=claimed" in (session.reason or "")
 
@@ -202,14 +262,25 @@ def test_a_claimed_mode_proxy_is_refused_unless_trusted(tiny_model_dir: Path, tm
 @pytest.fixture(scope="module")
 def registered(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
     root = tmp_path_factory.mktemp("registered")
-    with run_mitmdump(f"scripted:{_script(root / 'script.json', tiny_model_dir)}", root / "shards",
-                      options={"polar_shard_seconds": "0.2", "polar_sessions": "registered"}) as proxy:
+    with run_mitmdump(
+        f"scripted:{_script(root / 'script.json', tiny_model_dir)}",
+        root / "shards",
+        options={"polar_shard_seconds": "0.2", "polar_sessions": "registered"},
+    ) as proxy:
         yield proxy
 
 
-def _control(proxy: Proxy, method: str, path: str, body: dict | None = None, token: str | None = None) -> httpx.Response:
-    return httpx.request(method, f"http://polar.local{path}", proxy=proxy.url, json=body, timeout=30,
-                         headers={"authorization": f"Bearer {token or proxy.control_token}"})
+def _control(
+    proxy: Proxy, method: str, path: str, body: dict | None = None, token: str | None = None
+) -> httpx.Response:
+    return httpx.request(
+        method,
+        f"http://polar.local{path}",
+        proxy=proxy.url,
+        json=body,
+        timeout=30,
+        headers={"authorization": f"Bearer {token or proxy.control_token}"},
+    )
 
 
 def _openai(proxy: Proxy, key: str) -> openai.OpenAI:
@@ -218,7 +289,11 @@ def _openai(proxy: Proxy, key: str) -> openai.OpenAI:
 
 
 def _hi(client: openai.OpenAI) -> str | None:
-    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}]).choices[0].message.content
+    return (
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        .choices[0]
+        .message.content
+    )
 
 
 def test_an_ended_sessions_secret_is_refused_and_its_calls_are_kept(registered: Proxy) -> None:
@@ -237,18 +312,31 @@ def test_an_ended_sessions_secret_is_refused_and_its_calls_are_kept(registered: 
 
 def test_wrong_missing_and_claimed_credentials_are_refused_in_the_callers_protocol(registered: Proxy) -> None:
     secret = register_session(registered.port, registered.control_token, "right-1", "t", "g", 0)
-    for key, status in ((f"polar:{secret[:-1]}x", 401), ("sk-real-looking", 401), ("polar:session=right-1", 403),
-                        ("polar:session=right-1;task=t;group=g", 403)):
+    for key, status in (
+        (f"polar:{secret[:-1]}x", 401),
+        ("sk-real-looking", 401),
+        ("polar:session=right-1", 403),
+        ("polar:session=right-1;task=t;group=g", 403),
+    ):
         with pytest.raises(openai.APIStatusError) as refused:
             _hi(_openai(registered, key))
         assert refused.value.status_code == status, key
         assert secret not in str(refused.value.body)
-    client = anthropic.Anthropic(base_url="https://api.anthropic.com", api_key=f"polar:{secret}", max_retries=0,
-                                       http_client=httpx.Client(proxy=registered.url, timeout=60,
-                                                                verify=ssl.create_default_context(cafile=str(registered.ca))))
+    client = anthropic.Anthropic(
+        base_url="https://api.anthropic.com",
+        api_key=f"polar:{secret}",
+        max_retries=0,
+        http_client=httpx.Client(
+            proxy=registered.url, timeout=60, verify=ssl.create_default_context(cafile=str(registered.ca))
+        ),
+    )
     with pytest.raises(anthropic.PermissionDeniedError) as refused_headers:
-        client.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
-                               extra_headers={"x-polar-group": "other"})
+        client.messages.create(
+            model="tiny",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"x-polar-group": "other"},
+        )
     assert refused_headers.value.body["error"]["type"] == "authentication_error"
     ok = client.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     assert ok.content[0].text == "done"
@@ -263,29 +351,44 @@ def test_the_codex_websocket_takes_the_same_check(registered: Proxy) -> None:
     """Codex's WebSocket: a claimed identity is refused at the upgrade; a registered one works until its session
     ends, and then the open socket writes nothing more."""
     secret = register_session(registered.port, registered.control_token, "ws-reg", "t-ws", "g-ws", 1)
-    turn = {"type": "response.create", "model": "tiny", "stream": True, "store": False, "instructions": "",
-            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}
+    turn = {
+        "type": "response.create",
+        "model": "tiny",
+        "stream": True,
+        "store": False,
+        "instructions": "",
+        "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+    }
 
     async def session() -> tuple[int, list[dict], list[dict]]:
         ctx = ssl.create_default_context(cafile=str(registered.ca))
         async with aiohttp.ClientSession() as http:
             try:
-                async with http.ws_connect("wss://api.openai.com/v1/responses", ssl=ctx,
-                                           proxy=f"http://ws-reg:task%3Dx@127.0.0.1:{registered.port}"):
+                async with http.ws_connect(
+                    "wss://api.openai.com/v1/responses",
+                    ssl=ctx,
+                    proxy=f"http://ws-reg:task%3Dx@127.0.0.1:{registered.port}",
+                ):
                     claimed = 101
             except aiohttp.WSServerHandshakeError as exc:
                 claimed = exc.status
-            async with http.ws_connect("wss://api.openai.com/v1/responses", ssl=ctx,
-                                       proxy=f"http://polar:{secret}@127.0.0.1:{registered.port}") as ws:
+            async with http.ws_connect(
+                "wss://api.openai.com/v1/responses", ssl=ctx, proxy=f"http://polar:{secret}@127.0.0.1:{registered.port}"
+            ) as ws:
                 first = await _exchange(ws, turn)
-                await asyncio.to_thread(_control, registered, "POST", "/sessions/ws-reg/status", {"status": "completed"})
+                await asyncio.to_thread(
+                    _control, registered, "POST", "/sessions/ws-reg/status", {"status": "completed"}
+                )
                 after = await _exchange(ws, turn)
         return claimed, first, after
 
     claimed, first, after = asyncio.run(session())
     assert claimed == 403
     assert first[-1]["type"] == "response.completed"
-    assert after == [{"type": "error", "status": 403, "error": after[0]["error"]}] and "ended" in after[0]["error"]["message"]
+    assert (
+        after == [{"type": "error", "status": 403, "error": after[0]["error"]}]
+        and "ended" in after[0]["error"]["message"]
+    )
     (record,) = session_records(registered.out, "ws-reg")
     assert (record.task_id, record.group_id, record.sample_index) == ("t-ws", "g-ws", 1)
 
@@ -347,14 +450,28 @@ def test_registered_resolution_takes_labels_from_the_registration_alone() -> Non
     registry = SessionRegistry()
     secret = registry.register(registration("s-0", "task-a", "task-a", 0))
     sibling = registry.register(registration("s-1", "task-a", "task-a", 1))
-    for auth, headers in ((None, {"authorization": f"Bearer polar:{secret}"}), (None, {"x-api-key": f"polar:{secret}"}),
-                          (_basic("polar", secret), {}), (_basic(secret, ""), {"authorization": "Bearer sk-other"})):
+    for auth, headers in (
+        (None, {"authorization": f"Bearer polar:{secret}"}),
+        (None, {"x-api-key": f"polar:{secret}"}),
+        (_basic("polar", secret), {}),
+        (_basic(secret, ""), {"authorization": "Bearer sk-other"}),
+    ):
         ident = identity.resolve(auth, headers, "c", registry, "registered")
         assert (ident.session_id, ident.task_id, ident.group_id, ident.sample_index, ident.source) == (
-            "s-0", "task-a", "task-a", 0, "registered")
-    refusals = [(_basic("polar", secret), {"x-api-key": f"polar:{sibling}"}, 403),  # two sessions' credentials
-                (_basic("s-1", "task=b"), {}, 403), (None, {"x-polar-session": "s-1"}, 403), (None, {}, 401),
-                (None, {"x-goog-api-key": "polar:s-1"}, 403), (None, {"x-api-key": "polar:psk-guess"}, 401)]
+            "s-0",
+            "task-a",
+            "task-a",
+            0,
+            "registered",
+        )
+    refusals = [
+        (_basic("polar", secret), {"x-api-key": f"polar:{sibling}"}, 403),  # two sessions' credentials
+        (_basic("s-1", "task=b"), {}, 403),
+        (None, {"x-polar-session": "s-1"}, 403),
+        (None, {}, 401),
+        (None, {"x-goog-api-key": "polar:s-1"}, 403),
+        (None, {"x-api-key": "polar:psk-guess"}, 401),
+    ]
     for auth, headers, status in refusals:
         with pytest.raises(PolarError) as refused:
             identity.resolve(auth, headers, "c", registry, "registered")

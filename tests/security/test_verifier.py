@@ -24,32 +24,61 @@ import pytest
 from polar_addon.store import read_sessions
 from polar_cli.build.output import read_traces
 from polar_cli.rollout.proxy import StartedProxy
-from polar_cli.rollout.verify import (NoReward, file_rewards, guard_left, harbor_rewards, parse_reward_json,
-                                      read_reward_file)
-from tests.support.oci_image import build_test_image
+from polar_cli.rollout.verify import (
+    NoReward,
+    file_rewards,
+    guard_left,
+    harbor_rewards,
+    parse_reward_json,
+    read_reward_file,
+)
 from tests.support.attacks import store_of
+from tests.support.oci_image import build_test_image
 from tests.support.proxy import REPO
 from tests.support.shards import wait_for_shards
 
 ATTACKER = Path(__file__).with_name("verifier_attacker.sh")
 HARNESS = f"cmd:sh {ATTACKER} {{instruction}}"
 # tests/test.sh shapes: one writes a 0 when the tests fail, the other writes only on success (both common).
-ZERO_ELSE = ("sh ./solution.sh 2>/dev/null\n"
-             "if [ -f passed ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+ZERO_ELSE = (
+    "sh ./solution.sh 2>/dev/null\n"
+    "if [ -f passed ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
+)
 ONLY_ON_PASS = "sh ./solution.sh 2>/dev/null\n[ -f passed ] && echo 1 > /logs/verifier/reward.txt\nexit 0\n"
 
 
-
-
-
-
 def _rollout(proxy: StartedProxy, root: Path, tasks: Path, *extra: str, seed: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", HARNESS,
-           "--proxy", f"http://127.0.0.1:{proxy.endpoints.forward_port}",
-           "--reverse-url", f"http://127.0.0.1:{proxy.endpoints.reverse_port}", "--confdir", str(Path(proxy.endpoints.ca).parent),
-           "--report-dir", str(root / "report"), "--seed", str(seed), "--no-progress", "--concurrency", "4", *extra]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "POLAR_CONTROL_TOKEN": proxy.control_token})
+    cmd = [
+        sys.executable,
+        "-m",
+        "polar_cli.app",
+        "rollout",
+        str(tasks),
+        "--harness",
+        HARNESS,
+        "--proxy",
+        f"http://127.0.0.1:{proxy.endpoints.forward_port}",
+        "--reverse-url",
+        f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
+        "--confdir",
+        str(Path(proxy.endpoints.ca).parent),
+        "--report-dir",
+        str(root / "report"),
+        "--seed",
+        str(seed),
+        "--no-progress",
+        "--concurrency",
+        "4",
+        *extra,
+    ]
+    return subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "POLAR_CONTROL_TOKEN": proxy.control_token},
+    )
 
 
 def _by_task(root: Path) -> dict[str, dict]:
@@ -81,8 +110,14 @@ def harbor_run(proxy: StartedProxy, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("harbor-attacks")
     secret = _host_secret(root)
     tasks = root / "harbor"
-    for mode, test_sh in (("honest", ZERO_ELSE), ("forge-json", ZERO_ELSE), ("background", ZERO_ELSE),
-                          ("append-tests", ZERO_ELSE), ("link-txt", ONLY_ON_PASS), ("huge-txt", ONLY_ON_PASS)):
+    for mode, test_sh in (
+        ("honest", ZERO_ELSE),
+        ("forge-json", ZERO_ELSE),
+        ("background", ZERO_ELSE),
+        ("append-tests", ZERO_ELSE),
+        ("link-txt", ONLY_ON_PASS),
+        ("huge-txt", ONLY_ON_PASS),
+    ):
         _harbor_task(tasks, mode, f"MODE={mode} {secret}", test_sh)
     done = _rollout(proxy, root, tasks, "--runtime", "bwrap", seed=2320)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -147,10 +182,18 @@ def jsonl_run(proxy: StartedProxy, tmp_path_factory: pytest.TempPathFactory) -> 
         {"id": "silent", "instruction": "MODE=silent", "verify": "true"},  # the verifier would pass it: 1.0
         {"id": "honest", "instruction": "MODE=honest", "verify": "test -f passed"},
         {"id": "honest-fail", "instruction": "MODE=honest-fail", "verify": 'test "$(cat answer.txt)" = 42'},
-        {"id": "relative", "instruction": "MODE=honest", "reward_file": "out/reward.txt",
-         "verify": "mkdir -p out && echo 0.25 > out/reward.txt"},
-        {"id": "link-file", "instruction": f"MODE=link-file {secret}", "reward_file": "reward.txt",
-         "verify": "sh ./solution.sh; true"},
+        {
+            "id": "relative",
+            "instruction": "MODE=honest",
+            "reward_file": "out/reward.txt",
+            "verify": "mkdir -p out && echo 0.25 > out/reward.txt",
+        },
+        {
+            "id": "link-file",
+            "instruction": f"MODE=link-file {secret}",
+            "reward_file": "reward.txt",
+            "verify": "sh ./solution.sh; true",
+        },
     ]
     path = root / "tasks.jsonl"
     path.write_text("".join(json.dumps({"workspace": "ws", **t}) + "\n" for t in tasks))
@@ -159,8 +202,9 @@ def jsonl_run(proxy: StartedProxy, tmp_path_factory: pytest.TempPathFactory) -> 
     return root, _by_task(root)
 
 
-def test_failing_loudly_is_failed_with_reward_0_never_masked(jsonl_run: tuple[Path, dict[str, dict]],
-                                                             proxy: StartedProxy) -> None:
+def test_failing_loudly_is_failed_with_reward_0_never_masked(
+    jsonl_run: tuple[Path, dict[str, dict]], proxy: StartedProxy
+) -> None:
     root, sessions = jsonl_run
     for task in ("exit1", "kill9", "silent"):
         assert _scored(sessions[task]) == ("failed", 0.0), (task, sessions[task]["reason"])
@@ -177,15 +221,25 @@ def test_failing_loudly_is_failed_with_reward_0_never_masked(jsonl_run: tuple[Pa
     assert {stored[sessions[t]["session_id"]].status for t in ("exit1", "kill9", "silent")} == {"agent_error"}
 
     built = root / "built"
-    done = subprocess.run([sys.executable, "-m", "polar_cli.app", "build", store_of(proxy), "--out", str(built)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", "build", store_of(proxy), "--out", str(built)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     traces = {t.session_id: t for t in read_traces(built)}
     for task in ("exit1", "kill9"):
         trace = traces[sessions[task]["session_id"]]
         assert (trace.reward, trace.trainable) == (0.0, True), task
-    stats = subprocess.run([sys.executable, "-m", "polar_cli.app", "stats", store_of(proxy), "--json"],
-                           cwd=REPO, capture_output=True, text=True, timeout=600)
+    stats = subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", "stats", store_of(proxy), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert stats.returncode == 0, stats.stderr
     masks = json.loads(stats.stdout)["masks"]["groups"]
     assert masks["kill9"] == {"sessions": 1, "masked": 0, "mask_rate": 0.0}
@@ -209,11 +263,25 @@ def test_a_writer_left_in_an_oci_verifier_voids_the_reward(proxy: StartedProxy, 
     (tmp_path / "ws").mkdir()
     (tmp_path / "ws" / "README").write_text("the task\n")
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"workspace": "ws", "image": image, **t}) + "\n" for t in (
-        {"id": "background", "instruction": "MODE=background-file", "reward_file": "reward.txt",
-         "verify": "sh ./solution.sh; echo 0 > reward.txt"},
-        {"id": "honest", "instruction": "MODE=honest", "reward_file": "reward.txt",
-         "verify": "test -f passed && echo 1 > reward.txt"})))
+    tasks.write_text(
+        "".join(
+            json.dumps({"workspace": "ws", "image": image, **t}) + "\n"
+            for t in (
+                {
+                    "id": "background",
+                    "instruction": "MODE=background-file",
+                    "reward_file": "reward.txt",
+                    "verify": "sh ./solution.sh; echo 0 > reward.txt",
+                },
+                {
+                    "id": "honest",
+                    "instruction": "MODE=honest",
+                    "reward_file": "reward.txt",
+                    "verify": "test -f passed && echo 1 > reward.txt",
+                },
+            )
+        )
+    )
     done = _rollout(proxy, tmp_path, tasks, "--runtime", "oci", seed=2323)
     assert done.returncode == 0, done.stdout + done.stderr
     sessions = _by_task(tmp_path)
@@ -226,10 +294,21 @@ def test_a_writer_left_in_an_oci_verifier_voids_the_reward(proxy: StartedProxy, 
 
 
 def test_reward_json_takes_numbers_only() -> None:
-    assert parse_reward_json('{"reward": true, "tests": 1, "style": 0.5, "note": "x"}', "r") == {"tests": 1.0,
-                                                                                              "style": 0.5}
-    for bad in ('{"reward": NaN}', '{"reward": Infinity}', '{"reward": 1e400}', '{"reward": ' + "9" * 400 + "}",
-                '{"reward": 2e6}', "[1]", "", "[" * 100_000 + "]" * 100_000, '{"bad name!": 1}'):
+    assert parse_reward_json('{"reward": true, "tests": 1, "style": 0.5, "note": "x"}', "r") == {
+        "tests": 1.0,
+        "style": 0.5,
+    }
+    for bad in (
+        '{"reward": NaN}',
+        '{"reward": Infinity}',
+        '{"reward": 1e400}',
+        '{"reward": ' + "9" * 400 + "}",
+        '{"reward": 2e6}',
+        "[1]",
+        "",
+        "[" * 100_000 + "]" * 100_000,
+        '{"bad name!": 1}',
+    ):
         with pytest.raises(NoReward):
             file_rewards(bad, "r.json")
     with pytest.raises(NoReward):
@@ -255,8 +334,13 @@ def test_reading_a_reward_file_follows_no_link_and_is_bounded(tmp_path: Path) ->
     os.mkfifo(root / "fifo")
     with open(root / "huge", "wb") as fh:
         fh.truncate(2**40)  # sparse: reading it whole would take a terabyte
-    for name, said in (("link.txt", "not a regular file"), ("linkdir/host-secret.txt", "not a directory"),
-                       ("fifo", "not a regular file"), ("out", "not a regular file"), ("huge", "bytes, over")):
+    for name, said in (
+        ("link.txt", "not a regular file"),
+        ("linkdir/host-secret.txt", "not a directory"),
+        ("fifo", "not a regular file"),
+        ("out", "not a regular file"),
+        ("huge", "bytes, over"),
+    ):
         with pytest.raises(NoReward, match=said):
             read_reward_file(root, name)
     for bad in ("/etc/passwd", "../host-secret.txt", ""):
@@ -279,4 +363,7 @@ def test_the_mask_rate_counts_only_what_is_never_trained() -> None:
     rows = [SessionInfo("a", group_id="g", status=s) for s in ("completed", "agent_error", "timeout", "error")]
     masks = group_masks([*rows, SessionInfo("b", group_id="h", status="running"), SessionInfo("c")])
     assert {g: (m.sessions, m.masked, m.rate) for g, m in masks.items()} == {
-        "g": (4, 1, 0.25), "h": (1, 1, 1.0), "(no group)": (1, 0, 0.0)}
+        "g": (4, 1, 0.25),
+        "h": (1, 1, 1.0),
+        "(no group)": (1, 0, 0.0),
+    }

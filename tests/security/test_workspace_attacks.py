@@ -37,9 +37,10 @@ def test_a_planted_git_config_never_runs_on_the_host(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     hook = f"touch {marker}; echo"
     (work / ".git" / "config").write_text(
-        "[core]\n\tfsmonitor = \"" + hook + "\"\n\tpager = \"" + hook + "\"\n\thooksPath = /nonexistent\n"
-        "[diff \"evil\"]\n\ttextconv = \"" + hook + "\"\n\tcommand = \"" + hook + "\"\n"
-        "[filter \"evil\"]\n\tclean = \"" + hook + "\"\n\tsmudge = \"" + hook + "\"\n")
+        '[core]\n\tfsmonitor = "' + hook + '"\n\tpager = "' + hook + '"\n\thooksPath = /nonexistent\n'
+        '[diff "evil"]\n\ttextconv = "' + hook + '"\n\tcommand = "' + hook + '"\n'
+        '[filter "evil"]\n\tclean = "' + hook + '"\n\tsmudge = "' + hook + '"\n'
+    )
     (work / ".gitattributes").write_text("* diff=evil filter=evil\n")
     (work / "main.py").write_text("print('changed')\n")
     patch = asyncio.run(ws.diff(work, git_dir, base))
@@ -71,7 +72,8 @@ def test_a_huge_workspace_is_refused_before_git_reads_it(tmp_path: Path) -> None
     with pytest.raises(ws.PatchTooLarge, match="grew by"):
         asyncio.run(ws.diff(work, git_dir, base, max_bytes=1024 * 1024))
     assert not any((git_dir / "objects").glob("??/*")) or all(
-        f.stat().st_size < 1024 * 1024 for f in (git_dir / "objects").glob("??/*")), "git read the huge file"
+        f.stat().st_size < 1024 * 1024 for f in (git_dir / "objects").glob("??/*")
+    ), "git read the huge file"
     # Under the bound the same change is a patch.
     assert b"big.bin" in asyncio.run(ws.diff(work, git_dir, base, max_bytes=8 * 1024 * 1024))
 
@@ -87,20 +89,33 @@ def test_a_patch_that_only_git_finds_large_is_cut_while_git_prints_it(tmp_path: 
         asyncio.run(ws.diff(work, git_dir, base, max_bytes=1024 * 1024))
 
 
-@pytest.mark.skipif(not (shutil.which("bwrap") and shutil.which("socat")), reason="bubblewrap/socat missing (make sandbox)")
+@pytest.mark.skipif(
+    not (shutil.which("bwrap") and shutil.which("socat")), reason="bubblewrap/socat missing (make sandbox)"
+)
 def test_a_rollout_scores_a_huge_patch_zero_and_never_reads_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Through the runner: a 3 GB (sparse) file in the workspace is `failed` with reward 0, stored as the policy's
     failure (trainable), its sibling that wrote a small answer is rewarded; the runner never hashed the big file."""
     from polar_cli.rollout.runner import RolloutConfig, run_rollout
     from polar_cli.rollout.tasks import load_tasks
 
-    (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "t", "instruction": "x", "verify": "test -e answer"}) + "\n")
+    (tmp_path / "tasks.jsonl").write_text(
+        json.dumps({"id": "t", "instruction": "x", "verify": "test -e answer"}) + "\n"
+    )
     script = tmp_path / "script.json"
     script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": [{"content": "hi"}]}))
     agent = 'if [ "$POLAR_SAMPLE" = 0 ]; then truncate -s 3G big.bin; fi; echo done > answer; echo answered'
-    config = RolloutConfig(tasks=load_tasks(tmp_path / "tasks.jsonl"), harness=f"cmd:{agent}", samples=2,
-                           engine=f"scripted:{script}", out=str(tmp_path / "store"), runtime="bwrap", seed=1,
-                           confdir=tmp_path / "conf", max_patch_bytes=1024 * 1024, stop_on_signals=False)
+    config = RolloutConfig(
+        tasks=load_tasks(tmp_path / "tasks.jsonl"),
+        harness=f"cmd:{agent}",
+        samples=2,
+        engine=f"scripted:{script}",
+        out=str(tmp_path / "store"),
+        runtime="bwrap",
+        seed=1,
+        confdir=tmp_path / "conf",
+        max_patch_bytes=1024 * 1024,
+        stop_on_signals=False,
+    )
     result = asyncio.run(run_rollout(config))
     by_sample = {s.sample: s for s in result.sessions}
     assert by_sample[0].status == "failed" and by_sample[0].reward == 0.0, by_sample[0]
@@ -145,8 +160,9 @@ def test_git_runs_from_the_runners_path_even_without_a_home(tmp_path: Path, monk
     assert log.read_text() == "/\n"
 
 
-def test_the_hosts_git_environment_never_reaches_the_workspace_git(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_hosts_git_environment_never_reaches_the_workspace_git(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     decoy = tmp_path / "decoy.git"
     monkeypatch.setenv("GIT_DIR", str(decoy))
     monkeypatch.setenv("GIT_WORK_TREE", str(tmp_path))

@@ -18,7 +18,9 @@ def write_task(root: Path, **task) -> Path:
     (root / "ws").mkdir(parents=True, exist_ok=True)
     (root / "ws" / "README").write_text("the task\n")
     path = root / "tasks.jsonl"
-    path.write_text(json.dumps({"id": "t", "instruction": "do it", "workspace": "ws", "verify": "false", **task}) + "\n")
+    path.write_text(
+        json.dumps({"id": "t", "instruction": "do it", "workspace": "ws", "verify": "false", **task}) + "\n"
+    )
     return path
 
 

@@ -30,8 +30,9 @@ EOT_WEIGHT = 4.5
 LOGIT_SCALE = 4.0  # lm_head = embedding x this elsewhere: logits of std ~1.5 at T=0.6, top token p ~0.5
 
 
-def build_ending_model(out_dir: str | Path, *, seed: int = 0, dtype: str = "float32",
-                       eot_weight: float = EOT_WEIGHT) -> Path:
+def build_ending_model(
+    out_dir: str | Path, *, seed: int = 0, dtype: str = "float32", eot_weight: float = EOT_WEIGHT
+) -> Path:
     """Write the model to ``out_dir`` (``dtype``: how the weights are stored, float32 or bfloat16)."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -52,8 +53,11 @@ def build_ending_model(out_dir: str | Path, *, seed: int = 0, dtype: str = "floa
             tensor[BIAS_DIM, :] = 0.0  # no layer writes to the bias dimension
     weights["lm_head.weight"] = head
     stored = getattr(torch, dtype)
-    save_file({k: v.to(stored).contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.to(stored).contiguous() for k, v in weights.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config.update(tie_word_embeddings=False, dtype=dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "chat_template.jinja").write_text(QWEN3_TEMPLATE)

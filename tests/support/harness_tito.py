@@ -100,8 +100,9 @@ def resume(short: str, argv: list[str]) -> list[str]:
     raise ValueError(short)
 
 
-def run_harness(short: str, proxy: SharedProxy, root: Path, tito: str, *, follow_up: bool = False,
-                timeout: float = 300) -> subprocess.CompletedProcess:
+def run_harness(
+    short: str, proxy: SharedProxy, root: Path, tito: str, *, follow_up: bool = False, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """Run the real CLI once on its task, in a fresh copy of the task's files (its HOME and working directory);
     ``follow_up``: instead resume that conversation with a second user turn."""
     preset_name = HARNESSES[short]
@@ -116,18 +117,28 @@ def run_harness(short: str, proxy: SharedProxy, root: Path, tito: str, *, follow
                 shutil.rmtree(path)
         home.mkdir(parents=True)
         shutil.copytree(SWE_MINI / task["workspace"], work)
-    ctx = SessionContext(session_id=session_id(short, tito), task_id=task["id"], group_id=task["id"], sample=0,
-                         model=model_name(short), proxy_url=f"http://127.0.0.1:{proxy.forward}",
-                         reverse_url=f"http://127.0.0.1:{proxy.reverse}", ca_path=str(proxy.ca), home=str(home),
-                         workspace=str(work), secret=proxy.register(session_id(short, tito), task["id"], task["id"]))
+    ctx = SessionContext(
+        session_id=session_id(short, tito),
+        task_id=task["id"],
+        group_id=task["id"],
+        sample=0,
+        model=model_name(short),
+        proxy_url=f"http://127.0.0.1:{proxy.forward}",
+        reverse_url=f"http://127.0.0.1:{proxy.reverse}",
+        ca_path=str(proxy.ca),
+        home=str(home),
+        workspace=str(work),
+        secret=proxy.register(session_id(short, tito), task["id"], task["id"]),
+    )
     preset.configure(home, ctx)
     base = {k: v for k, v in os.environ.items() if not k.upper().endswith("_PROXY")}
     env = {**base, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **preset.env(ctx)}
     argv = resume(short, preset.command(FOLLOW_UP, ctx)) if follow_up else preset.command(task["instruction"], ctx)
     if short == "pi":  # keep Pi's session file, so that the follow-up can continue it
         argv = [a for a in argv if a != "--no-session"]
-    return subprocess.run(argv, env=env, cwd=work, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        argv, env=env, cwd=work, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
 
 
 def _system(record: CaptureRecord) -> Any:
@@ -173,12 +184,16 @@ def harness_figures(out: Path, session: str, *, merge_retokenized: bool) -> tupl
         if r.prompt_source != "continuity":
             reasons[r.prompt_reason or "?"] = reasons.get(r.prompt_reason or "?", 0) + 1
     figures = HarnessFigures(
-        calls=len(mine), continuity=sum(r.prompt_source == "continuity" for r in mine),
-        main_calls=len(main), main_continuity=sum(r.prompt_source == "continuity" for r in main[1:]),
-        main_traces=len(main_traces), side_calls=len(mine) - len(main),
+        calls=len(mine),
+        continuity=sum(r.prompt_source == "continuity" for r in mine),
+        main_calls=len(main),
+        main_continuity=sum(r.prompt_source == "continuity" for r in main[1:]),
+        main_traces=len(main_traces),
+        side_calls=len(mine) - len(main),
         side_traces=len(session_traces) - len(main_traces),
         trainable_tokens=sum(sum(t.loss_mask) for t in session_traces),
         off_policy_tokens=sum(off_policy_tokens(t, by_id) for t in session_traces),
-        exact=all(sampled_tokens_are_trained(t, by_id) for t in main_traces), reasons=reasons,
+        exact=all(sampled_tokens_are_trained(t, by_id) for t in main_traces),
+        reasons=reasons,
     )
     return figures, main_traces

@@ -35,16 +35,31 @@ def deep(levels: int) -> Any:
 def valid_body(api: str) -> dict[str, Any]:
     """A small valid request of each API (one tool, so tool fields have something to break)."""
     if api == "openai_chat":
-        return {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
-                "tools": [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]}
+        return {
+            "model": "tiny",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}],
+        }
     if api == "anthropic_messages":
-        return {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
-                "tools": [{"name": "ls", "input_schema": {"type": "object"}}]}
+        return {
+            "model": "tiny",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
+        }
     if api == "openai_responses":
-        return {"model": "tiny", "max_output_tokens": 8, "input": "hi",
-                "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}]}
-    return {"contents": [{"role": "user", "parts": [{"text": "hi"}]}], "generationConfig": {"maxOutputTokens": 8},
-            "tools": [{"functionDeclarations": [{"name": "ls", "parameters": {"type": "object"}}]}]}
+        return {
+            "model": "tiny",
+            "max_output_tokens": 8,
+            "input": "hi",
+            "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}],
+        }
+    return {
+        "contents": [{"role": "user", "parts": [{"text": "hi"}]}],
+        "generationConfig": {"maxOutputTokens": 8},
+        "tools": [{"functionDeclarations": [{"name": "ls", "parameters": {"type": "object"}}]}],
+    }
 
 
 @dataclass
@@ -88,30 +103,86 @@ def triggers() -> list[Trigger]:
         Trigger("chat top_k 2^63+5", "openai_chat", _with("openai_chat", top_k=TOO_BIG)),
         Trigger("anthropic top_k 2^63+5", "anthropic_messages", _with("anthropic_messages", top_k=TOO_BIG)),
         Trigger("anthropic max_tokens 2^63+5", "anthropic_messages", _with("anthropic_messages", max_tokens=TOO_BIG)),
-        Trigger("responses max_output_tokens 2^63+5", "openai_responses", _with("openai_responses", max_output_tokens=TOO_BIG)),
-        Trigger("gemini maxOutputTokens 2^63+5", "gemini", _with("gemini", generationConfig={**gemini_config, "maxOutputTokens": TOO_BIG})),
+        Trigger(
+            "responses max_output_tokens 2^63+5",
+            "openai_responses",
+            _with("openai_responses", max_output_tokens=TOO_BIG),
+        ),
+        Trigger(
+            "gemini maxOutputTokens 2^63+5",
+            "gemini",
+            _with("gemini", generationConfig={**gemini_config, "maxOutputTokens": TOO_BIG}),
+        ),
         Trigger("gemini topK 2^63+5", "gemini", _with("gemini", generationConfig={**gemini_config, "topK": TOO_BIG})),
-        Trigger("chat tool schema 300 deep", "openai_chat",
-                _with("openai_chat", tools=[{"type": "function", "function": {"name": "f", "parameters": deep(300)}}])),
-        Trigger("anthropic tool_use input 300 deep", "anthropic_messages", _with("anthropic_messages", messages=[
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ls", "input": deep(300)}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}])),
-        Trigger("chat tool_choice.function a string", "openai_chat",
-                _with("openai_chat", tool_choice={"type": "function", "function": "ls"})),
-        Trigger("responses tool type a list", "openai_responses",
-                _with("openai_responses", tools=[{"type": ["function"], "name": "ls"}])),
-        Trigger("gemini schema 990 deep", "gemini",
-                _with("gemini", tools=[{"functionDeclarations": [{"name": "f", "parameters": deep(990)}]}])),
-        Trigger("identity sample=2^63", "openai_chat", valid_body("openai_chat"),
-                {"x-polar-session": "s-sample", "x-polar-sample": str(2**63)}),
-        Trigger("identity session id with NUL", "openai_chat", valid_body("openai_chat"),
-                {"authorization": "Bearer polar:session=a%00b"}),
-        Trigger("identity session id of 200 kB", "openai_chat", valid_body("openai_chat"), {"x-polar-session": "s" * 200_000}),
-        Trigger("non-UTF-8 x-polar-session", "openai_chat", valid_body("openai_chat"), {"x-polar-session": b"s\xff\xfe"}),
-        Trigger("non-UTF-8 x-polar-task", "openai_chat", valid_body("openai_chat"),
-                {"x-polar-session": "s-task", "x-polar-task": b"t\xff"}),
-        Trigger("non-UTF-8 User-Agent", "openai_chat", valid_body("openai_chat"), {"user-agent": b"agent\xff\xfe/1"}, expect=200),
+        Trigger(
+            "chat tool schema 300 deep",
+            "openai_chat",
+            _with("openai_chat", tools=[{"type": "function", "function": {"name": "f", "parameters": deep(300)}}]),
+        ),
+        Trigger(
+            "anthropic tool_use input 300 deep",
+            "anthropic_messages",
+            _with(
+                "anthropic_messages",
+                messages=[
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t1", "name": "ls", "input": deep(300)}],
+                    },
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
+                ],
+            ),
+        ),
+        Trigger(
+            "chat tool_choice.function a string",
+            "openai_chat",
+            _with("openai_chat", tool_choice={"type": "function", "function": "ls"}),
+        ),
+        Trigger(
+            "responses tool type a list",
+            "openai_responses",
+            _with("openai_responses", tools=[{"type": ["function"], "name": "ls"}]),
+        ),
+        Trigger(
+            "gemini schema 990 deep",
+            "gemini",
+            _with("gemini", tools=[{"functionDeclarations": [{"name": "f", "parameters": deep(990)}]}]),
+        ),
+        Trigger(
+            "identity sample=2^63",
+            "openai_chat",
+            valid_body("openai_chat"),
+            {"x-polar-session": "s-sample", "x-polar-sample": str(2**63)},
+        ),
+        Trigger(
+            "identity session id with NUL",
+            "openai_chat",
+            valid_body("openai_chat"),
+            {"authorization": "Bearer polar:session=a%00b"},
+        ),
+        Trigger(
+            "identity session id of 200 kB",
+            "openai_chat",
+            valid_body("openai_chat"),
+            {"x-polar-session": "s" * 200_000},
+        ),
+        Trigger(
+            "non-UTF-8 x-polar-session", "openai_chat", valid_body("openai_chat"), {"x-polar-session": b"s\xff\xfe"}
+        ),
+        Trigger(
+            "non-UTF-8 x-polar-task",
+            "openai_chat",
+            valid_body("openai_chat"),
+            {"x-polar-session": "s-task", "x-polar-task": b"t\xff"},
+        ),
+        Trigger(
+            "non-UTF-8 User-Agent",
+            "openai_chat",
+            valid_body("openai_chat"),
+            {"user-agent": b"agent\xff\xfe/1"},
+            expect=200,
+        ),
         Trigger("invalid UTF-8 body", "anthropic_messages", b'{"model": "tiny\xff", "max_tokens": 8, "messages": []}'),
         Trigger("lone surrogate in body", "openai_responses", b'{"model": "tiny", "input": "\\ud800"}'),
     ]
@@ -161,7 +232,7 @@ class RecordingUpstream:
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "RecordingUpstream":
+    def __enter__(self) -> RecordingUpstream:
         self.thread.start()
         return self
 
@@ -172,38 +243,108 @@ class RecordingUpstream:
 
 def write_script(path: Path, model_dir: Path, latency_s: float = 0.0) -> str:
     """A scripted engine that always answers a short text (an instant engine with real tokens)."""
-    path.write_text(json.dumps({"model_dir": str(model_dir), "cycle": True, "latency_s": latency_s,
-                                "turns": [{"content": "ok"}]}))
+    path.write_text(
+        json.dumps({"model_dir": str(model_dir), "cycle": True, "latency_s": latency_s, "turns": [{"content": "ok"}]})
+    )
     return f"scripted:{path}"
 
 
 # ---- hypothesis strategies -----------------------------------------------------------------------------------
 
 _ABSURD_NUMBERS = st.sampled_from([TOO_BIG, 2**64 - 1, -(2**63), 2**31, -1, 0, 1e308, -1e308, 5e-324, 1.5])
-_TEXT = st.text(st.characters(codec="utf-8"), max_size=24) | st.sampled_from(["", "\x00", "[/bold]", "\x1b]0;x\x07", "a" * 5000])
-_LEAF = st.none() | st.booleans() | _ABSURD_NUMBERS | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False) | _TEXT
-JSON_VALUES = st.recursive(_LEAF, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
-                           max_leaves=12)
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=24) | st.sampled_from(
+    ["", "\x00", "[/bold]", "\x1b]0;x\x07", "a" * 5000]
+)
+_LEAF = (
+    st.none()
+    | st.booleans()
+    | _ABSURD_NUMBERS
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _TEXT
+)
+JSON_VALUES = st.recursive(
+    _LEAF, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4), max_leaves=12
+)
 
 # Fields each API reads, top level and inside its usual nested objects.
 _FIELDS = {
-    "openai_chat": ["model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
-                    "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "reasoning_effort"],
-    "anthropic_messages": ["model", "messages", "system", "tools", "tool_choice", "max_tokens", "temperature", "top_p",
-                           "top_k", "stop_sequences", "stream", "thinking", "metadata"],
-    "openai_responses": ["model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature",
-                         "top_p", "stream", "reasoning", "previous_response_id", "store", "parallel_tool_calls"],
+    "openai_chat": [
+        "model",
+        "messages",
+        "tools",
+        "tool_choice",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "n",
+        "reasoning_effort",
+    ],
+    "anthropic_messages": [
+        "model",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_sequences",
+        "stream",
+        "thinking",
+        "metadata",
+    ],
+    "openai_responses": [
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "reasoning",
+        "previous_response_id",
+        "store",
+        "parallel_tool_calls",
+    ],
     "gemini": ["contents", "systemInstruction", "tools", "toolConfig", "generationConfig"],
 }
 _NESTED = {
-    "openai_chat": [("messages", 0, "content"), ("messages", 0, "role"), ("tools", 0, "function"), ("tools", 0, "type"),
-                    ("tools", 0, "function", "parameters"), ("tools", 0, "function", "name")],
-    "anthropic_messages": [("messages", 0, "content"), ("messages", 0, "role"), ("tools", 0, "input_schema"),
-                           ("tools", 0, "name"), ("tools", 0, "type")],
+    "openai_chat": [
+        ("messages", 0, "content"),
+        ("messages", 0, "role"),
+        ("tools", 0, "function"),
+        ("tools", 0, "type"),
+        ("tools", 0, "function", "parameters"),
+        ("tools", 0, "function", "name"),
+    ],
+    "anthropic_messages": [
+        ("messages", 0, "content"),
+        ("messages", 0, "role"),
+        ("tools", 0, "input_schema"),
+        ("tools", 0, "name"),
+        ("tools", 0, "type"),
+    ],
     "openai_responses": [("tools", 0, "type"), ("tools", 0, "parameters"), ("tools", 0, "name")],
-    "gemini": [("contents", 0, "parts"), ("contents", 0, "role"), ("contents", 0, "parts", 0, "text"),
-               ("generationConfig", "maxOutputTokens"), ("generationConfig", "topK"), ("generationConfig", "temperature"),
-               ("tools", 0, "functionDeclarations", 0, "parameters"), ("tools", 0, "functionDeclarations", 0, "name")],
+    "gemini": [
+        ("contents", 0, "parts"),
+        ("contents", 0, "role"),
+        ("contents", 0, "parts", 0, "text"),
+        ("generationConfig", "maxOutputTokens"),
+        ("generationConfig", "topK"),
+        ("generationConfig", "temperature"),
+        ("tools", 0, "functionDeclarations", 0, "parameters"),
+        ("tools", 0, "functionDeclarations", 0, "name"),
+    ],
 }
 
 
@@ -226,9 +367,20 @@ def hostile_body(draw: st.DrawFn, api: str) -> bytes:
     kind = draw(st.sampled_from(["fields", "fields", "fields", "deep", "many_tools", "raw"]))
     body = valid_body(api)
     if kind == "raw":
-        return draw(st.sampled_from([b"", b"[]", b"\xff\xfe", b'{"model": "\\udc00"}', b"{" * 2000, b"nul\x00",
-                                     b'{"model": "tiny", "max_tokens": 18446744073709551616, "messages": []}'])
-                    | st.binary(max_size=64))
+        return draw(
+            st.sampled_from(
+                [
+                    b"",
+                    b"[]",
+                    b"\xff\xfe",
+                    b'{"model": "\\udc00"}',
+                    b"{" * 2000,
+                    b"nul\x00",
+                    b'{"model": "tiny", "max_tokens": 18446744073709551616, "messages": []}',
+                ]
+            )
+            | st.binary(max_size=64)
+        )
     if kind == "deep":
         where = draw(st.sampled_from(_NESTED[api]))
         _set(body, where, deep(draw(st.integers(100, 1000))))
@@ -256,15 +408,27 @@ def _depth_ok(value: Any) -> bool:
 
 
 IDENTITY_TEXT = st.text(st.characters(codec="utf-8"), max_size=40) | st.sampled_from(
-    ["", "a" * 300, "s\x00", "s%00", "s;sample=9223372036854775808", "session=s;sample=-1", "session=s;sample=1e3",
-     "session=;task=t", "x" * 200_000])
+    [
+        "",
+        "a" * 300,
+        "s\x00",
+        "s%00",
+        "s;sample=9223372036854775808",
+        "session=s;sample=-1",
+        "session=s;sample=1e3",
+        "session=;task=t",
+        "x" * 200_000,
+    ]
+)
 
 
 @st.composite
 def hostile_identity(draw: st.DrawFn) -> dict[str, Any]:
     """Identity headers: x-polar-* values and polar: API keys of any text."""
     headers: dict[str, Any] = {}
-    for name in draw(st.sets(st.sampled_from(["x-polar-session", "x-polar-task", "x-polar-group", "x-polar-sample"]), max_size=4)):
+    for name in draw(
+        st.sets(st.sampled_from(["x-polar-session", "x-polar-task", "x-polar-group", "x-polar-sample"]), max_size=4)
+    ):
         headers[name] = draw(IDENTITY_TEXT)
     if draw(st.booleans()):
         headers["x-api-key"] = "polar:" + draw(IDENTITY_TEXT)
@@ -282,9 +446,12 @@ def hang_up_mid_stream(proxy_url: str, out: Path, session: str = "cut", times: i
 
     async def cut() -> None:
         async with httpx.AsyncClient(timeout=30) as http:
-            async with http.stream("POST", proxy_url + "/v1/chat/completions",
-                                   json={**valid_body("openai_chat"), "stream": True},
-                                   headers={"x-polar-session": session}) as response:
+            async with http.stream(
+                "POST",
+                proxy_url + "/v1/chat/completions",
+                json={**valid_body("openai_chat"), "stream": True},
+                headers={"x-polar-session": session},
+            ) as response:
                 assert response.status_code == 200
                 async for _ in response.aiter_bytes():
                     break  # the first keep-alive arrived: hang up

@@ -48,13 +48,15 @@ class PeakRss:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                rss = self.process.memory_info().rss + sum(c.memory_info().rss for c in self.process.children(recursive=True))
+                rss = self.process.memory_info().rss + sum(
+                    c.memory_info().rss for c in self.process.children(recursive=True)
+                )
             except psutil.Error:
                 rss = 0
             self.peak = max(self.peak, rss)
             self._stop.wait(0.05)
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self._thread.start()
         return self
 
@@ -63,16 +65,19 @@ class PeakRss:
         self._thread.join()
 
 
-async def _session(http: httpx.AsyncClient, url: str, sid: str, turns: int, max_tokens: int,
-                   transport_errors: list[str]) -> int:
+async def _session(
+    http: httpx.AsyncClient, url: str, sid: str, turns: int, max_tokens: int, transport_errors: list[str]
+) -> int:
     messages = [{"role": "system", "content": "be brief"}]
     for turn in range(turns):
         messages.append({"role": "user", "content": f"{sid} turn {turn}"})
         for _ in range(5):
             try:
-                response = await http.post(f"{url}/v1/chat/completions",
-                                           json={"model": "tiny", "messages": messages, "max_tokens": max_tokens},
-                                           headers={"x-polar-session": sid, "authorization": "Bearer sk-load-secret"})
+                response = await http.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": "tiny", "messages": messages, "max_tokens": max_tokens},
+                    headers={"x-polar-session": sid, "authorization": "Bearer sk-load-secret"},
+                )
             except httpx.TransportError as exc:
                 # Retried as an agent would; counted, and a retry of a call that was in fact answered shows
                 # up as a duplicate in check_store.
@@ -88,8 +93,15 @@ async def _session(http: httpx.AsyncClient, url: str, sid: str, turns: int, max_
     return turns
 
 
-def run_load(url: str, pid: int, out: Path, sessions: int = 64, turns: int = 20, max_tokens: int = 8,
-             engine_pid: int | None = None) -> LoadResult:
+def run_load(
+    url: str,
+    pid: int,
+    out: Path,
+    sessions: int = 64,
+    turns: int = 20,
+    max_tokens: int = 8,
+    engine_pid: int | None = None,
+) -> LoadResult:
     """Drive ``sessions`` x ``turns`` calls through the proxy at ``url`` (process ``pid``); the caller stops the
     proxy afterwards and then calls :func:`check_store`. ``engine_pid``: an engine process whose peak RSS
     (with its children) is reported too."""
@@ -99,14 +111,27 @@ def run_load(url: str, pid: int, out: Path, sessions: int = 64, turns: int = 20,
     async def main() -> int:
         limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
         async with httpx.AsyncClient(timeout=300, limits=limits) as http:
-            done = await asyncio.gather(*(_session(http, url, f"load-{i:03d}", turns, max_tokens, transport_errors) for i in range(sessions)))
+            done = await asyncio.gather(
+                *(_session(http, url, f"load-{i:03d}", turns, max_tokens, transport_errors) for i in range(sessions))
+            )
         return sum(done)
 
     t0 = time.monotonic()
     with PeakRss(pid) as rss, PeakRss(engine_pid or pid) as engine_rss:
         answered = asyncio.run(main())
-    return LoadResult(sessions, turns, answered, 0, 0, 0, 0, time.monotonic() - t0, rss.peak / 2**20,
-                      engine_rss.peak / 2**20 if engine_pid else 0.0, transport_errors=transport_errors)
+    return LoadResult(
+        sessions,
+        turns,
+        answered,
+        0,
+        0,
+        0,
+        0,
+        time.monotonic() - t0,
+        rss.peak / 2**20,
+        engine_rss.peak / 2**20 if engine_pid else 0.0,
+        transport_errors=transport_errors,
+    )
 
 
 def check_store(result: LoadResult, out: Path) -> LoadResult:

@@ -17,10 +17,55 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-TOOLS = ["sh", "dash", "cat", "ls", "id", "sleep", "mkdir", "rm", "touch", "tar", "find", "sort", "head", "tail",
-         "grep", "nproc", "env", "echo", "printf", "mount", "curl", "setsid", "tr", "wc", "ln", "true"]
-HARNESS_TOOLS = ["bash", "sed", "cp", "mv", "cut", "diff", "dirname", "basename", "pwd", "uname", "chmod", "stat",
-                 "xargs", "which", "readlink", "ps", "kill", "node", "/usr/bin/python3"]
+TOOLS = [
+    "sh",
+    "dash",
+    "cat",
+    "ls",
+    "id",
+    "sleep",
+    "mkdir",
+    "rm",
+    "touch",
+    "tar",
+    "find",
+    "sort",
+    "head",
+    "tail",
+    "grep",
+    "nproc",
+    "env",
+    "echo",
+    "printf",
+    "mount",
+    "curl",
+    "setsid",
+    "tr",
+    "wc",
+    "ln",
+    "true",
+]
+HARNESS_TOOLS = [
+    "bash",
+    "sed",
+    "cp",
+    "mv",
+    "cut",
+    "diff",
+    "dirname",
+    "basename",
+    "pwd",
+    "uname",
+    "chmod",
+    "stat",
+    "xargs",
+    "which",
+    "readlink",
+    "ps",
+    "kill",
+    "node",
+    "/usr/bin/python3",
+]
 # The host Python's standard library, less what no session needs (the static libpython alone is 25 MB).
 PYTHON_SKIP = {"__pycache__", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data"}
 MERGED_USR = {"bin": "usr/bin", "lib": "usr/lib", "lib64": "usr/lib64", "sbin": "usr/sbin"}
@@ -39,8 +84,12 @@ def _with_libraries(binary: Path, files: set[Path]) -> None:
 
 
 def _python_stdlib(files: set[Path]) -> None:
-    version = subprocess.run(["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    version = subprocess.run(
+        ["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     stdlib = Path(f"/usr/lib/python{version}")
     for path in stdlib.rglob("*"):
         parts = path.relative_to(stdlib).parts
@@ -73,6 +122,7 @@ def _canonical(path: Path) -> str:
 
 def _write_tar(files: list[Path], texts: dict[str, str], out: io.BufferedIOBase) -> None:
     with tarfile.open(fileobj=out, mode="w|") as tar:
+
         def add_dir(name: str, mode: int = 0o755) -> None:
             info = tarfile.TarInfo(name)
             info.type, info.mode = tarfile.DIRTYPE, mode
@@ -126,8 +176,9 @@ def _build(repository: str, tools: list[str], python: bool, shell: str, podman: 
     texts = {"etc/passwd": f"root:x:0:0:root:/root:{shell}\n", "etc/group": "root:x:0:\n"}
     name = f"localhost/{repository}:{_digest(files, texts)}"
     if subprocess.run([podman, "image", "exists", name]).returncode != 0:
-        proc = subprocess.Popen([podman, "import", "-", name], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [podman, "import", "-", name], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         assert proc.stdin is not None
         _write_tar(files, texts, proc.stdin)  # streamed: the harness image is ~130 MB
         proc.stdin.close()

@@ -10,8 +10,17 @@ from pathlib import Path
 
 from polar_cli.mitm import REPO, Proxy, free_port, mitmdump_command, run_mitmdump, stop_mitmdump, wait_for_port
 
-__all__ = ["REPO", "Proxy", "SharedProxy", "echo_server", "free_port", "register_session", "run_mitmdump", "shared_proxy",
-           "wait_for_port"]
+__all__ = [
+    "REPO",
+    "Proxy",
+    "SharedProxy",
+    "echo_server",
+    "free_port",
+    "register_session",
+    "run_mitmdump",
+    "shared_proxy",
+    "wait_for_port",
+]
 
 
 @dataclass
@@ -35,14 +44,19 @@ class SharedProxy:
         return register_session(self.forward, self.control_token, session, task, group, sample)
 
 
-def register_session(forward_port: int, token: str, session: str, task: str = "t", group: str = "g",
-                     sample: int = 0) -> str:
+def register_session(
+    forward_port: int, token: str, session: str, task: str = "t", group: str = "g", sample: int = 0
+) -> str:
     """Register ``session`` on a proxy's control plane, as `polar rollout` does; returns its secret."""
     import httpx
 
-    reply = httpx.post(f"http://polar.local/sessions/{session}/register", proxy=f"http://127.0.0.1:{forward_port}",
-                       json={"task": task, "group": group, "sample": sample},
-                       headers={"authorization": f"Bearer {token}"}, timeout=30)
+    reply = httpx.post(
+        f"http://polar.local/sessions/{session}/register",
+        proxy=f"http://127.0.0.1:{forward_port}",
+        json={"task": task, "group": group, "sample": sample},
+        headers={"authorization": f"Bearer {token}"},
+        timeout=30,
+    )
     reply.raise_for_status()
     return reply.json()["secret"]
 
@@ -54,9 +68,14 @@ def shared_proxy(script: Path, out: Path, options: dict[str, str] | None = None)
     forward, reverse = free_port(), free_port()
     confdir, log = out.parent / f"conf-{out.name}", out.parent / f"mitmdump-{out.name}.log"
     confdir.mkdir(parents=True, exist_ok=True)
-    cmd = mitmdump_command(f"scripted:{script}", out, port=None, confdir=confdir,
-                           modes=[f"regular@{forward}", f"reverse:https://api.openai.com@{reverse}"],
-                           options={"polar_shard_seconds": "0.5", **(options or {})})
+    cmd = mitmdump_command(
+        f"scripted:{script}",
+        out,
+        port=None,
+        confdir=confdir,
+        modes=[f"regular@{forward}", f"reverse:https://api.openai.com@{reverse}"],
+        options={"polar_shard_seconds": "0.5", **(options or {})},
+    )
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:

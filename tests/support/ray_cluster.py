@@ -26,13 +26,23 @@ HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_thresh
 
 def _env() -> dict[str, str]:
     # No usage reporting; the nodes import this checkout.
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **HEALTH,
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    return {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        **HEALTH,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    }
 
 
 def _ports() -> list[str]:
-    flags = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
+    flags = (
+        "--node-manager-port",
+        "--object-manager-port",
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--runtime-env-agent-port",
+        "--metrics-export-port",
+    )
     out: list[str] = []
     for flag in flags:
         out += [flag, str(free_port())]
@@ -109,10 +119,23 @@ class RayCluster:
     def _start(self, args: list[str], name: str) -> RayNode:
         log = self.root / f"{name}.log"
         with open(log, "wb") as fh:
-            process = subprocess.Popen([str(RAY), "start", "--node-ip-address", "127.0.0.1", "--disable-usage-stats",
-                                        "--object-store-memory", "80000000", *_ports(), *args],
-                                       stdout=fh, stderr=subprocess.STDOUT, env={**_env(), **self.env},
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                [
+                    str(RAY),
+                    "start",
+                    "--node-ip-address",
+                    "127.0.0.1",
+                    "--disable-usage-stats",
+                    "--object-store-memory",
+                    "80000000",
+                    *_ports(),
+                    *args,
+                ],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env={**_env(), **self.env},
+                start_new_session=True,
+            )
         node = RayNode(process, log)
         self.nodes.append(node)
         return node
@@ -121,13 +144,37 @@ class RayCluster:
         """A head node without CPUs (no sessions there) and one worker node per entry (its custom resources)."""
         port = free_port()
         self.address = f"127.0.0.1:{port}"
-        head = self._start(["--head", "--port", str(port), "--num-cpus", "0", "--include-dashboard", "false",
-                            "--temp-dir", str(self.temp / "h")], "head")
+        head = self._start(
+            [
+                "--head",
+                "--port",
+                str(port),
+                "--num-cpus",
+                "0",
+                "--include-dashboard",
+                "false",
+                "--temp-dir",
+                str(self.temp / "h"),
+            ],
+            "head",
+        )
         self._wait(head)
+
         # Each node its own temp dir: nodes on one machine sharing the head's would share socket names.
         def worker(i: int, attempt: int) -> RayNode:
-            return self._start(["--address", self.address, "--num-cpus", "2", "--resources", json.dumps(workers[i]),
-                                "--temp-dir", str(self.temp / f"w{i}-{attempt}")], f"worker{i}-{attempt}")
+            return self._start(
+                [
+                    "--address",
+                    self.address,
+                    "--num-cpus",
+                    "2",
+                    "--resources",
+                    json.dumps(workers[i]),
+                    "--temp-dir",
+                    str(self.temp / f"w{i}-{attempt}"),
+                ],
+                f"worker{i}-{attempt}",
+            )
 
         started = [worker(i, 0) for i in range(len(workers))]
         for i, node in enumerate(started):

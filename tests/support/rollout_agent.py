@@ -40,8 +40,11 @@ def try_self_reward() -> list[int]:
     for proxy in (plain, with_identity):
         with httpx.Client(proxy=proxy, timeout=30) as client:
             statuses.append(client.post(url, json={"value": 0.77}).status_code)
-            statuses.append(client.post(url, json={"value": 0.77},
-                                        headers={"authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}).status_code)
+            statuses.append(
+                client.post(
+                    url, json={"value": 0.77}, headers={"authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
+                ).status_code
+            )
     base = os.environ["OPENAI_BASE_URL"].removesuffix("/v1")
     statuses.append(httpx.post(f"{base}/sessions/{session}/reward", json={"value": 0.77}, timeout=30).status_code)
     return statuses
@@ -57,8 +60,9 @@ def main() -> None:
     client = OpenAI(max_retries=0, timeout=120)
     messages: list[dict] = [{"role": "user", "content": instruction}]
     for turn in range(8):
-        answer = client.chat.completions.create(model=os.environ["POLAR_MODEL"], messages=messages, tools=TOOLS,
-                                                max_tokens=64)
+        answer = client.chat.completions.create(
+            model=os.environ["POLAR_MODEL"], messages=messages, tools=TOOLS, max_tokens=64
+        )
         if mode == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "hang":

@@ -18,8 +18,12 @@ from tests.support.prereq import missing
 REPO = Path(__file__).resolve().parents[2]
 MOTO = REPO / ".venv-s3" / "bin" / "moto_server"
 # What a client of the moto server needs (moto takes any key; no instance metadata lookups).
-AWS_ENV = {"AWS_ACCESS_KEY_ID": "polar-test", "AWS_SECRET_ACCESS_KEY": "polar-test", "AWS_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true"}
+AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "polar-test",
+    "AWS_SECRET_ACCESS_KEY": "polar-test",
+    "AWS_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 def free_port() -> int:
@@ -34,8 +38,9 @@ def moto_server() -> Iterator[int]:
     if not MOTO.exists():
         missing("needs the moto S3 server venv: run `make s3` (creates .venv-s3 with moto[server])")
     port = free_port()
-    proc = subprocess.Popen([str(MOTO), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(MOTO), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

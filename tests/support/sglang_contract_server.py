@@ -45,8 +45,8 @@ import time
 import types
 import uuid
 import zipfile
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -86,7 +86,18 @@ class ContractUnavailable(RuntimeError):
 
 def _pip_download(requirement: str, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-q",
+        "-d",
+        str(dest),
+        requirement,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     name = requirement.split("==")[0].replace("-", "_")
     wheels = sorted(dest.glob(f"{name}-*.whl"))
@@ -126,7 +137,9 @@ def load_protocol(cache_dir: Path = CACHE_DIR) -> types.ModuleType:
         return sys.modules[MODULE_NAME]
     protocol_path, utils_path = _prepare(cache_dir)
     source = utils_path.read_text()
-    [func] = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "convert_json_schema_to_str"]
+    [func] = [
+        n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "convert_json_schema_to_str"
+    ]
     utils = types.ModuleType("sglang.utils")
     exec("import json\nfrom typing import Type, Union\nfrom pydantic import BaseModel\n", utils.__dict__)
     exec(ast.get_source_segment(source, func), utils.__dict__)
@@ -163,11 +176,19 @@ def load_update_weights_input(cache_dir: Path = CACHE_DIR) -> type:
     module = types.ModuleType("sglang.srt.managers.io_struct")
     sys.modules[module.__name__] = module
     module.msgspec_struct_pydantic_core_schema = utils.msgspec_struct_pydantic_core_schema  # type: ignore[attr-defined]
-    exec("from __future__ import annotations\nfrom typing import Any, Dict, List, Optional\nimport msgspec\n",
-         module.__dict__)
+    exec(
+        "from __future__ import annotations\nfrom typing import Any, Dict, List, Optional\nimport msgspec\n",
+        module.__dict__,
+    )
     for name in wanted:
-        exec(compile("from __future__ import annotations\n" + ast.get_source_segment(io_source, classes[name]),
-                     module.__name__, "exec"), module.__dict__)
+        exec(
+            compile(
+                "from __future__ import annotations\n" + ast.get_source_segment(io_source, classes[name]),
+                module.__name__,
+                "exec",
+            ),
+            module.__dict__,
+        )
     return module.UpdateWeightFromDiskReqInput
 
 
@@ -203,7 +224,7 @@ class SGLangContractServer:
 
     # --- lifecycle (the server runs in its own thread and loop, so tests may use asyncio.run) ---
 
-    def __enter__(self) -> "SGLangContractServer":
+    def __enter__(self) -> SGLangContractServer:
         ready = threading.Event()
         errors: list[BaseException] = []
 
@@ -318,7 +339,9 @@ class SGLangContractServer:
         fail, variant = self.fail, self.variant
         await asyncio.sleep(self.delay_s)
         if fail == "internal":
-            return self._error("Internal server error: CUDA error: an illegal memory access", "InternalServerError", 500)
+            return self._error(
+                "Internal server error: CUDA error: an illegal memory access", "InternalServerError", 500
+            )
         if fail == "not_json":
             return web.Response(text="<html>502 Bad Gateway</html>", status=200, content_type="text/html")
 
@@ -333,7 +356,9 @@ class SGLangContractServer:
             return self._error("contract server: streaming is not reproduced", "BadRequest")
         # What the emulated build supports decides which extras it honours.
         if variant == "sglext":
-            req.return_input_ids_in_sglext = req.return_input_ids_in_sglext or req.return_prompt_token_ids or req.return_token_ids
+            req.return_input_ids_in_sglext = (
+                req.return_input_ids_in_sglext or req.return_prompt_token_ids or req.return_token_ids
+            )
             req.return_output_ids_in_sglext = req.return_output_ids_in_sglext or req.return_token_ids
             req.return_prompt_token_ids = req.return_token_ids = req.return_meta_info = False
         elif variant == "meta_info_only":
@@ -381,7 +406,9 @@ class SGLangContractServer:
         fail = self.fail
         await asyncio.sleep(self.delay_s)
         if fail == "internal":
-            return self._error("Internal server error: CUDA error: an illegal memory access", "InternalServerError", 500)
+            return self._error(
+                "Internal server error: CUDA error: an illegal memory access", "InternalServerError", 500
+            )
         if fail == "not_json":
             return web.Response(text="<html>502 Bad Gateway</html>", status=200, content_type="text/html")
         prompt = req.prompt
@@ -391,13 +418,24 @@ class SGLangContractServer:
             return self._error("contract server: only one token-id prompt, not streamed, is reproduced", "BadRequest")
         prompt_ids = list(prompt)
         if len(prompt_ids) >= self.context_len:  # TokenizerManager._validate_one_request
-            return self._error(f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
-                               f"({self.context_len} tokens).")
+            return self._error(
+                f"The input ({len(prompt_ids)} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens)."
+            )
         stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
-        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                                  max_tokens=req.max_tokens, stop=stop, seed=req.seed)
+        sampling = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            max_tokens=req.max_tokens,
+            stop=stop,
+            seed=req.seed,
+        )
         try:
-            completion, text = await asyncio.to_thread(self._sample_after, prompt_ids, sampling, req.skip_special_tokens)
+            completion, text = await asyncio.to_thread(
+                self._sample_after, prompt_ids, sampling, req.skip_special_tokens
+            )
         except ValueError as exc:
             return self._error(str(exc))
         except PolarError as exc:
@@ -423,10 +461,19 @@ class SGLangContractServer:
             token_ids=ret["output_ids"] if req.return_token_ids else None,
             prompt_token_ids=ret["prompt_token_ids"] if req.return_token_ids else None,
         )
-        usage = self.p.UsageInfo(prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
-                                 total_tokens=meta["prompt_tokens"] + meta["completion_tokens"])
-        response = self.p.CompletionResponse(id=meta["id"], model=req.model, created=int(time.time()), choices=[choice],
-                                             usage=usage, metadata={"weight_version": meta["weight_version"]})
+        usage = self.p.UsageInfo(
+            prompt_tokens=meta["prompt_tokens"],
+            completion_tokens=meta["completion_tokens"],
+            total_tokens=meta["prompt_tokens"] + meta["completion_tokens"],
+        )
+        response = self.p.CompletionResponse(
+            id=meta["id"],
+            model=req.model,
+            created=int(time.time()),
+            choices=[choice],
+            usage=usage,
+            metadata={"weight_version": meta["weight_version"]},
+        )
         data = response.model_dump()
         if fail == "misaligned":
             data["choices"][0]["logprobs"]["token_logprobs"].pop()
@@ -437,7 +484,9 @@ class SGLangContractServer:
                 data["choices"][0].pop(key, None)
         return self._json(data)
 
-    def _sample_after(self, prompt_ids: list[int], sampling: SamplingParams, skip_special_tokens: bool) -> tuple[Any, str]:
+    def _sample_after(
+        self, prompt_ids: list[int], sampling: SamplingParams, skip_special_tokens: bool
+    ) -> tuple[Any, str]:
         """The completion after exactly ``prompt_ids``, and its text as SGLang detokenizes it."""
         local = self.local
         canonical = CanonicalRequest(api="sglang", model=self.served_model, messages=[], sampling=sampling)
@@ -469,7 +518,7 @@ class SGLangContractServer:
             user = [{"role": "user", "content": "."}]
             head = local.render_ids(user, [], add_generation_prompt=True, enable_thinking=None)
             full = local.render_ids([*user, turn], [], add_generation_prompt=False, enable_thinking=None)
-            tail = full[len(head):]
+            tail = full[len(head) :]
             end = next(i for i, token in enumerate(tail) if token in local.eos_ids)
             response = tail[: end + 1]
             max_tokens = canonical.sampling.max_tokens
@@ -477,9 +526,16 @@ class SGLangContractServer:
             if max_tokens is not None and len(response) > max_tokens:
                 response, finish = response[:max_tokens], "length"
             logprobs = local.score(prompt_ids, response, canonical.sampling.effective_temperature())
-        return Completion(message=AssistantMessage(), finish_reason=finish, prompt_ids=prompt_ids,  # type: ignore[arg-type]
-                          response_ids=response, logprobs=logprobs, served_model=self.served_model, engine=engine.name,
-                          weight_version=self.weight_version)
+        return Completion(
+            message=AssistantMessage(),
+            finish_reason=finish,
+            prompt_ids=prompt_ids,  # type: ignore[arg-type]
+            response_ids=response,
+            logprobs=logprobs,
+            served_model=self.served_model,
+            engine=engine.name,
+            weight_version=self.weight_version,
+        )
 
     def _ret_item(self, completion: Any, *, return_logprob: bool) -> dict[str, Any]:
         """What TokenizerManager hands serving_chat: text, output_ids, meta_info, prompt_token_ids."""
@@ -502,11 +558,16 @@ class SGLangContractServer:
                 texts = self.local.token_texts(completion.response_ids)
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [
-                [lp, tid, text] for lp, tid, text in zip(completion.logprobs, completion.response_ids, texts, strict=True)
+                [lp, tid, text]
+                for lp, tid, text in zip(completion.logprobs, completion.response_ids, texts, strict=True)
             ]
             meta["output_token_logprobs_length"] = n
         meta.update({"reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0})
-        return {"output_ids": list(completion.response_ids), "meta_info": meta, "prompt_token_ids": list(completion.prompt_ids)}
+        return {
+            "output_ids": list(completion.response_ids),
+            "meta_info": meta,
+            "prompt_token_ids": list(completion.prompt_ids),
+        }
 
     def _build_chat_response(self, req: Any, ret: dict[str, Any], completion: Any) -> Any:
         """``OpenAIServingChat._build_chat_response`` for one choice."""
@@ -587,7 +648,9 @@ class SGLangContractServer:
             count = len(tokens)
         else:
             return self._error(f"Invalid prompt type: {type(req.prompt)}. Expected str or List[str].")
-        return self._json(self.p.TokenizeResponse(tokens=tokens, count=count, max_model_len=self.context_len).model_dump())
+        return self._json(
+            self.p.TokenizeResponse(tokens=tokens, count=count, max_model_len=self.context_len).model_dump()
+        )
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         """http_server.update_weights_from_disk: the body validated as ``UpdateWeightFromDiskReqInput``; in-flight
@@ -622,7 +685,11 @@ class SGLangContractServer:
 
     async def model_info(self, request: web.Request) -> web.Response:
         return self._json(
-            {"model_path": self.local.model_dir, "served_model_name": self.served_model, "weight_version": self.weight_version}
+            {
+                "model_path": self.local.model_dir,
+                "served_model_name": self.served_model,
+                "weight_version": self.weight_version,
+            }
         )
 
     async def health(self, request: web.Request) -> web.Response:

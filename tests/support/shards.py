@@ -8,8 +8,8 @@ local store whose journal holds no segment has every acknowledged record in its 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from polar_addon.capture import CaptureRecord
 from polar_addon.store import read_records
@@ -34,8 +34,9 @@ def wait_for_shards(out: str | Path, timeout: float = 60.0, check: Callable[[], 
         check()
 
 
-def session_records(out: str | Path, session: str, *, include_failed: bool = True, at_least: int = 0,
-                    timeout: float = 60.0) -> list[CaptureRecord]:
+def session_records(
+    out: str | Path, session: str, *, include_failed: bool = True, at_least: int = 0, timeout: float = 60.0
+) -> list[CaptureRecord]:
     """The session's records, once everything acknowledged is in the shards; with ``at_least``, also
     once that many exist (a call still in the engine when the client went away is recorded later)."""
     deadline = time.monotonic() + timeout

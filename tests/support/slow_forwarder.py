@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 from aiohttp import web
@@ -47,12 +48,21 @@ def slow_forwarder(target: str, delay_s: float, record: list[Exchange] | None = 
         body = await request.read()
         await asyncio.sleep(delay_s)
         async with httpx.AsyncClient(timeout=600) as client:
-            upstream = await client.request(request.method, target + request.path_qs, content=body,
-                                            headers={"content-type": request.headers.get("content-type", "application/json")})
+            upstream = await client.request(
+                request.method,
+                target + request.path_qs,
+                content=body,
+                headers={"content-type": request.headers.get("content-type", "application/json")},
+            )
         if record is not None:
-            record.append(Exchange(request.method, request.path, _json(body), upstream.status_code, _json(upstream.content)))
-        return web.Response(status=upstream.status_code, body=upstream.content,
-                            content_type=upstream.headers.get("content-type", "application/json").split(";")[0])
+            record.append(
+                Exchange(request.method, request.path, _json(body), upstream.status_code, _json(upstream.content))
+            )
+        return web.Response(
+            status=upstream.status_code,
+            body=upstream.content,
+            content_type=upstream.headers.get("content-type", "application/json").split(";")[0],
+        )
 
     async def start() -> None:
         app = web.Application(client_max_size=1 << 30)

@@ -25,19 +25,41 @@ from polar_cli.trace import Trace
 QWEN3_TEMPLATE = (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text()
 
 TOOLS = [
-    {"type": "function", "function": {"name": "ls", "description": "List files.",
-                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "read", "description": "Read a file.",
-                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "ls",
+            "description": "List files.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "description": "Read a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    },
 ]
-ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
-                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
 # Arguments written with spaces and in the model's key order, as models write them.
 TURNS = [
-    {"reasoning_content": "I should list the files first.",
-     "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
-    {"reasoning_content": "There is a.txt; read it.",
-     "tool_calls": [{"type": "function", "function": {"name": "read", "arguments": '{"path": "a.txt"}'}}]},
+    {
+        "reasoning_content": "I should list the files first.",
+        "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}],
+    },
+    {
+        "reasoning_content": "There is a.txt; read it.",
+        "tool_calls": [{"type": "function", "function": {"name": "read", "arguments": '{"path": "a.txt"}'}}],
+    },
     {"reasoning_content": "It says hi.", "content": "a.txt says hi."},
 ]
 
@@ -60,7 +82,9 @@ def write_script(model_dir: Path, path: Path, *, thinking: bool = True) -> Path:
 
 
 def _http(proxy: Any, session: str) -> httpx.Client:
-    return httpx.Client(proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120)
+    return httpx.Client(
+        proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120
+    )
 
 
 def openai_session(proxy: Any, session: str, *, user_turns: int = 2) -> None:
@@ -92,14 +116,26 @@ def anthropic_session(proxy: Any, session: str, *, user_turns: int = 2, thinking
     for turn in range(user_turns):
         messages.append({"role": "user", "content": f"What does the file say? ({turn})"})
         while True:
-            reply = client.messages.create(model="tiny", max_tokens=64, system="You are a file assistant.",
-                                           messages=messages, tools=ANTHROPIC_TOOLS, **extra)
+            reply = client.messages.create(
+                model="tiny",
+                max_tokens=64,
+                system="You are a file assistant.",
+                messages=messages,
+                tools=ANTHROPIC_TOOLS,
+                **extra,
+            )
             messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
             uses = [b for b in reply.content if b.type == "tool_use"]
             if not uses:
                 break
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": b.id, "content": f"output of {b.name}"} for b in uses]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": b.id, "content": f"output of {b.name}"} for b in uses
+                    ],
+                }
+            )
 
 
 @dataclass
@@ -112,8 +148,11 @@ class SessionFigures:
 
 def off_policy_tokens(trace: Trace, records: dict[str, CaptureRecord]) -> int:
     sequence = trace.prompt_ids + trace.completion_ids
-    return sum(len(records[r].response_ids) for r in trace.record_ids
-               if list(sequence[: len(records[r].prompt_ids)]) != list(records[r].prompt_ids))
+    return sum(
+        len(records[r].response_ids)
+        for r in trace.record_ids
+        if list(sequence[: len(records[r].prompt_ids)]) != list(records[r].prompt_ids)
+    )
 
 
 def build(out: Path, *, merge_retokenized: bool = True) -> tuple[list[CaptureRecord], list[Trace]]:

@@ -27,8 +27,9 @@ SYSTEM = "You are a file assistant."
 
 
 def _http(proxy: Any, session: str) -> httpx.Client:
-    return httpx.Client(proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)),
-                        timeout=120)
+    return httpx.Client(
+        proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120
+    )
 
 
 def openai_chat(proxy: Any, session: str, *, user_turns: int, seed: int = 0) -> None:
@@ -37,8 +38,14 @@ def openai_chat(proxy: Any, session: str, *, user_turns: int, seed: int = 0) -> 
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     for turn in range(user_turns):
         messages.append({"role": "user", "content": f"What does file {turn} say?"})
-        reply = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=MAX_TOKENS,
-                                               temperature=TEMPERATURE, seed=seed + turn)
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=MAX_TOKENS,
+            temperature=TEMPERATURE,
+            seed=seed + turn,
+        )
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
 
 
@@ -48,8 +55,14 @@ def anthropic_chat(proxy: Any, session: str, *, user_turns: int) -> None:
     messages: list[dict[str, Any]] = []
     for turn in range(user_turns):
         messages.append({"role": "user", "content": f"What does file {turn} say?"})
-        reply = client.messages.create(model="tiny", max_tokens=MAX_TOKENS, temperature=TEMPERATURE, system=SYSTEM,
-                                       messages=messages, tools=ANTHROPIC_TOOLS)
+        reply = client.messages.create(
+            model="tiny",
+            max_tokens=MAX_TOKENS,
+            temperature=TEMPERATURE,
+            system=SYSTEM,
+            messages=messages,
+            tools=ANTHROPIC_TOOLS,
+        )
         blocks = [b.model_dump(exclude_none=True) for b in reply.content]
         # An answer that is only <|im_end|> has no text block; the Messages API refuses an empty assistant turn.
         messages.append({"role": "assistant", "content": blocks or [{"type": "text", "text": ""}]})

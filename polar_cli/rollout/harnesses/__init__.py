@@ -25,14 +25,19 @@ def get_preset(spec: str) -> HarnessPreset:
     (the preset's own argument, e.g. a model or a flavour). ValueError with the available names when unknown."""
     spec = spec.strip()
     if spec.startswith("cmd:"):
-        name, arg = "command", spec[len("cmd:"):]
+        name, arg = "command", spec[len("cmd:") :]
     else:
         name, _, rest = spec.partition(":")
         arg = rest or None
     module, make = find_make(
-        __name__, name.replace("-", "_"), _NOT_PRESETS,
-        lambda: f"unknown harness {name!r}; available: {', '.join(available_presets())}, or cmd:'COMMAND {{instruction}}'",
-        "has no make(arg) function: not a harness preset")
+        __name__,
+        name.replace("-", "_"),
+        _NOT_PRESETS,
+        lambda: (
+            f"unknown harness {name!r}; available: {', '.join(available_presets())}, or cmd:'COMMAND {{instruction}}'"
+        ),
+        "has no make(arg) function: not a harness preset",
+    )
     preset = make(arg)
     if not isinstance(preset, HarnessPreset):
         raise TypeError(f"{module}.make returned {type(preset).__name__}, not a HarnessPreset")

@@ -21,8 +21,13 @@ from polar_cli.rollout.harnesses._files import no_arg, write_json
 from polar_cli.rollout.harnesses._install import InstalledHarness, executable
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
-MODEL_VARS = ("ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "ANTHROPIC_DEFAULT_SONNET_MODEL",
-              "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")
+MODEL_VARS = (
+    "ANTHROPIC_MODEL",
+    "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL",
+    "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "CLAUDE_CODE_SUBAGENT_MODEL",
+)
 
 
 # Claude Code's default output cap for a model it does not know is 32,000 (it reserves up to 20,000 of it).
@@ -34,23 +39,27 @@ class ClaudeCode(InstalledHarness):
     binaries = ("claude",)
 
     def configure(self, home: Path, ctx: SessionContext) -> None:
-        write_json(home / ".claude" / "settings.json", {"permissions": {"defaultMode": "bypassPermissions"},
-                                                        "includeCoAuthoredBy": False})
+        write_json(
+            home / ".claude" / "settings.json",
+            {"permissions": {"defaultMode": "bypassPermissions"}, "includeCoAuthoredBy": False},
+        )
         # Onboarding already done: a headless run never stops at a first-run screen.
         write_json(home / ".claude.json", {"hasCompletedOnboarding": True, "bypassPermissionsModeAccepted": True})
 
     def env(self, ctx: SessionContext) -> dict[str, str]:
         env = {var: ctx.model for var in MODEL_VARS}
-        env.update({
-            "ANTHROPIC_BASE_URL": ctx.reverse_url,
-            "ANTHROPIC_API_KEY": ctx.api_key(),
-            "NODE_EXTRA_CA_CERTS": ctx.ca_path,
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no telemetry, error reports, update checks
-            "DISABLE_AUTOUPDATER": "1",
-            "DISABLE_TELEMETRY": "1",
-            # Root may bypass permissions only when it says it is sandboxed; it is (polar's runtime).
-            "IS_SANDBOX": "1",
-        })
+        env.update(
+            {
+                "ANTHROPIC_BASE_URL": ctx.reverse_url,
+                "ANTHROPIC_API_KEY": ctx.api_key(),
+                "NODE_EXTRA_CA_CERTS": ctx.ca_path,
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no telemetry, error reports, update checks
+                "DISABLE_AUTOUPDATER": "1",
+                "DISABLE_TELEMETRY": "1",
+                # Root may bypass permissions only when it says it is sandboxed; it is (polar's runtime).
+                "IS_SANDBOX": "1",
+            }
+        )
         if ctx.context_window:
             env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(ctx.context_window)
             env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(ctx.context_window)
@@ -61,7 +70,15 @@ class ClaudeCode(InstalledHarness):
         return env
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
-        return [executable("claude"), "-p", instruction, "--permission-mode", "bypassPermissions", "--output-format", "json"]
+        return [
+            executable("claude"),
+            "-p",
+            instruction,
+            "--permission-mode",
+            "bypassPermissions",
+            "--output-format",
+            "json",
+        ]
 
 
 def make(arg: str | None = None) -> HarnessPreset:

@@ -48,9 +48,17 @@ class Codex(InstalledHarness):
             lines.insert(1, 'model_provider = "polar"')
         lines += ["", "[analytics]", "enabled = false", "", "[feedback]", "enabled = false"]
         if self.custom_provider:
-            lines += ["", "[model_providers.polar]", 'name = "polar"', f"base_url = {_toml(ctx.reverse_url + '/v1')}",
-                      'env_key = "POLAR_API_KEY"', 'wire_api = "responses"', "supports_websockets = false",
-                      "request_max_retries = 0", "stream_max_retries = 0"]
+            lines += [
+                "",
+                "[model_providers.polar]",
+                'name = "polar"',
+                f"base_url = {_toml(ctx.reverse_url + '/v1')}",
+                'env_key = "POLAR_API_KEY"',
+                'wire_api = "responses"',
+                "supports_websockets = false",
+                "request_max_retries = 0",
+                "stream_max_retries = 0",
+            ]
         (home / ".codex").mkdir(parents=True, exist_ok=True)
         (home / ".codex" / "config.toml").write_text("\n".join(lines) + "\n")
 
@@ -59,16 +67,31 @@ class Codex(InstalledHarness):
         if self.custom_provider:
             env["POLAR_API_KEY"] = ctx.api_key()
         else:
-            env.update({"HTTPS_PROXY": ctx.forward_proxy_url(), "CODEX_CA_CERTIFICATE": ctx.ca_path,
-                        "SSL_CERT_FILE": ctx.ca_path, "OPENAI_API_KEY": "sk-polar-forward-proxy"})
+            env.update(
+                {
+                    "HTTPS_PROXY": ctx.forward_proxy_url(),
+                    "CODEX_CA_CERTIFICATE": ctx.ca_path,
+                    "SSL_CERT_FILE": ctx.ca_path,
+                    "OPENAI_API_KEY": "sk-polar-forward-proxy",
+                }
+            )
         return env
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
-        return [executable("codex"), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-                "--color", "never", instruction]
+        return [
+            executable("codex"),
+            "exec",
+            "--skip-git-repo-check",
+            "--dangerously-bypass-approvals-and-sandbox",
+            "--color",
+            "never",
+            instruction,
+        ]
 
 
 def make(arg: str | None = None) -> HarnessPreset:
     if arg not in (None, "", "http"):
-        raise ValueError(f"harness 'codex' takes no argument or 'http' (a custom provider at the reverse proxy), got {arg!r}")
+        raise ValueError(
+            f"harness 'codex' takes no argument or 'http' (a custom provider at the reverse proxy), got {arg!r}"
+        )
     return Codex(custom_provider=arg == "http")

@@ -50,8 +50,14 @@ class CommandPreset(HarnessPreset):
         }  # fmt: skip
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
-        values = {"instruction": instruction, "model": ctx.model, "session": ctx.session_id, "task": ctx.task_id,
-                  "sample": str(ctx.sample), "workspace": ctx.workspace}
+        values = {
+            "instruction": instruction,
+            "model": ctx.model,
+            "session": ctx.session_id,
+            "task": ctx.task_id,
+            "sample": str(ctx.sample),
+            "workspace": ctx.workspace,
+        }
         line = self.template
         for name in PLACEHOLDERS:
             line = line.replace("{" + name + "}", shlex.quote(values[name]))

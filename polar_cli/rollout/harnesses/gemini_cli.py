@@ -34,13 +34,22 @@ class GeminiCli(InstalledHarness):
         if ctx.context_window:
             settings["model"] = {"compressionThreshold": COMPRESS_SHARE * ctx.context_window / ASSUMED_WINDOW}
         if ctx.max_output_tokens:
-            settings["modelConfigs"] = {"overrides": [{"match": {"model": ctx.model}, "modelConfig": {
-                "generateContentConfig": {"maxOutputTokens": ctx.max_output_tokens}}}]}
+            settings["modelConfigs"] = {
+                "overrides": [
+                    {
+                        "match": {"model": ctx.model},
+                        "modelConfig": {"generateContentConfig": {"maxOutputTokens": ctx.max_output_tokens}},
+                    }
+                ]
+            }
         write_json(home / ".gemini" / "settings.json", settings)
 
     def env(self, ctx: SessionContext) -> dict[str, str]:
-        return {"GOOGLE_GEMINI_BASE_URL": ctx.reverse_url, "GEMINI_API_KEY": ctx.api_key(),
-                "NODE_EXTRA_CA_CERTS": ctx.ca_path}
+        return {
+            "GOOGLE_GEMINI_BASE_URL": ctx.reverse_url,
+            "GEMINI_API_KEY": ctx.api_key(),
+            "NODE_EXTRA_CA_CERTS": ctx.ca_path,
+        }
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
         return [executable("gemini"), "-p", instruction, "-m", ctx.model, "--yolo", "--skip-trust"]

@@ -15,8 +15,12 @@ from polar_cli.rollout.harnesses._install import InstalledHarness, executable
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 # api -> the path after the reverse proxy's URL that its SDK expects
-API_PATHS = {"openai-completions": "/v1", "openai-responses": "/v1", "anthropic-messages": "",
-             "google-generative-ai": "/v1beta"}
+API_PATHS = {
+    "openai-completions": "/v1",
+    "openai-responses": "/v1",
+    "anthropic-messages": "",
+    "google-generative-ai": "/v1beta",
+}
 
 
 class Pi(InstalledHarness):
@@ -32,8 +36,12 @@ class Pi(InstalledHarness):
             model["contextWindow"] = ctx.context_window
         if ctx.max_output_tokens:
             model["maxTokens"] = ctx.max_output_tokens
-        provider: dict[str, object] = {"baseUrl": ctx.reverse_url + API_PATHS[self.api], "api": self.api,
-                                       "apiKey": ctx.api_key(), "models": [model]}
+        provider: dict[str, object] = {
+            "baseUrl": ctx.reverse_url + API_PATHS[self.api],
+            "api": self.api,
+            "apiKey": ctx.api_key(),
+            "models": [model],
+        }
         if self.api.startswith("openai"):
             # Served models are not OpenAI's: no developer role, no reasoning_effort.
             provider["compat"] = {"supportsDeveloperRole": False, "supportsReasoningEffort": False}

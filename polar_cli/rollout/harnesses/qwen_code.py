@@ -22,18 +22,25 @@ class QwenCode(InstalledHarness):
         model: dict[str, object] = {"name": ctx.model}
         if ctx.context_window:
             model["generationConfig"] = {"contextWindowSize": ctx.context_window}
-        write_json(home / ".qwen" / "settings.json", {
-            "security": {"auth": {"selectedType": "openai"}},
-            "model": model,
-            "tools": {"approvalMode": "yolo"},
-            "general": {"enableAutoUpdate": False},
-            "privacy": {"usageStatisticsEnabled": False},
-            "telemetry": {"enabled": False},
-        })
+        write_json(
+            home / ".qwen" / "settings.json",
+            {
+                "security": {"auth": {"selectedType": "openai"}},
+                "model": model,
+                "tools": {"approvalMode": "yolo"},
+                "general": {"enableAutoUpdate": False},
+                "privacy": {"usageStatisticsEnabled": False},
+                "telemetry": {"enabled": False},
+            },
+        )
 
     def env(self, ctx: SessionContext) -> dict[str, str]:
-        env = {"OPENAI_BASE_URL": ctx.reverse_url + "/v1", "OPENAI_API_KEY": ctx.api_key(), "OPENAI_MODEL": ctx.model,
-               "NODE_EXTRA_CA_CERTS": ctx.ca_path}
+        env = {
+            "OPENAI_BASE_URL": ctx.reverse_url + "/v1",
+            "OPENAI_API_KEY": ctx.api_key(),
+            "OPENAI_MODEL": ctx.model,
+            "NODE_EXTRA_CA_CERTS": ctx.ca_path,
+        }
         if ctx.max_output_tokens:
             env["QWEN_CODE_MAX_OUTPUT_TOKENS"] = str(ctx.max_output_tokens)
         return env

@@ -21,9 +21,13 @@ def available_runtimes() -> list[str]:
 
 def get_runtime(name: str, **options: Any) -> Runtime:
     """The runtime ``name`` with ``options`` passed to its ``make``; ValueError listing the available ones."""
-    module, make = find_make(__name__, name.strip().replace("-", "_"), _NOT_RUNTIMES,
-                             lambda: f"unknown runtime {name!r}; available: {', '.join(available_runtimes())}",
-                             "has no make(**options) function: not a runtime")
+    module, make = find_make(
+        __name__,
+        name.strip().replace("-", "_"),
+        _NOT_RUNTIMES,
+        lambda: f"unknown runtime {name!r}; available: {', '.join(available_runtimes())}",
+        "has no make(**options) function: not a runtime",
+    )
     runtime = make(**options)
     if not isinstance(runtime, Runtime):
         raise TypeError(f"{module}.make returned {type(runtime).__name__}, not a Runtime")

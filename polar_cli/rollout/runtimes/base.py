@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 NetworkMode = Literal["host", "proxy-only", "none"]
 # Where an isolated sandbox (bwrap, oci) puts HOME and mitmproxy's CA certificate (only that file of its confdir).
@@ -81,8 +82,15 @@ class Sandbox(abc.ABC):
     host_workspace: Path | None = None
 
     @abc.abstractmethod
-    async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
-                   cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
+    async def exec(
+        self,
+        command: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         """Run ``command`` (argv, or a shell string run by ``sh -c``) inside; never raises on a non-zero exit."""
 
     @abc.abstractmethod

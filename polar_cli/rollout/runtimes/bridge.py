@@ -64,8 +64,9 @@ def bridge_env(proxy: ProxyEndpoints, sockets_inside: str) -> str:
     return " ".join(f"{port}={sockets_inside}/{name}.sock" for name, port in proxy_ports(proxy))
 
 
-async def start_host_bridges(proxy: ProxyEndpoints, sockets: Path, timeout: float = 5.0, cgroup: Cgroup | None = None,
-                             owner: int | None = None) -> list[asyncio.subprocess.Process]:
+async def start_host_bridges(
+    proxy: ProxyEndpoints, sockets: Path, timeout: float = 5.0, cgroup: Cgroup | None = None, owner: int | None = None
+) -> list[asyncio.subprocess.Process]:
     """The host-side socats, listening in ``sockets`` (mode 0600: only this user, which the sandbox maps to, or
     ``owner``, the sandbox's host uid), started in ``cgroup``."""
     sockets.mkdir(parents=True, exist_ok=True)
@@ -73,12 +74,20 @@ async def start_host_bridges(proxy: ProxyEndpoints, sockets: Path, timeout: floa
     procs: list[asyncio.subprocess.Process] = []
     try:
         for name, port in proxy_ports(proxy):
-            argv = ["socat", f"UNIX-LISTEN:{sockets / name}.sock,fork,max-children={MAX_CONNECTIONS},mode=600{owned}",
-                    f"TCP:127.0.0.1:{port}"]
-            procs.append(await asyncio.create_subprocess_exec(
-                *(cgroup.wrap(argv) if cgroup else argv),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True))
+            argv = [
+                "socat",
+                f"UNIX-LISTEN:{sockets / name}.sock,fork,max-children={MAX_CONNECTIONS},mode=600{owned}",
+                f"TCP:127.0.0.1:{port}",
+            ]
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    *(cgroup.wrap(argv) if cgroup else argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
             lifeline.tie(procs[-1].pid)
         paths = [sockets / f"{name}.sock" for name, _ in proxy_ports(proxy)]
         deadline = time.monotonic() + timeout

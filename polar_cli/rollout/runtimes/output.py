@@ -27,12 +27,12 @@ class BoundedOutput:
     _tail: bytearray = field(default_factory=bytearray, init=False, repr=False)
 
     @classmethod
-    def pair(cls, bounded: bool) -> tuple["BoundedOutput", "BoundedOutput"]:
+    def pair(cls, bounded: bool) -> tuple[BoundedOutput, BoundedOutput]:
         """Captures for stdout and stderr: bounded (an agent's output), else whole (an archive the runner unpacks)."""
         return (cls(), cls()) if bounded else (cls.whole(), cls.whole())
 
     @classmethod
-    def whole(cls) -> "BoundedOutput":
+    def whole(cls) -> BoundedOutput:
         """Everything (an archive the runner unpacks itself, never an agent's free-form output)."""
         return cls(head=sys.maxsize, tail=0)
 
@@ -54,11 +54,13 @@ class BoundedOutput:
 
     def data(self) -> bytes:
         """The head, a line saying how many bytes were dropped (when some were), the tail."""
-        tail = bytes(self._tail[-self.tail:]) if self.tail else b""
+        tail = bytes(self._tail[-self.tail :]) if self.tail else b""
         if not self.dropped:
             return bytes(self._head) + tail
-        marker = (f"\n[polar: {self.dropped} bytes of output dropped here; kept the first {len(self._head)} and the "
-                  f"last {len(tail)}]\n")
+        marker = (
+            f"\n[polar: {self.dropped} bytes of output dropped here; kept the first {len(self._head)} and the "
+            f"last {len(tail)}]\n"
+        )
         return bytes(self._head) + marker.encode() + tail
 
     def text(self) -> str:
@@ -86,8 +88,9 @@ async def feed_stdin(proc: asyncio.subprocess.Process, data: bytes | None) -> No
         proc.stdin.close()
 
 
-async def communicate(proc: asyncio.subprocess.Process, stdin: bytes | None, out: BoundedOutput,
-                      err: BoundedOutput) -> None:
+async def communicate(
+    proc: asyncio.subprocess.Process, stdin: bytes | None, out: BoundedOutput, err: BoundedOutput
+) -> None:
     """``Process.communicate`` with bounded capture: fills ``out``/``err`` as the process writes (so a caller that
     cancels this on a timeout keeps what came so far) and returns once both streams closed and the process ended."""
     await asyncio.gather(feed_stdin(proc, stdin), drain(proc.stdout, out), drain(proc.stderr, err))
