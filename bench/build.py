@@ -160,7 +160,8 @@ def main() -> None:
     for strategy, report in reports.items():
         s = report.total
         print(
-            f"{strategy:>15}: {seconds[strategy]:7.2f} s  {input_tokens / seconds[strategy] / 1e6:7.1f} M captured tokens/s  "
+            f"{strategy:>15}: {seconds[strategy]:7.2f} s  "
+            f"{input_tokens / seconds[strategy] / 1e6:7.1f} M captured tokens/s  "
             f"{args.sessions / seconds[strategy]:7.1f} sessions/s  "
             f"{s.traces:,} traces  {s.processed_tokens:,} tokens processed  {s.trainable_tokens:,} trained"
         )
@@ -169,7 +170,8 @@ def main() -> None:
         f"merge rate {merged.merge_rate:.1%}, breaks {merged.breaks}"
     )
     print(
-        f"per_request / prefix_merging: {per_request.processed_tokens / merged.processed_tokens:.2f}x tokens processed, "
+        "per_request / prefix_merging: "
+        f"{per_request.processed_tokens / merged.processed_tokens:.2f}x tokens processed, "
         f"{per_request.traces / merged.traces:.2f}x traces (trainer samples), "
         f"{per_request.trainable_tokens / merged.trainable_tokens:.2f}x tokens trained"
     )

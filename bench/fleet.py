@@ -5,8 +5,9 @@ Both run `polar loop` for real (the runner, mitmdump, the local engine, examples
 verifier, `polar train` in its own process) from the same starting model, tasks and training options; then one table
 puts side by side the wall-clock of each iteration (sync: its rollout + its training; async: the time between two
 trainings ending, then the last measuring batch; sync's rollout time excludes starting its proxy, async's batches
-include it, so the end-to-end time of each `polar loop` is the fair total), the reward per policy version (mean ± standard error of the first
-whole batch on it), and the fraction of wall time the rollout side and the trainer were busy (Polar's figure 5).
+include it, so the end-to-end time of each `polar loop` is the fair total), the reward per policy version (mean ±
+standard error of the first whole batch on it), and the fraction of wall time the rollout side and the trainer were
+busy (Polar's figure 5).
 
 Ray: a real cluster on this machine's loopback (tests/support/ray_cluster.py: a head without CPUs and two worker
 nodes, each `ray start` in its own process session); the same toy rollout (the local engine on the starting model,

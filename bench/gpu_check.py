@@ -73,7 +73,8 @@ def sample_traces(model_dir: Path, device: str, *, groups: int, samples: int, to
             lps = lp.squeeze(1).tolist()[len(prompt) - 1 :]
             traces.append(Trace(
                 trace_id=f"g{g}-s{s}", session_id=f"g{g}-s{s}", group_id=f"g{g}", task_id=f"g{g}", prompt_ids=prompt,
-                completion_ids=completion, loss_mask=mask, behavior_logprobs=[x if m else 0.0 for x, m in zip(lps, mask)],
+                completion_ids=completion, loss_mask=mask,
+                behavior_logprobs=[x if m else 0.0 for x, m in zip(lps, mask)],
                 reward=float(rng.random() < 0.5) if s > 1 else float(s), temperature=temperature, calls_merged=2,
             ))  # fmt: skip
     return traces
@@ -104,8 +105,9 @@ def check(mode: str, model_dir: Path, traces: list[Trace], out: Path, args) -> d
     from polar_cli.train.run import build_trainer, save_checkpoint, serving_dtype
 
     cfg = TrainConfig(
-        inputs=[], model=str(model_dir), output=out, learning_rate=1e-6, max_steps=args.steps, groups_per_step=args.groups,
-        dtype=args.dtype, lora_r=16 if mode == "lora" else 0, progress=False, plot=False, weight_decay=0.0,
+        inputs=[], model=str(model_dir), output=out, learning_rate=1e-6, max_steps=args.steps,
+        groups_per_step=args.groups, dtype=args.dtype, lora_r=16 if mode == "lora" else 0, progress=False, plot=False,
+        weight_decay=0.0,
     )  # fmt: skip
     data = prepare_rows(traces, max_length=cfg.max_length)
     trainer = build_trainer(cfg, data)
@@ -176,7 +178,10 @@ def main() -> int:
 
     failures = []
     print(f"model {args.size}: {n_params / 1e6:.1f}M parameters (bf16), compute {args.dtype}, lr 1e-6, {device}")
-    header = f"{'':6} {'ratio min':>10} {'ratio max':>10} {'moved':>8} {'lora B':>7} {'ckpt diff':>9} {'seq logp gap':>12} {'train s':>8}"
+    header = (
+        f"{'':6} {'ratio min':>10} {'ratio max':>10} {'moved':>8} {'lora B':>7} {'ckpt diff':>9} "
+        f"{'seq logp gap':>12} {'train s':>8}"
+    )
     print(header)
     for r in results:
         lb = "" if r["lora_B_moved"] is None else f"{r['lora_B_moved']:.0%}"

@@ -22,7 +22,8 @@ import orjson
 from tests.conftest import VLLM_SMALL_WINDOW, _vllm
 from tests.test_long_sessions_vllm import WORD, compacted_once, refused, vllm_run
 
-THE = " the"  # one token of four characters: Gemini CLI's estimate of a resumed history (a token per 4 characters) is right
+# one token of four characters: Gemini CLI's estimate of a resumed history (a token per 4 characters) is right
+THE = " the"
 
 QWEN_TRIM = (
     ".qwen/settings.json",

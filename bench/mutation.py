@@ -12,9 +12,11 @@ modules can be re-run one at a time. Prints killed / mutants per module; survivo
     .venv/bin/python bench/mutation.py --resume gateway  # take an interrupted run up where it stopped
     .venv/bin/python bench/mutation.py --verify-timeouts --verify-jobs 6 --verify-limit 120 store.trace_store
     .venv/bin/python bench/mutation.py --slowest 1260 providers.openai_responses  # only the slowest-to-test end
-    .venv/bin/python bench/mutation.py store.trace_store --only '*final_status*'   # only some functions' mutants (module first: --only takes every word after it)
+    # only some functions' mutants (module first: --only takes every word after it)
+    .venv/bin/python bench/mutation.py store.trace_store --only '*final_status*'
 
-Mutants are CPU work: the runs are niceness 10 (``POLAR_MUTATION_NICE``); ``--lock FILE`` holds an flock around each module.
+Mutants are CPU work: the runs are niceness 10 (``POLAR_MUTATION_NICE``); ``--lock FILE`` holds an flock around each
+module.
 """
 
 from __future__ import annotations

@@ -34,19 +34,25 @@ from tests.support.proxy import free_port, run_mitmdump, wait_for_port  # noqa: 
 
 RESPONSE_TOKENS = 32
 
-ENGINE = textwrap.dedent(
-    """
+ENGINE = (
+    textwrap.dedent(
+        """
     import sys, orjson
     from aiohttp import web
-    N_OUT = %d
-
+    """
+    )
+    + f"N_OUT = {RESPONSE_TOKENS}\n"
+    + textwrap.dedent(
+        """
     def answer(n_prompt, first=1000):
         return orjson.dumps({
             "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
             "prompt_token_ids": list(range(first, first + n_prompt)),
-            "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": list(range(7, 7 + N_OUT)),
+            "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None,
+                         "token_ids": list(range(7, 7 + N_OUT)),
                          "message": {"role": "assistant", "content": "tok " * N_OUT, "tool_calls": []},
-                         "logprobs": {"content": [{"token": "tok", "logprob": -1.25, "bytes": [116], "top_logprobs": []}] * N_OUT}}],
+                         "logprobs": {"content": [{"token": "tok", "logprob": -1.25, "bytes": [116],
+                                                   "top_logprobs": []}] * N_OUT}}],
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": N_OUT, "total_tokens": n_prompt + N_OUT}})
 
     SMALL, LARGE = answer(1024), answer(32768)
@@ -57,7 +63,7 @@ ENGINE = textwrap.dedent(
         body = await request.read()
         marker = body.find(b"other-")  # at the start of the user message: it survives polar's translation
         if marker >= 0:
-            answer = OTHERS[int(body[marker + 6:body.index(b" ", marker + 6)]) %% len(OTHERS)]
+            answer = OTHERS[int(body[marker + 6:body.index(b" ", marker + 6)]) % len(OTHERS)]
         else:
             answer = LARGE if len(body) > 40000 else SMALL
         return web.Response(body=answer, content_type="application/json")
@@ -70,7 +76,7 @@ ENGINE = textwrap.dedent(
     app.router.add_get("/v1/models", models)
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
     """
-    % RESPONSE_TOKENS
+    )
 )
 
 
@@ -186,7 +192,8 @@ def main() -> None:
         f"({RESPONSE_TOKENS} response tokens; added latency = path - direct)"
     )
     print(
-        f"{'case':<12}{'direct p50':>12}{'mitmdump +p50':>15}{'+p99':>9}{'polar +p50':>13}{'+p99':>9}{'polar/mitmdump':>16}"
+        f"{'case':<12}{'direct p50':>12}{'mitmdump +p50':>15}{'+p99':>9}"
+        f"{'polar +p50':>13}{'+p99':>9}{'polar/mitmdump':>16}"
     )
     for case in (c.name for c in cases):
         base = samples[("a_direct", case.replace(" stream", ""))]

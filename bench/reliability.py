@@ -101,6 +101,54 @@ async def _answer(gateway: Gateway, api: str, body: bytes, headers: dict[str, st
     return reply.status, b"".join([c async for c in reply.chunks])
 
 
+def _fuzz_api(
+    api: str, gateway: Gateway, loop: asyncio.AbstractEventLoop, examples: int, counts: Counts
+) -> dict[str, int]:
+    """One translator's row (its own function so the hypothesis closures bind this api's stats and body)."""
+    stats: Counter = Counter()
+    before = (counts.internal, counts.translator)
+
+    def one(status: int, answer: bytes, api_shape: str) -> None:
+        stats["tried"] += 1
+        if status == 200:
+            stats["ok"] += 1
+        elif 400 <= status < 500 and is_provider_error(api_shape, status, answer):
+            stats["4xx"] += 1
+        else:
+            stats["bad answer"] += 1
+        try:
+            gateway.store.check_writable()
+        except Exception:
+            stats["store stopped"] += 1
+
+    if api == "identity":
+        body = orjson.dumps(valid_body("anthropic_messages"))
+
+        @settings(max_examples=examples, **SETTINGS)
+        @given(headers=hostile_identity())
+        def run_identity(headers: dict) -> None:
+            one(
+                *loop.run_until_complete(_answer(gateway, "anthropic_messages", body, headers)),
+                "anthropic_messages",
+            )
+
+        run_identity()
+    else:
+
+        @settings(max_examples=examples, **SETTINGS)
+        @given(body=hostile_body(api))
+        def run_body(body: bytes) -> None:
+            one(*loop.run_until_complete(_answer(gateway, api, body, {})), api)
+
+        run_body()
+    for trigger in (t for t in triggers() if t.api == api and not t.headers):
+        body = trigger.encoded()
+        one(*loop.run_until_complete(_answer(gateway, api, body, {})), api)
+    stats["crashes"] = counts.internal - before[0]
+    stats["translator exceptions -> 400"] = counts.translator - before[1]
+    return dict(stats)
+
+
 def fuzz_gateway(engine: str, out: Path, examples: int, counts: Counts) -> dict[str, dict[str, int]]:
     loop = asyncio.new_event_loop()
     gateway = Gateway(
@@ -111,48 +159,7 @@ def fuzz_gateway(engine: str, out: Path, examples: int, counts: Counts) -> dict[
     rows: dict[str, dict[str, int]] = {}
     try:
         for api in [*PATHS, "identity"]:
-            stats: Counter = Counter()
-            before = (counts.internal, counts.translator)
-
-            def one(status: int, answer: bytes, api_shape: str) -> None:
-                stats["tried"] += 1
-                if status == 200:
-                    stats["ok"] += 1
-                elif 400 <= status < 500 and is_provider_error(api_shape, status, answer):
-                    stats["4xx"] += 1
-                else:
-                    stats["bad answer"] += 1
-                try:
-                    gateway.store.check_writable()
-                except Exception:
-                    stats["store stopped"] += 1
-
-            if api == "identity":
-                body = orjson.dumps(valid_body("anthropic_messages"))
-
-                @settings(max_examples=examples, **SETTINGS)
-                @given(headers=hostile_identity())
-                def run_identity(headers: dict) -> None:
-                    one(
-                        *loop.run_until_complete(_answer(gateway, "anthropic_messages", body, headers)),
-                        "anthropic_messages",
-                    )
-
-                run_identity()
-            else:
-
-                @settings(max_examples=examples, **SETTINGS)
-                @given(body=hostile_body(api))
-                def run_body(body: bytes) -> None:
-                    one(*loop.run_until_complete(_answer(gateway, api, body, {})), api)
-
-                run_body()
-            for trigger in (t for t in triggers() if t.api == api and not t.headers):
-                body = trigger.encoded()
-                one(*loop.run_until_complete(_answer(gateway, api, body, {})), api)
-            stats["crashes"] = counts.internal - before[0]
-            stats["translator exceptions -> 400"] = counts.translator - before[1]
-            rows[api] = dict(stats)
+            rows[api] = _fuzz_api(api, gateway, loop, examples, counts)
         status, _ = loop.run_until_complete(
             _answer(gateway, "openai_chat", orjson.dumps(valid_body("openai_chat")), {})
         )
@@ -428,18 +435,21 @@ def _print_fuzz(
     fuzz: dict, proxy: dict, fault_rows: list[tuple[str, bool, str]], examples: int, t_fuzz: float, long: bool
 ) -> None:
     print(
-        f"\npolar reliability ({'long' if long else 'default'} mode; {examples} fuzzed bodies per translator in-process, "
+        f"\npolar reliability ({'long' if long else 'default'} mode; "
+        f"{examples} fuzzed bodies per translator in-process, "
         f"{t_fuzz:.0f} s)\n"
     )
     print(
-        f"{'translator':<22}{'tried':>7}{'ok':>6}{'4xx':>6}{'bad answer':>12}{'crashes':>9}{'store stopped':>15}{'exc->400':>10}"
+        f"{'translator':<22}{'tried':>7}{'ok':>6}{'4xx':>6}{'bad answer':>12}"
+        f"{'crashes':>9}{'store stopped':>15}{'exc->400':>10}"
     )
     for api, row in fuzz.items():
         if api.startswith("_"):
             continue
         print(
-            f"{api:<22}{row.get('tried', 0):>7}{row.get('ok', 0):>6}{row.get('4xx', 0):>6}{row.get('bad answer', 0):>12}"
-            f"{row.get('crashes', 0):>9}{row.get('store stopped', 0):>15}{row.get('translator exceptions -> 400', 0):>10}"
+            f"{api:<22}{row.get('tried', 0):>7}{row.get('ok', 0):>6}{row.get('4xx', 0):>6}"
+            f"{row.get('bad answer', 0):>12}{row.get('crashes', 0):>9}{row.get('store stopped', 0):>15}"
+            f"{row.get('translator exceptions -> 400', 0):>10}"
         )
     crashes = sum(r.get("crashes", 0) for k, r in fuzz.items() if not k.startswith("_"))
     stopping = sum(r.get("store stopped", 0) for k, r in fuzz.items() if not k.startswith("_"))

@@ -40,7 +40,8 @@ for pgid in groups:
     try: os.killpg(pgid, signal.SIGKILL)
     except OSError: pass
 for argv in commands.values():
-    try: subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+    try: subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        timeout=60)
     except (OSError, subprocess.SubprocessError): pass
 """
 

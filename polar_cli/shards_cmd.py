@@ -123,7 +123,8 @@ def reward(
         None,
         "--status",
         help="Also record how the session(s) ended: completed, timeout, agent_error (the policy's failures train "
-        "with reward 0) or error (infrastructure: never trained on). Without it a reward marks a running session completed.",
+        "with reward 0) or error (infrastructure: never trained on). "
+        "Without it a reward marks a running session completed.",
     ),
     name: str = typer.Option("reward", "--name", help="Reward name (several named rewards may coexist)."),
     file: Path | None = typer.Option(None, "--file", help='JSONL lines {"session_id", "value", "name"?}.'),

@@ -18,12 +18,17 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added but not "special": tool-call parsers look for them in the decoded text.
 MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
 
-CHAT_TEMPLATE = r"""{%- if tools %}
+# Split by implicit concatenation only where a line is too long: the template's bytes are the tokenizer's.
+CHAT_TEMPLATE = (
+    r"""{%- if tools %}
 {{- '<|im_start|>system\n' }}
 {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"""
+    r"""You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
 {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within """
+    r"""<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}"""
+    r"""\n</tool_call><|im_end|>\n' }}
 {%- elif messages[0].role == 'system' %}
 {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
@@ -52,6 +57,7 @@ CHAT_TEMPLATE = r"""{%- if tools %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
+)
 
 
 def _training_text(max_bytes: int = 3_000_000) -> list[str]:

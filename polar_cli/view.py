@@ -39,18 +39,22 @@ section.chain h2 { font-size: 1rem; margin: .2rem 0 .4rem; }
 .turn { border-top: 1px dashed #bbb; padding: .3rem 0; }
 .turn.sampled { border-top: 2px solid #5b8def; }
 .turn-head { font-size: 12px; color: var(--muted); margin-bottom: .2rem; }
-.toks { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; white-space: pre-wrap; word-break: break-all; }
+.toks { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; white-space: pre-wrap;
+        word-break: break-all; }
 .t { border-radius: 2px; cursor: default; }
-.t.m { background: repeating-linear-gradient(135deg, var(--mask), var(--mask) 3px, #ececec 3px, #ececec 6px); color: #555; }
+.t.m { background: repeating-linear-gradient(135deg, var(--mask), var(--mask) 3px, #ececec 3px, #ececec 6px);
+       color: #555; }
 .t:hover { outline: 1px solid #000; }
 .ids .t::after { content: " "; }
 .msg { margin: .3rem 0 .2rem 1rem; font-size: 13px; }
 .msg .role { font-weight: 600; color: #444; }
-.msg pre { background: #f6f8fa; border: 1px solid #e1e4e8; padding: .3rem .5rem; margin: .2rem 0; white-space: pre-wrap; max-height: 16rem; overflow: auto; }
+.msg pre { background: #f6f8fa; border: 1px solid #e1e4e8; padding: .3rem .5rem; margin: .2rem 0; white-space: pre-wrap;
+           max-height: 16rem; overflow: auto; }
 .tool-call .name { font-family: ui-monospace, Menlo, monospace; font-weight: 600; color: #6a1b9a; }
 details.prompt summary { cursor: pointer; color: var(--muted); }
 details.prompt pre { white-space: pre-wrap; max-height: 24rem; overflow: auto; background: #fafafa; padding: .4rem; }
-#info { position: fixed; bottom: 0; left: 0; right: 0; background: #222; color: #eee; font: 12px ui-monospace, monospace; padding: .35rem 1rem; }
+#info { position: fixed; bottom: 0; left: 0; right: 0; background: #222; color: #eee;
+        font: 12px ui-monospace, monospace; padding: .35rem 1rem; }
 .untrainable { color: var(--break); font-weight: 600; }
 """
 
@@ -62,8 +66,9 @@ _JS = """
     if (!t) return;
     var lp = parseFloat(t.dataset.lp);
     info.textContent = 'token ' + t.dataset.id + '  ' + JSON.stringify(t.dataset.text || t.textContent) +
-      (t.classList.contains('s') ? '  logprob ' + lp.toFixed(4) + '  p=' + Math.exp(lp).toFixed(4) + '  mask 1 (sampled)'
-                                 : '  mask 0 (interstitial, from the next prompt)');
+      (t.classList.contains('s')
+        ? '  logprob ' + lp.toFixed(4) + '  p=' + Math.exp(lp).toFixed(4) + '  mask 1 (sampled)'
+        : '  mask 0 (interstitial, from the next prompt)');
   });
   document.querySelectorAll('section.chain').forEach(function (sec) {
     var sampled = sec.querySelectorAll('.t.s'), masked = sec.querySelectorAll('.t.m'), sum = 0;
@@ -165,8 +170,10 @@ def _sampled_message(record: CaptureRecord) -> str:
         )
     for call in message.get("tool_calls") or []:
         parts.append(
-            f'<div class="tool-call"><span class="role">tool call</span> <span class="name">{_esc(call.get("name"))}</span>'
-            f' <span class="call-id">{_esc(call.get("id", ""))}</span><pre>{_esc(_pretty_json(call.get("arguments", "")))}</pre></div>'
+            '<div class="tool-call"><span class="role">tool call</span> '
+            f'<span class="name">{_esc(call.get("name"))}</span>'
+            f' <span class="call-id">{_esc(call.get("id", ""))}</span>'
+            f"<pre>{_esc(_pretty_json(call.get('arguments', '')))}</pre></div>"
         )
     return f'<div class="msg">{"".join(parts)}</div>' if parts else ""
 
@@ -180,7 +187,8 @@ def _interstitial_messages(prev: CaptureRecord, nxt: CaptureRecord) -> str:
         label = f"tool result {message.get('tool_call_id', '')}" if role == "tool" else role
         css = "tool-result" if role == "tool" else role
         parts.append(
-            f'<div class="{_esc(css)}"><span class="role">{_esc(label)}</span><pre>{_esc(_content_text(message.get("content")))}</pre></div>'
+            f'<div class="{_esc(css)}"><span class="role">{_esc(label)}</span>'
+            f"<pre>{_esc(_content_text(message.get('content')))}</pre></div>"
         )
     return f'<div class="msg">{"".join(parts)}</div>' if parts else ""
 
@@ -219,14 +227,16 @@ def _chain_section(chain: Chain, session: SessionInfo | None, pieces: _Pieces) -
         ids = merged.completion_ids[segment.start : segment.end]
         if segment.kind == "sampled":
             out.append(
-                f'<div class="turn sampled" data-call="{record.seq}"><div class="turn-head">call {record.seq} · sampled '
+                f'<div class="turn sampled" data-call="{record.seq}">'
+                f'<div class="turn-head">call {record.seq} · sampled '
                 f"{len(ids)} tokens · finish {_esc(record.finish_reason)} · loss mask 1</div>"
                 f'<div class="toks">{_tokens(ids, merged.logprobs[segment.start : segment.end], pieces)}</div>'
                 f"{_sampled_message(record)}</div>"
             )
         else:
             out.append(
-                f'<div class="turn inter" data-call="{record.seq}"><div class="turn-head">interstitial: {len(ids)} tokens '
+                f'<div class="turn inter" data-call="{record.seq}">'
+                f'<div class="turn-head">interstitial: {len(ids)} tokens '
                 f"of call {record.seq}'s prompt · loss mask 0</div>"
                 f'<div class="toks">{_tokens(ids, None, pieces)}</div>'
                 f"{_interstitial_messages(records[segment.call - 1], record)}</div>"

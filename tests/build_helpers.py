@@ -40,7 +40,10 @@ TOOLS = [
     },
 ]
 
-_ASSISTANT_HISTORY = "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+_ASSISTANT_HISTORY = (
+    "{%- if message.reasoning_content %}"
+    "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+)
 # Qwen3: reasoning survives in history only after the last user query (the current tool loop).
 QWEN3_STYLE_TEMPLATE = CHAT_TEMPLATE.replace(
     "{%- for message in messages %}",

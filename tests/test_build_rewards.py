@@ -112,7 +112,8 @@ def test_invalid_tool_call_markers_and_empty_tool_calls_finish() -> None:
 
 
 def test_polar_parsed_turns_are_judged_by_their_parse_failures() -> None:
-    """Where polar parsed the turn (parse_failures set) its count decides; the markup test only for engine-parsed ones."""
+    """Where polar parsed the turn (parse_failures set) its count decides; the markup test only for engine-parsed
+    ones."""
     prose = _call("Qwen3-Coder writes <function=f> here.")
     assert invalid_tool_call(prose)  # engine-parsed (null): markup in the text fails it
     prose.parse_failures = 0

@@ -85,11 +85,13 @@ def run_session(
 
 TOOL_TURNS = [
     (
-        '<think>\nlist first\n</think>\n\nLooking.\n<tool_call>\n{"name": "bash", "arguments": {"cmd":"ls"}}\n</tool_call>',
+        "<think>\nlist first\n</think>\n\nLooking.\n"
+        '<tool_call>\n{"name": "bash", "arguments": {"cmd":"ls"}}\n</tool_call>',
         [{"role": "tool", "tool_call_id": "a", "content": "a.py"}],
     ),
     (
-        '<tool_call>\n{"name": "bash", "arguments": {"cmd":"cat a.py"}}\n</tool_call>\n<tool_call>\n{"name": "bash", "arguments": {"cmd":"wc a.py"}}\n</tool_call>',
+        '<tool_call>\n{"name": "bash", "arguments": {"cmd":"cat a.py"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "bash", "arguments": {"cmd":"wc a.py"}}\n</tool_call>',
         [
             {"role": "tool", "tool_call_id": "b", "content": "print(1)"},
             {"role": "tool", "tool_call_id": "c", "content": "1 1 9"},
@@ -224,8 +226,10 @@ def test_history_must_end_with_the_sampled_turn(tok: Any) -> None:
 def test_template_that_depends_on_the_earlier_turn_gives_no_delta(tok: Any) -> None:
     # A template that names the tool in each result by looking at the call before it.
     template = (
-        "{%- for m in messages %}{%- if m.role == 'tool' %}<|im_start|>tool {{ messages[loop.index0 - 1].tool_calls[0].function.name }}\n"
-        "{{ m.content }}<|im_end|>\n{%- else %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n{%- endif %}{%- endfor %}"
+        "{%- for m in messages %}{%- if m.role == 'tool' %}"
+        "<|im_start|>tool {{ messages[loop.index0 - 1].tool_calls[0].function.name }}\n"
+        "{{ m.content }}<|im_end|>\n{%- else %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n"
+        "{%- endif %}{%- endfor %}"
         "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
     )
     history = [

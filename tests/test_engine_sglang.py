@@ -81,8 +81,10 @@ def test_tool_calls_reasoning_and_stop_strings():
     data = sglang_answer(prompt_token_ids=PROMPT, response_token_ids=IDS, finish_reason="tool_calls", matched_stop=None)
     data["choices"][0]["message"] = {
         "role": "assistant", "content": "", "reasoning_content": "think",
-        "tool_calls": [{"id": "call_a", "index": 0, "type": "function", "function": {"name": "ls", "arguments": {"p": "/"}}},
-                       {"id": None, "index": 1, "type": "function", "function": {"name": "cat", "arguments": '{"f": 1}'}}],
+        "tool_calls": [
+            {"id": "call_a", "index": 0, "type": "function", "function": {"name": "ls", "arguments": {"p": "/"}}},
+            {"id": None, "index": 1, "type": "function", "function": {"name": "cat", "arguments": '{"f": 1}'}},
+        ],
     }  # fmt: skip
     parsed = parse_chat_response(data)
     assert parsed.finish_reason == "tool_calls"
@@ -341,7 +343,8 @@ def test_tool_calls_through_sglang_shape(sglang_protocol, tiny_model_dir, tmp_pa
 
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "turns": [
-        {"content": "Listing.", "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": {"path": "/tmp"}}}]}]}))  # fmt: skip
+        {"content": "Listing.", "tool_calls": [
+            {"type": "function", "function": {"name": "ls", "arguments": {"path": "/tmp"}}}]}]}))  # fmt: skip
     with SGLangContractServer(ScriptedEngine(script), protocol=sglang_protocol) as srv:
         completion = asyncio.run(_call(srv.url, request(temperature=1.0)))
     assert completion.finish_reason == "tool_calls"

@@ -507,7 +507,8 @@ def test_slow_streams_keep_alive_in_each_providers_words(
     # A rendering failure after the headers: the stream ends in the provider's own error event, and it is logged.
     ping = b'event: ping\ndata: {"type": "ping"}\n\n'
     assert failed.startswith(ping) and failed.replace(ping, b"") == (
-        b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"polar internal error (ValueError)"}}\n\n'
+        b'event: error\ndata: {"type":"error","error":{"type":"api_error",'
+        b'"message":"polar internal error (ValueError)"}}\n\n'
     )
     assert [r.getMessage() for r in caplog.records] == ["polar: rendering a stream failed"]
 

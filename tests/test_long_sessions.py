@@ -238,8 +238,10 @@ def test_engine_overflow_messages_keep_the_counts():
             {
                 "error": {
                     "message": (
-                        "This model's maximum context length is 8192 tokens. However, your prompt contains 9000 input tokens, "
-                        "which exceeds this limit even without any output tokens. Please reduce the length of the input prompt."
+                        "This model's maximum context length is 8192 tokens. "
+                        "However, your prompt contains 9000 input tokens, "
+                        "which exceeds this limit even without any output tokens. "
+                        "Please reduce the length of the input prompt."
                     )
                 }
             }

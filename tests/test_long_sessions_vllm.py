@@ -107,11 +107,12 @@ def test_vllm_overflow_becomes_each_providers_error(vllm_small_window_server, ti
     with run_mitmdump(
         f"vllm:{vllm_small_window_server}", tmp_path / "shards", options={"polar_shard_seconds": "0.2"}
     ) as proxy:
-        http = lambda session: httpx.Client(
-            proxy=proxy.proxy_url(session),
-            timeout=120,  # noqa: E731
-            verify=ssl.create_default_context(cafile=str(proxy.ca)),
-        )
+
+        def http(session: str) -> httpx.Client:
+            return httpx.Client(
+                proxy=proxy.proxy_url(session), timeout=120, verify=ssl.create_default_context(cafile=str(proxy.ca))
+            )
+
         chat = openai.OpenAI(api_key="sk-not-real", http_client=http("vllm-chat"), max_retries=0)
         with pytest.raises(openai.BadRequestError) as chat_err:
             list(chat.chat.completions.create(model="tiny", max_tokens=8, stream=True, messages=messages))

@@ -986,11 +986,13 @@ def test_parse_does_not_mutate_the_body() -> None:
         ({"model": "m", "input": "hi", "tools": {"type": "function", "name": "f"}}, "'tools' must be a list"),
         (
             {"model": "m", "input": "hi", "tool_choice": "sometimes"},
-            "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}",
+            "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} "
+            "or {type: allowed_tools, mode}",
         ),
         (
             {"model": "m", "input": "hi", "tool_choice": {"type": "allowed_tools", "mode": "none"}},
-            "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}",
+            "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} "
+            "or {type: allowed_tools, mode}",
         ),
         ({"model": "m", "input": "hi", "temperature": "hot"}, "'temperature' must be a number"),
         ({"model": "m", "input": "hi", "top_p": True}, "'top_p' must be a number"),
@@ -1306,8 +1308,8 @@ def test_overflow_messages_in_openai_wording() -> None:
     }
     plain_overflow = PROVIDER.render_error(ContextLengthExceeded("prompt too long"))["error"]["message"]
     assert (
-        plain_overflow
-        == "Your input exceeds the context window of this model. (prompt too long) Please adjust your input and try again."
+        plain_overflow == "Your input exceeds the context window of this model. (prompt too long) "
+        "Please adjust your input and try again."
     )
 
 
@@ -1731,7 +1733,8 @@ def test_instructions_as_items_leave_out_what_nothing_reads() -> None:
         ({"tools": [{"type": "namespace", "tools": [EXEC]}]}, "tools[0]: 'namespace' needs a string 'name'"),
         (
             {"tool_choice": {"type": "function"}},
-            "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} or {type: allowed_tools, mode}",
+            "'tool_choice' must be 'auto', 'none', 'required', {type: function|custom, name} "
+            "or {type: allowed_tools, mode}",
         ),
     ],
 )

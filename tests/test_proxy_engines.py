@@ -119,7 +119,7 @@ def test_two_proxies_keep_sessions_on_one_engine_and_a_dead_engine_fails_only_it
                     errors[session] = exc
             assert sorted(errors) == on_b  # only the dead engine's sessions fail, each in its provider's shape
             assert {type(e).__module__.split(".")[0] for e in errors.values()} == {"anthropic", "openai"}
-            for session, exc in errors.items():
+            for _, exc in errors.items():
                 assert exc.status_code in (502, 503)
                 if isinstance(exc, anthropic.APIStatusError):
                     assert exc.body["type"] == "error" and exc.body["error"]["type"] in (

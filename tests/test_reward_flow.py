@@ -48,7 +48,8 @@ def test_an_error_status_is_never_overwritten_by_a_later_status() -> None:
     # The proxy ends a session of an engine it took out as error; the runner posts completed (and a reward) after.
     lost = {"error": "engine vllm:a taken out mid-session"}
     updates = [{"session_id": "lost", "status": "running", "started_at": 1.0, "updated_at": 1.0},
-               {"session_id": "lost", "status": "error", "ended_at": 2.0, "updated_at": 2.0, "metadata_json": json.dumps(lost)},
+               {"session_id": "lost", "status": "error", "ended_at": 2.0, "updated_at": 2.0,
+                "metadata_json": json.dumps(lost)},
                {"session_id": "lost", "status": "completed", "ended_at": 3.0, "updated_at": 3.0,
                 "metadata_json": json.dumps({"harness": "cmd"})},
                {"session_id": "late", "status": "completed", "updated_at": 1.0},
@@ -61,7 +62,8 @@ def test_an_error_status_is_never_overwritten_by_a_later_status() -> None:
 
 def _trace(session: str, group: str, reward: float, trainable: bool, status: str) -> Trace:
     return Trace(trace_id=session, session_id=session, group_id=group, prompt_ids=[1], completion_ids=[2],
-                 loss_mask=[1], behavior_logprobs=[-0.5], reward=reward, trainable=trainable, status=status)  # fmt: skip
+                 loss_mask=[1], behavior_logprobs=[-0.5], reward=reward, trainable=trainable,
+                 status=status)  # fmt: skip
 
 
 def test_nothing_to_train_names_each_reason_with_counts() -> None:

@@ -97,7 +97,8 @@ def test_rollout_rewards_from_the_verifier_and_every_failure_mode(proxy: Started
         {"id": "planted", "instruction": "Write the answer.", "reward_file": "answer.txt"},
         # The harness's final answer (its stdout, "done"), saved by the runner outside the workspace.
         {"id": "stdout", "instruction": "Write the answer.",
-         "verify": 'test "$(cat "$POLAR_AGENT_OUTPUT")" = done && case "$POLAR_AGENT_OUTPUT" in "$PWD"/*) exit 1;; esac'},
+         "verify": 'test "$(cat "$POLAR_AGENT_OUTPUT")" = done && '
+                   'case "$POLAR_AGENT_OUTPUT" in "$PWD"/*) exit 1;; esac'},
     )  # fmt: skip
     result = _run(proxy, tasks, samples=2, concurrency=4, ready=4, init_attempts=2, seed=11, logs_dir=tmp_path / "logs")
     by_task: dict[str, list] = {}
@@ -307,14 +308,16 @@ def test_harbor_tasks_verified_in_bwrap(proxy: StartedProxy, tmp_path: Path) -> 
     _harbor_task(
         tasks,
         "json",
-        'test -e /tests/test.sh && test ! -e /app/tests && echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n',
+        "test -e /tests/test.sh && test ! -e /app/tests && "
+        'echo \'{"tests": 1, "style": 0, "note": "x"}\' > /logs/verifier/reward.json\n',
     )
     _harbor_task(tasks, "silent", "true\n")  # writes no reward: a 0, never a mask
     # The harness's stdout at Harbor's /logs/agent, and in POLAR_AGENT_OUTPUT as for JSONL tasks.
     _harbor_task(
         tasks,
         "stdout",
-        'test "$(cat /logs/agent/stdout.txt)" = done && test "$POLAR_AGENT_OUTPUT" = /logs/agent/stdout.txt && echo 1 > /logs/verifier/reward.txt\n',
+        'test "$(cat /logs/agent/stdout.txt)" = done && test "$POLAR_AGENT_OUTPUT" = /logs/agent/stdout.txt && '
+        "echo 1 > /logs/verifier/reward.txt\n",
     )
     # The cmd: preset shows the venv and the agent script it names read-only inside; nothing else of the host.
     result = _run(proxy, tasks, samples=1, concurrency=3, runtime="bwrap")

@@ -142,7 +142,8 @@ def test_runs_as_unprivileged_user_and_cannot_write_the_host(tmp_path):
         box = await bwrap.make().start(spec_for(tmp_path, "a", endpoints(tmp_path), network="none"))
         try:
             result = await box.exec(
-                f"id -u; cat /etc/shadow; ls /etc/ssh; touch /usr/{marker}; touch /etc/{marker}; mount -o remount,rw /usr; "
+                f"id -u; cat /etc/shadow; ls /etc/ssh; touch /usr/{marker}; touch /etc/{marker}; "
+                "mount -o remount,rw /usr; "
                 f"echo ok > {box.workspace}/w; echo h > $HOME/h; echo t > /tmp/t; "
                 f"cat {box.ca_path}"
             )

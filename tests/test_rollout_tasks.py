@@ -59,7 +59,10 @@ def test_jsonl_tasks_resolve_paths_and_timeouts(tmp_path: Path) -> None:
     ('{"id": "b", "instruction": "x", "verify": "true", "wrokspace": "."}', ":2: unknown field(s) ['wrokspace']"),
     ('{"id": "b", "instruction": "x", "verify": "true", "workspace": "nowhere"}', "nowhere is not a directory"),
     ('{"id": "a", "instruction": "x", "verify": "true"}', ":2: task id 'a' already used at"),
-    ('{"id": "b", "instruction": "x", "verify": "true", "timeouts": {"agent": -1}}', ":2: timeouts.agent must be a positive"),
+    (
+        '{"id": "b", "instruction": "x", "verify": "true", "timeouts": {"agent": -1}}',
+        ":2: timeouts.agent must be a positive",
+    ),
     ('{"id": "b", "instruction": "", "verify": "true"}', ":2: 'instruction' must be a non-empty string"),
     ('{"id": "b", "instruction": "x", "verify": "true", "agent_timeout_s": 5, "timeouts": {"agent": 5}}',
      ":2: agent_timeout_s given twice"),
@@ -79,7 +82,8 @@ def _harbor(root: Path, name: str = "fix-bug", toml: str | None = None) -> Path:
         toml
         if toml is not None
         else (
-            'version = "1.0"\n[metadata]\ndifficulty = "easy"\n[verifier]\ntimeout_sec = 45.0\nenv = {TOKEN = "${POLAR_TEST_UNSET:-d}"}\n'
+            'version = "1.0"\n[metadata]\ndifficulty = "easy"\n[verifier]\ntimeout_sec = 45.0\n'
+            'env = {TOKEN = "${POLAR_TEST_UNSET:-d}"}\n'
             "[agent]\ntimeout_sec = 120.0\n[environment]\ncpus = 2\nmemory_mb = 1024\nallow_internet = false\n"
         )
     )

@@ -119,7 +119,7 @@ def test_concurrent_sessions_round_trip_exactly_and_compactly(tmp_path: Path) ->
     assert stored_tokens < total / 5, (stored_tokens, total)
     # Every call after the first references an earlier one, for tokens and for messages.
     refs = {(r["session_id"], r["seq"]): r for r in table.to_pylist()}
-    for (sid, seq), row in refs.items():
+    for (_, seq), row in refs.items():
         if seq > 0:
             assert row["prompt_ref"] is not None and row["messages_ref"] is not None
             # The previous response message is recognised in the next call's history.

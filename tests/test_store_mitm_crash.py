@@ -152,5 +152,6 @@ def test_kill9_of_mitmdump_under_load_loses_and_duplicates_nothing(vllm_server: 
         assert seqs == sorted(seqs)
     failures = Counter(r.error for r in records if r.status != "ok")
     print(
-        f"{'; '.join(kill_log)}; {len(records)} records, {extra} not answered (cut by a kill or failed: {dict(failures)})"
+        f"{'; '.join(kill_log)}; {len(records)} records, "
+        f"{extra} not answered (cut by a kill or failed: {dict(failures)})"
     )

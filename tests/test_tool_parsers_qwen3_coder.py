@@ -31,7 +31,10 @@ TOOLS = [
     ),
 ]
 
-DALLAS = "<tool_call>\n<function=get_current_weather>\n<parameter=city>\nDallas\n</parameter>\n<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n</tool_call>"
+DALLAS = (
+    "<tool_call>\n<function=get_current_weather>\n<parameter=city>\nDallas\n</parameter>\n"
+    "<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n</tool_call>"
+)
 ORLANDO = DALLAS.replace("Dallas", "Orlando").replace("TX", "FL")
 WEATHER = {"city": "Dallas", "state": "TX", "unit": "fahrenheit"}
 
@@ -46,7 +49,9 @@ VLLM_CASES = [
     ),
     (
         "single_tool_multiline_param",
-        '<tool_call>\n<function=calculate_area>\n<parameter=shape>\nrectangle\n</parameter>\n<parameter=dimensions>\n{"width": 10, \n "height": 20}\n</parameter>\n<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>',
+        "<tool_call>\n<function=calculate_area>\n<parameter=shape>\nrectangle\n</parameter>\n"
+        '<parameter=dimensions>\n{"width": 10, \n "height": 20}\n</parameter>\n'
+        "<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>",
         [("calculate_area", {"shape": "rectangle", "dimensions": {"width": 10, "height": 20}, "precision": 2})],
         None,
     ),
@@ -61,7 +66,9 @@ VLLM_CASES = [
     ),
     (
         "tool_with_typed_params",
-        'Let me calculate that area for you.<tool_call>\n<function=calculate_area>\n<parameter=shape>\ncircle\n</parameter>\n<parameter=dimensions>\n{"radius": 15.5}\n</parameter>\n<parameter=precision>\n3\n</parameter>\n</function>\n</tool_call>',
+        "Let me calculate that area for you.<tool_call>\n<function=calculate_area>\n"
+        '<parameter=shape>\ncircle\n</parameter>\n<parameter=dimensions>\n{"radius": 15.5}\n</parameter>\n'
+        "<parameter=precision>\n3\n</parameter>\n</function>\n</tool_call>",
         [("calculate_area", {"shape": "circle", "dimensions": {"radius": 15.5}, "precision": 3})],
         "Let me calculate that area for you.",
     ),
@@ -176,7 +183,10 @@ def test_sglang_nullable_array_parameter():
             {"cities": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}], "default": None}},
         )
     ]
-    text = '<tool_call>\n<function=get_weather>\n<parameter=cities>\n["Paris", "Rome"]\n</parameter>\n</function>\n</tool_call>'
+    text = (
+        '<tool_call>\n<function=get_weather>\n<parameter=cities>\n["Paris", "Rome"]\n</parameter>\n'
+        "</function>\n</tool_call>"
+    )
     [call] = parse(text, tools).message.tool_calls
     assert json.loads(call.arguments) == {"cities": ["Paris", "Rome"]}
 
@@ -193,7 +203,8 @@ def test_think_block_and_calls():
 
 def test_several_functions_in_one_block_and_values_with_markup():
     text = (
-        "<tool_call>\n<function=write>\n<parameter=content>\n<b>x</b>\n</function> <tool_call>\n</parameter>\n</function>\n"
+        "<tool_call>\n<function=write>\n<parameter=content>\n<b>x</b>\n</function> <tool_call>\n"
+        "</parameter>\n</function>\n"
         "<function=ls>\n</function>\n</tool_call>"
     )
     turn = parse(text, [])

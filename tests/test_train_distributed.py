@@ -61,8 +61,8 @@ def test_two_cpu_processes_train_like_one(tiny_model_dir: Path, tmp_path: Path) 
     one = run([sys.executable, *train, "--output", str(tmp_path / "one"), *COMMON])
     two = run([
         # --multi_gpu picks accelerate's torchrun launcher; --cpu would start one process (it wants mpirun).
-        str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
         *train, "--output", str(tmp_path / "two"), *COMMON,
     ])  # fmt: skip
     assert "on 1 process" in one and "on 2 processes" in two
@@ -92,9 +92,10 @@ def test_accelerate_launch_trains_a_captured_store_each_process_on_its_own_trace
     collect(tiny_model_dir, shards, groups=2, samples=3, turns=2, max_tokens=8)
     out = tmp_path / "ckpt"
     logged = run([
-        str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-        str(Path(sys.executable).parent / "polar"), "train", str(shards), "--model", str(tiny_model_dir), "--output", str(out),
+        str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(Path(sys.executable).parent / "polar"), "train", str(shards), "--model", str(tiny_model_dir),
+        "--output", str(out),
         "--max-steps", "2", "--groups-per-step", "2", "--grad-accum", "1", "--lr", "1e-3", "--eot-token-id", "2",
         "--keep-zero-advantage", "--no-progress", "--no-plot", "--verbose",
     ])  # fmt: skip

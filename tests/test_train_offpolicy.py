@@ -383,7 +383,8 @@ def test_mixed_trace_shapes_pad_little(bf16_model_dir: Path, tmp_path: Path) -> 
     specs = [SessionSpec("g", f"s{i}", float(i % 2)) for i in range(4)]
     merged = [factory.trace(s, 0, first=24, second=24) for s in specs]
     long_prompt = "word " * 60
-    per_request = [replace(factory.trace(s, 1, prompt_text=long_prompt, first=4, second=2), trace_id=f"{s.session_id}-pr")
+    per_request = [replace(factory.trace(s, 1, prompt_text=long_prompt, first=4, second=2),
+                           trace_id=f"{s.session_id}-pr")
                    for s in specs]  # fmt: skip
     trainer, batch = first_step(config(bf16_model_dir, tmp_path, groups_per_step=1), merged + per_request)
     real = sum(int(c["attention_mask"].sum()) for c in batch["chunks"])

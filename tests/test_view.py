@@ -121,7 +121,8 @@ def test_without_tokenizer_tokens_are_ids() -> None:
 
 def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", f"--user-data-dir={profile}", *args],
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         f"--user-data-dir={profile}", *args],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 

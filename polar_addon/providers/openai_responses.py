@@ -375,7 +375,8 @@ def _conversation(items: list[Any], tools: _Tools) -> tuple[list[str], list[dict
             )
         elif kind == "item_reference":
             raise invalid(
-                f"{where}: item_reference needs server-side item storage, which polar does not keep; send the item itself"
+                f"{where}: item_reference needs server-side item storage, which polar does not keep; "
+                "send the item itself"
             )
         else:
             raise invalid(f"{where}: unsupported input item type {kind!r}")

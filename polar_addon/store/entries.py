@@ -3,8 +3,9 @@
 A call entry holds the whole record: the prompt as int32 or as the engine's own id text (token_ids.IdText),
 the response ids as int32, the logprobs as float64 (exact: JSON has no NaN and would round-trip floats
 through text). It is built on the latency path, between the engine's answer and the harness's, so it
-does as little as possible: scalar checks, packing what is not packed yet, a small JSON header. Prefix compaction happens later, when a sealed segment becomes shards
-(``compaction.encode_segment``). Session and reward entries are small JSON rows.
+does as little as possible: scalar checks, packing what is not packed yet, a small JSON header. Prefix compaction
+happens later, when a sealed segment becomes shards (``compaction.encode_segment``). Session and reward entries are
+small JSON rows.
 
     call:   b"C" or b"T" <u32 header length> <u32 prompt bytes> <u32 response tokens>
             <header JSON: the plain fields, seq included> <prompt: int32s (C) or the engine's id text (T)>

@@ -4,8 +4,8 @@ The format the tiny model's chat template renders and vLLM's ``hermes`` / SGLang
 read. Reasoning is a ``<think>`` block before the answer (:mod:`polar_addon.tool_parsers.reasoning`).
 
 Malformed blocks (invalid JSON, no string ``name``, arguments neither object nor JSON text, a
-``<tool_call>`` never closed) are not calls: they stay in ``content`` verbatim, so the trajectory filter can still see a literal
-``<tool_call>`` and score the turn as parser-invalid, while well-formed blocks in the same
+``<tool_call>`` never closed) are not calls: they stay in ``content`` verbatim, so the trajectory filter can still
+see a literal ``<tool_call>`` and score the turn as parser-invalid, while well-formed blocks in the same
 message become calls. (vLLM's hermes parser instead drops every call of a message when one
 fails; keeping the good ones loses nothing the text would not show.)
 """

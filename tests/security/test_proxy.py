@@ -74,7 +74,8 @@ def polar_proxy(tmp: Path, script: Path, *args: str) -> Iterator[RunningProxy]:
          "--port", str(forward), "--reverse-port", str(reverse), "--confdir", str(confdir),
          "--set", "polar_sessions=registered", "--set", "polar_shard_seconds=0.5",
          "--set", f"polar_body_timeout={BODY_TIMEOUT_S}", *args],
-        cwd=REPO, stdout=open(tmp / "polar-proxy.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        cwd=REPO, stdout=open(tmp / "polar-proxy.log", "wb"), stderr=subprocess.STDOUT,
+        start_new_session=True)  # fmt: skip
     try:
         for port in (forward, reverse):
             wait_for_port(port, 120, process, tmp / "polar-proxy.log")
@@ -151,17 +152,24 @@ target = sys.argv[1].split("TARGET=", 1)[1].split()[0]
 t = f"127.0.0.1:{target}"
 fwd = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"]).port
 rev = urllib.parse.urlsplit(os.environ["OPENAI_BASE_URL"]).port
-ws = "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+ws = ("Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+      "Sec-WebSocket-Version: 13\r\n")
 ROUTES = {
     "absolute URL": (fwd, f"GET http://{t}/ HTTP/1.1\r\nHost: {t}\r\n\r\n", None),
-    "absolute URL, model path": (fwd, f"POST http://{t}/v1/chat/completions HTTP/1.1\r\nHost: {t}\r\ncontent-length: 2\r\n\r\n{{}}", None),
+    "absolute URL, model path": (
+        fwd, f"POST http://{t}/v1/chat/completions HTTP/1.1\r\nHost: {t}\r\ncontent-length: 2\r\n\r\n{{}}", None),
     "origin form, Host header": (fwd, f"GET / HTTP/1.1\r\nHost: {t}\r\n\r\n", None),
-    "absolute URL to a model host, Host header": (fwd, f"GET http://api.openai.com/ HTTP/1.1\r\nHost: {t}\r\n\r\n", None),
+    "absolute URL to a model host, Host header": (
+        fwd, f"GET http://api.openai.com/ HTTP/1.1\r\nHost: {t}\r\n\r\n", None),
     "absolute URL, model Host header": (fwd, f"GET http://{t}/ HTTP/1.1\r\nHost: api.openai.com\r\n\r\n", None),
     "CONNECT then HTTP": (fwd, f"CONNECT {t} HTTP/1.1\r\nHost: {t}\r\n\r\n", "GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
     "CONNECT then raw TCP": (fwd, f"CONNECT {t} HTTP/1.1\r\nHost: {t}\r\n\r\n", "\x00\x01raw bytes\n"),
-    "tunnel to a model host, inner Host": (fwd, "CONNECT api.openai.com:80 HTTP/1.1\r\nHost: api.openai.com:80\r\n\r\n", f"GET / HTTP/1.1\r\nHost: {t}\r\n\r\n"),
-    "TLS tunnel to a model host, inner Host": (fwd, "CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n", ("api.openai.com", f"GET / HTTP/1.1\r\nHost: {t}\r\n\r\n")),
+    "tunnel to a model host, inner Host": (
+        fwd, "CONNECT api.openai.com:80 HTTP/1.1\r\nHost: api.openai.com:80\r\n\r\n",
+        f"GET / HTTP/1.1\r\nHost: {t}\r\n\r\n"),
+    "TLS tunnel to a model host, inner Host": (
+        fwd, "CONNECT api.openai.com:443 HTTP/1.1\r\nHost: api.openai.com:443\r\n\r\n",
+        ("api.openai.com", f"GET / HTTP/1.1\r\nHost: {t}\r\n\r\n")),
     "WebSocket upgrade": (fwd, f"GET http://{t}/ws HTTP/1.1\r\nHost: {t}\r\n{ws}\r\n", None),
     "WebSocket upgrade, Responses path": (fwd, f"GET http://{t}/v1/responses HTTP/1.1\r\nHost: {t}\r\n{ws}\r\n", None),
     "HTTP/2 prior knowledge": (fwd, "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", None),
@@ -189,7 +197,8 @@ for name, (port, first, then) in ROUTES.items():
         answer = read(s)
         if then is not None and b" 200 " in answer.split(b"\r\n", 1)[0]:
             if isinstance(then, tuple):
-                s = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"]).wrap_socket(s, server_hostname=then[0])
+                s = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"]).wrap_socket(
+                    s, server_hostname=then[0])
                 then = then[1]
             s.sendall(then.encode("latin-1"))
             answer += b" THEN " + read(s)
@@ -200,9 +209,12 @@ for name, (port, first, then) in ROUTES.items():
 # HTTP/2 offered inside an intercepted TLS tunnel to a model host, :authority naming the service (mitmproxy
 # answers in HTTP/1.1 when it has no upstream to mirror: either way, refused).
 import httpx
-with httpx.Client(proxy=os.environ["HTTPS_PROXY"], http2=True, verify=os.environ["SSL_CERT_FILE"], timeout=10) as client:
+with httpx.Client(
+    proxy=os.environ["HTTPS_PROXY"], http2=True, verify=os.environ["SSL_CERT_FILE"], timeout=10
+) as client:
     r = client.get("https://api.openai.com/", headers={"host": t})
-    print("ROUTE", json.dumps(["HTTP/2 offered, :authority " + t, f"{r.http_version} {r.status_code} {r.text}"]), flush=True)
+    print("ROUTE", json.dumps(["HTTP/2 offered, :authority " + t, f"{r.http_version} {r.status_code} {r.text}"]),
+          flush=True)
 # And the honest part of the session: a model call, and the work the verifier checks.
 body = json.dumps({"model": os.environ["POLAR_MODEL"], "messages": [{"role": "user", "content": "hi"}]}).encode()
 call = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, headers={
@@ -221,7 +233,8 @@ def _rollout(proxy: RunningProxy, tmp: Path, target: int) -> tuple[subprocess.Co
     )
     report = tmp / "report"
     done = subprocess.run(
-        [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", f"cmd:{sys.executable} {attack} {{instruction}}",
+        [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks),
+         "--harness", f"cmd:{sys.executable} {attack} {{instruction}}",
          "--proxy", f"http://127.0.0.1:{proxy.forward}", "--reverse-url", f"http://127.0.0.1:{proxy.reverse}",
          "--control-token", proxy.token, "--confdir", str(proxy.confdir), "--out", str(proxy.out),
          "--runtime", "bwrap", "--network", "proxy-only", "--seed", "23", "--no-progress", "--report-dir", str(report)],

@@ -93,7 +93,7 @@ def _harness_log(root: Path, session_id: str) -> str:
 
 
 def _attack_report(root: Path, session_id: str) -> dict:
-    line = next(l for l in _harness_log(root, session_id).splitlines() if l.startswith("{"))
+    line = next(x for x in _harness_log(root, session_id).splitlines() if x.startswith("{"))
     return json.loads(line)
 
 

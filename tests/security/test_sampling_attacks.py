@@ -81,14 +81,17 @@ def test_a_fixed_sampling_proxy_samples_every_call_with_its_own_parameters(
     assert any(r.top_p == 0.3 or r.top_k == 1 for r in honoured)
 
 
-ATTACK = r"""
+ATTACK = (
+    r"""
 for params in '"temperature": 0' '"temperature": 0.05, "top_p": 0.3' '"top_k": 1, "seed": 7' '"temperature": 1.7'; do
   curl -s --max-time 60 -H "Authorization: Bearer $OPENAI_API_KEY" -H 'content-type: application/json' \
-    -d "{\"model\": \"policy\", \"max_tokens\": 4, $params, \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}" \
+    -d "{\"model\": \"policy\", \"max_tokens\": 4, $params, """
+    r"""\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}" \
     "$OPENAI_BASE_URL/chat/completions" > /dev/null
 done
 echo sent
 """
+)
 
 
 @pytest.mark.skipif(
@@ -101,7 +104,8 @@ def test_a_rollouts_agent_cannot_choose_its_sampling_and_training_takes_its_trac
     (tmp_path / "attack.sh").write_text(ATTACK)
     (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "t", "instruction": "x", "verify": "true"}) + "\n")
     done = subprocess.run(
-        [sys.executable, "-m", "polar_cli.app", "rollout", "tasks.jsonl", "--harness", f"cmd:sh {tmp_path / 'attack.sh'}",
+        [sys.executable, "-m", "polar_cli.app", "rollout", "tasks.jsonl",
+         "--harness", f"cmd:sh {tmp_path / 'attack.sh'}",
          "--runtime", "bwrap", "--engine", f"local:{tiny_model_dir}", "--out", "store", "--seed", "2",
          "--confdir", str(tmp_path / "conf"), "--set", "polar_shard_seconds=0.2", "--no-progress"],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)  # fmt: skip

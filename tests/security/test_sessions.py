@@ -102,8 +102,10 @@ REFUSED = {  # attempt -> (status, the error's shape: the caller's own protocol)
     "own-relabel": (403, "openai:authentication_error"), "same-task-sibling": (403, "openai:authentication_error"),
     "own-secret-plus-headers": (403, "openai:authentication_error"),
     "headers-alone": (403, "openai:authentication_error"), "guessed-secret": (401, "openai:authentication_error"),
-    "no-credential": (401, "openai:authentication_error"), "own-secret-and-a-claim": (403, "openai:authentication_error"),
-    "anthropic-claimed": (403, "anthropic:authentication_error"), "forward-claimed": (403, "openai:authentication_error"),
+    "no-credential": (401, "openai:authentication_error"),
+    "own-secret-and-a-claim": (403, "openai:authentication_error"),
+    "anthropic-claimed": (403, "anthropic:authentication_error"),
+    "forward-claimed": (403, "openai:authentication_error"),
 }  # fmt: skip
 
 

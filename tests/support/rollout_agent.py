@@ -59,7 +59,7 @@ def main() -> None:
         time.sleep(60)
     client = OpenAI(max_retries=0, timeout=120)
     messages: list[dict] = [{"role": "user", "content": instruction}]
-    for turn in range(8):
+    for _ in range(8):
         answer = client.chat.completions.create(
             model=os.environ["POLAR_MODEL"], messages=messages, tools=TOOLS, max_tokens=64
         )

@@ -371,7 +371,8 @@ class SGLangContractServer:
             if prompt_len >= self.context_len:
                 # TokenizerManager._validate_one_request
                 raise ValueError(
-                    f"The input ({prompt_len} tokens) is longer than the model's context length ({self.context_len} tokens)."
+                    f"The input ({prompt_len} tokens) is longer than the model's context length "
+                    f"({self.context_len} tokens)."
                 )
             completion = await self.engine.complete(canonical)
         except ValueError as exc:

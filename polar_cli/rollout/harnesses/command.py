@@ -1,14 +1,15 @@
 """``--harness cmd:'ANY COMMAND {instruction}'``: any program that talks to a model API, run once per session.
 
 The command is a shell line; ``{instruction}`` becomes the task's instruction as one shell-quoted word (the runner
-also puts it in ``$POLAR_INSTRUCTION``), and ``{model}``, ``{session}``, ``{task}``, ``{sample}``, ``{workspace}`` are filled in the
-same way. The environment points every common client at polar: the openai, anthropic and google-genai SDKs by base
-URL and a ``polar:`` API key that carries the session's secret, anything else by ``HTTPS_PROXY`` (with the secret as
-proxy credentials) and mitmproxy's CA in the usual CA variables. ``POLAR_SESSION``, ``POLAR_TASK``, ``POLAR_GROUP``
-and ``POLAR_SAMPLE`` are information only: the proxy takes the labels from the session's registration.
+also puts it in ``$POLAR_INSTRUCTION``), and ``{model}``, ``{session}``, ``{task}``, ``{sample}``, ``{workspace}`` are
+filled in the same way. The environment points every common client at polar: the openai, anthropic and google-genai
+SDKs by base URL and a ``polar:`` API key that carries the session's secret, anything else by ``HTTPS_PROXY`` (with the
+secret as proxy credentials) and mitmproxy's CA in the usual CA variables. ``POLAR_SESSION``, ``POLAR_TASK``,
+``POLAR_GROUP`` and ``POLAR_SAMPLE`` are information only: the proxy takes the labels from the session's registration.
 
 In a sandbox runtime the command sees only what the runtime shows it: every absolute host path the command names
-is made visible read-only at the same path (a Python venv as a whole, with the installation it was made from, so ``/path/.venv/bin/python agent.py`` runs).
+is made visible read-only at the same path (a Python venv as a whole, with the installation it was made from, so
+``/path/.venv/bin/python agent.py`` runs).
 """
 
 from __future__ import annotations
