@@ -62,6 +62,7 @@ from tests.support.hostile import (  # noqa: E402
 )
 from tests.support.load import LoadResult, check_store, run_load  # noqa: E402
 from tests.support.proxy import free_port, run_mitmdump, wait_for_port  # noqa: E402
+from tests.test_reliability_proxy import ENGINE_SERVER  # noqa: E402
 
 SECRET = "sk-reliability-secret-0123456789"
 SETTINGS = dict(
@@ -215,11 +216,6 @@ def through_mitmdump(engine: str, out: Path, examples: int) -> dict[str, int]:
     )
     stats["quarantined"] = sum("quarantined" in p for p in validate_store(str(out)))
     return dict(stats)
-
-
-ENGINE_SERVER = (
-    (REPO / "tests" / "test_reliability_proxy.py").read_text().split("ENGINE_SERVER = r'''")[1].split("'''")[0]
-)
 
 
 def faults(tmp: Path, model: Path) -> list[tuple[str, bool, str]]:
