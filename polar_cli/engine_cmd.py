@@ -108,12 +108,14 @@ def engine_stop(
     state_dir: Path | None = typer.Option(None, help=STATE_DIR_HELP),
 ) -> None:
     """Stop an engine started by `polar engine serve`."""
+    from polar_addon.engines.spec import EngineSpec
     from polar_cli.train.reload import EngineError, stop_engine
 
-    kind, _, target = engine.partition(":")
     try:
-        server, running = stop_engine(target, state_dir=_state_dir(state_dir))
-    except EngineError as exc:
+        spec = EngineSpec.parse(engine)
+        kind = spec.kind
+        server, running = stop_engine(spec.target, state_dir=_state_dir(state_dir))
+    except (ValueError, EngineError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
     if running:

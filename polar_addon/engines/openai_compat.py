@@ -164,7 +164,7 @@ class HTTPEngine:
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
         self.tool_parsers = ParserChoice()
-        # The policy version this server holds when it reports none itself (engines.http_options).
+        # The policy version this server holds when it reports none itself (its spec's ?weight_version=V, engines.spec).
         self.weight_version: str | None = None
 
     def _client(self) -> aiohttp.ClientSession:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polar_addon.engines.spec import EngineSpec
 from polar_cli.rollout.proxy import wait_writer_gone
 from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.runner import REWARDED, USABLE, RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
@@ -223,9 +224,14 @@ def served_root(url: str) -> str | None:
 
 def engine_kind(engine: str) -> str:
     """``local``, ``vllm`` or ``sglang`` (from ``sglang:URL``); ValueError for anything else."""
-    kind, _, target = engine.partition(":")
-    if engine in ("local", "vllm") or (kind == "sglang" and target.startswith(("http://", "https://"))):
-        return kind
+    if engine in ("local", "vllm"):
+        return engine
+    try:
+        spec = EngineSpec.parse(engine)
+    except ValueError:
+        spec = None
+    if spec is not None and spec.kind == "sglang" and spec.target.startswith(("http://", "https://")):
+        return spec.kind
     raise ValueError(f"--engine must be local, vllm or sglang:URL (a running SGLang server), not {engine!r}")
 
 
@@ -255,7 +261,7 @@ class _Engine:
         wanted = (policy, version)
         started = time.monotonic()
         if self.kind == "sglang":
-            url = self.config.engine.partition(":")[2].partition("?")[0]
+            url = EngineSpec.parse(self.config.engine).target
             if self.serving != wanted:
                 progress(f"loading {policy} into SGLang {url} (update_weights_from_disk) as version {version}")
                 reload_engine(
