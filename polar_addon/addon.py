@@ -35,7 +35,7 @@ from polar_addon.control import (
     token_file,
 )
 from polar_addon.engines import EnginePool
-from polar_addon.engines.tito import tito_mode, token_input_engine
+from polar_addon.continuity.chains import tito_mode, token_input_engine
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
 from polar_addon.relay import (
     OVER_BUDGET,

@@ -14,7 +14,7 @@ import time
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from polar_addon.canonical import CanonicalRequest, Completion, EngineFault, PolarError
-from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
+from polar_addon.continuity.delta import DeltaPrompt, NoDelta
 from polar_addon.engines.affinity import MAX_SESSIONS, MAX_STRIKES, REVIVE_AFTER_S, Affinity, NoLiveEngine, SessionLost
 from polar_addon.engines.spec import EngineSpec
 
@@ -40,7 +40,7 @@ class Engine(Protocol):
 
 @runtime_checkable
 class TokenInputEngine(Engine, Protocol):
-    """An engine that samples after a prompt given as token ids (token continuity, engines.tito)."""
+    """An engine that samples after a prompt given as token ids (token continuity, polar_addon.continuity)."""
 
     async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
         """Like ``complete``, but after exactly ``prompt_ids``; ``request`` gives the sampling parameters and tools.
@@ -49,11 +49,11 @@ class TokenInputEngine(Engine, Protocol):
 
     def continuation(self, **kwargs: Any) -> DeltaPrompt | NoDelta:
         """The next prompt of a continuing session with the served model's tokenizer and template
-        (continuity_tokens.continuation_prompt's keyword arguments). Blocking: call off the event loop."""
+        (continuity.delta.continuation_prompt's keyword arguments). Blocking: call off the event loop."""
 
 
 def takes_token_input(engine: Engine) -> TypeGuard[TokenInputEngine]:
-    """Whether ``engine`` samples after token ids. Only the gate (engines.tito.token_input_engine) asks."""
+    """Whether ``engine`` samples after token ids. Only the gate (continuity.chains.token_input_engine) asks."""
     return isinstance(engine, TokenInputEngine)
 
 

@@ -17,7 +17,7 @@ from itertools import groupby
 from polar_addon.capture import CaptureRecord
 from polar_cli.build.breaks import Break, BreakCause, Decode
 from polar_cli.build.per_request import per_request_trace
-from polar_cli.build.prefix_merging import Chain, detect_eot, reconstruct_session, unusable_reason
+from polar_cli.build.prefix_merging import RecordChain, detect_eot, reconstruct_session, unusable_reason
 from polar_cli.build.rewards import RewardDecision, SessionInfo, decide_reward
 from polar_cli.build.stats import BuildReport, BuildStats, harness_name
 from polar_cli.build.traces import make_trace
@@ -32,7 +32,7 @@ __all__ = [
     "BuildReport",
     "BuildResult",
     "BuildStats",
-    "Chain",
+    "RecordChain",
     "SessionBuild",
     "SessionInfo",
     "build_session",
@@ -46,7 +46,7 @@ __all__ = [
 class SessionBuild:
     session_id: str
     harness: str
-    chains: list[Chain]
+    chains: list[RecordChain]
     traces: list[Trace]
     stats: BuildStats
     eot_token_id: int | None
@@ -59,7 +59,7 @@ class BuildResult:
     eot_token_id: int | None
 
 
-def chain_trace(chain: Chain, session: SessionInfo | None, harness: str, decision: RewardDecision) -> Trace:
+def chain_trace(chain: RecordChain, session: SessionInfo | None, harness: str, decision: RewardDecision) -> Trace:
     merged = chain.merge()
     first = chain.records[0]
     return make_trace(
