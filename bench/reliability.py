@@ -47,7 +47,7 @@ from polar_addon.engines import EnginePool  # noqa: E402
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall  # noqa: E402
 from polar_addon.store import TraceStore, read_records  # noqa: E402
 from polar_addon.store.validate import validate_store  # noqa: E402
-from polar_cli.train.reload import serve_vllm, stop_process  # noqa: E402
+from polar_cli.serving import serve_vllm, stop_process  # noqa: E402
 from tests.support.hostile import (  # noqa: E402
     PATHS,
     RecordingUpstream,

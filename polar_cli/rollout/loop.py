@@ -169,7 +169,7 @@ def die_with_parent() -> None:
 def stop_stale_engines(state_dir: Path) -> list[str]:
     """Stop the engines a killed run of this loop left running (``polar engine serve``'s state files in ``state_dir``:
     pid plus its start time, so only that very process); the URLs stopped."""
-    from polar_cli.train.reload import stop_engine
+    from polar_cli.serving import stop_engine
 
     stopped = []
     for path in sorted(state_dir.glob("engine-*.json")) if state_dir.is_dir() else []:
@@ -256,7 +256,7 @@ class _Engine:
         if self.kind == "local":
             self.serving = (policy, version)
             return f"local:{policy}{tag}"
-        from polar_cli.train.reload import reload_engine, serve_vllm
+        from polar_cli.serving import reload_engine, serve_vllm
 
         wanted = (policy, version)
         started = time.monotonic()
@@ -304,7 +304,7 @@ class _Engine:
 
     def close(self) -> None:
         if self.server is not None:
-            from polar_cli.train.reload import stop_engine
+            from polar_cli.serving import stop_engine
 
             stop_engine(self.server.url, state_dir=self.state_dir)
             self.server = None

@@ -1,4 +1,5 @@
-"""Point a running engine at new weights after a training step.
+"""The policy's engine servers: start a vLLM server (``polar engine serve``), stop it, and point a running engine at
+new weights after a training step (``polar engine reload``, and ``polar loop`` on each push).
 
 - ``sglang:URL``: SGLang loads a checkpoint in place (``SGLangEngine.update_weights``,
   ``POST /update_weights_from_disk``); in-flight requests finish first.
