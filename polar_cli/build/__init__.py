@@ -4,7 +4,8 @@
 ``SessionInfo``s and returns ``Trace`` rows plus reconstruction stats. ``prefix_merging``
 (default) merges each session's calls into chains (``prefix_merging.py``); ``per_request`` makes
 one trace per call. Stats always come from the chain analysis, so a per_request build still says
-how well the same calls would merge.
+how well the same calls would merge. What a build reads from a store besides its records (the sessions, a
+tokenizer) is read by ``inputs.py``, for `polar build` and `polar train` alike.
 """
 
 from __future__ import annotations
