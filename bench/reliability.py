@@ -210,7 +210,7 @@ def through_mitmdump(engine: str, out: Path, examples: int) -> dict[str, int]:
 
 
 ENGINE_SERVER = (
-    (REPO / "tests" / "test_reliability_proxy.py").read_text().split("ENGINE_SERVER = r'''")[1].split("'''")[0]
+    (REPO / "tests" / "test_reliability_proxy.py").read_text().split('ENGINE_SERVER = r"""')[1].split('"""')[0]
 )
 
 
