@@ -1,10 +1,10 @@
 """Inference engines: one module per engine, each turning a CanonicalRequest into a Completion.
 
 Engines never know which provider the client spoke. ``polar_engine`` is a comma-separated list
-of specs (polar_addon.engines.spec), e.g. ``sglang:http://gpu1:30000,sglang:http://gpu2:30000`` or ``vllm:http://127.0.0.1:8000``
-or ``local:models/tiny``. A session sticks to one engine (its prefix cache stays warm); new
-sessions go to the live engine with the fewest sessions; an engine that fails is taken out and its
-sessions end as error (polar_addon.engines.affinity).
+of specs (polar_addon.engines.spec), e.g. ``sglang:http://gpu1:30000,sglang:http://gpu2:30000``
+or ``vllm:http://127.0.0.1:8000`` or ``local:models/tiny``. A session sticks to one engine (its prefix cache
+stays warm); new sessions go to the live engine with the fewest sessions; an engine that fails is taken out and
+its sessions end as error (polar_addon.engines.affinity).
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def make_engine(spec: str | EngineSpec, *, timeout_s: float) -> Engine:
         from polar_addon.engines.vllm import VLLMEngine
 
         engine = (SGLangEngine if parsed.kind == "sglang" else VLLMEngine)(parsed.target, timeout_s=timeout_s)
-        # vLLM never reports a version and SGLang only once given one: a loop that restarts vLLM on each checkpoint
-        # starts each rollout's proxy with the version that server now holds (the engine's own tag wins).
+        # vLLM never reports a version, SGLang only once update_weights_from_disk was given one (its own tag wins
+        # over all but its placeholder ``default``): a loop that restarts vLLM on each checkpoint starts each
+        # rollout's proxy with the version that server now holds.
         engine.weight_version = parsed.weight_version
         return engine
     if parsed.kind == "local":
