@@ -148,7 +148,7 @@ def harness_table(model_dir: Path, harnesses: list[str]) -> None:
 
 def vllm_columns(model: Path, root: Path, serve_dtype: str, sessions: int, user_turns: int) -> dict[str, dict]:
     from polar_cli.mitm import free_port
-    from polar_cli.train.reload import serve_vllm, stop_process
+    from polar_cli.serving import serve_vllm, stop_process
     from tests.support.slow_forwarder import slow_forwarder
     from tests.support.tito_vllm import anthropic_chat, engine_answers, first_step_ratios, openai_chat, trainer_logprobs
 

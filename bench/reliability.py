@@ -44,11 +44,10 @@ from polar_addon import identity  # noqa: E402
 from polar_addon.canonical import PolarError  # noqa: E402
 from polar_addon.capture import Identity  # noqa: E402
 from polar_addon.engines import EnginePool  # noqa: E402
-from polar_addon.engines.scripted import ScriptedEngine  # noqa: E402
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall  # noqa: E402
 from polar_addon.store import TraceStore, read_records  # noqa: E402
 from polar_addon.store.validate import validate_store  # noqa: E402
-from polar_cli.train.reload import serve_vllm, stop_process  # noqa: E402
+from polar_cli.serving import serve_vllm, stop_process  # noqa: E402
 from tests.support.hostile import (  # noqa: E402
     PATHS,
     RecordingUpstream,
@@ -153,7 +152,7 @@ def _fuzz_api(
 def fuzz_gateway(engine: str, out: Path, examples: int, counts: Counts) -> dict[str, dict[str, int]]:
     loop = asyncio.new_event_loop()
     gateway = Gateway(
-        EnginePool([ScriptedEngine(engine.removeprefix("scripted:"))]),
+        EnginePool.from_spec(engine),
         TraceStore(str(out), shard_max_records=64, shard_max_seconds=0.5),
         GatewayConfig(max_body_bytes=1 << 20),
     )

@@ -25,6 +25,7 @@ from mitmproxy.proxy.mode_specs import ProxyMode, ReverseMode
 
 from polar_addon import identity
 from polar_addon.canonical import PolarError, SamplingDefaults
+from polar_addon.continuity.chains import tito_mode, token_input_engine
 from polar_addon.control import (
     CONTROL_HOST,
     MAX_CONTROL_BODY_BYTES,
@@ -35,7 +36,6 @@ from polar_addon.control import (
     token_file,
 )
 from polar_addon.engines import EnginePool
-from polar_addon.engines.tito import tito_mode, token_input_engine
 from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
 from polar_addon.relay import (
     OVER_BUDGET,

@@ -68,7 +68,7 @@ class CaptureRecord:
     response_json: str = "null"
     error: str | None = None  # why a failed call failed
     # Where the engine prompt came from: "continuity" (previous prompt + sampled ids + the new messages' tokens)
-    # or "fresh" (a full render), and why (engines.tito: the divergence, "first_call", "state_lost", ...).
+    # or "fresh" (a full render), and why (continuity.chains: the divergence, "first_call", "state_lost", ...).
     prompt_source: str | None = None
     prompt_reason: str | None = None
     # Tool-call blocks in the response that polar's own parser (polar_tool_parser) could not read: > 0 is a failed

@@ -32,17 +32,17 @@ from polar_addon.canonical import (
     with_defaults,
 )
 from polar_addon.capture import Identity, logprob_problem, record_failed, record_ok
-from polar_addon.engines import EnginePool, TokenInputEngine
-from polar_addon.engines.tito import (
+from polar_addon.continuity.chains import (
     FRESH,
     NO_TOKEN_INPUT,
     TITO_OFF,
-    Chain,
+    ChainTip,
     PromptPlan,
     TitoStore,
     plan_prompt,
     token_input_engine,
 )
+from polar_addon.engines import EnginePool, TokenInputEngine
 from polar_addon.harness_id import harness_name
 from polar_addon.providers import Provider, ResponseContext, Route, all_providers, encode_sse
 from polar_addon.store import StorageUnavailable, TraceStore
@@ -75,7 +75,7 @@ class GatewayConfig:
     # choose how it is sampled; one greedy or top-p call would make `polar train` refuse the whole batch, and a fixed
     # seed would collapse a group's samples into one).
     sampling_fixed: bool = False
-    # Token continuity across a session's turns (engines.tito.tito_mode): auto | on | off.
+    # Token continuity across a session's turns (continuity.chains.tito_mode): auto | on | off.
     tito: str = "auto"
 
 
@@ -423,7 +423,7 @@ class Gateway:
             raise err from exc
         self._remember_sampled_arguments(session, completion)
         if token_engine is not None:
-            chain = Chain(
+            chain = ChainTip(
                 request,
                 completion.message,
                 completion.prompt_ids,
@@ -437,7 +437,7 @@ class Gateway:
     async def _plan_prompt(
         self, session: str, request: CanonicalRequest, engine: TokenInputEngine | None
     ) -> PromptPlan:
-        """Continue the session's token chain when the request continues it (engines.tito), else render in full.
+        """Continue the session's token chain when the request continues it (continuity.chains), else render in full.
         ``engine``: the session's engine past the tito gate (token_input_engine), None where continuity is off."""
         if engine is None:
             return PromptPlan(None, FRESH, TITO_OFF if self.config.tito == "off" else NO_TOKEN_INPUT)

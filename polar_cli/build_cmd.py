@@ -16,7 +16,6 @@ import typer
 from polar_cli.store_arg import existing_store
 
 if TYPE_CHECKING:
-    from polar_addon.store import SessionRecord
     from polar_cli.build import Decode, SessionInfo
 
 STRATEGY_HELP = "prefix_merging (one trace per chain of prefix-extending calls) or per_request (one per call)."
@@ -35,47 +34,14 @@ RETOKENIZED_HELP = (
 )
 
 
-def session_info(row: SessionRecord) -> SessionInfo:
-    """A store session row as the builder sees it. A session nobody reported a status for is
-    treated as completed: its outcome reward, if one was posted, decides."""
-    from polar_cli.build import SessionInfo
-
-    return SessionInfo(
-        session_id=row.session_id,
-        task_id=row.task_id,
-        group_id=row.group_id,
-        sample_index=row.sample_index,
-        harness=row.harness,
-        status=row.status or "completed",
-        reward=row.reward,
-    )
-
-
-def _tokenizer_candidates(shards: str) -> list[str]:
-    from polar_addon.store import CALLS, read_table
-
-    table = read_table(shards, CALLS, columns=["status", "served_model", "engine"])
-    for row in table.slice(0, 64).to_pylist():
-        if row["status"] == "ok":
-            engine_target = (row["engine"] or "").partition(":")[2]
-            return [c for c in (row["served_model"], engine_target) if c]
-    return []
-
-
 def load_tokenizer(tokenizer: Path | None, shards: str) -> tuple[Any | None, str]:
     """A Hugging Face tokenizer and a line saying where it came from (or why there is none)."""
-    candidates = [str(tokenizer)] if tokenizer else _tokenizer_candidates(shards)
-    for candidate in candidates:
-        if (Path(candidate) / "tokenizer_config.json").is_file():
-            from transformers import AutoTokenizer
+    from polar_cli.build.inputs import NoTokenizerThere, find_tokenizer
 
-            return AutoTokenizer.from_pretrained(candidate), f"tokenizer: {candidate}"
-    if tokenizer:
-        raise typer.BadParameter(f"{tokenizer} holds no tokenizer (tokenizer_config.json)", param_hint="--tokenizer")
-    return None, (
-        "no tokenizer: a re-tokenized sampled turn cannot be told from a template re-render, so both break "
-        "their chain as 'other' (pass --tokenizer DIR)"
-    )
+    try:
+        return find_tokenizer(tokenizer, shards)
+    except NoTokenizerThere as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tokenizer") from exc
 
 
 def _decode(tok: Any | None) -> Decode | None:
@@ -83,14 +49,15 @@ def _decode(tok: Any | None) -> Decode | None:
 
 
 def _sessions(shards: str) -> dict[str, SessionInfo]:
-    from polar_addon.store import read_sessions
+    from polar_cli.build.inputs import session_infos
 
-    return {row.session_id: session_info(row) for row in read_sessions(shards)}
+    return session_infos(shards)
 
 
 def _tokenizer_eot(tok: Any | None) -> int | None:
-    """The tokenizer's eos token: the end-of-turn fallback when no captured call stopped by itself."""
-    return tok.convert_tokens_to_ids(tok.eos_token) if tok is not None and tok.eos_token else None
+    from polar_cli.build.inputs import tokenizer_eot
+
+    return tokenizer_eot(tok)
 
 
 def _check_strategy(strategy: str) -> None:

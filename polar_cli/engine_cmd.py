@@ -1,4 +1,4 @@
-"""`polar engine serve|reload|stop`: a thin Typer shell over polar_cli.train.reload, with progress while waiting."""
+"""`polar engine serve|reload|stop`: a thin Typer shell over polar_cli.serving, with progress while waiting."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ STATE_DIR_HELP = "Where polar remembers the engines it started (env POLAR_STATE_
 
 
 def _state_dir(value: Path | None) -> Path:
-    from polar_cli.train.reload import DEFAULT_STATE_DIR
+    from polar_cli.serving import DEFAULT_STATE_DIR
 
     return value or DEFAULT_STATE_DIR
 
@@ -61,7 +61,7 @@ def engine_serve(
 ) -> None:
     """Start vLLM in the background (tool-call parser, processed logprobs, no generation_config defaults) so
     that `polar engine reload` can restart it with new weights; `polar engine stop` ends it."""
-    from polar_cli.train.reload import EngineError, serve_vllm
+    from polar_cli.serving import EngineError, serve_vllm
 
     try:
         with _waiting(f"starting vLLM with {model} on port {port}") as progress:
@@ -88,7 +88,7 @@ def engine_reload(
 ) -> None:
     """Point a running engine at new weights: SGLang loads them in place, vLLM is restarted."""
     from polar_addon.canonical import PolarError
-    from polar_cli.train.reload import EngineError, reload_engine
+    from polar_cli.serving import EngineError, reload_engine
 
     try:
         with _waiting(f"loading {checkpoint} into {engine}") as progress:
@@ -108,12 +108,14 @@ def engine_stop(
     state_dir: Path | None = typer.Option(None, help=STATE_DIR_HELP),
 ) -> None:
     """Stop an engine started by `polar engine serve`."""
-    from polar_cli.train.reload import EngineError, stop_engine
+    from polar_addon.engines.spec import EngineSpec
+    from polar_cli.serving import EngineError, stop_engine
 
-    kind, _, target = engine.partition(":")
     try:
-        server, running = stop_engine(target, state_dir=_state_dir(state_dir))
-    except EngineError as exc:
+        spec = EngineSpec.parse(engine)
+        kind = spec.kind
+        server, running = stop_engine(spec.target, state_dir=_state_dir(state_dir))
+    except (ValueError, EngineError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
     if running:

@@ -18,7 +18,7 @@ import orjson
 
 from polar_addon.capture import CaptureRecord
 from polar_cli.build import SessionBuild
-from polar_cli.build.prefix_merging import Chain
+from polar_cli.build.prefix_merging import RecordChain
 from polar_cli.build.rewards import SessionInfo, decide_reward
 
 _CSS = """
@@ -193,7 +193,7 @@ def _interstitial_messages(prev: CaptureRecord, nxt: CaptureRecord) -> str:
     return f'<div class="msg">{"".join(parts)}</div>' if parts else ""
 
 
-def _chain_section(chain: Chain, session: SessionInfo | None, pieces: _Pieces) -> str:
+def _chain_section(chain: RecordChain, session: SessionInfo | None, pieces: _Pieces) -> str:
     records = chain.records
     merged = chain.merge()
     decision = decide_reward(session, records, per_request=False, broadcast=False)

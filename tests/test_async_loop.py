@@ -108,14 +108,15 @@ def test_async_refuses_an_unknown_engine_and_drain(tiny_model_dir: Path, tmp_pat
 def test_http_engine_specs_tag_the_calls_the_engine_does_not_tag() -> None:
     """``vllm:URL?weight_version=V``: vLLM reports no version, so the proxy's spec carries the one the loop pushed;
     an engine's own tag (SGLang's meta_info) wins over the spec's."""
-    from polar_addon.engines import http_options, make_engine
+    from polar_addon.engines import make_engine
     from polar_addon.engines.openai_compat import parse_chat_response
+    from polar_addon.engines.spec import EngineSpec
 
     engine = make_engine("vllm:http://127.0.0.1:9?weight_version=4", timeout_s=5)
     assert (engine.url, engine.weight_version) == ("http://127.0.0.1:9", "4")  # type: ignore[attr-defined]
     assert make_engine("sglang:http://h:1", timeout_s=5).weight_version is None  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="weight_version"):
-        http_options("http://h:1?version=4")
+        EngineSpec.parse("vllm:http://h:1?version=4")
     answer = {"model": "m", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "finish_reason": "stop",
               "message": {"role": "assistant", "content": "x"}, "token_ids": [5],
               "logprobs": {"content": [{"token": "x", "logprob": -0.5}]}}]}  # fmt: skip
@@ -295,14 +296,16 @@ def test_a_cut_ends_the_running_sessions_as_masked_errors(tiny_model_dir: Path, 
 
 
 def test_a_local_engine_spec_tags_its_calls_with_a_weight_version(tmp_path: Path) -> None:
-    from polar_addon.engines import make_engine, parse_local_target
+    from polar_addon.engines import make_engine
+    from polar_addon.engines.spec import EngineSpec
 
     engine = make_engine(f"local:{tmp_path}?weight_version=3&max_len=64", timeout_s=10)
     assert engine.weight_version == "3" and engine.max_len_override == 64  # type: ignore[attr-defined]
     assert make_engine(f"local:{tmp_path}", timeout_s=10).weight_version is None  # type: ignore[attr-defined]
-    assert parse_local_target(f"{tmp_path}?weight_version=3") == (str(tmp_path), 0)
+    local = EngineSpec.parse(f"local:{tmp_path}?weight_version=3")
+    assert (local.target, local.max_len) == (str(tmp_path), 0)
     with pytest.raises(ValueError, match="weight_version"):
-        parse_local_target(f"{tmp_path}?version=3")
+        EngineSpec.parse(f"local:{tmp_path}?version=3")
 
 
 def _processes_mentioning(text: str) -> list[int]:

@@ -16,8 +16,8 @@ import orjson
 from polar_addon.capture import CaptureRecord
 from polar_cli.build.breaks import Break, BreakCause, sub_agent_break
 from polar_cli.build.prefix_merging import (
-    Chain,
     Join,
+    RecordChain,
     Segment,
     detect_eot,
     join,
@@ -103,7 +103,7 @@ def test_detect_eot_prefers_a_stop_token_the_prompt_confirms() -> None:
 
 
 def test_merge_lays_out_sampled_and_interstitial_segments() -> None:
-    chain = Chain(
+    chain = RecordChain(
         index=0, records=[rec(0, [0], [7, EOT]), rec(1, [0], [8, 9, EOT]), rec(2, [0], [])], interstitials=[[1, 2], []]
     )
     merged = chain.merge()

@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from polar_addon.store import TraceStore, read_records, read_sessions
 from polar_cli.app import app
 from polar_cli.build import build_traces
+from polar_cli.build.inputs import session_info
 from polar_cli.build.output import read_build_stats, read_traces
-from polar_cli.build_cmd import session_info
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
 runner = CliRunner()

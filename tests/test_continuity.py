@@ -12,7 +12,7 @@ import pytest
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, SamplingParams, ToolCall
 from polar_addon.context_compaction import PROMPT_MARKERS, SUMMARY_MARKERS
-from polar_addon.continuity import Continues, Diverged, DivergeReason, check_continuity, same_message
+from polar_addon.continuity.check import Continues, Diverged, DivergeReason, check_continuity, same_message
 
 # "login" has a schema default, as Claude Code's Edit has {"replace_all": {"type": "boolean", "default": false}}.
 TOOLS = [

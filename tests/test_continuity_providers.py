@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from polar_addon.canonical import ToolCall
-from polar_addon.continuity import Continues, Diverged, check_continuity
+from polar_addon.continuity.check import Continues, Diverged, check_continuity
 from polar_addon.providers import ResponseContext, all_providers
 from tests.support.providers import completion
 

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from polar_cli.app import app
-from polar_cli.train.reload import root_cause, vllm_command
+from polar_cli.serving import root_cause, vllm_command
 from tests.conftest import free_port
 
 runner = CliRunner()

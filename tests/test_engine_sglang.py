@@ -451,7 +451,7 @@ def test_thinking_flag_reaches_a_template_that_reads_it(sglang_protocol, thinkin
     assert prompts[False] == prompts[None] + local.encode("<think>\n\n</think>\n\n")
 
 
-# --- token input: /v1/completions with a token-id prompt (engines.tito) ------------------------------------------
+# --- token input: /v1/completions with a token-id prompt (continuity.chains) ------------------------------------------
 
 
 def _prompt_ids(tiny_model_dir) -> list[int]:

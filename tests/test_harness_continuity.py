@@ -19,8 +19,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, SamplingParams
-from polar_addon.continuity import Continues, check_continuity
-from polar_addon.continuity_tokens import DeltaPrompt, continuation_prompt
+from polar_addon.continuity.check import Continues, check_continuity
+from polar_addon.continuity.delta import DeltaPrompt, continuation_prompt
 from polar_addon.store import read_records
 from tests.support.harness_tito import HARNESSES, harness_figures, run_harness, session_id, shared_proxy, write_script
 from tests.support.harnesses import harness, run

@@ -11,7 +11,7 @@ import pytest
 
 from polar_addon.store import read_records, read_sessions
 from polar_cli.build import build_traces
-from polar_cli.build_cmd import session_info
+from polar_cli.build.inputs import session_info
 from tests.build_helpers import check_trace
 from tests.support.harnesses import harness, run
 from tests.support.proxy import run_mitmdump

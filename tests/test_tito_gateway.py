@@ -14,9 +14,9 @@ import pytest
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
 from polar_addon.capture import Identity
+from polar_addon.continuity.chains import ChainTip, TitoStore, plan_prompt, tito_mode
 from polar_addon.engines import EnginePool
 from polar_addon.engines.scripted import ScriptedEngine
-from polar_addon.engines.tito import Chain, TitoStore, plan_prompt, tito_mode
 from polar_addon.gateway import Gateway, GatewayConfig, IncomingCall
 from polar_addon.store import TraceStore, read_records
 from polar_addon.tool_parsers import ParserChoice
@@ -158,7 +158,8 @@ def test_tito_off_renders_every_call_fresh(script: Path, tmp_path: Path) -> None
 def test_the_store_is_bounded_and_keeps_a_few_chains_per_session() -> None:
     store = TitoStore(max_sessions=2, chains_per_session=2)
     chain = [
-        Chain(CanonicalRequest("openai_chat", "m", []), AssistantMessage("x"), [1], [2], "stop", "e") for _ in range(3)
+        ChainTip(CanonicalRequest("openai_chat", "m", []), AssistantMessage("x"), [1], [2], "stop", "e")
+        for _ in range(3)
     ]
     for c in chain:
         store.remember("a", c)
@@ -172,7 +173,7 @@ def test_the_store_is_bounded_and_keeps_a_few_chains_per_session() -> None:
 
 def test_a_session_on_another_engine_does_not_continue() -> None:
     request = CanonicalRequest("openai_chat", "m", [{"role": "user", "content": "hi"}])
-    chain = Chain(request, AssistantMessage("x"), [1], [2], "stop", "engine-a")
+    chain = ChainTip(request, AssistantMessage("x"), [1], [2], "stop", "engine-a")
     nxt = CanonicalRequest(
         "openai_chat",
         "m",

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from polar_addon.canonical import CanonicalRequest, SamplingParams
-from polar_addon.continuity_tokens import DeltaPrompt
+from polar_addon.continuity.delta import DeltaPrompt
 from polar_addon.engines.vllm import VLLMEngine
 from polar_addon.tool_parsers import ParserChoice
 from tests.support.tito_sessions import TOOLS

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from polar_cli.mitm import free_port
-from polar_cli.train.reload import serve_vllm, stop_process
+from polar_cli.serving import serve_vllm, stop_process
 from tests.support.ending_model import build_ending_model
 from tests.support.proxy import run_mitmdump
 from tests.support.slow_forwarder import Exchange, slow_forwarder

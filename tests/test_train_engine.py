@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from polar_cli.serving import EngineError, reload_engine
 from polar_cli.train.config import TrainConfig
-from polar_cli.train.reload import EngineError, reload_engine
 from polar_cli.train.run import run_training
 from tests.support.train_traces import TraceFactory, two_group_specs
 

@@ -1,10 +1,10 @@
 """Inference engines: one module per engine, each turning a CanonicalRequest into a Completion.
 
 Engines never know which provider the client spoke. ``polar_engine`` is a comma-separated list
-of specs, e.g. ``sglang:http://gpu1:30000,sglang:http://gpu2:30000`` or ``vllm:http://127.0.0.1:8000``
-or ``local:models/tiny``. A session sticks to one engine (its prefix cache stays warm); new
-sessions go to the live engine with the fewest sessions; an engine that fails is taken out and its
-sessions end as error (polar_addon.engines.affinity).
+of specs (polar_addon.engines.spec), e.g. ``sglang:http://gpu1:30000,sglang:http://gpu2:30000``
+or ``vllm:http://127.0.0.1:8000`` or ``local:models/tiny``. A session sticks to one engine (its prefix cache
+stays warm); new sessions go to the live engine with the fewest sessions; an engine that fails is taken out and
+its sessions end as error (polar_addon.engines.affinity).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import time
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from polar_addon.canonical import CanonicalRequest, Completion, EngineFault, PolarError
-from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
+from polar_addon.continuity.delta import DeltaPrompt, NoDelta
 from polar_addon.engines.affinity import MAX_SESSIONS, MAX_STRIKES, REVIVE_AFTER_S, Affinity, NoLiveEngine, SessionLost
+from polar_addon.engines.spec import EngineSpec
 
 log = logging.getLogger("polar")
 
@@ -39,7 +40,7 @@ class Engine(Protocol):
 
 @runtime_checkable
 class TokenInputEngine(Engine, Protocol):
-    """An engine that samples after a prompt given as token ids (token continuity, engines.tito)."""
+    """An engine that samples after a prompt given as token ids (token continuity, polar_addon.continuity)."""
 
     async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
         """Like ``complete``, but after exactly ``prompt_ids``; ``request`` gives the sampling parameters and tools.
@@ -48,75 +49,34 @@ class TokenInputEngine(Engine, Protocol):
 
     def continuation(self, **kwargs: Any) -> DeltaPrompt | NoDelta:
         """The next prompt of a continuing session with the served model's tokenizer and template
-        (continuity_tokens.continuation_prompt's keyword arguments). Blocking: call off the event loop."""
+        (continuity.delta.continuation_prompt's keyword arguments). Blocking: call off the event loop."""
 
 
 def takes_token_input(engine: Engine) -> TypeGuard[TokenInputEngine]:
-    """Whether ``engine`` samples after token ids. Only the gate (engines.tito.token_input_engine) asks."""
+    """Whether ``engine`` samples after token ids. Only the gate (continuity.chains.token_input_engine) asks."""
     return isinstance(engine, TokenInputEngine)
 
 
-def local_options(target: str, spec: str = "") -> tuple[str, dict[str, str]]:
-    """``DIR?max_len=N&weight_version=V`` of a ``local:`` spec: the model directory and its options."""
-    model_dir, _, query = target.partition("?")
-    options = dict(part.partition("=")[::2] for part in query.split("&") if part)
-    unknown = set(options) - {"max_len", "weight_version"}
-    if unknown:
-        raise ValueError(
-            f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} (local takes max_len, weight_version)"
-        )
-    return model_dir, options
-
-
-def http_options(target: str, spec: str = "") -> tuple[str, dict[str, str]]:
-    """``URL?weight_version=V`` of a ``vllm:``/``sglang:`` spec: the server's URL and its options.
-
-    ``weight_version`` tags the calls whose answer carries none (vLLM never reports one; SGLang does once
-    ``update_weights_from_disk`` was given one, and its own tag wins over all but its
-    placeholder ``default``): a loop that restarts vLLM on each checkpoint
-    starts each rollout's proxy with the version that server now holds."""
-    url, _, query = target.partition("?")
-    options = dict(part.partition("=")[::2] for part in query.split("&") if part)
-    unknown = set(options) - {"weight_version"}
-    if unknown:
-        raise ValueError(
-            f"engine spec {spec or target!r}: unknown option(s) {sorted(unknown)} (vllm and sglang take weight_version)"
-        )
-    return url, options
-
-
-def parse_local_target(target: str, spec: str = "") -> tuple[str, int]:
-    """The model directory of a ``local:`` spec and the window it serves (0: the model's own; a smaller one for
-    long-session tests)."""
-    model_dir, options = local_options(target, spec)
-    return model_dir, int(options.get("max_len") or 0)
-
-
-def make_engine(spec: str, *, timeout_s: float) -> Engine:
-    kind, _, target = spec.strip().partition(":")
-    if not target:
-        raise ValueError(f"engine spec {spec!r} must look like KIND:TARGET (sglang:URL, vllm:URL, local:MODEL_DIR)")
-    if kind in ("sglang", "vllm"):
+def make_engine(spec: str | EngineSpec, *, timeout_s: float) -> Engine:
+    parsed = spec if isinstance(spec, EngineSpec) else EngineSpec.parse(spec)
+    if parsed.kind in ("sglang", "vllm"):
         from polar_addon.engines.sglang import SGLangEngine
         from polar_addon.engines.vllm import VLLMEngine
 
-        url, options = http_options(target, spec)
-        engine = (SGLangEngine if kind == "sglang" else VLLMEngine)(url, timeout_s=timeout_s)
-        engine.weight_version = options.get("weight_version")
+        engine = (SGLangEngine if parsed.kind == "sglang" else VLLMEngine)(parsed.target, timeout_s=timeout_s)
+        # vLLM never reports a version, SGLang only once update_weights_from_disk was given one (its own tag wins
+        # over all but its placeholder ``default``): a loop that restarts vLLM on each checkpoint starts each
+        # rollout's proxy with the version that server now holds.
+        engine.weight_version = parsed.weight_version
         return engine
-    if kind == "local":
+    if parsed.kind == "local":
         from polar_addon.engines.local import LocalEngine
 
-        model_dir, max_len = parse_local_target(target, spec)
         # weight_version: what a loop that restarts the proxy on each checkpoint tags its captures with.
-        return LocalEngine(
-            model_dir, max_len=max_len, weight_version=local_options(target, spec)[1].get("weight_version")
-        )
-    if kind == "scripted":
-        from polar_addon.engines.scripted import ScriptedEngine
+        return LocalEngine(parsed.target, max_len=parsed.max_len, weight_version=parsed.weight_version)
+    from polar_addon.engines.scripted import ScriptedEngine
 
-        return ScriptedEngine(target)
-    raise ValueError(f"unknown engine kind {kind!r} in {spec!r}: use sglang, vllm, local or scripted")
+    return ScriptedEngine(parsed.target)
 
 
 class EnginePool:
@@ -139,7 +99,7 @@ class EnginePool:
 
     @classmethod
     def from_spec(cls, spec: str, *, timeout_s: float = 900.0) -> EnginePool:
-        return cls([make_engine(s, timeout_s=timeout_s) for s in spec.split(",") if s.strip()])
+        return cls([make_engine(one, timeout_s=timeout_s) for one in EngineSpec.parse_list(spec)])
 
     def for_session(self, session_id: str) -> Engine:
         """The session's engine. Raises PolarError when its engine was taken out, or no engine is live."""

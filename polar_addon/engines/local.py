@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
-from polar_addon.continuity_tokens import DeltaPrompt, NoDelta, continuation_prompt
+from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prompt
 from polar_addon.tool_parsers import ParserChoice
 
 DEFAULT_MAX_TOKENS = 256
@@ -238,7 +238,7 @@ class LocalEngine:
     # --- Engine protocol ----------------------------------------------------------------------
 
     def continuation(self, **kwargs: Any) -> DeltaPrompt | NoDelta:
-        """The next prompt of a continuing session (continuity_tokens.continuation_prompt with this model's
+        """The next prompt of a continuing session (continuity.delta.continuation_prompt with this model's
         tokenizer and template)."""
         with self.lock:
             self._ensure_loaded()

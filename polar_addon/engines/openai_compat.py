@@ -30,7 +30,7 @@ from polar_addon.canonical import (
     PolarError,
     ToolCall,
 )
-from polar_addon.continuity_tokens import DeltaPrompt, NoDelta, continuation_prompt
+from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prompt
 from polar_addon.token_ids import IdText, pack_token_ids
 from polar_addon.tool_parsers import ParsedTurn, ParserChoice
 from polar_addon.tool_parsers.calls import new_call_id
@@ -158,13 +158,13 @@ class HTTPEngine:
         self._session: aiohttp.ClientSession | None = None
         self._model: str | None = None
         self._window: int | None = None
-        # Token input (engines.tito) renders deltas with the served model's own tokenizer and template, read from
+        # Token input (continuity.chains) renders deltas with the served model's own tokenizer and template, read from
         # tokenizer_dir (polar_tokenizer); without it every call is rendered by the engine in full.
         self.tokenizer_dir: str | None = None
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
         self.tool_parsers = ParserChoice()
-        # The policy version this server holds when it reports none itself (engines.http_options).
+        # The policy version this server holds when it reports none itself (its spec's ?weight_version=V, engines.spec).
         self.weight_version: str | None = None
 
     def _client(self) -> aiohttp.ClientSession:

@@ -36,7 +36,7 @@ import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, PolarError, ToolCall
 from polar_addon.context_compaction import compaction_prompt, summarised_history
-from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
+from polar_addon.continuity.delta import DeltaPrompt, NoDelta
 from polar_addon.engines.local import LocalEngine
 from polar_addon.tool_parsers.calls import new_call_id
 from polar_addon.tool_parsers.hermes import parse

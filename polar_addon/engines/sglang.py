@@ -6,7 +6,7 @@ differently named fields, all of which ``parse_chat_response`` reads. Logprobs a
 log_softmax(logits / T) of the sampled token, not renormalised for top-p/top-k (SGLang's
 sampler), unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``.
 
-Token input (engines.tito, once ``polar_tokenizer`` names the served model's tokenizer): ``/v1/completions``
+Token input (continuity.chains, once ``polar_tokenizer`` names the served model's tokenizer): ``/v1/completions``
 with the prompt as token ids. SGLang 0.5.23's ``CompletionRequest`` takes ``prompt: List[int]`` (passed on as
 ``GenerateReqInput.input_ids``) and ``return_token_ids``, which answers with ``choices[0].prompt_token_ids`` (the
 ids after tokenization: the given ones) and ``choices[0].token_ids`` (``output_ids``); ``logprobs: 0`` sets

@@ -9,7 +9,7 @@ with ``--logprobs-mode processed_logprobs`` to get log_softmax(logits / T), the 
 reports and the trainer recomputes (with top-p/top-k active vLLM then renormalises over the kept
 tokens, unlike SGLang).
 
-Token input (engines.tito): ``/v1/completions`` with the prompt as token ids; ``return_token_ids`` gives
+Token input (continuity.chains): ``/v1/completions`` with the prompt as token ids; ``return_token_ids`` gives
 ``choices[0].prompt_token_ids`` (what the engine saw) and ``choices[0].token_ids``, ``logprobs: 1`` one
 ``token_logprobs`` entry per sampled token.
 """

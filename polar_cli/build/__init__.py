@@ -4,7 +4,8 @@
 ``SessionInfo``s and returns ``Trace`` rows plus reconstruction stats. ``prefix_merging``
 (default) merges each session's calls into chains (``prefix_merging.py``); ``per_request`` makes
 one trace per call. Stats always come from the chain analysis, so a per_request build still says
-how well the same calls would merge.
+how well the same calls would merge. What a build reads from a store besides its records (the sessions, a
+tokenizer) is read by ``inputs.py``, for `polar build` and `polar train` alike.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from itertools import groupby
 from polar_addon.capture import CaptureRecord
 from polar_cli.build.breaks import Break, BreakCause, Decode
 from polar_cli.build.per_request import per_request_trace
-from polar_cli.build.prefix_merging import Chain, detect_eot, reconstruct_session, unusable_reason
+from polar_cli.build.prefix_merging import RecordChain, detect_eot, reconstruct_session, unusable_reason
 from polar_cli.build.rewards import RewardDecision, SessionInfo, decide_reward
 from polar_cli.build.stats import BuildReport, BuildStats, harness_name
 from polar_cli.build.traces import make_trace
@@ -32,7 +33,7 @@ __all__ = [
     "BuildReport",
     "BuildResult",
     "BuildStats",
-    "Chain",
+    "RecordChain",
     "SessionBuild",
     "SessionInfo",
     "build_session",
@@ -46,7 +47,7 @@ __all__ = [
 class SessionBuild:
     session_id: str
     harness: str
-    chains: list[Chain]
+    chains: list[RecordChain]
     traces: list[Trace]
     stats: BuildStats
     eot_token_id: int | None
@@ -59,7 +60,7 @@ class BuildResult:
     eot_token_id: int | None
 
 
-def chain_trace(chain: Chain, session: SessionInfo | None, harness: str, decision: RewardDecision) -> Trace:
+def chain_trace(chain: RecordChain, session: SessionInfo | None, harness: str, decision: RewardDecision) -> Trace:
     merged = chain.merge()
     first = chain.records[0]
     return make_trace(

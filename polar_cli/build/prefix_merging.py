@@ -86,7 +86,7 @@ def detect_eot(records: Iterable[CaptureRecord], *, confirmed_only: bool = False
 @dataclass(frozen=True)
 class Segment:
     kind: str  # "sampled" (loss mask 1) or "interstitial" (loss mask 0)
-    call: int  # index in Chain.records: the call that sampled it / whose prompt it comes from
+    call: int  # index in RecordChain.records: the call that sampled it / whose prompt it comes from
     start: int  # [start, end) in the completion
     end: int
 
@@ -100,7 +100,10 @@ class Merged:
 
 
 @dataclass
-class Chain:
+class RecordChain:
+    """A session's captured calls that merge into one trace, each prompt extending the one before
+    (the proxy's live counterpart is polar_addon.continuity.chains.ChainTip)."""
+
     index: int  # creation order within the session
     records: list[CaptureRecord]
     # interstitials[m] goes between records[m] and records[m + 1]
@@ -204,8 +207,8 @@ def join(
     return Join(interstitial, retokenized=True)
 
 
-def _new_chain(chains: list[Chain], record: CaptureRecord, brk: Break | None, related: int | None) -> Chain:
-    chain = Chain(index=len(chains), records=[record], start=brk, related=related)
+def _new_chain(chains: list[RecordChain], record: CaptureRecord, brk: Break | None, related: int | None) -> RecordChain:
+    chain = RecordChain(index=len(chains), records=[record], start=brk, related=related)
     chains.append(chain)
     return chain
 
@@ -216,13 +219,13 @@ def reconstruct_session(
     eot: int | None,
     decode: Decode | None = None,
     merge_retokenized: bool = True,
-) -> list[Chain]:
+) -> list[RecordChain]:
     """Split one session's usable records (in seq order) into merged chains with break causes.
 
     ``merge_retokenized`` False breaks a chain where the paper would merge a re-tokenized turn.
     """
-    chains: list[Chain] = []
-    by_continuation: list[tuple[Chain, Relation]] = []
+    chains: list[RecordChain] = []
+    by_continuation: list[tuple[RecordChain, Relation]] = []
     parsed: dict[str, Conversation] = {}
     for record in records:
         extendable = [c for c in chains if _is_prefix(c.tip.prompt_ids, record.prompt_ids)]
@@ -233,7 +236,7 @@ def reconstruct_session(
                 key=lambda c: c.tip.seq,
                 reverse=True,
             )
-            first_break: tuple[Chain, Break] | None = None
+            first_break: tuple[RecordChain, Break] | None = None
             for chain in tied:
                 outcome = join(chain.tip, record, eot, decode, merge_retokenized=merge_retokenized)
                 if isinstance(outcome, Join):

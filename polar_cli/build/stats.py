@@ -11,7 +11,7 @@
   that does not merge them (``--retokenized break``) counts each under ``breaks`` instead.
 - ``prompt_sources``: calls by where their engine prompt came from (``continuity``: the previous prompt
   and sampled ids plus the new messages' tokens; ``fresh``: a full render), and ``fresh_reasons``
-  why a call was rendered fresh (polar_addon.engines.tito); calls captured before polar recorded it
+  why a call was rendered fresh (polar_addon.continuity.chains); calls captured before polar recorded it
   count under neither.
 - ``parse_failed_calls``: calls with a tool call polar's own parser could not read (``parse_failures``;
   their traces get reward 0 but stay trainable, polar_cli.build.rewards); calls the engine parsed count

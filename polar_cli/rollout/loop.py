@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polar_addon.engines.spec import EngineSpec
 from polar_cli.rollout.proxy import wait_writer_gone
 from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.runner import REWARDED, USABLE, RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
@@ -168,7 +169,7 @@ def die_with_parent() -> None:
 def stop_stale_engines(state_dir: Path) -> list[str]:
     """Stop the engines a killed run of this loop left running (``polar engine serve``'s state files in ``state_dir``:
     pid plus its start time, so only that very process); the URLs stopped."""
-    from polar_cli.train.reload import stop_engine
+    from polar_cli.serving import stop_engine
 
     stopped = []
     for path in sorted(state_dir.glob("engine-*.json")) if state_dir.is_dir() else []:
@@ -223,9 +224,14 @@ def served_root(url: str) -> str | None:
 
 def engine_kind(engine: str) -> str:
     """``local``, ``vllm`` or ``sglang`` (from ``sglang:URL``); ValueError for anything else."""
-    kind, _, target = engine.partition(":")
-    if engine in ("local", "vllm") or (kind == "sglang" and target.startswith(("http://", "https://"))):
-        return kind
+    if engine in ("local", "vllm"):
+        return engine
+    try:
+        spec = EngineSpec.parse(engine)
+    except ValueError:
+        spec = None
+    if spec is not None and spec.kind == "sglang" and spec.target.startswith(("http://", "https://")):
+        return spec.kind
     raise ValueError(f"--engine must be local, vllm or sglang:URL (a running SGLang server), not {engine!r}")
 
 
@@ -250,12 +256,12 @@ class _Engine:
         if self.kind == "local":
             self.serving = (policy, version)
             return f"local:{policy}{tag}"
-        from polar_cli.train.reload import reload_engine, serve_vllm
+        from polar_cli.serving import reload_engine, serve_vllm
 
         wanted = (policy, version)
         started = time.monotonic()
         if self.kind == "sglang":
-            url = self.config.engine.partition(":")[2].partition("?")[0]
+            url = EngineSpec.parse(self.config.engine).target
             if self.serving != wanted:
                 progress(f"loading {policy} into SGLang {url} (update_weights_from_disk) as version {version}")
                 reload_engine(
@@ -298,7 +304,7 @@ class _Engine:
 
     def close(self) -> None:
         if self.server is not None:
-            from polar_cli.train.reload import stop_engine
+            from polar_cli.serving import stop_engine
 
             stop_engine(self.server.url, state_dir=self.state_dir)
             self.server = None

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from polar_addon.engines import parse_local_target
 from polar_addon.engines.local import served_window as served_window_of
+from polar_addon.engines.spec import EngineSpec
 from polar_cli.mitm import REPO
 
 
@@ -59,16 +59,15 @@ def engine_window(spec: str) -> int | None:
     """The window ``spec`` (a ``polar_engine`` value) serves; None when it cannot be told."""
     windows = []
     for one in spec.split(","):
-        kind, _, target = one.strip().partition(":")
+        try:
+            parsed = EngineSpec.parse(one)
+        except ValueError:
+            continue  # the proxy refuses such a spec itself
         window: int | None = None
-        if kind == "local":
-            try:
-                directory, max_len = parse_local_target(target)
-            except ValueError:
-                continue  # the proxy refuses such a spec itself
-            window = served_window_of(model_window(_local_path(directory)), max_len)
-        elif kind == "scripted":
-            script = _local_path(target)
+        if parsed.kind == "local":
+            window = served_window_of(model_window(_local_path(parsed.target)), parsed.max_len)
+        elif parsed.kind == "scripted":
+            script = _local_path(parsed.target)
             try:
                 data = json.loads(script.read_text())
                 model_dir = Path(data["model_dir"])
@@ -79,8 +78,8 @@ def engine_window(spec: str) -> int | None:
                     model_window(model_dir if model_dir.is_absolute() else script.parent / model_dir),
                     int(data.get("max_len") or 0),
                 )
-        elif kind in ("vllm", "sglang"):
-            window = served_window(target.partition("?")[0])  # without ?weight_version=V
+        elif parsed.kind in ("vllm", "sglang"):
+            window = served_window(parsed.target)
         if window:
             windows.append(window)
     return min(windows) if windows else None

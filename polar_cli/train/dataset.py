@@ -367,16 +367,16 @@ def load_traces(
         return read_trace_dataset(paths)
     if len(paths) != 1:
         raise ValueError("raw capture shards are read from one trace-store directory (the proxy's polar_out)")
-    from polar_addon.store import iter_records, read_sessions
+    from polar_addon.store import iter_records
     from polar_addon.store.reader import require_store
 
     require_store(str(paths[0]))  # StoreNotFound: a typo is an error, not "nothing to train"
     from polar_cli.build import iter_session_builds
-    from polar_cli.build_cmd import load_tokenizer, session_info
+    from polar_cli.build.inputs import find_tokenizer, session_infos, tokenizer_eot
 
     store = str(paths[0])
-    tok, _ = load_tokenizer(Path(tokenizer) if tokenizer else None, store)
-    sessions = {row.session_id: session_info(row) for row in read_sessions(store)}
+    tok, _ = find_tokenizer(Path(tokenizer) if tokenizer else None, store)
+    sessions = session_infos(store)
     traces: list[Trace] = []
     # The same calls `polar build` makes, so training sees exactly the traces it would write.
     for built in iter_session_builds(
@@ -387,8 +387,7 @@ def load_traces(
         decode=None if tok is None else tok.decode,
         broadcast_rewards=broadcast_rewards,
         merge_retokenized=merge_retokenized,
-        # the tokenizer's eos closes turns when no captured call stopped by itself
-        fallback_eot_token_id=tok.convert_tokens_to_ids(tok.eos_token) if tok is not None and tok.eos_token else None,
+        fallback_eot_token_id=tokenizer_eot(tok),  # closes turns when no captured call stopped by itself
     ):
         traces.extend(built.traces)
     return traces

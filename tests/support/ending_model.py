@@ -1,5 +1,5 @@
 """The tiny model, made to end its turns: a test model that acts like a chat model where it matters for
-token continuity (polar_addon.continuity_tokens), i.e. its answers stop at ``<|im_end|>`` after a few tokens.
+token continuity (polar_addon.continuity.delta), i.e. its answers stop at ``<|im_end|>`` after a few tokens.
 
 The tiny random model (polar_cli.tiny_model) almost never samples its end-of-turn token (1 in ~2000 per
 step), so every answer is cut by length and a length-cut turn has no continuation delta. Qwen3 has no

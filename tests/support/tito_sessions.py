@@ -19,7 +19,7 @@ import openai
 from polar_addon.capture import CaptureRecord
 from polar_addon.store import read_records, read_sessions
 from polar_cli.build import build_traces
-from polar_cli.build_cmd import session_info
+from polar_cli.build.inputs import session_info
 from polar_cli.trace import Trace
 
 QWEN3_TEMPLATE = (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text()

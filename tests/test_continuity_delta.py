@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from polar_addon.continuity_tokens import DeltaPrompt, NoDelta, continuation_prompt
+from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prompt
 from polar_addon.tool_parsers import hermes
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"

@@ -1,4 +1,5 @@
-"""Point a running engine at new weights after a training step.
+"""The policy's engine servers: start a vLLM server (``polar engine serve``), stop it, and point a running engine at
+new weights after a training step (``polar engine reload``, and ``polar loop`` on each push).
 
 - ``sglang:URL``: SGLang loads a checkpoint in place (``SGLangEngine.update_weights``,
   ``POST /update_weights_from_disk``); in-flight requests finish first.
@@ -26,6 +27,8 @@ from urllib.parse import urlparse
 
 import httpx
 import orjson
+
+from polar_addon.engines.spec import EngineSpec
 
 # In the working directory, not the home: a checkout (or a test) keeps its engines to itself.
 DEFAULT_STATE_DIR = Path(os.environ.get("POLAR_STATE_DIR", Path(".polar") / "engines"))
@@ -414,9 +417,11 @@ def reload_engine(
     """Make the engine named by ``spec`` serve ``checkpoint``; returns a line saying what was done."""
     if not (checkpoint / "config.json").is_file():
         raise EngineError(f"{checkpoint} is not a model checkpoint (no config.json)")
-    kind, _, target = spec.strip().partition(":")
-    if kind in ("sglang", "vllm"):
-        target = target.partition("?")[0]  # a proxy's spec (URL?weight_version=V) names the same server
+    try:
+        parsed = EngineSpec.parse(spec)  # a proxy's spec (URL?weight_version=V) names the same server
+    except ValueError as exc:
+        raise EngineError(str(exc)) from exc
+    kind, target = parsed.kind, parsed.target
     ckpt = str(checkpoint.resolve())
     if kind == "sglang":
         from polar_addon.engines.sglang import SGLangEngine
@@ -450,4 +455,4 @@ def reload_engine(
             "the local engine runs inside the proxy process: restart the proxy with "
             f"--set polar_engine=local:{ckpt} (in Python, LocalEngine.reload does it in place)"
         )
-    raise EngineError(f"unknown engine kind {kind!r} in {spec!r}: use sglang:URL, vllm:URL or local:DIR")
+    raise EngineError(f"a {kind} engine cannot load new weights ({spec!r}): use sglang:URL, vllm:URL or local:DIR")

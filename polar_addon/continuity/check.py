@@ -3,7 +3,7 @@
 A call continues when its request is the previous request, plus the assistant message polar returned
 for it (as the harness sent it back), plus new messages (tool results, user turns), with the same
 tools, sampling distribution, model and thinking switch. Then the engine prompt can be the previous
-prompt ids + the sampled ids + only the new messages rendered (:mod:`polar_addon.continuity_tokens`),
+prompt ids + the sampled ids + only the new messages rendered (:mod:`polar_addon.continuity.delta`),
 and the whole session stays one exactly on-policy trace.
 
 What harnesses do to replayed history is tolerated, because none of it changes what the model was

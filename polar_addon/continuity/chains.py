@@ -1,7 +1,7 @@
 """Token-in/token-out across turns ("TITO"): what each session's engine prompt was, so its next prompt
-can be that prompt + the sampled ids + only the new messages' tokens (polar_addon.continuity_tokens).
+can be that prompt + the sampled ids + only the new messages' tokens (polar_addon.continuity.delta).
 
-Plain bookkeeping, no I/O: the gateway remembers a :class:`Chain` after every ok call and asks
+Plain bookkeeping, no I/O: the gateway remembers a :class:`ChainTip` after every ok call and asks
 :func:`plan_prompt` for the next call's prompt. A session keeps a few chains (a harness interleaves
 side calls, e.g. Claude Code's title and quota calls with their own system prompt, which must not end
 the main chain). Memory is bounded (least recently used sessions are forgotten): a forgotten session,
@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
-from polar_addon.continuity import Continues, check_continuity
-from polar_addon.continuity_tokens import DeltaPrompt, NoDelta
+from polar_addon.continuity.check import Continues, check_continuity
+from polar_addon.continuity.delta import DeltaPrompt, NoDelta
 from polar_addon.engines import Engine, TokenInputEngine, takes_token_input
 
 MAX_SESSIONS = 10_000
@@ -36,8 +36,9 @@ Continuation = Callable[..., DeltaPrompt | NoDelta]
 
 
 @dataclass(frozen=True)
-class Chain:
-    """The last call of a chain: the request as sent on, what polar returned, and its exact tokens."""
+class ChainTip:
+    """The last call of a session's token chain, all the proxy keeps of it: the request as sent on, what polar
+    returned, and its exact tokens (a build reconstructs whole chains from the store: build.prefix_merging)."""
 
     request: CanonicalRequest
     returned: AssistantMessage
@@ -52,7 +53,7 @@ class PromptPlan:
     prompt_ids: list[int] | None  # None: the engine renders the request in full
     source: str  # CONTINUITY | FRESH
     reason: str  # why fresh (a DivergeReason, NO_DELTA: ..., FIRST_CALL, ...); "continues" otherwise
-    continued: Chain | None = None  # the chain this call continues
+    continued: ChainTip | None = None  # the chain this call continues
 
 
 def _has_assistant_turn(request: CanonicalRequest) -> bool:
@@ -60,7 +61,7 @@ def _has_assistant_turn(request: CanonicalRequest) -> bool:
 
 
 def plan_prompt(
-    chains: Sequence[Chain], request: CanonicalRequest, engine: str, continuation: Continuation
+    chains: Sequence[ChainTip], request: CanonicalRequest, engine: str, continuation: Continuation
 ) -> PromptPlan:
     """The prompt of ``request``: a continuation of the newest chain it continues, else a fresh render and why.
 
@@ -100,9 +101,9 @@ class TitoStore:
     def __init__(self, *, max_sessions: int = MAX_SESSIONS, chains_per_session: int = CHAINS_PER_SESSION) -> None:
         self.max_sessions = max_sessions
         self.chains_per_session = chains_per_session
-        self._sessions: OrderedDict[str, list[Chain]] = OrderedDict()
+        self._sessions: OrderedDict[str, list[ChainTip]] = OrderedDict()
 
-    def chains(self, session: str) -> list[Chain]:
+    def chains(self, session: str) -> list[ChainTip]:
         """Newest first."""
         chains = self._sessions.get(session)
         if chains is None:
@@ -110,7 +111,7 @@ class TitoStore:
         self._sessions.move_to_end(session)
         return list(chains)
 
-    def remember(self, session: str, chain: Chain, *, replaces: Chain | None = None) -> None:
+    def remember(self, session: str, chain: ChainTip, *, replaces: ChainTip | None = None) -> None:
         """``chain`` as the newest of ``session``; it replaces the chain it continued."""
         chains = [c for c in self._sessions.pop(session, []) if c is not replaces]
         chains.insert(0, chain)
