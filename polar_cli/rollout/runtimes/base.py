@@ -21,6 +21,10 @@ NetworkMode = Literal["host", "proxy-only", "none"]
 ISOLATED_HOME = "/home/polar"
 ISOLATED_RUN_DIR = "/run/polar"
 ISOLATED_CA = f"{ISOLATED_RUN_DIR}/mitmproxy-ca-cert.pem"
+# polar's own commands for verifiers (``polar-untrusted``: :mod:`untrusted.polar_untrusted`), bound read-only there in
+# every isolated sandbox and first on its PATH.
+TOOLS_HOST = Path(__file__).parent / "untrusted"
+TOOLS_DIR = "/opt/polar/bin"
 
 
 @dataclass(frozen=True)

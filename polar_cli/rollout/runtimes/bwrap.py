@@ -54,6 +54,8 @@ from polar_cli.rollout.runtimes.base import (
     ISOLATED_CA,
     ISOLATED_HOME,
     ISOLATED_RUN_DIR,
+    TOOLS_DIR,
+    TOOLS_HOST,
     ExecResult,
     IsolatedSandbox,
     Runtime,
@@ -67,7 +69,7 @@ HOME = ISOLATED_HOME
 WORKSPACE = "/workspace"
 RUN_DIR = ISOLATED_RUN_DIR  # the bridge's Unix sockets and the CA, inside
 CA_INSIDE = ISOLATED_CA
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PATH = f"{TOOLS_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
 log = logging.getLogger(__name__)
 
@@ -176,7 +178,7 @@ class BwrapSandbox(IsolatedSandbox):
             mounts += ["--bind", str(host), posixpath.normpath(inside)]
         for inside, host in spec.read_only_binds.items():
             mounts += ["--ro-bind", str(host), posixpath.normpath(inside)]
-        mounts += ["--ro-bind", str(spec.proxy.ca), CA_INSIDE]
+        mounts += ["--ro-bind", str(spec.proxy.ca), CA_INSIDE, "--ro-bind", str(TOOLS_HOST), TOOLS_DIR]
         if network == "proxy-only":
             mounts += ["--ro-bind", str(self.scratch / "sockets"), f"{RUN_DIR}/sockets"]
         args += confine.with_parent_dirs(mounts)

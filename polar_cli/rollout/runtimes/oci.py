@@ -55,6 +55,8 @@ from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import (
     ISOLATED_CA,
     ISOLATED_HOME,
+    TOOLS_DIR,
+    TOOLS_HOST,
     ExecResult,
     IsolatedSandbox,
     Runtime,
@@ -68,7 +70,7 @@ from polar_cli.rollout.runtimes.output import BoundedOutput, communicate
 HOME = ISOLATED_HOME
 WORKSPACE = "/workspace"
 CA_INSIDE = ISOLATED_CA
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PATH = f"{TOOLS_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # pid 1: sleeps until the container is removed; exits at once on SIGTERM.
 INIT = 'trap "exit 0" TERM; while :; do sleep 3600 & wait $!; done'
 # Kills everything but pid 1 and itself (kill -1 spares both).
@@ -421,6 +423,8 @@ class OciRuntime(Runtime):
                 f"{spec.home}:{HOME}",
                 "-v",
                 f"{spec.proxy.ca}:{CA_INSIDE}:ro",
+                "-v",
+                f"{TOOLS_HOST}:{TOOLS_DIR}:ro",
             ]
             if bind_workspace:
                 args += ["-v", f"{spec.workspace}:{sandbox.workspace}"]
