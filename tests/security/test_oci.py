@@ -175,3 +175,31 @@ def test_an_oci_agent_is_no_host_root(proxy: StartedProxy, image: str, tmp_path:
     assert (session_dir / "home" / "y") in left, left
     assert [p for p in left if p.stat().st_mode & SETID] == []
     assert [p for p in left if p.stat().st_uid == 0 and p.stat().st_mode & 0o111] == []
+
+
+def test_an_oom_kill_by_the_containers_memory_limit_is_reported(image: str, tmp_path: Path) -> None:
+    """--memory 64m: a 200 MB allocation is killed by the container's OOM killer and that exec says oom_killed; the
+    next exec, which fits, does not."""
+    (tmp_path / "ca.pem").write_text("not a real CA\n")
+    spec = SandboxSpec(
+        name="oom",
+        workspace=tmp_path / "ws",
+        home=tmp_path / "home",
+        network="none",
+        proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"),
+        memory_mb=64,
+    )
+
+    async def main():
+        box = await oci.make(image=image).start(spec)
+        try:
+            return (
+                await box.exec(["python3", "-c", "x = bytearray(200_000_000); print(len(x))"], timeout_s=60),
+                await box.exec("true", timeout_s=60),
+            )
+        finally:
+            await box.stop()
+
+    killed, fine = asyncio.run(main())
+    assert killed.exit_code == 137 and killed.oom_killed, killed
+    assert fine.exit_code == 0 and not fine.oom_killed

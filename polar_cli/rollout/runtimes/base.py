@@ -71,6 +71,9 @@ class ExecResult:
     stderr: str
     timed_out: bool = False
     cancelled: bool = False
+    # The runtime's memory limit killed a process of this exec (the cgroup's OOM killer; oci: the engine says so).
+    # Still the policy's failure (it controls its own memory), reported so that the runner can say why.
+    oom_killed: bool = False
 
 
 class Sandbox(abc.ABC):

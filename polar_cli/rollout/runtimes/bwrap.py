@@ -24,7 +24,8 @@ file of that user that is mounted inside is readable whatever its mode: secrets 
 
 Limits: ``spec.cpus``, ``memory_mb`` and ``pids`` hold for the whole sandbox (all its execs together) through a
 cgroup nested under polar's own (:mod:`cgroups`); without write access to cgroups (not root, no delegation) the
-sandbox runs unlimited and the runtime logs a warning once.
+sandbox runs unlimited and the runtime logs a warning once. An exec during which the cgroup's OOM killer killed a
+process says so (``ExecResult.oom_killed``, from the cgroup's ``oom_kill`` count).
 
 Network modes: ``host`` shares the host's network (the proxy and everything else); ``none`` has only a loopback;
 ``proxy-only`` has only a loopback on which socat listens on the proxy's forward and reverse ports and relays to
@@ -266,12 +267,14 @@ class BwrapSandbox(IsolatedSandbox):
         stdin: bytes | None = None,
         network: str | None = None,
         bounded: bool = False,
-    ) -> tuple[int, bytes, bytes, bool, bool]:
-        """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled). ``bounded``: keep only
-        a head and a tail of each stream (:mod:`output`), for what the agent controls."""
+    ) -> tuple[int, bytes, bytes, bool, bool, bool]:
+        """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled, OOM-killed: the
+        sandbox's memory limit killed a process meanwhile). ``bounded``: keep only a head and a tail of each stream
+        (:mod:`output`), for what the agent controls."""
         if self.stopped:
             raise RuntimeError(f"sandbox {self.spec.name} is stopped")
         cancels = self.cancels
+        ooms = self.cgroup.oom_kills() if self.cgroup else 0
         network = network or self.spec.network
         command = list(argv)
         if network == "proxy-only":
@@ -303,7 +306,8 @@ class BwrapSandbox(IsolatedSandbox):
             lifeline.untie(proc.pid)
         cancelled = self.cancels != cancels
         code = -1 if timed_out or cancelled else proc.returncode
-        return code, out.data(), err.data(), timed_out, cancelled
+        oom = self.cgroup is not None and self.cgroup.oom_kills() > ooms
+        return code, out.data(), err.data(), timed_out, cancelled, oom
 
     async def exec(
         self,
@@ -315,10 +319,12 @@ class BwrapSandbox(IsolatedSandbox):
         stdin: bytes | None = None,
     ) -> ExecResult:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-        code, out, err, timed_out, cancelled = await self.run(
+        code, out, err, timed_out, cancelled, oom = await self.run(
             argv, env=env, cwd=cwd, timeout_s=timeout_s, stdin=stdin, bounded=True
         )
-        return ExecResult(code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out, cancelled)
+        return ExecResult(
+            code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out, cancelled, oom_killed=oom
+        )
 
     async def upload(self, local: Path, remote: str) -> None:
         # Unpacked by tar inside the sandbox, so every path is resolved in the sandbox's own mounts (a symlink the
@@ -329,7 +335,7 @@ class BwrapSandbox(IsolatedSandbox):
         with tarfile.open(fileobj=buffer, mode="w") as tar:
             tar.add(local, arcname=posixpath.basename(remote))
         parent = posixpath.dirname(remote) or "/"
-        code, _, err, _, _ = await self.run(
+        code, _, err, _, _, _ = await self.run(
             [
                 "/bin/sh",
                 "-c",
@@ -348,7 +354,7 @@ class BwrapSandbox(IsolatedSandbox):
     async def download(self, remote: str, local: Path) -> None:
         # Packed by tar inside (paths resolved in the sandbox's mounts), unpacked on the host without trusting it.
         remote = posixpath.normpath(remote)
-        code, out, err, _, _ = await self.run(
+        code, out, err, _, _, _ = await self.run(
             [
                 "/bin/sh",
                 "-c",

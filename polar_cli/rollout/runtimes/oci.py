@@ -12,7 +12,8 @@ at their own paths (host binaries need the image to carry their libraries: node 
 image like the host's), the proxy's CA certificate (only that file) read-only.
 
 Limits: ``spec.cpus``, ``memory_mb``, ``pids`` become ``--cpus``, ``--memory``, ``--pids-limit`` (enforced by the
-engine's cgroup). The container runs as the image's user (root, usually) with the engine's default capabilities
+engine's cgroup; an exec during which the memory limit killed a process says so, ``ExecResult.oom_killed``, from
+the container's cgroup ``oom_kill`` count, else the engine's ``State.OOMKilled``). The container runs as the image's user (root, usually) with the engine's default capabilities
 and ``no-new-privileges`` (setuid binaries gain nothing). No host root: podman run by root maps the container's
 uids 0..65535 to the host's ``host_uid``.. (default :data:`confine.DEFAULT_HOST_UID`, ids of no account;
 ``--uidmap``/``--gidmap``), so container root reads no root-only host file bound in and owns nothing on the host.
@@ -50,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polar_cli import lifeline
-from polar_cli.rollout.runtimes import confine
+from polar_cli.rollout.runtimes import cgroups, confine
 from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import (
     ISOLATED_CA,
@@ -110,6 +111,15 @@ class OciSandbox(IsolatedSandbox):
         self.workspace = spec.workdir or WORKSPACE
         self.host_workspace: Path | None = None  # set by start when the host directory is bound
         self.owner: tuple[int, int] | None = None  # the container user's host uid and gid, when uids are mapped
+        self.memory_cgroup: Path | None = None  # the container's memory cgroup on the host (its OOM kill count)
+
+    async def oom_kills(self) -> int:
+        """How many processes the container's memory limit has killed so far: its cgroup's count where the host
+        shows it, else 1 when the engine says the container was OOM-killed."""
+        if self.memory_cgroup is not None:
+            return cgroups.oom_kills(self.memory_cgroup)
+        code, out = await self.runtime._run("inspect", "--format", "{{.State.OOMKilled}}", self.container)
+        return 1 if code == 0 and out.strip() == "true" else 0
 
     async def _cli(
         self,
@@ -196,6 +206,7 @@ class OciSandbox(IsolatedSandbox):
         cancels = self.cancels  # a cancel while the directories are handed over stops this exec too
         await self.hand_over()
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        ooms = await self.oom_kills() if self.spec.memory_mb else 0
         args = ["exec", "-w", cwd or self.workspace]
         if stdin is not None:
             args.append("-i")
@@ -210,6 +221,7 @@ class OciSandbox(IsolatedSandbox):
             err.decode(errors="replace"),
             timed_out,
             cancelled,
+            oom_killed=bool(self.spec.memory_mb) and await self.oom_kills() > ooms,
         )
 
     async def upload(self, local: Path, remote: str) -> None:
@@ -445,8 +457,9 @@ class OciRuntime(Runtime):
             code, log = await self._run(*args)
             if code != 0:
                 raise RuntimeUnavailable(f"oci runtime: starting a container of {image} failed:\n{log[-4000:]}")
+            pid = await self._pid(container)
+            sandbox.memory_cgroup = cgroups.memory_dir_of(pid)
             if self.host_uid is not None:
-                pid = await self._pid(container)
                 sandbox.owner = owner_of(pid)
                 if spec.network == "proxy-only":
                     holder, _ = await self._network_holder(spec, scratch / "sockets", join=f"/proc/{pid}/ns/net")
