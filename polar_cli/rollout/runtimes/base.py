@@ -74,6 +74,9 @@ class ExecResult:
     # The runtime's memory limit killed a process of this exec (the cgroup's OOM killer; oci: the engine says so).
     # Still the policy's failure (it controls its own memory), reported so that the runner can say why.
     oom_killed: bool = False
+    # A limit of the runtime's own that ended the exec (its processes killed): "disk" (the disk bound of the
+    # sandbox's writable directories). None otherwise.
+    limit: str | None = None
 
 
 class Sandbox(abc.ABC):
