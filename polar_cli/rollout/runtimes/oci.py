@@ -16,7 +16,8 @@ engine's cgroup; an exec during which the memory limit killed a process says so,
 the container's cgroup ``oom_kill`` count, else the engine's ``State.OOMKilled``). The container runs as the
 image's user (root, usually) with the engine's default capabilities and ``no-new-privileges`` (setuid binaries
 gain nothing). No host root: podman run by root maps the container's uids 0..65535 to the host's ``host_uid``..
-(default :data:`confine.DEFAULT_HOST_UID`, ids of no account; ``--uidmap``/``--gidmap``), so container root reads no root-only host file bound in and owns nothing on the host.
+(default :data:`confine.DEFAULT_HOST_UID`, ids of no account; ``--uidmap``/``--gidmap``), so container root
+reads no root-only host file bound in and owns nothing on the host.
 The bound writable directories (workspace, HOME, ``spec.binds``) are handed to the container user's host uid
 before each exec (the runner writes there as root between execs), and their setuid/setgid bits are cleared when
 the sandbox stops. The image's own files keep their owners inside (root-owned stays root-owned, mapped).
