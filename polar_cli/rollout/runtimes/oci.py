@@ -23,7 +23,9 @@ before each exec (the runner writes there as root between execs), and their setu
 the sandbox stops. The image's own files keep their owners inside (root-owned stays root-owned, mapped).
 Rootless podman maps the container to the invoking user already. Docker has no per-container uid map (only the
 daemon's ``userns-remap``): rootful docker's container root is host root, restricted by capabilities, seccomp and
-the mount namespace, so a root-only file bound in is readable and what it writes to a bound directory is root's.
+the mount namespace, so a root-only file bound in is readable and what it writes to a bound directory is root's:
+such a daemon is refused (``docker info``'s security options name neither rootless nor userns) unless the runtime
+option ``trust_root`` accepts it.
 
 Network: ``host`` (``--network host``), ``none``, and ``proxy-only`` (podman only): the container's network
 namespace has a loopback only, with socat listening on the proxy's ports and relaying to the host through Unix
@@ -41,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import os
 import posixpath
 import shutil
@@ -288,6 +291,7 @@ class OciRuntime(Runtime):
         oci_runtime: str | None = None,
         scratch_dir: Path | str | None = None,
         host_uid: int | None = None,
+        trust_root: bool | str = False,
     ):
         if engine not in ("podman", "docker"):
             raise ValueError(f"oci runtime: engine must be podman or docker, not {engine!r}")
@@ -314,6 +318,35 @@ class OciRuntime(Runtime):
         self.scratch_dir = Path(scratch_dir) if scratch_dir else None
         self.built: dict[str, str] = {}
         self.build_locks: dict[str, asyncio.Lock] = {}
+        # Whether the user accepts a docker daemon whose container root is host root (a runtime option: the CLI
+        # passes it as a string).
+        self.trust_root = trust_root is True or str(trust_root).lower() in ("1", "true", "yes")
+        self.engine_checked = False
+
+    async def check_engine(self) -> None:
+        """Once per runtime: refuse docker whose daemon maps container root to host root (rootful, without
+        ``userns-remap``) unless ``trust_root``. Rootless docker and userns-remap say so in ``SecurityOptions``
+        (``name=rootless``, ``name=userns``); podman maps uids itself."""
+        if self.engine_checked or self.engine != "docker":
+            return
+        code, out = await self._run("info", "--format", "{{json .SecurityOptions}}")
+        if code != 0:
+            raise RuntimeUnavailable(f"oci runtime: `docker info` failed (is the daemon running?): {out[-2000:]}")
+        try:
+            options = json.loads(out.strip().splitlines()[-1]) if out.strip() else []
+        except json.JSONDecodeError:
+            raise RuntimeUnavailable(
+                f"oci runtime: `docker info` said {out[-500:]!r}, not its security options"
+            ) from None
+        names = {part for option in options or [] for part in str(option).split(",")}
+        if not names & {"name=rootless", "name=userns"} and not self.trust_root:
+            raise RuntimeUnavailable(
+                "oci runtime: this docker daemon runs containers as host root (neither rootless nor userns-remap: "
+                f"its security options are {options}): container root would own every bound directory and read "
+                "any root-only file bound in. Use podman (engine=podman), rootless docker or userns-remap, or "
+                "accept it with the runtime option trust_root=true"
+            )
+        self.engine_checked = True
 
     def _engine_flags(self) -> list[str]:
         flags = ["--runtime", self.oci_runtime] if self.oci_runtime else []
@@ -377,6 +410,7 @@ class OciRuntime(Runtime):
             return tag
 
     async def start(self, spec: SandboxSpec) -> OciSandbox:
+        await self.check_engine()
         if spec.network not in ("host", "proxy-only", "none"):
             raise ValueError(f"oci runtime: unknown network mode {spec.network!r}")
         if spec.network == "proxy-only" and self.engine != "podman":
@@ -537,5 +571,6 @@ def owner_of(pid: int) -> tuple[int, int]:
 def make(**options) -> OciRuntime:
     """``--runtime oci``; options: ``engine`` (podman|docker), ``binary``, ``image`` (default image),
     ``oci_runtime`` (podman's --runtime, default runc when installed), ``scratch_dir``, ``host_uid`` (podman run by
-    root only: the host uid container root maps to, the next 65535 following)."""
+    root only: the host uid container root maps to, the next 65535 following), ``trust_root`` (accept a docker
+    daemon whose container root is host root: refused without it)."""
     return OciRuntime(**options)
