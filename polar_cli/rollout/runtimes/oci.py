@@ -554,7 +554,7 @@ class OciRuntime(Runtime):
         except (TimeoutError, ValueError):
             kill_group(holder)
             err = (await holder.stderr.read()).decode(errors="replace")
-            raise RuntimeUnavailable(f"oci runtime: the proxy-only network namespace did not start: {err}")
+            raise RuntimeUnavailable(f"oci runtime: the proxy-only network namespace did not start: {err}") from None
 
 
 def owner_of(pid: int) -> tuple[int, int]:
