@@ -22,11 +22,24 @@ polar cannot tell their writes apart for an unmodified task, so it narrows what 
   :class:`NoReward`: the tested code could have caused it, so the session is scored 0, never masked (a masked
   failure would pay more than an honest one).
 
-What is not blocked: a write by the tested code *while the verifier still runs* by a process that is gone before
-the verifier exits (e.g. one that waits for ``test.sh``'s last write, overwrites it and exits in the microseconds
-before ``test.sh`` does), and anything on ``local`` (no pid namespace of its own: no guard). Tasks that must exclude
-it run the code under test as another uid than the one that writes the reward (``su nobody -c pytest`` in an
-image). A verifier that itself leaves a process running (a server it started) scores 0 on bwrap and oci.
+With ``polar-untrusted`` (on PATH at ``/opt/polar/bin`` in every bwrap and oci sandbox; the task's test.sh runs
+the code under test through it: ``polar-untrusted python -m pytest ... && echo 1 > /logs/verifier/reward.txt``):
+the code under test and every process it starts cannot write, create, rename, link or truncate anything under
+``/logs`` (Landlock: inherited, irrevocable; nor can they ptrace the verifier's processes or change mounts), so the
+reward files are written by the verifier alone, whatever the tested code does and whenever it does it. Without
+python3 in an image it drops to uid 65534 as root (checked unable to write ``/logs``), else it refuses (exit 126:
+nothing runs, the reward is 0, stderr says why), as it does on a kernel without Landlock. What it cannot guarantee:
+the *verdict* the verifier derives from the tested code's process (pytest's exit status, its output) is only as
+trustworthy as the test runner the tested code runs inside (code imported by pytest can ``os._exit(0)``); a verifier
+that must not trust it runs the solution as a separate process under ``polar-untrusted`` and judges its output
+itself, and runs nothing from the workspace after it.
+
+Without ``polar-untrusted`` the tested code runs with the verifier's rights, and what is not blocked is: a reward
+file it writes that the verifier's own last word does not overwrite (a test.sh that writes ``reward.txt`` only on
+success: the tested code writes ``1`` itself, then fails the tests), a write *while the verifier still runs* by a
+process that is gone before the verifier exits, and anything on ``local`` (no pid namespace of its own: no guard,
+no ``polar-untrusted``). A verifier that itself leaves a process running (a server it started) scores 0 on bwrap
+and oci.
 """
 
 from __future__ import annotations

@@ -369,3 +369,32 @@ def test_a_connection_flood_gets_a_bounded_number_of_host_processes(proxy: Start
         assert cgroups_seen and all("polar-bwrap-" in text for text in cgroups_seen.values()), cgroups_seen
     assert _host_socats(str(scratch)) == []
     shutil.rmtree(scratch)
+
+
+def test_an_oom_kill_by_the_memory_limit_is_reported(tmp_path: Path) -> None:
+    """The sandbox's cgroup OOM killer kills a 200 MB allocation under memory_mb=64: that exec says oom_killed (the
+    runner keeps it ``failed``, saying why), the next exec of the same sandbox, which fits, does not."""
+    if find_bwrap() is None:
+        missing("bwrap is not installed (make sandbox)")
+    (tmp_path / "ca.pem").write_text("not a real CA\n")
+    spec = SandboxSpec(
+        name="oom",
+        workspace=tmp_path / "ws",
+        home=tmp_path / "home",
+        network="none",
+        proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"),
+        memory_mb=64,
+    )
+
+    async def main():
+        box = await BwrapRuntime(scratch_dir=tmp_path).start(spec)
+        try:
+            if box.cgroup is None:
+                missing("cgroups are not writable here: no memory limit to kill")
+            return await box.exec([PYTHON, "-c", "x = bytearray(200_000_000); print(len(x))"]), await box.exec("true")
+        finally:
+            await box.stop()
+
+    killed, fine = asyncio.run(main())
+    assert killed.exit_code == 137 and killed.oom_killed, killed
+    assert fine.exit_code == 0 and not fine.oom_killed

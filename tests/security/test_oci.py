@@ -175,3 +175,86 @@ def test_an_oci_agent_is_no_host_root(proxy: StartedProxy, image: str, tmp_path:
     assert (session_dir / "home" / "y") in left, left
     assert [p for p in left if p.stat().st_mode & SETID] == []
     assert [p for p in left if p.stat().st_uid == 0 and p.stat().st_mode & 0o111] == []
+
+
+def test_an_oom_kill_by_the_containers_memory_limit_is_reported(image: str, tmp_path: Path) -> None:
+    """--memory 64m: a 200 MB allocation is killed by the container's OOM killer and that exec says oom_killed; the
+    next exec, which fits, does not."""
+    (tmp_path / "ca.pem").write_text("not a real CA\n")
+    spec = SandboxSpec(
+        name="oom",
+        workspace=tmp_path / "ws",
+        home=tmp_path / "home",
+        network="none",
+        proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"),
+        memory_mb=64,
+    )
+
+    async def main():
+        box = await oci.make(image=image).start(spec)
+        try:
+            return (
+                await box.exec(["python3", "-c", "x = bytearray(200_000_000); print(len(x))"], timeout_s=60),
+                await box.exec("true", timeout_s=60),
+            )
+        finally:
+            await box.stop()
+
+    killed, fine = asyncio.run(main())
+    assert killed.exit_code == 137 and killed.oom_killed, killed
+    assert fine.exit_code == 0 and not fine.oom_killed
+
+
+FAKE_DOCKER = """#!/bin/sh
+# `docker info --format '{{json .SecurityOptions}}'` as a daemon with these options answers it; nothing else works.
+if [ "$1" = info ]; then echo '%s'; exit 0; fi
+echo "fake docker: $*" >&2; exit 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("options", "safe"),
+    [
+        ('["name=seccomp,profile=builtin","name=cgroupns"]', False),  # rootful, no remap: container root is root
+        ("null", False),
+        ('["name=seccomp,profile=builtin","name=rootless","name=cgroupns"]', True),
+        ('["name=apparmor","name=seccomp,profile=builtin","name=userns"]', True),
+    ],
+)
+def test_docker_as_host_root_is_refused_unless_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: str, safe: bool
+) -> None:
+    """A docker whose daemon maps container root to host root is refused at the first start, before any container,
+    unless the runtime option trust_root accepts it; rootless docker and userns-remap start as before."""
+    fake = tmp_path / "bin" / "docker"
+    fake.parent.mkdir()
+    fake.write_text(FAKE_DOCKER % options)
+    fake.chmod(0o755)
+    (tmp_path / "ca.pem").write_text("not a real CA\n")
+    spec = SandboxSpec(
+        name="docker",
+        workspace=tmp_path / "ws",
+        home=tmp_path / "home",
+        network="host",
+        image="busybox",
+        proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"),
+    )
+
+    def start(**options) -> str:
+        async def main() -> str:
+            try:
+                await oci.make(engine="docker", **options).start(spec)
+            except oci.RuntimeUnavailable as exc:
+                return str(exc)
+            raise AssertionError("the fake docker started a container")
+
+        return asyncio.run(main())
+
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")  # the real lookup (shutil.which) finds it
+    refused = start()
+    trusted = start(trust_root="true")
+    if safe:
+        assert "starting a container of busybox failed" in refused and "fake docker: run" in refused, refused
+    else:
+        assert "runs containers as host root" in refused and "trust_root=true" in refused, refused
+    assert "starting a container of busybox failed" in trusted, trusted  # trusted: on to `docker run`

@@ -337,3 +337,49 @@ def test_the_manifest_and_summary_never_hold_the_control_token(proxy: StartedPro
         text = path.read_text()
         assert proxy.control_token not in text, f"{path} holds the control token"
         assert not re.search(r"psk-[A-Za-z0-9_-]{8,}", text), f"{path} holds a session secret"
+
+
+# A sandbox that writes without end: one file as large as it can, then 4 MiB files one after another.
+DISK_FILL = "head -c 100M /dev/zero > big; echo big=$?; i=0; while :; do head -c 4M /dev/zero > f$i; i=$((i+1)); done"
+
+
+@pytest.mark.parametrize("runtime", ["bwrap", "local"])
+def test_filling_the_workspace_is_stopped_at_the_disk_limit(tmp_path: Path, runtime: str) -> None:
+    """disk_mb=16: the one large file stops at 16 MiB (RLIMIT_FSIZE: its writer is killed by SIGXFSZ), the stream of
+    small ones is killed by the watchdog within about a second of passing the limit, with ``limit="disk"`` and the
+    line saying so: an exit by signal, which the runner scores ``failed``. The host directories stay bounded."""
+    import asyncio
+
+    from polar_cli.rollout.runtimes import get_runtime
+    from polar_cli.rollout.runtimes.base import ProxyEndpoints, SandboxSpec
+
+    (tmp_path / "ca.pem").write_text("not a real CA\n")
+    workspace, home = tmp_path / "ws", tmp_path / "home"
+    workspace.mkdir()
+    home.mkdir()
+    spec = SandboxSpec(
+        name="disk",
+        workspace=workspace,
+        home=home,
+        network="host" if runtime == "local" else "none",
+        proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"),
+    )
+
+    async def main():
+        box = await get_runtime(runtime, disk_mb=16).start(spec)
+        try:
+            before = await box.exec("head -c 8M /dev/zero > half && echo fine", timeout_s=60)
+            return before, await box.exec(DISK_FILL, timeout_s=60), await box.exec("echo again", timeout_s=60)
+        finally:
+            await box.stop()
+
+    before, filled, after = asyncio.run(main())
+    assert before.stdout == "fine\n" and before.limit is None and before.exit_code == 0, before
+    assert not filled.timed_out and not filled.cancelled and filled.exit_code not in (0, -1), filled
+    assert filled.limit == "disk" and "polar: disk limit 16 MiB exceeded" in filled.stderr, filled
+    assert "big=153" in filled.stdout  # 128 + SIGXFSZ
+    assert (workspace / "big").stat().st_size == 16 * 2**20
+    held = sum(p.stat().st_size for p in workspace.iterdir())
+    assert 16 * 2**20 < held < 1024 * 2**20, held
+    # The next exec finds the directories over the limit already: stopped at once.
+    assert after.limit == "disk" and after.exit_code != 0

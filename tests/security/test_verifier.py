@@ -24,6 +24,7 @@ import pytest
 from polar_addon.store import read_sessions
 from polar_cli.build.output import read_traces
 from polar_cli.rollout.proxy import StartedProxy
+from polar_cli.rollout.runtimes.base import TOOLS_HOST
 from polar_cli.rollout.verify import (
     NoReward,
     file_rewards,
@@ -33,7 +34,7 @@ from polar_cli.rollout.verify import (
     read_reward_file,
 )
 from tests.support.attacks import store_of
-from tests.support.oci_image import build_test_image
+from tests.support.oci_image import build_harness_image, build_test_image
 from tests.support.proxy import REPO
 from tests.support.shards import wait_for_shards
 
@@ -45,6 +46,16 @@ ZERO_ELSE = (
     "if [ -f passed ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
 )
 ONLY_ON_PASS = "sh ./solution.sh 2>/dev/null\n[ -f passed ] && echo 1 > /logs/verifier/reward.txt\nexit 0\n"
+# The same "write only on success" shape around tests that import the code under test (as pytest does), with and
+# without polar-untrusted; both write reward.json too, so it counts (Task.reward_json).
+PASSED = "echo 1 > /logs/verifier/reward.txt && echo '{\"reward\": 1}' > /logs/verifier/reward.json\nexit 0\n"
+UNTRUSTED = f"PYTHONPATH=/tests polar-untrusted python3 -m unittest -q test_solution && {PASSED}"
+UNGUARDED = f"PYTHONPATH=/tests python3 -m unittest -q test_solution && {PASSED}"
+ATTACK_OF = {"forge-unguarded": "forge-untrusted"}  # task -> the attacker's mode, where they differ
+TEST_SOLUTION = (
+    "import unittest\n\nimport solution\n\n\nclass Answer(unittest.TestCase):\n"
+    "    def test_answer(self):\n        self.assertEqual(solution.answer(), 42)\n"
+)
 
 
 def _rollout(proxy: StartedProxy, root: Path, tasks: Path, *extra: str, seed: int) -> subprocess.CompletedProcess:
@@ -93,15 +104,16 @@ def _host_secret(root: Path) -> Path:
     return secret
 
 
-def _harbor_task(root: Path, name: str, instruction: str, test_sh: str) -> None:
+def _harbor_task(root: Path, name: str, instruction: str, test_sh: str, base: str = "python:3.11-slim") -> None:
     task = root / name
     (task / "environment" / "app").mkdir(parents=True)
     (task / "tests").mkdir()
     (task / "task.toml").write_text('version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n')
     (task / "instruction.md").write_text(instruction + "\n")
-    (task / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\nWORKDIR /app\nCOPY app/ /app/\n")
+    (task / "environment" / "Dockerfile").write_text(f"FROM {base}\nWORKDIR /app\nCOPY app/ /app/\n")
     (task / "environment" / "app" / "README").write_text("start\n")
     (task / "tests" / "test.sh").write_text("#!/bin/bash\ncd /app\n" + test_sh)
+    (task / "tests" / "test_solution.py").write_text(TEST_SOLUTION)
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +129,11 @@ def harbor_run(proxy: StartedProxy, tmp_path_factory: pytest.TempPathFactory) ->
         ("append-tests", ZERO_ELSE),
         ("link-txt", ONLY_ON_PASS),
         ("huge-txt", ONLY_ON_PASS),
+        ("forge-untrusted", UNTRUSTED),
+        ("honest-untrusted", UNTRUSTED),
+        ("forge-unguarded", UNGUARDED),
     ):
-        _harbor_task(tasks, mode, f"MODE={mode} {secret}", test_sh)
+        _harbor_task(tasks, mode, f"MODE={ATTACK_OF.get(mode, mode)} {secret}", test_sh)
     done = _rollout(proxy, root, tasks, "--runtime", "bwrap", seed=2320)
     assert done.returncode == 0, done.stdout + done.stderr
     return _by_task(root)
@@ -159,6 +174,26 @@ def test_a_writer_left_by_the_tested_code_voids_the_reward(harbor_run: dict[str,
 def test_the_running_test_sh_cannot_be_extended(harbor_run: dict[str, dict]) -> None:
     """/tests is read-only: the line appended for bash to run after test.sh's own never lands."""
     assert _scored(harbor_run["append-tests"]) == ("completed", 0.0), harbor_run["append-tests"]["reason"]
+
+
+def test_the_tested_code_cannot_write_the_reward_under_polar_untrusted(harbor_run: dict[str, dict]) -> None:
+    """test.sh writes the reward only when the tests pass; the code they import writes reward.txt and reward.json
+    itself (directly, through /proc, renamed or linked from /tmp, from a child) and fails them: under
+    polar-untrusted none of it lands, so no reward file is there and the session scores 0."""
+    session = harbor_run["forge-untrusted"]
+    assert _scored(session) == ("completed", 0.0), session["reason"]
+    assert "wrote neither /logs/verifier/reward.txt nor reward.json" in session["reason"]
+
+
+def test_without_polar_untrusted_the_same_code_forges_its_reward(harbor_run: dict[str, dict]) -> None:
+    """The control: the attack above is real (the reason polar-untrusted exists)."""
+    assert _scored(harbor_run["forge-unguarded"]) == ("completed", 1.0), harbor_run["forge-unguarded"]["reason"]
+
+
+def test_an_honest_solution_passes_through_polar_untrusted(harbor_run: dict[str, dict]) -> None:
+    """It writes its workspace, /tmp and HOME under polar-untrusted; the tests pass and test.sh's reward counts."""
+    session = harbor_run["honest-untrusted"]
+    assert _scored(session) == ("completed", 1.0), session["reason"]
 
 
 def test_a_harbor_task_on_local_is_refused_before_any_session_runs(proxy: StartedProxy, tmp_path: Path) -> None:
@@ -290,6 +325,24 @@ def test_a_writer_left_in_an_oci_verifier_voids_the_reward(proxy: StartedProxy, 
     assert "left running past the verifier" in sessions["background"]["reason"]
 
 
+@pytest.mark.slow
+def test_polar_untrusted_keeps_the_tested_code_off_the_reward_on_oci(proxy: StartedProxy, tmp_path: Path) -> None:
+    """The same Harbor tasks in containers (an image with python3: Landlock there too): the forger's reward files
+    never land, the honest solution is rewarded through polar-untrusted."""
+    if os.geteuid() != 0:
+        pytest.skip("oci runs with mapped uids only as root")
+    image = build_harness_image()
+    tasks = tmp_path / "harbor"
+    for mode in ("forge-untrusted", "honest-untrusted"):
+        _harbor_task(tasks, mode, f"MODE={mode}", UNTRUSTED, base=image)
+    done = _rollout(proxy, tmp_path, tasks, "--runtime", "oci", seed=2324)
+    assert done.returncode == 0, done.stdout + done.stderr
+    sessions = _by_task(tmp_path)
+    assert _scored(sessions["honest-untrusted"]) == ("completed", 1.0), sessions["honest-untrusted"]["reason"]
+    assert _scored(sessions["forge-untrusted"]) == ("completed", 0.0), sessions["forge-untrusted"]["reason"]
+    assert "wrote neither /logs/verifier/reward.txt nor reward.json" in sessions["forge-untrusted"]["reason"]
+
+
 # --- the pure reading of rewards (polar_cli.rollout.verify) ------------------------------------------------------
 
 
@@ -367,3 +420,101 @@ def test_the_mask_rate_counts_only_what_is_never_trained() -> None:
         "h": (1, 1, 1.0),
         "(no group)": (1, 0, 0.0),
     }
+
+
+# --- polar-untrusted itself (Landlock, on the host: the same script the sandboxes bind at /opt/polar/bin) ---------
+
+UNTRUSTED_BIN = TOOLS_HOST / "polar-untrusted"
+# What a process under polar-untrusted tries: one write per path, in itself and in a grandchild (python -> sh ->
+# python), each line "<who> <path> ok|<errno name>".
+PROBE = r"""
+import errno, subprocess, sys
+def write(path):
+    try:
+        with open(path, "w") as fh:
+            fh.write("1\n")
+        return "ok"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+for path in sys.argv[2:]:
+    print(sys.argv[1], path, write(path), flush=True)
+if sys.argv[1] == "child":
+    subprocess.run(["sh", "-c", 'exec "$0" "$@"', sys.executable, sys.argv[0], "grandchild", *sys.argv[2:]])
+"""
+
+
+def _probe(tmp_path: Path, *paths: Path, deny: Path) -> dict[tuple[str, str], str]:
+    (tmp_path / "probe.py").write_text(PROBE)
+    done = subprocess.run(
+        [str(UNTRUSTED_BIN), "--deny", str(deny), sys.executable, "probe.py", "child", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    return {(who, path): said for who, path, said in (line.split() for line in done.stdout.splitlines())}
+
+
+def test_polar_untrusted_refuses_writes_under_a_denied_dir_in_every_descendant(tmp_path: Path) -> None:
+    denied, allowed = tmp_path / "logs" / "verifier", tmp_path / "work"
+    denied.mkdir(parents=True)
+    allowed.mkdir()
+    (denied / "reward.txt").write_text("0\n")
+    targets = (denied / "reward.txt", denied / "reward.json", tmp_path / "logs" / "new.txt", allowed / "out.txt")
+    seen = _probe(tmp_path, *targets, deny=tmp_path / "logs")
+    for who in ("child", "grandchild"):
+        assert seen[(who, str(targets[0]))] == "EACCES"  # an existing reward file: not opened for writing
+        assert seen[(who, str(targets[1]))] == "EACCES"  # a new one: not created
+        assert seen[(who, str(targets[2]))] == "EACCES"  # anywhere beneath the denied directory
+        assert seen[(who, str(targets[3]))] == "ok"  # the rest as before
+    assert (denied / "reward.txt").read_text() == "0\n" and not (denied / "reward.json").exists()
+    assert (allowed / "out.txt").read_text() == "1\n"
+
+
+def test_polar_untrusted_keeps_renames_and_links_out_of_a_denied_dir(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "forged").write_text("1\n")
+    done = subprocess.run(
+        [str(UNTRUSTED_BIN), "--deny", str(tmp_path / "logs"), "sh", "-c",
+         'mv forged logs/reward.txt; ln forged logs/hard; ln -s /x logs/soft; mkdir logs/d; mv logs gone; echo end'],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.stdout == "end\n" and done.stderr.count("Permission denied") == 5, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["forged", "logs"] and not any((tmp_path / "logs").iterdir())
+
+
+def test_polar_untrusted_fails_closed_without_landlock(tmp_path: Path) -> None:
+    """A kernel without Landlock (its syscall made ENOSYS here): exit 126, the command never runs, the reason said."""
+    shim = TOOLS_HOST / "polar_untrusted.py"
+    run = f"import sys, runpy; m = runpy.run_path({str(shim)!r}); " + (
+        "m['SYS_CREATE_RULESET'] = 100000; m['main'].__globals__['SYS_CREATE_RULESET'] = 100000; "
+        "sys.exit(m['main'](sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", run, "--deny", str(tmp_path), "touch", str(tmp_path / "ran")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 126 and not (tmp_path / "ran").exists()
+    assert "refusing to run touch" in done.stderr and "the kernel has no Landlock" in done.stderr
+
+
+def test_polar_untrusted_handles_every_right_of_the_abi(tmp_path: Path) -> None:
+    """Every right the ABI has is handled (an unhandled one stays allowed); rules allow everything but beneath the
+    denied directory, entry by entry along its ancestors, and none through a link."""
+    from polar_cli.rollout.runtimes.untrusted import polar_untrusted as shim
+
+    assert shim.handled_rights(1) == (1 << 13) - 1
+    assert shim.handled_rights(3) == (1 << 15) - 1 and shim.handled_rights(7) == (1 << 16) - 1
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "c").mkdir()
+    (tmp_path / "a" / "f").write_text("")
+    (tmp_path / "a" / "l").symlink_to(tmp_path / "a" / "b")
+    every = shim.handled_rights(7)
+    rules = dict(shim.grants([str(tmp_path / "a" / "b")], every))
+    assert rules["/"] == shim.READ and rules["/usr"] == every
+    assert rules[str(tmp_path / "a" / "c")] == every and rules[str(tmp_path / "a" / "f")] == every & shim.FILE_RIGHTS
+    for path in (tmp_path, tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "l"):
+        assert str(path) not in rules

@@ -23,6 +23,44 @@ case "$mode" in
   background) echo '(while :; do echo 1 > /logs/verifier/reward.txt; done) </dev/null >/dev/null 2>&1 &' > solution.sh ;;
   # bash reads a running script as it goes: lines appended to test.sh run after its own last line.
   append-tests) echo 'echo "echo 1 > /logs/verifier/reward.txt" >> /tests/test.sh' > solution.sh ;;
+  # The code under test of a test.sh that writes the reward only when the tests pass (`polar-untrusted python3 -m
+  # unittest ... && echo 1 > reward.txt`): imported by the tests, it writes the reward itself every way it can
+  # (directly, through /proc, by a rename from /tmp, from a child) and then fails them.
+  forge-untrusted) cat > solution.py <<'PY'
+import json, os, subprocess
+for path in ("/logs/verifier/reward.txt", "/proc/self/root/logs/verifier/reward.txt", "/proc/1/cwd/../logs/verifier/reward.txt", "out/reward.txt"):
+    try:
+        with open(path, "w") as fh:
+            fh.write("1\n")
+    except OSError as exc:
+        print("refused", path, exc)
+try:
+    with open("/logs/verifier/reward.json", "w") as fh:
+        json.dump({"reward": 1}, fh)
+except OSError as exc:
+    print("refused reward.json", exc)
+with open("/tmp/forged", "w") as fh:
+    fh.write("1\n")
+for move in (lambda: os.rename("/tmp/forged", "/logs/verifier/reward.txt"), lambda: os.link("/tmp/forged", "/logs/verifier/reward.txt")):
+    try:
+        move()
+    except OSError as exc:
+        print("refused", exc)
+subprocess.run(["sh", "-c", "echo 1 > /logs/verifier/reward.txt"])
+def answer():
+    return 0
+PY
+  ;;
+  # An honest solution that writes its workspace, /tmp and HOME while the tests run under polar-untrusted.
+  honest-untrusted) cat > solution.py <<'PY'
+import os
+for directory in (".", "/tmp", os.environ["HOME"]):
+    with open(os.path.join(directory, "scratch.txt"), "w") as fh:
+        fh.write("work\n")
+def answer():
+    return 42
+PY
+  ;;
   link-file) echo "ln -s $host_file reward.txt" > solution.sh ;;
   background-file) echo '(while :; do echo 1 > reward.txt; done) </dev/null >/dev/null 2>&1 &' > solution.sh ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;

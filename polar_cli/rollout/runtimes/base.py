@@ -21,6 +21,10 @@ NetworkMode = Literal["host", "proxy-only", "none"]
 ISOLATED_HOME = "/home/polar"
 ISOLATED_RUN_DIR = "/run/polar"
 ISOLATED_CA = f"{ISOLATED_RUN_DIR}/mitmproxy-ca-cert.pem"
+# polar's own commands for verifiers (``polar-untrusted``: :mod:`untrusted.polar_untrusted`), bound read-only there in
+# every isolated sandbox and first on its PATH.
+TOOLS_HOST = Path(__file__).parent / "untrusted"
+TOOLS_DIR = "/opt/polar/bin"
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,12 @@ class ExecResult:
     stderr: str
     timed_out: bool = False
     cancelled: bool = False
+    # The runtime's memory limit killed a process of this exec (the cgroup's OOM killer; oci: the engine says so).
+    # Still the policy's failure (it controls its own memory), reported so that the runner can say why.
+    oom_killed: bool = False
+    # A limit of the runtime's own that ended the exec (its processes killed): "disk" (the disk bound of the
+    # sandbox's writable directories). None otherwise.
+    limit: str | None = None
 
 
 class Sandbox(abc.ABC):

@@ -24,7 +24,10 @@ file of that user that is mounted inside is readable whatever its mode: secrets 
 
 Limits: ``spec.cpus``, ``memory_mb`` and ``pids`` hold for the whole sandbox (all its execs together) through a
 cgroup nested under polar's own (:mod:`cgroups`); without write access to cgroups (not root, no delegation) the
-sandbox runs unlimited and the runtime logs a warning once.
+sandbox runs unlimited and the runtime logs a warning once. An exec during which the cgroup's OOM killer killed a
+process says so (``ExecResult.oom_killed``, from the cgroup's ``oom_kill`` count). Disk: the workspace, HOME,
+``spec.binds`` (and /tmp where it is no tmpfs) are bounded together by ``disk_mb`` (:mod:`disk`: RLIMIT_FSIZE on
+every process, a watchdog that kills an exec once they hold more; ``ExecResult.limit == "disk"``).
 
 Network modes: ``host`` shares the host's network (the proxy and everything else); ``none`` has only a loopback;
 ``proxy-only`` has only a loopback on which socat listens on the proxy's forward and reverse ports and relays to
@@ -48,12 +51,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polar_cli import lifeline
-from polar_cli.rollout.runtimes import cgroups, confine
+from polar_cli.rollout.runtimes import cgroups, confine, disk
 from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import (
     ISOLATED_CA,
     ISOLATED_HOME,
     ISOLATED_RUN_DIR,
+    TOOLS_DIR,
+    TOOLS_HOST,
     ExecResult,
     IsolatedSandbox,
     Runtime,
@@ -67,7 +72,7 @@ HOME = ISOLATED_HOME
 WORKSPACE = "/workspace"
 RUN_DIR = ISOLATED_RUN_DIR  # the bridge's Unix sockets and the CA, inside
 CA_INSIDE = ISOLATED_CA
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PATH = f"{TOOLS_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
 log = logging.getLogger(__name__)
 
@@ -176,7 +181,7 @@ class BwrapSandbox(IsolatedSandbox):
             mounts += ["--bind", str(host), posixpath.normpath(inside)]
         for inside, host in spec.read_only_binds.items():
             mounts += ["--ro-bind", str(host), posixpath.normpath(inside)]
-        mounts += ["--ro-bind", str(spec.proxy.ca), CA_INSIDE]
+        mounts += ["--ro-bind", str(spec.proxy.ca), CA_INSIDE, "--ro-bind", str(TOOLS_HOST), TOOLS_DIR]
         if network == "proxy-only":
             mounts += ["--ro-bind", str(self.scratch / "sockets"), f"{RUN_DIR}/sockets"]
         args += confine.with_parent_dirs(mounts)
@@ -220,7 +225,8 @@ class BwrapSandbox(IsolatedSandbox):
     ) -> asyncio.subprocess.Process:
         """Start one bwrap (in the sandbox's cgroup), the writable directories handed over first."""
         await self.hand_over()
-        full = [*self.bwrap_args(network, cwd), "--", *command]
+        full = [*disk.fsize_flags(self.runtime.prlimit, self.runtime.disk_mb), *self.bwrap_args(network, cwd)]
+        full += ["--", *command]
         return await asyncio.create_subprocess_exec(
             *(self.cgroup.wrap(full) if self.cgroup else full),
             stdin=subprocess.PIPE if has_stdin else subprocess.DEVNULL,
@@ -229,6 +235,10 @@ class BwrapSandbox(IsolatedSandbox):
             env=env,
             start_new_session=True,
         )
+
+    def disk_roots(self) -> list[Path]:
+        """What the disk bound counts: the writable directories, and /tmp where it is a host directory."""
+        return [*self.writable(), *([] if self.tmp_mount is not None else [self.scratch / "tmp"])]
 
     def writable(self) -> list[Path]:
         """The host directories the sandbox writes (its /tmp is a tmpfs of its own, or world-writable)."""
@@ -264,12 +274,14 @@ class BwrapSandbox(IsolatedSandbox):
         stdin: bytes | None = None,
         network: str | None = None,
         bounded: bool = False,
-    ) -> tuple[int, bytes, bytes, bool, bool]:
-        """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled). ``bounded``: keep only
-        a head and a tail of each stream (:mod:`output`), for what the agent controls."""
+    ) -> tuple[int, bytes, bytes, bool, bool, bool, str | None]:
+        """One bwrap invocation; returns (exit code, stdout, stderr, timed out, cancelled, OOM-killed: the
+        sandbox's memory limit killed a process meanwhile, the disk bound's line when it killed the exec).
+        ``bounded``: keep only a head and a tail of each stream (:mod:`output`), for what the agent controls."""
         if self.stopped:
             raise RuntimeError(f"sandbox {self.spec.name} is stopped")
         cancels = self.cancels
+        ooms = self.cgroup.oom_kills() if self.cgroup else 0
         network = network or self.spec.network
         command = list(argv)
         if network == "proxy-only":
@@ -284,6 +296,9 @@ class BwrapSandbox(IsolatedSandbox):
         timed_out = False
         out, err = BoundedOutput.pair(bounded)
         reading = asyncio.ensure_future(communicate(proc, stdin, out, err))
+        watching = asyncio.ensure_future(
+            disk.watch(self.disk_roots, self.runtime.disk_mb, lambda: kill_group(proc), self.runtime.disk_files)
+        )
         try:
             try:
                 await asyncio.wait_for(asyncio.shield(reading), timeout_s)
@@ -299,9 +314,12 @@ class BwrapSandbox(IsolatedSandbox):
         finally:
             self.running.discard(proc)
             lifeline.untie(proc.pid)
+            watching.cancel()
+        over = watching.result() if watching.done() and not watching.cancelled() else None
         cancelled = self.cancels != cancels
         code = -1 if timed_out or cancelled else proc.returncode
-        return code, out.data(), err.data(), timed_out, cancelled
+        oom = self.cgroup is not None and self.cgroup.oom_kills() > ooms
+        return code, out.data(), err.data() + (over or "").encode(), timed_out, cancelled, oom, over
 
     async def exec(
         self,
@@ -313,10 +331,18 @@ class BwrapSandbox(IsolatedSandbox):
         stdin: bytes | None = None,
     ) -> ExecResult:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
-        code, out, err, timed_out, cancelled = await self.run(
+        code, out, err, timed_out, cancelled, oom, over = await self.run(
             argv, env=env, cwd=cwd, timeout_s=timeout_s, stdin=stdin, bounded=True
         )
-        return ExecResult(code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out, cancelled)
+        return ExecResult(
+            code,
+            out.decode(errors="replace"),
+            err.decode(errors="replace"),
+            timed_out,
+            cancelled,
+            oom_killed=oom,
+            limit="disk" if over else None,
+        )
 
     async def upload(self, local: Path, remote: str) -> None:
         # Unpacked by tar inside the sandbox, so every path is resolved in the sandbox's own mounts (a symlink the
@@ -327,7 +353,7 @@ class BwrapSandbox(IsolatedSandbox):
         with tarfile.open(fileobj=buffer, mode="w") as tar:
             tar.add(local, arcname=posixpath.basename(remote))
         parent = posixpath.dirname(remote) or "/"
-        code, _, err, _, _ = await self.run(
+        code, _, err, *_ = await self.run(
             [
                 "/bin/sh",
                 "-c",
@@ -346,7 +372,7 @@ class BwrapSandbox(IsolatedSandbox):
     async def download(self, remote: str, local: Path) -> None:
         # Packed by tar inside (paths resolved in the sandbox's mounts), unpacked on the host without trusting it.
         remote = posixpath.normpath(remote)
-        code, out, err, _, _ = await self.run(
+        code, out, err, *_ = await self.run(
             [
                 "/bin/sh",
                 "-c",
@@ -394,6 +420,8 @@ class BwrapRuntime(Runtime):
         scratch_dir: Path | str | None = None,
         host_uid: int | None = None,
         tmp_mb: int = confine.DEFAULT_TMP_MB,
+        disk_mb: int = disk.DEFAULT_DISK_MB,
+        disk_files: int = disk.DEFAULT_MAX_ENTRIES,
     ):
         found = bwrap or find_bwrap()
         if not found:
@@ -409,6 +437,9 @@ class BwrapRuntime(Runtime):
         # Root: the sandbox's host uid (and gid); None: the invoking user's, which is already unprivileged.
         self.host_uid = (confine.DEFAULT_HOST_UID if host_uid is None else host_uid) if self.root else None
         self.tmp_mb = tmp_mb
+        self.disk_mb = int(disk_mb)
+        self.disk_files = int(disk_files)
+        self.prlimit = shutil.which("prlimit")
         self.etc_args: list[str] = []
         self.disable_userns = False
         self.checked = False
@@ -505,5 +536,7 @@ class BwrapRuntime(Runtime):
 
 def make(**options) -> BwrapRuntime:
     """``--runtime bwrap``; options: ``bwrap`` (binary path), ``scratch_dir`` (where per-sandbox /tmp lives),
-    ``host_uid`` (root only: the host uid the sandbox runs as), ``tmp_mb`` (root only: the size of its /tmp tmpfs)."""
+    ``host_uid`` (root only: the host uid the sandbox runs as), ``tmp_mb`` (root only: the size of its /tmp tmpfs),
+    ``disk_mb`` (default 4096) and ``disk_files`` (default 200000): the disk bound of its writable directories
+    (:mod:`disk`)."""
     return BwrapRuntime(**options)

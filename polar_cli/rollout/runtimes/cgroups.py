@@ -46,6 +46,10 @@ class Cgroup:
                 pass
         return found
 
+    def oom_kills(self) -> int:
+        """How many processes the memory limit's OOM killer has killed in this cgroup so far (0 without one)."""
+        return sum(oom_kills(d) for d in self.dirs)
+
     def kill(self, timeout: float = 5.0) -> None:
         """SIGKILL every process in the cgroup until it is empty."""
         deadline = time.monotonic() + timeout
@@ -64,6 +68,39 @@ class Cgroup:
                 d.rmdir()
             except OSError:
                 pass
+
+
+def oom_kills(directory: Path) -> int:
+    """The ``oom_kill`` count of a cgroup directory: v2's ``memory.events``, v1's ``memory.oom_control``; 0 where
+    the directory has neither (not a memory cgroup, gone)."""
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            text = (directory / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
+    return 0
+
+
+def memory_dir_of(pid: int) -> Path | None:
+    """The host directory of the memory cgroup process ``pid`` is in (v2: its one cgroup), None when unknown."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    paths = {}
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else [""]:
+            paths[name] = path
+    if "memory" in paths:
+        return ROOT / "memory" / paths["memory"].lstrip("/")
+    if "" in paths and (ROOT / "cgroup.controllers").exists():
+        return ROOT / paths[""].lstrip("/")
+    return None
 
 
 def create(name: str, cpus: float | None, memory_mb: int | None, pids: int | None) -> tuple[Cgroup | None, str]:

@@ -2,7 +2,8 @@
 
 The session gets its own HOME and its own copy of the workspace (the runner's per-session directories), a clean
 environment (the host's PATH and locale, nothing else of the caller's environment: no tokens or keys leak in),
-resource limits by ``prlimit`` (util-linux) where the spec gives them, and its own pid namespace (``unshare
+resource limits by ``prlimit`` (util-linux) where the spec gives them, a disk bound on its workspace, HOME and
+TMPDIR (:mod:`disk`: ``RLIMIT_FSIZE`` and a watchdog), and its own pid namespace (``unshare
 --pid --kill-child``): when the command ends, is killed, or polar dies, the kernel kills every process it started,
 ``setsid`` and double-forked daemons included, so nothing of a session outlives its exec (as in ``bwrap``). Where no
 pid namespace can be made the runtime refuses to start rather than run untracked processes. It can read and write
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polar_cli import lifeline
+from polar_cli.rollout.runtimes import disk
 from polar_cli.rollout.runtimes.base import ExecResult, Runtime, RuntimeUnavailable, Sandbox, SandboxSpec
 from polar_cli.rollout.runtimes.output import BoundedOutput, communicate
 
@@ -38,7 +40,15 @@ INIT = 'exec 3<&0; "$@" <&3 3<&- & wait $!'
 
 
 class LocalSandbox(Sandbox):
-    def __init__(self, spec: SandboxSpec, scratch: Path, prlimit: str | None, unshare: Sequence[str]) -> None:
+    def __init__(
+        self,
+        spec: SandboxSpec,
+        scratch: Path,
+        prlimit: str | None,
+        unshare: Sequence[str],
+        disk_mb: int = disk.DEFAULT_DISK_MB,
+        disk_files: int = disk.DEFAULT_MAX_ENTRIES,
+    ) -> None:
         self.spec = spec
         self.workspace = str(spec.workspace)
         self.home = str(spec.home)
@@ -52,6 +62,8 @@ class LocalSandbox(Sandbox):
         self._procs: set[asyncio.subprocess.Process] = set()
         self._cancelled: set[asyncio.subprocess.Process] = set()
         self._stopped = False
+        self.disk_mb = disk_mb
+        self.disk_files = disk_files
 
     def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
         base = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
@@ -61,14 +73,14 @@ class LocalSandbox(Sandbox):
         return base
 
     def _limits(self) -> list[str]:
-        flags = []
+        flags = [f"--fsize={self.disk_mb * 2**20}"] if self._prlimit else []  # the disk bound's per-file part
         if self.spec.pids:
             flags.append(f"--nproc={self.spec.pids}")
         if self.spec.memory_mb:
             flags.append(f"--as={self.spec.memory_mb * 1024 * 1024}")
         if not flags:
             return []
-        if self._prlimit is None:
+        if self._prlimit is None and (self.spec.pids or self.spec.memory_mb):
             raise RuntimeUnavailable("prlimit (util-linux) not found: cannot apply the resource limits")
         return [self._prlimit, *flags, "--"]
 
@@ -93,6 +105,14 @@ class LocalSandbox(Sandbox):
         self._procs.add(proc)
         out, err = BoundedOutput(), BoundedOutput()
         timed_out = False
+        watching = asyncio.ensure_future(
+            disk.watch(
+                lambda: [self.spec.workspace, Path(self.home), self._scratch],
+                self.disk_mb,
+                lambda: _kill_group(proc),
+                self.disk_files,
+            )
+        )
         try:
             reading = asyncio.ensure_future(communicate(proc, stdin, out, err))
             try:
@@ -108,15 +128,18 @@ class LocalSandbox(Sandbox):
         finally:
             self._procs.discard(proc)
             lifeline.untie(proc.pid)
+            watching.cancel()
+        over = watching.result() if watching.done() and not watching.cancelled() else None
         cancelled = proc in self._cancelled
         self._cancelled.discard(proc)
         code = -1 if (timed_out or cancelled) else proc.returncode
         return ExecResult(
             exit_code=code if code is not None else -1,
             stdout=out.text(),
-            stderr=err.text(),
+            stderr=err.text() + (over or ""),
             timed_out=timed_out,
             cancelled=cancelled,
+            limit="disk" if over else None,
         )
 
     def _inside(self, path: str) -> Path:
@@ -175,8 +198,10 @@ class LocalRuntime(Runtime):
     default_network = "host"
     places_directories = False
 
-    def __init__(self) -> None:
+    def __init__(self, disk_mb: int = disk.DEFAULT_DISK_MB, disk_files: int = disk.DEFAULT_MAX_ENTRIES) -> None:
         self._prlimit = shutil.which("prlimit")
+        self.disk_mb = int(disk_mb)
+        self.disk_files = int(disk_files)
         self._unshare: list[str] | None = None
 
     def _pid_namespace(self) -> list[str]:
@@ -220,10 +245,13 @@ class LocalRuntime(Runtime):
                 raise RuntimeUnavailable(f"{directory}: not a directory")
         unshare = self._pid_namespace()
         scratch = Path(tempfile.mkdtemp(prefix=f"polar-{spec.name[:40]}-"))
-        return LocalSandbox(spec, scratch, self._prlimit, unshare)
+        return LocalSandbox(spec, scratch, self._prlimit, unshare, self.disk_mb, self.disk_files)
 
 
 def make(**options: object) -> Runtime:
-    if options:
-        raise ValueError(f"the local runtime takes no options, got {sorted(options)}")
-    return LocalRuntime()
+    """``--runtime local``; options: ``disk_mb`` (default 4096) and ``disk_files`` (default 200000), the disk bound
+    of the session's workspace, HOME and TMPDIR (:mod:`disk`)."""
+    unknown = sorted(set(options) - {"disk_mb", "disk_files"})
+    if unknown:
+        raise ValueError(f"the local runtime takes only disk_mb and disk_files, got {unknown}")
+    return LocalRuntime(**options)  # type: ignore[arg-type]

@@ -12,16 +12,20 @@ at their own paths (host binaries need the image to carry their libraries: node 
 image like the host's), the proxy's CA certificate (only that file) read-only.
 
 Limits: ``spec.cpus``, ``memory_mb``, ``pids`` become ``--cpus``, ``--memory``, ``--pids-limit`` (enforced by the
-engine's cgroup). The container runs as the image's user (root, usually) with the engine's default capabilities
-and ``no-new-privileges`` (setuid binaries gain nothing). No host root: podman run by root maps the container's
-uids 0..65535 to the host's ``host_uid``.. (default :data:`confine.DEFAULT_HOST_UID`, ids of no account;
-``--uidmap``/``--gidmap``), so container root reads no root-only host file bound in and owns nothing on the host.
+engine's cgroup; an exec during which the memory limit killed a process says so, ``ExecResult.oom_killed``, from
+the container's cgroup ``oom_kill`` count, else the engine's ``State.OOMKilled``). The container runs as the
+image's user (root, usually) with the engine's default capabilities and ``no-new-privileges`` (setuid binaries
+gain nothing). No host root: podman run by root maps the container's uids 0..65535 to the host's ``host_uid``..
+(default :data:`confine.DEFAULT_HOST_UID`, ids of no account; ``--uidmap``/``--gidmap``), so container root
+reads no root-only host file bound in and owns nothing on the host.
 The bound writable directories (workspace, HOME, ``spec.binds``) are handed to the container user's host uid
 before each exec (the runner writes there as root between execs), and their setuid/setgid bits are cleared when
 the sandbox stops. The image's own files keep their owners inside (root-owned stays root-owned, mapped).
 Rootless podman maps the container to the invoking user already. Docker has no per-container uid map (only the
 daemon's ``userns-remap``): rootful docker's container root is host root, restricted by capabilities, seccomp and
-the mount namespace, so a root-only file bound in is readable and what it writes to a bound directory is root's.
+the mount namespace, so a root-only file bound in is readable and what it writes to a bound directory is root's:
+such a daemon is refused (``docker info``'s security options name neither rootless nor userns) unless the runtime
+option ``trust_root`` accepts it.
 
 Network: ``host`` (``--network host``), ``none``, and ``proxy-only`` (podman only): the container's network
 namespace has a loopback only, with socat listening on the proxy's ports and relaying to the host through Unix
@@ -39,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import os
 import posixpath
 import shutil
@@ -50,11 +55,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polar_cli import lifeline
-from polar_cli.rollout.runtimes import confine
+from polar_cli.rollout.runtimes import cgroups, confine
 from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import (
     ISOLATED_CA,
     ISOLATED_HOME,
+    TOOLS_DIR,
+    TOOLS_HOST,
     ExecResult,
     IsolatedSandbox,
     Runtime,
@@ -68,7 +75,7 @@ from polar_cli.rollout.runtimes.output import BoundedOutput, communicate
 HOME = ISOLATED_HOME
 WORKSPACE = "/workspace"
 CA_INSIDE = ISOLATED_CA
-PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PATH = f"{TOOLS_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # pid 1: sleeps until the container is removed; exits at once on SIGTERM.
 INIT = 'trap "exit 0" TERM; while :; do sleep 3600 & wait $!; done'
 # Kills everything but pid 1 and itself (kill -1 spares both).
@@ -108,6 +115,15 @@ class OciSandbox(IsolatedSandbox):
         self.workspace = spec.workdir or WORKSPACE
         self.host_workspace: Path | None = None  # set by start when the host directory is bound
         self.owner: tuple[int, int] | None = None  # the container user's host uid and gid, when uids are mapped
+        self.memory_cgroup: Path | None = None  # the container's memory cgroup on the host (its OOM kill count)
+
+    async def oom_kills(self) -> int:
+        """How many processes the container's memory limit has killed so far: its cgroup's count where the host
+        shows it, else 1 when the engine says the container was OOM-killed."""
+        if self.memory_cgroup is not None:
+            return cgroups.oom_kills(self.memory_cgroup)
+        code, out = await self.runtime._run("inspect", "--format", "{{.State.OOMKilled}}", self.container)
+        return 1 if code == 0 and out.strip() == "true" else 0
 
     async def _cli(
         self,
@@ -194,6 +210,7 @@ class OciSandbox(IsolatedSandbox):
         cancels = self.cancels  # a cancel while the directories are handed over stops this exec too
         await self.hand_over()
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+        ooms = await self.oom_kills() if self.spec.memory_mb else 0
         args = ["exec", "-w", cwd or self.workspace]
         if stdin is not None:
             args.append("-i")
@@ -208,6 +225,7 @@ class OciSandbox(IsolatedSandbox):
             err.decode(errors="replace"),
             timed_out,
             cancelled,
+            oom_killed=bool(self.spec.memory_mb) and await self.oom_kills() > ooms,
         )
 
     async def upload(self, local: Path, remote: str) -> None:
@@ -273,6 +291,7 @@ class OciRuntime(Runtime):
         oci_runtime: str | None = None,
         scratch_dir: Path | str | None = None,
         host_uid: int | None = None,
+        trust_root: bool | str = False,
     ):
         if engine not in ("podman", "docker"):
             raise ValueError(f"oci runtime: engine must be podman or docker, not {engine!r}")
@@ -299,6 +318,35 @@ class OciRuntime(Runtime):
         self.scratch_dir = Path(scratch_dir) if scratch_dir else None
         self.built: dict[str, str] = {}
         self.build_locks: dict[str, asyncio.Lock] = {}
+        # Whether the user accepts a docker daemon whose container root is host root (a runtime option: the CLI
+        # passes it as a string).
+        self.trust_root = trust_root is True or str(trust_root).lower() in ("1", "true", "yes")
+        self.engine_checked = False
+
+    async def check_engine(self) -> None:
+        """Once per runtime: refuse docker whose daemon maps container root to host root (rootful, without
+        ``userns-remap``) unless ``trust_root``. Rootless docker and userns-remap say so in ``SecurityOptions``
+        (``name=rootless``, ``name=userns``); podman maps uids itself."""
+        if self.engine_checked or self.engine != "docker":
+            return
+        code, out = await self._run("info", "--format", "{{json .SecurityOptions}}")
+        if code != 0:
+            raise RuntimeUnavailable(f"oci runtime: `docker info` failed (is the daemon running?): {out[-2000:]}")
+        try:
+            options = json.loads(out.strip().splitlines()[-1]) if out.strip() else []
+        except json.JSONDecodeError:
+            raise RuntimeUnavailable(
+                f"oci runtime: `docker info` said {out[-500:]!r}, not its security options"
+            ) from None
+        names = {part for option in options or [] for part in str(option).split(",")}
+        if not names & {"name=rootless", "name=userns"} and not self.trust_root:
+            raise RuntimeUnavailable(
+                "oci runtime: this docker daemon runs containers as host root (neither rootless nor userns-remap: "
+                f"its security options are {options}): container root would own every bound directory and read "
+                "any root-only file bound in. Use podman (engine=podman), rootless docker or userns-remap, or "
+                "accept it with the runtime option trust_root=true"
+            )
+        self.engine_checked = True
 
     def _engine_flags(self) -> list[str]:
         flags = ["--runtime", self.oci_runtime] if self.oci_runtime else []
@@ -362,6 +410,7 @@ class OciRuntime(Runtime):
             return tag
 
     async def start(self, spec: SandboxSpec) -> OciSandbox:
+        await self.check_engine()
         if spec.network not in ("host", "proxy-only", "none"):
             raise ValueError(f"oci runtime: unknown network mode {spec.network!r}")
         if spec.network == "proxy-only" and self.engine != "podman":
@@ -421,6 +470,8 @@ class OciRuntime(Runtime):
                 f"{spec.home}:{HOME}",
                 "-v",
                 f"{spec.proxy.ca}:{CA_INSIDE}:ro",
+                "-v",
+                f"{TOOLS_HOST}:{TOOLS_DIR}:ro",
             ]
             if bind_workspace:
                 args += ["-v", f"{spec.workspace}:{sandbox.workspace}"]
@@ -441,8 +492,9 @@ class OciRuntime(Runtime):
             code, log = await self._run(*args)
             if code != 0:
                 raise RuntimeUnavailable(f"oci runtime: starting a container of {image} failed:\n{log[-4000:]}")
+            pid = await self._pid(container)
+            sandbox.memory_cgroup = cgroups.memory_dir_of(pid)
             if self.host_uid is not None:
-                pid = await self._pid(container)
                 sandbox.owner = owner_of(pid)
                 if spec.network == "proxy-only":
                     holder, _ = await self._network_holder(spec, scratch / "sockets", join=f"/proc/{pid}/ns/net")
@@ -502,7 +554,7 @@ class OciRuntime(Runtime):
         except (TimeoutError, ValueError):
             kill_group(holder)
             err = (await holder.stderr.read()).decode(errors="replace")
-            raise RuntimeUnavailable(f"oci runtime: the proxy-only network namespace did not start: {err}")
+            raise RuntimeUnavailable(f"oci runtime: the proxy-only network namespace did not start: {err}") from None
 
 
 def owner_of(pid: int) -> tuple[int, int]:
@@ -519,5 +571,6 @@ def owner_of(pid: int) -> tuple[int, int]:
 def make(**options) -> OciRuntime:
     """``--runtime oci``; options: ``engine`` (podman|docker), ``binary``, ``image`` (default image),
     ``oci_runtime`` (podman's --runtime, default runc when installed), ``scratch_dir``, ``host_uid`` (podman run by
-    root only: the host uid container root maps to, the next 65535 following)."""
+    root only: the host uid container root maps to, the next 65535 following), ``trust_root`` (accept a docker
+    daemon whose container root is host root: refused without it)."""
     return OciRuntime(**options)
