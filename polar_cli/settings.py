@@ -18,8 +18,6 @@ from dataclasses import MISSING, Field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
-from polar_cli.rollout.redact import REDACTED
-
 _KEY = "polar_cli.settings"
 T = TypeVar("T")
 
@@ -64,6 +62,20 @@ def option(
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={_KEY: spec})
     return dataclasses.field(default=default, metadata={_KEY: spec})
+
+
+def reuse(cls: type, name: str, **changes: Any) -> Any:
+    """Field ``name`` of settings class ``cls`` declared again for another settings class: the same default, flags
+    and help unless ``changes`` (:func:`option`'s keywords) say otherwise (`polar loop` takes rollout options)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    declared = spec(field)
+    assert declared is not None, f"{cls.__name__}.{name} is no option"
+    keywords: dict[str, Any] = {
+        k: getattr(declared, k) for k in ("help", "flags", "argument", "cli", "secret", "envvar", "min", "show_default")
+    }
+    if "default" not in changes and "default_factory" not in changes:
+        keywords["default"], keywords["default_factory"] = field.default, field.default_factory
+    return option(**(keywords | changes))
 
 
 def spec(field: Field[Any]) -> Spec | None:
@@ -153,6 +165,8 @@ def command(func: Callable[..., T]) -> Callable[..., T]:
 def manifest(config: Any) -> dict[str, Any]:
     """``asdict(config)`` as JSON values (paths as strings), every secret field replaced by ``<redacted>`` (None when
     unset): what a run records of how it was started."""
+    from polar_cli.rollout.redact import REDACTED
+
     secret = {f.name for f in dataclasses.fields(config) if (s := spec(f)) is not None and s.secret}
     values = dataclasses.asdict(config)
     return {k: (None if v is None else REDACTED) if k in secret else _json(v) for k, v in values.items()}

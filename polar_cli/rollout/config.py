@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polar_cli.rollout import workspace as ws
-from polar_cli.rollout.harnesses.base import HarnessPreset
-from polar_cli.rollout.proxy import ExternalProxy
-from polar_cli.rollout.runtimes.base import NetworkMode, Runtime
-from polar_cli.rollout.tasks import Task
 from polar_cli.settings import SettingsError, option
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: `polar --help` imports this module and should stay fast
+    from polar_cli.rollout.harnesses.base import HarnessPreset
+    from polar_cli.rollout.proxy import ExternalProxy
     from polar_cli.rollout.runner import RolloutProgress
+    from polar_cli.rollout.runtimes.base import NetworkMode, Runtime
+    from polar_cli.rollout.tasks import Task
 
 
 @dataclass
