@@ -166,6 +166,7 @@ def loop(ctx: typer.Context, settings: LoopSettings) -> None:
     from polar_cli.rollout_cmd import choose_runtime
 
     s = settings
+    s.validate()
     s.runtime = choose_runtime(s.runtime, s.trust_agent)
     train_args = list(ctx.args)
     if s.max_staleness is not None and not s.asynchronous:

@@ -48,6 +48,7 @@ def rollout(settings: RolloutSettings) -> None:
     from polar_cli.rollout.tasks import load_tasks, task_set_hash
 
     s = settings
+    s.validate()
     s.runtime = choose_runtime(s.runtime, s.trust_agent)
     try:
         task_list = load_tasks(s.tasks, limit=s.tasks_limit)

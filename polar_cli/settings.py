@@ -4,8 +4,9 @@ dataclasses), so an option is never written again in a signature, a constructor 
 
 - :func:`option` declares a field and how the command line shows it.
 - :func:`command` turns ``def cmd(settings: S, ...)`` into a Typer callback whose parameters are ``S``'s CLI fields
-  (plus the function's own other parameters), builds ``S`` from them, runs ``S.validate()`` and hands ``S`` over; a
-  :class:`SettingsError` from ``validate`` becomes a usage error naming the field's flag (exit status 2).
+  (plus the function's own other parameters), builds ``S`` from them and hands it over; a :class:`SettingsError`
+  (what ``S.validate()`` raises) becomes a usage error naming the field's flag (exit status 2). The command calls
+  ``validate`` itself, where its checks belong (`polar train` lets its runner do it, as library users get it).
 - :func:`manifest` is ``asdict`` with the secret fields redacted: what a run writes beside its results.
 """
 
@@ -129,7 +130,8 @@ def parameters(cls: type) -> list[inspect.Parameter]:
 
 def command(func: Callable[..., T]) -> Callable[..., T]:
     """A Typer callback from ``func(…, settings: S, …)``: ``S``'s CLI fields replace the ``settings`` parameter (the one
-    annotated with a dataclass), the other parameters stay as declared (a ``typer.Context``, command-only flags)."""
+    annotated with a dataclass), the other parameters stay as declared (a ``typer.Context``, command-only flags); a
+    :class:`SettingsError` it raises is a usage error on the field's flag."""
     import typer
 
     hints = get_type_hints(func)
@@ -146,12 +148,10 @@ def command(func: Callable[..., T]) -> Callable[..., T]:
     def callback(**kwargs: Any) -> T:
         settings = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in field_names})
         try:
-            if hasattr(settings, "validate"):
-                settings.validate()
+            return func(**{name: settings}, **kwargs)
         except SettingsError as exc:
             hint = flag(cls, exc.field) if exc.field else None
             raise typer.BadParameter(str(exc), param_hint=hint) from exc
-        return func(**{name: settings}, **kwargs)
 
     callback.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     callback.__annotations__ = {p.name: hints.get(p.name, p.annotation) for p in own if p.name != name} | {

@@ -45,6 +45,7 @@ def _app(seen: list) -> typer.Typer:
     @settings.command
     def toy(config: Toy, extra: bool = typer.Option(False, "--extra", help="A command-only flag.")) -> None:
         """The toy command."""
+        config.validate()
         seen.append((config, extra))
 
     app = typer.Typer(add_completion=False)
