@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from polar_cli.rollout.config import RolloutSettings, check_network, check_set_options
+from polar_cli.set_option import set_options
 from polar_cli.settings import SettingsError, command, option, reuse
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class LoopSettings:
             tasks=tasks, harness=self.harness, model=self.model, iterations=self.iterations, out=self.out,
             samples=self.samples, engine=self.engine, runtime=self.runtime, trust_agent=self.trust_agent,
             network=self.network, concurrency=self.concurrency, timeout_s=self.timeout_s, seed=self.seed,
-            proxy_options=dict(item.partition("=")[::2] for item in self.proxy_set), train_args=train_args,
+            proxy_options=set_options(self.proxy_set), train_args=train_args,
             served_model_name=self.served_model_name, vllm_args=self.vllm_arg, context_window=self.context_window,
             max_output_tokens=self.max_output_tokens, max_patch_bytes=self.max_patch_mb * 1024 * 1024, ray=self.ray,
             ray_resource=self.ray_resource,

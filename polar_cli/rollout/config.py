@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polar_cli.rollout import workspace as ws
+from polar_cli.set_option import set_options
 from polar_cli.settings import SettingsError, option
 
 if TYPE_CHECKING:  # annotations only: `polar --help` imports this module and should stay fast
@@ -255,7 +256,7 @@ class RolloutSettings:
 
     def proxy_options(self) -> dict[str, str]:
         """``--set KEY=VALUE`` as a mapping."""
-        return dict(item.partition("=")[::2] for item in self.proxy_set)
+        return set_options(self.proxy_set)
 
     def to_config(
         self, tasks: Sequence[Task], harness: HarnessPreset, proxy: ExternalProxy | None, **more: Any
@@ -285,7 +286,7 @@ def check_network(network: str | None) -> None:
 
 def check_set_options(items: Sequence[str]) -> None:
     """Each ``--set`` item is KEY=VALUE."""
-    for item in items:
-        key, sep, _ = item.partition("=")
-        if not sep or not key:
-            raise SettingsError(f"{item!r} is not KEY=VALUE", "proxy_set")
+    try:
+        set_options(items)
+    except ValueError as exc:
+        raise SettingsError(str(exc), "proxy_set") from exc
