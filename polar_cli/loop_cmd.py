@@ -3,14 +3,21 @@ of reward per iteration, the exit code)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from polar_cli.set_option import parse_set_options
+from polar_cli.rollout.config import RolloutSettings, check_network, check_set_options
+from polar_cli.set_option import set_options
+from polar_cli.settings import SettingsError, command, option, reuse
+
+if TYPE_CHECKING:
+    from polar_cli.rollout.loop import LoopConfig
+    from polar_cli.rollout.tasks import Task
 
 LOOP_HELP = """Close the loop: rollout -> polar train -> engine reload -> rollout, ITERATIONS times.
 
@@ -32,150 +39,152 @@ Sessions run in bwrap (network proxy-only) by default, which shows a cmd: harnes
 """
 
 
-def loop(
-    ctx: typer.Context,
-    tasks: Path = typer.Argument(
-        ..., help="The task set (as `polar rollout`): a JSONL file, a Harbor task directory, or a directory of either."
-    ),
-    harness: str = typer.Option(
-        ...,
-        "--harness",
-        "-H",
-        help="claude-code, codex, qwen-code, pi, gemini-cli, or cmd:'ANY COMMAND {instruction}'.",
-    ),
-    model: Path = typer.Option(..., "--model", "-m", help="The starting policy (a model directory)."),
-    iterations: int = typer.Option(..., "--iterations", "-k", help="Rollouts; a training between each two."),
-    out: Path = typer.Option(
-        ...,
-        "--out",
-        "-o",
+@dataclass
+class LoopSettings:
+    """`polar loop`'s command line: its own options, and `polar rollout`'s it passes to every rollout (reused, not
+    repeated: the same flags, defaults, help and checks). Unknown options go to `polar train` (checked up front)."""
+
+    tasks: Path = reuse(
+        RolloutSettings,
+        "tasks",
+        help="The task set (as `polar rollout`): a JSONL file, a Harbor task directory, or a directory of either.",
+    )
+    harness: str = reuse(RolloutSettings, "harness")
+    model: Path = option(flags=("--model", "-m"), help="The starting policy (a model directory).")
+    iterations: int = option(flags=("--iterations", "-k"), help="Rollouts; a training between each two.")
+    out: Path = option(
+        flags=("--out", "-o"),
         help="The loop's directory: iter-NNN/{shards,logs,checkpoint}, "
         "loop.json. Re-running with the same OUT resumes.",
-    ),
-    samples: int = typer.Option(8, "--samples", "-n", help="Sessions per task per iteration (the GRPO group)."),
-    engine: str = typer.Option(
+    )
+    samples: int = reuse(
+        RolloutSettings, "samples", default=8, help="Sessions per task per iteration (the GRPO group)."
+    )
+    engine: str = option(
         "local",
         help="local: the model runs in the proxy (restarted on each checkpoint); "
         "vllm: a vLLM server (.venv-vllm) started by the loop and restarted on each checkpoint; "
         "sglang:URL: a running SGLang server, given each checkpoint with "
         "update_weights_from_disk (it must see the loop's --out at the same path).",
-    ),
-    runtime: str | None = typer.Option(
-        None,
-        help="Where sessions run: bwrap (the default where it works here), "
-        "oci, or local (no isolation: needs --trust-agent), as `polar rollout`.",
-    ),
-    trust_agent: bool = typer.Option(
-        False,
-        "--trust-agent",
-        help="Allow --runtime local: the agent can then read the proxy's "
-        "control token and the store (and so set its own reward). Only for agents "
-        "you trust.",
-    ),
-    network: str | None = typer.Option(None, help="host or proxy-only (default: the runtime's)."),
-    concurrency: int = typer.Option(4, "--concurrency", "-c", help="Harness runs at once."),
-    timeout: float | None = typer.Option(None, help="Seconds per harness run (default: each task's)."),
-    seed: int = typer.Option(0, help="Iteration i's rollout seed is SEED + i (session ids and task order)."),
-    served_model_name: str = typer.Option("policy", "--served-model", help="The model name harnesses ask for."),
-    context_window: int | None = typer.Option(
-        None,
-        min=1,
-        help="The context window each harness is told. "
-        "Default: what the engine serves (the model's "
+    )
+    runtime: str | None = reuse(RolloutSettings, "runtime")
+    trust_agent: bool = reuse(RolloutSettings, "trust_agent")
+    network: str | None = reuse(RolloutSettings, "network")
+    concurrency: int = reuse(RolloutSettings, "concurrency")
+    timeout_s: float | None = reuse(RolloutSettings, "timeout_s")
+    seed: int = option(0, help="Iteration i's rollout seed is SEED + i (session ids and task order).")
+    served_model_name: str = reuse(RolloutSettings, "model", flags=("--served-model",))
+    context_window: int | None = reuse(
+        RolloutSettings,
+        "context_window",
+        help="The context window each harness is told. Default: what the engine serves (the model's "
         "max_position_embeddings; vLLM's --max-model-len).",
-    ),
-    max_output_tokens: int | None = typer.Option(
-        None,
-        min=1,
-        help="The output cap each harness is told. "
-        "Default: --set polar_max_tokens=N when given, else the harness's own.",
-    ),
-    option: list[str] = typer.Option(
-        [], "--set", help="Extra proxy option KEY=VALUE (repeatable), e.g. --set polar_max_tokens=64."
-    ),
-    vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra vLLM flag with --engine vllm (repeatable)."),
-    display: bool = typer.Option(True, "--progress/--no-progress", help="Status lines while a phase runs."),
-    asynchronous: bool = typer.Option(
+    )
+    max_output_tokens: int | None = reuse(RolloutSettings, "max_output_tokens")
+    max_patch_mb: int = reuse(RolloutSettings, "max_patch_mb")
+    proxy_set: list[str] = reuse(
+        RolloutSettings, "proxy_set", help="Extra proxy option KEY=VALUE (repeatable), e.g. --set polar_max_tokens=64."
+    )
+    vllm_arg: list[str] = option(
+        default_factory=list, flags=("--vllm-arg",), help="Extra vLLM flag with --engine vllm (repeatable)."
+    )
+    progress: bool = reuse(RolloutSettings, "progress", help="Status lines while a phase runs.")
+    asynchronous: bool = option(
         False,
-        "--async",
+        flags=("--async",),
         help="Rollouts keep running while the trainer trains (see above); resumable with the same --out.",
-    ),
-    max_staleness: int | None = typer.Option(
+    )
+    max_staleness: int | None = option(
         None,
-        "--max-staleness",
+        flags=("--max-staleness",),
         min=0,
-        help="--async: train a group only "
-        "if its calls were sampled at most this many weight versions before "
-        "the policy being trained (default 1). Without --async it is passed "
-        "to polar train.",
-    ),
-    drain: str = typer.Option(
+        help="--async: train a group only if its calls were sampled at most this many weight versions before the "
+        "policy being trained (default 1). Without --async it is passed to polar train.",
+    )
+    drain: str = option(
         "wait",
-        "--drain",
+        flags=("--drain",),
         help="--async, when new weights are pushed (new sessions wait until "
         "the engine serves them): wait (the batch in flight finishes on the old weights first) "
         "or cut (its running sessions are cancelled and masked as error).",
-    ),
-    ray_address: str | None = typer.Option(
-        None,
-        "--ray",
+    )
+    ray: str | None = reuse(
+        RolloutSettings,
+        "ray",
         help="Run each rollout on this Ray cluster (as polar "
         "rollout --ray: a worker and proxy per node, --concurrency per node). "
         "OUT, --model and the checkpoints must be at the same path on every "
         "node (a shared directory); training runs here. Needs the pip extra "
         "fleet.",
-    ),
-    ray_resource: str | None = typer.Option(None, help="With --ray: only the nodes offering this custom resource."),
-) -> None:
+    )
+    ray_resource: str | None = reuse(RolloutSettings, "ray_resource")
+
+    def validate(self) -> None:
+        from polar_cli.rollout.loop import engine_kind
+
+        try:
+            engine_kind(self.engine)
+        except ValueError as exc:
+            raise SettingsError("local, vllm or sglang:URL", "engine") from exc
+        check_network(self.network)
+        if self.drain not in ("wait", "cut"):
+            raise SettingsError("wait or cut", "drain")
+        if self.ray is not None and self.asynchronous:
+            raise SettingsError("--ray runs the synchronous loop's rollouts; --async runs locally", "ray")
+        if self.ray is not None and self.engine != "local":
+            raise SettingsError(
+                "--ray needs --engine local (each node's proxy loads the policy; the loop's vLLM "
+                "server listens on this machine's loopback only)",
+                "engine",
+            )
+        if self.ray_resource is not None and self.ray is None:
+            raise SettingsError("--ray-resource needs --ray", "ray_resource")
+        check_set_options(self.proxy_set)
+
+    def to_config(self, tasks: Sequence[Task], train_args: Sequence[str]) -> LoopConfig:
+        """The loop's config (the runtime chosen first)."""
+        from polar_cli.rollout.loop import LoopConfig
+
+        assert self.runtime is not None, "choose the runtime first"
+        return LoopConfig(
+            tasks=tasks, harness=self.harness, model=self.model, iterations=self.iterations, out=self.out,
+            samples=self.samples, engine=self.engine, runtime=self.runtime, trust_agent=self.trust_agent,
+            network=self.network, concurrency=self.concurrency, timeout_s=self.timeout_s, seed=self.seed,
+            proxy_options=set_options(self.proxy_set), train_args=train_args,
+            served_model_name=self.served_model_name, vllm_args=self.vllm_arg, context_window=self.context_window,
+            max_output_tokens=self.max_output_tokens, max_patch_bytes=self.max_patch_mb * 1024 * 1024, ray=self.ray,
+            ray_resource=self.ray_resource,
+        )  # fmt: skip
+
+
+@command
+def loop(ctx: typer.Context, settings: LoopSettings) -> None:
     from rich.console import Console
 
     from polar_cli.rollout.harnesses import get_preset
-    from polar_cli.rollout.loop import LoopConfig, engine_kind, rise, run_loop
+    from polar_cli.rollout.loop import rise, run_loop
     from polar_cli.rollout.tasks import TaskFileError, load_tasks
     from polar_cli.rollout_cmd import choose_runtime
 
-    try:
-        engine_kind(engine)
-    except ValueError as exc:
-        raise typer.BadParameter("local, vllm or sglang:URL", param_hint="--engine") from exc
-    if network not in (None, "host", "proxy-only"):
-        raise typer.BadParameter("host or proxy-only", param_hint="--network")
-    if drain not in ("wait", "cut"):
-        raise typer.BadParameter("wait or cut", param_hint="--drain")
-    if ray_address is not None and asynchronous:
-        raise typer.BadParameter("--ray runs the synchronous loop's rollouts; --async runs locally", param_hint="--ray")
-    if ray_address is not None and engine != "local":
-        raise typer.BadParameter(
-            "--ray needs --engine local (each node's proxy loads the policy; the loop's vLLM "
-            "server listens on this machine's loopback only)",
-            param_hint="--engine",
-        )
-    if ray_resource is not None and ray_address is None:
-        raise typer.BadParameter("--ray-resource needs --ray", param_hint="--ray-resource")
-    runtime = choose_runtime(runtime, trust_agent)
-    options = parse_set_options(option)
+    s = settings
+    s.validate()
+    s.runtime = choose_runtime(s.runtime, s.trust_agent)
     train_args = list(ctx.args)
-    if max_staleness is not None and not asynchronous:
-        train_args += ["--max-staleness", str(max_staleness)]
-    _check_train_args(train_args, asynchronous)
+    if s.max_staleness is not None and not s.asynchronous:
+        train_args += ["--max-staleness", str(s.max_staleness)]
+    _check_train_args(train_args, s.asynchronous)
     try:
-        get_preset(harness)
+        get_preset(s.harness)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--harness") from exc
     try:
-        task_list = load_tasks(tasks)
+        task_list = load_tasks(s.tasks)
     except (TaskFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     console = Console()
     status_console = Console(stderr=True)
-    config = LoopConfig(
-        tasks=task_list, harness=harness, model=model, iterations=iterations, out=out, samples=samples,
-        engine=engine, runtime=runtime, network=network, concurrency=concurrency, timeout_s=timeout,  # type: ignore[arg-type]
-        seed=seed, proxy_options=options, train_args=train_args, served_model_name=served_model_name,
-        vllm_args=vllm_arg, context_window=context_window, max_output_tokens=max_output_tokens,
-        ray=ray_address, ray_resource=ray_resource,
-    )  # fmt: skip
+    config = s.to_config(task_list, train_args)
     shown: set[tuple[int, bool]] = set()
 
     def on_iteration(stats: list[Any]) -> None:
@@ -185,11 +194,11 @@ def loop(
             console.print(_table(stats))
 
     def say(line: str) -> None:
-        if display:
+        if s.progress:
             status_console.print(f"[dim]{line}[/]")
 
-    if asynchronous:
-        _run_async(config, 1 if max_staleness is None else max_staleness, drain, console, say)
+    if s.asynchronous:
+        _run_async(config, 1 if s.max_staleness is None else s.max_staleness, s.drain, console, say)
         return
     with _exit_codes("; run the same command to resume"):
         stats = run_loop(config, on_iteration=on_iteration, progress=say)
@@ -199,10 +208,10 @@ def loop(
         diff, z = change
         console.print(
             f"reward {stats[0].reward_mean:.3f} -> {stats[-1].reward_mean:.3f}: {diff:+.3f}, "
-            f"{z:.1f} standard errors; loop.json in {out}"
+            f"{z:.1f} standard errors; loop.json in {s.out}"
         )
     else:
-        console.print(f"loop.json in {out}")
+        console.print(f"loop.json in {s.out}")
 
 
 @contextmanager

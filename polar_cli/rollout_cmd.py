@@ -13,168 +13,17 @@ from typing import Any
 
 import typer
 
+from polar_cli.rollout.config import RolloutSettings, make_run_id
 from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.tasks import TaskFileError
-from polar_cli.set_option import parse_set_options
+from polar_cli.settings import command
+from polar_cli.settings import manifest as settings_manifest
 
 EXIT_ALL_FAILED = 1
 
 
-def rollout(
-    tasks: Path = typer.Argument(
-        ...,
-        help="The task set: a JSONL file (or a directory of *.jsonl), a Harbor task "
-        "directory (task.toml, instruction.md, tests/test.sh), or a directory of them.",
-    ),
-    harness: str = typer.Option(
-        ...,
-        "--harness",
-        "-H",
-        help="claude-code, codex, qwen-code, pi, gemini-cli, or "
-        "cmd:'ANY COMMAND {instruction}' ({instruction} becomes one shell-quoted word).",
-    ),
-    samples: int = typer.Option(1, "--samples", "-n", help="Sessions per task (one GRPO group per task)."),
-    out: str | None = typer.Option(
-        None,
-        "--out",
-        "-o",
-        help="The trace store the started proxy writes (a "
-        "directory or s3://...). With --proxy: the running proxy's store, for the report.",
-    ),
-    engine: str | None = typer.Option(
-        None,
-        "--engine",
-        "-e",
-        help="Start a proxy with this engine: vllm:URL, sglang:URL, local:MODEL_DIR, scripted:SCRIPT.json.",
-    ),
-    proxy: str | None = typer.Option(
-        None,
-        "--proxy",
-        help="Use a running `polar proxy` instead: its forward URL "
-        "http://127.0.0.1:PORT (needs its control token). Probed first: a proxy that "
-        "relays non-model traffic (to a loopback listener, by absolute URL, CONNECT "
-        "or a reverse Host: header) is refused before any session.",
-    ),
-    reverse_url: str | None = typer.Option(None, help="With --proxy: its reverse listener (default: PORT + 1)."),
-    control_token: str | None = typer.Option(
-        None,
-        envvar="POLAR_CONTROL_TOKEN",
-        show_envvar=True,
-        help="With --proxy: the proxy's control token (to register sessions and post rewards).",
-    ),
-    trust_claimed_sessions: bool = typer.Option(
-        False,
-        "--trust-claimed-sessions",
-        help="With --proxy: use it even if it runs polar_sessions="
-        "claimed (the default of `polar proxy`), where an agent can write "
-        "calls into another session and relabel task, group and sample; "
-        "only for trusted agents. Without it such a proxy is refused: start "
-        "it with --set polar_sessions=registered.",
-    ),
-    runtime: str | None = typer.Option(
-        None,
-        help="Where sessions run: bwrap (bubblewrap, the default where it "
-        "works here; network proxy-only), oci (podman/docker, for tasks with an "
-        "image), local (a subprocess with its own HOME and workspace copy; NO "
-        "isolation: needs --trust-agent). Where bwrap does not work the command "
-        "says why and asks for an explicit choice.",
-    ),
-    trust_agent: bool = typer.Option(
-        False,
-        "--trust-agent",
-        help="Allow --runtime local: the agent then runs as you, unsandboxed, "
-        "and can read the proxy's control token and the store (and so set its own "
-        "reward) and reach any address. Only for agents you trust.",
-    ),
-    network: str | None = typer.Option(
-        None,
-        help="host, or proxy-only (the agent reaches the model API and "
-        "nothing else; bwrap/oci). Default: the runtime's (local: host).",
-    ),
-    concurrency: int = typer.Option(4, "--concurrency", "-c", help="Harness runs at once (RUN slots)."),
-    ready: int | None = typer.Option(
-        None,
-        help="Sessions prepared ahead (started sandbox, setup done, harness "
-        "configured) so a free RUN slot starts at once. Default: --concurrency; 0: off.",
-    ),
-    timeout: float | None = typer.Option(
-        None,
-        help="Seconds per harness run (default: each task's agent "
-        "timeout). A timed-out session keeps its traces, status timeout.",
-    ),
-    early_stop: int | None = typer.Option(
-        None,
-        help="Once M sessions of a group are usable (completed, failed "
-        "or timeout), cancel its stragglers (masked); with --ray, on every "
-        "node.",
-    ),
-    tasks_limit: int | None = typer.Option(None, help="Only the first K tasks."),
-    seed: int | None = typer.Option(None, help="Fixes session ids and task order (same seed, same ids)."),
-    model: str = typer.Option("policy", help="The model name harnesses ask for."),
-    context_window: int | None = typer.Option(
-        None,
-        min=1,
-        help="The context window each harness is told (its "
-        "compaction and token budgets). Default: what --engine serves (local: "
-        "the model's max_position_embeddings, or ?max_len=N; vllm/sglang: "
-        "max_model_len on /v1/models); with --proxy: the harness's own.",
-    ),
-    max_output_tokens: int | None = typer.Option(
-        None,
-        min=1,
-        help="The output cap each harness is told. Default: "
-        "--set polar_max_tokens=N when given, else the harness's own.",
-    ),
-    confdir: Path = typer.Option(Path("~/.mitmproxy"), help="mitmproxy's configuration directory (its CA)."),
-    option: list[str] = typer.Option(
-        [],
-        "--set",
-        help="Extra mitmdump option KEY=VALUE for the started proxy (repeatable), e.g. --set polar_max_tokens=512.",
-    ),
-    report_dir: Path | None = typer.Option(
-        None,
-        help="Where rollout-summary.json, rollout-manifest.json and "
-        "per-session logs go (default: STORE/rollouts/RUN_ID for a local store; "
-        "./polar-rollouts/RUN_ID otherwise).",
-    ),
-    work_dir: Path | None = typer.Option(
-        None, help="Scratch for session workspaces and homes (default: a temporary directory)."
-    ),
-    keep_sessions: bool = typer.Option(False, help="Keep each session's workspace and home (debugging)."),
-    init_attempts: int = typer.Option(3, help="Tries of a session's INIT (sandbox, workspace, setup)."),
-    max_patch_mb: int = typer.Option(
-        64,
-        min=1,
-        help="Largest agent patch (and workspace growth) in MiB; past it the "
-        "session is failed, reward 0, and the runner never reads the patch.",
-    ),
-    read_only: list[Path] = typer.Option(
-        [],
-        "--read-only",
-        help="A host path the sandboxes see read-only at the "
-        "same path (repeatable), e.g. a virtualenv a cmd: agent runs from.",
-    ),
-    display: bool = typer.Option(True, "--progress/--no-progress", help="Live progress display."),
-    ray_address: str | None = typer.Option(
-        None,
-        "--ray",
-        help="Run the sessions on a Ray cluster (its address, "
-        "e.g. 127.0.0.1:6379, or auto): one worker per node, each with its own "
-        "proxy writing to --out, which every node must see (a shared directory "
-        "or s3://...). --concurrency and --ready are then per node. Needs "
-        "Ray (the pip extra fleet). Refused with --proxy (every node starts "
-        "its own proxy: give --engine). --early-stop counts a group's usable "
-        "sessions over every node and cancels its stragglers on all of them. With s3://, each node writes "
-        "with its own credentials (the environment `ray start` ran with, "
-        "~/.aws, an instance role): the driver's AWS_* are not shipped. "
-        "Ctrl-C stops the run on every node.",
-    ),
-    ray_resource: str | None = typer.Option(
-        None,
-        help="With --ray: only the nodes offering this custom resource "
-        "(ray start --resources); default: every node with a CPU.",
-    ),
-) -> None:
+@command
+def rollout(settings: RolloutSettings) -> None:
     """Run a harness over a task set: SAMPLES sessions per task, each in its own sandbox, verified in a fresh one,
     rewarded by the verifier only, grouped by task; every model call is captured into the store.
 
@@ -195,46 +44,33 @@ def rollout(
     loses only the sessions it held (stored as error, metadata reason worker_lost); the others are run elsewhere.
     """
     from polar_cli.rollout.proxy import ExternalProxy
-    from polar_cli.rollout.runner import RolloutConfig, RolloutProgress, run_rollout
+    from polar_cli.rollout.runner import RolloutProgress, run_rollout
     from polar_cli.rollout.tasks import load_tasks, task_set_hash
 
-    if (engine is None) == (proxy is None):
-        raise typer.BadParameter("give --engine (start a proxy) or --proxy (use a running one)", param_hint="--engine")
-    if engine is not None and not out:
-        raise typer.BadParameter("--engine needs --out (the trace store)", param_hint="--out")
-    if ray_address is not None and engine is None:
-        raise typer.BadParameter("--ray starts a proxy on every node: give --engine (not --proxy)", param_hint="--ray")
-    if proxy is not None and not control_token:
-        raise typer.BadParameter(
-            "--proxy needs the proxy's control token (--control-token or POLAR_CONTROL_TOKEN): "
-            "rewards are posted with it",
-            param_hint="--control-token",
-        )
-    if network not in (None, "host", "proxy-only"):
-        raise typer.BadParameter("host or proxy-only", param_hint="--network")
-    runtime = choose_runtime(runtime, trust_agent)
-    options = parse_set_options(option)
+    s = settings
+    s.validate()
+    s.runtime = choose_runtime(s.runtime, s.trust_agent)
     try:
-        task_list = load_tasks(tasks, limit=tasks_limit)
+        task_list = load_tasks(s.tasks, limit=s.tasks_limit)
     except (TaskFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
     from polar_cli.rollout.harnesses import get_preset
 
     try:
-        preset = get_preset(harness)
+        preset = get_preset(s.harness)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--harness") from exc
     external = None
-    if proxy is not None:
+    if s.proxy is not None:
         from polar_cli.rollout.proxy import ControlError, check_sessions_mode, proxy_sessions_mode
 
         external = ExternalProxy(
-            proxy,
-            control_token or "",
-            reverse_url,
-            confdir / "mitmproxy-ca-cert.pem",
-            trust_claimed=trust_claimed_sessions,
+            s.proxy,
+            s.control_token or "",
+            s.reverse_url,
+            s.confdir / "mitmproxy-ca-cert.pem",
+            trust_claimed=s.trust_claimed_sessions,
         )
         try:
             ends = external.endpoints()
@@ -244,51 +80,39 @@ def rollout(
 
         try:
             # Before any session: a proxy that relays other traffic is no boundary for a proxy-only sandbox.
-            check_blocks_other(proxy, ends.forward_port, ends.reverse_port)
+            check_blocks_other(s.proxy, ends.forward_port, ends.reverse_port)
         except ProxyNotABoundary as exc:
             typer.echo(f"error: --proxy: {exc}", err=True)
             raise typer.Exit(2) from exc
         try:
-            warning = check_sessions_mode(proxy_sessions_mode(external), trust_claimed_sessions)
+            warning = check_sessions_mode(proxy_sessions_mode(external), s.trust_claimed_sessions)
         except ControlError as exc:
-            typer.echo(f"error: --proxy {proxy}: {exc}", err=True)
+            typer.echo(f"error: --proxy {s.proxy}: {exc}", err=True)
             raise typer.Exit(2) from exc
         if warning:
             typer.echo(warning, err=True)
 
-    import secrets
-
-    run_id = f"r{seed}" if seed is not None else f"r{secrets.token_hex(4)}"
-    report = report_dir or _default_report_dir(out, run_id)
+    run_id = make_run_id(s.seed)
+    report = s.report_dir or _default_report_dir(s.out, run_id)
     report.mkdir(parents=True, exist_ok=True)
     progress = RolloutProgress()
-    config = RolloutConfig(
-        tasks=task_list, harness=preset, samples=samples, out=out, engine=engine, proxy=external, runtime=runtime,
-        network=network, concurrency=concurrency, ready=ready, timeout_s=timeout, early_stop=early_stop, seed=seed,
-        model=model, context_window=context_window, max_output_tokens=max_output_tokens, init_attempts=init_attempts,
-        max_patch_bytes=max_patch_mb * 1024 * 1024,
-        work_dir=work_dir, keep_sessions=keep_sessions, read_only=[p.resolve() for p in read_only],
-        logs_dir=report / "logs", confdir=confdir, proxy_options=options, run_id=run_id, progress=progress,
-    )  # fmt: skip
+    config = s.to_config(task_list, preset, external, logs_dir=report / "logs", run_id=run_id, progress=progress)
+    # Every setting (the control token redacted; write_json also redacts it out of the command line), and what the
+    # run resolved: only whether a token was given, the task set's identity, the harness's version.
     manifest = {
-        # Never a secret (write_json redacts the given token out of the command line): only whether one was given.
-        "command": sys.argv, "control_token_given": bool(control_token), "run_id": run_id, "seed": seed, "tasks": str(tasks), "task_count": len(task_list),
-        "task_set_hash": task_set_hash(task_list), "harness": harness, "harness_version": _harness_version(preset),
-        "runtime": runtime, "network": network, "engine": engine, "proxy": proxy, "store": out, "samples": samples,
-        "model": model, "context_window": context_window, "max_output_tokens": max_output_tokens,
-        "concurrency": concurrency, "ready": ready, "timeout_s": timeout, "early_stop": early_stop,
-        "ray": ray_address, "ray_resource": ray_resource,
-        "versions": _versions(), "started_at": time.time(),
+        **settings_manifest(s), "command": sys.argv, "control_token_given": bool(s.control_token), "run_id": run_id,
+        "task_count": len(task_list), "task_set_hash": task_set_hash(task_list),
+        "harness_version": _harness_version(preset), "store": s.out, "versions": _versions(), "started_at": time.time(),
     }  # fmt: skip
-    write_json(report / "rollout-manifest.json", manifest, [control_token])
+    write_json(report / "rollout-manifest.json", manifest, [s.control_token])
     try:
-        if ray_address is not None:
+        if s.ray is not None:
             from polar_cli.rollout.ray_backend import RayOptions, run_rollout_ray
 
-            job = run_rollout_ray(config, RayOptions(ray_address, ray_resource))
+            job = run_rollout_ray(config, RayOptions(s.ray, s.ray_resource))
         else:
             job = run_rollout(config)
-        result = asyncio.run(_run_with_display(job, progress, display))
+        result = asyncio.run(_run_with_display(job, progress, s.progress))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -299,7 +123,7 @@ def rollout(
     summary["task_set_hash"] = manifest["task_set_hash"]
     summary_path = report / "rollout-summary.json"
     # The reasons quote the harness's output, which a trusted local agent could fill with the control token.
-    known = control_tokens(out, confdir, control_token)
+    known = control_tokens(s.out, s.confdir, s.control_token)
     write_json(summary_path, summary, known)
     manifest.update(ended_at=result.ended_at, interrupted=result.interrupted)
     write_json(report / "rollout-manifest.json", manifest, known)

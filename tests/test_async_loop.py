@@ -279,7 +279,8 @@ def test_a_cut_ends_the_running_sessions_as_masked_errors(tiny_model_dir: Path, 
         config = RolloutConfig(tasks=load_tasks(tasks), harness=f"cmd:{sys.executable} {agent} {{instruction}}",
                                samples=2, concurrency=1, engine=f"scripted:{script}", out=str(store),
                                confdir=tmp_path / "conf", logs_dir=tmp_path / "logs", progress=progress, stop=stop,
-                               stop_on_signals=False, proxy_options={"polar_shard_seconds": "0.2"})  # fmt: skip
+                               stop_on_signals=False, proxy_options={"polar_shard_seconds": "0.2"},
+                               runtime="local", trust_agent=True)  # fmt: skip
         rollout = asyncio.create_task(run_rollout(config))
         while progress.stages.get("run", 0) < 1 and not rollout.done():
             await asyncio.sleep(0.1)

@@ -33,8 +33,8 @@ def test_pi_final_answer_is_the_reward(tiny_model_dir: Path, tmp_path: Path) -> 
     store = tmp_path / "store"
     config = RolloutConfig(tasks=load_tasks(TASKS, limit=1), harness="pi", samples=2, engine=f"scripted:{script}",
                            out=str(store), confdir=tmp_path / "conf", logs_dir=tmp_path / "logs",
-                           work_dir=tmp_path / "work", seed=0,
-                           proxy_options={"polar_shard_seconds": "0.2"})  # fmt: skip
+                           work_dir=tmp_path / "work", seed=0, proxy_options={"polar_shard_seconds": "0.2"},
+                           runtime="local", trust_agent=True)  # fmt: skip
     result = asyncio.run(run_rollout(config))
     logs = {s.session_id: (tmp_path / "logs" / "sessions" / s.session_id / "harness.log").read_text()
             for s in result.sessions}  # fmt: skip

@@ -72,7 +72,9 @@ def _run(proxy: StartedProxy, tasks: Path, **fields) -> RolloutResult:
         f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
         proxy.endpoints.ca,
     )
-    config = RolloutConfig(tasks=load_tasks(tasks), proxy=external, **{"harness": HARNESS, **fields})
+    # The local runtime unless a test names another (RolloutConfig defaults to bwrap).
+    defaults = {"harness": HARNESS, "runtime": "local", "trust_agent": True}
+    config = RolloutConfig(tasks=load_tasks(tasks), proxy=external, **{**defaults, **fields})
     return asyncio.run(run_rollout(config))
 
 
@@ -368,6 +370,8 @@ def test_the_engines_window_reaches_the_harness_config(tiny_model_dir: Path, tmp
         confdir=tmp_path / "conf",
         logs_dir=tmp_path / "logs",
         proxy_options={"polar_max_tokens": "256"},
+        runtime="local",
+        trust_agent=True,
     )
     result = asyncio.run(run_rollout(config))
     models = json.loads(_harness_stdout(tmp_path / "logs", result))["providers"]["polar"]["models"]
@@ -472,7 +476,8 @@ except Exception as exc:
         config = RolloutConfig(tasks=load_tasks(tasks), harness=f"cmd:{sys.executable} {agent} {{instruction}}",
                                samples=1, engine=f"sglang:{a.url},sglang:{b.url}", out=str(tmp_path / "store"),
                                confdir=tmp_path / "conf", logs_dir=tmp_path / "logs", stop_on_signals=False,
-                               proxy_options={"polar_shard_seconds": "0.2"}, progress=RolloutProgress())  # fmt: skip
+                               proxy_options={"polar_shard_seconds": "0.2"}, progress=RolloutProgress(),
+                               runtime="local", trust_agent=True)  # fmt: skip
 
         async def run() -> RolloutResult:
             rollout = asyncio.create_task(run_rollout(config))

@@ -37,6 +37,7 @@ from polar_cli.rollout.proxy import wait_writer_gone
 from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.runner import REWARDED, USABLE, RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import Task, task_set_hash
+from polar_cli.rollout.workspace import MAX_PATCH_BYTES
 
 EXIT_NOTHING_TO_TRAIN = 3  # polar train's exit status when every reward of every group is equal
 STATE_FILE = "loop.json"
@@ -51,7 +52,8 @@ class LoopConfig:
     out: Path
     samples: int = 8  # sessions per task (the GRPO group)
     engine: str = "local"  # local | vllm (started and restarted by the loop) | sglang:URL (reloaded in place)
-    runtime: str = "bwrap"  # `polar loop` allows local only with --trust-agent
+    runtime: str = "bwrap"  # local only with trust_agent (`polar loop --trust-agent`)
+    trust_agent: bool = False
     network: str | None = None
     concurrency: int = 4
     timeout_s: float | None = None
@@ -65,6 +67,7 @@ class LoopConfig:
     vllm_port: int | None = None  # None: a free port
     env: Mapping[str, str] = field(default_factory=dict)  # extra harness environment
     read_only: Sequence[Path] = ()
+    max_patch_bytes: int = MAX_PATCH_BYTES  # each rollout's (RolloutConfig.max_patch_bytes)
     # Each rollout on this Ray cluster (``polar rollout --ray``): OUT, the model and every checkpoint must be at the
     # same path on every node (a shared directory); training stays on this machine.
     ray: str | None = None
@@ -389,7 +392,8 @@ def rollout_config(
         timeout_s=config.timeout_s, seed=seed, run_id=run_id, model=config.served_model_name,
         logs_dir=directory / "logs", proxy_options=dict(config.proxy_options), env=dict(config.env),
         read_only=tuple(config.read_only), work_dir=directory / "work", context_window=config.context_window,
-        max_output_tokens=config.max_output_tokens, stop=stop,
+        max_output_tokens=config.max_output_tokens, stop=stop, trust_agent=config.trust_agent,
+        max_patch_bytes=config.max_patch_bytes,
     )  # fmt: skip
 
 

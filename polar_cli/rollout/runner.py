@@ -52,7 +52,6 @@ import hashlib
 import logging
 import posixpath
 import random
-import secrets
 import shutil
 import signal
 import tempfile
@@ -65,7 +64,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from polar_cli.rollout import workspace as ws
-from polar_cli.rollout.config import RolloutConfig
+from polar_cli.rollout.config import RolloutConfig, make_run_id
 from polar_cli.rollout.harnesses import get_preset
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 from polar_cli.rollout.proxy import ControlClient, check_sessions_mode, start_proxy
@@ -242,7 +241,7 @@ class PlannedSession:
 
 
 def rollout_run_id(config: RolloutConfig) -> str:
-    return config.run_id or (f"r{config.seed}" if config.seed is not None else f"r{secrets.token_hex(4)}")
+    return config.run_id or make_run_id(config.seed)
 
 
 def plan_sessions(config: RolloutConfig, run_id: str) -> list[PlannedSession]:

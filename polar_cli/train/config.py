@@ -1,9 +1,11 @@
-"""Options of `polar train`, one dataclass (TRL's style); the Typer command only fills it in."""
+"""Options of `polar train`, one dataclass (TRL's style): the Typer command's options are generated from its fields."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from polar_cli.settings import option
 
 # Only losses normalised by the whole step's trainable-token count: a step's traces vary in number
 # and length, so per-micro-batch (bnpo), per-sequence (grpo) or per-padded-batch (dr_grpo)
@@ -14,54 +16,82 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 @dataclass
 class TrainConfig:
-    inputs: list[Path]  # raw capture shards or a built trace dataset (files or directories)
-    model: str  # HF model directory to start from
-    output: Path  # checkpoint directory written at the end (plus metrics.jsonl and the curves PNG)
-    strategy: str = "prefix_merging"  # trajectory builder when `inputs` are raw capture shards
-    broadcast_rewards: bool = False  # per_request: give every call its session's reward (polar build's flag)
-    eot_token_id: int | None = None  # end-of-turn token for raw shards (polar build's flag); None: detected
-    retokenized: str = "merge"  # raw shards: merge or break chains at a re-tokenized turn (polar build's flag)
-    learning_rate: float = 1e-6
-    optim: str = "adamw_torch"  # any TrainingArguments optimizer name (e.g. sgd)
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0
-    lr_scheduler: str = "constant"
-    warmup_ratio: float = 0.0
-    epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides epochs
-    groups_per_step: int = 4  # GRPO groups (tasks) whose traces make one optimizer step
-    grad_accum: int = 1  # micro-batches per optimizer step and process
-    num_iterations: int = 1  # optimizer steps taken on each step's batch (TRL's mu)
-    # pi_old of the PPO clip and of TIS: the weights the run started from ("start": the clip bounds the whole run's
-    # drift from the policy that sampled the traces, as verl/slime), or those at the start of each step ("step").
-    clip_against: str = "start"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
-    tis_cap: float = 2.0  # C of truncated importance sampling: token weight min(pi_old / pi_behavior, C)
-    cispo_cap: float = 5.0  # CISPO's cap on pi_theta / pi_old (TRL's suggested value)
-    max_staleness: int | None = None  # refuse traces more than this many weight versions behind current_weight_version
-    current_weight_version: str | None = None  # the version the starting weights carry (what reload tagged)
-    beta: float = 0.0  # KL coefficient against the starting model
-    loss_type: str = "dapo"
-    scale_rewards: str = "group"  # "group": divide by the group's std; "none": raw LOO differences
-    drop_zero_advantage: bool = True  # skip traces whose advantage is exactly 0 (DAPO dynamic sampling)
-    max_length: int = 32768  # prompt + completion tokens; longer completions are clipped as a causal prefix
-    temperature: float | None = None  # must equal the capture temperature when given
-    lora_r: int = 0  # 0: full fine-tuning
-    lora_alpha: int = 0  # 0: 2 * lora_r
-    lora_dropout: float = 0.0
+    inputs: list[Path] = option(
+        argument=True,
+        help="A trace store (the proxy's polar_out: built on the fly) or a built trace dataset (`polar build`).",
+    )
+    model: str = option(flags=("--model", "-m"), help="Model directory to start from (the policy that sampled).")
+    output: Path = option(flags=("--output", "-o"), help="Checkpoint directory to write (HF format, vLLM-ready).")
+    strategy: str = option("prefix_merging", help="Builder for raw shards: prefix_merging or per_request.")
+    broadcast_rewards: bool = option(
+        False, flags=("--broadcast-rewards",), help="per_request: every call gets its session's reward."
+    )
+    eot_token_id: int | None = option(
+        None, help="Raw shards: end-of-turn token id (default: detected from the calls, as `polar build`)."
+    )
+    retokenized: str = option(
+        "merge",
+        help="Raw shards: merge or break chains at a re-tokenized sampled turn, as `polar build --retokenized`. "
+        "break keeps the first step exactly on-policy (merged later turns were sampled after other token ids).",
+    )
+    learning_rate: float = option(1e-6, flags=("--lr", "--learning-rate"), help="Peak learning rate.")
+    optim: str = option("adamw_torch", help="Optimizer (TrainingArguments name: adamw_torch, sgd, ...).")
+    weight_decay: float = option(0.1)
+    max_grad_norm: float = option(1.0)
+    lr_scheduler: str = option("constant", help="constant, linear, cosine, ...")
+    epochs: float = option(1.0, help="Passes over the traces.")
+    max_steps: int = option(-1, help="Optimizer steps; > 0 overrides --epochs.")
+    groups_per_step: int = option(4, help="GRPO groups (tasks) per optimizer step.")
+    grad_accum: int = option(1, help="Micro-batches per step and process (memory).")
+    num_iterations: int = option(1, help="Optimizer steps on each step's batch (PPO mu).")
+    clip_against: str = option(
+        "start",
+        help="pi_old of the PPO clip and TIS weight: start = the weights the run started from (one no-grad pass "
+        "over the traces first, as verl/slime recompute old logprobs): the clip bounds the whole run's drift from "
+        "the policy that sampled the traces; step = the weights at the start of each step (no bound across steps).",
+    )
+    epsilon_low: float = option(0.2, help="PPO clip: ratio >= 1 - eps_low.")
+    epsilon_high: float = option(0.28, help="PPO clip: ratio <= 1 + eps_high (DAPO clip-higher).")
+    tis_cap: float = option(2.0, help="Truncated importance sampling: token weight min(pi_old/pi_behavior, C).")
+    cispo_cap: float = option(5.0, help="--loss-type cispo: cap on pi_theta/pi_old.")
+    warmup_ratio: float = option(0.0, help="Linear LR warmup over this fraction of the steps.")
+    current_weight_version: str | None = option(
+        None, help="Version tag of --model (what `engine reload --weight-version` set): older traces are warned about."
+    )
+    max_staleness: int | None = option(
+        None, help="Refuse traces more than this many weight versions behind --current-weight-version."
+    )
+    beta: float = option(0.0, help="KL coefficient to the starting model (0: no reference model).")
+    loss_type: str = option("dapo", help=f"TRL loss: {', '.join(LOSS_TYPES)}.")
+    scale_rewards: str = option("group", help="group: divide advantages by the group std; none.")
+    # DAPO's dynamic sampling; the flag only turns it off.
+    drop_zero_advantage: bool = option(
+        True,
+        flags=(" /--keep-zero-advantage",),
+        help="Also forward traces whose advantage is 0 (they add no gradient).",
+        show_default=False,
+    )
+    max_length: int = option(32768, help="Prompt + completion tokens; completions are clipped.")
+    temperature: float | None = option(None, help="Must equal the capture temperature (read from traces).")
+    lora_r: int = option(0, help="LoRA rank; 0 trains every weight. Merged into the checkpoint.")
+    lora_alpha: int = option(0, help="LoRA alpha (0: 2 x rank).")
+    lora_dropout: float = option(0.0)
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    # Compute dtype (autocast); parameters and optimizer state stay fp32, and the checkpoint is written
-    # in the starting model's own dtype (what the engine serves). auto: bf16 on a capable GPU, else fp32.
-    dtype: str = "auto"
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    resume: Path | None = None  # a checkpoint-N directory written by an earlier run
-    save_steps: int = 0  # > 0: write output/checkpoint-N every N steps (what --resume reads)
+    # Parameters and optimizer state stay fp32, and the checkpoint is written in the starting model's own dtype
+    # (what the engine serves).
+    dtype: str = option(
+        "auto",
+        help=f"Compute dtype, {', '.join(DTYPES)} (auto: bf16 autocast on a capable GPU, else fp32); "
+        "weights stay fp32.",
+    )
+    gradient_checkpointing: bool = option(False, help="Trade compute for memory.")
+    seed: int = option(0)
+    resume: Path | None = option(None, help="Resume from OUTPUT/checkpoint-N of an earlier run.")
+    save_steps: int = option(0, help="Write OUTPUT/checkpoint-N every N steps (0: only the end).")
     save_total_limit: int = 2
     logging_steps: int = 1
-    plot: bool = True
-    progress: bool = True
+    plot: bool = option(True, help="Write training_curves.png.")
+    progress: bool = option(True, help="Rich progress bar.")
 
     def validate(self) -> None:
         if self.loss_type not in LOSS_TYPES:
