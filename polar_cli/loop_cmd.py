@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from polar_cli.rollout.config import RolloutSettings, check_network, check_set_options
-from polar_cli.set_option import set_options
+from polar_cli.set_option import runtime_options, set_options
 from polar_cli.settings import SettingsError, command, option, reuse
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class LoopSettings:
     )
     runtime: str | None = reuse(RolloutSettings, "runtime")
     trust_agent: bool = reuse(RolloutSettings, "trust_agent")
+    runtime_option: list[str] = reuse(RolloutSettings, "runtime_option")
     network: str | None = reuse(RolloutSettings, "network")
     concurrency: int = reuse(RolloutSettings, "concurrency")
     timeout_s: float | None = reuse(RolloutSettings, "timeout_s")
@@ -140,6 +141,7 @@ class LoopSettings:
         if self.ray_resource is not None and self.ray is None:
             raise SettingsError("--ray-resource needs --ray", "ray_resource")
         check_set_options(self.proxy_set)
+        check_set_options(self.runtime_option, "runtime_option")
 
     def to_config(self, tasks: Sequence[Task], train_args: Sequence[str]) -> LoopConfig:
         """The loop's config (the runtime chosen first)."""
@@ -149,6 +151,7 @@ class LoopSettings:
         return LoopConfig(
             tasks=tasks, harness=self.harness, model=self.model, iterations=self.iterations, out=self.out,
             samples=self.samples, engine=self.engine, runtime=self.runtime, trust_agent=self.trust_agent,
+            runtime_options=runtime_options(self.runtime_option),
             network=self.network, concurrency=self.concurrency, timeout_s=self.timeout_s, seed=self.seed,
             proxy_options=set_options(self.proxy_set), train_args=train_args,
             served_model_name=self.served_model_name, vllm_args=self.vllm_arg, context_window=self.context_window,

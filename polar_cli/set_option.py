@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 import typer
@@ -16,6 +17,19 @@ def set_options(items: Iterable[str]) -> dict[str, str]:
             raise ValueError(f"{item!r} is not KEY=VALUE")
         options[key] = value
     return options
+
+
+def runtime_options(items: Iterable[str]) -> dict[str, object]:
+    """``--runtime-option KEY=VALUE`` items -> the runtime's keyword options: a value that reads as JSON (a number,
+    true/false) is that, any other is text, as the runtimes' options are typed (``disk_mb=8192``, ``trust_root=true``).
+    """
+    parsed: dict[str, object] = {}
+    for key, value in set_options(items).items():
+        try:
+            parsed[key] = json.loads(value)
+        except ValueError:
+            parsed[key] = value
+    return parsed
 
 
 def parse_set_options(items: Iterable[str]) -> dict[str, str]:

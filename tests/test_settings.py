@@ -168,7 +168,7 @@ def test_polar_train_flags_are_the_same_as_before() -> None:
 
 
 def test_polar_loop_forwards_rollout_options_to_each_rollout(tmp_path: Path) -> None:
-    """--max-patch-mb (missing before) and --trust-agent reach every rollout's RolloutConfig."""
+    """--max-patch-mb (missing before), --trust-agent and --runtime-option reach every rollout's RolloutConfig."""
     from polar_cli.loop_cmd import loop
     from polar_cli.rollout.loop import rollout_config
     from polar_cli.rollout.tasks import Task
@@ -177,6 +177,7 @@ def test_polar_loop_forwards_rollout_options_to_each_rollout(tmp_path: Path) -> 
     app.command()(loop)
     command = typer.main.get_command(app)
     args = ["T", "-H", "cmd:true", "-m", "M", "-k", "2", "-o", str(tmp_path), "--max-patch-mb", "3", "-c", "2"]
+    args += ["--runtime-option", "disk_mb=64", "--runtime-option", "trust_root=true", "--runtime-option", "x=a=b"]
     params = command.make_context("loop", args).params
     loop_settings = LoopSettings(**{f.name: params[f.name] for f in settings.cli_fields(LoopSettings)})
     assert loop_settings.samples == 8 and loop_settings.served_model_name == "policy"
@@ -186,6 +187,8 @@ def test_polar_loop_forwards_rollout_options_to_each_rollout(tmp_path: Path) -> 
     rollout = rollout_config(config, tmp_path / "iter-000", "local:M", 0, "it000")
     assert rollout.max_patch_bytes == 3 * 1024 * 1024 and rollout.concurrency == 2
     assert (rollout.runtime, rollout.trust_agent) == ("local", True)
+    # --runtime-option values are typed as the runtimes take them: numbers and booleans from JSON, else text
+    assert rollout.runtime_options == {"disk_mb": 64, "trust_root": True, "x": "a=b"}
 
 
 def test_the_library_default_runtime_is_bwrap_and_local_needs_trust() -> None:

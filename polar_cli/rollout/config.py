@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polar_cli.rollout import workspace as ws
-from polar_cli.set_option import set_options
+from polar_cli.set_option import runtime_options, set_options
 from polar_cli.settings import SettingsError, option
 
 if TYPE_CHECKING:  # annotations only: `polar --help` imports this module and should stay fast
@@ -147,6 +147,14 @@ class RolloutSettings:
         "and can read the proxy's control token and the store (and so set its own "
         "reward) and reach any address. Only for agents you trust.",
     )
+    runtime_option: list[str] = option(
+        default_factory=list,
+        flags=("--runtime-option",),
+        help="A runtime option KEY=VALUE (repeatable; values read as JSON numbers/true/false, else text): "
+        "disk_mb and disk_files (bwrap, local: the bound on workspace + HOME, default 4096 MiB / 200000 entries), "
+        "tmp_mb (bwrap: its /tmp tmpfs), trust_root=true (oci: accept a docker daemon that runs containers as host "
+        "root, which is refused otherwise).",
+    )
     network: str | None = option(
         None,
         help="host, or proxy-only (the agent reaches the model API and "
@@ -253,6 +261,7 @@ class RolloutSettings:
             )
         check_network(self.network)
         check_set_options(self.proxy_set)
+        check_set_options(self.runtime_option, "runtime_option")
 
     def proxy_options(self) -> dict[str, str]:
         """``--set KEY=VALUE`` as a mapping."""
@@ -267,6 +276,7 @@ class RolloutSettings:
         return RolloutConfig(
             tasks=tasks, harness=harness, samples=self.samples, out=self.out, engine=self.engine, proxy=proxy,
             runtime=self.runtime, trust_agent=self.trust_agent, network=self.network,  # type: ignore[arg-type]
+            runtime_options=runtime_options(self.runtime_option),
             concurrency=self.concurrency, ready=self.ready, timeout_s=self.timeout_s, early_stop=self.early_stop,
             seed=self.seed, model=self.model, context_window=self.context_window,
             max_output_tokens=self.max_output_tokens, init_attempts=self.init_attempts,
@@ -284,9 +294,9 @@ def check_network(network: str | None) -> None:
         raise SettingsError("host or proxy-only", "network")
 
 
-def check_set_options(items: Sequence[str]) -> None:
-    """Each ``--set`` item is KEY=VALUE."""
+def check_set_options(items: Sequence[str], name: str = "proxy_set") -> None:
+    """Each ``--set`` (or ``--runtime-option``) item is KEY=VALUE."""
     try:
         set_options(items)
     except ValueError as exc:
-        raise SettingsError(str(exc), "proxy_set") from exc
+        raise SettingsError(str(exc), name) from exc

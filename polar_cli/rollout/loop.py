@@ -54,6 +54,7 @@ class LoopConfig:
     engine: str = "local"  # local | vllm (started and restarted by the loop) | sglang:URL (reloaded in place)
     runtime: str = "bwrap"  # local only with trust_agent (`polar loop --trust-agent`)
     trust_agent: bool = False
+    runtime_options: Mapping[str, Any] = field(default_factory=dict)  # --runtime-option KEY=VALUE
     network: str | None = None
     concurrency: int = 4
     timeout_s: float | None = None
@@ -393,6 +394,7 @@ def rollout_config(
         logs_dir=directory / "logs", proxy_options=dict(config.proxy_options), env=dict(config.env),
         read_only=tuple(config.read_only), work_dir=directory / "work", context_window=config.context_window,
         max_output_tokens=config.max_output_tokens, stop=stop, trust_agent=config.trust_agent,
+        runtime_options=config.runtime_options,
         max_patch_bytes=config.max_patch_bytes,
     )  # fmt: skip
 
