@@ -42,7 +42,9 @@ def root_command() -> Any:
     return typer.main.get_command(app)
 
 
-def walk_commands(command: Any, path: tuple[str, ...] = ("polar",), parent: Any = None) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
+def walk_commands(
+    command: Any, path: tuple[str, ...] = ("polar",), parent: Any = None
+) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
     """(path, command, click context) for the root and every group and command under it, in help order."""
     context = command.context_class(command, info_name=path[-1], parent=parent)
     yield path, command, context
