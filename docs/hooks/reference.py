@@ -186,7 +186,7 @@ def addon_options() -> list[AddonOption]:
         found.append(
             AddonOption(
                 name=name,
-                type=typecheck.typespec_to_str(option.typespec),
+                type=_type_name(typecheck, option.typespec),
                 default=option.default,
                 choices=tuple(option.choices) if option.choices else None,
                 help=option.help,
@@ -194,6 +194,13 @@ def addon_options() -> list[AddonOption]:
             )
         )
     return found
+
+
+def _type_name(typecheck: Any, typespec: Any) -> str:
+    try:
+        return typecheck.typespec_to_str(typespec)
+    except NotImplementedError:  # a type mitmproxy's --options listing cannot name either
+        return str(typespec).replace("typing.", "")
 
 
 def _value(value: Any) -> str:
