@@ -127,6 +127,13 @@ def test_polar_proxy_prints_the_docs_recipes() -> None:
     capture = commands(block("capture"))
     assert len(capture) == 1 and "--mode regular@8080 --mode reverse:" in capture[0]
     assert capture[0].startswith("mitmdump --listen-host 127.0.0.1 ")  # loopback, never mitmdump's every interface
+    # The blocks the vLLM and rollout tests run are there, one each, in the shape those tests take apart.
+    assert [c.split()[:3] for c in commands(block("engine"))] == [
+        ["polar", "engine", c] for c in ("serve", "reload", "stop")
+    ]
+    assert [c.split()[1] for c in commands(block("store"))] == ["shards", "shards", "reward", "reward"]
+    assert [c.split()[1] for c in commands(block("train"))] == ["build", "stats", "view", "train", "engine"]
+    assert [c.split()[1] for c in commands(block("rollout"))] == ["rollout", "build"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
