@@ -70,9 +70,10 @@ $(TINY)/config.json:
 	$(BIN)/polar tiny-model $(TINY)
 
 # The docs site, built strictly (a broken page, link or anchor fails); the CLI and mitmproxy option reference pages
-# are generated from the code by docs/hooks/reference.py. A few seconds; the first step of `make test`.
+# are generated from the code by docs/hooks/reference.py. A few seconds; the first step of `make test`. (Not --quiet:
+# it hides the warnings --strict counts.)
 docs: install
-	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 docs-serve: install
 	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
