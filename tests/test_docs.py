@@ -261,6 +261,30 @@ def test_every_mitmproxy_option_the_docs_set_exists() -> None:
     assert not unknown, "\n".join(unknown)
 
 
+def test_every_repository_path_the_docs_name_exists() -> None:
+    """`polar_addon/context_compaction.py`, `tests/security/`, `bench/fleet.py`...: a moved module breaks the docs
+    test, not a reader. Placeholders (`harnesses/NAME.py`, `scripts/HARNESS.json`) are skipped, and so are paths inside
+    a Harbor task (`tests/test.sh`), which are the task's, not this repository's."""
+    pattern = re.compile(r"(?<![\w/.~$-])((?:polar_addon|polar_cli|tests|bench|examples|docs)/[\w./-]*)")
+    named = {(page, m.group(1).rstrip(".")) for page, span in inline_code() for m in pattern.finditer(span)}
+    named |= {(page, m.group(1).rstrip(".")) for page, text in code_blocks() for m in pattern.finditer(text)}
+    assert len(named) > 30, named
+    missing = sorted(
+        f"{page}: {path}"
+        for page, path in named
+        if path not in HARBOR_TASK_PATHS and not re.search(r"[A-Z]{3,}", path) and not glob_exists(path)
+    )
+    assert not missing, "\n".join(missing)
+
+
+HARBOR_TASK_PATHS = {"tests/test.sh"}
+
+
+def glob_exists(path: str) -> bool:
+    """`tests/test_harness_*.py`-like spans, and `tests/test_tito_vllm.py::test_x` node ids."""
+    return bool(list(REPO.glob(path.split("::")[0])))
+
+
 def test_the_reference_lists_what_the_code_declares() -> None:
     """The generated pages name every command, option and mitmproxy option (spot checks of both generators)."""
     cli, options = REFERENCE.cli_markdown(), REFERENCE.options_markdown()
