@@ -12,12 +12,12 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST_ARGS = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-.PHONY: install engine harnesses s3 browser sandbox model sglang-contract test test-fast demo demo-harness bench mutation clean
+.PHONY: docs docs-serve install engine harnesses s3 browser sandbox model sglang-contract test test-fast demo demo-harness bench mutation clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,fleet]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,fleet,docs]'
 	# PyPI's torchvision/torchaudio break transformers next to torch 2.13 CPU (machine.md).
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
@@ -69,11 +69,20 @@ model: install $(TINY)/config.json
 $(TINY)/config.json:
 	$(BIN)/polar tiny-model $(TINY)
 
-test: install engine harnesses s3 browser sandbox model sglang-contract
+# The docs site, built strictly (a broken page, link or anchor fails); the CLI and mitmproxy option reference pages
+# are generated from the code by docs/hooks/reference.py. A few seconds; the first step of `make test`. (Not --quiet:
+# it hides the warnings --strict counts.)
+docs: install
+	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: install
+	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
+test: install docs engine harnesses s3 browser sandbox model sglang-contract
 	$(BIN)/python -m pytest -q -rs $(XDIST_ARGS) --durations=40 $(PYTEST_ARGS)
 
 # Unit and in-process tests only: no vLLM, no harness CLIs.
-test-fast: install sglang-contract
+test-fast: install docs sglang-contract
 	$(BIN)/python -m pytest -q -m "not vllm and not harness" $(PYTEST_ARGS)
 
 # Capture through the proxy, then the learning loop (polar loop: rollouts -> polar train -> reload), ~5 min on 2 cores.
@@ -113,4 +122,4 @@ mutation: install
 	$(BIN)/python bench/mutation.py $(MODULES)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(S3_VENV) $(HARNESS_DIR) models shards runs .pytest_cache .cache .mutation
+	rm -rf $(VENV) $(VLLM_VENV) $(S3_VENV) $(HARNESS_DIR) models shards runs site .pytest_cache .cache .mutation

@@ -346,5 +346,5 @@ def test_mitmdump_binds_loopback_by_default(tmp_path):
     cmd = mitmdump_command("local:/m", tmp_path, port=8080, modes=["regular", "reverse:https://api.anthropic.com"])
     assert cmd[cmd.index("--listen-host") + 1] == "127.0.0.1"
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--mode"] == ["regular", "reverse:https://api.anthropic.com"]
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert "--listen-host 127.0.0.1" in readme.split("## Capture: run the proxy", 1)[1].split("|", 1)[0]
+    capture = (Path(__file__).resolve().parents[1] / "docs" / "concepts" / "capture.md").read_text()
+    assert "--listen-host 127.0.0.1" in capture.split("## Run the proxy", 1)[1].split("|", 1)[0]

@@ -1,18 +1,25 @@
-"""The README's recipes, read from its own code blocks (``<!-- readme-test: NAME -->``) and run as written: only
-ports (free ones instead of 8000/8080/8081), session names and the temporary HOME differ, so the README cannot
-drift from what works.
+"""The docs' code blocks (every page under docs/ and README.md), checked against the code, and their recipes run.
 
-- ``polar proxy`` prints exactly the README's harness recipes, and each recipe (Claude Code, Codex with its
-  default model, Qwen Code, Gemini CLI, Pi, an openai SDK script) completes through it against the scripted
-  engine, recorded under its session and named harness.
-- The serve -> capture (the README's mitmdump command) -> inspect/validate/reward (while the proxy runs) ->
-  build/stats/view/train -> reload -> stop loop on the tiny model with vLLM.
+- Every ``polar ...`` command in a code block or an inline code span names a real command and only options it has,
+  read from the Typer app (``polar_cli.app:app``) as the generated CLI reference is; every ``polar_*`` mitmproxy
+  option a block sets is one the addons declare (their ``load``, as the generated options reference reads them).
+  A renamed command or option fails here.
+- The blocks marked ``<!-- docs-test: NAME -->`` run as written: only ports (free ones instead of 8000/8080/8081),
+  session names and the temporary HOME differ, so the docs cannot drift from what works.
+  - ``polar proxy`` prints exactly the docs' harness recipes, and each recipe (Claude Code, Codex with its
+    default model, Qwen Code, Gemini CLI, Pi, an openai SDK script) completes through it against the scripted
+    engine, recorded under its session and named harness.
+  - The serve -> capture (the docs' mitmdump command) -> inspect/validate/reward (while the proxy runs) ->
+    build/stats/view/train -> reload -> stop loop on the tiny model with vLLM.
+  - Getting started's rollout block.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,7 +41,10 @@ from tests.support.proxy import wait_for_port
 from tests.test_train_engine import chat, hf_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+PAGES = {
+    path.relative_to(REPO).as_posix(): path.read_text()
+    for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+}
 BIN = REPO / ".harness" / "node_modules" / ".bin"
 VENV_BIN = Path(sys.executable).parent
 AGENT = """\
@@ -47,10 +57,11 @@ print("agent:", reply.choices[0].message.content)
 
 
 def block(name: str) -> str:
-    """The code block after ``<!-- readme-test: NAME -->`` (dedented: it may sit in a list item)."""
-    match = re.search(rf"<!-- readme-test: {name} -->\s*\n[ \t]*```sh\n(.*?)\n[ \t]*```", README, re.S)
-    assert match, f"README has no readme-test block {name!r}"
-    return textwrap.dedent(match.group(1))
+    """The code block after ``<!-- docs-test: NAME -->`` on any page (dedented: it may sit in a list item)."""
+    pattern = rf"<!-- docs-test: {name} -->\s*\n[ \t]*```sh\n(.*?)\n[ \t]*```"
+    found = [match.group(1) for text in PAGES.values() for match in re.finditer(pattern, text, re.S)]
+    assert len(found) == 1, f"{len(found)} docs-test blocks named {name!r} (one expected)"
+    return textwrap.dedent(found[0])
 
 
 def commands(text: str) -> list[str]:
@@ -109,12 +120,184 @@ def on_ports(text: str, ports: dict[int, int]) -> str:
     return text
 
 
-def test_polar_proxy_prints_the_readme_recipes() -> None:
+def test_polar_proxy_prints_the_docs_recipes() -> None:
     assert block("recipes") == recipes().rstrip("\n")
     names = set(sections(block("recipes"))) - {"header"}
     assert names == {"Claude Code", "Codex", "Qwen Code", "Gemini CLI", "Pi", "openai / anthropic / google-genai SDKs"}
     capture = commands(block("capture"))
     assert len(capture) == 1 and "--mode regular@8080 --mode reverse:" in capture[0]
+    assert capture[0].startswith("mitmdump --listen-host 127.0.0.1 ")  # loopback, never mitmdump's every interface
+    # The blocks the vLLM and rollout tests run are there, one each, in the shape those tests take apart.
+    assert [c.split()[:3] for c in commands(block("engine"))] == [
+        ["polar", "engine", c] for c in ("serve", "reload", "stop")
+    ]
+    assert [c.split()[1] for c in commands(block("store"))] == ["shards", "shards", "reward", "reward"]
+    assert [c.split()[1] for c in commands(block("train"))] == ["build", "stats", "view", "train", "engine"]
+    assert [c.split()[1] for c in commands(block("rollout"))] == ["rollout", "build"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every command and option the docs name exists.
+
+
+def _reference():
+    """docs/hooks/reference.py, which generates the Reference pages: the same command tree and options."""
+    spec = importlib.util.spec_from_file_location("docs_reference", REPO / "docs" / "hooks" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+REFERENCE = _reference()
+FENCE = re.compile(r"^([ \t]*)```(\w*)[^\n]*\n(.*?)\n\1```", re.M | re.S)
+SHELLS = {"sh", "bash", "console", "shell"}
+
+
+def code_blocks() -> list[tuple[str, str]]:
+    """(page, shell block) for every sh/bash block on every page."""
+    return [(page, textwrap.dedent(m.group(3))) for page, text in PAGES.items() for m in FENCE.finditer(text)
+            if m.group(2) in SHELLS]  # fmt: skip
+
+
+def inline_code() -> list[tuple[str, str]]:
+    """(page, span) for every inline code span outside fenced blocks, whitespace normalised (spans wrap lines)."""
+    found = []
+    for page, text in PAGES.items():
+        prose = FENCE.sub("", text)
+        found += [(page, " ".join(m.group(1).split())) for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", prose)]
+    return found
+
+
+PLACEHOLDER = re.compile(r"^(\.\.\.|<.*>|[A-Z][A-Z_]*|\[.*)$")
+
+
+def polar_invocations(command: str) -> list[list[str]]:
+    """The argument lists of every `polar` a shell command runs, each up to the next shell operator: `polar` (or a
+    path ending in /bin/polar) where a command starts (after `VAR=value` words), and `$(which polar)` anywhere
+    (`accelerate launch ... $(which polar) train`); `--provider polar` is an argument, not a command."""
+    command = command.replace("$(which polar)", " __polar__ ")
+    try:
+        words = shlex.split(command, comments=True)
+    except ValueError:  # an unbalanced quote in prose-like text: split plainly
+        words = command.split()
+    found: list[list[str]] = []
+    current: list[str] | None = None
+    starts = True  # at a command's start: only VAR=value words so far
+    for word in words:
+        if word in {"|", "||", "&&", ";", ">", ">>", "2>&1", "&", "exec"}:
+            current, starts = None, True
+        elif word == "__polar__" or (starts and (word == "polar" or word.endswith("/bin/polar"))):
+            current, starts = [], False
+            found.append(current)
+        elif current is not None:
+            current.append(word)
+        elif not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", word):
+            starts = False
+    return found
+
+
+def check_invocation(arguments: list[str], commands: dict) -> list[str]:
+    """What is wrong with `polar ARGUMENTS` (empty: nothing): an unknown command or option."""
+    path = "polar"
+    rest = list(arguments)
+    while rest and hasattr(commands[path], "list_commands") and not rest[0].startswith("-"):
+        word = rest.pop(0)
+        if PLACEHOLDER.match(word):
+            return []  # `polar <command> --help`, `polar COMMAND`: no command named
+        if f"{path} {word}" not in commands:
+            return [f"`{path} {word}`: no such command"]
+        path = f"{path} {word}"
+    allowed = REFERENCE.option_names(commands[path])
+    if path == "polar loop":  # options polar loop does not know go to polar train (loop_cmd checks them there)
+        allowed |= REFERENCE.option_names(commands["polar train"])
+    problems = []
+    for word in rest:
+        if word == "--":
+            break
+        word = word.strip("[]")
+        if re.fullmatch(r"--?[A-Za-z][\w-]*(=.*)?", word) and word.split("=")[0] not in allowed:
+            problems.append(f"`{path}` has no option {word.split('=')[0]}")
+    return problems
+
+
+def test_every_polar_command_and_option_the_docs_name_exists() -> None:
+    commands = REFERENCE.commands()
+    problems, checked = [], 0
+    for page, text in code_blocks():
+        for command in commands_of(text):
+            for invocation in polar_invocations(command):
+                checked += 1
+                problems += [
+                    f"{page}: {p} in `{command.strip()[:100]}`" for p in check_invocation(invocation, commands)
+                ]
+    for page, span in inline_code():
+        if span.startswith("polar ") and "|" not in span:  # `--drain wait|cut` is a choice, not a pipe
+            for invocation in polar_invocations(span):
+                checked += 1
+                problems += [f"{page}: {p} in `{span[:100]}`" for p in check_invocation(invocation, commands)]
+    assert checked > 50, checked  # the docs do name commands: the parsing found them
+    assert not problems, "\n".join(problems)
+
+
+def commands_of(text: str) -> list[str]:
+    """Shell commands of a block, continuation lines joined (comment-only lines kept out by shlex)."""
+    return [line for line in re.sub(r"\\\n\s*", "", text).splitlines() if line.strip()]
+
+
+def test_every_mitmproxy_option_the_docs_set_exists() -> None:
+    """`--set polar_x=...`, `polar_x=` in blocks and `polar_x` spans in prose are options the addons declare."""
+    declared = {option.name for option in REFERENCE.addon_options()}
+    named: set[tuple[str, str]] = set()
+    for page, text in code_blocks():
+        named |= {(page, m) for m in re.findall(r"\b(polar_[a-z_]+)=", text)}
+    for page, span in inline_code():
+        # `polar_tito`, `--set polar_sessions=registered`; not the packages (`polar_addon/...`, `polar_cli.x`).
+        for m in re.finditer(r"\b(polar_[a-z_]+)\b(?![./])", span):
+            if m.group(1) not in {"polar_addon", "polar_cli"}:
+                named.add((page, m.group(1)))
+    assert len({name for _, name in named}) > 10, named
+    unknown = sorted(f"{page}: {name}" for page, name in named if name not in declared)
+    assert not unknown, "\n".join(unknown)
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    """`polar_addon/context_compaction.py`, `tests/security/`, `bench/fleet.py`...: a moved module breaks the docs
+    test, not a reader. Placeholders (`harnesses/NAME.py`, `scripts/HARNESS.json`) are skipped, and so are paths inside
+    a Harbor task (`tests/test.sh`), which are the task's, not this repository's."""
+    pattern = re.compile(r"(?<![\w/.~$-])((?:polar_addon|polar_cli|tests|bench|examples|docs)/[\w./-]*)")
+    named = {(page, m.group(1).rstrip(".")) for page, span in inline_code() for m in pattern.finditer(span)}
+    named |= {(page, m.group(1).rstrip(".")) for page, text in code_blocks() for m in pattern.finditer(text)}
+    assert len(named) > 30, named
+    missing = sorted(
+        f"{page}: {path}"
+        for page, path in named
+        if path not in HARBOR_TASK_PATHS and not re.search(r"[A-Z]{3,}", path) and not glob_exists(path)
+    )
+    assert not missing, "\n".join(missing)
+
+
+HARBOR_TASK_PATHS = {"tests/test.sh"}
+
+
+def glob_exists(path: str) -> bool:
+    """`tests/test_harness_*.py`-like spans, and `tests/test_tito_vllm.py::test_x` node ids."""
+    return bool(list(REPO.glob(path.split("::")[0])))
+
+
+def test_the_reference_lists_what_the_code_declares() -> None:
+    """The generated pages name every command, option and mitmproxy option (spot checks of both generators)."""
+    cli, options = REFERENCE.cli_markdown(), REFERENCE.options_markdown()
+    rollout = cli.split("{ #polar-rollout }", 1)[1].split("\n#", 1)[0]
+    assert "`--runtime <str>`" in rollout and "`-H, --harness <str>`" in rollout
+    for path, command in REFERENCE.commands().items():
+        assert f"`{path}`" in cli, path
+        for name in REFERENCE.option_names(command) - {"--help"}:
+            assert name in cli, (path, name)
+    for option in REFERENCE.addon_options():
+        assert f"## `{option.name}`" in options, option.name
+    body = options.split("## `polar_max_body_mb`", 1)[1].split("\n## ", 1)[0]
+    assert "type **int**" in body and "MiB" in body
 
 
 def stop(process: subprocess.Popen, logs: list[str] | None = None) -> None:
@@ -183,7 +366,7 @@ def test_every_harness_recipe_through_polar_proxy(tiny_model_dir: Path, tmp_path
         for name, recipe in sections(block("recipes")).items():
             if name == "header":
                 continue
-            session = "readme-" + re.sub(r"\W+", "-", name.lower()).strip("-")
+            session = "docs-" + re.sub(r"\W+", "-", name.lower()).strip("-")
             home = tmp_path / "homes" / session
             (home / "your_agent.py").parent.mkdir(parents=True, exist_ok=True)
             (home / "your_agent.py").write_text(AGENT)
@@ -214,8 +397,8 @@ def test_every_harness_recipe_through_polar_proxy(tiny_model_dir: Path, tmp_path
 
 @pytest.mark.vllm
 def test_serve_capture_reward_build_train_reload_stop(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The README's engine, capture, store and train blocks in order, in a directory laid out as the README
-    assumes (models/tiny, the repo's polar_addon/), on free ports."""
+    """The docs' engine, capture, store and train blocks in order, in a directory laid out as the docs
+    assume (models/tiny, the repo's polar_addon/), on free ports."""
     if not (REPO / ".venv-vllm" / "bin" / "python").exists():
         missing("vLLM CPU venv missing; run `make engine`")
     work, home = tmp_path / "work", tmp_path / "home"
