@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST_ARGS = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-.PHONY: docs docs-serve install engine harnesses s3 browser sandbox model sglang-contract test test-fast demo demo-harness bench mutation clean
+.PHONY: docs docs-serve lint install engine harnesses s3 browser sandbox model sglang-contract test test-fast demo demo-harness bench mutation clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -78,11 +78,16 @@ docs: install
 docs-serve: install
 	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
 
-test: install docs engine harnesses s3 browser sandbox model sglang-contract
+# ruff (configured in pyproject.toml): the tree is formatted and lint-clean; the second step of `make test`.
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+test: install docs lint engine harnesses s3 browser sandbox model sglang-contract
 	$(BIN)/python -m pytest -q -rs $(XDIST_ARGS) --durations=40 $(PYTEST_ARGS)
 
 # Unit and in-process tests only: no vLLM, no harness CLIs.
-test-fast: install docs sglang-contract
+test-fast: install docs lint sglang-contract
 	$(BIN)/python -m pytest -q -m "not vllm and not harness" $(PYTEST_ARGS)
 
 # Capture through the proxy, then the learning loop (polar loop: rollouts -> polar train -> reload), ~5 min on 2 cores.
