@@ -19,24 +19,51 @@ if TYPE_CHECKING:
     from polar_cli.rollout.loop import LoopConfig
     from polar_cli.rollout.tasks import Task
 
-LOOP_HELP = """Close the loop: rollout -> polar train -> engine reload -> rollout, ITERATIONS times.
-
-Each iteration runs SAMPLES sessions of every task (as `polar rollout`) into OUT/iter-NNN/shards, then trains the policy that sampled them on exactly those shards (`polar train`), and the checkpoint becomes the policy of the next rollout. The last iteration only rolls out: it measures the last training. Iterations where every reward is equal ("nothing to train") keep the policy.
-
-Every option polar loop does not know is passed to `polar train` as given (e.g. --lr 1e-2 --epochs 2 --groups-per-step 1); they are checked before the first rollout.
-
-Resumable: OUT/loop.json records each finished rollout and training; run the same command again after an interruption and it continues at the first unfinished phase (a half-done rollout is redone from scratch, so shards of two attempts never mix). Even a SIGKILLed loop leaves nothing running that could write into it: its proxy, harnesses, containers, training and vLLM die with it, and the redo refuses an iteration directory whose proxy is still alive.
-
---ray ADDRESS: each rollout runs on a Ray cluster as `polar rollout --ray` does (a worker with its own proxy per node, all writing OUT/iter-NNN/shards); OUT, --model and the checkpoints must be at the same path on every node; `polar train` runs on this machine.
-
---async: rollouts keep running while the trainer trains on finished batches (any --engine). A batch's groups are trained only if every call's weight_version is within --max-staleness versions of the policy being trained (staler ones are dropped and counted). Each new checkpoint is pushed as the next version V with a drain: new sessions wait until the engine serves V, and the batch in flight either finishes on the old weights first (--drain wait) or is cancelled, its running sessions masked as error (--drain cut). The push: local: a new proxy on the checkpoint; vllm: `polar engine reload` restarts vLLM on it (each batch's proxy tags its calls vllm:URL?weight_version=V, as vLLM reports no version); sglang:URL: update_weights_from_disk with weight_version V, which SGLang reports in every answer. polar train's truncated importance sampling against the captured logprobs corrects the bounded staleness. loop.json records batches, steps, each push's drain time and the rollout/trainer utilisation (fraction of wall time busy). Resumable: run the same command again after Ctrl-C or a kill and it continues from the last finished step (its checkpoint and version; no batch is trained twice; the batch in flight is redone).
-
-Example (the toy task of examples/toy_task):
-
-polar loop examples/toy_task/tasks.jsonl --harness "cmd:$PWD/.venv/bin/python $PWD/examples/toy_task/agent.py {instruction}" --model models/tiny --iterations 4 --out runs/toy --lr 1e-2 --epochs 2 --groups-per-step 1
-
-Sessions run in bwrap (network proxy-only) by default, which shows a cmd: harness every absolute path it names (a venv whole) read-only; --runtime local runs them unsandboxed and needs --trust-agent.
-"""
+LOOP_HELP = (
+    "Close the loop: rollout -> polar train -> engine reload -> rollout, ITERATIONS times.\n"
+    "\n"
+    "Each iteration runs SAMPLES sessions of every task (as `polar rollout`) into OUT/iter-NNN/shards, "
+    "then trains the policy that sampled them on exactly those shards (`polar train`), and the checkpoint"
+    " becomes the policy of the next rollout. The last iteration only rolls out: it measures the last "
+    'training. Iterations where every reward is equal ("nothing to train") keep the policy.\n'
+    "\n"
+    "Every option polar loop does not know is passed to `polar train` as given (e.g. --lr 1e-2 --epochs 2"
+    " --groups-per-step 1); they are checked before the first rollout.\n"
+    "\n"
+    "Resumable: OUT/loop.json records each finished rollout and training; run the same command again "
+    "after an interruption and it continues at the first unfinished phase (a half-done rollout is redone "
+    "from scratch, so shards of two attempts never mix). Even a SIGKILLed loop leaves nothing running "
+    "that could write into it: its proxy, harnesses, containers, training and vLLM die with it, and the "
+    "redo refuses an iteration directory whose proxy is still alive.\n"
+    "\n"
+    "--ray ADDRESS: each rollout runs on a Ray cluster as `polar rollout --ray` does (a worker with its "
+    "own proxy per node, all writing OUT/iter-NNN/shards); OUT, --model and the checkpoints must be at "
+    "the same path on every node; `polar train` runs on this machine.\n"
+    "\n"
+    "--async: rollouts keep running while the trainer trains on finished batches (any --engine). A "
+    "batch's groups are trained only if every call's weight_version is within --max-staleness versions of"
+    " the policy being trained (staler ones are dropped and counted). Each new checkpoint is pushed as "
+    "the next version V with a drain: new sessions wait until the engine serves V, and the batch in "
+    "flight either finishes on the old weights first (--drain wait) or is cancelled, its running sessions"
+    " masked as error (--drain cut). The push: local: a new proxy on the checkpoint; vllm: `polar engine "
+    "reload` restarts vLLM on it (each batch's proxy tags its calls vllm:URL?weight_version=V, as vLLM "
+    "reports no version); sglang:URL: update_weights_from_disk with weight_version V, which SGLang "
+    "reports in every answer. polar train's truncated importance sampling against the captured logprobs "
+    "corrects the bounded staleness. loop.json records batches, steps, each push's drain time and the "
+    "rollout/trainer utilisation (fraction of wall time busy). Resumable: run the same command again "
+    "after Ctrl-C or a kill and it continues from the last finished step (its checkpoint and version; no "
+    "batch is trained twice; the batch in flight is redone).\n"
+    "\n"
+    "Example (the toy task of examples/toy_task):\n"
+    "\n"
+    'polar loop examples/toy_task/tasks.jsonl --harness "cmd:$PWD/.venv/bin/python '
+    '$PWD/examples/toy_task/agent.py {instruction}" --model models/tiny --iterations 4 --out runs/toy '
+    "--lr 1e-2 --epochs 2 --groups-per-step 1\n"
+    "\n"
+    "Sessions run in bwrap (network proxy-only) by default, which shows a cmd: harness every absolute "
+    "path it names (a venv whole) read-only; --runtime local runs them unsandboxed and needs "
+    "--trust-agent.\n"
+)
 
 
 @dataclass
