@@ -32,9 +32,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polar_addon.store.status import REWARDED, USABLE
 from polar_cli.rollout.proxy import wait_writer_gone
 from polar_cli.rollout.redact import control_tokens, write_json
-from polar_cli.rollout.runner import REWARDED, USABLE, RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
+from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import Task, task_set_hash
 
 EXIT_NOTHING_TO_TRAIN = 3  # polar train's exit status when every reward of every group is equal
