@@ -131,6 +131,9 @@ def test_reward_file_verifier_reads_the_workspace_or_the_copy_brought_out(tmp_pa
     copied.mkdir()
     (copied / "reward.json").write_text("0.5")
     assert verifier.decide(ExecResult(0, "", ""), False, layout, None) == {"reward": 0.5}
+    (workspace / "out" / "reward.json").write_text("passed")
+    with pytest.raises(NoReward, match="out/reward.json"):  # the message names the task's file
+        verifier.decide(ExecResult(0, "", ""), False, layout, workspace)
 
 
 def test_harbor_verifier_reads_its_logs_and_honours_json_only_when_the_tests_write_it(tmp_path: Path) -> None:
@@ -143,6 +146,11 @@ def test_harbor_verifier_reads_its_logs_and_honours_json_only_when_the_tests_wri
     assert planted.decide(ExecResult(0, "", ""), False, layout, None) == {"reward": 0.0}
     honoured = HarborVerifier(Task("t", "i", format="harbor", reward_json=True))
     assert honoured.decide(ExecResult(1, "", ""), False, layout, None) == {"reward": 1.0}
+    # A reward.json the tests never write is not even opened: a link planted there changes nothing.
+    (logs / "reward.json").unlink()
+    (logs / "reward.json").symlink_to("/etc/passwd")
+    (logs / "reward.txt").write_text("1")
+    assert planted.decide(ExecResult(0, "", ""), False, layout, None) == {"reward": 1.0}
     (logs / "reward.txt").unlink()
     (logs / "reward.json").unlink()
     with pytest.raises(NoReward):
