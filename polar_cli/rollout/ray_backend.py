@@ -4,8 +4,8 @@ Each actor (pinned to its node, exactly one per node: see Placement below) start
 that node's loopback (mitmdump + the polar addon, as the local runner does) writing to the one shared store (a
 directory every node sees at the same path, or an ``s3://`` URI), and runs the sessions the driver hands it through
 the same stages and code as the local runner (``session.SessionRunner.drive``): at most ``concurrency`` harnesses
-at once per node, ``ready`` more in INIT/READY. The sandboxes reach only their own node's proxy: no central gateway on the
-data path; the driver only hands out sessions and gathers their results.
+at once per node, ``ready`` more in INIT/READY. The sandboxes reach only their own node's proxy: no central gateway
+on the data path; the driver only hands out sessions and gathers their results.
 
 The queue stays with the driver: a node takes a new session only when one of its slots is free. When a node dies,
 its queued sessions were never handed out (other nodes take them); the sessions it held end ``error``, posted by the
