@@ -92,6 +92,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             ),
         ],
     ),
+    # Each verifier strategy's decision, on canned results (run with --only '*decide*' '*rewards*': the rest runs
+    # only inside rollouts).
+    "rollout.verifiers": (
+        ["polar_cli/rollout/verifiers.py"],
+        ["tests/test_rollout_session.py", "-k", "not session_runner"],
+    ),
     # The patch bound and the host-side git (no rollout: the runner's own functions on a planted workspace).
     "rollout.workspace": (
         ["polar_cli/rollout/workspace.py"],

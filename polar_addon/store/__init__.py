@@ -29,6 +29,7 @@ from polar_addon.store.reader import iter_records, read_records, read_rewards, r
 from polar_addon.store.rewards import RewardRecord
 from polar_addon.store.sessions import SessionRecord
 from polar_addon.store.shards import CALLS, REWARDS, SESSIONS
+from polar_addon.store.status import SessionStatus
 from polar_addon.store.trace_store import SESSION_STATUSES, StorageUnavailable, TraceStore
 from polar_addon.store.validate import validate_store
 
@@ -39,6 +40,7 @@ __all__ = [
     "SESSION_STATUSES",
     "RewardRecord",
     "SessionRecord",
+    "SessionStatus",
     "ShardIntegrityError",
     "StorageUnavailable",
     "TraceStore",

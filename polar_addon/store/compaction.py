@@ -27,6 +27,7 @@ from polar_addon.canonical import AssistantMessage
 from polar_addon.capture import CaptureRecord
 from polar_addon.store.entries import PLAIN_FIELDS, JournaledCall, decode_entry
 from polar_addon.store.shards import KINDS, SESSIONS
+from polar_addon.store.status import SessionStatus
 
 # How many recent calls per session a new call may reference.
 TIPS_PER_SESSION = 3
@@ -188,7 +189,7 @@ def encode_segment(payloads: Sequence[bytes], tips: StagedTips) -> dict[str, lis
                 tips.push(sid, tip)
         else:
             row = entry
-            if kind == SESSIONS and row.get("status") not in (None, "running"):
+            if kind == SESSIONS and row.get("status") not in (None, SessionStatus.RUNNING):
                 tips.end(row["session_id"])
         rows[kind].append(row)
     return rows

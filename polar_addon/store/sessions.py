@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from polar_addon.store.rewards import RewardRecord
+from polar_addon.store.status import SessionStatus
 
 log = logging.getLogger("polar")
 
@@ -80,7 +81,7 @@ def merge_sessions(
         record = get(update["session_id"])
         for name in _MERGED:
             if update.get(name) is not None:
-                if name == "status" and record.status == "error" and update[name] != "error":
+                if name == "status" and record.status == SessionStatus.ERROR and update[name] != SessionStatus.ERROR:
                     # An error is final: the proxy ends a session whose engine died (or a Ray driver one whose
                     # node died) while its runner may still post completed with a reward afterwards; that
                     # session's traces are broken and must stay masked.
@@ -110,7 +111,7 @@ def merge_sessions(
         record = get(reward.session_id)
         record.reward_history.append(reward)
         record.rewards[reward.name] = reward.value
-        if record.status == "running":
+        if record.status == SessionStatus.RUNNING:
             # A reward is an outcome: the episode is over unless a status said how it ended.
-            record.status = "completed"
+            record.status = SessionStatus.COMPLETED.value
     return sorted(sessions.values(), key=lambda s: s.session_id)

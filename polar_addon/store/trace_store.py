@@ -36,10 +36,11 @@ from polar_addon.store.compaction import SessionTips, StagedTips, encode_segment
 from polar_addon.store.entries import call_entry, entry_header, row_entry
 from polar_addon.store.rewards import check_reward
 from polar_addon.store.shards import CALLS, REWARDS, SCHEMAS, SESSIONS, Output
+from polar_addon.store.status import STORED_STATUSES, SessionStatus
 
 log = logging.getLogger("polar.store")
 
-SESSION_STATUSES = ("running", "completed", "timeout", "error", "agent_error")
+SESSION_STATUSES: tuple[str, ...] = tuple(s.value for s in STORED_STATUSES)  # plain strings: messages list them
 _SESSION_FIELDS = ("task_id", "group_id", "sample_index", "harness", "status", "started_at", "ended_at", "metadata")
 _RETRY_INTERVAL_S = 0.5
 
@@ -221,7 +222,7 @@ class TraceStore:
                 row[name] = fields.get(name)
         self.check_writable(journal_too=False)
         await self._submit(SESSIONS, row)
-        if status == "error" and session_id not in self._errored:
+        if status == SessionStatus.ERROR and session_id not in self._errored:
             metadata = fields.get("metadata") or {}
             self._errored[session_id] = str(metadata.get("error") or metadata.get("reason") or "error")
 
@@ -230,8 +231,8 @@ class TraceStore:
         ``posted``: an ``error`` this process stored earlier stands (the proxy ended the session, e.g. its engine
         was taken out mid-session)."""
         reason = self._errored.get(session_id)
-        if reason is not None and posted != "error":
-            return "error", reason
+        if reason is not None and posted != SessionStatus.ERROR:
+            return SessionStatus.ERROR.value, reason
         return posted, None
 
     async def add_reward(self, session_id: str, value: float, name: str = "reward", source: str = "api") -> None:

@@ -31,10 +31,10 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from polar_addon.store.status import STORE_MASKED
 from polar_cli.build.breaks import BreakCause
 from polar_cli.build.rewards import SessionInfo
 
-MASKED_STATUSES = ("error", "running")  # statuses decide_reward never trains, whatever the reward
 NO_GROUP = "(no group)"
 
 
@@ -177,12 +177,12 @@ class GroupMask:
 
 
 def group_masks(sessions: Iterable[SessionInfo]) -> dict[str, GroupMask]:
-    """group -> its sessions and how many of them are masked (``MASKED_STATUSES``), groups sorted by name."""
+    """group -> its sessions and how many of them are masked (``STORE_MASKED``), groups sorted by name."""
     counts: dict[str, tuple[int, int]] = {}
     for info in sessions:
         group = info.group_id or NO_GROUP
         total, masked = counts.get(group, (0, 0))
-        counts[group] = (total + 1, masked + (info.status in MASKED_STATUSES))
+        counts[group] = (total + 1, masked + (info.status in STORE_MASKED))
     return {group: GroupMask(total, masked) for group, (total, masked) in sorted(counts.items())}
 
 

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from polar_addon.store.status import REWARDED
 from polar_cli.rollout.loop import (
     EXIT_NOTHING_TO_TRAIN,
     LoopConfig,
@@ -64,7 +65,7 @@ from polar_cli.rollout.loop import (
     train_command,
 )
 from polar_cli.rollout.redact import control_tokens, write_json
-from polar_cli.rollout.runner import REWARDED, RolloutInterrupted, RolloutResult, run_rollout
+from polar_cli.rollout.runner import RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import task_set_hash
 
 Drain = Literal["wait", "cut"]

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from polar_addon.engines.spec import EngineSpec
+from polar_addon.store.status import REWARDED, USABLE
 from polar_cli.rollout.proxy import wait_writer_gone
 from polar_cli.rollout.redact import control_tokens, write_json
-from polar_cli.rollout.runner import REWARDED, USABLE, RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
+from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import Task, task_set_hash
 from polar_cli.rollout.workspace import MAX_PATCH_BYTES
 
@@ -279,7 +280,8 @@ class _Engine:
         if self.server is None:
             progress(f"starting vLLM on {policy}")
             self.server = serve_vllm(
-                str(policy), port=self.config.vllm_port or _free_port(), served_model_name=self.config.served_model_name,
+                str(policy), port=self.config.vllm_port or _free_port(),
+                served_model_name=self.config.served_model_name,
                 state_dir=self.state_dir, extra_args=list(self.config.vllm_args), dtype="auto", tie=True,
             )  # fmt: skip
             self.serving = wanted

@@ -3,9 +3,9 @@
 Each actor (pinned to its node, exactly one per node: see Placement below) starts its own proxy on
 that node's loopback (mitmdump + the polar addon, as the local runner does) writing to the one shared store (a
 directory every node sees at the same path, or an ``s3://`` URI), and runs the sessions the driver hands it through
-the same stages and code as the local runner (``runner._Runner.run_one``): at most ``concurrency`` harnesses at once
-per node, ``ready`` more in INIT/READY. The sandboxes reach only their own node's proxy: no central gateway on the
-data path; the driver only hands out sessions and gathers their results.
+the same stages and code as the local runner (``session.SessionRunner.drive``): at most ``concurrency`` harnesses
+at once per node, ``ready`` more in INIT/READY. The sandboxes reach only their own node's proxy: no central gateway
+on the data path; the driver only hands out sessions and gathers their results.
 
 The queue stays with the driver: a node takes a new session only when one of its slots is free. When a node dies,
 its queued sessions were never handed out (other nodes take them); the sessions it held end ``error``, posted by the
@@ -45,9 +45,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from polar_addon.store.status import USABLE, SessionStatus
 from polar_cli.rollout.runner import (
-    REWARDED,
-    USABLE,
     PlannedSession,
     RolloutConfig,
     RolloutProgress,
@@ -92,8 +91,9 @@ class NodeWorker:
         """Start this node's proxy; its process ids (the tests kill them) and the budget the harnesses are told."""
         from polar_cli.rollout.harnesses import get_preset
         from polar_cli.rollout.proxy import ControlClient, start_proxy
-        from polar_cli.rollout.runner import _Runner, budget
+        from polar_cli.rollout.runner import budget
         from polar_cli.rollout.runtimes import get_runtime
+        from polar_cli.rollout.session import SessionRunner
 
         config = self.config
         if config.work_dir is not None:
@@ -130,7 +130,7 @@ class NodeWorker:
             stop_on_signals=False,
             status_metadata={**config.status_metadata, "node": self.node_id},
         )
-        self.runner = _Runner(
+        self.runner = SessionRunner(
             local, preset, runtime, started.endpoints, control, work_dir, self.run_id, window, output_cap
         )
         self.slots = asyncio.Semaphore(config.concurrency)
@@ -148,7 +148,7 @@ class NodeWorker:
         assert job is not None
         self.jobs.add(job)
         try:
-            result = await self.runner.run_one(planned, self.slots)
+            result = await self.runner.drive(planned, self.slots)
         finally:
             self.jobs.discard(job)
         result.node = self.node_id
@@ -168,7 +168,7 @@ class NodeWorker:
     async def interrupt(self, reason: str) -> None:
         """Cancel every session here: each ends ``cancelled`` (posted when it ran) and its call returns."""
         if self.runner is not None:
-            self.runner.interrupted = reason
+            self.runner.interrupt(reason)
         for job in list(self.jobs):
             job.cancel()
 
@@ -289,7 +289,7 @@ class _Driver:
                     planned.task.id,
                     planned.task.id,
                     planned.sample,
-                    "cancelled",
+                    SessionStatus.CANCELLED,
                     reason=f"interrupted by {reason} before INIT",
                 )
             )
@@ -360,7 +360,7 @@ class _Driver:
                         planned.task.id,
                         planned.task.id,
                         planned.sample,
-                        "cancelled",
+                        SessionStatus.CANCELLED,
                         reason="early stop: the group had enough usable sessions before it ran",
                     )
                 )
@@ -380,16 +380,11 @@ class _Driver:
         self.results[result.session_id] = result
         progress = self.progress
         progress.stages["done"] += 1
-        progress.statuses[result.status] += 1
+        progress.count(result)
         if result.ran:
             progress.ran += 1
         if result.node:
             progress.nodes[result.node[:12]] += 1
-        rewards = progress.group_rewards.setdefault(result.group_id, [])
-        if result.status in REWARDED and result.reward is not None:
-            rewards.append(result.reward)
-        if result.status == "error" and result.reason:
-            progress.errors.append((result.session_id, result.reason.splitlines()[0][:200]))
         if result.status in USABLE:
             self.usable[result.group_id] += 1
             early = self.config.early_stop
@@ -429,7 +424,7 @@ class _Driver:
                     planned.task.id,
                     planned.task.id,
                     planned.sample,
-                    "error",
+                    SessionStatus.ERROR,
                     reason=why,
                     node=node or None,
                 )
@@ -449,7 +444,7 @@ class _Driver:
                         task_id=planned.task.id,
                         group_id=planned.task.id,
                         sample_index=planned.sample,
-                        status="error",
+                        status=SessionStatus.ERROR,
                         ended_at=time.time(),
                         metadata=metadata,
                     )
