@@ -37,15 +37,19 @@ OPENAI_API_KEY=x HTTPS_PROXY=http://$SESSION@127.0.0.1:{fwd} CODEX_CA_CERTIFICAT
 OPENAI_BASE_URL=http://127.0.0.1:{rev}/v1 OPENAI_API_KEY=polar:$SESSION OPENAI_MODEL=$MODEL \\
   qwen --auth-type openai -p "list the files here"
 # Gemini CLI
-mkdir -p ~/.gemini && echo '{{"security": {{"auth": {{"selectedType": "gemini-api-key"}}}}}}' > ~/.gemini/settings.json
-GOOGLE_GEMINI_BASE_URL=http://127.0.0.1:{rev} GEMINI_API_KEY=polar:$SESSION gemini --skip-trust -m $MODEL -p "list the files here"
+mkdir -p ~/.gemini &&
+  echo '{{"security": {{"auth": {{"selectedType": "gemini-api-key"}}}}}}' > ~/.gemini/settings.json
+GOOGLE_GEMINI_BASE_URL=http://127.0.0.1:{rev} GEMINI_API_KEY=polar:$SESSION \\
+  gemini --skip-trust -m $MODEL -p "list the files here"
 # Pi (api: openai-completions, openai-responses, anthropic-messages or google-generative-ai)
-mkdir -p ~/.pi/agent && echo '{{"providers": {{"polar": {{"baseUrl": "http://127.0.0.1:{rev}/v1", "api": "openai-completions",
+mkdir -p ~/.pi/agent &&
+  echo '{{"providers": {{"polar": {{"baseUrl": "http://127.0.0.1:{rev}/v1", "api": "openai-completions",
   "apiKey": "polar:'$SESSION'", "models": [{{"id": "'$MODEL'"}}]}}}}}}' > ~/.pi/agent/models.json
 PI_OFFLINE=1 pi -p --provider polar --model $MODEL --no-session "list the files here"
 # openai / anthropic / google-genai SDKs: base_url=http://127.0.0.1:{rev}/v1 (anthropic, google-genai: without /v1)
 # and api_key=polar:SESSION; or, with no code change, the forward proxy:
-HTTPS_PROXY=http://$SESSION@127.0.0.1:{fwd} SSL_CERT_FILE=$CA NODE_EXTRA_CA_CERTS=$CA OPENAI_API_KEY=x python your_agent.py
+HTTPS_PROXY=http://$SESSION@127.0.0.1:{fwd} SSL_CERT_FILE=$CA NODE_EXTRA_CA_CERTS=$CA \\
+  OPENAI_API_KEY=x python your_agent.py
 """
 
 

@@ -477,8 +477,8 @@ def _first_choice(data: Any) -> dict[str, Any]:
 
 
 def parse_completion_response(data: Any) -> tuple[str, ParsedChat]:
-    """A vLLM or SGLang ``/v1/completions`` answer to a token prompt (``return_token_ids``, ``logprobs``): the sampled text,
-    and everything else as for a chat answer (its message left empty for the caller's tool parser)."""
+    """A vLLM or SGLang ``/v1/completions`` answer to a token prompt (``return_token_ids``, ``logprobs``): the sampled
+    text, and everything else as for a chat answer (its message left empty for the caller's tool parser)."""
     choice = _first_choice(data)
     text = choice.get("text")
     if not isinstance(text, str):

@@ -11,9 +11,9 @@ Two coroutines share one event loop:
   call records the ``weight_version`` that sampled it. At most ``AHEAD`` finished batches wait for the trainer; past
   that the rollout side waits (a bounded window, as Polar's figure 5: rollout stalls when the trainer is the
   bottleneck).
-- the trainer takes the oldest finished batch (one per step: ``polar train`` reads one trace store), keeps the groups whose calls were all sampled within ``max_staleness``
-  versions of the policy it trains (:func:`select_groups`; staler groups are dropped and counted), runs ``polar
-  train`` on them (TIS against the captured logprobs is always on in ``polar train``: it is what keeps
+- the trainer takes the oldest finished batch (one per step: ``polar train`` reads one trace store), keeps the
+  groups whose calls were all sampled within ``max_staleness`` versions of the policy it trains
+  (:func:`select_groups`; staler groups are dropped and counted), runs ``polar train`` on them (TIS against the captured logprobs is always on in ``polar train``: it is what keeps
   stale-but-bounded traces correct; ``--current-weight-version``/``--max-staleness`` make it refuse anything past
   the bound), and pushes the checkpoint as version V+1.
 
@@ -299,8 +299,8 @@ class _AsyncLoop:
             if version in shared.published:
                 loaded = time.time()
                 push = {"version": version, "checkpoint": str(policy), "published_at": shared.published[version],
-                        "loaded_at": loaded, "drain_s": loaded - shared.published[version], "reload_s": loaded - loading,
-                        "engine": self.engine.kind}  # fmt: skip
+                        "loaded_at": loaded, "drain_s": loaded - shared.published[version],
+                        "reload_s": loaded - loading, "engine": self.engine.kind}  # fmt: skip
                 del shared.published[version]
                 self.pushes.append(push)
                 self.say(f"pushed version {version}: drain {push['drain_s']:.1f} s (reload {push['reload_s']:.1f} s)")

@@ -462,7 +462,8 @@ def policy_loss(
     tis_cap: float,
     log_ratio_clamp: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token policy loss (before the mask and the normaliser), the ratio pi_theta / pi_old, and log of the TIS weight.
+    """Per-token policy loss (before the mask and the normaliser), the ratio pi_theta / pi_old, and the log of the TIS
+    weight.
 
     PPO-clip (``dapo``/``grpo``): ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``; CISPO: ``-sg(min(r, cap)) A
     logp``. Either times the TIS weight ``min(pi_old / pi_behavior, C)`` (a constant: no gradient flows through it).

@@ -150,7 +150,7 @@ class Runtime(abc.ABC):
     async def start(self, spec: SandboxSpec) -> Sandbox:
         """Start a sandbox; raises :class:`RuntimeUnavailable` (an infrastructure failure, retried at INIT)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 (optional: most runtimes hold nothing across sandboxes)
         """Release what the runtime holds across sandboxes (daemons, built images)."""
 
 

@@ -5,9 +5,9 @@ Host side, one ``socat UNIX-LISTEN -> TCP 127.0.0.1:<port>`` per proxy listener 
 directory, forking one process per connection: at most :data:`MAX_CONNECTIONS` at a time (more wait in the listen
 queue), inside the sandbox's cgroup where it has one, so a sandbox that opens connections by the hundred gets no
 more host processes than that, all counted against its own pids and memory limits. Inside the sandbox's network
-namespace, :data:`BRIDGE_SCRIPT` listens on 127.0.0.1:<same port> and relays to those sockets, so the proxy URLs are the same inside as on the host. A Unix socket is reached through the
-filesystem, not the network: the sandbox can use it only because its directory is mounted in, and it leads only to
-the proxy.
+namespace, :data:`BRIDGE_SCRIPT` listens on 127.0.0.1:<same port> and relays to those sockets, so the proxy URLs
+are the same inside as on the host. A Unix socket is reached through the filesystem, not the network: the sandbox
+can use it only because its directory is mounted in, and it leads only to the proxy.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ def strip_setid(root: Path) -> list[str]:
 
 
 async def hand_over_all(roots: Iterable[Path], uid: int, gid: int) -> None:
-    """:func:`hand_over` of every writable directory of a sandbox (before each exec: the runner writes there as root)."""
+    """:func:`hand_over` of every writable directory of a sandbox (before each exec: the runner writes there as
+    root)."""
     for root in roots:
         await asyncio.to_thread(hand_over, root, uid, gid)
 
