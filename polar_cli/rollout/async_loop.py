@@ -13,9 +13,10 @@ Two coroutines share one event loop:
   bottleneck).
 - the trainer takes the oldest finished batch (one per step: ``polar train`` reads one trace store), keeps the
   groups whose calls were all sampled within ``max_staleness`` versions of the policy it trains
-  (:func:`select_groups`; staler groups are dropped and counted), runs ``polar train`` on them (TIS against the captured logprobs is always on in ``polar train``: it is what keeps
-  stale-but-bounded traces correct; ``--current-weight-version``/``--max-staleness`` make it refuse anything past
-  the bound), and pushes the checkpoint as version V+1.
+  (:func:`select_groups`; staler groups are dropped and counted), runs ``polar train`` on them (TIS against the
+  captured logprobs is always on in ``polar train``: it is what keeps stale-but-bounded traces correct;
+  ``--current-weight-version``/``--max-staleness`` make it refuse anything past the bound), and pushes the
+  checkpoint as version V+1.
 
 Drain when new weights are pushed: new sessions wait (the next batch starts only once the engine serves the new
 version), and ``wait``: the batch in flight finishes on the old weights (its groups stay usable within the bound),
