@@ -81,19 +81,26 @@ def error_event(status: int, body: Any) -> bytes:
     return orjson.dumps({"type": "error", "status": status, "error": error or {"message": str(body)}})
 
 
-def too_large_event(size: int, limit: int) -> bytes:
+def refusal_event(gateway: Gateway, err: PolarError) -> bytes:
+    """``err`` as the HTTP path renders it on ``POST /v1/responses``, wrapped as an error event."""
+    reply = gateway.error_reply("POST", RESPONSES_PATH, err)
+    return error_event(reply.status, orjson.loads(reply.body))
+
+
+def too_large_event(gateway: Gateway, size: int) -> bytes:
     """A message over polar_max_body_mb, refused as the HTTP path refuses such a body (413)."""
+    limit = gateway.config.max_body_bytes
     message = f"message of {size} bytes exceeds the proxy limit of {limit} bytes (polar_max_body_mb)"
-    return error_event(413, {"error": {"type": "invalid_request_error", "message": message}})
+    return refusal_event(gateway, PolarError(413, "request_too_large", message))
 
 
-def over_budget_event(limit: int) -> bytes:
+def over_budget_event(gateway: Gateway, limit: int) -> bytes:
     """A message over its client's in-flight budget: retryable once the client's other calls are answered."""
     message = (
         f"polar: this client already has {limit} bytes of request bodies in flight (polar_client_inflight_mb): "
         "retry once its other calls are answered"
     )
-    return error_event(429, {"error": {"type": "rate_limit_exceeded", "message": message}})
+    return refusal_event(gateway, PolarError(429, "overloaded", message))
 
 
 class _WebSocket(web.WebSocketResponse):
@@ -215,7 +222,7 @@ class ResponsesWebSocket:
         charge = "ws:" + secrets.token_urlsafe(8)
         # Characters: a lower bound of its bytes, without encoding a copy of a message of megabytes.
         if not self._budget.take(charge, parked.client, parked.connection, len(text)):
-            await ws.send_str(over_budget_event(self._budget.limit).decode())
+            await ws.send_str(over_budget_event(gateway, self._budget.limit).decode())
             return
         try:
             await self._answer(ws, gateway, parked, text)
@@ -224,7 +231,7 @@ class ResponsesWebSocket:
 
     async def _answer(self, ws: web.WebSocketResponse, gateway: Gateway, parked: _Parked, text: str) -> None:
         if len(text) > gateway.config.max_body_bytes:  # characters; aiohttp already bounded the bytes
-            await ws.send_str(too_large_event(len(text), gateway.config.max_body_bytes).decode())
+            await ws.send_str(too_large_event(gateway, len(text)).decode())
             return
         try:
             body = orjson.loads(text)

@@ -103,7 +103,7 @@ class BodyLimits:
             self._count_body(flow, gateway.config.max_body_bytes)
             return
         if ctx.options.polar_block_other:
-            self._count_body(flow, 0)  # answered 403 in `request`, the body dropped unread
+            self._count_body(flow, 0)  # answered 403 by InterceptionScope.request, the body dropped unread
             return
         flow.request.headers.pop("proxy-authorization", None)  # streamed: headers leave before `request`
         flow.request.stream = True
@@ -209,7 +209,7 @@ class BodyLimits:
         cap = gateway.config.max_body_bytes
         if message.from_client and not message.injected and len(message.content) > cap:
             message.drop()
-            event = too_large_event(len(message.content), cap)
+            event = too_large_event(gateway, len(message.content))
             ctx.master.commands.call("inject.websocket", flow, True, event, True)
 
     def response(self, flow: http.HTTPFlow) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-# In the body of the addon's 403 for non-model traffic (polar_addon.addon, polar_block_other).
+# In the body of the addon's 403 for non-model traffic (polar_addon.addons.scope, polar_block_other).
 BLOCKED_MARKER = b"(polar_block_other)"
 MAX_ANSWER_BYTES = 4096
 PROBE_PATH = "/polar-boundary-probe"
