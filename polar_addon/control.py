@@ -11,7 +11,9 @@ Sessions are registered here too (``POST /sessions/ID/register``, ``{"task", "gr
 token): the proxy generates the session's secret (``polar_addon.identity.SessionRegistry``) and returns it with
 the proxy's session mode, ``{"ok", "session_id", "secret", "sessions": "claimed" | "registered"}``. A posted
 status ends the session: its secret is refused from then on, and its id cannot be registered again.
-``GET /sessions`` (with the token) says the mode alone, so a runner can refuse a claimed-mode proxy up front.
+``GET /sessions`` (with the token) says the proxy's modes alone, ``{"ok", "sessions", "sampling": "client" |
+"fixed"}``, so a runner can refuse up front a claimed-mode proxy, or one that lets the policy choose how it is
+sampled (``polar_sampling=client``).
 
 Values are checked here before anything reaches the store: a reward is a finite number within
 ``REWARD_LIMIT``, a name matches ``REWARD_NAME``, metadata is a JSON object of bounded size.
@@ -168,12 +170,14 @@ class ControlPlane:
         token: str,
         on_session_end: Callable[[str], None] | None = None,
         sessions_mode: Callable[[], str] = lambda: "claimed",
+        sampling_mode: Callable[[], str] = lambda: "client",
     ) -> None:
         self.store = store
         self.token = token
         self.on_session_end = on_session_end  # a posted status ends the session (the engine pool frees its slot)
         self.sessions = SessionRegistry()
         self.sessions_mode = sessions_mode  # the addon's polar_sessions, read per request
+        self.sampling_mode = sampling_mode  # and its polar_sampling
 
     async def handle(
         self, method: str, path: str, authorization: str | None, body: bytes
@@ -207,7 +211,7 @@ class ControlPlane:
         if what is None:
             if method != "GET":
                 raise ControlError(405, "invalid_request", "use GET")
-            return {"ok": True, "sessions": self.sessions_mode()}
+            return {"ok": True, "sessions": self.sessions_mode(), "sampling": self.sampling_mode()}
         if method != "POST":
             raise ControlError(405, "invalid_request", "use POST")
         if what == "register":

@@ -60,7 +60,8 @@ MAX_SEEN_SESSIONS = 200_000
 MAX_JSON_DEPTH = 128
 # Bodies larger than this are read and translated on a worker thread.
 PARSE_OFF_LOOP_BYTES = 256 * 1024
-# The sampling parameters a fixed-sampling proxy (GatewayConfig.sampling_fixed) takes from its options, never the client.
+# The sampling parameters a fixed-sampling proxy (GatewayConfig.sampling_fixed) takes from its options, never from
+# the client.
 _POLICY_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed")
 
 

@@ -98,7 +98,7 @@ class HeapTrim:
 
 @dataclass
 class CountedBody:
-    """A request body read through a counter (see ``addon.Polar._count_body``): kept while it stays within
+    """A request body read through a counter (see ``addons.BodyLimits._count_body``): kept while it stays within
     ``cap`` and ``take`` (the client's budget) grants its bytes; past either it is dropped on the spot, the rest
     discarded as it arrives, and the flow refused (``refused``) once the body ended."""
 
@@ -173,7 +173,7 @@ class StreamRelay:
                 asyncio.ensure_future(aclose())
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
-        # A flow whose body the addon counted on its way (Polar.requestheaders) arrives here before its reply
+        # A flow whose body the addon counted on its way (BodyLimits.requestheaders) arrives here before its reply
         # is parked: the reply is parked by the time the (empty) request body ends.
         try:
             await request.read()

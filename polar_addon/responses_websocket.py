@@ -13,6 +13,12 @@ this loopback aiohttp server (one-time token in the path, the caller's identity 
 Each ``response.create`` goes through :meth:`Gateway.handle` as a streaming ``POST /v1/responses``,
 so it is recorded exactly like the HTTP path; the SSE bytes it returns are cut back into events.
 
+Bounds: a message is a request body like any other. One over polar_max_body_mb is refused (an ``error`` event,
+status 413) before it reaches the gateway, and each message is charged to its client's in-flight budget
+(``relay.BodyBudget``, polar_client_inflight_mb, shared with the HTTP path) from its arrival until its answer
+ends: one over the budget is refused with status 429 (retryable). Either refusal leaves the socket open and what
+it wrote before recorded.
+
 Identity: the upgrade request is resolved (and, in ``registered`` mode, checked against the registry) by the
 addon like any HTTP call before it is parked; since a socket outlives a turn, every message is checked again
 (``still_live``): once the session's final status is posted, its open socket writes nothing more.
@@ -35,6 +41,7 @@ from polar_addon.capture import Identity
 from polar_addon.gateway import FullReply, Gateway, IncomingCall
 from polar_addon.providers import ResponseContext, Route
 from polar_addon.providers.openai_responses import OpenAIResponsesProvider, response_object
+from polar_addon.relay import BodyBudget
 
 log = logging.getLogger("polar")
 
@@ -74,6 +81,28 @@ def error_event(status: int, body: Any) -> bytes:
     return orjson.dumps({"type": "error", "status": status, "error": error or {"message": str(body)}})
 
 
+def refusal_event(gateway: Gateway, err: PolarError) -> bytes:
+    """``err`` as the HTTP path renders it on ``POST /v1/responses``, wrapped as an error event."""
+    reply = gateway.error_reply("POST", RESPONSES_PATH, err)
+    return error_event(reply.status, orjson.loads(reply.body))
+
+
+def too_large_event(gateway: Gateway, size: int) -> bytes:
+    """A message over polar_max_body_mb, refused as the HTTP path refuses such a body (413)."""
+    limit = gateway.config.max_body_bytes
+    message = f"message of {size} bytes exceeds the proxy limit of {limit} bytes (polar_max_body_mb)"
+    return refusal_event(gateway, PolarError(413, "request_too_large", message))
+
+
+def over_budget_event(gateway: Gateway, limit: int) -> bytes:
+    """A message over its client's in-flight budget: retryable once the client's other calls are answered."""
+    message = (
+        f"polar: this client already has {limit} bytes of request bodies in flight (polar_client_inflight_mb): "
+        "retry once its other calls are answered"
+    )
+    return refusal_event(gateway, PolarError(429, "overloaded", message))
+
+
 class _WebSocket(web.WebSocketResponse):
     async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
         # aiohttp closes with 1009 as soon as a message passes max_msg_size; the client first gets an
@@ -101,6 +130,8 @@ class _Parked:
     identity: Identity
     headers: dict[str, str]
     host: str
+    client: str  # the client's address and connection id: whose budget its messages are charged to
+    connection: str
     expires: float
 
 
@@ -108,10 +139,14 @@ class ResponsesWebSocket:
     """The loopback WebSocket server; ``gateway`` is read per call (the addon creates it late)."""
 
     def __init__(
-        self, gateway: Callable[[], Gateway | None], still_live: Callable[[Identity], None] = lambda identity: None
+        self,
+        gateway: Callable[[], Gateway | None],
+        still_live: Callable[[Identity], None],
+        budget: BodyBudget,
     ) -> None:
         self._gateway = gateway
         self._still_live = still_live  # raises PolarError when the identity may write no more calls
+        self._budget = budget  # the HTTP path's per-client budget (BodyLimits)
         self._parked: dict[str, _Parked] = {}
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -129,13 +164,14 @@ class ResponsesWebSocket:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def park(self, identity: Identity, headers: dict[str, str], host: str) -> str:
-        """Token for one redirected upgrade; ``headers`` lower-case, secrets already removed."""
+    def park(self, identity: Identity, headers: dict[str, str], host: str, client: str, connection: str) -> str:
+        """Token for one redirected upgrade; ``headers`` lower-case, secrets already removed; ``client`` and
+        ``connection``: the mitmproxy client's address and connection id."""
         now = time.monotonic()
         for token in [t for t, p in self._parked.items() if p.expires < now]:
             del self._parked[token]
         token = secrets.token_urlsafe(16)
-        self._parked[token] = _Parked(identity, headers, host, now + PARK_SECONDS)
+        self._parked[token] = _Parked(identity, headers, host, client, connection, now + PARK_SECONDS)
         return WEBSOCKET_PREFIX + token
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
@@ -150,7 +186,7 @@ class ResponsesWebSocket:
         async for message in ws:
             if message.type == WSMsgType.TEXT:
                 try:
-                    await self._answer(ws, gateway, parked, message.data)
+                    await self._charged(ws, gateway, parked, message.data)
                 except ConnectionResetError:
                     log.info("polar: responses websocket closed by the client during an answer")
                     break
@@ -181,26 +217,28 @@ class ResponsesWebSocket:
                 log.warning("polar: responses websocket error: %s", ws.exception())
         return ws
 
+    async def _charged(self, ws: web.WebSocketResponse, gateway: Gateway, parked: _Parked, text: str) -> None:
+        """Answer one message while its bytes are charged to its client's budget; refuse it if they do not fit."""
+        charge = "ws:" + secrets.token_urlsafe(8)
+        # Characters: a lower bound of its bytes, without encoding a copy of a message of megabytes.
+        if not self._budget.take(charge, parked.client, parked.connection, len(text)):
+            await ws.send_str(over_budget_event(gateway, self._budget.limit).decode())
+            return
+        try:
+            await self._answer(ws, gateway, parked, text)
+        finally:
+            self._budget.release(charge)
+
     async def _answer(self, ws: web.WebSocketResponse, gateway: Gateway, parked: _Parked, text: str) -> None:
+        if len(text) > gateway.config.max_body_bytes:  # characters; aiohttp already bounded the bytes
+            await ws.send_str(too_large_event(gateway, len(text)).decode())
+            return
         try:
             body = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
             await ws.send_str(
                 error_event(
                     400, {"error": {"type": "invalid_request_error", "message": f"message is not JSON: {exc}"}}
-                ).decode()
-            )
-            return
-        if len(text) > gateway.config.max_body_bytes:  # characters; aiohttp already bounded the bytes
-            await ws.send_str(
-                error_event(
-                    413,
-                    {
-                        "error": {
-                            "type": "invalid_request_error",
-                            "message": f"message exceeds the proxy limit of {gateway.config.max_body_bytes} bytes",
-                        }
-                    },
                 ).decode()
             )
             return

@@ -73,11 +73,12 @@ def test_engine_and_output_options_cannot_change_while_running(tmp_path, change)
     from mitmproxy import exceptions
     from mitmproxy.test import taddons
 
-    from polar_addon.addon import Polar
+    from polar_addon.addons import Capture, polar_addons
 
     async def main() -> None:
-        addon = Polar()
-        with taddons.context(addon) as tctx:
+        addons = polar_addons()
+        (addon,) = [a for a in addons if isinstance(a, Capture)]
+        with taddons.context(*addons) as tctx:
             # An HTTP engine: nothing is loaded or contacted at configure time.
             tctx.configure(addon, polar_engine="vllm:http://127.0.0.1:9", polar_out=str(tmp_path / "out"))
             gateway = addon.gateway

@@ -147,3 +147,54 @@ def test_codex_websocket_session_through_mitmdump(tiny_model_dir, tmp_path, keep
     assert ok[1].prompt_ids[: len(ok[0].prompt_ids)] == ok[0].prompt_ids
     failed = [r for r in read_records(str(out)) if r.status == "failed"]
     assert len(failed) == 1 and "previous_response_not_found" in failed[0].error
+
+
+def test_websocket_messages_are_bounded_and_budgeted_like_bodies(tiny_model_dir, tmp_path) -> None:
+    """A message over polar_max_body_mb is refused in the Responses protocol (an error event, 413) and the socket
+    goes on; one that does not fit its client's in-flight budget (polar_client_inflight_mb, shared by every
+    connection of the client) while another message is answered is refused with 429; what the session wrote
+    before and after is recorded."""
+    script = tmp_path / "script.json"
+    script.write_bytes(
+        orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "latency_s": 2.0, "turns": [{"content": "ok"}]})
+    )
+    out = tmp_path / "shards"
+    options = {"polar_shard_seconds": "0.2", "polar_max_body_mb": "1", "polar_client_inflight_mb": "1"}
+    base = {"type": "response.create", "model": "tiny", "stream": True, "store": False, "instructions": ""}
+    pad = "x" * (600 * 1024)  # two of these do not fit a 1 MiB budget; one is within the 1 MiB body limit
+    with run_mitmdump(f"scripted:{script}", out, options=options) as proxy:
+
+        async def session() -> tuple[list[dict[str, Any]], ...]:
+            ssl_ctx = ssl.create_default_context(cafile=str(proxy.ca))
+            async with aiohttp.ClientSession() as http:
+
+                def connect(session_id: str) -> Any:
+                    return http.ws_connect(
+                        "wss://api.openai.com/v1/responses",
+                        proxy=proxy.proxy_url(session_id),
+                        ssl=ssl_ctx,
+                        max_msg_size=0,
+                    )
+
+                async with connect("ws-big") as ws, connect("ws-other") as other:
+                    first = await exchange(ws, {**base, "input": [USER]})
+                    too_large = await exchange(ws, {**base, "input": [USER], "user": "x" * (1024 * 1024 + 1)})
+                    held = asyncio.ensure_future(exchange(ws, {**base, "input": [USER], "user": pad}))
+                    await asyncio.sleep(1.0)  # the first padded message is in the engine's 2 s
+                    over_budget = await exchange(other, {**base, "input": [USER], "user": pad})
+                    padded = await held
+                    after = await exchange(other, {**base, "input": [USER], "user": pad})
+                    return first, too_large, over_budget, padded, after
+
+        first, too_large, over_budget, padded, after = asyncio.run(session())
+
+    for answered in (first, padded, after):
+        assert answered[-1]["type"] == "response.completed", answered
+    ((refused,),) = [too_large]
+    assert (refused["type"], refused["status"]) == ("error", 413), refused
+    assert "polar_max_body_mb" in refused["error"]["message"]
+    ((refused,),) = [over_budget]
+    assert (refused["type"], refused["status"]) == ("error", 429), refused
+    assert "polar_client_inflight_mb" in refused["error"]["message"]
+    ok = [r for r in read_records(str(out)) if r.status == "ok"]
+    assert sorted(r.session_id for r in ok) == ["ws-big", "ws-big", "ws-other"]

@@ -61,10 +61,10 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     (base / "script.json").write_text(
         json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model})
     )
-    # Registered sessions and non-model traffic refused, as `polar rollout --proxy` requires of a running proxy.
-    with shared_proxy(
-        base / "script.json", base / "shards", {"polar_sessions": "registered", "polar_block_other": "true"}
-    ) as started:
+    # Registered sessions, fixed sampling and non-model traffic refused, as `polar rollout --proxy` requires of a
+    # running proxy.
+    options = {"polar_sessions": "registered", "polar_block_other": "true", "polar_sampling": "fixed"}
+    with shared_proxy(base / "script.json", base / "shards", options) as started:
         yield started
 
 

@@ -11,18 +11,40 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from polar_addon.canonical import CanonicalRequest, Completion, EngineFault, PolarError
 from polar_addon.continuity.delta import DeltaPrompt, NoDelta
 from polar_addon.engines.affinity import MAX_SESSIONS, MAX_STRIKES, REVIVE_AFTER_S, Affinity, NoLiveEngine, SessionLost
 from polar_addon.engines.spec import EngineSpec
+from polar_addon.tool_parsers import ParserChoice
 
 log = logging.getLogger("polar")
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """The proxy's options an engine takes at setup: how text it decodes itself is parsed into tool calls and
+    reasoning (polar_tool_parser), and the served model's tokenizer for token input (polar_tokenizer; engines that
+    decode with a model of their own ignore it)."""
+
+    tool_parsers: ParserChoice = field(default_factory=ParserChoice)
+    tokenizer_dir: str | None = None
+
+
 class Engine(Protocol):
+    """What the gateway asks of an engine. Setup, in this order at proxy start: ``configure`` (again whenever the
+    proxy's options change), then ``load``."""
+
     name: str  # "kind:target", recorded as CaptureRecord.engine
+
+    def configure(self, settings: EngineSettings) -> None:
+        """Take the proxy's settings; called before ``load`` and whenever the options change while running."""
+
+    def load(self) -> None:
+        """Load what the engine runs in process (a model) now: a wrong path fails at proxy start, not on the first
+        call, and the first call is not slow. Nothing to do for an engine served elsewhere. Raises PolarError."""
 
     async def complete(self, request: CanonicalRequest) -> Completion:
         """Generate one completion with exact prompt ids, sampled ids and their logprobs.
@@ -115,6 +137,14 @@ class EnginePool:
             ) from exc
         except NoLiveEngine as exc:
             raise PolarError(503, "overloaded", "every engine of this proxy is failing; retry later") from exc
+
+    def configure(self, settings: EngineSettings) -> None:
+        for engine in self.engines:
+            engine.configure(settings)
+
+    def load(self) -> None:
+        for engine in self.engines:
+            engine.load()
 
     def index(self, engine: Engine) -> int:
         return next(i for i, e in enumerate(self.engines) if e is engine)

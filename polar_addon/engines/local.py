@@ -17,15 +17,22 @@ Generation runs in a worker thread under a lock, so the event loop stays free.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError, SamplingParams
 from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prompt
 from polar_addon.tool_parsers import ParserChoice
+
+if TYPE_CHECKING:
+    from polar_addon.engines import EngineSettings
+
+log = logging.getLogger("polar")
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -70,10 +77,18 @@ class LocalEngine:
         if self._model is None:
             self._load(self.model_dir)
 
+    def configure(self, settings: EngineSettings) -> None:
+        self.tool_parsers = settings.tool_parsers  # its tokenizer is the model's own: tokenizer_dir is not for it
+
     def load(self) -> None:
         """Load the model now (the proxy does at start) instead of on the first call."""
         with self.lock:
+            if self._model is not None:
+                return
+            log.warning("polar: loading the %s engine's model ...", self.name)
+            started = time.monotonic()
             self._ensure_loaded()
+            log.warning("polar: %s loaded in %.1f s", self.name, time.monotonic() - started)
 
     def _load(self, model_dir: str) -> None:
         import torch

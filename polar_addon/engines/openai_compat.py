@@ -15,7 +15,7 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -34,6 +34,9 @@ from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prom
 from polar_addon.token_ids import IdText, pack_token_ids
 from polar_addon.tool_parsers import ParsedTurn, ParserChoice
 from polar_addon.tool_parsers.calls import new_call_id
+
+if TYPE_CHECKING:
+    from polar_addon.engines import EngineSettings
 
 log = logging.getLogger("polar")
 
@@ -166,6 +169,13 @@ class HTTPEngine:
         self.tool_parsers = ParserChoice()
         # The policy version this server holds when it reports none itself (its spec's ?weight_version=V, engines.spec).
         self.weight_version: str | None = None
+
+    def configure(self, settings: EngineSettings) -> None:
+        self.tool_parsers = settings.tool_parsers
+        self.tokenizer_dir = settings.tokenizer_dir
+
+    def load(self) -> None:
+        """Nothing in process: the model is served elsewhere (and may start after the proxy)."""
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

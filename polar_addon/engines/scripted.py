@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -40,6 +40,9 @@ from polar_addon.continuity.delta import DeltaPrompt, NoDelta
 from polar_addon.engines.local import LocalEngine
 from polar_addon.tool_parsers.calls import new_call_id
 from polar_addon.tool_parsers.hermes import parse
+
+if TYPE_CHECKING:
+    from polar_addon.engines import EngineSettings
 
 
 def _normalise_turn(turn: Any, index: int) -> dict[str, Any]:
@@ -96,6 +99,9 @@ class ScriptedEngine:
         # A compacted history holds no assistant turns yet: it replays these instead of starting over.
         self.after_compaction = [_normalise_turn(t, i) for i, t in enumerate(data.get("after_compaction") or [])]
         self.local = LocalEngine(model_dir, max_len=int(data.get("max_len", 0)))
+
+    def configure(self, settings: EngineSettings) -> None:
+        self.local.configure(settings)  # its answers are decoded by the local engine
 
     def load(self) -> None:
         self.local.load()

@@ -15,6 +15,7 @@ import fcntl
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ import httpx
 
 from polar_cli import lifeline
 from polar_cli.mitm import REPO, free_port, mitmdump_command, stop_mitmdump, wait_for_port
+from polar_cli.rollout.proxy_check import ProxyNotABoundary, check_sampling_mode
 from polar_cli.rollout.runtimes.base import ProxyEndpoints
 
 DEFAULT_REVERSE_TARGET = "https://api.openai.com"
@@ -261,8 +263,13 @@ class ControlClient:
 
     async def sessions_mode(self) -> str:
         """The proxy's ``polar_sessions`` (a proxy that predates registration answers 404: ControlError)."""
+        return (await self.modes())[0]
+
+    async def modes(self) -> tuple[str, str | None]:
+        """The proxy's ``polar_sessions`` and ``polar_sampling`` (None from a proxy that does not say it)."""
         answer = await self._request("GET", CONTROL_BASE, "the session mode")
-        return str(answer.get("sessions"))
+        sampling = answer.get("sampling")
+        return str(answer.get("sessions")), sampling if isinstance(sampling, str) else None
 
     async def register(self, session_id: str, task: str, group: str, sample: int) -> tuple[str, str]:
         """Register a session before its harness is configured: (its secret, the proxy's session mode)."""
@@ -293,13 +300,23 @@ class ControlClient:
 
 
 def proxy_sessions_mode(proxy: ExternalProxy) -> str:
-    """The running proxy's session mode, asked once before a rollout starts on it."""
+    """The running proxy's session mode, asked once before a rollout starts on it; its sampling mode is checked
+    with it (proxy_check.check_sampling_mode: ControlError unless ``fixed`` or trusted, the warning printed) once
+    the session mode would be accepted, so that a claimed-mode proxy is refused for that first."""
 
-    async def ask() -> str:
+    async def ask() -> tuple[str, str | None]:
         client = ControlClient(proxy.endpoints().forward_port, proxy.control_token, attempts=1)
         try:
-            return await client.sessions_mode()
+            return await client.modes()
         finally:
             await client.aclose()
 
-    return asyncio.run(ask())
+    sessions, sampling = asyncio.run(ask())
+    if sessions == "registered" or proxy.trust_claimed:
+        try:
+            warning = check_sampling_mode(proxy.forward_url, sampling, proxy.trust_claimed)
+        except ProxyNotABoundary as exc:
+            raise ControlError(str(exc)) from None
+        if warning:
+            print(warning, file=sys.stderr)
+    return sessions

@@ -1,4 +1,5 @@
-"""Before `polar rollout --proxy URL` starts a session: is that proxy a boundary?
+"""Before `polar rollout --proxy URL` starts a session: is that proxy a boundary, and does it sample the policy as
+the rollout needs?
 
 A proxy-only sandbox reaches nothing but the proxy, so a proxy that relays non-model traffic (`polar proxy
 --pass-through`, or mitmdump without polar_block_other) hands the agent every service on this machine's loopback
@@ -6,6 +7,12 @@ A proxy-only sandbox reaches nothing but the proxy, so a proxy that relays non-m
 and requests to it through the proxy by each route an agent has (an absolute URL and a CONNECT on the forward
 listener, a ``Host:`` header on the reverse one). Every one must be refused with polar's 403, and the listener
 never reached.
+
+A proxy in ``polar_sampling=client`` mode samples each call with the parameters its client sent: the harness, i.e.
+the policy under training, would choose its own temperature (top_p, top_k, min_p, seed), and learn from samples
+drawn as it chose. Its control plane says its mode (``GET /sessions``, with the control token); anything but
+``fixed`` is refused unless the user trusts the agents (``--trust-claimed-sessions``, the same trust that lets a
+claimed-mode proxy through).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-# In the body of the addon's 403 for non-model traffic (polar_addon.addon, polar_block_other).
+# In the body of the addon's 403 for non-model traffic (polar_addon.addons.scope, polar_block_other).
 BLOCKED_MARKER = b"(polar_block_other)"
 MAX_ANSWER_BYTES = 4096
 PROBE_PATH = "/polar-boundary-probe"
@@ -24,6 +31,24 @@ PROBE_PATH = "/polar-boundary-probe"
 
 class ProxyNotABoundary(ValueError):
     pass
+
+
+SAMPLING_REFUSAL = (
+    "lets the policy choose how it is sampled: each call is sampled with the temperature, top_p, top_k, min_p and "
+    "seed its harness sends. Restart it with --set polar_sampling=fixed (`polar rollout`'s own proxy does), or pass "
+    "--trust-claimed-sessions if every agent is trusted"
+)
+
+
+def check_sampling_mode(url: str, mode: str | None, trusted: bool) -> str | None:
+    """None for a ``fixed``-sampling proxy; the warning to print for another one the user trusts; else
+    ProxyNotABoundary. ``mode``: what the proxy's control plane reports (None: it reports none, an older polar)."""
+    if mode == "fixed":
+        return None
+    said = f"runs polar_sampling={mode}" if mode else "does not report its sampling mode (polar_sampling)"
+    if trusted:
+        return f"WARNING: the proxy at {url} {said}: used anyway (--trust-claimed-sessions)"
+    raise ProxyNotABoundary(f"the proxy at {url} {said}, which {SAMPLING_REFUSAL}")
 
 
 @dataclass(frozen=True)

@@ -65,14 +65,14 @@ class RunningProxy:
 
 @contextmanager
 def polar_proxy(tmp: Path, script: Path, *args: str) -> Iterator[RunningProxy]:
-    """`polar proxy` (the CLI, as a user runs it) on the scripted engine, with registered sessions (what `polar
-    rollout --proxy` requires) and ``args``."""
+    """`polar proxy` (the CLI, as a user runs it) on the scripted engine, with registered sessions and fixed
+    sampling (what `polar rollout --proxy` requires) and ``args``."""
     forward, reverse = free_port(), free_port()
     out, confdir = tmp / "store", tmp / "conf"
     process = subprocess.Popen(
         [sys.executable, "-m", "polar_cli.app", "proxy", "--engine", f"scripted:{script}", "--out", str(out),
          "--port", str(forward), "--reverse-port", str(reverse), "--confdir", str(confdir),
-         "--set", "polar_sessions=registered", "--set", "polar_shard_seconds=0.5",
+         "--set", "polar_sessions=registered", "--set", "polar_sampling=fixed", "--set", "polar_shard_seconds=0.5",
          "--set", f"polar_body_timeout={BODY_TIMEOUT_S}", *args],
         cwd=REPO, stdout=open(tmp / "polar-proxy.log", "wb"), stderr=subprocess.STDOUT,
         start_new_session=True)  # fmt: skip

@@ -407,7 +407,12 @@ async def _exchange(ws: aiohttp.ClientWebSocketResponse, message: dict) -> list[
 
 def test_the_control_route_registers_only_with_the_token(registered: Proxy) -> None:
     assert _control(registered, "POST", "/sessions/tok-1/register", {"task": "t"}, token="x" * 32).status_code == 401
-    assert _control(registered, "GET", "/sessions").json() == {"ok": True, "sessions": "registered"}
+    # The proxy's modes, so a runner can refuse a claimed-mode or client-sampling proxy up front.
+    assert _control(registered, "GET", "/sessions").json() == {
+        "ok": True,
+        "sessions": "registered",
+        "sampling": "client",
+    }
     assert _control(registered, "GET", "/sessions", token="x" * 32).status_code == 401
     bad = _control(registered, "POST", "/sessions/-bad/register", {"task": "t"})
     assert bad.status_code == 400 and "session id" in bad.json()["error"]["message"]
