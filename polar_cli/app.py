@@ -6,9 +6,12 @@ Each command group lives in its own module; this file only assembles them.
 from __future__ import annotations
 
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+
+from polar_cli.settings import command, option
 
 app = typer.Typer(
     name="polar",
@@ -27,21 +30,33 @@ def _root() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
-@app.command("tiny-model")
-def tiny_model(
-    out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer into."),
-    seed: int = typer.Option(0, help="Weight-init seed; the same seed gives the same files."),
-    generation_defaults: str = typer.Option(
+@dataclass
+class TinyModelSettings:
+    """`polar tiny-model`'s command line (build_tiny_model checks the choices)."""
+
+    out_dir: Path = option(argument=True, help="Directory to write the model and tokenizer into.")
+    seed: int = option(0, help="Weight-init seed; the same seed gives the same files.")
+    generation_defaults: str = option(
         "none", help="Sampling defaults in generation_config.json: none, or qwen3 (T=0.6, top_p 0.95, top_k 20)."
-    ),
-    dtype: str = typer.Option("float32", help="Stored weight dtype: float32 or bfloat16 (as released checkpoints)."),
-    size: str = typer.Option("tiny", help="Shape: tiny (tests), small (CPU bench), 0.5b (Qwen3-0.6B's shape)."),
-) -> None:
+    )
+    dtype: str = option("float32", help="Stored weight dtype: float32 or bfloat16 (as released checkpoints).")
+    size: str = option("tiny", help="Shape: tiny (tests), small (CPU bench), 0.5b (Qwen3-0.6B's shape).")
+
+
+@app.command("tiny-model")
+@command
+def tiny_model(settings: TinyModelSettings) -> None:
     """Build a tiny random-init Qwen3 model with a local BPE tokenizer and ChatML tool template (offline)."""
     from polar_cli.tiny_model import build_tiny_model
 
     try:
-        path = build_tiny_model(out_dir, seed=seed, generation_defaults=generation_defaults, dtype=dtype, size=size)
+        path = build_tiny_model(
+            settings.out_dir,
+            seed=settings.seed,
+            generation_defaults=settings.generation_defaults,
+            dtype=settings.dtype,
+            size=settings.size,
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     typer.echo(f"tiny model written to {path}")

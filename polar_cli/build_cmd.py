@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
+from polar_cli.settings import SettingsError, command, option, reuse
 from polar_cli.store_arg import existing_store
 
 if TYPE_CHECKING:
@@ -64,35 +66,89 @@ def _check_strategy(strategy: str) -> None:
     from polar_cli.build import STRATEGIES
 
     if strategy not in STRATEGIES:
-        raise typer.BadParameter(f"use one of {', '.join(STRATEGIES)}", param_hint="--strategy")
+        raise SettingsError(f"use one of {', '.join(STRATEGIES)}", "strategy")
 
 
-def merge_retokenized(retokenized: str) -> bool:
-    """``--retokenized merge|break`` as the builder's ``merge_retokenized``."""
+def _check_retokenized(retokenized: str) -> None:
     if retokenized not in RETOKENIZED_CHOICES:
-        raise typer.BadParameter(f"use one of {', '.join(RETOKENIZED_CHOICES)}", param_hint="--retokenized")
-    return retokenized == "merge"
+        raise SettingsError(f"use one of {', '.join(RETOKENIZED_CHOICES)}", "retokenized")
 
 
-def build(
-    shards: str = typer.Argument(
-        ..., help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
-    ),
-    out: Path = typer.Option(..., "--out", "-o", help="Output directory for the trace dataset (Parquet)."),
-    strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP),
-    tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
-    eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
-    retokenized: str = typer.Option("merge", help=RETOKENIZED_HELP),
-    broadcast_rewards: bool = typer.Option(
+@dataclass
+class BuildSettings:
+    """`polar build`'s command line; `polar stats` and `polar view` reuse its store and builder options."""
+
+    shards: str = option(
+        argument=True, help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
+    )
+    out: Path = option(flags=("--out", "-o"), help="Output directory for the trace dataset (Parquet).")
+    strategy: str = option("prefix_merging", help=STRATEGY_HELP)
+    tokenizer: Path | None = option(None, help=TOKENIZER_HELP)
+    eot_token_id: int | None = option(None, help=EOT_HELP)
+    retokenized: str = option("merge", help=RETOKENIZED_HELP)
+    broadcast_rewards: bool = option(
         False,
-        "--broadcast-rewards",
+        flags=("--broadcast-rewards",),
         help="per_request only: give every call its session's outcome reward (the paper saw reward hacking "
         "from this). Without it per_request traces are not trainable.",
-    ),
-    session: list[str] = typer.Option([], "--session", help="Only these sessions (repeatable)."),
-    overwrite: bool = typer.Option(False, help="Replace OUT if it exists."),
-    rows_per_file: int = typer.Option(1024, help="Traces per Parquet file."),
-) -> None:
+    )
+    session: list[str] = option(default_factory=list, flags=("--session",), help="Only these sessions (repeatable).")
+    overwrite: bool = option(False, help="Replace OUT if it exists.")
+    rows_per_file: int = option(1024, help="Traces per Parquet file.")
+
+    @property
+    def merge_retokenized(self) -> bool:
+        """``--retokenized merge|break`` as the builder's ``merge_retokenized``."""
+        return self.retokenized == "merge"
+
+    def validate(self) -> None:
+        _check_strategy(self.strategy)
+        _check_retokenized(self.retokenized)
+        if self.out.exists() and any(self.out.iterdir()) and not self.overwrite:
+            raise SettingsError(f"{self.out} exists and is not empty (use --overwrite)", "out")
+
+
+@dataclass
+class StatsSettings:
+    """`polar stats`'s command line."""
+
+    shards: str = reuse(BuildSettings, "shards")
+    strategy: str = reuse(BuildSettings, "strategy", help=STRATEGY_HELP + " Token counts follow it.")
+    tokenizer: Path | None = reuse(BuildSettings, "tokenizer")
+    eot_token_id: int | None = reuse(BuildSettings, "eot_token_id")
+    retokenized: str = reuse(BuildSettings, "retokenized")
+    as_json: bool = option(False, flags=("--json",), help="Print the stats as JSON instead of a table.")
+
+    @property
+    def merge_retokenized(self) -> bool:
+        return self.retokenized == "merge"
+
+    def validate(self) -> None:
+        _check_strategy(self.strategy)
+        _check_retokenized(self.retokenized)
+
+
+@dataclass
+class ViewSettings:
+    """`polar view`'s command line."""
+
+    shards: str = reuse(BuildSettings, "shards")
+    session: str = option(flags=("--session",), help="The session to show.")
+    out: Path = reuse(BuildSettings, "out", default=Path("trace.html"), help="HTML file to write.")
+    tokenizer: Path | None = reuse(BuildSettings, "tokenizer", help="Shows token text (else ids). " + TOKENIZER_HELP)
+    eot_token_id: int | None = reuse(BuildSettings, "eot_token_id")
+    retokenized: str = reuse(BuildSettings, "retokenized")
+
+    @property
+    def merge_retokenized(self) -> bool:
+        return self.retokenized == "merge"
+
+    def validate(self) -> None:
+        _check_retokenized(self.retokenized)
+
+
+@command
+def build(settings: BuildSettings) -> None:
     """Reconstruct training traces from captured calls into a Parquet dataset (TRL / datasets ready)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -102,36 +158,34 @@ def build(
     from polar_cli.build.output import STATS_FILE, TraceWriter
     from polar_cli.build.stats import report_table
 
-    _check_strategy(strategy)
-    merge = merge_retokenized(retokenized)
+    settings.validate()
+    s = settings
     console = Console(stderr=True)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise typer.BadParameter(f"{out} exists and is not empty (use --overwrite)", param_hint="--out")
-        shutil.rmtree(out)
-    tok, source = load_tokenizer(tokenizer, shards)
+    if s.out.exists() and any(s.out.iterdir()):  # validate() refused it without --overwrite
+        shutil.rmtree(s.out)
+    tok, source = load_tokenizer(s.tokenizer, s.shards)
     console.print(source, markup=False)
-    sessions = _sessions(shards)
-    wanted = set(session) or None
+    sessions = _sessions(s.shards)
+    wanted = set(s.session) or None
     total = len(wanted) if wanted else len(sessions)
-    writer = TraceWriter(out, rows_per_file=rows_per_file)
+    writer = TraceWriter(s.out, rows_per_file=s.rows_per_file)
     report = BuildReport()
-    eot: int | None = eot_token_id
+    eot: int | None = s.eot_token_id
     started = time.perf_counter()
     with Progress(
         TextColumn("building"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
         task = progress.add_task("sessions", total=total)
-        records = iter_records(shards, session_ids=wanted)
+        records = iter_records(s.shards, session_ids=wanted)
         for built in iter_session_builds(
             records,
             sessions,
-            strategy,
-            eot_token_id=eot_token_id,
+            s.strategy,
+            eot_token_id=s.eot_token_id,
             decode=_decode(tok),
-            broadcast_rewards=broadcast_rewards,
+            broadcast_rewards=s.broadcast_rewards,
             fallback_eot_token_id=_tokenizer_eot(tok),
-            merge_retokenized=merge,
+            merge_retokenized=s.merge_retokenized,
         ):
             writer.write(built.traces)
             report.add(built.harness, built.stats)
@@ -140,31 +194,23 @@ def build(
     elapsed = time.perf_counter() - started
     writer.close(
         report,
-        {"strategy": strategy, "eot_token_id": eot, "tokenizer": source, "shards": shards,
-         "broadcast_rewards": broadcast_rewards, "retokenized": retokenized, "seconds": round(elapsed, 3)},
+        {"strategy": s.strategy, "eot_token_id": eot, "tokenizer": source, "shards": s.shards,
+         "broadcast_rewards": s.broadcast_rewards, "retokenized": s.retokenized, "seconds": round(elapsed, 3)},
     )  # fmt: skip
-    console.print(report_table(report, title=f"polar build ({strategy})"))
+    console.print(report_table(report, title=f"polar build ({s.strategy})"))
     if not report.total.traces:
         console.print("[yellow]no traces built: the store holds no usable calls (the dataset is empty)")
-    if strategy == "per_request" and not broadcast_rewards and report.total.traces:
+    if s.strategy == "per_request" and not s.broadcast_rewards and report.total.traces:
         console.print("[yellow]per_request traces carry no reward without --broadcast-rewards: none is trainable")
     typer.echo(
         f"{report.total.traces} traces ({report.total.traces_trainable} trainable) from "
-        f"{report.total.sessions} sessions in {len(writer.files)} files under {out} "
-        f"({elapsed:.1f} s; stats in {out / STATS_FILE})"
+        f"{report.total.sessions} sessions in {len(writer.files)} files under {s.out} "
+        f"({elapsed:.1f} s; stats in {s.out / STATS_FILE})"
     )
 
 
-def stats(
-    shards: str = typer.Argument(
-        ..., help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
-    ),
-    strategy: str = typer.Option("prefix_merging", help=STRATEGY_HELP + " Token counts follow it."),
-    tokenizer: Path | None = typer.Option(None, help=TOKENIZER_HELP),
-    eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
-    retokenized: str = typer.Option("merge", help=RETOKENIZED_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the stats as JSON instead of a table."),
-) -> None:
+@command
+def stats(settings: StatsSettings) -> None:
     """How well the captured sessions merge, per harness: chains, merge rate and every break's cause; and the mask
     rate per group (sessions never trained for their status: error or running)."""
     import orjson
@@ -175,59 +221,54 @@ def stats(
     from polar_cli.build.stats import group_masks, mask_table, masks_to_dict, report_table
     from polar_cli.terminal import markup_safe
 
-    _check_strategy(strategy)
-    merge = merge_retokenized(retokenized)
+    settings.validate()
+    s = settings
     console = Console()
-    tok, source = load_tokenizer(tokenizer, shards)
+    tok, source = load_tokenizer(s.tokenizer, s.shards)
     report = BuildReport()
-    sessions = _sessions(shards)
+    sessions = _sessions(s.shards)
     for built in iter_session_builds(
-        iter_records(shards),
+        iter_records(s.shards),
         sessions,
-        strategy,
-        eot_token_id=eot_token_id,
+        s.strategy,
+        eot_token_id=s.eot_token_id,
         decode=_decode(tok),
         fallback_eot_token_id=_tokenizer_eot(tok),
-        merge_retokenized=merge,
+        merge_retokenized=s.merge_retokenized,
     ):
         report.add(built.harness, built.stats)
     masks = group_masks(sessions.values())
-    if as_json:
+    if s.as_json:
         data = {**report.to_dict(), "masks": masks_to_dict(masks)}
         typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
     Console(stderr=True).print(source, markup=False)
-    console.print(report_table(report, title=f"polar stats: {markup_safe(shards)}"))
+    console.print(report_table(report, title=f"polar stats: {markup_safe(s.shards)}"))
     console.print(mask_table(masks))
 
 
-def view(
-    shards: str = typer.Argument(
-        ..., help="Trace store: a directory or a pyarrow filesystem URI.", callback=existing_store
-    ),
-    session: str = typer.Option(..., "--session", help="The session to show."),
-    out: Path = typer.Option(Path("trace.html"), "--out", "-o", help="HTML file to write."),
-    tokenizer: Path | None = typer.Option(None, help="Shows token text (else ids). " + TOKENIZER_HELP),
-    eot_token_id: int | None = typer.Option(None, help=EOT_HELP),
-    retokenized: str = typer.Option("merge", help=RETOKENIZED_HELP),
-) -> None:
+@command
+def view(settings: ViewSettings) -> None:
     """Write one session's merged traces as a self-contained HTML page (open it in any browser)."""
     from polar_addon.store import read_records
     from polar_cli.build import build_session, detect_eot
     from polar_cli.view import render_session
 
-    merge = merge_retokenized(retokenized)
-    records = read_records(shards, session_ids=[session])
+    settings.validate()
+    s = settings
+    records = read_records(s.shards, session_ids=[s.session])
     if not records:
-        raise typer.BadParameter(f"no calls captured for session {session!r}", param_hint="--session")
-    tok, source = load_tokenizer(tokenizer, shards)
-    eot = eot_token_id if eot_token_id is not None else detect_eot(records)
+        raise SettingsError(f"no calls captured for session {s.session!r}", "session")
+    tok, source = load_tokenizer(s.tokenizer, s.shards)
+    eot = s.eot_token_id if s.eot_token_id is not None else detect_eot(records)
     if eot is None:
         eot = _tokenizer_eot(tok)
-    info = _sessions(shards).get(session)
-    built = build_session(session, records, info, eot_token_id=eot, decode=_decode(tok), merge_retokenized=merge)
-    out.write_text(render_session(built, records, info, tokenizer=tok), encoding="utf-8")
-    typer.echo(f"{out}: {len(built.traces)} traces from {len(records)} calls ({source})")
+    info = _sessions(s.shards).get(s.session)
+    built = build_session(
+        s.session, records, info, eot_token_id=eot, decode=_decode(tok), merge_retokenized=s.merge_retokenized
+    )
+    s.out.write_text(render_session(built, records, info, tokenizer=tok), encoding="utf-8")
+    typer.echo(f"{s.out}: {len(built.traces)} traces from {len(records)} calls ({source})")
 
 
 def register(app: typer.Typer) -> None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+
+from polar_cli.settings import command, option, reuse
 
 engine_app = typer.Typer(
     help="Serve, reload and stop inference engines for the train -> rollout loop.", no_args_is_help=True
@@ -38,38 +41,66 @@ def _waiting(what: str) -> Iterator[Callable[[float, str], None]]:
         yield progress
 
 
-@engine_app.command("serve")
-def engine_serve(
-    model: str = typer.Argument(..., help="Model directory to serve."),
-    port: int = typer.Option(8000, help="Port on 127.0.0.1."),
-    served_model_name: str | None = typer.Option(None, help="Name clients ask for; kept across reloads."),
-    dtype: str = typer.Option("auto", help="vLLM --dtype (float32 on CPU)."),
-    max_model_len: int | None = typer.Option(None, help="vLLM --max-model-len."),
-    tool_call_parser: str = typer.Option("hermes", help="vLLM --tool-call-parser for the model's tool-call format."),
-    memory_fraction: str | None = typer.Option(
+@dataclass
+class EngineServeSettings:
+    """`polar engine serve`'s command line."""
+
+    model: str = option(argument=True, help="Model directory to serve.")
+    port: int = option(8000, help="Port on 127.0.0.1.")
+    served_model_name: str | None = option(None, help="Name clients ask for; kept across reloads.")
+    dtype: str = option("auto", help="vLLM --dtype (float32 on CPU).")
+    max_model_len: int | None = option(None, help="vLLM --max-model-len.")
+    tool_call_parser: str = option("hermes", help="vLLM --tool-call-parser for the model's tool-call format.")
+    memory_fraction: str | None = option(
         None, help="vLLM --gpu-memory-utilization (without a GPU: the share of RAM; default 0.2 there)."
-    ),
-    kvcache_gib: str | None = typer.Option(
+    )
+    kvcache_gib: str | None = option(
         None, help="VLLM_CPU_KVCACHE_SPACE in GiB for vLLM's CPU backend (default 2, or the environment's)."
-    ),
-    python: str | None = typer.Option(None, help="Interpreter with vLLM (default: .venv-vllm if present)."),
-    vllm_arg: list[str] = typer.Option(
-        [], "--vllm-arg", help="Extra vLLM flag (repeatable, wins over polar's), e.g. --vllm-arg=--enforce-eager."
-    ),
-    state_dir: Path | None = typer.Option(None, help=STATE_DIR_HELP),
-    timeout: float = typer.Option(600.0, help="Seconds to wait until it answers."),
-) -> None:
+    )
+    python: str | None = option(None, help="Interpreter with vLLM (default: .venv-vllm if present).")
+    vllm_arg: list[str] = option(
+        default_factory=list,
+        flags=("--vllm-arg",),
+        help="Extra vLLM flag (repeatable, wins over polar's), e.g. --vllm-arg=--enforce-eager.",
+    )
+    state_dir: Path | None = option(None, help=STATE_DIR_HELP)
+    timeout: float = option(600.0, help="Seconds to wait until it answers.")
+
+
+@dataclass
+class EngineReloadSettings:
+    """`polar engine reload`'s command line."""
+
+    checkpoint: Path = option(argument=True, help="Checkpoint directory written by `polar train`.")
+    engine: str = option(flags=("--engine", "-e"), help="sglang:URL, vllm:URL (started by `polar engine serve`).")
+    weight_version: str | None = option(None, help="Policy version tag later captures will carry.")
+    state_dir: Path | None = reuse(EngineServeSettings, "state_dir")
+    timeout: float = reuse(EngineServeSettings, "timeout", help="Seconds to wait for the engine.")
+
+
+@dataclass
+class EngineStopSettings:
+    """`polar engine stop`'s command line."""
+
+    engine: str = reuse(EngineReloadSettings, "engine", help="vllm:URL of an engine started by `polar engine serve`.")
+    state_dir: Path | None = reuse(EngineServeSettings, "state_dir")
+
+
+@engine_app.command("serve")
+@command
+def engine_serve(settings: EngineServeSettings) -> None:
     """Start vLLM in the background (tool-call parser, processed logprobs, no generation_config defaults) so
     that `polar engine reload` can restart it with new weights; `polar engine stop` ends it."""
     from polar_cli.serving import EngineError, serve_vllm
 
+    s = settings
     try:
-        with _waiting(f"starting vLLM with {model} on port {port}") as progress:
+        with _waiting(f"starting vLLM with {s.model} on port {s.port}") as progress:
             server = serve_vllm(
-                model, port=port, served_model_name=served_model_name, state_dir=_state_dir(state_dir),
-                python=python, dtype=dtype, max_model_len=max_model_len, extra_args=vllm_arg,
-                ready_timeout_s=timeout, tool_call_parser=tool_call_parser, memory_fraction=memory_fraction,
-                kvcache_gib=kvcache_gib, progress=progress,
+                s.model, port=s.port, served_model_name=s.served_model_name, state_dir=_state_dir(s.state_dir),
+                python=s.python, dtype=s.dtype, max_model_len=s.max_model_len, extra_args=s.vllm_arg,
+                ready_timeout_s=s.timeout, tool_call_parser=s.tool_call_parser, memory_fraction=s.memory_fraction,
+                kvcache_gib=s.kvcache_gib, progress=progress,
             )  # fmt: skip
     except EngineError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -79,22 +110,18 @@ def engine_serve(
 
 
 @engine_app.command("reload")
-def engine_reload(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint directory written by `polar train`."),
-    engine: str = typer.Option(..., "--engine", "-e", help="sglang:URL, vllm:URL (started by `polar engine serve`)."),
-    weight_version: str | None = typer.Option(None, help="Policy version tag later captures will carry."),
-    state_dir: Path | None = typer.Option(None, help=STATE_DIR_HELP),
-    timeout: float = typer.Option(600.0, help="Seconds to wait for the engine."),
-) -> None:
+@command
+def engine_reload(settings: EngineReloadSettings) -> None:
     """Point a running engine at new weights: SGLang loads them in place, vLLM is restarted."""
     from polar_addon.canonical import PolarError
     from polar_cli.serving import EngineError, reload_engine
 
+    s = settings
     try:
-        with _waiting(f"loading {checkpoint} into {engine}") as progress:
+        with _waiting(f"loading {s.checkpoint} into {s.engine}") as progress:
             line = reload_engine(
-                engine, checkpoint, state_dir=_state_dir(state_dir), weight_version=weight_version,
-                timeout_s=timeout, progress=progress,
+                s.engine, s.checkpoint, state_dir=_state_dir(s.state_dir), weight_version=s.weight_version,
+                timeout_s=s.timeout, progress=progress,
             )  # fmt: skip
     except (EngineError, PolarError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -103,18 +130,16 @@ def engine_reload(
 
 
 @engine_app.command("stop")
-def engine_stop(
-    engine: str = typer.Option(..., "--engine", "-e", help="vllm:URL of an engine started by `polar engine serve`."),
-    state_dir: Path | None = typer.Option(None, help=STATE_DIR_HELP),
-) -> None:
+@command
+def engine_stop(settings: EngineStopSettings) -> None:
     """Stop an engine started by `polar engine serve`."""
     from polar_addon.engines.spec import EngineSpec
     from polar_cli.serving import EngineError, stop_engine
 
     try:
-        spec = EngineSpec.parse(engine)
+        spec = EngineSpec.parse(settings.engine)
         kind = spec.kind
-        server, running = stop_engine(spec.target, state_dir=_state_dir(state_dir))
+        server, running = stop_engine(spec.target, state_dir=_state_dir(settings.state_dir))
     except (ValueError, EngineError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
 from polar_cli.set_option import parse_set_options
+from polar_cli.settings import SettingsError, command, option
 
 DEFAULT_PORT = 8080
 DEFAULT_REVERSE = "https://api.openai.com"
@@ -70,38 +72,51 @@ def reward_recipe(port: int, out: str, confdir: Path, explicit_token: bool = Fal
     )
 
 
-def proxy(
-    engine: str = typer.Option(
-        ...,
-        "--engine",
-        "-e",
+@dataclass
+class ProxySettings:
+    """`polar proxy`'s command line."""
+
+    engine: str = option(
+        flags=("--engine", "-e"),
         help="sglang:URL, vllm:URL or local:MODEL_DIR; comma-separated for several "
         "engines: each session stays on one (the least loaded at its first call), and an "
         "engine that refuses connections or fails 3 calls in a row is taken out, its "
         "sessions ending as error, never moved.",
-    ),
-    out: str = typer.Option(
-        ..., "--out", "-o", help="The trace store: a directory or a URI such as s3://bucket/prefix."
-    ),
-    port: int = typer.Option(DEFAULT_PORT, help="Forward proxy port (HTTPS_PROXY)."),
-    reverse_port: int | None = typer.Option(None, help="Reverse proxy port for base URLs (default: PORT + 1)."),
-    reverse: str = typer.Option(
+    )
+    out: str = option(flags=("--out", "-o"), help="The trace store: a directory or a URI such as s3://bucket/prefix.")
+    port: int = option(DEFAULT_PORT, help="Forward proxy port (HTTPS_PROXY).")
+    reverse_port: int | None = option(None, help="Reverse proxy port for base URLs (default: PORT + 1).")
+    reverse: str = option(
         DEFAULT_REVERSE, help="Reverse target for non-model paths (model routes are captured whatever it is)."
-    ),
-    confdir: Path = typer.Option(Path(DEFAULT_CONFDIR), help="mitmproxy's configuration directory (its CA)."),
-    pass_through: bool = typer.Option(
+    )
+    confdir: Path = option(Path(DEFAULT_CONFDIR), help="mitmproxy's configuration directory (its CA).")
+    pass_through: bool = option(
         False,
-        "--pass-through",
+        flags=("--pass-through",),
         help="Also relay non-model traffic: plain HTTP, TLS "
         "(untouched) and raw TCP to ANY host:port a client names, this machine's "
         "loopback services included, and the reverse listener's other paths to its "
         "target. Only for harnesses you trust, e.g. your own CLI that needs other "
         "hosts; `polar rollout --proxy` refuses such a proxy. Default: refused (403).",
-    ),
-    option: list[str] = typer.Option(
-        [], "--set", help="Extra mitmdump option KEY=VALUE (repeatable), e.g. --set polar_max_tokens=512."
-    ),
-) -> None:
+    )
+    set_options: list[str] = option(
+        default_factory=list,
+        flags=("--set",),
+        help="Extra mitmdump option KEY=VALUE (repeatable), e.g. --set polar_max_tokens=512.",
+    )
+
+    @property
+    def rport(self) -> int:
+        """The reverse listener's port."""
+        return self.reverse_port or self.port + 1
+
+    def validate(self) -> None:
+        if self.rport == self.port:
+            raise SettingsError("the reverse port must differ from the forward port", "reverse_port")
+
+
+@command
+def proxy(settings: ProxySettings) -> None:
     """Run mitmdump with the polar addon on 127.0.0.1 (forward and reverse listeners) and print each harness's
     environment; Ctrl-C stops it (records already acknowledged are durable). Killed outright (SIGKILL), it takes
     mitmdump down with it: no proxy is left writing the store.
@@ -112,13 +127,13 @@ def proxy(
     from polar_cli import lifeline
     from polar_cli.mitm import mitmdump_command, stop_mitmdump, wait_for_port
 
-    rport = reverse_port or port + 1
-    if rport == port:
-        raise typer.BadParameter("the reverse port must differ from the forward port", param_hint="--reverse-port")
-    extra = {"flow_detail": "0", "polar_block_other": "false" if pass_through else "true", **parse_set_options(option)}
-    confdir = confdir.expanduser()
+    settings.validate()
+    port, rport, out, reverse = settings.port, settings.rport, settings.out, settings.reverse
+    block_other = "false" if settings.pass_through else "true"
+    extra = {"flow_detail": "0", "polar_block_other": block_other, **parse_set_options(settings.set_options)}
+    confdir = settings.confdir.expanduser()
     cmd = mitmdump_command(
-        engine,
+        settings.engine,
         out,
         port=None,
         modes=[f"regular@{port}", f"reverse:{reverse}@{rport}"],

@@ -35,6 +35,7 @@ class Spec:
     envvar: str | None = None
     min: float | None = None
     show_default: bool = True
+    callback: Callable[[Any], Any] | None = None  # click's parameter callback (e.g. a store that must exist)
 
 
 class SettingsError(ValueError):
@@ -57,9 +58,10 @@ def option(
     envvar: str | None = None,
     min: float | None = None,
     show_default: bool = True,
+    callback: Callable[[Any], Any] | None = None,
 ) -> Any:
     """A dataclass field with its command-line declaration (no default and no factory: a required option)."""
-    spec = Spec(help, tuple(flags), argument, cli, secret, envvar, min, show_default)
+    spec = Spec(help, tuple(flags), argument, cli, secret, envvar, min, show_default, callback)
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata={_KEY: spec})
     return dataclasses.field(default=default, metadata={_KEY: spec})
@@ -72,7 +74,8 @@ def reuse(cls: type, name: str, **changes: Any) -> Any:
     declared = spec(field)
     assert declared is not None, f"{cls.__name__}.{name} is no option"
     keywords: dict[str, Any] = {
-        k: getattr(declared, k) for k in ("help", "flags", "argument", "cli", "secret", "envvar", "min", "show_default")
+        k: getattr(declared, k)
+        for k in ("help", "flags", "argument", "cli", "secret", "envvar", "min", "show_default", "callback")
     }
     if "default" not in changes and "default_factory" not in changes:
         keywords["default"], keywords["default_factory"] = field.default, field.default_factory
@@ -119,6 +122,8 @@ def parameters(cls: type) -> list[inspect.Parameter]:
             extra.update(envvar=declared.envvar, show_envvar=True)
         if declared.min is not None:
             extra["min"] = declared.min
+        if declared.callback is not None:
+            extra["callback"] = declared.callback
         info = (
             typer.Argument(default, **extra) if declared.argument else typer.Option(default, *declared.flags, **extra)
         )

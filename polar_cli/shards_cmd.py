@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
+from polar_cli.settings import SettingsError, command, option, reuse
 from polar_cli.store_arg import existing_store
 
 shards_app = typer.Typer(
@@ -17,11 +19,56 @@ shards_app = typer.Typer(
 STORE_HELP = "The trace store: the proxy's polar_out (a directory or a URI such as s3://bucket/prefix)."
 
 
+@dataclass
+class ShardsInspectSettings:
+    """`polar shards inspect`'s command line."""
+
+    store: str = option(argument=True, help=STORE_HELP, callback=existing_store)
+    limit: int = option(20, help="Sessions to list (0: none, -1: all).")
+
+
+@dataclass
+class ShardsValidateSettings:
+    """`polar shards validate`'s command line."""
+
+    store: str = reuse(ShardsInspectSettings, "store")
+
+
+@dataclass
+class RewardSettings:
+    """`polar reward`'s command line: one reward with --session/--value, or many with --file."""
+
+    store: str = reuse(ShardsInspectSettings, "store", callback=None)  # a write: the store may hold nothing yet
+    session: str | None = option(None, flags=("--session",), help="Session id to reward.")
+    value: float | None = option(None, flags=("--value",), help="The reward value.")
+    status: str | None = option(
+        None,
+        flags=("--status",),
+        help="Also record how the session(s) ended: completed, timeout, agent_error (the policy's failures train "
+        "with reward 0) or error (infrastructure: never trained on). "
+        "Without it a reward marks a running session completed.",
+    )
+    name: str = option("reward", flags=("--name",), help="Reward name (several named rewards may coexist).")
+    file: Path | None = option(None, flags=("--file",), help='JSONL lines {"session_id", "value", "name"?}.')
+    source: str = option("cli", help="Recorded as the reward's source.")
+    allow_unknown: bool = option(False, flags=("--allow-unknown",), help="Accept session ids the store has not seen.")
+    journal_dir: Path | None = option(None, help="Journal directory (default: the store's).")
+
+    def validate(self) -> None:
+        from polar_addon.store.trace_store import SESSION_STATUSES
+
+        if self.file is not None and (self.session is not None or self.value is not None):
+            raise SettingsError("give either --file or --session with --value")
+        if self.file is None and (self.session is None or (self.value is None and self.status is None)):
+            raise SettingsError("give --session with --value and/or --status (or --file)")
+        outcomes = [s for s in SESSION_STATUSES if s != "running"]
+        if self.status is not None and self.status not in outcomes:
+            raise SettingsError(f"use one of {', '.join(outcomes)}", "status")
+
+
 @shards_app.command("inspect")
-def inspect(
-    store: str = typer.Argument(..., help=STORE_HELP, callback=existing_store),
-    limit: int = typer.Option(20, help="Sessions to list (0: none, -1: all)."),
-) -> None:
+@command
+def inspect(settings: ShardsInspectSettings) -> None:
     """Sessions, calls, tokens, harnesses, rewards and failures in a store."""
     from rich.console import Console
     from rich.table import Table
@@ -29,6 +76,7 @@ def inspect(
     from polar_addon.store.summary import summarize
     from polar_cli.terminal import markup_safe as safe
 
+    store, limit = settings.store, settings.limit
     s = summarize(store)
     console = Console()
     overview = Table(title=f"polar store {safe(store)}", show_header=False)
@@ -98,13 +146,15 @@ def inspect(
 
 
 @shards_app.command("validate")
-def validate(store: str = typer.Argument(..., help=STORE_HELP, callback=existing_store)) -> None:
+@command
+def validate(settings: ShardsValidateSettings) -> None:
     """Check schemas, one logprob per response token, contiguous seq per session, unique record ids,
     resolvable prefix references, token-free failed calls; exit 1 listing every violation."""
     from polar_addon.store.summary import summarize
     from polar_addon.store.validate import validate_store
     from polar_cli.terminal import printable
 
+    store = settings.store
     problems = validate_store(store)
     if problems:
         typer.echo(f"{len(problems)} violation(s) in {printable(store)}:", err=True)
@@ -115,23 +165,8 @@ def validate(store: str = typer.Argument(..., help=STORE_HELP, callback=existing
     typer.echo(f"valid: {s.calls_ok + s.calls_failed} calls ({s.calls_failed} failed) in {len(s.sessions)} sessions")
 
 
-def reward(
-    store: str = typer.Argument(..., help=STORE_HELP),
-    session: str | None = typer.Option(None, "--session", help="Session id to reward."),
-    value: float | None = typer.Option(None, "--value", help="The reward value."),
-    status: str | None = typer.Option(
-        None,
-        "--status",
-        help="Also record how the session(s) ended: completed, timeout, agent_error (the policy's failures train "
-        "with reward 0) or error (infrastructure: never trained on). "
-        "Without it a reward marks a running session completed.",
-    ),
-    name: str = typer.Option("reward", "--name", help="Reward name (several named rewards may coexist)."),
-    file: Path | None = typer.Option(None, "--file", help='JSONL lines {"session_id", "value", "name"?}.'),
-    source: str = typer.Option("cli", help="Recorded as the reward's source."),
-    allow_unknown: bool = typer.Option(False, "--allow-unknown", help="Accept session ids the store has not seen."),
-    journal_dir: Path | None = typer.Option(None, help="Journal directory (default: the store's)."),
-) -> None:
+@command
+def reward(settings: RewardSettings) -> None:
     """Record rewards for sessions: one with --session/--value, or many with --file; --status sets how they ended.
 
     A reward is an outcome: a session still "running" counts as completed once it has one.
@@ -140,30 +175,32 @@ def reward(
     from polar_addon.store.rewards import RewardInput, check_reward, parse_rewards_jsonl
     from polar_addon.store.shards import Output
     from polar_addon.store.summary import journal_session_ids
-    from polar_addon.store.trace_store import SESSION_STATUSES, default_journal_dir
+    from polar_addon.store.trace_store import default_journal_dir
     from polar_cli.terminal import printable
 
-    if file is not None and (session is not None or value is not None):
-        raise typer.BadParameter("give either --file or --session with --value")
-    if file is None and (session is None or (value is None and status is None)):
-        raise typer.BadParameter("give --session with --value and/or --status (or --file)")
-    outcomes = [s for s in SESSION_STATUSES if s != "running"]
-    if status is not None and status not in outcomes:
-        raise typer.BadParameter(f"use one of {', '.join(outcomes)}", param_hint="--status")
+    settings.validate()
+    store, session, value, status, file = (
+        settings.store,
+        settings.session,
+        settings.value,
+        settings.status,
+        settings.file,
+    )
     try:
         if file is not None:
             rewards = parse_rewards_jsonl(file)
         else:
             rewards = []
             if value is not None:
-                checked_value, checked_name = check_reward(value, name)
+                checked_value, checked_name = check_reward(value, settings.name)
                 rewards = [RewardInput(session, checked_value, checked_name)]  # type: ignore[arg-type]
     except (OSError, ValueError) as exc:
         typer.echo(f"error: {printable(exc)}", err=True)
         raise typer.Exit(2) from exc
     targets = sorted({r.session_id for r in rewards} | ({session} if session else set()))
+    journal_dir = settings.journal_dir
     journal_root = str(journal_dir) if journal_dir else default_journal_dir(Output.from_uri(store))
-    if not allow_unknown:
+    if not settings.allow_unknown:
         known = {s.session_id for s in read_sessions(store)} | journal_session_ids(journal_root)
         unknown = sorted(set(targets) - known)
         if unknown:
@@ -176,7 +213,9 @@ def reward(
 
     async def record() -> None:
         async with TraceStore(store, journal_dir=journal_root) as trace_store:
-            await asyncio.gather(*(trace_store.add_reward(r.session_id, r.value, r.name, source) for r in rewards))
+            await asyncio.gather(
+                *(trace_store.add_reward(r.session_id, r.value, r.name, settings.source) for r in rewards)
+            )
             if status is not None:
                 ended = time.time()
                 await asyncio.gather(*(trace_store.session_update(s, status=status, ended_at=ended) for s in targets))

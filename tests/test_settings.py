@@ -1,5 +1,5 @@
 """polar_cli.settings: a settings dataclass is a Typer command's options (types, defaults, help, flags), its
-validation and its manifest; `polar rollout`, `polar train` and `polar loop` are declared that way (pure, no run)."""
+validation and its manifest; every `polar` command is declared that way (pure, no run)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,15 @@ import typer
 from typer.testing import CliRunner
 
 from polar_cli import settings
+from polar_cli.app import TinyModelSettings
+from polar_cli.build_cmd import BuildSettings, StatsSettings, ViewSettings
+from polar_cli.engine_cmd import EngineReloadSettings, EngineServeSettings, EngineStopSettings
 from polar_cli.loop_cmd import LoopSettings
+from polar_cli.proxy_cmd import ProxySettings
 from polar_cli.rollout.config import RolloutConfig, RolloutSettings, make_run_id
 from polar_cli.rollout.redact import REDACTED
 from polar_cli.settings import SettingsError, option, reuse
+from polar_cli.shards_cmd import RewardSettings, ShardsInspectSettings, ShardsValidateSettings
 from polar_cli.train.config import TrainConfig
 
 
@@ -131,23 +136,84 @@ def test_a_reused_field_keeps_flags_and_help_unless_changed() -> None:
     assert settings.flag(Toy2, "name") == "--name" and settings.flag(Toy, "source") == "SOURCE"
 
 
-@pytest.mark.parametrize(
-    ("name", "cls"), [("rollout", RolloutSettings), ("train", TrainConfig), ("loop", LoopSettings)]
-)
+SETTINGS_OF_COMMANDS = [
+    ("rollout", RolloutSettings),
+    ("train", TrainConfig),
+    ("loop", LoopSettings),
+    ("build", BuildSettings),
+    ("stats", StatsSettings),
+    ("view", ViewSettings),
+    ("proxy", ProxySettings),
+    ("engine serve", EngineServeSettings),
+    ("engine reload", EngineReloadSettings),
+    ("engine stop", EngineStopSettings),
+    ("shards inspect", ShardsInspectSettings),
+    ("shards validate", ShardsValidateSettings),
+    ("reward", RewardSettings),
+    ("tiny-model", TinyModelSettings),
+]
+
+
+@pytest.mark.parametrize(("name", "cls"), SETTINGS_OF_COMMANDS)
 def test_every_cli_field_is_in_help_exactly_once(name: str, cls: type) -> None:
     from polar_cli.app import app
 
-    group = typer.main.get_command(app)
-    command = group.commands[name]  # type: ignore[attr-defined]
+    command = typer.main.get_command(app)
+    for word in name.split():
+        command = command.commands[word]  # type: ignore[attr-defined]
     by_name = {p.name: p for p in command.params}
-    rows = _option_rows(_help(app, name))
+    text = _help(app, *name.split())
+    usage = next(line for line in text.splitlines() if "Usage:" in line).lower()
+    rows = _option_rows(text)
     for field in settings.cli_fields(cls):
         param = by_name[field.name]
         if settings.spec(field).argument:
+            assert param.param_type_name == "argument" and field.name in usage, (field.name, usage)
             continue
         long = next(o for o in [*param.opts, *param.secondary_opts] if o.startswith("--"))
         assert rows.count(long) == 1, (field.name, long, rows)
     assert len(rows) == len(set(rows)), rows  # no flag declared twice
+    own = {"train": {"verbose", "overwrite"}}.get(name, set())  # the command's own flags, beside its settings
+    assert set(by_name) == {f.name for f in settings.cli_fields(cls)} | own, sorted(by_name)
+
+
+def test_every_command_takes_its_options_from_a_settings_class() -> None:
+    """No command of `polar` declares a Typer option in its signature any more, but for a few command-only flags."""
+    from polar_cli.app import app
+
+    def leaves(group: object, path: tuple[str, ...] = ()) -> list[str]:
+        subs = getattr(group, "commands", None)
+        if subs is None:
+            return [" ".join(path)]
+        return [leaf for word, sub in subs.items() for leaf in leaves(sub, (*path, word))]
+
+    assert sorted(leaves(typer.main.get_command(app))) == sorted(name for name, _ in SETTINGS_OF_COMMANDS)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["build", "{store}", "-o", "{tmp}/out", "--strategy", "x"], "Invalid value for --strategy: use one of"),
+        (["build", "{store}", "-o", "{tmp}/full"], "Invalid value for --out:"),
+        (["stats", "{store}", "--retokenized", "x"], "Invalid value for --retokenized: use one of merge, break"),
+        (["view", "{store}", "--session", "s", "--retokenized", "x"], "Invalid value for --retokenized: use one"),
+        (["view", "{tmp}/nothing", "--session", "s"], "Invalid value for 'shards': no trace store at"),
+        (["proxy", "-e", "scripted:x", "-o", "{tmp}/o", "--port", "9", "--reverse-port", "9"], "--reverse-port"),
+        (["reward", "{store}", "--session", "s"], "give --session with --value and/or --status"),
+        (["reward", "{store}", "--file", "f", "--value", "1"], "give either --file or --session with --value"),
+        (["reward", "{store}", "--session", "s", "--status", "x"], "Invalid value for --status: use one of"),
+    ],
+)
+def test_each_command_refuses_bad_settings_as_a_usage_error(args: list[str], said: str, tmp_path: Path) -> None:
+    from polar_cli.app import app
+
+    store = tmp_path / "store"
+    (store / "sessions").mkdir(parents=True)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("kept")
+    done = CliRunner().invoke(app, [a.format(store=store, tmp=tmp_path) for a in args])
+    assert done.exit_code == 2 and said in " ".join(done.output.replace("│", " ").split()), done.output
+    assert (tmp_path / "full" / "x").read_text() == "kept" and not (tmp_path / "out").exists()
 
 
 def test_polar_train_flags_are_the_same_as_before() -> None:
