@@ -131,7 +131,7 @@ def port_of(url: str) -> int:
 
 def vllm_python() -> str:
     """The vLLM venv's interpreter when the repo has one (machine.md), else this interpreter."""
-    candidate = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    candidate = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
     return str(candidate) if candidate.exists() else sys.executable
 
 
