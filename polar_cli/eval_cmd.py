@@ -84,3 +84,6 @@ def eval_tasks(settings: EvalSettings) -> None:
         for k, e in report.overall.items()
     )
     typer.echo(f"polar eval: {len(report.tasks)} tasks, {len(results)} sessions: {overall}; report {path}")
+    if not any(t.n for t in report.tasks):
+        typer.echo("error: no session was scored (every one an infrastructure error: see the causes)", err=True)
+        raise typer.Exit(EXIT_ALL_FAILED)

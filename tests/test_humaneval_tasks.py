@@ -69,6 +69,7 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         f"scripted:{script}", str(root / "store"), confdir=root / "conf", log_dir=root,
         options={"polar_shard_seconds": "0.2"},
     ) as started:  # fmt: skip
+        started.store = str(root / "store")  # type: ignore[attr-defined]  (for polar eval's --out)
         yield started
 
 
@@ -149,16 +150,21 @@ def test_literals_round_trip_and_nothing_else_decodes() -> None:
             judge.decode(text)
 
 
-def _rollout(proxy: StartedProxy, root: Path, tasks: Path, harness: str, samples: int) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-m", "polar_cli.app", "rollout", str(tasks), "--harness", harness, "--samples", str(samples),
+def _polar(command: str, proxy: StartedProxy, root: Path, tasks: Path, harness: str, samples: int, *extra: str):
+    """`polar COMMAND` on the module's proxy (session ids are never registered twice there: each test its seed)."""
+    return subprocess.run(
+        [sys.executable, "-m", "polar_cli.app", command, str(tasks), "--harness", harness, "--samples", str(samples),
          "--runtime", "bwrap", "--proxy", f"http://127.0.0.1:{proxy.endpoints.forward_port}",
          "--reverse-url", f"http://127.0.0.1:{proxy.endpoints.reverse_port}",
          "--confdir", str(Path(proxy.endpoints.ca).parent), "--report-dir", str(root / "report"),
-         "--seed", "24", "--no-progress", "--concurrency", "4"],
+         "--no-progress", "--concurrency", "4", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=900,
         env={**os.environ, "POLAR_CONTROL_TOKEN": proxy.control_token},
     )  # fmt: skip
+
+
+def _rollout(proxy: StartedProxy, root: Path, tasks: Path, harness: str, samples: int) -> dict:
+    done = _polar("rollout", proxy, root, tasks, harness, samples, "--seed", "2401")
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads((root / "report" / "rollout-summary.json").read_text())
 
@@ -189,3 +195,24 @@ def test_the_judge_is_not_fooled_by_a_forger(mode: str, why: str, tmp_path: Path
     subprocess.run([sys.executable, str(AGENT), mode, "0", str(answers)], cwd=work, check=True, env=env)
     done = _judge(task, (work / "solution.py").read_text(), tmp_path)
     assert done.returncode == 1 and f"humaneval: failed: {why}" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_real_polar_eval_reports_the_expected_pass_at_k(proxy: StartedProxy, tmp_path: Path) -> None:
+    """2 tasks x 2 samples, canonical on sample 0 and wrong on sample 1: per task n=2, c=1, so pass@1 = 0.5 and
+    pass@2 = 1 (the biased estimator would say 0.75), over tasks 0.5 +- 0 and 1 +- 0; one call per session."""
+    tasks, answers = build_picked(tmp_path, (0, 101))
+    harness = f"cmd:{sys.executable} {AGENT} sample0 {{sample}} {answers}"
+    done = _polar("eval", proxy, tmp_path, tasks, harness, 2, "--out", proxy.store, "--seed", "2402")  # type: ignore[attr-defined]
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report" / "eval-report.json").read_text())
+    assert report["ks"] == [1, 2]
+    assert report["overall"]["pass@1"] == {"mean": 0.5, "se": 0.0, "tasks": 2}
+    assert report["overall"]["pass@2"] == {"mean": 1.0, "se": 0.0, "tasks": 2}
+    by_task = {t["task_id"]: t for t in report["tasks"]}
+    assert set(by_task) == {"humaneval-000", "humaneval-101"}
+    for task in by_task.values():
+        assert (task["n"], task["c"], task["pass@1"], task["pass@2"]) == (2, 1, 0.5, 1.0)
+        assert task["causes"] == {"passed": 1, "wrong": 1}
+    assert report["causes"]["passed"] == 2 and report["causes"]["wrong"] == 2
+    assert report["turns_per_session"]["mean"] == 1.0 and report["tokens_per_session"]["mean"] > 0
+    assert "pass@1 0.500 ± 0.000" in done.stdout and "humaneval-101" in done.stdout
