@@ -12,7 +12,7 @@ object of the solution's, so no ``__eq__`` it wrote). Every ``assert`` of ``chec
 the solution does (``os._exit(0)`` at import, patching anything in its own process, printing "passed", writing
 answers ahead on the pipe, dying, hanging), the verdict is this process's: only values that satisfy the asserts pass.
 
-What a solution could still do (stated in docs/how-to/humaneval.md): read ``/tests`` (polar-untrusted denies writes,
+What a solution could still do (stated in docs/how-to/eval.md): read ``/tests`` (polar-untrusted denies writes,
 not reads), so a solution written to look up the expected values in ``problem.json`` for the arguments it is given
 would pass without computing them. The agent never sees ``/tests``; only code it leaves for the verifier could.
 """
