@@ -83,7 +83,10 @@ def eval_tasks(settings: EvalSettings) -> None:
         f"pass@{k} {'-' if e.mean is None else f'{e.mean:.3f}'}" + (f" ± {e.se:.3f}" if e.se is not None else "")
         for k, e in report.overall.items()
     )
-    typer.echo(f"polar eval: {len(report.tasks)} tasks, {len(results)} sessions: {overall}; report {path}")
+    per_session = ""
+    if report.turns is not None and report.turns.mean is not None and report.tokens and report.tokens.mean is not None:
+        per_session = f"; {report.turns.mean:.1f} calls and {report.tokens.mean:.0f} tokens per session"
+    typer.echo(f"polar eval: {len(report.tasks)} tasks, {len(results)} sessions: {overall}{per_session}; report {path}")
     if not any(t.n for t in report.tasks):
         typer.echo("error: no session was scored (every one an infrastructure error: see the causes)", err=True)
         raise typer.Exit(EXIT_ALL_FAILED)

@@ -112,3 +112,16 @@ def test_call_statistics_and_format_causes() -> None:
     assert report.format["failing_sessions_with_parse_failures"] == 1 and report.format["length_cut_calls"] == 1
     assert report.turns == Estimate(2.0, pytest.approx(1.0), 2)  # 1 and 3 calls
     assert report.tokens is not None and report.tokens.mean == pytest.approx((57 + 235) / 2)
+
+
+def test_polar_eval_refuses_a_k_above_the_samples_before_any_session(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from polar_cli.app import app
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t", "instruction": "x", "verify": "true"}\n')
+    args = ["eval", str(tasks), "--harness", "cmd:true", "--samples", "2", "--k", "3", "--engine", "scripted:x"]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "store")])
+    assert result.exit_code == 2 and "--k" in result.output and "1 <= k <= --samples (2)" in result.output
+    assert not (tmp_path / "store").exists()
