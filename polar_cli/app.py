@@ -82,6 +82,9 @@ app.command("reward")(reward)
 from polar_cli.rollout_cmd import rollout  # noqa: E402  (rollout)
 
 app.command("rollout")(rollout)
+from polar_cli.eval_cmd import eval_tasks  # noqa: E402  (eval)
+
+app.command("eval")(eval_tasks)
 from polar_cli.loop_cmd import register as register_loop  # noqa: E402  (loop)
 
 register_loop(app)

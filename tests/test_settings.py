@@ -15,6 +15,7 @@ from polar_cli import settings
 from polar_cli.app import TinyModelSettings
 from polar_cli.build_cmd import BuildSettings, StatsSettings, ViewSettings
 from polar_cli.engine_cmd import EngineReloadSettings, EngineServeSettings, EngineStopSettings
+from polar_cli.eval_cmd import EvalSettings
 from polar_cli.loop_cmd import LoopSettings
 from polar_cli.proxy_cmd import ProxySettings
 from polar_cli.rollout.config import RolloutConfig, RolloutSettings, make_run_id
@@ -138,6 +139,7 @@ def test_a_reused_field_keeps_flags_and_help_unless_changed() -> None:
 
 SETTINGS_OF_COMMANDS = [
     ("rollout", RolloutSettings),
+    ("eval", EvalSettings),
     ("train", TrainConfig),
     ("loop", LoopSettings),
     ("build", BuildSettings),
