@@ -223,6 +223,7 @@ def test_a_real_gguf_split_in_three_imports_to_the_same_model(tmp_path: Path, ti
 
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["temperature"], generation["top_p"], generation["do_sample"]) == (0.5, 0.8, True)
+    assert not generation.get("_from_model_config")  # stated defaults, not ones derived from config.json
     record = json.loads((out / provenance.PROVENANCE).read_text())
     assert (record["gguf_sha256"], record["expected_sha256"], record["gguf_size"]) == (
         sha,

@@ -100,6 +100,8 @@ def convert(
     values, origin = generation_defaults(metadata, generation)
     for key, value in values.items():
         setattr(model.generation_config, key, value)
+    if values:  # no longer derived from the model config: stated defaults must not be taken for legacy ones
+        model.generation_config._from_model_config = False
     # The loader names the config after the file's general.name; the folder is its own name from here on.
     model.config.__dict__.pop("_model_name_or_path", None)
     out.mkdir(parents=True, exist_ok=True)
