@@ -88,6 +88,9 @@ app.command("eval")(eval_tasks)
 from polar_cli.loop_cmd import register as register_loop  # noqa: E402  (loop)
 
 register_loop(app)
+from polar_cli.model_cmd import model_app  # noqa: E402  (model import-gguf)
+
+app.add_typer(model_app, name="model")
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from polar_cli.build_cmd import BuildSettings, StatsSettings, ViewSettings
 from polar_cli.engine_cmd import EngineReloadSettings, EngineServeSettings, EngineStopSettings
 from polar_cli.eval_cmd import EvalSettings
 from polar_cli.loop_cmd import LoopSettings
+from polar_cli.model_cmd import ModelImportGgufSettings
 from polar_cli.proxy_cmd import ProxySettings
 from polar_cli.rollout.config import RolloutConfig, RolloutSettings, make_run_id
 from polar_cli.rollout.redact import REDACTED
@@ -153,6 +154,7 @@ SETTINGS_OF_COMMANDS = [
     ("shards validate", ShardsValidateSettings),
     ("reward", RewardSettings),
     ("tiny-model", TinyModelSettings),
+    ("model import-gguf", ModelImportGgufSettings),
 ]
 
 
