@@ -258,3 +258,43 @@ def test_docker_as_host_root_is_refused_unless_trusted(
     else:
         assert "runs containers as host root" in refused and "trust_root=true" in refused, refused
     assert "starting a container of busybox failed" in trusted, trusted  # trusted: on to `docker run`
+
+
+def test_filling_the_bound_workspace_is_stopped_at_the_disk_limit(image: str, tmp_path: Path) -> None:
+    """disk_mb=16 on oci: one large file stops at 16 MiB (the container's RLIMIT_FSIZE: SIGXFSZ), and the stream of
+    small files into the bound workspace is killed by the watchdog inside the container, not only the engine's
+    client, with ``limit="disk"`` and the line saying so; the host directory stays bounded."""
+    from tests.security.test_runtime import DISK_FILL
+
+    (tmp_path / "ca.pem").write_text("not a real CA\n")
+    workspace, home = tmp_path / "ws", tmp_path / "home"
+    workspace.mkdir()
+    home.mkdir()
+    (workspace / "README").write_text("a task's files\n")  # an empty host workspace would keep the image's own
+    spec = SandboxSpec(
+        name="disk", workspace=workspace, home=home, network="none", proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem")
+    )
+
+    async def main():
+        box = await oci.make(image=image, disk_mb=16).start(spec)
+        try:
+            before = await box.exec("head -c 8M /dev/zero > half && echo fine", timeout_s=60)
+            filled = await box.exec(DISK_FILL, timeout_s=60)
+            sizes = [_workspace_bytes(workspace)]
+            await asyncio.sleep(2)  # a writer left running inside would grow the workspace meanwhile
+            return before, filled, [*sizes, _workspace_bytes(workspace)]
+        finally:
+            await box.stop()
+
+    before, filled, sizes = asyncio.run(main())
+    assert before.stdout == "fine\n" and before.limit is None and before.exit_code == 0, before
+    assert not filled.timed_out and not filled.cancelled and filled.exit_code not in (0, -1), filled
+    assert filled.limit == "disk" and "polar: disk limit 16 MiB exceeded" in filled.stderr, filled
+    assert "big=153" in filled.stdout, filled  # 128 + SIGXFSZ
+    assert (workspace / "big").stat().st_size == 16 * 2**20
+    assert 16 * 2**20 < sizes[0] < 1024 * 2**20, sizes
+    assert sizes[0] == sizes[1], sizes  # the loop inside was killed with the engine's client: no write after
+
+
+def _workspace_bytes(workspace: Path) -> int:
+    return sum(p.stat().st_size for p in workspace.iterdir())

@@ -1,5 +1,5 @@
 """A disk bound for the sandbox's writable host directories (workspace, HOME, binds; /tmp where it is no tmpfs of
-its own), for the runtimes whose directories are plain host directories (bwrap, local).
+its own), for the runtimes whose directories are plain host directories (bwrap, local; oci for what it binds).
 
 Two parts: ``RLIMIT_FSIZE`` on every sandboxed process (:func:`fsize_flags`: no single file grows past the limit,
 the write fails with EFBIG or SIGXFSZ kills the writer), and :func:`watch`, which samples the directories' total

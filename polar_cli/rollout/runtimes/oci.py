@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polar_cli import lifeline
-from polar_cli.rollout.runtimes import cgroups, confine
+from polar_cli.rollout.runtimes import cgroups, confine, disk
 from polar_cli.rollout.runtimes.archive import extract_contained
 from polar_cli.rollout.runtimes.base import (
     ISOLATED_CA,
@@ -132,9 +132,10 @@ class OciSandbox(IsolatedSandbox):
         timeout_s: float | None = None,
         bounded: bool = False,
         since: int | None = None,
-    ) -> tuple[int, bytes, bytes, bool, bool]:
-        """One engine CLI call; returns (exit code, stdout, stderr, timed out, cancelled). ``bounded``: keep only a
-        head and a tail of each stream (:mod:`output`), for what the agent controls. ``since``: the cancel count
+    ) -> tuple[int, bytes, bytes, bool, bool, str | None]:
+        """One engine CLI call; returns (exit code, stdout, stderr, timed out, cancelled, the disk bound's line when it
+        killed the call). ``bounded``: keep only a head and a tail of each stream (:mod:`output`) and watch the disk
+        bound (:mod:`disk`), for what the agent controls. ``since``: the cancel count
         when the caller began (a cancel after it stops this call), else now's."""
         cancels = self.cancels if since is None else since
         proc = await asyncio.create_subprocess_exec(
@@ -153,6 +154,18 @@ class OciSandbox(IsolatedSandbox):
         timed_out = False
         out, err = BoundedOutput.pair(bounded)
         reading = asyncio.ensure_future(communicate(proc, stdin, out, err))
+        killing: list[asyncio.Future] = []
+
+        def over_disk() -> None:  # the container's processes, not only the engine's client
+            killing.append(asyncio.ensure_future(self._kill_inside()))
+            kill_group(proc)
+
+        # What the agent runs (bounded execs) is watched against the disk bound; the runner's own calls are not.
+        watching = asyncio.ensure_future(
+            disk.watch(self.writable, self.runtime.disk_mb, over_disk, self.runtime.disk_files)
+            if bounded
+            else asyncio.Event().wait()
+        )
         try:
             try:
                 await asyncio.wait_for(asyncio.shield(reading), timeout_s)
@@ -169,8 +182,12 @@ class OciSandbox(IsolatedSandbox):
         finally:
             self.running.discard(proc)
             lifeline.untie(proc.pid)
+            watching.cancel()
+        for kill in killing:
+            await kill
+        over = watching.result() if watching.done() and not watching.cancelled() else None
         code = proc.returncode if proc.returncode is not None else -1
-        return code, out.data(), err.data(), timed_out, self.cancels != cancels
+        return code, out.data(), err.data() + (over or "").encode(), timed_out, self.cancels != cancels, over
 
     async def _kill_inside(self) -> None:
         proc = await asyncio.create_subprocess_exec(
@@ -216,7 +233,7 @@ class OciSandbox(IsolatedSandbox):
             args.append("-i")
         for key, value in {"HOME": HOME, "TMPDIR": "/tmp", **self.spec.env, **(env or {})}.items():
             args += ["-e", f"{key}={value}"]
-        code, out, err, timed_out, cancelled = await self._cli(
+        code, out, err, timed_out, cancelled, over = await self._cli(
             *args, self.container, *argv, stdin=stdin, timeout_s=timeout_s, bounded=True, since=cancels
         )
         return ExecResult(
@@ -226,6 +243,7 @@ class OciSandbox(IsolatedSandbox):
             timed_out,
             cancelled,
             oom_killed=bool(self.spec.memory_mb) and await self.oom_kills() > ooms,
+            limit="disk" if over else None,
         )
 
     async def upload(self, local: Path, remote: str) -> None:
@@ -238,13 +256,13 @@ class OciSandbox(IsolatedSandbox):
         with tarfile.open(fileobj=buffer, mode="w") as tar:
             tar.add(Path(local), arcname=posixpath.basename(remote))
         # `cp - CONTAINER:DIR` unpacks a tar stream; the engine resolves DIR inside the container's root.
-        code, _, err, _, _ = await self._cli("cp", "-", f"{self.container}:{parent}", stdin=buffer.getvalue())
+        code, _, err, _, _, _ = await self._cli("cp", "-", f"{self.container}:{parent}", stdin=buffer.getvalue())
         if code != 0:
             raise OSError(f"upload to {remote} in sandbox {self.spec.name} failed: {err.decode(errors='replace')}")
 
     async def download(self, remote: str, local: Path) -> None:
         remote = posixpath.normpath(remote)
-        code, out, err, _, _ = await self._cli("cp", f"{self.container}:{remote}", "-")
+        code, out, err, _, _, _ = await self._cli("cp", f"{self.container}:{remote}", "-")
         if code != 0:
             message = err.decode(errors="replace")
             if "no such file" in message.lower() or "not found" in message.lower():
@@ -292,6 +310,8 @@ class OciRuntime(Runtime):
         scratch_dir: Path | str | None = None,
         host_uid: int | None = None,
         trust_root: bool | str = False,
+        disk_mb: int = disk.DEFAULT_DISK_MB,
+        disk_files: int = disk.DEFAULT_MAX_ENTRIES,
     ):
         if engine not in ("podman", "docker"):
             raise ValueError(f"oci runtime: engine must be podman or docker, not {engine!r}")
@@ -308,6 +328,10 @@ class OciRuntime(Runtime):
             raise RuntimeUnavailable(f"oci runtime: no {engine} binary (`make sandbox` installs podman and runc)")
         self.engine = engine
         self.binary = found
+        # The disk bound of the bound host directories (workspace, HOME, binds): RLIMIT_FSIZE per container and
+        # disk.watch per exec. The container's own writable layer (an image's workdir) has only the per-file part.
+        self.disk_mb = int(disk_mb)
+        self.disk_files = int(disk_files)
         # What the runtime can enforce: docker cannot join polar's proxy-only namespace.
         self.default_network = "proxy-only" if engine == "podman" else "host"
         self.image = image  # used when a spec names neither an image nor a Dockerfile
@@ -351,7 +375,8 @@ class OciRuntime(Runtime):
     def _engine_flags(self) -> list[str]:
         flags = ["--runtime", self.oci_runtime] if self.oci_runtime else []
         # Without CAP_SYS_RESOURCE in its namespace podman cannot raise the default limits; set them explicitly.
-        return flags + ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+        fsize = self.disk_mb * 2**20
+        return flags + ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096", "--ulimit", f"fsize={fsize}"]
 
     def _userns_flags(self) -> list[str]:
         if self.host_uid is None:
@@ -572,5 +597,7 @@ def make(**options) -> OciRuntime:
     """``--runtime oci``; options: ``engine`` (podman|docker), ``binary``, ``image`` (default image),
     ``oci_runtime`` (podman's --runtime, default runc when installed), ``scratch_dir``, ``host_uid`` (podman run by
     root only: the host uid container root maps to, the next 65535 following), ``trust_root`` (accept a docker
-    daemon whose container root is host root: refused without it)."""
+    daemon whose container root is host root: refused without it), ``disk_mb`` (default 4096) and ``disk_files``
+    (default 200000): the disk bound of the bound host directories (:mod:`disk`; the image's own layer gets the
+    per-file limit only)."""
     return OciRuntime(**options)
