@@ -226,3 +226,29 @@ def test_a_rebuild_is_the_same_task_set(tmp_path: Path) -> None:
     before = [task_set_hash(load_tasks(tmp_path / split)) for split in ("train", "heldout")]
     build_tasks.build(tmp_path, [0, 150])
     assert [task_set_hash(load_tasks(tmp_path / split)) for split in ("train", "heldout")] == before
+
+
+def test_the_one_call_coder_writes_back_the_fenced_answer(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """examples/humaneval/coder.py through a real bwrap rollout: the scripted engine (the tiny model cannot code)
+    answers with prose around a fenced canonical solution of HumanEval/0, the coder writes the block back, and the
+    judge rewards it; an answer without a fence is written whole (here: prose, so reward 0)."""
+    coder = _module("coder")
+    assert coder.extract_code("Sure:\n```python\ndef f():\n    return 1\n```\nDone.") == "def f():\n    return 1\n"
+    assert coder.extract_code("```\nx = 1\n```") == "x = 1\n" and coder.extract_code("no fence") == "no fence\n"
+    problem = build_tasks.load_problems()[0]
+    fenced = f"Here it is.\n```python\n{problem.prompt}{problem.canonical_solution}```\nIt compares each pair."
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "by_model": {"good": [{"content": fenced}],
+                                  "prose": [{"content": "I would loop over the pairs."}]}}))  # fmt: skip
+    tasks, _ = build_picked(tmp_path, (0,))
+    rewards = {}
+    with start_proxy(f"scripted:{script}", str(tmp_path / "store"), confdir=tmp_path / "conf", log_dir=tmp_path) as p:
+        for seed, model in enumerate(("good", "prose")):
+            harness = f"cmd:{sys.executable} {EXAMPLE / 'coder.py'} {{instruction}}"
+            done = _polar("rollout", p, tmp_path / model, tasks, harness, 1, "--seed", str(seed), "--model", model)
+            assert done.returncode == 0, done.stdout + done.stderr
+            (session,) = json.loads((tmp_path / model / "report" / "rollout-summary.json").read_text())[
+                "session_results"
+            ]
+            rewards[model] = (session["status"], session["reward"])
+    assert rewards == {"good": ("completed", 1.0), "prose": ("completed", 0.0)}, rewards
