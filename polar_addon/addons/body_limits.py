@@ -200,11 +200,13 @@ class BodyLimits:
         request bodies too. One over polar_max_body_mb is dropped here, never relayed, and refused in the
         Responses protocol (the socket stays open); the budget of the others is charged where they are answered
         (responses_websocket). mitmproxy keeps every message of a flow until it ends: only the last is kept, so a
-        long session does not pile up its turns in the proxy."""
+        long session does not pile up its turns in the proxy, unless flows are being saved (``save_stream_file``:
+        the user asked for every message)."""
         gateway, websocket = self.shared.gateway, flow.websocket
         if gateway is None or websocket is None or not flow.metadata.get("polar_websocket"):
             return
-        del websocket.messages[:-1]
+        if not ("save_stream_file" in ctx.options and ctx.options.save_stream_file):
+            del websocket.messages[:-1]
         message = websocket.messages[-1]
         cap = gateway.config.max_body_bytes
         if message.from_client and not message.injected and len(message.content) > cap:

@@ -292,7 +292,7 @@ def test_filling_the_bound_workspace_is_stopped_at_the_disk_limit(image: str, tm
     assert filled.limit == "disk" and "polar: disk limit 16 MiB exceeded" in filled.stderr, filled
     assert "big=153" in filled.stdout, filled  # 128 + SIGXFSZ
     assert (workspace / "big").stat().st_size == 16 * 2**20
-    assert 16 * 2**20 < sizes[0] < 1024 * 2**20, sizes
+    assert 16 * 2**20 < sizes[0] < 4 * 2**30, sizes  # sampled: see test_runtime's disk test
     assert sizes[0] == sizes[1], sizes  # the loop inside was killed with the engine's client: no write after
 
 

@@ -380,6 +380,25 @@ def test_filling_the_workspace_is_stopped_at_the_disk_limit(tmp_path: Path, runt
     assert "big=153" in filled.stdout  # 128 + SIGXFSZ
     assert (workspace / "big").stat().st_size == 16 * 2**20
     held = sum(p.stat().st_size for p in workspace.iterdir())
-    assert 16 * 2**20 < held < 1024 * 2**20, held
+    # Sampled, so past the limit by what the loop writes until the next walk: well under 1 GiB on idle cores, up to
+    # ~1.4 GB measured with three CPU hogs on 2 cores; unbounded it writes for the whole 60 s (tens of GB).
+    assert 16 * 2**20 < held < 4 * 2**30, held
     # The next exec finds the directories over the limit already: stopped at once.
     assert after.limit == "disk" and after.exit_code != 0
+
+
+def test_the_disk_watchdog_samples_sooner_the_faster_the_directories_grow() -> None:
+    """next_sample: calm every INTERVAL_S (never under five walks' time); the first sample soon; growing, half the
+    time the current rate needs to reach the limit, never under MIN_INTERVAL_S."""
+    from polar_cli.rollout.runtimes.disk import INTERVAL_S, MIN_INTERVAL_S, next_sample
+
+    mib = 2**20
+    assert next_sample(10 * mib, 100 * mib, None, 5.0, 0.001) == 0.1
+    assert next_sample(10 * mib, 100 * mib, (4.0, 10 * mib), 5.0, 0.001) == INTERVAL_S  # not growing
+    assert next_sample(10 * mib, 100 * mib, (4.0, 10 * mib), 5.0, 0.5) == 2.5  # a slow walk: five walks apart
+    # 10 MiB/s, 90 MiB left: 9 s to the limit, so the calm interval
+    assert next_sample(20 * mib, 110 * mib, (4.0, 10 * mib), 5.0, 0.001) == INTERVAL_S
+    # 1 GiB/s, 80 MiB left: 78 ms to the limit, half of it rounds up to the floor
+    assert next_sample(20 * mib, 100 * mib, (4.0, 20 * mib - 1024 * mib), 5.0, 0.001) == MIN_INTERVAL_S
+    # 100 MiB/s, 60 MiB left: 0.6 s to the limit, sampled in 0.3 s
+    assert abs(next_sample(40 * mib, 100 * mib, (4.0, 40 * mib - 100 * mib), 5.0, 0.001) - 0.3) < 1e-9
