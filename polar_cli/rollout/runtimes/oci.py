@@ -390,9 +390,9 @@ class OciRuntime(Runtime):
             raise RuntimeUnavailable(f"oci runtime: inspecting container {container} failed: {out[-4000:]}")
         return int(out)
 
-    async def _run(self, *args: str) -> tuple[int, str]:
+    async def _run(self, *args: str, cwd: Path | None = None) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(
-            self.binary, *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            self.binary, *args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd
         )
         out, _ = await proc.communicate()
         return proc.returncode, out.decode(errors="replace")
@@ -514,7 +514,9 @@ class OciRuntime(Runtime):
             if spec.pids:
                 args += ["--pids-limit", str(spec.pids)]
             args += ["--entrypoint", "/bin/sh", image, "-c", INIT]
-            code, log = await self._run(*args)
+            # In the sandbox's scratch dir: the container's monitor (conmon) inherits the cwd and, on cgroup v1,
+            # drops its "oom" marker file there when the memory limit kills a process.
+            code, log = await self._run(*args, cwd=scratch)
             if code != 0:
                 raise RuntimeUnavailable(f"oci runtime: starting a container of {image} failed:\n{log[-4000:]}")
             pid = await self._pid(container)
