@@ -377,8 +377,10 @@ def test_filling_the_workspace_is_stopped_at_the_disk_limit(tmp_path: Path, runt
     assert before.stdout == "fine\n" and before.limit is None and before.exit_code == 0, before
     assert not filled.timed_out and not filled.cancelled and filled.exit_code not in (0, -1), filled
     assert filled.limit == "disk" and "polar: disk limit 16 MiB exceeded" in filled.stderr, filled
-    assert "big=153" in filled.stdout  # 128 + SIGXFSZ
-    assert (workspace / "big").stat().st_size == 16 * 2**20
+    # RLIMIT_FSIZE stops the one large file at 16 MiB (128 + SIGXFSZ), unless the watchdog, which sees 8 + 16 MiB,
+    # kills the exec first (a race under load): either way the file never grows past the limit.
+    assert "big=153" in filled.stdout or not filled.stdout, filled
+    assert (workspace / "big").stat().st_size <= 16 * 2**20
     held = sum(p.stat().st_size for p in workspace.iterdir())
     # Sampled, so past the limit by what the loop writes until the next walk: well under 1 GiB on idle cores, up to
     # ~1.4 GB measured with three CPU hogs on 2 cores; unbounded it writes for the whole 60 s (tens of GB).
