@@ -161,10 +161,10 @@ class OciSandbox(IsolatedSandbox):
             kill_group(proc)
 
         # What the agent runs (bounded execs) is watched against the disk bound; the runner's own calls are not.
-        watching = asyncio.ensure_future(
-            disk.watch(self.writable, self.runtime.disk_mb, over_disk, self.runtime.disk_files)
+        watching = (
+            asyncio.ensure_future(disk.watch(self.writable, self.runtime.disk_mb, over_disk, self.runtime.disk_files))
             if bounded
-            else asyncio.Event().wait()
+            else None
         )
         try:
             try:
@@ -182,10 +182,11 @@ class OciSandbox(IsolatedSandbox):
         finally:
             self.running.discard(proc)
             lifeline.untie(proc.pid)
-            watching.cancel()
+            if watching is not None:
+                watching.cancel()
         for kill in killing:
             await kill
-        over = watching.result() if watching.done() and not watching.cancelled() else None
+        over = watching.result() if watching is not None and watching.done() and not watching.cancelled() else None
         code = proc.returncode if proc.returncode is not None else -1
         return code, out.data(), err.data() + (over or "").encode(), timed_out, self.cancels != cancels, over
 
