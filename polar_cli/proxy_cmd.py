@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,7 +142,9 @@ def proxy(settings: ProxySettings) -> None:
         options=extra,
         quiet=False,
     )
-    process = subprocess.Popen(cmd, start_new_session=True)
+    # mitmdump's log goes to our stderr: stdout then carries only what polar prints (the recipes), never a log
+    # line interleaved into it (two processes writing one pipe), and `polar proxy > recipes.txt` works.
+    process = subprocess.Popen(cmd, start_new_session=True, stdout=sys.stderr)
     lifeline.tie(process.pid)  # even a SIGKILLed `polar proxy` leaves no mitmdump writing its store
     # Own session (so a terminal's Ctrl-C reaches mitmdump once, through us): a TERM to us must stop it too.
     signal.signal(signal.SIGTERM, _interrupt)

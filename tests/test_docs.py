@@ -320,7 +320,6 @@ def stop(process: subprocess.Popen, logs: list[str] | None = None) -> None:
 
 
 # harness recipe -> what its records' harness starts with
-MITM_LOG = re.compile(r"^\[\d\d:\d\d:\d\d\.\d+\]|^Loading weights")
 HARNESS_NAMES = {
     "Claude Code": "claude-cli/",
     "Codex": "codex_exec/",
@@ -346,19 +345,18 @@ def test_every_harness_recipe_through_polar_proxy(tiny_model_dir: Path, tmp_path
     proxy = subprocess.Popen(
         [str(VENV_BIN / "polar"), "proxy", "--engine", f"scripted:{script}", "--out", str(out), "--port", str(fwd),
          "--reverse-port", str(rev), "--confdir", str(conf), "--set", "polar_shard_seconds=0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(tmp_path), cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(tmp_path), cwd=tmp_path,
     )  # fmt: skip
     logs: list[str] = []
+    # mitmdump's log is on stderr: keep draining it so it never blocks on a full pipe.
+    drain = threading.Thread(target=lambda: logs.extend(proxy.stderr), daemon=True)
+    drain.start()
     try:
         printed = []
-        for line in proxy.stdout:  # what polar proxy prints once both listeners are up (mitmdump's log aside)
-            if not MITM_LOG.match(line):
-                printed.append(line)
+        for line in proxy.stdout:  # what polar proxy prints once both listeners are up: nothing but its own lines
+            printed.append(line)
             if "your_agent.py" in line:
                 break
-        # Keep draining mitmdump's log so it never blocks on a full pipe.
-        drain = threading.Thread(target=lambda: logs.extend(proxy.stdout), daemon=True)
-        drain.start()
         ca = conf / "mitmproxy-ca-cert.pem"
         assert "".join(printed).endswith(recipes(fwd, rev, str(ca))), "".join(printed)
         assert ca.is_file()
