@@ -3,6 +3,7 @@ of reward per iteration, the exit code)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from polar_cli.eval_cmd import EvalSettings
 from polar_cli.rollout.config import RolloutSettings, check_network, check_set_options
 from polar_cli.set_option import runtime_options, set_options
 from polar_cli.settings import SettingsError, command, option, reuse
@@ -146,6 +148,34 @@ class LoopSettings:
         "fleet.",
     )
     ray_resource: str | None = reuse(RolloutSettings, "ray_resource")
+    eval_tasks: Path | None = option(
+        None,
+        flags=("--eval",),
+        help="A held-out task set (as TASKS) evaluated on the policy before the first iteration (the base), after "
+        "every --eval-every-th iteration's weight push, and at the last iteration: pass@1 ± SE, pass@k, causes per "
+        "evaluated iteration in loop.json (evals) and loop-curves.png, as `polar eval` scores them. Its sessions "
+        "go to OUT/eval/iter-NNN, never into a training. Sampled exactly as the rollouts (the same harness, "
+        "engine and --set options, so the training temperature, as the paper evaluates) unless --eval-set says "
+        "otherwise. Not with --async.",
+    )
+    eval_every: int = option(1, min=1, help="--eval: evaluate every N-th iteration's policy (and the base, the last).")
+    eval_samples: int | None = option(
+        None,
+        min=1,
+        help="--eval: sessions per held-out task (default --samples); pass@k is reported for k = 1 and this.",
+    )
+    eval_set: list[str] = option(
+        default_factory=list,
+        flags=("--eval-set",),
+        help="--eval: a proxy option KEY=VALUE for the held-out sessions only, over --set (repeatable), e.g. "
+        "--eval-set polar_temperature=0 --eval-set polar_sampling=fixed for greedy evaluation.",
+    )
+    eval_pass_threshold: float = reuse(
+        EvalSettings,
+        "pass_threshold",
+        flags=("--eval-pass-threshold",),
+        help="--eval: a held-out session passes when its reward is at least this.",
+    )
 
     def validate(self) -> None:
         from polar_cli.rollout.loop import engine_kind
@@ -169,8 +199,22 @@ class LoopSettings:
             raise SettingsError("--ray-resource needs --ray", "ray_resource")
         check_set_options(self.proxy_set)
         check_set_options(self.runtime_option, "runtime_option")
+        check_set_options(self.eval_set, "eval_set")
+        if self.eval_tasks is None:
+            for name, default in (("eval_every", 1), ("eval_samples", None), ("eval_set", [])):
+                if getattr(self, name) != default:
+                    raise SettingsError("needs --eval (the held-out task set)", name)
+        elif self.asynchronous:
+            # The async loop pushes weights under running batches; an eval there would need its own drain.
+            raise SettingsError(
+                "--eval runs with the synchronous loop only: --async does not evaluate held-out tasks "
+                "(run `polar eval` on its checkpoints, OUT/train-NNN/checkpoint)",
+                "eval_tasks",
+            )
 
-    def to_config(self, tasks: Sequence[Task], train_args: Sequence[str]) -> LoopConfig:
+    def to_config(
+        self, tasks: Sequence[Task], train_args: Sequence[str], eval_tasks: Sequence[Task] = ()
+    ) -> LoopConfig:
         """The loop's config (the runtime chosen first)."""
         from polar_cli.rollout.loop import LoopConfig
 
@@ -183,7 +227,9 @@ class LoopSettings:
             proxy_options=set_options(self.proxy_set), train_args=train_args,
             served_model_name=self.served_model_name, vllm_args=self.vllm_arg, context_window=self.context_window,
             max_output_tokens=self.max_output_tokens, max_patch_bytes=self.max_patch_mb * 1024 * 1024, ray=self.ray,
-            ray_resource=self.ray_resource,
+            ray_resource=self.ray_resource, eval_tasks=eval_tasks, eval_every=self.eval_every,
+            eval_samples=self.eval_samples, eval_proxy_options=set_options(self.eval_set),
+            eval_pass_threshold=self.eval_pass_threshold,
         )  # fmt: skip
 
 
@@ -192,7 +238,7 @@ def loop(ctx: typer.Context, settings: LoopSettings) -> None:
     from rich.console import Console
 
     from polar_cli.rollout.harnesses import get_preset
-    from polar_cli.rollout.loop import rise, run_loop
+    from polar_cli.rollout.loop import load_state, rise, run_loop
     from polar_cli.rollout.tasks import TaskFileError, load_tasks
     from polar_cli.rollout_cmd import choose_runtime
 
@@ -209,12 +255,16 @@ def loop(ctx: typer.Context, settings: LoopSettings) -> None:
         raise typer.BadParameter(str(exc), param_hint="--harness") from exc
     try:
         task_list = load_tasks(s.tasks)
+        eval_list = load_tasks(s.eval_tasks) if s.eval_tasks is not None else []
     except (TaskFileError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    shared = sorted({t.id for t in task_list} & {t.id for t in eval_list})
+    if shared:
+        typer.echo(f"warning: --eval shares task ids with TASKS ({', '.join(shared[:5])}): not held out?", err=True)
     console = Console()
     status_console = Console(stderr=True)
-    config = s.to_config(task_list, train_args)
+    config = s.to_config(task_list, train_args, eval_list)
     shown: set[tuple[int, bool]] = set()
 
     def on_iteration(stats: list[Any]) -> None:
@@ -231,8 +281,20 @@ def loop(ctx: typer.Context, settings: LoopSettings) -> None:
         _run_async(config, 1 if s.max_staleness is None else s.max_staleness, s.drain, console, say)
         return
     with _exit_codes("; run the same command to resume"):
-        stats = run_loop(config, on_iteration=on_iteration, progress=say)
+        stats = run_loop(
+            config, on_iteration=on_iteration, progress=say, on_eval=lambda e: console.print(_eval_line(e))
+        )
     console.print(_table(stats))
+    evals = sorted(load_state(s.out).get("evals", []), key=lambda e: e["iteration"])
+    if len(evals) > 1 and evals[0]["pass@1"] is not None and evals[-1]["pass@1"] is not None:
+        first, last = evals[0], evals[-1]
+        se = math.hypot(first["pass@1_se"] or 0.0, last["pass@1_se"] or 0.0)
+        diff = last["pass@1"] - first["pass@1"]
+        rise_se = f", {diff / se:.1f} standard errors" if se > 0 else ""
+        console.print(
+            f"held-out pass@1 {first['pass@1']:.3f} (iteration {first['iteration']}) -> {last['pass@1']:.3f} "
+            f"(iteration {last['iteration']}): {diff:+.3f}{rise_se}"
+        )
     change = rise(stats[0], stats[-1])
     if change is not None and len(stats) > 1:
         diff, z = change
@@ -332,6 +394,22 @@ def _train_app(train: Any) -> typer.Typer:
     app = typer.Typer()
     app.command()(train)
     return app
+
+
+def _eval_line(entry: dict[str, Any]) -> str:
+    """One held-out evaluation as a line: pass@k ± SE, tasks and sessions scored, the causes."""
+    figures = []
+    for name, e in entry["overall"].items():
+        if e["mean"] is None:
+            figures.append(f"{name} -")
+        else:
+            figures.append(f"{name} {e['mean']:.3f}" + (f" ± {e['se']:.3f}" if e["se"] is not None else ""))
+    causes = ", ".join(f"{c} {n}" for c, n in entry["causes"].items() if n)
+    return (
+        f"held-out eval, iteration {entry['iteration']} (version {entry['version']}): {', '.join(figures)} "
+        f"({entry['scored_tasks']} tasks, {entry['scored_sessions']} of {entry['sessions']} sessions scored; "
+        f"{causes}; {entry['seconds']:.0f} s)"
+    )
 
 
 def _table(stats: list[Any]) -> Any:

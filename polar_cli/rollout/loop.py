@@ -28,12 +28,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from polar_addon.engines.spec import EngineSpec
 from polar_addon.store.status import REWARDED, USABLE
+from polar_cli.rollout.loop_eval import EVAL_REPORT, eval_dir, eval_due, loop_entry, score
 from polar_cli.rollout.proxy import wait_writer_gone
 from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
@@ -42,6 +43,7 @@ from polar_cli.rollout.workspace import MAX_PATCH_BYTES
 
 EXIT_NOTHING_TO_TRAIN = 3  # polar train's exit status when every reward of every group is equal
 STATE_FILE = "loop.json"
+CURVES_FILE = "loop-curves.png"
 
 
 @dataclass
@@ -74,6 +76,13 @@ class LoopConfig:
     # same path on every node (a shared directory); training stays on this machine.
     ray: str | None = None
     ray_resource: str | None = None
+    # Held-out evaluation (``polar loop --eval``; loop_eval.py): none without eval tasks. Sampled as the rollouts are
+    # (the same harness, engine and proxy options), with ``eval_proxy_options`` laid over those.
+    eval_tasks: Sequence[Task] = ()
+    eval_every: int = 1
+    eval_samples: int | None = None  # None: ``samples``
+    eval_proxy_options: Mapping[str, str] = field(default_factory=dict)
+    eval_pass_threshold: float = 1.0
 
 
 @dataclass
@@ -202,11 +211,17 @@ def run_train(shards: Path, policy: Path, output: Path, train_args: Sequence[str
     seconds = time.monotonic() - started
     if done.returncode == EXIT_NOTHING_TO_TRAIN:
         shutil.rmtree(output, ignore_errors=True)
-        return {"status": "nothing_to_train", "seconds": seconds, "log": str(log)}
+        return {"status": "nothing_to_train", "seconds": seconds, "log": str(log), "shards": [str(shards)]}
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"polar train exited {done.returncode} (log {log}):\n{tail}")
-    return {"status": "trained", "checkpoint": str(output), "seconds": seconds, "log": str(log)}
+    return {
+        "status": "trained",
+        "checkpoint": str(output),
+        "seconds": seconds,
+        "log": str(log),
+        "shards": [str(shards)],
+    }
 
 
 def _free_port() -> int:
@@ -320,8 +335,11 @@ def run_loop(
     config: LoopConfig,
     on_iteration: Callable[[list[IterationStats]], None] | None = None,
     progress: Callable[[str], None] | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[IterationStats]:
-    """Run (or continue) the loop to ``config.iterations`` rollouts; returns every iteration's stats."""
+    """Run (or continue) the loop to ``config.iterations`` rollouts; returns every iteration's stats. With eval
+    tasks, the policy of each due iteration (:func:`eval_due`) is evaluated on them before its rollout, each entry
+    in loop.json's ``evals`` (and given to ``on_eval``)."""
     if config.iterations < 1:
         raise ValueError("iterations must be at least 1")
     if not (config.model / "config.json").is_file():
@@ -338,9 +356,17 @@ def run_loop(
         "model": str(config.model.resolve()),
         "samples": config.samples,
     }
+    if config.eval_tasks:
+        # Another held-out set (or sample count) would make one curve of two measures; a resume without --eval
+        # leaves the evaluations already made as they are.
+        identity["eval"] = {
+            "tasks": task_set_hash(list(config.eval_tasks)),
+            "samples": config.eval_samples or config.samples,
+        }
     _check_same_run(state, identity)
     state["identity"] = identity
     records: list[dict[str, Any]] = state["iterations"]
+    evals: list[dict[str, Any]] = state.setdefault("evals", [])
     engine = _Engine(config, out / ".engines")
     stop_stale_engines(engine.state_dir)
     started = time.monotonic()
@@ -355,6 +381,12 @@ def run_loop(
                 policy = _policy(records, config.model)
                 # The policy's version: the trainings that made it (its calls carry it as weight_version).
                 version = sum((r.get("train") or {}).get("status") == "trained" for r in records)
+                evaluated = {e["iteration"] for e in evals}
+                if config.eval_tasks and i not in evaluated and eval_due(i, config.iterations, config.eval_every):
+                    evals.append(_evaluate(config, i, policy, engine, say, version))
+                    save_state(out, state)
+                    if on_eval:
+                        on_eval(evals[-1])
                 rollout = _rollout(config, i, policy, engine, say, version)
                 records.append(asdict(stats_of(i, policy, rollout)))
                 save_state(out, state)
@@ -372,6 +404,9 @@ def run_loop(
     finally:
         engine.close()
     state["seconds_this_run"] = time.monotonic() - started
+    from polar_cli.train.plots import plot_loop_curves
+
+    state["curves"] = str(plot_loop_curves(records, evals, out / CURVES_FILE))
     save_state(out, state)
     return [IterationStats(**r) for r in records[: config.iterations]]
 
@@ -399,6 +434,46 @@ def rollout_config(
         runtime_options=config.runtime_options,
         max_patch_bytes=config.max_patch_bytes,
     )  # fmt: skip
+
+
+def _evaluate(
+    config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None], version: int
+) -> dict[str, Any]:
+    """Iteration ``i``'s policy on the held-out tasks, into ``OUT/eval/iter-NNN`` (redone whole if a killed run left
+    one half done); its loop.json entry."""
+    edir = eval_dir(config.out, i)
+    wait_writer_gone(edir / "logs")
+    shutil.rmtree(edir, ignore_errors=True)
+    edir.mkdir(parents=True)
+    spec = engine.spec(policy, say, version)  # the push, when this iteration samples new weights
+    samples = config.eval_samples or config.samples
+    say(f"iteration {i}: held-out eval of {len(config.eval_tasks)} tasks x {samples} samples on {policy}")
+    rollout = replace(
+        rollout_config(config, edir, spec, config.seed + i, f"ev{i:03d}"),
+        tasks=config.eval_tasks,
+        samples=samples,
+        proxy_options={**config.proxy_options, **config.eval_proxy_options},
+    )
+    started = time.monotonic()
+    try:
+        result = asyncio.run(run_rollout(rollout) if config.ray is None else _ray_rollout(rollout, config))
+    finally:
+        shutil.rmtree(edir / "work", ignore_errors=True)
+    summary = result.summary()
+    tokens = control_tokens(rollout.out, rollout.confdir, None)
+    write_json(edir / "rollout-summary.json", summary, tokens)
+    if result.interrupted:
+        raise RolloutInterrupted(
+            f"iteration {i}: held-out eval interrupted by {result.interrupted} (summary in {edir})", result.interrupted
+        )
+    report = score(summary["session_results"], samples, config.eval_pass_threshold, Path(rollout.out))
+    entry = loop_entry(report, i, str(policy), version, time.monotonic() - started)
+    document = {
+        **report.to_json(), "iteration": i, "policy": str(policy), "version": version,
+        "task_set_hash": task_set_hash(list(config.eval_tasks)), "rollout_summary": str(edir / "rollout-summary.json"),
+    }  # fmt: skip
+    write_json(edir / EVAL_REPORT, document, tokens)
+    return {**entry, "report": str(edir / EVAL_REPORT)}
 
 
 async def _ray_rollout(rollout: RolloutConfig, config: LoopConfig) -> RolloutResult:

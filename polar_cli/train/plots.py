@@ -1,4 +1,5 @@
-"""Training curves from metrics.jsonl: reward, loss, clip fraction, importance ratio."""
+"""Training curves from metrics.jsonl (reward, loss, clip fraction, importance ratio), and the loop's curves
+from loop.json (train reward and held-out pass@k per iteration)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,48 @@ def plot_curves(metrics_path: Path, out_path: Path) -> Path:
         ax.grid(alpha=0.3)
         if len(keys) > 1:
             ax.legend(fontsize=8)
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path
+
+
+def loop_points(records: list[dict], evals: list[dict]) -> dict[str, list[tuple[int, float, float]]]:
+    """(iteration, mean, SE) series of a loop: the rollout's reward on the training tasks, and held-out pass@1
+    and pass@k (the largest k) of the evaluated iterations (loop.json's ``iterations`` and ``evals``)."""
+    series: dict[str, list[tuple[int, float, float]]] = {"train reward": []}
+    for r in records:
+        if r.get("reward_mean") is not None:
+            series["train reward"].append((r["iteration"], r["reward_mean"], r.get("reward_se") or 0.0))
+    for e in sorted(evals, key=lambda e: e["iteration"]):
+        for name, value in e.get("overall", {}).items():
+            if value.get("mean") is not None:
+                series.setdefault(f"held-out {name}", []).append((e["iteration"], value["mean"], value["se"] or 0.0))
+    ks = sorted((int(n.removeprefix("held-out pass@")) for n in series if n.startswith("held-out ")), reverse=True)
+    # pass@1 and the widest pass@k; the ones between would crowd the panel.
+    keep = {"train reward", *(f"held-out pass@{k}" for k in ks[:1] + [1])}
+    return {n: v for n, v in series.items() if n in keep}
+
+
+def plot_loop_curves(records: list[dict], evals: list[dict], out_path: Path) -> Path:
+    """One panel over the loop's iterations (iteration i: the policy after i trainings): the train reward and the
+    held-out pass@1 (and pass@k), each mean ± SE as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
+    for name, points in loop_points(records, evals).items():
+        if not points:
+            continue
+        xs, ys, ses = zip(*points, strict=True)
+        style = "--" if name.startswith("held-out pass@") and name != "held-out pass@1" else "-"
+        ax.errorbar(xs, ys, yerr=ses, linestyle=style, marker="o", markersize=4, capsize=3, label=name)
+    ax.set_title("polar loop")
+    ax.set_xlabel("iteration (the policy its rollout sampled)")
+    ax.set_ylabel("mean ± SE")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
     return out_path
