@@ -76,6 +76,9 @@ def plot_loop_curves(records: list[dict], evals: list[dict], out_path: Path) -> 
         xs, ys, ses = zip(*points, strict=True)
         style = "--" if name.startswith("held-out pass@") and name != "held-out pass@1" else "-"
         ax.errorbar(xs, ys, yerr=ses, linestyle=style, marker="o", markersize=4, capsize=3, label=name)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("polar loop")
     ax.set_xlabel("iteration (the policy its rollout sampled)")
     ax.set_ylabel("mean ± SE")
