@@ -29,6 +29,11 @@ LOOP_HELP = (
     " becomes the policy of the next rollout. The last iteration only rolls out: it measures the last "
     'training. Iterations where every reward is equal ("nothing to train") keep the policy.\n'
     "\n"
+    "--eval HELDOUT: the held-out tasks are run on the base policy and on every --eval-every-th iteration's "
+    "policy (and the last), --eval-samples sessions each, sampled as the rollouts are, into OUT/eval/iter-NNN "
+    "(never trained on); loop.json's evals hold pass@1 ± SE, pass@k and the causes (`polar eval`'s scoring), "
+    "OUT/loop-curves.png draws them next to the train reward.\n"
+    "\n"
     "Every option polar loop does not know is passed to `polar train` as given (e.g. --lr 1e-2 --epochs 2"
     " --groups-per-step 1); they are checked before the first rollout.\n"
     "\n"

@@ -103,7 +103,9 @@ def test_loop_eval_records_the_base_and_each_pushed_policy_and_never_trains_on_t
         assert entry["causes"]["passed"] == 3 and entry["causes"]["wrong"] == 3
         report = json.loads(Path(entry["report"]).read_text())  # polar eval's own report document
         assert {t["task_id"]: t["pass@1"] for t in report["tasks"]} == {"pass": 1.0, "fail": 0.0, "half": 0.5}
-    assert "held-out eval, iteration 1 (version 1): pass@1 0.500 ± 0.289, pass@2 0.667" in done.stdout
+    said = " ".join(done.stdout.split())  # rich wraps at the terminal's width
+    assert "held-out eval, iteration 1 (version 1): pass@1 0.500 ± 0.289, pass@2 0.667" in said
+    assert "held-out pass@1 0.500 (iteration 0) -> 0.500 (iteration 1): +0.000" in said
 
     png = Path(state["curves"])
     assert png == out / "loop-curves.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
