@@ -14,8 +14,10 @@ import httpx
 import openai
 import orjson
 import pytest
+from typer.testing import CliRunner
 
 from polar_addon.store.validate import validate_store
+from polar_cli.app import app
 from tests.support.proxy import run_mitmdump
 from tests.support.shards import session_records
 
@@ -67,7 +69,7 @@ def first_answer(script: Path, out: Path, session: str, options: dict[str, str])
             oai.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=200)
         records = sorted(session_records(out, session), key=lambda r: r.seq)
     assert validate_store(str(out)) == []
-    return first, records
+    return first, records, out
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +82,8 @@ def runs(script: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
 
 
-def test_opted_in_a_fenced_answer_is_a_tool_call_and_the_record_says_which_parser(runs: dict):
-    first, records = runs["on"]
+def test_opted_in_a_fenced_answer_is_a_tool_call_and_the_record_says_which_parser(runs: dict, tiny_model_dir: Path):
+    first, records, out = runs["on"]
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls
@@ -96,10 +98,14 @@ def test_opted_in_a_fenced_answer_is_a_tool_call_and_the_record_says_which_parse
     a, b = records[0], records[1]
     assert b.prompt_source == "continuity"
     assert list(b.prompt_ids[: len(a.prompt_ids) + len(a.response_ids)]) == list(a.prompt_ids) + a.response_ids
+    # What a user counts: calls by who found their tool calls.
+    stats = CliRunner().invoke(app, ["stats", str(out), "--tokenizer", str(tiny_model_dir), "--json"])
+    assert stats.exit_code == 0, stats.output
+    assert orjson.loads(stats.stdout)["total"]["tool_call_parsers"] == {"engine": 1, "fenced_json": 1}
 
 
 def test_by_default_the_same_answer_is_text_with_the_same_tokens(runs: dict):
-    first, [record] = runs["off"]
+    first, [record], _ = runs["off"]
     choice = first.choices[0]
     assert (choice.finish_reason, choice.message.tool_calls, choice.message.content) == ("stop", None, FENCED)
     assert record.tool_call_parser is None and record.finish_reason == "stop"
