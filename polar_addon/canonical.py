@@ -161,6 +161,9 @@ class Completion:
     # Tool-call blocks polar's own parser (polar_tool_parser) could not read in this turn; None where the engine
     # parsed the text itself (SGLang's and vLLM's chat endpoints report no failures).
     parse_failures: int | None = None
+    # Who produced message.tool_calls: "engine" (the engine's server parsed them, or a scripted turn gave them), a
+    # polar_tool_parser name ("hermes", "qwen3_coder"), or an opt-in fallback ("fenced_json"); None: no calls.
+    tool_call_parser: str | None = None
 
     @property
     def prompt_tokens(self) -> int:

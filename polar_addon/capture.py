@@ -75,6 +75,10 @@ class CaptureRecord:
     # parse, which the build scores 0 but keeps trainable (polar_cli.build.rewards). None: the engine parsed the
     # text itself (SGLang's and vLLM's chat endpoints), or the record predates the field.
     parse_failures: int | None = None
+    # Who produced the response's tool calls: "engine" (the engine's server, or a scripted turn), the polar_tool_parser
+    # that decoded them ("hermes", "qwen3_coder"), or the opt-in fallback "fenced_json" (a call the model wrote as
+    # fenced JSON). None: the response holds no tool call, or the record predates the field.
+    tool_call_parser: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies every token list (~50 ms for an 8k-token record).
@@ -174,6 +178,7 @@ def record_ok(
         prompt_source=prompt_source,
         prompt_reason=prompt_reason,
         parse_failures=completion.parse_failures,
+        tool_call_parser=completion.tool_call_parser,
         **_request_fields(request),
     )
 

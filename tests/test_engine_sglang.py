@@ -352,9 +352,44 @@ def test_tool_calls_through_sglang_shape(sglang_protocol, tiny_model_dir, tmp_pa
     [call] = completion.message.tool_calls
     assert (call.name, orjson.loads(call.arguments)) == ("ls", {"path": "/tmp"})
     assert completion.message.content == "Listing."
+    assert completion.tool_call_parser == "engine"
     assert completion.response_ids[-1] == AutoTokenizer.from_pretrained(tiny_model_dir).convert_tokens_to_ids(
         "<|im_end|>"
     )
+
+
+def test_fenced_json_fallback_on_the_chat_endpoint(sglang_protocol, tiny_model_dir, tmp_path):
+    """The server parsed no call (a small model's fenced JSON is not its format): opted in (hermes+fenced_json),
+    HTTPEngine.complete, the chat path SGLang and vLLM share, turns the fenced call into one; by default it stays
+    text. The tokens are the engine's either way."""
+    from polar_addon.engines import EngineSettings
+    from polar_addon.tool_parsers import ParserChoice
+    from tests.support.sglang_contract_server import SGLangContractServer
+
+    fenced = 'Listing.\n\n```json\n{"name": "ls", "arguments": {"path": "/tmp"}}\n```'
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"model_dir": str(tiny_model_dir), "turns": [{"content": fenced}]}))
+
+    async def both(url: str):
+        answers = []
+        for spec in ("hermes+fenced_json", "hermes"):
+            engine = SGLangEngine(url, timeout_s=60)
+            engine.configure(EngineSettings(tool_parsers=ParserChoice(spec)))
+            try:
+                answers.append(await engine.complete(request(temperature=1.0)))
+            finally:
+                await engine.close()
+        return answers
+
+    with SGLangContractServer(ScriptedEngine(script), protocol=sglang_protocol) as srv:
+        on, off = asyncio.run(both(srv.url))
+    assert (on.finish_reason, on.tool_call_parser, on.message.content) == ("tool_calls", "fenced_json", "Listing.")
+    [call] = on.message.tool_calls
+    assert (call.name, orjson.loads(call.arguments)) == ("ls", {"path": "/tmp"})
+    assert (off.finish_reason, off.tool_call_parser, off.message.content, off.message.tool_calls) == (
+        "stop", None, fenced, [])  # fmt: skip
+    assert list(on.response_ids) == list(off.response_ids) and list(on.prompt_ids) == list(off.prompt_ids)
+    assert on.parse_failures is None  # the engine parsed the text: polar counts no failures
 
 
 @pytest.mark.parametrize(

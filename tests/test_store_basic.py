@@ -432,3 +432,25 @@ def test_parse_failures_round_trip_and_older_shards_without_the_column_read_as_n
         pq.write_table(table.drop_columns(["parse_failures"]), path)
     assert [r.parse_failures for r in read_records(str(tmp_path))] == [None] * 3
     assert validate_store(str(tmp_path)) == []
+
+
+def test_tool_call_parser_round_trips_and_older_shards_without_the_column_read_as_null(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    agent = Agent("p", random.Random(4))
+    sent = [agent.next_call() for _ in range(3)]
+    sent[0].tool_call_parser, sent[1].tool_call_parser = "fenced_json", "engine"  # the third: no tool call
+
+    async def main() -> None:
+        async with TraceStore(str(tmp_path)) as store:
+            for record in sent:
+                await store.append(record)
+
+    run(main())
+    stored = read_records(str(tmp_path))
+    assert [r.tool_call_parser for r in sorted(stored, key=lambda r: r.seq)] == ["fenced_json", "engine", None]
+    assert_same(stored, sent)
+    for path in (tmp_path / "calls").glob("*.parquet"):
+        pq.write_table(pq.read_table(path).drop_columns(["tool_call_parser"]), path)
+    assert [r.tool_call_parser for r in read_records(str(tmp_path))] == [None] * 3
+    assert validate_store(str(tmp_path)) == []

@@ -175,7 +175,10 @@ class Capture:
             "hermes",
             "How the proxy parses tool calls and reasoning out of text it decodes itself "
             "(local engines, and every engine given token input): hermes, qwen25, qwen3_coder, or MODEL=NAME,... "
-            "per served model.",
+            "per served model. NAME+fenced_json (e.g. hermes+fenced_json) opts in to also reading tool calls a small "
+            'model writes as fenced JSON ({"name": ..., "arguments": ...}) when no call was parsed, from any '
+            "engine (vLLM and SGLang chat endpoints too); each record's tool_call_parser says which parser found "
+            "its calls.",
         )
         loader.add_option(
             "polar_tokenizer",

@@ -288,6 +288,7 @@ class LocalEngine:
             matched_stop=matched,
             weight_version=weight_version,
             parse_failures=len(turn.failed),
+            tool_call_parser=turn.parser,
         )
 
     async def complete(self, request: CanonicalRequest) -> Completion:

@@ -32,7 +32,7 @@ from polar_addon.canonical import (
 )
 from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prompt
 from polar_addon.token_ids import IdText, pack_token_ids
-from polar_addon.tool_parsers import ParsedTurn, ParserChoice
+from polar_addon.tool_parsers import ENGINE, ParsedTurn, ParserChoice
 from polar_addon.tool_parsers.calls import new_call_id
 
 if TYPE_CHECKING:
@@ -304,6 +304,7 @@ class HTTPEngine:
             engine=self.name, default_model=self._model or request.model, default_weight_version=self.weight_version
         )
         completion.parse_failures = len(turn.failed)
+        completion.tool_call_parser = turn.parser
         return completion
 
     async def count_tokens(self, request: CanonicalRequest) -> int:
@@ -329,9 +330,18 @@ class HTTPEngine:
         else:
             rest, prompt_ids = cut
             parsed = parse_chat_response(self._json(rest), prompt_ids=prompt_ids)
-        return parsed.to_completion(
+        # The server parsed the text with its own --tool-call-parser; an opt-in fallback (polar_tool_parser
+        # hermes+fenced_json) may still find calls in the content of a turn it found none in. Only the message
+        # changes: the sampled ids and logprobs stay the engine's.
+        chain = self.tool_parsers.chain_for(self._model or request.model)
+        parsed.message, parser = chain.after_engine(parsed.message, request.tools)
+        if parser != ENGINE and parsed.message.tool_calls and parsed.finish_reason == "stop":
+            parsed.finish_reason = "tool_calls"
+        completion = parsed.to_completion(
             engine=self.name, default_model=self._model or request.model, default_weight_version=self.weight_version
         )
+        completion.tool_call_parser = parser
+        return completion
 
     async def close(self) -> None:
         if self._session is not None:

@@ -38,8 +38,8 @@ from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion
 from polar_addon.context_compaction import compaction_prompt, summarised_history
 from polar_addon.continuity.delta import DeltaPrompt, NoDelta
 from polar_addon.engines.local import LocalEngine
+from polar_addon.tool_parsers import ParserChain
 from polar_addon.tool_parsers.calls import new_call_id
-from polar_addon.tool_parsers.hermes import parse
 
 if TYPE_CHECKING:
     from polar_addon.engines import EngineSettings
@@ -168,9 +168,13 @@ class ScriptedEngine:
             text = local.decode(response) if truncated else ""
             weight_version = local.weight_version
         parse_failures: int | None = None  # a scripted turn is given parsed; only a cut one is decoded and parsed
+        # The configured fallbacks (polar_tool_parser hermes+fenced_json) read a scripted turn as they read a turn an
+        # engine's server parsed; a cut turn is decoded with hermes, as before, then the same fallbacks.
+        chain = local.tool_parsers.chain_for(local.served_model)
         if truncated:
-            parsed = parse(text)
+            parsed = ParserChain("hermes", chain.fallbacks).parse(text)
             message, finish, parse_failures = parsed.message, "length", len(parsed.failed)
+            tool_call_parser = parsed.parser
         else:
             message = AssistantMessage(
                 content=turn.get("content"),
@@ -182,6 +186,7 @@ class ScriptedEngine:
                     for c in turn.get("tool_calls", [])
                 ],
             )
+            message, tool_call_parser = chain.after_engine(message, request.tools)
             finish = "tool_calls" if message.tool_calls else "stop"
         return Completion(
             message=message,
@@ -193,6 +198,7 @@ class ScriptedEngine:
             engine=self.name,
             weight_version=weight_version,
             parse_failures=parse_failures,
+            tool_call_parser=tool_call_parser,
         )
 
     async def complete(self, request: CanonicalRequest) -> Completion:

@@ -64,6 +64,7 @@ PLAIN_FIELDS = (
     "prompt_source",
     "prompt_reason",
     "parse_failures",
+    "tool_call_parser",
 )
 
 

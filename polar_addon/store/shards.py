@@ -25,7 +25,7 @@ QUARANTINE_DIR = "_quarantine"
 _TOKENS = pa.list_(pa.int32())
 
 # Columns added after the first release: older shards lack them, and readers see nulls there.
-LATER_COLUMNS = frozenset({"min_p", "prompt_source", "prompt_reason", "parse_failures"})
+LATER_COLUMNS = frozenset({"min_p", "prompt_source", "prompt_reason", "parse_failures", "tool_call_parser"})
 
 CALLS_SCHEMA = pa.schema(
     [
@@ -72,9 +72,10 @@ CALLS_SCHEMA = pa.schema(
         pa.field("error", pa.string()),
         pa.field("prompt_source", pa.string()),
         pa.field("prompt_reason", pa.string()),
-        pa.field(
-            "parse_failures", pa.int64()
-        ),  # tool-call blocks polar's parser could not read; null: not parsed by polar
+        # Tool-call blocks polar's parser could not read; null: not parsed by polar.
+        pa.field("parse_failures", pa.int64()),
+        # Who produced the tool calls: engine, a polar_tool_parser name, or fenced_json; null: no calls.
+        pa.field("tool_call_parser", pa.string()),
     ]
 )
 

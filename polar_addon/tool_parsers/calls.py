@@ -23,6 +23,8 @@ class ParsedTurn:
 
     message: AssistantMessage
     failed: list[str] = field(default_factory=list)
+    # Which parser found ``message.tool_calls`` (a PARSERS or FALLBACKS name; set by ParserChain); None: no calls.
+    parser: str | None = None
 
     @property
     def parse_failed(self) -> bool:

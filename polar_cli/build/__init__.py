@@ -118,6 +118,7 @@ def build_session(
         prompt_sources=dict(Counter(r.prompt_source for r in usable if r.prompt_source)),
         fresh_reasons=dict(Counter(r.prompt_reason for r in usable if r.prompt_source == "fresh" and r.prompt_reason)),
         parse_failed_calls=sum(bool(r.parse_failures) for r in usable),
+        tool_call_parsers=dict(Counter(r.tool_call_parser for r in usable if r.tool_call_parser)),
         prompt_tokens=sum(len(t.prompt_ids) for t in traces),
         completion_tokens=sum(len(t.completion_ids) for t in traces),
         trainable_tokens=sum(sum(t.loss_mask) for t in traces if t.trainable),

@@ -16,6 +16,8 @@
 - ``parse_failed_calls``: calls with a tool call polar's own parser could not read (``parse_failures``;
   their traces get reward 0 but stay trainable, polar_cli.build.rewards); calls the engine parsed count
   under ``reward_reasons`` only.
+- ``tool_call_parsers``: calls with tool calls by who found them (``tool_call_parser``: ``engine``, a
+  ``polar_tool_parser`` name, or the opt-in ``fenced_json`` fallback): how many turns relied on the fallback.
 - Token counts: what a trainer processes (prompt + completion per trace) and what it learns
   from (loss-mask-1 tokens of trainable traces).
 - Mask rate per group (:func:`group_masks`): sessions whose status keeps them out of training
@@ -55,6 +57,7 @@ class BuildStats:
     prompt_sources: dict[str, int] = field(default_factory=dict)  # continuity | fresh -> calls
     fresh_reasons: dict[str, int] = field(default_factory=dict)  # why fresh -> calls
     parse_failed_calls: int = 0  # calls whose parse_failures > 0
+    tool_call_parsers: dict[str, int] = field(default_factory=dict)  # who found a call's tool calls -> calls
     prompt_tokens: int = 0
     completion_tokens: int = 0
     trainable_tokens: int = 0
@@ -160,6 +163,7 @@ def report_table(report: BuildReport, title: str = "Reconstruction") -> Any:
     row("prompt: fresh", lambda s: str(s.prompt_sources.get("fresh", 0)))
     row("  top fresh reasons", lambda s: markup_safe(top_reasons(s.fresh_reasons)))
     row("failed tool-call parses", lambda s: str(s.parse_failed_calls))
+    row("  tool calls found by", lambda s: markup_safe(top_reasons(s.tool_call_parsers)))
     row("traces (trainable)", lambda s: f"{s.traces} ({s.traces_trainable})")
     row("tokens processed", lambda s: f"{s.processed_tokens:,}")
     row("tokens trained", lambda s: f"{s.trainable_tokens:,}")
