@@ -85,6 +85,7 @@ def plan_prompt(
                     new_messages=verdict.new_messages,
                     tools=request.tools,
                     enable_thinking=request.enable_thinking,
+                    finish_reason=chain.finish_reason,  # a turn cut by length continues, closed by the template
                 )
                 if isinstance(delta, DeltaPrompt):
                     return PromptPlan(delta.prompt_ids, CONTINUITY, "continues", chain)
