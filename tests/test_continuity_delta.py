@@ -338,7 +338,7 @@ def test_a_cut_think_block_or_tool_call_is_closed_too(tok: Any) -> None:
         assert result.delta_ids[0] == im_end(tok)
 
 
-def test_a_stopped_turn_is_not_closed_twice_and_a_stop_string_never_continues(tok: Any) -> None:
+def test_a_stopped_turn_is_not_closed_twice_another_stop_token_is_and_a_stop_string_never_continues(tok: Any) -> None:
     new = [{"role": "user", "content": "go on"}]
     sampled = tok("Hello.", add_special_tokens=False)["input_ids"] + [im_end(tok)]
     prompt, history = cut_session(tok, None, {"content": "Hello."})
@@ -353,6 +353,25 @@ def test_a_stopped_turn_is_not_closed_twice_and_a_stop_string_never_continues(to
         tok, prompt_ids=prompt, sampled_ids=sampled[:-1], history=history, new_messages=new, finish_reason="stop"
     )
     assert isinstance(stop, NoDelta) and "end-of-turn" in stop.reason
+    # Another of the model's stop tokens (<|endoftext|>): kept as sampled, and the template closes the turn.
+    eos = [*sampled[:-1], tok.convert_tokens_to_ids("<|endoftext|>")]
+    for finish in ("stop", "tool_calls"):
+        other = continuation_prompt(
+            tok, prompt_ids=prompt, sampled_ids=eos, history=history, new_messages=new, finish_reason=finish
+        )
+        assert isinstance(other, DeltaPrompt) and other.closed_by_template
+        assert other.prompt_ids == prompt + eos + other.delta_ids and other.delta_ids[0] == im_end(tok)
+    # ...unless it was a stop string's text (an added token's, here).
+    matched = continuation_prompt(
+        tok,
+        prompt_ids=prompt,
+        sampled_ids=eos,
+        history=history,
+        new_messages=new,
+        finish_reason="stop",
+        matched_stop="<|endoftext|>",
+    )
+    assert isinstance(matched, NoDelta) and "<|endoftext|>" in matched.reason
 
 
 def test_a_template_that_writes_text_before_its_end_token_gives_no_delta_after_a_cut(tok: Any) -> None:

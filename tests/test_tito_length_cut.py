@@ -99,9 +99,10 @@ def test_chats_cut_by_length_are_one_exact_chain_each(tiny_model_dir: Path, tmp_
         for call, nxt in zip(calls, calls[1:] + [None]):
             start, end = len(call.prompt_ids), len(call.prompt_ids) + len(call.response_ids)
             assert logprobs[start:end] == pytest.approx(call.logprobs, abs=0)
-            if nxt is None or call.finish_reason != "length":
+            if nxt is None or call.response_ids[-1] == glue[0]:
                 continue
-            # The cut turn is closed by the template's own end of a turn, as in a full render, never trained.
+            # A cut turn (or one ended by <|endoftext|>, which the random model samples now and then) is closed by
+            # the template's own end of a turn, as in a full render, and never trained.
             assert sequence[end : end + 2] == glue
             assert mask[end : end + 2] == [0, 0] and logprobs[end : end + 2] == [0.0, 0.0]
             closings += 1

@@ -15,16 +15,17 @@ delta right after the same end token, or the template renders the new messages d
 earlier turn and no delta is given. The end token is an added token, which tokenizers always split
 on, so the delta's ids are the ids a full render gives the same text.
 
-A turn cut by length (``finish_reason`` "length": the model sampled no end-of-turn token) continues too: the
-template's own end of a turn (its end-of-turn token and glue, e.g. ``<|im_end|>\n``, read from the marked render,
-never written here) is prepended to the delta. Like the glue after a closed turn, it is context the model did not
-sample: the build masks it (loss 0) and the chain stays one exact trace:
+A turn the engine ended without the template's end-of-turn token continues too: cut by length (``finish_reason``
+"length": the model sampled no end token), or stopped by another of the model's stop tokens (Qwen's
+``<|endoftext|>`` beside the template's ``<|im_end|>``). The template's own end of a turn (its end-of-turn token and
+glue, e.g. ``<|im_end|>\n``, read from the marked render, never written here) is prepended to the delta. Like the
+glue after a closed turn, it is context the model did not sample: the build masks it (loss 0) and the chain stays
+one exact trace:
 
-    next prompt = previous prompt ids + sampled ids (cut) + end-of-turn token + glue + the new messages' ids
+    next prompt = previous prompt ids + sampled ids + end-of-turn token + glue + the new messages' ids
 
-No delta (the caller renders in full and starts a new chain) when the sampled turn ended otherwise without the
-template's end-of-turn token (a stop string, whose text the harness never saw; another stop token), or the template
-does not fit.
+No delta (the caller renders in full and starts a new chain) when a stop string ended the turn (its text was
+sampled but the harness never saw it), or the template does not fit.
 """
 
 from __future__ import annotations
@@ -34,12 +35,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# Finish reasons of a turn the engine ended at a stop token (or a stop string: ``matched_stop`` tells).
+STOPPED = frozenset({"stop", "tool_calls"})
+
 
 @dataclass(frozen=True)
 class DeltaPrompt:
     prompt_ids: list[int]  # previous prompt + sampled + delta
     delta_ids: list[int]  # end-of-turn glue + the new messages + the generation prompt
-    # The sampled turn was cut by length: delta_ids start with the template's end-of-turn token that closes it.
+    # The sampled turn did not end with the template's end-of-turn token (cut by length, another stop token):
+    # delta_ids start with the template's end-of-turn token that closes it.
     closed_by_template: bool = False
 
 
@@ -76,13 +81,15 @@ def continuation_prompt(
     enable_thinking: bool | None = None,
     chat_template: str | None = None,
     finish_reason: str | None = None,
+    matched_stop: str | None = None,
 ) -> DeltaPrompt | NoDelta:
     """The next prompt ids, or why there is none.
 
     ``history`` is the conversation up to and including the assistant turn that ``sampled_ids`` are
     (as the continuity check accepted it); ``new_messages`` follow it. ``tokenizer`` is a Hugging Face
-    tokenizer; ``chat_template`` overrides its own template. ``finish_reason`` is the sampled turn's: "length" lets
-    a turn without an end-of-turn token continue, closed by the template's.
+    tokenizer; ``chat_template`` overrides its own template. ``finish_reason`` and ``matched_stop`` are the sampled
+    turn's: a turn cut by length, or stopped by a stop token (not a stop string) other than the template's
+    end-of-turn token, continues closed by the template's.
     """
     if not sampled_ids:
         return NoDelta("no sampled tokens")
@@ -107,6 +114,8 @@ def continuation_prompt(
         real = _render(tokenizer, [*history, *new_messages], tools, enable_thinking, chat_template)
     except Exception as exc:  # jinja raises its own errors for messages a template rejects
         return NoDelta(f"chat template failed: {type(exc).__name__}: {exc}")
+    # A stop token the template does not end turns with: an engine stop, its text never part of the message.
+    cut = cut or (closed and finish_reason in STOPPED and matched_stop is None)
     if marked.count(marker) != 1:
         return NoDelta("the template does not render the assistant turn's text once")
     after = marked[marked.index(marker) + len(marker) :]
@@ -118,9 +127,8 @@ def continuation_prompt(
         return DeltaPrompt([*map(int, prompt_ids), *map(int, sampled_ids), *delta_ids], delta_ids)
     if not cut:
         return NoDelta(f"the sampled turn ended with {end_text!r}, the template ends a turn otherwise")
-    closing = template_turn_end(after, added)
-    if closing is None:
-        return NoDelta("cut by length, and the template does not close a turn with an added token")
+    if template_turn_end(after, added) is None:
+        return NoDelta("the template does not close a turn with an added token, so it cannot close this one")
     # The closing text starts with an added token, which tokenizers always split on: its ids are the ids a full
     # render gives the same text, whatever the cut sampled ids before it are.
     if not real.endswith(after):
