@@ -431,6 +431,7 @@ class Gateway:
                 completion.response_ids,
                 completion.finish_reason,
                 engine.name,
+                completion.matched_stop,
             )
             self.tito.remember(session, chain, replaces=plan.continued)
         return self._as_client_sees(request, completion)

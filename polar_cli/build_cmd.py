@@ -29,10 +29,11 @@ TOKENIZER_HELP = (
 EOT_HELP = "End-of-turn token id; default: the last token of the first call that stopped by itself."
 RETOKENIZED_CHOICES = ("merge", "break")
 RETOKENIZED_HELP = (
-    "A sampled turn the next prompt re-tokenized (same text, other token ids): merge (the paper's rule, longer "
-    "traces) or break the chain there. The later turns were sampled after the re-tokenized ids, so merged traces "
-    "are slightly off-policy from that point (first-step importance ratios not 1); break keeps every trace "
-    "exactly on-policy at the cost of more, shorter traces. Needs a tokenizer to tell re-tokenizations apart."
+    "A sampled turn the next prompt re-tokenized (same text, other token ids): break the chain there (the default: "
+    "every trace exactly on-policy, each later turn at the very ids it was sampled after, first-step importance "
+    "ratios 1) or merge (the paper's rule: longer traces, but OFF-POLICY from that turn on, since the later turns "
+    "were sampled after the re-tokenized ids, not after the merged sampled ones). Needs a tokenizer to tell "
+    "re-tokenizations apart. With token continuity (polar_tito) a linear session has none to break."
 )
 
 
@@ -85,7 +86,7 @@ class BuildSettings:
     strategy: str = option("prefix_merging", help=STRATEGY_HELP)
     tokenizer: Path | None = option(None, help=TOKENIZER_HELP)
     eot_token_id: int | None = option(None, help=EOT_HELP)
-    retokenized: str = option("merge", help=RETOKENIZED_HELP)
+    retokenized: str = option("break", help=RETOKENIZED_HELP)
     broadcast_rewards: bool = option(
         False,
         flags=("--broadcast-rewards",),

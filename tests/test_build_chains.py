@@ -99,6 +99,17 @@ def test_detect_eot_prefers_a_stop_token_the_prompt_confirms() -> None:
     assert detect_eot(skipped) is None and detect_eot([]) is None
 
 
+def test_a_continuity_prompt_does_not_confirm_a_stop_token_it_holds_as_sampled() -> None:
+    # Token continuity: call 1's prompt holds call 0's sampled 9 verbatim, closed by the template's EOT.
+    first = rec(0, [0, EOT], [7, 9])
+    stopped = rec(1, [0, EOT, 7, 9, EOT, 1], [8, 9], prompt_source="continuity")
+    assert detect_eot([first, stopped], confirmed_only=True) is None
+    # The session's fully rendered first prompt confirms the template's own end of turn.
+    closed = rec(2, [0, EOT, 7, 9, EOT, 1, 8, 9, EOT, 2], [8, EOT], prompt_source="continuity")
+    assert detect_eot([first, stopped, closed], confirmed_only=True) == EOT
+    assert detect_eot([stopped]) == 9  # unconfirmed, still the fallback
+
+
 # --- merge: the completion a chain becomes ----------------------------------------------------------
 
 
@@ -162,6 +173,16 @@ def test_join_a_turn_ended_by_another_stop_token_is_a_template_rerender() -> Non
     assert join(prev, rec(1, [0, 7, 8, EOT, 1]), EOT, decode) == Break(
         BreakCause.TEMPLATE_RERENDER, "call 0 ended its turn with stop token 9; the template closed it with 6"
     )
+
+
+def test_join_a_turn_the_proxy_closed_with_the_templates_end_of_turn_is_exact() -> None:
+    """Token continuity closes a turn the engine ended without EOT (another stop token, a length cut) with the
+    template's EOT after the sampled ids: the copy is the sampled turn, the EOT starts the interstitial."""
+    stopped = rec(0, [0], [7, 8, 9])
+    nxt = rec(1, [0, 7, 8, 9, EOT, 1], prompt_source="continuity")
+    assert join(stopped, nxt, EOT, decode) == Join([EOT, 1], retokenized=False)
+    chain = RecordChain(0, [stopped, nxt], [[EOT, 1]])
+    assert chain.merge().loss_mask == [1, 1, 1, 0, 0, 1, 1]
 
 
 def test_join_a_length_capped_turn_rendered_shorter_is_classified_not_blamed_on_a_stop_token() -> None:

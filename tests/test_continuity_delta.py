@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prompt
+from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prompt, template_turn_end
 from polar_addon.tool_parsers import hermes
 
 TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
@@ -272,3 +272,130 @@ def test_hostile_new_messages_render_like_a_full_render(tok: Any) -> None:
         tok, prompt_ids=prompt, sampled_ids=sampled, history=history, new_messages=[{"role": "user", "content": 5}]
     )
     assert isinstance(bad, NoDelta)
+
+
+def cut_session(tok: Any, template: str | None, turn: dict) -> tuple[list[int], list[dict]]:
+    """The prompt of a first call and the history with ``turn`` as the cut assistant reply."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
+    return render_ids(tok, messages, [], template), [*messages, {"role": "assistant", **turn}]
+
+
+@pytest.mark.parametrize("template", [None, QWEN3_TEMPLATE], ids=["tiny", "qwen3"])
+def test_a_turn_cut_by_length_is_closed_by_the_templates_own_end_of_turn(tok: Any, template: str | None) -> None:
+    text = "Hello the"
+    new = [{"role": "user", "content": "go on"}]
+    # Sampled one character at a time: a full render would re-tokenize them.
+    spelled = [i for c in text for i in tok(c, add_special_tokens=False)["input_ids"]]
+    prompt, history = cut_session(tok, template, {"content": text})
+    result = continuation_prompt(
+        tok,
+        prompt_ids=prompt,
+        sampled_ids=spelled,
+        history=history,
+        new_messages=new,
+        chat_template=template,
+        finish_reason="length",
+    )
+    assert isinstance(result, DeltaPrompt) and result.closed_by_template
+    assert result.prompt_ids == prompt + spelled + result.delta_ids
+    # The closing and what follows are exactly the full render's tokens after the turn's text.
+    full = render_ids(tok, history + new, [], template)
+    assert result.delta_ids[0] == im_end(tok)
+    assert full[len(full) - len(result.delta_ids) :] == result.delta_ids
+    assert tok.decode(result.delta_ids).startswith("<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n")
+    # Sampled with the canonical tokens, the tiny template (which renders history as generated) agrees with a full
+    # render token for token: the closing is what the template writes, nothing more.
+    if template is None:
+        canonical = tok(text, add_special_tokens=False)["input_ids"]
+        same = continuation_prompt(
+            tok, prompt_ids=prompt, sampled_ids=canonical, history=history, new_messages=new, finish_reason="length"
+        )
+        assert isinstance(same, DeltaPrompt) and same.prompt_ids == full
+
+
+def test_a_cut_think_block_or_tool_call_is_closed_too(tok: Any) -> None:
+    """Qwen3 with thinking on, cut inside the reasoning (the parser returns it as reasoning) or inside a tool call
+    (unparsed text): the cut ids stay verbatim, whatever they end with (an added token such as ``<tool_call>``)."""
+    new = [{"role": "user", "content": "go on"}]
+    for turn, sampled_text in [
+        ({"content": "", "reasoning_content": "I should"}, "<think>\nI should"),
+        ({"content": "<tool_call>"}, "<tool_call>"),
+    ]:
+        sampled = tok(sampled_text, add_special_tokens=False)["input_ids"]
+        prompt, history = cut_session(tok, QWEN3_TEMPLATE, turn)
+        result = continuation_prompt(
+            tok,
+            prompt_ids=prompt,
+            sampled_ids=sampled,
+            history=history,
+            new_messages=new,
+            chat_template=QWEN3_TEMPLATE,
+            enable_thinking=True,
+            finish_reason="length",
+        )
+        assert isinstance(result, DeltaPrompt), (sampled_text, result)
+        assert result.prompt_ids[: len(prompt) + len(sampled)] == prompt + sampled
+        assert result.delta_ids[0] == im_end(tok)
+
+
+def test_a_stopped_turn_is_not_closed_twice_another_stop_token_is_and_a_stop_string_never_continues(tok: Any) -> None:
+    new = [{"role": "user", "content": "go on"}]
+    sampled = tok("Hello.", add_special_tokens=False)["input_ids"] + [im_end(tok)]
+    prompt, history = cut_session(tok, None, {"content": "Hello."})
+    # Its last token is the template's end of turn (an engine that reports "length" on the last allowed token).
+    result = continuation_prompt(
+        tok, prompt_ids=prompt, sampled_ids=sampled, history=history, new_messages=new, finish_reason="length"
+    )
+    assert isinstance(result, DeltaPrompt) and not result.closed_by_template
+    assert result.prompt_ids == render_ids(tok, history + new, [])
+    # A stop string's text was sampled but never reached the harness: no continuation.
+    stop = continuation_prompt(
+        tok, prompt_ids=prompt, sampled_ids=sampled[:-1], history=history, new_messages=new, finish_reason="stop"
+    )
+    assert isinstance(stop, NoDelta) and "end-of-turn" in stop.reason
+    # Another of the model's stop tokens (<|endoftext|>): kept as sampled, and the template closes the turn.
+    eos = [*sampled[:-1], tok.convert_tokens_to_ids("<|endoftext|>")]
+    for finish in ("stop", "tool_calls"):
+        other = continuation_prompt(
+            tok, prompt_ids=prompt, sampled_ids=eos, history=history, new_messages=new, finish_reason=finish
+        )
+        assert isinstance(other, DeltaPrompt) and other.closed_by_template
+        assert other.prompt_ids == prompt + eos + other.delta_ids and other.delta_ids[0] == im_end(tok)
+    # ...unless it was a stop string's text (an added token's, here).
+    matched = continuation_prompt(
+        tok,
+        prompt_ids=prompt,
+        sampled_ids=eos,
+        history=history,
+        new_messages=new,
+        finish_reason="stop",
+        matched_stop="<|endoftext|>",
+    )
+    assert isinstance(matched, NoDelta) and "<|endoftext|>" in matched.reason
+
+
+def test_a_template_that_writes_text_before_its_end_token_gives_no_delta_after_a_cut(tok: Any) -> None:
+    template = (
+        "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}\n<|im_end|>\n{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    )
+    sampled = tok("Hello the", add_special_tokens=False)["input_ids"]
+    prompt, history = cut_session(tok, template, {"content": "Hello the"})
+    result = continuation_prompt(
+        tok,
+        prompt_ids=prompt,
+        sampled_ids=sampled,
+        history=history,
+        new_messages=[{"role": "user", "content": "go on"}],
+        chat_template=template,
+        finish_reason="length",
+    )
+    assert isinstance(result, NoDelta) and "added token" in result.reason
+
+
+def test_template_turn_end_is_the_longest_added_token_the_render_starts_with() -> None:
+    added = {"<|im_end|>": 2, "<|im": 9, "<think>": 3}
+    assert template_turn_end("<|im_end|>\n<|im_start|>user", added) == "<|im_end|>"
+    assert template_turn_end("<|im_start|>", added) == "<|im"
+    assert template_turn_end("\n<|im_end|>", added) is None
+    assert template_turn_end("", added) is None

@@ -15,6 +15,7 @@ import pytest
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
 from polar_addon.capture import Identity
 from polar_addon.continuity.chains import ChainTip, TitoStore, plan_prompt, tito_mode
+from polar_addon.continuity.delta import DeltaPrompt
 from polar_addon.engines import EnginePool
 from polar_addon.engines.scripted import ScriptedEngine
 from polar_addon.gateway import Gateway, GatewayConfig, IncomingCall
@@ -181,6 +182,27 @@ def test_a_session_on_another_engine_does_not_continue() -> None:
     )
     plan = plan_prompt([chain], nxt, "engine-b", lambda **_: pytest.fail("no delta is computed"))
     assert (plan.prompt_ids, plan.source, plan.reason) == (None, "fresh", "engine_changed")
+
+
+def test_the_continuation_is_told_how_the_chains_turn_ended() -> None:
+    """A turn cut by length continues (the template closes it): plan_prompt hands the tip's finish reason on."""
+    request = CanonicalRequest("openai_chat", "m", [{"role": "user", "content": "hi"}])
+    seen: list[dict[str, Any]] = []
+
+    def continuation(**kwargs: Any) -> DeltaPrompt:
+        seen.append(kwargs)
+        return DeltaPrompt([1, 2, 3, 4], [3, 4], closed_by_template=True)
+
+    nxt = CanonicalRequest(
+        "openai_chat",
+        "m",
+        [*request.messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}],
+    )
+    for finish in ("length", "stop"):
+        chain = ChainTip(request, AssistantMessage("x"), [1], [2], finish, "e")
+        plan = plan_prompt([chain], nxt, "e", continuation)
+        assert (plan.prompt_ids, plan.source, plan.continued) == ([1, 2, 3, 4], "continuity", chain)
+        assert seen[-1]["finish_reason"] == finish and seen[-1]["sampled_ids"] == [2]
 
 
 def test_tito_mode_values() -> None:

@@ -26,8 +26,10 @@ def polar(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def capture(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     shards = tmp_path_factory.mktemp("capture") / "shards"
-    # 3 turns: 12 merges, of which about half re-tokenize a length-capped random turn (none: ~1e-3)
-    sessions = collect(tiny_model_dir, shards, groups=2, samples=3, turns=3, max_tokens=8)
+    # 3 turns: 12 merges. Token continuity off, every call is rendered in full, and about half of them re-tokenize a
+    # length-capped random turn (none: ~1e-3). With it on none would: the cut turn's ids continue the chain
+    # (tests/test_tito_length_cut.py).
+    sessions = collect(tiny_model_dir, shards, groups=2, samples=3, turns=3, max_tokens=8, tito="off")
     assert len({s.reward for s in sessions}) > 1  # the shout verifier gives varied rewards
     return shards
 
@@ -64,8 +66,9 @@ def test_train_from_raw_shards_and_from_a_built_dataset(capture: Path, tiny_mode
 def test_breaking_at_retokenized_turns_keeps_the_first_step_on_policy(
     capture: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """Length-capped random samples often come back re-tokenized in the next prompt: merged, the
-    later turns sit after ids they were not sampled after; broken there, every trace is exact."""
+    """Length-capped random samples rendered in full (token continuity off) often come back re-tokenized in the next
+    prompt: merged, the later turns sit after ids they were not sampled after; broken there (the default), every
+    trace is exact."""
 
     def totals(shards: Path, retokenized: str) -> dict:
         done = polar("stats", str(shards), "--tokenizer", str(tiny_model_dir), "--eot-token-id", "2",
@@ -79,7 +82,7 @@ def test_breaking_at_retokenized_turns_keeps_the_first_step_on_policy(
             break
         # About 1 capture in 1000 has no re-tokenized turn at all: sample a new one rather than skip.
         capture = tmp_path / f"resample-{attempt}" / "shards"
-        collect(tiny_model_dir, capture, groups=2, samples=3, turns=3, max_tokens=8, seed=attempt + 1)
+        collect(tiny_model_dir, capture, groups=2, samples=3, turns=3, max_tokens=8, seed=attempt + 1, tito="off")
         merged = totals(capture, "merge")
     broken = totals(capture, "break")
     n = merged["retokenized_merges"]
@@ -90,13 +93,14 @@ def test_breaking_at_retokenized_turns_keeps_the_first_step_on_policy(
     assert broken["chains_total"] == merged["chains_total"] + n
 
     common = ["--model", str(tiny_model_dir), "--max-steps", "1", "--eot-token-id", "2", "--no-progress"]
-    strict = polar("train", str(capture), "--output", str(tmp_path / "break"), "--retokenized", "break", *common)
+    # break is the default
+    strict = polar("train", str(capture), "--output", str(tmp_path / "break"), *common)
     assert strict.returncode == 0, strict.stderr
     assert f"traces {broken['chains_total']} ->" in " ".join(strict.stderr.split())
     log = first_log(tmp_path / "break")
     assert 1 - 1e-4 < log["is_ratio/min"] <= log["is_ratio/max"] < 1 + 1e-4
-    # Control: the same calls merged (the default) are measurably off-policy after a re-tokenization.
-    loose = polar("train", str(capture), "--output", str(tmp_path / "merge"), *common)
+    # Control: the same calls merged (the opt-in) are measurably off-policy after a re-tokenization.
+    loose = polar("train", str(capture), "--output", str(tmp_path / "merge"), "--retokenized", "merge", *common)
     assert loose.returncode == 0, loose.stderr
     log = first_log(tmp_path / "merge")
     assert max(1 - log["is_ratio/min"], log["is_ratio/max"] - 1) > 1e-3

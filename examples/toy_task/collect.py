@@ -1,7 +1,8 @@
 """Capture toy-task sessions with the real rollout runner, for tests and benches that need a store of rewarded,
 grouped, multi-turn sessions: ``groups`` tasks of ``tasks.jsonl`` x ``samples`` sessions each, the ``cmd:`` preset
 running ``agent.py`` (``turns`` turns of at most ``max_tokens``), the local engine on ``model_dir``, the task's
-verifier's shout score as the reward. Shards are sealed on return.
+verifier's shout score as the reward, token continuity as ``tito`` (``polar_tito``: auto, on or off) says. Shards
+are sealed on return.
 
     from collect import collect   # with examples/toy_task on sys.path
     sessions = collect(Path("models/tiny"), Path("runs/x/shards"), groups=2, samples=3, turns=3, max_tokens=8)
@@ -29,6 +30,7 @@ def collect(
     max_tokens: int = 16,
     seed: int = 0,
     concurrency: int = 4,
+    tito: str = "auto",
 ) -> list[SessionResult]:
     tasks = load_tasks(HERE / "tasks.jsonl")
     if groups > len(tasks):
@@ -44,7 +46,7 @@ def collect(
         seed=seed,
         work_dir=shards.parent / "sessions",
         logs_dir=shards.parent / "logs",
-        proxy_options={"polar_shard_seconds": "1"},
+        proxy_options={"polar_shard_seconds": "1", "polar_tito": tito},
     )
     shards.parent.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run_rollout(config))

@@ -46,6 +46,7 @@ class ChainTip:
     sampled_ids: Sequence[int]
     finish_reason: str
     engine: str
+    matched_stop: str | None = None  # the stop string that ended the turn: its text never reached the harness
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ def plan_prompt(
                     new_messages=verdict.new_messages,
                     tools=request.tools,
                     enable_thinking=request.enable_thinking,
+                    # A turn cut by length or ended by another stop token continues, closed by the template.
+                    finish_reason=chain.finish_reason,
+                    matched_stop=chain.matched_stop,
                 )
                 if isinstance(delta, DeltaPrompt):
                     return PromptPlan(delta.prompt_ids, CONTINUITY, "continues", chain)

@@ -8,9 +8,10 @@ of that ideal, and each gets one cause:
   tokens differently from what the model saw or sampled (Qwen3 drops earlier ``<think>`` blocks
   once a new user turn arrives; some templates drop them from every history turn).
 - ``retokenized``: the same text came back as different token ids (BPE merges the sampled
-  ``[fish, ing]`` into ``[fishing]``). Inside a chain this is merged (the paper's rule) and only
-  counted, unless the build is told not to merge it (``merge_retokenized=False``); it always
-  breaks a chain when it changed the previous *prompt*.
+  ``[fish, ing]`` into ``[fishing]``). Inside a chain this breaks it where the build does not merge
+  (``merge_retokenized=False``: `polar build`'s default, ``--retokenized break``), or is merged (the
+  paper's rule, off-policy from there on) and only counted; it always breaks a chain when it changed
+  the previous *prompt*.
 - ``rewritten_history``: the harness changed the conversation: compaction, a dropped or edited
   turn, a re-serialized tool call, reasoning not sent back, changed tool definitions.
 - ``compaction``: the harness compacted the conversation: the call asks for a summary (its compaction

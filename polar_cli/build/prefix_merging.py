@@ -9,8 +9,11 @@ Merging a chain r_1..r_K gives ``completion = a_1 u_1 a_2 u_2 ... a_K`` after th
 ``a_m`` are r_m's sampled ids (loss mask 1, the engine's logprobs) and ``u_m`` the interstitial
 tokens of r_{m+1}'s canonical prompt. The tail ``t_m = p_{m+1}[len(p_m):]`` starts with the
 template's re-rendered copy of a_m, closed by the end-of-turn token e; u_m is what follows the
-first e in t_m, or starts at that e when a_m did not end with e (a length-capped turn), so the
-turn still closes.
+first e in t_m, or starts at that e when a_m did not end with e (a length-capped turn, or one ended
+by another stop token such as Qwen's ``<|endoftext|>``), so the turn still closes. The proxy's token
+continuation closes such a turn the same way (polar_addon.continuity.delta: the template's e and glue
+after the sampled ids), so there the copy is a_m itself and the chain is exact; e and its glue are
+context, masked like any interstitial.
 
 Unlike Polar, which merges whatever follows the first e, the copy is checked against a_m: a
 copy with other text (a dropped think block, a re-serialized tool call) means the model
@@ -40,6 +43,8 @@ from polar_cli.build.breaks import (
     sub_agent_break,
 )
 
+# prompt_source of a call whose prompt is the previous prompt + sampled ids + a delta (polar_addon.continuity).
+CONTINUITY_PROMPT = "continuity"
 # Finish reasons where the model emitted its end-of-turn token itself.
 NATURAL_STOPS = frozenset({"stop", "tool_calls", "stop_sequence", "end_turn"})
 
@@ -70,13 +75,21 @@ def detect_eot(records: Iterable[CaptureRecord], *, confirmed_only: bool = False
     rule), preferring one that also closes a turn in that call's prompt: a model with several stop
     tokens (Qwen's ``<|endoftext|>`` beside ``<|im_end|>``) may end a turn with one the template
     never writes. With ``confirmed_only`` such an unconfirmed stop token is not returned. A call
-    stopped by a stop *string* is skipped: its last token is text.
+    stopped by a stop *string* is skipped: its last token is text. A continuity prompt holds earlier turns' sampled
+    ids verbatim, such a stop token included, so it cannot confirm one: a prompt the template rendered in full (the
+    session's first call's) must hold it.
     """
+    records = list(records)
+    rendered = [r.prompt_ids for r in records if r.prompt_source != CONTINUITY_PROMPT]
     fallback = None
     for record in records:
         if _natural_stop(record):
             last = record.response_ids[-1]
-            if last in record.prompt_ids:
+            if record.prompt_source != CONTINUITY_PROMPT:
+                confirmed = last in record.prompt_ids
+            else:
+                confirmed = any(last in prompt for prompt in rendered)
+            if confirmed:
                 return last
             if fallback is None:
                 fallback = last

@@ -7,8 +7,8 @@
 - ``breaks``: every chain beyond a session's first, by cause (``breaks.BreakCause``);
   sub-agents count here although they cut no chain.
 - ``retokenized_merges``: merges where the next prompt re-tokenized a sampled turn (same text,
-  other ids), merged as the paper does; the drift that remains inside merged traces. A build
-  that does not merge them (``--retokenized break``) counts each under ``breaks`` instead.
+  other ids), merged as the paper does (``--retokenized merge``, an opt-in); the off-policy drift inside merged
+  traces. The default build (``--retokenized break``) does not merge them and counts each under ``breaks``.
 - ``prompt_sources``: calls by where their engine prompt came from (``continuity``: the previous prompt
   and sampled ids plus the new messages' tokens; ``fresh``: a full render), and ``fresh_reasons``
   why a call was rendered fresh (polar_addon.continuity.chains); calls captured before polar recorded it

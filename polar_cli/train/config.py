@@ -30,9 +30,10 @@ class TrainConfig:
         None, help="Raw shards: end-of-turn token id (default: detected from the calls, as `polar build`)."
     )
     retokenized: str = option(
-        "merge",
-        help="Raw shards: merge or break chains at a re-tokenized sampled turn, as `polar build --retokenized`. "
-        "break keeps the first step exactly on-policy (merged later turns were sampled after other token ids).",
+        "break",
+        help="Raw shards: break (the default) or merge chains at a re-tokenized sampled turn, as `polar build "
+        "--retokenized`. break keeps the first step exactly on-policy; merge is off-policy from the re-tokenized "
+        "turn on (the later turns were sampled after other token ids).",
     )
     learning_rate: float = option(1e-6, flags=("--lr", "--learning-rate"), help="Peak learning rate.")
     optim: str = option("adamw_torch", help="Optimizer (TrainingArguments name: adamw_torch, sgd, ...).")
