@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST_ARGS = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-.PHONY: docs docs-serve lint install engine harnesses s3 browser sandbox model real-model sglang-contract test test-fast demo demo-harness bench mutation clean
+.PHONY: docs docs-serve lint install engine harnesses s3 browser sandbox model real-model sglang-contract test test-real test-fast demo demo-harness bench mutation clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -117,11 +117,16 @@ lint: install
 	$(BIN)/ruff check .
 
 test: install docs lint engine harnesses s3 browser sandbox model sglang-contract
-	$(BIN)/python -m pytest -q -rs $(XDIST_ARGS) --durations=40 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs $(XDIST_ARGS) --durations=40 -m "not real" $(PYTEST_ARGS)
+
+# The real 0.5B model through polar (tests/test_real_model.py: one session per API dialect, vLLM bf16), the model
+# imported first (cached in $(POLAR_MODELS_DIR)).
+test-real: install engine real-model
+	$(BIN)/python -m pytest -q -rs -m real $(PYTEST_ARGS)
 
 # Unit and in-process tests only: no vLLM, no harness CLIs.
 test-fast: install docs lint sglang-contract
-	$(BIN)/python -m pytest -q -m "not vllm and not harness" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not vllm and not harness and not real" $(PYTEST_ARGS)
 
 # Capture through the proxy, then the learning loop (polar loop: rollouts -> polar train -> reload), ~5 min on 2 cores.
 TOY_LOOP := $(BIN)/polar loop examples/toy_task/tasks.jsonl --harness "cmd:$(abspath $(BIN))/python $(abspath examples/toy_task/agent.py) {instruction}" \
