@@ -32,7 +32,7 @@ from tests.test_rollout_presets import (
     script,
 )
 
-HARNESSES = ["opencode", "kilocode"]
+HARNESSES = ["opencode", "kilocode", "continue-cli"]
 
 
 @pytest.fixture(scope="module")
