@@ -32,7 +32,7 @@ from tests.test_rollout_presets import (
     script,
 )
 
-HARNESSES = ["opencode", "kilocode", "continue-cli"]
+HARNESSES = ["opencode", "kilocode", "continue-cli", "cline"]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,35 @@ def context(home: Path, window: int | None, max_output: int | None) -> SessionCo
         context_window=window,
         max_output_tokens=max_output,
     )
+
+
+@pytest.mark.parametrize("harness", HARNESSES)
+def test_preset_points_at_the_session(harness: str, tmp_path: Path) -> None:
+    """Each preset's config names the reverse proxy, the session's key and the model, and puts the served window
+    and output cap where its CLI reads them (none for Cline); without a window, none is written."""
+    preset = importlib.import_module(f"polar_cli.rollout.harnesses.{harness.replace('-', '_')}").make(None)
+    ctx = context(tmp_path, WINDOW, MAX_OUTPUT)
+    preset.configure(tmp_path, ctx)
+    files = {str(p.relative_to(tmp_path)): p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
+    written = " ".join(files.values())
+    assert "http://127.0.0.1:2/v1" in written and "polar:psk-test" in written
+    assert "polar:psk-test" not in " ".join(preset.command("fix it", ctx))  # the key stays out of argv
+    if harness in ("opencode", "kilocode"):
+        config = json.loads(files[str(preset.config_file)])
+        (provider,) = config["provider"].values()
+        assert provider["models"]["m"]["limit"] == {"context": WINDOW, "output": MAX_OUTPUT}
+        assert config["model"] == config["small_model"] == "polar/m"
+        assert preset.env(ctx)[preset.env_prefix + "DISABLE_MODELS_FETCH"] == "1"
+    elif harness == "continue-cli":
+        (model,) = json.loads(files[".continue/config.yaml"])["models"]
+        assert model["defaultCompletionOptions"] == {"contextLength": WINDOW, "maxTokens": MAX_OUTPUT}
+    else:
+        assert str(WINDOW) not in written  # Cline reads no window for a custom model
+    home = tmp_path / "bare"
+    home.mkdir()
+    preset.configure(home, context(home, None, None))
+    bare = " ".join(p.read_text() for p in home.rglob("*") if p.is_file())
+    assert str(WINDOW) not in bare and str(MAX_OUTPUT) not in bare
 
 
 @pytest.mark.harness
