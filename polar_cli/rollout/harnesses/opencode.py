@@ -1,8 +1,9 @@
 """opencode (npm ``opencode-ai``, whose Linux binary comes in the optional ``opencode-linux-x64`` package): a
 ``polar`` provider (the bundled ``@ai-sdk/openai-compatible``: OpenAI Chat Completions) at polar's reverse proxy
 whose API key carries the session, in ``~/.config/opencode/opencode.json``; ``opencode run`` with every tool
-allowed and the session titled by polar (no title call). The models.dev catalogue fetch, the auto-update, sharing, LSP downloads and the default plugins (which
-npm-install at start) are off, so it reaches nothing but the model API.
+allowed and the session titled by polar (no title call). The models.dev catalogue fetch, the auto-update,
+sharing, LSP downloads and the default plugins (which npm-install at start) are off, so it reaches nothing but the
+model API.
 
 Window: the model's ``limit.context``/``limit.output`` (it compacts near the context limit).
 """
