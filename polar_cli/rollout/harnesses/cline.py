@@ -17,6 +17,7 @@ from polar_cli.rollout.harnesses._install import InstalledHarness, executable
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 PROVIDER = "openai-compatible"
+UPDATED_AT = "2026-01-01T00:00:00.000Z"
 
 
 class Cline(InstalledHarness):
@@ -37,7 +38,8 @@ class Cline(InstalledHarness):
                 "version": 1,
                 "lastUsedProvider": PROVIDER,
                 "modes": {},
-                "providers": {PROVIDER: {"settings": provider, "tokenSource": "manual"}},
+                # Without updatedAt Cline drops the entry and falls back to its default base URL (api.openai.com).
+                "providers": {PROVIDER: {"settings": provider, "updatedAt": UPDATED_AT, "tokenSource": "manual"}},
             },
         )
         write_json(settings / "global-settings.json", {"telemetryOptOut": True, "autoUpdateEnabled": False})
