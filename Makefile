@@ -32,7 +32,8 @@ $(VLLM_VENV)/.installed:
 
 # The real agent harness CLIs from npm.
 HARNESS_PACKAGES := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 @qwen-code/qwen-code@0.15.10 \
-	@mariozechner/pi-coding-agent@0.73.1 @google/gemini-cli@0.61.0
+	@mariozechner/pi-coding-agent@0.73.1 @google/gemini-cli@0.61.0 \
+	opencode-ai@1.18.33 @kilocode/cli@7.7.7 @continuedev/cli@1.5.47 cline@3.0.65
 harnesses: $(HARNESS_DIR)/.installed
 $(HARNESS_DIR)/.installed: Makefile
 	mkdir -p $(HARNESS_DIR)
