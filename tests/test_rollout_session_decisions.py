@@ -166,8 +166,9 @@ def test_the_harness_exit_decides_failed_or_verified(proxy: StartedProxy, tmp_pa
         {"id": "answer", "instruction": "echo done"},  # stdout only: verified
         {"id": "wrote", "instruction": "echo 42 > answer.txt", "verify": 'test "$(cat answer.txt)" = 42'},
         {"id": "wrong", "instruction": "echo 41 > answer.txt", "verify": 'test "$(cat answer.txt)" = 42'},
+        {"id": "env", "instruction": 'echo "$POLAR_INSTRUCTION|$EXTRA"'},  # the harness's environment
     ]
-    config = _config(proxy, tmp_path, entries, logs_dir=tmp_path / "logs")
+    config = _config(proxy, tmp_path, entries, logs_dir=tmp_path / "logs", env={"EXTRA": "given"})
     results, _ = _drive(proxy, config, tmp_path / "work")
     got = {t: (r.status, r.reward, r.rewards, r.exit_code, r.ran) for (t, _), r in results.items()}
     assert got == {
@@ -176,6 +177,7 @@ def test_the_harness_exit_decides_failed_or_verified(proxy: StartedProxy, tmp_pa
         "answer": (S.COMPLETED, 1.0, {"reward": 1.0}, 0, True),
         "wrote": (S.COMPLETED, 1.0, {"reward": 1.0}, 0, True),
         "wrong": (S.COMPLETED, 0.0, {"reward": 0.0}, 0, True),
+        "env": (S.COMPLETED, 1.0, {"reward": 1.0}, 0, True),
     }
     assert results[("exit3", 0)].reason == "the harness exited 3: oops\n"
     assert results[("silent", 0)].reason == "the harness produced nothing: no stdout and no change to the workspace"
@@ -183,10 +185,11 @@ def test_the_harness_exit_decides_failed_or_verified(proxy: StartedProxy, tmp_pa
     stored = _stored(proxy, results)
     assert {t: s.status for (t, _), s in stored.items()} == {
         "exit3": "agent_error", "silent": "agent_error", "answer": "completed", "wrote": "completed",
-        "wrong": "completed",
+        "wrong": "completed", "env": "completed",
     }  # fmt: skip
     assert stored[("exit3", 0)].metadata["reason"] == "harness_failed"
     assert stored[("exit3", 0)].metadata["exit_code"] == 3 and stored[("exit3", 0)].metadata["oom_killed"] is False
+    assert stored[("exit3", 0)].metadata["limit"] is None
     assert stored[("silent", 0)].metadata["reason"] == "harness_produced_nothing"
     assert stored[("wrote", 0)].rewards == {"reward": 1.0} and stored[("exit3", 0)].rewards == {}
     assert stored[("wrote", 0)].metadata["patch_bytes"] == results[("wrote", 0)].patch_bytes
@@ -196,10 +199,15 @@ def test_the_harness_exit_decides_failed_or_verified(proxy: StartedProxy, tmp_pa
     }
     log = (tmp_path / "logs" / "sessions" / results[("exit3", 0)].session_id / "harness.log").read_text()
     assert log == "exit 3\n--- stdout\npartial\n\n--- stderr\noops\n"
+    env_log = (tmp_path / "logs" / "sessions" / results[("env", 0)].session_id / "harness.log").read_text()
+    assert env_log == 'exit 0\n--- stdout\necho "$POLAR_INSTRUCTION|$EXTRA"|given\n\n--- stderr\n'
+
     progress = config.progress
-    assert progress.statuses == {S.FAILED: 2, S.COMPLETED: 3}
-    assert progress.group_rewards == {"exit3": [0.0], "silent": [0.0], "answer": [1.0], "wrote": [1.0], "wrong": [0.0]}
-    assert progress.ran == 5 and progress.stages["done"] == 5 and sum(progress.stages.values()) == 5
+    assert progress.statuses == {S.FAILED: 2, S.COMPLETED: 4}
+    assert progress.group_rewards == {
+        "exit3": [0.0], "silent": [0.0], "answer": [1.0], "wrote": [1.0], "wrong": [0.0], "env": [1.0],
+    }  # fmt: skip
+    assert progress.ran == 6 and progress.stages["done"] == 6 and sum(progress.stages.values()) == 6
     assert set(results[("wrote", 0)].timings) == {"init", "wait", "run", "postrun"}
 
 
