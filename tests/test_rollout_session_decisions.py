@@ -298,32 +298,54 @@ def test_a_group_stopped_before_init_never_starts(proxy: StartedProxy, tmp_path:
     assert _stored(proxy, results)[("g", 0)] is None
 
 
-def test_a_group_stopped_after_init_never_runs(proxy: StartedProxy, tmp_path: Path) -> None:
-    config = _config(proxy, tmp_path, [{"id": "h", "instruction": "echo done"}], early_stop=1)
+def _after_init(proxy: StartedProxy, config: RolloutConfig, work: Path, between: Any) -> SessionResult:
+    """One session through INIT, then ``between(runner, session)``, then RUN (and POSTRUN if RUN says so)."""
 
     async def main() -> SessionResult:
         control = ControlClient(proxy.endpoints.forward_port, proxy.control_token)
         runtime = get_runtime("local")
-        runner = SessionRunner(
-            config, get_preset(HARNESS), runtime, config.proxy.endpoints(), control, tmp_path / "work", "x"
-        )
+        runner = SessionRunner(config, get_preset(HARNESS), runtime, config.proxy.endpoints(), control, work, "x")
         try:
             [planned] = plan_sessions(config, config.run_id or "")
             session = runner.open(planned)
             assert await runner.init(session)
             runner.ready(session)
-            runner.stop_group("h")
-            assert not await runner.run(session)
+            await between(runner, session)
+            if await runner.run(session):
+                await runner.postrun(session)
             assert session.sandbox is None and session.stage == "done"
             return session.result
         finally:
             await control.aclose()
             await runtime.close()
 
-    result = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_group_stopped_after_init_never_runs(proxy: StartedProxy, tmp_path: Path) -> None:
+    config = _config(proxy, tmp_path, [{"id": "h", "instruction": "echo done"}], early_stop=1)
+
+    async def stop(runner: SessionRunner, session: Any) -> None:
+        runner.stop_group("h")
+
+    result = _after_init(proxy, config, tmp_path / "work", stop)
     assert (result.status, result.ran, result.exit_code) == (S.CANCELLED, False, None)
     assert result.reason == "early stop: the group had enough usable sessions before it ran"
     assert config.progress.ran == 0 and config.progress.statuses == {S.CANCELLED: 1}
+
+
+def test_a_runtime_that_fails_under_the_harness_is_an_error_not_retried(proxy: StartedProxy, tmp_path: Path) -> None:
+    config = _config(proxy, tmp_path, [{"id": "rt", "instruction": "echo done"}], init_attempts=2)
+
+    async def break_runtime(runner: SessionRunner, session: Any) -> None:
+        await session.sandbox.stop()  # its next exec raises RuntimeUnavailable
+
+    result = _after_init(proxy, config, tmp_path / "work", break_runtime)
+    assert (result.status, result.ran, result.init_attempts, result.exit_code) == (S.ERROR, True, 1, None)
+    assert result.reason == "the runtime failed during RUN: RuntimeUnavailable: the sandbox is stopped"
+    assert set(result.timings) == {"init", "wait", "run"}
+    stored = _stored(proxy, {("rt", 0): result})[("rt", 0)]
+    assert stored.status == "error" and stored.metadata["reason"] == "runtime_failed"
 
 
 def test_the_stores_error_makes_a_session_unusable_for_early_stop(proxy: StartedProxy, tmp_path: Path) -> None:
