@@ -209,6 +209,7 @@ def test_the_harness_exit_decides_failed_or_verified(proxy: StartedProxy, tmp_pa
     }  # fmt: skip
     assert progress.ran == 6 and progress.stages["done"] == 6 and sum(progress.stages.values()) == 6
     assert set(results[("wrote", 0)].timings) == {"init", "wait", "run", "postrun"}
+    assert all(0 <= t < 60 for r in results.values() for t in r.timings.values())  # seconds, not clock readings
 
 
 def test_a_reward_file_gives_every_named_reward_and_a_missing_one_scores_0(proxy: StartedProxy, tmp_path: Path) -> None:
