@@ -138,6 +138,21 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "train.advantages": (["polar_cli/train/advantages.py"], ["tests/test_train_advantages.py"]),
     "train.dataset": (["polar_cli/train/dataset.py"], ["tests/test_train_dataset.py"]),
     "train.config": (["polar_cli/train/config.py"], ["tests/test_train_config.py"]),
+    # Tool-call parsing of the sampled text (what becomes a call, what stays content).
+    "tool_parsers.hermes": (["polar_addon/tool_parsers/hermes.py"], ["tests/test_tool_parsers_hermes.py"]),
+    "tool_parsers.qwen3_coder": (
+        ["polar_addon/tool_parsers/qwen3_coder.py"],
+        ["tests/test_tool_parsers_qwen3_coder.py"],
+    ),
+    # Does a call continue its session's previous one, message for message (the token-continuity decision).
+    "continuity.check": (
+        ["polar_addon/continuity/check.py"],
+        ["tests/test_continuity.py", "tests/test_continuity_providers.py", "tests/test_continuity_check_edges.py"],
+    ),
+    # The session's stage decisions (deadline, early stop, statuses, rewards) on the local runtime and a real proxy
+    # (run with --only on the decision functions: the rest is the same code the rollouts run).
+    "rollout.session": (["polar_cli/rollout/session.py"], ["tests/test_rollout_session_decisions.py"]),
+    "rollout.tasks": (["polar_cli/rollout/tasks.py"], ["tests/test_rollout_tasks.py"]),
 }
 
 

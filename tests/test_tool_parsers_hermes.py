@@ -102,3 +102,31 @@ def test_an_unclosed_call_is_a_failed_parse():
     assert alone.failed == [cut] and alone.message.content == f"text {cut}" and alone.message.tool_calls == []
     # Another format's tag in prose is no hermes markup: nothing failed.
     assert parse("Qwen3-Coder writes <function=f> instead.").failed == []
+
+
+def test_parameters_stand_in_for_arguments_and_no_arguments_is_an_empty_object():
+    # Qwen2.5's template documents `arguments`; some models write `parameters` (vLLM's hermes parser reads both).
+    [call] = parse('<tool_call>{"name": "ls", "parameters": {"dir": "src"}}</tool_call>').message.tool_calls
+    assert (call.name, call.arguments) == ("ls", '{"dir":"src"}')
+    [call] = parse(
+        '<tool_call>{"name": "ls", "arguments": {"a": 1}, "parameters": {"b": 2}}</tool_call>'
+    ).message.tool_calls
+    assert call.arguments == '{"a":1}'  # arguments win
+    [call] = parse('<tool_call>{"name": "now"}</tool_call>').message.tool_calls
+    assert call.arguments == "{}"
+
+
+def test_every_unparsed_block_is_reported_once_as_the_text_holds_it():
+    # A block with a one-character (or empty) body: the unclosed-tag search starts after its close tag, not inside it.
+    for text in ("<tool_call>x</tool_call>", "<tool_call></tool_call>"):
+        turn = parse(text)
+        assert (turn.message.content, turn.message.tool_calls, turn.failed) == (text, [], [text])
+    # An unclosed tag at the very start, and two unclosed tags: everything from the first one on, once.
+    text = '<tool_call>{"name": "a"'
+    assert parse(text).failed == [text]
+    text = 'go <tool_call>{"name": "a" <tool_call>{"name": "b"'
+    assert parse(text).failed == ['<tool_call>{"name": "a" <tool_call>{"name": "b"']
+    text = '<tool_call>{"name": "a"}</tool_call> then <tool_call>{"name": "b"'
+    turn = parse(text)
+    assert [c.name for c in turn.message.tool_calls] == ["a"]
+    assert turn.failed == ['<tool_call>{"name": "b"'] and turn.message.content == 'then <tool_call>{"name": "b"'
