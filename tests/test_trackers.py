@@ -16,10 +16,6 @@ from polar_cli.trackers import LoopTracker, TrackerError, loop_points, parse_rep
 from tests.support.tracker_files import tensorboard_scalars, trackio_logs, wandb_history
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples" / "toy_task"))
-
-from collect import collect  # noqa: E402
-
 AGENT = REPO / "examples" / "toy_task" / "agent.py"
 # Rewards depend on the sample index only (as tests/test_loop_eval.py): the group always has something to learn.
 HARNESS = f"cmd:{sys.executable} {AGENT} --turns 1 --max-tokens 4 {{instruction}} && echo {{sample}} > sample.txt"
@@ -95,32 +91,6 @@ def test_loop_points_of_both_loops() -> None:
     assert pooled([(0.0, 0.0, 2), (1.0, 0.2, 2)]) == (0.5, pytest.approx(0.1), 4)
 
 
-def test_train_logs_to_tensorboard_wandb_and_trackio(tiny_model_dir: Path, tmp_path: Path) -> None:
-    shards = tmp_path / "shards"
-    collect(tiny_model_dir, shards, groups=2, samples=3, turns=1, max_tokens=4)
-    out, runs = tmp_path / "ckpt", tmp_path / "runs"
-    cmd = [sys.executable, "-m", "polar_cli.app", "train", str(shards), "--model", str(tiny_model_dir), "--output",
-           str(out), "--max-steps", "2", "--lr", "1e-3", "--eot-token-id", "2", "--no-progress",
-           "--report-to", "tensorboard,trackio", "--report-to", "wandb", "--logging-dir", str(runs),
-           "--run-name", "r1"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    logged = [r for r in map(orjson.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-    losses = [r["loss"] for r in logged]
-    assert len(losses) == 2
-
-    scalars = tensorboard_scalars(runs / "r1")
-    assert scalars["train/loss"] == pytest.approx({r["step"]: r["loss"] for r in logged}, rel=1e-6)
-    assert scalars["train/reward"] == pytest.approx({r["step"]: r["reward"] for r in logged}, rel=1e-6)
-
-    (run_dir,) = (runs / "wandb").glob("offline-run-*")
-    history = wandb_history(run_dir)
-    assert [history["train/loss"][k] for k in sorted(history["train/loss"])] == pytest.approx(losses)
-
-    rows = [r for r in trackio_logs(runs / "trackio", "polar", "r1") if "train/loss" in r]
-    assert [r["train/loss"] for r in rows] == pytest.approx(losses)
-
-
 def test_train_refuses_an_unknown_tracker_before_training(tiny_model_dir: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "polar_cli.app", "train", str(tmp_path), "--model", str(tiny_model_dir), "--output",
            str(tmp_path / "o"), "--report-to", "tensorboard,comet"]  # fmt: skip
@@ -128,7 +98,9 @@ def test_train_refuses_an_unknown_tracker_before_training(tiny_model_dir: Path, 
     assert done.returncode == 2 and "unknown tracker comet" in " ".join(done.stderr.split()), done.stderr
 
 
-def test_loop_logs_one_point_per_iteration(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_loop_and_its_trainings_log_to_tensorboard_wandb_and_trackio(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """One real loop (2 iterations: a rollout, a `polar train`, a rollout; --eval on the base and the trained policy)
+    logging to all three trackers: its points, one per iteration, and the training's own TRL metrics."""
     tasks = tmp_path / "train.jsonl"
     heldout = tmp_path / "heldout.jsonl"
     tasks.write_text(json.dumps({"id": "t", "instruction": "say hi", "verify": 'test "$(cat sample.txt)" = 0'}) + "\n")
@@ -136,16 +108,37 @@ def test_loop_logs_one_point_per_iteration(tiny_model_dir: Path, tmp_path: Path)
     out = tmp_path / "loop"
     cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", HARNESS, "--model",
            str(tiny_model_dir), "--iterations", "2", "--out", str(out), "--samples", "2", "--no-progress",
-           "--eval", str(heldout), "--eval-samples", "1", "--report-to", "tensorboard", "--run-name", "toy",
-           "--lr", "1e-3", "--eot-token-id", "2", "--max-steps", "1"]  # fmt: skip
+           "--eval", str(heldout), "--eval-samples", "1", "--report-to", "tensorboard,trackio", "--report-to", "wandb",
+           "--run-name", "toy", "--lr", "1e-3", "--eot-token-id", "2", "--max-steps", "2"]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     state = json.loads((out / "loop.json").read_text())
-    scalars = tensorboard_scalars(out / "runs" / "toy")
-    assert scalars["loop/reward_mean"] == {i: pytest.approx(r["reward_mean"]) for i, r in
-                                           enumerate(state["iterations"])}  # fmt: skip
+    rewards = {i: r["reward_mean"] for i, r in enumerate(state["iterations"])}
+    trained = state["iterations"][0]["train"]
+    assert trained["status"] == "trained"
+    logged = [r for r in map(orjson.loads, (Path(trained["checkpoint"]) / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]  # fmt: skip
+    losses = [r["loss"] for r in logged]
+    assert len(losses) == 2
+    runs = out / "runs"
+
+    scalars = tensorboard_scalars(runs / "toy")
+    assert scalars["loop/reward_mean"] == pytest.approx(rewards)
     assert scalars["loop/heldout_pass@1"] == {0: 1.0, 1: 1.0}
     assert set(scalars["loop/rollout_busy"]) == {0, 1} and 0 < scalars["loop/trainer_busy"][0] < 1
-    assert scalars["loop/train_s"][0] == pytest.approx(state["iterations"][0]["train"]["seconds"])
-    # The training logged its own TRL metrics to the same tracker, its own run.
-    assert "train/loss" in tensorboard_scalars(out / "runs" / "toy-iter-000")
+    assert scalars["loop/train_s"] == {0: pytest.approx(trained["seconds"])}
+    train = tensorboard_scalars(runs / "toy-iter-000")  # the training's own run, through TRL
+    assert train["train/loss"] == pytest.approx({r["step"]: r["loss"] for r in logged}, rel=1e-6)
+    assert train["train/reward"] == pytest.approx({r["step"]: r["reward"] for r in logged}, rel=1e-6)
+
+    histories = [wandb_history(d) for d in sorted((runs / "wandb").glob("offline-run-*"))]
+    (loop_run,) = [h for h in histories if "loop/reward_mean" in h]
+    (train_run,) = [h for h in histories if "train/loss" in h]
+    assert loop_run["loop/reward_mean"] == pytest.approx(rewards)
+    assert loop_run["loop/heldout_pass@1"] == {0: 1.0, 1: 1.0}
+    assert [train_run["train/loss"][k] for k in sorted(train_run["train/loss"])] == pytest.approx(losses)
+
+    points = [r for r in trackio_logs(runs / "trackio", "polar", "toy") if "loop/reward_mean" in r]
+    assert {r["step"]: r["loop/reward_mean"] for r in points} == pytest.approx(rewards) and len(points) == 2
+    rows = [r for r in trackio_logs(runs / "trackio", "polar", "toy-iter-000") if "train/loss" in r]
+    assert [r["train/loss"] for r in rows] == pytest.approx(losses)
