@@ -46,14 +46,31 @@ def parse_report_to(values: Sequence[str]) -> list[str]:
     return names
 
 
-def check_installed(names: Sequence[str]) -> None:
-    """Refuse a tracker whose package is missing, with the command that installs it (not a traceback mid-run)."""
+def check_installed(names: Sequence[str], environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a tracker whose package is missing, with the command that installs it (not a traceback mid-run), and
+    wandb online without credentials (it would stop at a login prompt or fail after the first rollout)."""
+    environ = os.environ if environ is None else environ
+    if "wandb" in names and environ.get("WANDB_MODE") not in ("offline", "disabled", "dryrun"):
+        if not environ.get("WANDB_API_KEY") and not _netrc_has(Path(environ.get("HOME", "~")).expanduser()):
+            raise TrackerError(
+                "--report-to wandb logs online and no wandb credentials are set: set WANDB_MODE=offline (the run is "
+                "written locally; `wandb sync` uploads it later), or WANDB_API_KEY (or `wandb login`)"
+            )
     missing = [TRACKERS[n][1] for n in names if importlib.util.find_spec(TRACKERS[n][0]) is None]
     if missing:
         raise TrackerError(
             f"--report-to needs {' '.join(missing)}: pip install -c constraints.txt {' '.join(missing)} "
             "(or the pip extra: pip install -e '.[trackers]')"
         )
+
+
+def _netrc_has(home: Path, host: str = "api.wandb.ai") -> bool:
+    import netrc
+
+    try:
+        return netrc.netrc(str(home / ".netrc")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def tracker_env(names: Sequence[str], logging_dir: Path, run_name: str, project: str) -> dict[str, str]:

@@ -12,7 +12,15 @@ from pathlib import Path
 import orjson
 import pytest
 
-from polar_cli.trackers import LoopTracker, TrackerError, loop_points, parse_report_to, pooled, tracker_env
+from polar_cli.trackers import (
+    LoopTracker,
+    TrackerError,
+    check_installed,
+    loop_points,
+    parse_report_to,
+    pooled,
+    tracker_env,
+)
 from tests.support.tracker_files import tensorboard_scalars, trackio_logs, wandb_history
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,6 +41,10 @@ def test_report_to_is_parsed_as_trl_takes_it() -> None:
         parse_report_to(["comet"])
     with pytest.raises(TrackerError, match="cannot be combined"):
         parse_report_to(["none,wandb"])
+    check_installed(["wandb"], {"WANDB_MODE": "offline"})
+    check_installed(["wandb"], {"WANDB_API_KEY": "k", "HOME": "/nonexistent"})
+    with pytest.raises(TrackerError, match="WANDB_MODE=offline"):
+        check_installed(["wandb"], {"HOME": "/nonexistent"})
     env = tracker_env(["tensorboard", "trackio"], Path("/d"), "r", "p")
     assert env["TENSORBOARD_LOGGING_DIR"] == "/d/r" and "WANDB_DIR" not in env
 
