@@ -154,3 +154,27 @@ def test_loop_and_its_trainings_log_to_tensorboard_wandb_and_trackio(tiny_model_
     assert {r["step"]: r["loop/reward_mean"] for r in points} == pytest.approx(rewards) and len(points) == 2
     rows = [r for r in trackio_logs(runs / "trackio", "polar", "toy-iter-000") if "train/loss" in r]
     assert [r["train/loss"] for r in rows] == pytest.approx(losses)
+
+
+def test_async_loop_logs_one_point_per_step_and_the_measuring_batch(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tasks = tmp_path / "train.jsonl"
+    tasks.write_text(json.dumps({"id": "t", "instruction": "say hi", "verify": 'test "$(cat sample.txt)" = 0'}) + "\n")
+    out = tmp_path / "loop"
+    cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", HARNESS, "--model",
+           str(tiny_model_dir), "--iterations", "2", "--out", str(out), "--samples", "2", "--no-progress", "--async",
+           "--report-to", "tensorboard", "--run-name", "toy", "--lr", "1e-3", "--eot-token-id", "2",
+           "--max-steps", "1"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    state = json.loads((out / "loop.json").read_text())
+    (step,), (push,) = state["steps"], state["pushes"]
+    assert step["status"] == "trained" and push["version"] == 1
+    final = next(b for b in state["batches"] if b["final"])
+    trained = next(b for b in state["batches"] if b["index"] == step["batches"][0])
+    scalars = tensorboard_scalars(out / "runs" / "toy")
+    assert scalars["loop/reward_mean"] == pytest.approx({0: trained["reward_mean"], 1: final["reward_mean"]})
+    assert scalars["loop/staleness"] == {0: 0.0}
+    assert scalars["loop/push_s"] == {0: pytest.approx(push["drain_s"])}
+    assert scalars["loop/rollout_busy"] == {0: pytest.approx(step["rollout_util"])}
+    assert scalars["loop/trainer_busy"] == {0: pytest.approx(step["trainer_util"])}
+    assert "train/loss" in tensorboard_scalars(out / "runs" / "toy-train-000")
