@@ -49,6 +49,15 @@ def test_report_to_is_parsed_as_trl_takes_it() -> None:
     assert env["TENSORBOARD_LOGGING_DIR"] == "/d/r" and "WANDB_DIR" not in env
 
 
+def test_a_missing_tracker_package_is_refused_with_its_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import polar_cli.trackers as trackers
+
+    monkeypatch.setitem(trackers.TRACKERS, "tensorboard", ("polar_no_such_module", "tensorboard==2.21.0"))
+    with pytest.raises(TrackerError, match=r"pip install -c constraints.txt tensorboard==2\.21\.0"):
+        check_installed(["trackio", "tensorboard"])
+    check_installed(["trackio"])
+
+
 def test_loop_points_of_both_loops() -> None:
     state = {
         "iterations": [
