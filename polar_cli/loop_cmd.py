@@ -16,6 +16,7 @@ from polar_cli.eval_cmd import EvalSettings
 from polar_cli.rollout.config import RolloutSettings, check_network, check_set_options
 from polar_cli.set_option import runtime_options, set_options
 from polar_cli.settings import SettingsError, command, option, reuse
+from polar_cli.train.config import TrainConfig
 
 if TYPE_CHECKING:
     from polar_cli.rollout.loop import LoopConfig
@@ -181,9 +182,33 @@ class LoopSettings:
         flags=("--eval-pass-threshold",),
         help="--eval: a held-out session passes when its reward is at least this.",
     )
+    report_to: list[str] = reuse(
+        TrainConfig,
+        "report_to",
+        help="Experiment trackers (tensorboard, wandb, trackio, none; repeatable or a comma list): one point per "
+        "iteration (--async: per training step) of the train reward mean and SE, held-out pass@1 (--eval), "
+        "staleness, push latency and the rollout/trainer busy fractions, the iteration as the step, in run RUN_NAME; "
+        "each training logs its own TRL metrics to the same trackers as run RUN_NAME-iter-NNN. Needs the pip extra "
+        "trackers.",
+    )
+    run_name: str | None = reuse(
+        TrainConfig, "run_name", help="--report-to: the loop's run name (default: OUT's name)."
+    )
+    logging_dir: Path | None = reuse(
+        TrainConfig,
+        "logging_dir",
+        help="--report-to: where the trackers write (as polar train --logging-dir). Default: OUT/runs.",
+    )
+    project: str = reuse(TrainConfig, "project")
 
     def validate(self) -> None:
         from polar_cli.rollout.loop import engine_kind
+        from polar_cli.trackers import TrackerError, check_installed, parse_report_to
+
+        try:
+            check_installed(parse_report_to(self.report_to))
+        except TrackerError as exc:
+            raise SettingsError(str(exc), "report_to") from exc
 
         try:
             engine_kind(self.engine)
@@ -235,7 +260,29 @@ class LoopSettings:
             ray_resource=self.ray_resource, eval_tasks=eval_tasks, eval_every=self.eval_every,
             eval_samples=self.eval_samples, eval_proxy_options=set_options(self.eval_set),
             eval_pass_threshold=self.eval_pass_threshold,
+            trackers_run=self.tracker_run_name if self.trackers else None,
         )  # fmt: skip
+
+    @property
+    def trackers(self) -> list[str]:
+        from polar_cli.trackers import parse_report_to
+
+        return parse_report_to(self.report_to)
+
+    @property
+    def tracker_run_name(self) -> str:
+        return self.run_name or self.out.resolve().name
+
+    @property
+    def tracker_dir(self) -> Path:
+        return self.logging_dir if self.logging_dir is not None else self.out / "runs"
+
+    def tracker_train_args(self) -> list[str]:
+        """What each training is told, so its TRL metrics go to the same trackers, directory and project."""
+        if not self.trackers:
+            return []
+        return ["--report-to", ",".join(self.trackers), "--logging-dir", str(self.tracker_dir), "--project",
+                self.project]  # fmt: skip
 
 
 @command
@@ -254,6 +301,7 @@ def loop(ctx: typer.Context, settings: LoopSettings) -> None:
     if s.max_staleness is not None and not s.asynchronous:
         train_args += ["--max-staleness", str(s.max_staleness)]
     _check_train_args(train_args, s.asynchronous)
+    train_args += s.tracker_train_args()
     try:
         get_preset(s.harness)
     except ValueError as exc:
@@ -282,13 +330,19 @@ def loop(ctx: typer.Context, settings: LoopSettings) -> None:
         if s.progress:
             status_console.print(f"[dim]{line}[/]")
 
-    if s.asynchronous:
-        _run_async(config, 1 if s.max_staleness is None else s.max_staleness, s.drain, console, say)
-        return
-    with _exit_codes("; run the same command to resume"):
-        stats = run_loop(
-            config, on_iteration=on_iteration, progress=say, on_eval=lambda e: console.print(_eval_line(e))
-        )
+    with _tracked(s) as track:
+        if s.asynchronous:
+            _run_async(config, 1 if s.max_staleness is None else s.max_staleness, s.drain, console, say, track)
+            return
+
+        def on_iteration_tracked(stats: list[Any]) -> None:
+            on_iteration(stats)
+            track()
+
+        with _exit_codes("; run the same command to resume"):
+            stats = run_loop(
+                config, on_iteration=on_iteration_tracked, progress=say, on_eval=lambda e: console.print(_eval_line(e))
+            )
     console.print(_table(stats))
     evals = sorted(load_state(s.out).get("evals", []), key=lambda e: e["iteration"])
     if len(evals) > 1 and evals[0]["pass@1"] is not None and evals[-1]["pass@1"] is not None:
@@ -312,6 +366,25 @@ def loop(ctx: typer.Context, settings: LoopSettings) -> None:
 
 
 @contextmanager
+def _tracked(s: LoopSettings) -> Iterator[Any]:
+    """The loop's tracker writers while it runs; yields ``track()``, which logs the points loop.json holds now."""
+    from polar_cli.rollout.loop import load_state
+    from polar_cli.trackers import LoopTracker, open_writers
+
+    if not s.trackers:
+        yield lambda: None
+        return
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(s).items() if k != "report_to"}
+    tracker = LoopTracker(
+        open_writers(s.trackers, s.tracker_dir, s.tracker_run_name, s.project, config), load_state(s.out), s.iterations
+    )
+    try:
+        yield lambda: tracker.update(load_state(s.out))
+    finally:
+        tracker.close(load_state(s.out))
+
+
+@contextmanager
 def _exit_codes(resume_hint: str) -> Iterator[None]:
     """A loop's errors as exit codes: 2 for bad input, 130/143 for a signal (with how to go on), 1 otherwise."""
     from polar_cli.rollout.runner import RolloutInterrupted
@@ -330,7 +403,7 @@ def _exit_codes(resume_hint: str) -> Iterator[None]:
         raise typer.Exit(1) from exc
 
 
-def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: Any) -> None:
+def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: Any, track: Any) -> None:
     from polar_cli.rollout.async_loop import run_async_loop
 
     def on_event(event: dict[str, Any]) -> None:
@@ -348,6 +421,7 @@ def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: A
                 f"{s.batches} ({s.groups_kept} groups, {s.groups_dropped} dropped as stale), "
                 f"{s.ended_at - s.started_at:.0f} s"
             )
+        track()
 
     with _exit_codes("; run the same command to resume from the last finished step"):
         state = run_async_loop(config, max_staleness, drain, on_event=on_event, progress=say)  # type: ignore[arg-type]

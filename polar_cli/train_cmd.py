@@ -35,6 +35,7 @@ def train(
     from rich.console import Console
 
     _check_model_and_output(cfg.model, cfg.output, overwrite=overwrite, resume=cfg.resume)
+    _check_trackers(cfg)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from polar_cli.terminal import markup_safe
     from polar_cli.train.dataset import NothingToTrain, TemperatureMismatch
@@ -72,6 +73,16 @@ def train(
     typer.echo(f"metrics: {result.metrics_path}")
     if result.plot_path:
         typer.echo(f"curves: {result.plot_path}")
+
+
+def _check_trackers(cfg: TrainConfig) -> None:
+    """An unknown or uninstalled --report-to tracker is refused before any heavy import, with how to install it."""
+    from polar_cli.trackers import TrackerError, check_installed
+
+    try:
+        check_installed(cfg.trackers)
+    except TrackerError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--report-to") from exc
 
 
 def _check_model_and_output(model: str, output: Path, *, overwrite: bool, resume: Path | None) -> None:

@@ -63,6 +63,7 @@ from polar_cli.rollout.loop import (
     rollout_config,
     save_state,
     stop_stale_engines,
+    tracked_train_args,
     train_command,
 )
 from polar_cli.rollout.redact import control_tokens, write_json
@@ -416,7 +417,7 @@ class _AsyncLoop:
         output, log = idir / "checkpoint", idir / "train.log"
         shutil.rmtree(output, ignore_errors=True)
         command = train_command(shards, policy, output, [
-            *self.config.train_args, "--current-weight-version", str(version),
+            *tracked_train_args(self.config, idir), "--current-weight-version", str(version),
             "--max-staleness", str(self.max_staleness)])  # fmt: skip
         with log.open("w") as f:
             # die_with_parent: a killed loop leaves no training running into the directory its resumed run trains in.

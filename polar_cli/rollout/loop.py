@@ -83,6 +83,8 @@ class LoopConfig:
     eval_samples: int | None = None  # None: ``samples``
     eval_proxy_options: Mapping[str, str] = field(default_factory=dict)
     eval_pass_threshold: float = 1.0
+    # ``polar loop --report-to``: each training's tracker run is named RUN-iter-NNN (RUN-train-NNN with --async).
+    trackers_run: str | None = None
 
 
 @dataclass
@@ -97,6 +99,7 @@ class IterationStats:
     reward_se: float | None
     rollout_s: float
     train: dict[str, Any] | None = None  # {"status": "trained"|"nothing_to_train", "checkpoint", "seconds", ...}
+    push_s: float | None = None  # the engine's load of this iteration's policy (vllm, sglang; local: none)
 
 
 def mean_se(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -195,6 +198,13 @@ def stop_stale_engines(state_dir: Path) -> list[str]:
         if running:
             stopped.append(server.url)
     return stopped
+
+
+def tracked_train_args(config: LoopConfig, directory: Path) -> list[str]:
+    """The loop's train options, plus the tracker run name of the training in ``directory`` (with --report-to)."""
+    if config.trackers_run is None:
+        return list(config.train_args)
+    return [*config.train_args, "--run-name", f"{config.trackers_run}-{directory.name}"]
 
 
 def run_train(shards: Path, policy: Path, output: Path, train_args: Sequence[str], log: Path) -> dict[str, Any]:
@@ -387,8 +397,11 @@ def run_loop(
                     save_state(out, state)
                     if on_eval:
                         on_eval(evals[-1])
+                pushes = len(engine.pushes)
                 rollout = _rollout(config, i, policy, engine, say, version)
                 records.append(asdict(stats_of(i, policy, rollout)))
+                if len(engine.pushes) > pushes:  # the eval or the rollout loaded this policy into the engine
+                    records[-1]["push_s"] = sum(p["reload_s"] for p in engine.pushes[pushes:])
                 save_state(out, state)
                 if on_iteration:
                     on_iteration([IterationStats(**r) for r in records])
@@ -396,7 +409,11 @@ def run_loop(
             if i < config.iterations - 1 and record.get("train") is None:
                 say(f"iteration {i}: polar train")
                 record["train"] = run_train(
-                    idir / "shards", Path(record["policy"]), idir / "checkpoint", config.train_args, idir / "train.log"
+                    idir / "shards",
+                    Path(record["policy"]),
+                    idir / "checkpoint",
+                    tracked_train_args(config, idir),
+                    idir / "train.log",
                 )
                 save_state(out, state)
                 if on_iteration:

@@ -91,10 +91,40 @@ class TrainConfig:
     save_steps: int = option(0, help="Write OUTPUT/checkpoint-N every N steps (0: only the end).")
     save_total_limit: int = 2
     logging_steps: int = 1
+    report_to: list[str] = option(
+        default_factory=list,
+        flags=("--report-to",),
+        help="Experiment trackers TRL logs the training to: tensorboard, wandb, trackio, or none (repeatable, or a "
+        "comma list, as TRL's report_to). Needs the pip extra trackers. All write locally under --logging-dir; "
+        "wandb offline with WANDB_MODE=offline.",
+    )
+    run_name: str | None = option(None, help="--report-to: the run's name (default: the name of OUTPUT).")
+    logging_dir: Path | None = option(
+        None,
+        help="--report-to: TensorBoard event files go to DIR/RUN_NAME, wandb's run to DIR/wandb, trackio's database "
+        "to DIR/trackio (a WANDB_DIR or TRACKIO_DIR set in the environment wins). Default: OUTPUT/runs.",
+    )
+    project: str = option("polar", help="--report-to: the wandb / trackio project.")
     plot: bool = option(True, help="Write training_curves.png.")
     progress: bool = option(True, help="Rich progress bar.")
 
+    @property
+    def trackers(self) -> list[str]:
+        """--report-to's trackers, parsed (none: [])."""
+        from polar_cli.trackers import parse_report_to
+
+        return parse_report_to(self.report_to)
+
+    @property
+    def tracker_run_name(self) -> str:
+        return self.run_name or Path(self.output).name
+
+    @property
+    def tracker_dir(self) -> Path:
+        return self.logging_dir if self.logging_dir is not None else Path(self.output) / "runs"
+
     def validate(self) -> None:
+        self.trackers  # noqa: B018 (an unknown tracker, or none with another, is refused here)
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"--loss-type must be one of {', '.join(LOSS_TYPES)}, not {self.loss_type!r}")
         if self.dtype not in DTYPES:

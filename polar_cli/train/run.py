@@ -129,6 +129,13 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     if cfg.resume is None and metrics_path.exists():
         metrics_path.unlink()
 
+    if cfg.trackers:
+        import os
+
+        from polar_cli.trackers import tracker_env
+
+        # TRL's tracker callbacks read their directories from the environment (transformers has no logging_dir).
+        os.environ.update(tracker_env(cfg.trackers, cfg.tracker_dir, cfg.tracker_run_name, cfg.project))
     callbacks: list[TrainerCallback] = [MetricsFile(metrics_path)]
     if cfg.progress:
         callbacks.append(RichProgress())

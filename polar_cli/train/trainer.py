@@ -547,7 +547,10 @@ def build_grpo_config(cfg: Any, *, temperature: float, max_completion_length: in
         save_total_limit=cfg.save_total_limit,
         # Without CUDA, say so: accelerate only forms a multi-process (gloo) group for CPU runs then.
         use_cpu=not torch.cuda.is_available(),
-        report_to="none",
+        # --report-to: TRL's own callbacks log the trainer's metrics (polar_cli/trackers.py sets where they write).
+        report_to=cfg.trackers or "none",
+        run_name=cfg.tracker_run_name,
+        project=cfg.project,
         disable_tqdm=True,
         remove_unused_columns=False,
         ddp_find_unused_parameters=False,
