@@ -28,15 +28,18 @@ from tests.support.shards import session_records
 from tests.test_rollout_presets import SWE_MINI, jsonl_tasks, rollout_through
 
 SCRIPTS = SWE_MINI / "scripts"
-# harness spec -> (its script, the venv it needs)
+# harness spec -> (its script, the venv it needs, the User-Agent it sends)
 HARNESSES = {
-    "mini-swe-agent:toolcall": ("mini-swe-agent-toolcall", "mini-swe-agent"),
-    "mini-swe-agent:textbased": ("mini-swe-agent-textbased", "mini-swe-agent"),
+    "mini-swe-agent:toolcall": ("mini-swe-agent-toolcall", "mini-swe-agent", "mini-swe-agent/2.4.6 (toolcall)"),
+    "mini-swe-agent:textbased": ("mini-swe-agent-textbased", "mini-swe-agent", "mini-swe-agent/2.4.6 (textbased)"),
+    "aider": ("aider", "aider", "aider/0.86.2"),
 }
-# What each scripted action prints, seen in the request after it: the action ran in the workspace.
+# What each scripted action prints, seen in the request after it (None: nothing to see): the action ran in the
+# workspace. Aider's one reply is its edit, which the verifier sees.
 SEEN_AFTER = {
     "mini-swe-agent:toolcall": ["def add(a, b):", None, "Ran 2 tests"],
     "mini-swe-agent:textbased": ["def shout(text):", None, "Ran 2 tests"],
+    "aider": [],
 }
 
 
@@ -65,8 +68,15 @@ def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     (base / "script.json").write_text(
         json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model})
     )
-    options = {"polar_sessions": "registered", "polar_block_other": "true", "polar_sampling": "fixed"}
-    with shared_proxy(base / "script.json", base / "shards", options) as started:
+    # flow_detail=1: every flow the proxy sees is in its log, so anything but a model call shows.
+    options = {
+        "polar_sessions": "registered",
+        "polar_block_other": "true",
+        "polar_sampling": "fixed",
+        "termlog_verbosity": "warn",
+        "flow_detail": "1",
+    }
+    with shared_proxy(base / "script.json", base / "shards", options, quiet=False) as started:
         yield started
 
 
@@ -101,6 +111,36 @@ def test_mini_swe_agent_config(tmp_path: Path) -> None:
         get_preset("mini-swe-agent:xml")
 
 
+def test_aider_config(tmp_path: Path) -> None:
+    """Aider gets the served window and output cap in its model metadata and settings, a fresh non-empty price-list
+    cache (else it downloads one), history files in HOME, and no commit, .gitignore edit, update check or
+    analytics."""
+    preset = get_preset("aider")
+    ctx = context(Path("/home/polar"), context_window=8192, max_output_tokens=512)
+    preset.configure(tmp_path, ctx)
+    metadata = json.loads((tmp_path / ".aider.model.metadata.json").read_text())
+    assert metadata["openai/m"]["max_input_tokens"] == 8192 and metadata["openai/m"]["max_output_tokens"] == 512
+    assert json.loads((tmp_path / ".aider" / "caches" / "model_prices_and_context_window.json").read_text())
+    (settings,) = json.loads((tmp_path / ".aider.model.settings.yml").read_text())
+    assert settings["name"] == "openai/m" and settings["extra_params"]["max_tokens"] == 512
+    env = preset.env(ctx)
+    assert env["OPENAI_API_KEY"] == "polar:psk-test" and env["OPENAI_API_BASE"] == "http://127.0.0.1:2/v1"
+    argv = preset.command("fix it", ctx)
+    assert argv[argv.index("--message") + 1] == "fix it" and argv[argv.index("--model") + 1] == "openai/m"
+    assert {"--yes-always", "--no-auto-commits", "--no-gitignore", "--no-check-update", "--analytics-disable"} <= set(
+        argv
+    )
+    assert all(
+        argv[argv.index(f) + 1].startswith("/home/polar/") for f in ("--chat-history-file", "--input-history-file")
+    )
+    bare = tmp_path / "bare"
+    preset.configure(bare, context(bare))
+    assert "8192" not in (bare / ".aider.model.metadata.json").read_text()
+    assert "max_tokens" not in (bare / ".aider.model.settings.yml").read_text()
+    with pytest.raises(ValueError, match="takes no argument"):
+        get_preset("aider:x")
+
+
 def request_text(record) -> str:
     return json.dumps(json.loads(record.messages_json))
 
@@ -127,7 +167,7 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
     assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
     assert {r.requested_model for r in records} == {model_name(harness)}
-    assert all((r.harness or "").startswith("mini-swe-agent/") for r in records), {r.harness for r in records}
+    assert {r.harness for r in records} == {HARNESSES[harness][2]}
     if harness.endswith("toolcall"):
         assert all([t["function"]["name"] for t in json.loads(r.tools_json)] == ["bash"] for r in records)
         called = [[(c["name"], json.loads(c["arguments"])) for c in r.response_message["tool_calls"]] for r in records]
@@ -139,6 +179,10 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
         if seen is not None:
             assert seen in request_text(record), seen
     assert validate_store(str(proxy.out)) == []
-    # Nothing but model calls went through the proxy: no price list, no telemetry, no update check.
-    other = [line for line in proxy.logs().splitlines() if re.search(r"\b(GET|POST|CONNECT) https?://", line)]
-    assert not [line for line in other if "127.0.0.1" not in line and "polar.local" not in line], other
+    # Nothing but model calls reached the proxy (the harness's HTTPS_PROXY is the forward listener, so a price list,
+    # telemetry or update check would be there, refused): every flow in its log is a chat completion or polar's
+    # own control channel (the runner's boundary probe, refused, is its check that the proxy blocks other traffic).
+    flows = re.findall(r"^\S+: (GET|POST|PUT|HEAD|CONNECT) (\S+)", proxy.logs(), re.MULTILINE)
+    assert any(url.endswith("/v1/chat/completions") for _, url in flows), proxy.logs()[-3000:]
+    ours = ("/v1/chat/completions", "/polar-boundary-probe")
+    assert [f for f in flows if not f[1].endswith(ours) and not f[1].startswith("http://polar.local/")] == []
