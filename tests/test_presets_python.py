@@ -154,7 +154,7 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     venv = HARNESSES[harness][1]
     if not Path(venv_python(venv)).exists():
         missing(f"{venv} venv missing (make pyharnesses)")
-    turns = script(harness)["turns"]
+    turns = script(harness)["turns"][script(harness).get("first_requested", 0) :]
     task_id = script(harness)["task"]
     tasks = tmp_path / "tasks.jsonl"
     task = dict(jsonl_tasks()[task_id], workspace=str(SWE_MINI / jsonl_tasks()[task_id]["workspace"]))
