@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST_ARGS = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-.PHONY: docs docs-serve lint install engine harnesses s3 browser sandbox model real-model sglang-contract test test-real test-fast demo demo-harness demo-real bench mutation clean
+.PHONY: docs docs-serve lint install engine harnesses pyharnesses s3 browser sandbox model real-model sglang-contract test test-real test-fast demo demo-harness demo-real bench mutation clean
 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -38,6 +38,16 @@ harnesses: $(HARNESS_DIR)/.installed
 $(HARNESS_DIR)/.installed: Makefile
 	mkdir -p $(HARNESS_DIR)
 	cd $(HARNESS_DIR) && npm install --silent --no-audit --no-fund $(HARNESS_PACKAGES)
+	touch $@
+
+# The Python agent harnesses, each in a venv of its own (their LiteLLM/openai/pydantic pins clash with ours and
+# with each other's), at the versions harness-py/NAME.txt pins (pip freeze of a working install): the harness and
+# its LiteLLM pinned exactly. A few minutes each; ~0.7 GB each.
+PY_HARNESSES := mini-swe-agent aider
+pyharnesses: $(foreach h,$(PY_HARNESSES),$(HARNESS_DIR)/py/$(h)/.installed)
+$(HARNESS_DIR)/py/%/.installed: harness-py/%.txt
+	test -x $(@D)/bin/python || $(PY) -m venv $(@D)
+	$(@D)/bin/pip install -q --no-deps -r $<
 	touch $@
 
 # A real S3-compatible server (moto) for the remote-store tests, in its own venv: installed next to
@@ -117,7 +127,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
-test: install docs lint engine harnesses s3 browser sandbox model sglang-contract
+test: install docs lint engine harnesses pyharnesses s3 browser sandbox model sglang-contract
 	$(BIN)/python -m pytest -q -rs $(XDIST_ARGS) --durations=40 -m "not real" $(PYTEST_ARGS)
 
 # The real 0.5B model through polar (tests/test_real_model.py: one session per API dialect, vLLM bf16), the model

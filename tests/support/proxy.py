@@ -62,9 +62,12 @@ def register_session(
 
 
 @contextmanager
-def shared_proxy(script: Path, out: Path, options: dict[str, str] | None = None) -> Iterator[SharedProxy]:
+def shared_proxy(
+    script: Path, out: Path, options: dict[str, str] | None = None, quiet: bool = True
+) -> Iterator[SharedProxy]:
     """One mitmdump for several harnesses on the scripted engine ``script``: a forward listener (Codex's WebSocket)
-    and a reverse one (base-URL harnesses); its CA and log sit beside ``out``."""
+    and a reverse one (base-URL harnesses); its CA and log sit beside ``out``. ``quiet=False`` leaves mitmdump's
+    own log settings to ``options`` (e.g. ``flow_detail=1``: every flow it sees in the log)."""
     forward, reverse = free_port(), free_port()
     confdir, log = out.parent / f"conf-{out.name}", out.parent / f"mitmdump-{out.name}.log"
     confdir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +78,7 @@ def shared_proxy(script: Path, out: Path, options: dict[str, str] | None = None)
         confdir=confdir,
         modes=[f"regular@{forward}", f"reverse:https://api.openai.com@{reverse}"],
         options={"polar_shard_seconds": "0.5", **(options or {})},
+        quiet=quiet,
     )
     with open(log, "wb") as fh:
         process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)

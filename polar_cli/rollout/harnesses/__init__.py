@@ -1,5 +1,5 @@
 """Harness presets: one module each (``claude_code``, ``codex``, ``qwen_code``, ``pi``, ``gemini_cli``,
-``command``), all behind :class:`base.HarnessPreset`.
+``mini_swe_agent``, ``aider``, ``command``), all behind :class:`base.HarnessPreset`.
 
 The convention: ``--harness NAME[:ARG]`` imports ``polar_cli.rollout.harnesses.<NAME with - as _>`` and calls its
 module-level ``make(arg: str | None = None) -> HarnessPreset``; ``cmd:ANY COMMAND {instruction}`` is the

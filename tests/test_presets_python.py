@@ -1,0 +1,188 @@
+"""Python harness presets (each in its own venv under ``.harness/py``, ``make pyharnesses``) drive the real
+agents through a swe_mini bug fix.
+
+As tests/test_rollout_presets.py does for the npm CLIs: ``polar rollout --runtime bwrap --network proxy-only`` runs
+the real harness on a swe_mini task against one shared mitmdump whose scripted engine replays that harness's own fix
+(``examples/swe_mini/scripts/HARNESS.json``: its own action format). The harness must exit 0, the runner's verifier
+must give 1.0, every call must be stored under the session, task, group and sample, each scripted action must have
+run (its output is in the next request), and the proxy must have seen nothing but those model calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from polar_addon.store.validate import validate_store
+from polar_cli.rollout.harnesses import get_preset
+from polar_cli.rollout.harnesses._venv import venv_python
+from polar_cli.rollout.harnesses.base import SessionContext
+from tests.support.prereq import missing
+from tests.support.proxy import SharedProxy, shared_proxy
+from tests.support.shards import session_records
+from tests.test_rollout_presets import SWE_MINI, jsonl_tasks, rollout_through
+
+SCRIPTS = SWE_MINI / "scripts"
+# harness spec -> (its script, the venv it needs, the User-Agent it sends)
+HARNESSES = {
+    "mini-swe-agent:toolcall": ("mini-swe-agent-toolcall", "mini-swe-agent", "mini-swe-agent/2.4.6 (toolcall)"),
+    "mini-swe-agent:textbased": ("mini-swe-agent-textbased", "mini-swe-agent", "mini-swe-agent/2.4.6 (textbased)"),
+    "aider": ("aider", "aider", "aider/0.86.2"),
+}
+# What each scripted action prints, seen in the request after it (None: nothing to see): the action ran in the
+# workspace. Aider's one reply is its edit, which the verifier sees.
+SEEN_AFTER = {
+    "mini-swe-agent:toolcall": ["def add(a, b):", None, "Ran 2 tests"],
+    "mini-swe-agent:textbased": ["def shout(text):", None, "Ran 2 tests"],
+    "aider": [],
+}
+
+
+def script(harness: str) -> dict:
+    return json.loads((SCRIPTS / f"{HARNESSES[harness][0]}.json").read_text())
+
+
+def model_name(harness: str) -> str:
+    return f"swe-{harness}"  # as rollout_through names it
+
+
+def context(home: Path, **window: int | None) -> SessionContext:
+    return SessionContext(session_id="s", task_id="t", group_id="g", sample=0, model="m",
+                          proxy_url="http://127.0.0.1:1", reverse_url="http://127.0.0.1:2", ca_path="/ca.pem",
+                          home=str(home), workspace="/workspace", secret="psk-test", **window)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedProxy]:
+    """One mitmdump for every Python harness: its scripted engine picks each one's turns by model name."""
+    base = tmp_path_factory.mktemp("pypresets-proxy")
+    by_model = {
+        model_name(h): json.loads(json.dumps(script(h)["turns"]).replace("{workspace}", "/workspace"))
+        for h in HARNESSES
+    }
+    (base / "script.json").write_text(
+        json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model})
+    )
+    # flow_detail=1: every flow the proxy sees is in its log, so anything but a model call shows.
+    options = {
+        "polar_sessions": "registered",
+        "polar_block_other": "true",
+        "polar_sampling": "fixed",
+        "termlog_verbosity": "warn",
+        "flow_detail": "1",
+    }
+    with shared_proxy(base / "script.json", base / "shards", options, quiet=False) as started:
+        yield started
+
+
+def test_mini_swe_agent_config(tmp_path: Path) -> None:
+    """The flavour picks mini's bundled config and model class; the output cap is LiteLLM's ``max_tokens``; the
+    session rides on the key (never in a file mini writes its trajectory from); first-run wizard and LiteLLM's
+    downloads are off."""
+    for flavour, builtin, model_class in (
+        ("toolcall", "mini.yaml", "litellm"),
+        ("textbased", "mini_textbased.yaml", "litellm_textbased"),
+    ):
+        preset = get_preset(f"mini-swe-agent:{flavour}")
+        home = tmp_path / flavour
+        ctx = context(Path("/home/polar"), context_window=8192, max_output_tokens=512)
+        preset.configure(home, ctx)
+        config = json.loads((home / ".config" / "polar" / "mini-swe-agent.yaml").read_text())
+        assert config["model"]["model_class"] == model_class and config["model"]["model_name"] == "openai/m"
+        assert config["model"]["model_kwargs"]["api_base"] == "http://127.0.0.1:2/v1"
+        assert config["model"]["model_kwargs"]["max_tokens"] == 512
+        assert config["agent"] == {"mode": "yolo", "confirm_exit": False, "cost_limit": 0}
+        assert "psk-test" not in json.dumps(config)
+        env = preset.env(ctx)
+        assert env["OPENAI_API_KEY"] == "polar:psk-test" and env["MSWEA_CONFIGURED"] == "true"
+        assert env["LITELLM_OFFLINE_MODE"] == "true" and env["MSWEA_COST_TRACKING"] == "ignore_errors"
+        argv = preset.command("fix it", ctx)
+        assert argv[argv.index("-c") + 1] == builtin and "/home/polar/.config/polar/mini-swe-agent.yaml" in argv
+        assert argv[argv.index("-t") + 1] == "fix it" and {"-y", "--exit-immediately"} <= set(argv)
+    bare = tmp_path / "bare"
+    get_preset("mini-swe-agent").configure(bare, context(bare))
+    assert "max_tokens" not in (bare / ".config" / "polar" / "mini-swe-agent.yaml").read_text()
+    with pytest.raises(ValueError, match="unknown flavour"):
+        get_preset("mini-swe-agent:xml")
+
+
+def test_aider_config(tmp_path: Path) -> None:
+    """Aider gets the served window and output cap in its model metadata and settings, a fresh non-empty price-list
+    cache (else it downloads one), history files in HOME, and no commit, .gitignore edit, update check or
+    analytics."""
+    preset = get_preset("aider")
+    ctx = context(Path("/home/polar"), context_window=8192, max_output_tokens=512)
+    preset.configure(tmp_path, ctx)
+    metadata = json.loads((tmp_path / ".aider.model.metadata.json").read_text())
+    assert metadata["openai/m"]["max_input_tokens"] == 8192 and metadata["openai/m"]["max_output_tokens"] == 512
+    assert json.loads((tmp_path / ".aider" / "caches" / "model_prices_and_context_window.json").read_text())
+    (settings,) = json.loads((tmp_path / ".aider.model.settings.yml").read_text())
+    assert settings["name"] == "openai/m" and settings["extra_params"]["max_tokens"] == 512
+    env = preset.env(ctx)
+    assert env["OPENAI_API_KEY"] == "polar:psk-test" and env["OPENAI_API_BASE"] == "http://127.0.0.1:2/v1"
+    argv = preset.command("fix it", ctx)
+    assert argv[argv.index("--message") + 1] == "fix it" and argv[argv.index("--model") + 1] == "openai/m"
+    assert {"--yes-always", "--no-auto-commits", "--no-gitignore", "--no-check-update", "--analytics-disable"} <= set(
+        argv
+    )
+    assert all(
+        argv[argv.index(f) + 1].startswith("/home/polar/") for f in ("--chat-history-file", "--input-history-file")
+    )
+    bare = tmp_path / "bare"
+    preset.configure(bare, context(bare))
+    assert "8192" not in (bare / ".aider.model.metadata.json").read_text()
+    assert "max_tokens" not in (bare / ".aider.model.settings.yml").read_text()
+    with pytest.raises(ValueError, match="takes no argument"):
+        get_preset("aider:x")
+
+
+def request_text(record) -> str:
+    return json.dumps(json.loads(record.messages_json))
+
+
+@pytest.mark.harness
+@pytest.mark.parametrize("harness", list(HARNESSES))
+def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp_path: Path) -> None:
+    """The scripted fix end to end through the real harness in a proxy-only bwrap sandbox."""
+    if shutil.which("bwrap") is None:
+        missing("bubblewrap missing (make sandbox)")
+    venv = HARNESSES[harness][1]
+    if not Path(venv_python(venv)).exists():
+        missing(f"{venv} venv missing (make pyharnesses)")
+    turns = script(harness)["turns"][script(harness).get("first_requested", 0) :]
+    task_id = script(harness)["task"]
+    tasks = tmp_path / "tasks.jsonl"
+    task = dict(jsonl_tasks()[task_id], workspace=str(SWE_MINI / jsonl_tasks()[task_id]["workspace"]))
+    tasks.write_text(json.dumps(task) + "\n")
+    seed = 200 + list(HARNESSES).index(harness)
+    session, logs = rollout_through(proxy, tasks, harness, "bwrap", seed, tmp_path / "report")
+
+    records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
+    # One call per scripted turn, no more: the last action's COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT ended the run.
+    assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
+    assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
+    assert {r.requested_model for r in records} == {model_name(harness)}
+    assert {r.harness for r in records} == {HARNESSES[harness][2]}
+    if harness.endswith("toolcall"):
+        assert all([t["function"]["name"] for t in json.loads(r.tools_json)] == ["bash"] for r in records)
+        called = [[(c["name"], json.loads(c["arguments"])) for c in r.response_message["tool_calls"]] for r in records]
+        assert called == [[("bash", c["function"]["arguments"]) for c in t["tool_calls"]] for t in turns]
+    else:
+        assert all(json.loads(r.tools_json) == [] for r in records)
+        assert [r.response_message["content"] for r in records] == [t["content"] for t in turns]
+    for record, seen in zip(records[1:], SEEN_AFTER[harness], strict=True):
+        if seen is not None:
+            assert seen in request_text(record), seen
+    assert validate_store(str(proxy.out)) == []
+    # Nothing but model calls reached the proxy (the harness's HTTPS_PROXY is the forward listener, so a price list,
+    # telemetry or update check would be there, refused): every flow in its log is a chat completion or polar's
+    # own control channel (the runner's boundary probe, refused, is its check that the proxy blocks other traffic).
+    flows = re.findall(r"^\S+: (GET|POST|PUT|HEAD|CONNECT) (\S+)", proxy.logs(), re.MULTILINE)
+    assert any(url.endswith("/v1/chat/completions") for _, url in flows), proxy.logs()[-3000:]
+    ours = ("/v1/chat/completions", "/polar-boundary-probe")
+    assert [f for f in flows if not f[1].endswith(ours) and not f[1].startswith("http://polar.local/")] == []
