@@ -13,10 +13,13 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from pydantic import TypeAdapter
 from typer.testing import CliRunner
 
-from polar_addon.capture import CaptureRecord
+from polar_addon.capture import CaptureRecord, Identity
+from polar_addon.engines import EnginePool
+from polar_addon.engines.scripted import ScriptedEngine
+from polar_addon.gateway import FullReply, Gateway, IncomingCall
 from polar_addon.store import TraceStore, read_records
 from polar_cli.app import app
-from polar_cli.export import ATIF_VERSION, session_trajectory
+from polar_cli.export import ATIF_VERSION, chain_example, session_trajectory
 from polar_cli.export.atif import chain_steps, trajectory_file_name
 from tests.support.harbor_atif import Trajectory
 
@@ -202,3 +205,130 @@ def test_export_refuses_an_unknown_format_and_an_existing_out(store, tmp_path: P
     assert result.exit_code == 2 and "--overwrite" in result.output and out.read_text() == "keep\n"
     _export(root, out, "openai-jsonl", "--overwrite", "--session", "tools")
     assert len(out.read_bytes().splitlines()) == 1
+
+
+# --- every API dialect, through the real gateway (real providers, the scripted engine, a real TraceStore) ---
+
+LS = {
+    "name": "ls",
+    "description": "List files.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
+
+
+def _call(path: str, session: str, agent: str, payload: dict) -> IncomingCall:
+    return IncomingCall(
+        method="POST",
+        path=path,
+        headers={"user-agent": agent},
+        body=orjson.dumps(payload),
+        identity=Identity(session_id=session, source="header"),
+    )
+
+
+async def _answer(gateway: Gateway, call: IncomingCall) -> dict:
+    reply = await gateway.handle(call)
+    assert isinstance(reply, FullReply) and reply.status == 200, reply.body
+    return orjson.loads(reply.body)
+
+
+async def _openai_chat(gateway: Gateway) -> None:
+    body = {"model": "tiny", "tools": [{"type": "function", "function": LS}]}
+    messages: list[dict] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is here?"}]
+    first = await _answer(
+        gateway, _call("/v1/chat/completions", "d-chat", "opencode/1.2.3", {**body, "messages": messages})
+    )
+    message = first["choices"][0]["message"]
+    messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "a.txt"}]
+    await _answer(gateway, _call("/v1/chat/completions", "d-chat", "opencode/1.2.3", {**body, "messages": messages}))
+
+
+async def _anthropic(gateway: Gateway) -> None:
+    tool = {"name": LS["name"], "description": LS["description"], "input_schema": LS["parameters"]}
+    body = {"model": "tiny", "max_tokens": 64, "system": "Be brief.", "tools": [tool]}
+    messages: list[dict] = [{"role": "user", "content": "What is here?"}]
+    path, agent = "/v1/messages?beta=true", "claude-cli/2.1.197 (external, cli)"
+    first = await _answer(gateway, _call(path, "d-anthropic", agent, {**body, "messages": messages}))
+    use = next(b for b in first["content"] if b["type"] == "tool_use")
+    messages += [
+        {"role": "assistant", "content": first["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a.txt"}]},
+    ]
+    await _answer(gateway, _call(path, "d-anthropic", agent, {**body, "messages": messages}))
+
+
+async def _responses(gateway: Gateway) -> None:
+    body = {"model": "tiny", "instructions": "Be brief.", "tools": [{"type": "function", **LS}], "store": False}
+    items: list[dict] = [{"role": "user", "content": "What is here?"}]
+    first = await _answer(
+        gateway, _call("/v1/responses", "d-responses", "codex_exec/0.171.0", {**body, "input": items})
+    )
+    call = next(o for o in first["output"] if o["type"] == "function_call")
+    items += [*first["output"], {"type": "function_call_output", "call_id": call["call_id"], "output": "a.txt"}]
+    await _answer(gateway, _call("/v1/responses", "d-responses", "codex_exec/0.171.0", {**body, "input": items}))
+
+
+async def _gemini(gateway: Gateway) -> None:
+    body = {"systemInstruction": {"parts": [{"text": "Be brief."}]}, "tools": [{"functionDeclarations": [LS]}]}
+    contents: list[dict] = [{"role": "user", "parts": [{"text": "What is here?"}]}]
+    path, agent = "/v1beta/models/tiny:generateContent", "GeminiCLI/0.30.0 (linux; x64)"
+    first = await _answer(gateway, _call(path, "d-gemini", agent, {**body, "contents": contents}))
+    content = first["candidates"][0]["content"]
+    called = next(p["functionCall"] for p in content["parts"] if "functionCall" in p)
+    response = {"functionResponse": {"name": called["name"], "response": {"output": "a.txt"}}}
+    contents += [content, {"role": "user", "parts": [response]}]
+    await _answer(gateway, _call(path, "d-gemini", agent, {**body, "contents": contents}))
+
+
+DIALECTS = {"d-chat": _openai_chat, "d-anthropic": _anthropic, "d-responses": _responses, "d-gemini": _gemini}
+
+
+def test_every_api_dialects_sessions_validate_and_pair_each_call_with_its_result(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    script = tmp_path / "script.json"
+    turns = [
+        {
+            "content": "Let me look.",
+            "tool_calls": [{"type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}],
+        },
+        {"content": "There is one file."},
+    ]
+    script.write_bytes(orjson.dumps({"model_dir": str(tiny_model_dir), "cycle": True, "turns": turns}))
+    root = tmp_path / "store"
+
+    async def main() -> None:
+        gateway = Gateway(EnginePool([ScriptedEngine(str(script))]), TraceStore(str(root)))
+        for run in DIALECTS.values():
+            await run(gateway)
+        await gateway.close()
+
+    asyncio.run(main())
+    records = read_records(str(root))
+    assert sorted({r.api for r in records}) == ["anthropic_messages", "gemini", "openai_chat", "openai_responses"]
+    for session_id in DIALECTS:
+        calls = [r for r in records if r.session_id == session_id]
+        assert [r.status for r in calls] == ["ok", "ok"], session_id
+        data = orjson.loads(orjson.dumps(session_trajectory(session_id, calls)))
+        model = Trajectory.model_validate(data)
+        assert model.to_json_dict() == data
+        assert [(s.source, s.message) for s in model.steps] == [
+            ("system", "Be brief."),
+            ("user", "What is here?"),
+            ("agent", "Let me look."),
+            ("agent", "There is one file."),
+        ], session_id
+        look = model.steps[2]
+        assert [(c.function_name, c.arguments) for c in look.tool_calls] == [("ls", {"path": "."})]
+        assert look.observation is not None
+        # Gemini's functionResponse is an object: its canonical tool result is that object's JSON text.
+        result = '{"output":"a.txt"}' if session_id == "d-gemini" else "a.txt"
+        assert [(r.source_call_id, r.content) for r in look.observation.results] == [
+            (look.tool_calls[0].tool_call_id, result)
+        ]
+        # The id the harness saw and answered (Anthropic's wire id is toolu_ + the engine's), not the engine's own.
+        assert look.tool_calls[0].tool_call_id == calls[1].messages[2]["tool_calls"][0]["id"]
+        assert [s.metrics.completion_token_ids for s in model.steps[2:]] == [r.response_ids for r in calls]
+        messages = chain_example(calls)["messages"]
+        MESSAGES.validate_python(messages)
+        assert messages[2]["tool_calls"][0]["id"] == messages[3]["tool_call_id"]

@@ -59,13 +59,32 @@ def sampled_message(record: CaptureRecord) -> dict[str, Any]:
     return AssistantMessage.from_dict(record.response_message or {}).to_openai()
 
 
+def _with_sent_ids(sampled: dict[str, Any], sent: Any) -> dict[str, Any]:
+    """``sampled`` with the tool call ids of the copy the harness sent back, when that copy holds as many calls.
+
+    A provider may give a call another id on the wire than the engine's (Anthropic's ``toolu_`` prefix): the
+    tool results that follow name the wire id, so that is the one their call must carry."""
+    calls = sampled.get("tool_calls") or []
+    sent_calls = sent.get("tool_calls") if isinstance(sent, dict) and sent.get("role") == "assistant" else None
+    if not calls or not isinstance(sent_calls, list) or len(sent_calls) != len(calls):
+        return sampled
+    ids = [c.get("id") if isinstance(c, dict) else None for c in sent_calls]
+    if not all(isinstance(i, str) and i for i in ids):
+        return sampled
+    return {**sampled, "tool_calls": [{**c, "id": i} for c, i in zip(calls, ids)]}
+
+
 def chain_turns(records: Sequence[CaptureRecord]) -> list[Turn]:
     """The conversation of one chain's calls (in order): what the harness sent, then each call's sampled answer."""
+    requests = [orjson.loads(record.messages_json) for record in records]
     turns: list[Turn] = []
     known = 0  # messages of the conversation already turned (requests' messages plus the answers sent back)
-    for record in records:
-        messages = orjson.loads(record.messages_json)
+    for n, (record, messages) in enumerate(zip(records, requests)):
         turns.extend(Turn(m, None, record.started_at) for m in messages[known:])
-        turns.append(Turn(sampled_message(record), record, record.finished_at))
         known = len(messages) + 1  # the next request re-sends this answer at index len(messages)
+        sampled = sampled_message(record)
+        following = requests[n + 1] if n + 1 < len(requests) else []
+        if len(following) >= known:
+            sampled = _with_sent_ids(sampled, following[known - 1])
+        turns.append(Turn(sampled, record, record.finished_at))
     return turns
