@@ -21,6 +21,7 @@ from polar_addon.store import TraceStore, read_records
 from polar_cli.app import app
 from polar_cli.export import ATIF_VERSION, chain_example, session_trajectory
 from polar_cli.export.atif import chain_steps, trajectory_file_name
+from tests.support.atif import check_atif_export
 from tests.support.harbor_atif import Trajectory
 
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -60,7 +61,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
             for sim in (tools, _side_session(), failed):
                 for record in sim.records:
                     await trace_store.append(record)
-            await trace_store.session_update("tools", status="completed", task_id="t0", group_id="g0", sample_index=3)
+            await trace_store.session_update(
+                "tools", status="completed", task_id="t0", group_id="g0", sample_index=3, harness="claude-code"
+            )
             await trace_store.add_reward("tools", 1.0)
 
     asyncio.run(write())
@@ -98,7 +101,8 @@ def test_a_tool_session_round_trips_in_order_with_its_tokens(store, tmp_path: Pa
     data = _atif(root, tmp_path)["tools.json"]
     records = [r for r in read_records(str(root)) if r.session_id == "tools"]
     assert data["session_id"] == "tools" and "subagent_trajectories" not in data
-    assert data["agent"]["name"] == "claude-cli" and data["agent"]["version"] == "2.1.197"
+    # The preset names the agent; the version is the client's own, from its User-Agent.
+    assert data["agent"]["name"] == "claude-code" and data["agent"]["version"] == "2.1.197"
     assert data["agent"]["model_name"] == "tiny"
     assert data["agent"]["tool_definitions"] == records[-1].tools
     assert data["final_metrics"]["extra"] == {"reward": 1.0, "status": "completed"}
@@ -305,6 +309,7 @@ def test_every_api_dialects_sessions_validate_and_pair_each_call_with_its_result
 
     asyncio.run(main())
     records = read_records(str(root))
+    assert set(check_atif_export(str(root))) == set(DIALECTS)
     assert sorted({r.api for r in records}) == ["anthropic_messages", "gemini", "openai_chat", "openai_responses"]
     for session_id in DIALECTS:
         calls = [r for r in records if r.session_id == session_id]

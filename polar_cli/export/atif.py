@@ -140,14 +140,19 @@ def chain_steps(records: Sequence[CaptureRecord]) -> list[dict[str, Any]]:
     return [{"step_id": i, **step} for i, step in enumerate(steps, 1)]
 
 
+def _version(label: str | None) -> str | None:
+    """The version in a User-Agent's product token ("claude-cli/2.1.197 (external, cli)" -> "2.1.197")."""
+    product = label.split()[0] if label and label.strip() else ""
+    return (product.split("/", 1)[1] or None) if "/" in product else None
+
+
 def _agent(records: Sequence[CaptureRecord], session: SessionInfo | None) -> dict[str, Any]:
     user_agent = next((r.harness for r in records if r.harness), None)
-    label = session.harness if session and session.harness else user_agent
-    product = (label or "").split()[0] if (label or "").strip() else ""
-    version = product.split("/", 1)[1] if "/" in product else ""
+    preset = session.harness if session else None
     agent: dict[str, Any] = {
-        "name": harness_name(session.harness if session else None, user_agent),
-        "version": version or "unknown",
+        "name": harness_name(preset, user_agent),
+        # A preset's name carries no version; the client's own User-Agent usually does.
+        "version": _version(preset) or _version(user_agent) or "unknown",
     }
     model = next((r.served_model for r in records if r.served_model), None)
     if model:
