@@ -91,6 +91,9 @@ register_loop(app)
 from polar_cli.model_cmd import model_app  # noqa: E402  (model import-gguf)
 
 app.add_typer(model_app, name="model")
+from polar_cli.export_cmd import register as register_export  # noqa: E402  (export)
+
+register_export(app)
 
 
 def main() -> None:

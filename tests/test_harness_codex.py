@@ -22,6 +22,7 @@ import pytest
 from bench.fidelity import compare_flows, print_table
 from polar_cli.build import build_traces
 from tests.build_helpers import check_trace, tiny_tokenizer
+from tests.support.atif import check_atif_export
 from tests.support.harnesses import calls, harness, run
 from tests.support.proxy import run_mitmdump
 
@@ -114,6 +115,7 @@ def test_codex_default_provider_over_websocket(tiny_model_dir, tmp_path):
         records = calls(out, "codex-ws")
     assert "Falling back from WebSockets" not in output and "It printed polar-was-here." in result.stdout
     check_tool_loop(records)
+    check_atif_export(str(out), ["codex-ws"])  # each turn sent only its new items: the export still pairs them
     # Codex's calls to hosts that are unreachable offline failed fast: the run is the two engine
     # calls (a few seconds each on CPU) plus the command, not a minute of retries.
     assert elapsed < 150, elapsed
@@ -159,6 +161,7 @@ def test_codex_custom_provider_over_http(tiny_model_dir, tmp_path):
         records = calls(out, "codex-http")
     assert "It printed polar-was-here." in result.stdout
     check_tool_loop(records)
+    check_atif_export(str(out), ["codex-http"])
     assert all(r.task_id == "echo" for r in records)
     check_fidelity(flows, "codex-http")
 

@@ -13,6 +13,7 @@ from polar_addon.store import read_records, read_sessions
 from polar_cli.build import build_traces
 from polar_cli.build.inputs import session_info
 from tests.build_helpers import check_trace
+from tests.support.atif import check_atif_export
 from tests.support.harnesses import harness, run
 from tests.support.proxy import run_mitmdump
 
@@ -90,3 +91,14 @@ def test_claude_code_tool_loop_merges_into_one_trace(tiny_model_dir, tmp_path):
     check_trace(trace, {r.record_id: r for r in records}, retokenized_ok=False)
     assert trace.trainable and trace.reward == 1.0
     assert sum(trace.loss_mask) == sum(len(r.response_ids) for r in records)
+
+    # The same real session exported as Harbor ATIF: valid under Harbor's models, the Glob call paired with its
+    # result, each sampled turn with its exact tokens, the verifier's reward on the trajectory.
+    atif = check_atif_export(str(out), ["cc-loop"])["cc-loop"]
+    agent = [s for s in atif.steps if s.source == "agent"]
+    assert [s.metrics.completion_token_ids for s in agent] == [r.response_ids for r in records]
+    (glob,) = agent[0].tool_calls
+    assert glob.function_name == "Glob" and glob.arguments == {"pattern": "*.txt"}
+    (result,) = agent[0].observation.results
+    assert result.source_call_id == glob.tool_call_id and "notes.txt" in result.content
+    assert atif.final_metrics.extra == {"reward": 1.0, "status": "completed"}

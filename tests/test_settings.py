@@ -16,6 +16,7 @@ from polar_cli.app import TinyModelSettings
 from polar_cli.build_cmd import BuildSettings, StatsSettings, ViewSettings
 from polar_cli.engine_cmd import EngineReloadSettings, EngineServeSettings, EngineStopSettings
 from polar_cli.eval_cmd import EvalSettings
+from polar_cli.export_cmd import ExportSettings
 from polar_cli.loop_cmd import LoopSettings
 from polar_cli.model_cmd import ModelImportGgufSettings
 from polar_cli.proxy_cmd import ProxySettings
@@ -155,6 +156,7 @@ SETTINGS_OF_COMMANDS = [
     ("reward", RewardSettings),
     ("tiny-model", TinyModelSettings),
     ("model import-gguf", ModelImportGgufSettings),
+    ("export", ExportSettings),
 ]
 
 
