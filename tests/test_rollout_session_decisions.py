@@ -29,9 +29,8 @@ from tests.support.shards import wait_for_shards
 
 S = SessionStatus
 HARNESS = "cmd:sh -c {instruction}"
-# Sample 0 answers after 2 s (every other sample's harness has started by then: a harness whose process is not up yet
-# when its group stops is not cancelled, see bench/mutation_report.md); the others would sleep far past any test's
-# time, so they must be cancelled.
+# Sample 0 answers after 2 s (every other sample's harness has started by then); the others would sleep far past any
+# test's time, so they must be cancelled.
 SLOW_UNLESS_0 = 'if [ "$POLAR_SAMPLE" = 0 ]; then sleep 2; echo done; else sleep 30; echo late; fi'
 
 
@@ -258,6 +257,33 @@ def test_early_stop_cancels_the_running_stragglers(proxy: StartedProxy, tmp_path
     assert stored[("race", 1)].metadata["reason"] == "cancelled"
     assert config.progress.statuses == {S.COMPLETED: 1, S.CANCELLED: 1}
     assert config.progress.group_rewards == {"race": [1.0]}
+
+
+def test_early_stop_cancels_a_straggler_whose_process_was_not_spawned_yet(
+    proxy: StartedProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session is in RUN before its harness's process exists (here: sample 1's spawn takes 2 s); the group stops
+    in that window, when the runtime has nothing to kill yet. The straggler is still cancelled once it is up, not
+    left to sleep its 30 s."""
+    from polar_cli.rollout.runtimes.local import LocalSandbox
+
+    spawn = LocalSandbox.exec
+
+    async def slow_spawn(self, command, *, env=None, **kwargs):
+        if (env or {}).get("POLAR_SAMPLE") == "1":
+            await asyncio.sleep(2)
+        return await spawn(self, command, env=env, **kwargs)
+
+    monkeypatch.setattr(LocalSandbox, "exec", slow_spawn)
+    script = 'if [ "$POLAR_SAMPLE" = 0 ]; then echo done; else sleep 30; echo late; fi'
+    config = _config(proxy, tmp_path, [{"id": "unborn", "instruction": script}], samples=2, early_stop=1)
+    started = time.monotonic()
+    results, runner = _drive(proxy, config, tmp_path / "work", slots=2)
+    assert time.monotonic() - started < 20
+    assert results[("unborn", 0)].status == S.COMPLETED
+    assert (results[("unborn", 1)].status, results[("unborn", 1)].ran) == (S.CANCELLED, True)
+    assert results[("unborn", 1)].reason == "early stop: cancelled while running"
+    assert results[("unborn", 1)].timings["run"] < 15
 
 
 def test_a_failed_session_is_usable_and_counts_toward_early_stop(proxy: StartedProxy, tmp_path: Path) -> None:

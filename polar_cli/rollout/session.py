@@ -84,6 +84,7 @@ log = logging.getLogger("polar.rollout")
 STAGES = ("pending", "init", "ready", "run", "postrun", "done")
 _LOG_TAIL = 2000
 AGENT_OUTPUT_ENV = "POLAR_AGENT_OUTPUT"  # the verify command's path to the harness's stdout
+CANCEL_RETRY_S = 0.2  # how often an early-stopped harness is cancelled again until its RUN returns
 
 
 @dataclass
@@ -299,9 +300,18 @@ class SessionRunner:
         self.stopped_groups.add(group)
         for other in self.running.get(group, []):
             if other.sandbox is not None:
-                job = asyncio.create_task(other.sandbox.cancel())
+                job = asyncio.create_task(self._cancel_run(other))
                 self.cancels.add(job)
                 job.add_done_callback(self.cancels.discard)
+
+    async def _cancel_run(self, session: Session) -> None:
+        """Cancel ``session``'s harness until its RUN returns. A session is in RUN before its harness's process is
+        spawned, and a runtime only kills the processes it already has: one cancel in that window would leave the
+        straggler to run to its own end."""
+        assert session.sandbox is not None
+        while session in self.running.get(session.task.id, []):
+            await session.sandbox.cancel()
+            await asyncio.sleep(CANCEL_RETRY_S)
 
     # -- INIT -----------------------------------------------------------------------------------------------------
 
