@@ -79,9 +79,9 @@ def static_bytes(shape: ModelShape, reference_model: bool = False) -> int:
     return FRAMEWORK_BYTES + weights + 12 * shape.trainable_params
 
 
-def head_bytes(shape: ModelShape) -> int:
-    """The fused log-prob head's transient tiles (independent of the budget once it exceeds one tile)."""
-    return HEAD_TILE_TOKENS * min(shape.vocab_size, HEAD_TILE_VOCAB) * 4 * HEAD_TEMPORARIES
+def head_bytes(shape: ModelShape, tokens: int = HEAD_TILE_TOKENS) -> int:
+    """The fused log-prob head's transient tiles for a forward scoring ``tokens`` positions (at most one tile)."""
+    return min(tokens, HEAD_TILE_TOKENS) * min(shape.vocab_size, HEAD_TILE_VOCAB) * 4 * HEAD_TEMPORARIES
 
 
 def available_memory(processes: int = 1) -> int | None:
@@ -141,11 +141,16 @@ def plan_memory(
     on only when that budget would not hold the longest row. A forward always holds at least one row, so a row
     longer than the budget gets a forward of its own.
     """
+    # The head's tiles are counted at their largest: trained positions are a fraction of a forward's tokens.
     fixed = static_bytes(shape, reference_model) + head_bytes(shape)
     usable = None if available is None else int(available * USABLE_FRACTION) - fixed
 
     def need(tokens: int, ckpt: bool) -> int:
-        return fixed + tokens * activation_bytes_per_token(shape, ckpt)
+        return (
+            static_bytes(shape, reference_model)
+            + head_bytes(shape, tokens)
+            + tokens * activation_bytes_per_token(shape, ckpt)
+        )
 
     def fits(tokens: int, ckpt: bool) -> int:
         return max(0, usable // activation_bytes_per_token(shape, ckpt)) if usable is not None else 0
@@ -186,7 +191,13 @@ def plan_memory(
         )
     else:
         why += f"; gradient checkpointing {'on' if ckpt else 'off'}{' (as asked)' if gradient_checkpointing else ''}"
-    return MemoryPlan(budget, ckpt, why, available, need(max(budget, longest_row), ckpt))
+    needed = need(max(budget, longest_row), ckpt)
+    if needed > available * USABLE_FRACTION:
+        why += (
+            f"; the longest trace may not fit: ~{needed / GIB:.1f} GiB estimated for a "
+            f"{max(budget, longest_row)}-token forward (lower --max-length, or use LoRA)"
+        )
+    return MemoryPlan(budget, ckpt, why, available, needed)
 
 
 @dataclass(frozen=True)
