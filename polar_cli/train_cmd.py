@@ -48,7 +48,7 @@ def train(
         logging.getLogger("polar.train").addHandler(handler)
         logging.getLogger("polar.train").setLevel(logging.INFO)
     try:
-        result = run_training(cfg)
+        result = run_training(cfg, echo=lambda line: console.print(markup_safe(line)))
     except NothingToTrain as exc:
         console.print(f"[yellow]nothing to train:[/] {markup_safe(exc)}")
         raise typer.Exit(EXIT_NOTHING_TO_TRAIN) from exc

@@ -43,7 +43,15 @@ class TrainConfig:
     epochs: float = option(1.0, help="Passes over the traces.")
     max_steps: int = option(-1, help="Optimizer steps; > 0 overrides --epochs.")
     groups_per_step: int = option(4, help="GRPO groups (tasks) per optimizer step.")
-    grad_accum: int = option(1, help="Micro-batches per step and process (memory).")
+    grad_accum: int = option(
+        1, help="Micro-batches per step and process; each is split further into forwards by --token-budget."
+    )
+    # TRL's AsyncGRPOConfig.token_budget: tokens per forward, not rows per micro-batch.
+    token_budget: int = option(
+        0,
+        help="Padded tokens per forward (each forward has its own backward, so this bounds activation memory); "
+        "a longer trace gets a forward of its own. 0: the largest that fits the memory free at start.",
+    )
     num_iterations: int = option(1, help="Optimizer steps on each step's batch (PPO mu).")
     clip_against: str = option(
         "start",
@@ -85,7 +93,13 @@ class TrainConfig:
         help=f"Compute dtype, {', '.join(DTYPES)} (auto: bf16 autocast on a capable GPU, else fp32); "
         "weights stay fp32.",
     )
-    gradient_checkpointing: bool = option(False, help="Trade compute for memory.")
+    gradient_checkpointing: bool | None = option(
+        None,
+        flags=("--gradient-checkpointing/--no-gradient-checkpointing",),
+        help="Recompute activations in the backward (~1/3 more compute, a fraction of the memory). "
+        "Default: on only when the token budget needs it (said at start).",
+        show_default=False,
+    )
     seed: int = option(0)
     resume: Path | None = option(None, help="Resume from OUTPUT/checkpoint-N of an earlier run.")
     save_steps: int = option(0, help="Write OUTPUT/checkpoint-N every N steps (0: only the end).")
@@ -137,6 +151,8 @@ class TrainConfig:
             raise ValueError(f"--clip-against must be step or start, not {self.clip_against!r}")
         if self.retokenized not in ("merge", "break"):
             raise ValueError(f"--retokenized must be merge or break, not {self.retokenized!r}")
+        if self.token_budget < 0:
+            raise ValueError("--token-budget must be >= 0 (0: sized to the free memory)")
         for name in ("groups_per_step", "grad_accum", "num_iterations", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -284,17 +284,25 @@ def partition_rows(lengths: Sequence[int], bins: int) -> list[list[int]]:
     return [sorted(b) for b in out]
 
 
-def length_buckets(lengths: Sequence[int], max_waste: float = 0.1) -> list[list[int]]:
+def length_buckets(lengths: Sequence[int], max_waste: float = 0.1, max_tokens: int = 0) -> list[list[int]]:
     """Group row indices so that padding each group to its longest row wastes at most
-    ``max_waste`` x its real tokens: longest first, a row joins the open group while that holds.
+    ``max_waste`` x its real tokens and, when ``max_tokens`` > 0, the padded group holds at most that
+    many tokens (a longer row forms a group of its own): longest first, a row joins the open group
+    while both hold.
 
     A micro-batch of short-prompt/long-completion (merged) and long-prompt (per-request) traces
-    would otherwise be padded to the longest of all; each group is one forward pass.
+    would otherwise be padded to the longest of all; each group is one forward pass, so the
+    budget bounds the activations a backward keeps.
     """
     out: list[list[int]] = []
     width = real = 0
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if out and width * (len(out[-1]) + 1) - (real + lengths[i]) <= max_waste * (real + lengths[i]):
+        padded = width * (len(out[-1]) + 1) if out else 0
+        if (
+            out
+            and padded - (real + lengths[i]) <= max_waste * (real + lengths[i])
+            and (max_tokens <= 0 or padded <= max_tokens)
+        ):
             out[-1].append(i)
             real += lengths[i]
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ class TrainResult:
     train_seconds: float = 0.0
     num_processes: int = 1
     summary: dict[str, Any] = field(default_factory=dict)
+    memory: Any = None  # the budget.MemoryPlan trained with
 
 
 class MetricsFile(TrainerCallback):
@@ -89,8 +91,13 @@ class RichProgress(TrainerCallback):
             self.progress = None
 
 
-def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
-    """Train from ``cfg.inputs`` (or from ``traces`` already in memory) and write ``cfg.output``."""
+def run_training(
+    cfg: TrainConfig, traces: list | None = None, echo: Callable[[str], None] | None = None
+) -> TrainResult:
+    """Train from ``cfg.inputs`` (or from ``traces`` already in memory) and write ``cfg.output``. ``echo`` is told,
+    before training, the token budget, whether activations are checkpointed and why, and what a step will take."""
+    import logging
+    import os
     import time
 
     from polar_cli.train.dataset import NothingToTrain, explain_nothing_to_train, load_traces, prepare_rows
@@ -139,7 +146,16 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
     callbacks: list[TrainerCallback] = [MetricsFile(metrics_path)]
     if cfg.progress:
         callbacks.append(RichProgress())
-    trainer = build_trainer(cfg, data, callbacks)
+    if echo is None or int(os.environ.get("RANK", "0")) != 0:
+        echo = logging.getLogger("polar.train").info
+    memory, steps = plan_run(cfg, data)
+    echo(f"memory: {memory.why}")
+    echo(steps.describe(memory.token_budget, memory.gradient_checkpointing))
+    trainer = build_trainer(cfg, data, callbacks, memory=memory)
+    if trainer.args.clip_against == "start" and cfg.resume is None:
+        trainer.on_start_scored = lambda rate: echo(
+            steps.describe(memory.token_budget, memory.gradient_checkpointing, rate)
+        )
     if cfg.resume is not None:
         trainer.resume_from(cfg.resume)
     start = time.perf_counter()
@@ -162,7 +178,41 @@ def run_training(cfg: TrainConfig, traces: list | None = None) -> TrainResult:
         train_seconds=seconds,
         num_processes=trainer.accelerator.num_processes,
         summary=dict(output.metrics),
+        memory=memory,
     )
+
+
+def plan_run(cfg: TrainConfig, data):
+    """The memory plan (budget.MemoryPlan) for ``cfg`` on this machine, and the first epoch's step plan."""
+    import os
+
+    from transformers import AutoConfig
+
+    from polar_cli.train.budget import ModelShape, available_memory, lora_trainable_params, plan_memory, plan_steps
+    from polar_cli.train.trainer import StepSampler, TraceGRPOConfig
+
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(cfg.model))
+    if cfg.lora_r > 0:
+        shape = ModelShape(**{**shape.__dict__, "trainable_params": lora_trainable_params(shape, cfg.lora_r)})
+    nproc = int(os.environ.get("WORLD_SIZE", "1"))
+    memory = plan_memory(
+        shape,
+        max(r.num_tokens for r in data.rows),
+        token_budget=cfg.token_budget,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        available=available_memory(processes=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
+        reference_model=cfg.beta != 0.0 and cfg.lora_r == 0,
+    )
+    sampler = StepSampler(len(data.groups), cfg.groups_per_step, repeats=1, seed=cfg.seed)
+    steps = plan_steps(
+        [[i for g in step for i in data.groups[g]] for step in sampler.steps()],
+        [r.num_tokens for r in data.rows],
+        [r.num_trainable for r in data.rows],
+        micro_batches=cfg.grad_accum * nproc,
+        token_budget=memory.token_budget,
+        pad_waste=TraceGRPOConfig.pad_waste,
+    )
+    return memory, steps
 
 
 def serving_dtype(model: str):
@@ -217,14 +267,17 @@ def _versions_behind(version: str, current: str) -> int:
         return 0 if version == current else 1
 
 
-def build_trainer(cfg: TrainConfig, data, callbacks: list[TrainerCallback] | None = None):
-    """A TraceGRPOTrainer for prepared rows (``TrainData``), configured from ``cfg``."""
+def build_trainer(cfg: TrainConfig, data, callbacks: list[TrainerCallback] | None = None, memory=None):
+    """A TraceGRPOTrainer for prepared rows (``TrainData``), configured from ``cfg`` (and ``memory``, a
+    ``budget.MemoryPlan``: without one, ``cfg``'s token budget and checkpointing as given)."""
     from transformers import AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
 
     from polar_cli.train.trainer import TraceGRPOTrainer, build_grpo_config
 
-    args = build_grpo_config(cfg, temperature=data.temperature, max_completion_length=data.max_completion_length)
+    args = build_grpo_config(
+        cfg, temperature=data.temperature, max_completion_length=data.max_completion_length, memory=memory
+    )
     trainer = TraceGRPOTrainer(
         model=cfg.model,
         args=args,

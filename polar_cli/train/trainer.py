@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -40,6 +41,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import identity, nanmax, nanmin, use_adapter
 
 from polar_cli.train.dataset import NothingToTrain, TrainData, TrainRow, length_buckets, partition_rows
+from polar_cli.train.logprobs import add_trained_positions_head, trained_labels
 
 log = logging.getLogger("polar.train")
 
@@ -71,6 +73,13 @@ class TraceGRPOConfig(GRPOConfig):
     )
     start_logps_batch: int = field(
         default=8, metadata={"help": "Rows per forward of the no-grad pass that scores the starting weights."}
+    )
+    token_budget: int = field(
+        default=0,
+        metadata={
+            "help": "Padded tokens per forward (as AsyncGRPOConfig.token_budget); each forward gets its own "
+            "backward. A longer row gets a forward of its own. 0: no bound (the micro-batch's length buckets)."
+        },
     )
 
 
@@ -159,6 +168,14 @@ class TraceGRPOTrainer(GRPOTrainer):
         )
         if self.args.steps_per_generation != self.args.gradient_accumulation_steps:
             raise ValueError("steps_per_generation must equal gradient_accumulation_steps (one step per batch)")
+        # TRL's fused head, but scoring only the trained positions on every device (logprobs.py says why).
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        add_trained_positions_head(base, self.temperature, outputs=("log_probs", "entropy"))
+        if self.ref_model is not None:
+            add_trained_positions_head(self.ref_model, self.temperature)
+        self.start_scoring: tuple[int, float] | None = None  # (tokens, seconds) of the --clip-against start pass
+        # Told the start pass's forward tokens/s: the first measured speed, for the "a step will take" estimate.
+        self.on_start_scored: Callable[[float], None] | None = None
 
     # --- data ---------------------------------------------------------------------------------------
 
@@ -220,13 +237,19 @@ class TraceGRPOTrainer(GRPOTrainer):
         return batches
 
     def _tensorize(self, rows: list[TrainRow], num_items: torch.Tensor) -> dict[str, Any]:
-        # DDP reduces gradients once per backward, so under it one micro-batch is one forward.
-        single = self.accelerator.num_processes > 1
-        groups = (
-            [list(range(len(rows)))] if single else length_buckets([r.num_tokens for r in rows], self.args.pad_waste)
-        )
+        # Each chunk is one forward, with its own backward (``_compute_loss``) except under DeepSpeed, whose engine
+        # counts one backward per micro-step: there the micro-batch stays one forward.
+        if self._one_backward_per_micro_step():
+            groups = [list(range(len(rows)))]
+        else:
+            groups = length_buckets([r.num_tokens for r in rows], self.args.pad_waste, self.args.token_budget)
         chunks = [self._chunk([rows[i] for i in g]) for g in groups]
         return {"chunks": chunks, "num_items_in_batch": num_items}
+
+    def _one_backward_per_micro_step(self) -> bool:
+        from accelerate.utils import DistributedType
+
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
 
     def _chunk(self, rows: list[TrainRow]) -> dict[str, Any]:
         """One forward's rows, their loss mask, behaviour (and old, reference) logprobs and advantages."""
@@ -277,23 +300,48 @@ class TraceGRPOTrainer(GRPOTrainer):
 
         nproc, rank = self.accelerator.num_processes, self.accelerator.process_index
         mine = list(range(rank, len(self.data.rows), nproc))
+        import time
+
         scored: list[tuple[int, list[float]]] = []
-        for bucket in length_buckets([self.data.rows[i].num_tokens for i in mine], self.args.pad_waste):
+        started, tokens = time.perf_counter(), 0
+        lengths = [self.data.rows[i].num_tokens for i in mine]
+        for bucket in length_buckets(lengths, self.args.pad_waste, self.args.token_budget):
             for at in range(0, len(bucket), self.args.start_logps_batch):
                 indices = [mine[i] for i in bucket[at : at + self.args.start_logps_batch]]
                 rows = [self.data.rows[i] for i in indices]
-                logps = self._logps_no_grad(self.model, self._sequences(rows)).float().cpu()
+                chunk = self._sequences(rows)
+                # Only trained positions are scored (the others are never read: every use is under the loss mask).
+                chunk["loss_mask"] = _window(rows, chunk["logits_to_keep"], lambda r: r.loss_mask)
+                logps = self._logps_no_grad(self.model, chunk).float().cpu()
+                tokens += chunk["input_ids"].numel()
                 for i, (index, r, at) in enumerate(zip(indices, rows, _completion_offsets(rows), strict=True)):
                     scored.append((index, logps[i, at : at + len(r.completion_ids)].tolist()))
+        self.start_scoring = (tokens, time.perf_counter() - started)
+        log.info("scored the starting weights: %d tokens in %.1f s", *self.start_scoring)
+        if self.on_start_scored is not None and self.start_scoring[1] > 0:
+            self.on_start_scored(tokens / self.start_scoring[1])
         table = dict(gather_object(scored)) if nproc > 1 else dict(scored)
         return [torch.tensor(table[i]) for i in range(len(self.data.rows))]
 
     @torch.no_grad()
     def _logps_no_grad(self, model, chunk: dict[str, Any]) -> torch.Tensor:
-        logps, _, _ = self._get_per_token_logps_and_entropies(
-            model, chunk["input_ids"], chunk["attention_mask"], chunk["logits_to_keep"]
-        )
+        logps, _ = self._trained_logps(model, chunk)
         return logps
+
+    def _trained_logps(
+        self, model, chunk: dict[str, Any], compute_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, logits_to_keep) logprobs and entropies at the loss mask's positions, zeros elsewhere: the head
+        scores only those positions (TRL's scores the whole completion window, and on CPU every position)."""
+        labels = trained_labels(chunk["input_ids"], chunk["loss_mask"])
+        labels = labels.masked_fill(chunk["attention_mask"] == 0, -100)
+        keep = chunk["logits_to_keep"]
+        with self.accelerator.autocast():
+            out = model(
+                input_ids=chunk["input_ids"], attention_mask=chunk["attention_mask"], labels=labels, fused_lm_head=True
+            )
+        entropy = out.entropy[:, -keep:] if compute_entropy else None
+        return out.log_probs[:, -keep:], entropy
 
     @torch.no_grad()
     def _reference_logps(self, chunk: dict[str, Any]) -> torch.Tensor:
@@ -360,25 +408,36 @@ class TraceGRPOTrainer(GRPOTrainer):
         if mode == "train":
             normalizer = normalizer * self.current_gradient_accumulation_steps / args.steps_per_generation
         loss = torch.zeros((), device=self.accelerator.device)
+        done = torch.zeros((), device=self.accelerator.device)  # the value of the chunks already backpropagated
         sums: dict[str, torch.Tensor] = {}
         ratio_lo, ratio_hi = [], []
-        for chunk in inputs["chunks"]:
-            chunk_loss, stats, ratio = self._chunk_loss(model, chunk)
-            loss = loss + chunk_loss / normalizer
+        chunks = inputs["chunks"]
+        # Every forward but the last gets its backward here, so one forward's activations are alive at a time; the
+        # last one's loss is returned for the Trainer's backward (TRL's loss is already scaled for accumulation, so
+        # the Trainer backpropagates it unscaled, as here). Under DDP the early backwards run without a gradient
+        # all-reduce: each process reduces once per micro-step, however many forwards it ran.
+        separate = torch.is_grad_enabled() and len(chunks) > 1 and not self._one_backward_per_micro_step()
+        for at, chunk in enumerate(chunks):
+            if separate and at < len(chunks) - 1:
+                with self.accelerator.no_sync(model):
+                    chunk_loss, stats, ratio = self._chunk_loss(model, chunk)
+                    self.accelerator.backward(chunk_loss / normalizer)
+                done = done + chunk_loss.detach() / normalizer
+            else:
+                chunk_loss, stats, ratio = self._chunk_loss(model, chunk)
+                loss = loss + chunk_loss / normalizer
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
             if ratio.numel():
                 ratio_lo.append(ratio.min())
                 ratio_hi.append(ratio.max())
         self._log_loss_metrics(mode, sums, ratio_lo, ratio_hi)
-        return loss
+        return loss + done
 
     def _chunk_loss(self, model, chunk: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Summed per-token loss of one chunk, its metric sums, and its masked pi_theta / pi_behavior."""
         args = self.args
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, chunk["input_ids"], chunk["attention_mask"], chunk["logits_to_keep"], compute_entropy=True
-        )
+        logps, entropies = self._trained_logps(model, chunk, compute_entropy=True)
         mask = chunk["loss_mask"]
         behavior = chunk["behavior_logps"]
         old = chunk.get("old_logps")
@@ -500,8 +559,11 @@ def _zero_weight(row: TrainRow) -> TrainRow:
     return dataclasses.replace(row, loss_mask=[0] * len(row.loss_mask), advantage=0.0, session_weight=0.0)
 
 
-def build_grpo_config(cfg: Any, *, temperature: float, max_completion_length: int) -> TraceGRPOConfig:
-    """TRL arguments from a TrainConfig (``cfg``); our knobs map onto TRL's own where they exist.
+def build_grpo_config(
+    cfg: Any, *, temperature: float, max_completion_length: int, memory: Any = None
+) -> TraceGRPOConfig:
+    """TRL arguments from a TrainConfig (``cfg``); our knobs map onto TRL's own where they exist. ``memory`` (a
+    ``budget.MemoryPlan``) sets the token budget and checkpointing; without it they are ``cfg``'s as given.
 
     Dtype policy: parameters and optimizer state are always fp32 (master weights: AdamW's update at
     lr 1e-6 is far below half a bf16 ulp, so bf16 parameters would mostly never move); ``cfg.dtype``
@@ -537,7 +599,8 @@ def build_grpo_config(cfg: Any, *, temperature: float, max_completion_length: in
         max_completion_length=max_completion_length,
         mask_truncated_completions=False,
         bf16=compute == torch.bfloat16,
-        activation_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing=bool(cfg.gradient_checkpointing) if memory is None else memory.gradient_checkpointing,
+        token_budget=cfg.token_budget if memory is None else memory.token_budget,
         optim=cfg.optim,
         model_init_kwargs={"dtype": torch.float32},
         seed=cfg.seed,
