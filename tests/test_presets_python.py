@@ -25,7 +25,7 @@ from polar_cli.rollout.harnesses.base import SessionContext
 from tests.support.prereq import missing
 from tests.support.proxy import SharedProxy, shared_proxy
 from tests.support.shards import session_records
-from tests.test_rollout_presets import SWE_MINI, jsonl_tasks, rollout_through
+from tests.test_rollout_presets import SWE_MINI, assert_exports_to_atif, jsonl_tasks, rollout_through
 
 SCRIPTS = SWE_MINI / "scripts"
 # harness spec -> (its script, the venv it needs, the User-Agent it sends)
@@ -179,6 +179,9 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
         if seen is not None:
             assert seen in request_text(record), seen
     assert validate_store(str(proxy.out)) == []
+    assert_exports_to_atif(
+        proxy, session["session_id"], [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
+    )
     # Nothing but model calls reached the proxy (the harness's HTTPS_PROXY is the forward listener, so a price list,
     # telemetry or update check would be there, refused): every flow in its log is a chat completion or polar's
     # own control channel (the runner's boundary probe, refused, is its check that the proxy blocks other traffic).

@@ -25,6 +25,7 @@ import pytest
 from polar_addon.store.validate import validate_store
 from polar_cli.mitm import REPO
 from polar_cli.rollout.harnesses.base import SessionContext
+from tests.support.atif import check_atif_export
 from tests.support.prereq import missing
 from tests.support.proxy import SharedProxy, shared_proxy
 from tests.support.shards import session_records
@@ -298,6 +299,16 @@ def assert_scripted_calls_stored(proxy: SharedProxy, session: dict, task_id: str
     called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
     assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
     assert validate_store(str(proxy.out)) == []
+    assert_exports_to_atif(proxy, session["session_id"], called)
+
+
+def assert_exports_to_atif(proxy: SharedProxy, session_id: str, called: list[list[str]]) -> None:
+    """The session's ATIF export validates against Harbor's models and holds every tool call it made (main chain and
+    side chains together)."""
+    (trajectory,) = check_atif_export(str(proxy.out), [session_id]).values()
+    parts = [trajectory, *(trajectory.subagent_trajectories or [])]
+    exported = [c.function_name for part in parts for step in part.steps for c in step.tool_calls or []]
+    assert sorted(exported) == sorted(name for names in called for name in names), exported
 
 
 @pytest.mark.harness
