@@ -20,7 +20,7 @@ import pytest
 
 from polar_cli.rollout.harnesses.base import SessionContext
 from tests.support.prereq import missing
-from tests.support.proxy import SharedProxy, shared_proxy
+from tests.support.proxy import SharedProxy
 from tests.test_rollout_presets import (
     MAX_OUTPUT,
     SWE_MINI,
@@ -28,6 +28,7 @@ from tests.test_rollout_presets import (
     assert_scripted_calls_stored,
     jsonl_tasks,
     model_name,
+    preset_proxy,
     rollout_through,
     script,
 )
@@ -37,17 +38,9 @@ HARNESSES = ["opencode", "kilocode", "continue-cli", "cline"]
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedProxy]:
-    """One mitmdump for all these harnesses: its scripted engine picks each harness's turns by model name."""
-    base = tmp_path_factory.mktemp("npm-presets-proxy")
-    by_model = {
-        model_name(h): json.loads(json.dumps(script(h)["turns"]).replace("{workspace}", "/workspace"))
-        for h in HARNESSES
-    }
-    (base / "script.json").write_text(
-        json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model})
-    )
-    options = {"polar_sessions": "registered", "polar_block_other": "true", "polar_sampling": "fixed"}
-    with shared_proxy(base / "script.json", base / "shards", options) as started:
+    """One mitmdump for all these harnesses."""
+    scripts = {model_name(h): script(h) for h in HARNESSES}
+    with preset_proxy(tiny_model_dir, tmp_path_factory.mktemp("npm-presets-proxy"), scripts) as started:
         yield started
 
 

@@ -23,9 +23,9 @@ from polar_cli.rollout.harnesses import get_preset
 from polar_cli.rollout.harnesses._venv import venv_python
 from polar_cli.rollout.harnesses.base import SessionContext
 from tests.support.prereq import missing
-from tests.support.proxy import SharedProxy, shared_proxy
+from tests.support.proxy import SharedProxy
 from tests.support.shards import session_records
-from tests.test_rollout_presets import SWE_MINI, assert_exports_to_atif, jsonl_tasks, rollout_through
+from tests.test_rollout_presets import SWE_MINI, assert_exports_to_atif, jsonl_tasks, preset_proxy, rollout_through
 
 SCRIPTS = SWE_MINI / "scripts"
 # harness spec -> (its script, the venv it needs, the User-Agent it sends)
@@ -59,24 +59,13 @@ def context(home: Path, **window: int | None) -> SessionContext:
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedProxy]:
-    """One mitmdump for every Python harness: its scripted engine picks each one's turns by model name."""
-    base = tmp_path_factory.mktemp("pypresets-proxy")
-    by_model = {
-        model_name(h): json.loads(json.dumps(script(h)["turns"]).replace("{workspace}", "/workspace"))
-        for h in HARNESSES
-    }
-    (base / "script.json").write_text(
-        json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model})
-    )
+    """One mitmdump for every Python harness."""
+    scripts = {model_name(h): script(h) for h in HARNESSES}
     # flow_detail=1: every flow the proxy sees is in its log, so anything but a model call shows.
-    options = {
-        "polar_sessions": "registered",
-        "polar_block_other": "true",
-        "polar_sampling": "fixed",
-        "termlog_verbosity": "warn",
-        "flow_detail": "1",
-    }
-    with shared_proxy(base / "script.json", base / "shards", options, quiet=False) as started:
+    log_every_flow = {"termlog_verbosity": "warn", "flow_detail": "1"}
+    with preset_proxy(
+        tiny_model_dir, tmp_path_factory.mktemp("pypresets-proxy"), scripts, log_every_flow, quiet=False
+    ) as started:
         yield started
 
 

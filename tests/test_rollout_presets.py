@@ -18,6 +18,7 @@ import json
 import shutil
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,22 +51,31 @@ def script(harness: str) -> dict:
     return json.loads((SCRIPTS / f"{harness}.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedProxy]:
-    """One mitmdump for all five harnesses: its scripted engine picks each harness's turns by model name."""
-    base = tmp_path_factory.mktemp("presets-proxy")
+# Registered sessions, fixed sampling and non-model traffic refused, as `polar rollout --proxy` requires of a running
+# proxy.
+PROXY_OPTIONS = {"polar_sessions": "registered", "polar_block_other": "true", "polar_sampling": "fixed"}
+
+
+@contextmanager
+def preset_proxy(
+    model_dir: Path, base: Path, scripts: dict[str, dict], options: dict[str, str] | None = None, quiet: bool = True
+) -> Iterator[SharedProxy]:
+    """One mitmdump for several harnesses: its scripted engine picks each harness's turns by model name
+    (``scripts``: model name -> the harness's script)."""
     # The scripts name files under {workspace}: the session's workspace as the harness sees it (bwrap: /workspace).
     by_model = {
-        model_name(h): json.loads(json.dumps(script(h)["turns"]).replace("{workspace}", "/workspace"))
-        for h in HARNESSES
+        name: json.loads(json.dumps(s["turns"]).replace("{workspace}", "/workspace")) for name, s in scripts.items()
     }
-    (base / "script.json").write_text(
-        json.dumps({"model_dir": str(tiny_model_dir), "cycle": False, "by_model": by_model})
-    )
-    # Registered sessions, fixed sampling and non-model traffic refused, as `polar rollout --proxy` requires of a
-    # running proxy.
-    options = {"polar_sessions": "registered", "polar_block_other": "true", "polar_sampling": "fixed"}
-    with shared_proxy(base / "script.json", base / "shards", options) as started:
+    (base / "script.json").write_text(json.dumps({"model_dir": str(model_dir), "cycle": False, "by_model": by_model}))
+    with shared_proxy(base / "script.json", base / "shards", {**PROXY_OPTIONS, **(options or {})}, quiet) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedProxy]:
+    """One mitmdump for all five harnesses."""
+    scripts = {model_name(h): script(h) for h in HARNESSES}
+    with preset_proxy(tiny_model_dir, tmp_path_factory.mktemp("presets-proxy"), scripts) as started:
         yield started
 
 
