@@ -25,6 +25,7 @@ from polar_cli.train.budget import (
 )
 from polar_cli.train.config import TrainConfig
 from polar_cli.train.dataset import length_buckets, prepare_rows
+from tests.test_train_trainer import config as trainer_config
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -179,20 +180,8 @@ def long_traces(n_groups: int = 2, per_group: int = 4, seed: int = 0, turn: tupl
 
 
 def config(model: Path, out: Path, **kw) -> TrainConfig:
-    base = dict(
-        inputs=[],
-        model=str(model),
-        output=out,
-        learning_rate=1e-3,
-        groups_per_step=2,
-        max_steps=1,
-        progress=False,
-        plot=False,
-        dtype="float32",
-        clip_against="step",
-    )
-    base.update(kw)
-    return TrainConfig(**base)
+    """test_train_trainer's config, without curves and clipped against each step's own weights."""
+    return trainer_config(model, out, **{"plot": False, "clip_against": "step", **kw})
 
 
 def step_loss_and_grads(
