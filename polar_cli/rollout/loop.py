@@ -218,20 +218,14 @@ def run_train(shards: Path, policy: Path, output: Path, train_args: Sequence[str
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,
         )
-    seconds = time.monotonic() - started
+    ran = {"seconds": time.monotonic() - started, "log": str(log), "shards": [str(shards)]}
     if done.returncode == EXIT_NOTHING_TO_TRAIN:
         shutil.rmtree(output, ignore_errors=True)
-        return {"status": "nothing_to_train", "seconds": seconds, "log": str(log), "shards": [str(shards)]}
+        return {"status": "nothing_to_train", **ran}
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"polar train exited {done.returncode} (log {log}):\n{tail}")
-    return {
-        "status": "trained",
-        "checkpoint": str(output),
-        "seconds": seconds,
-        "log": str(log),
-        "shards": [str(shards)],
-    }
+    return {"status": "trained", "checkpoint": str(output), **ran}
 
 
 def _free_port() -> int:
