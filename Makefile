@@ -168,6 +168,8 @@ DEMO_REAL := runs/demo-real
 DEMO_REAL_TRAIN_IDS ?= $(shell seq 0 15)
 DEMO_REAL_HELDOUT_IDS ?= $(shell seq 100 131)
 DEMO_REAL_ITERATIONS ?= 4
+# LoRA wants ~10x a full fine-tune's rate; 1e-6-scale RL rates barely move r16 adapters in a dozen steps.
+DEMO_REAL_LR ?= 5e-5
 demo-real: install engine sandbox real-model
 	rm -rf $(DEMO_REAL)
 	$(BIN)/python examples/humaneval/build_tasks.py $(DEMO_REAL)/tasks --ids $(DEMO_REAL_TRAIN_IDS) $(DEMO_REAL_HELDOUT_IDS)
@@ -175,7 +177,7 @@ demo-real: install engine sandbox real-model
 	  --harness "cmd:$(abspath $(BIN))/python $(abspath examples/humaneval/coder.py) {instruction}" \
 	  --model $(QWEN_CODER) --engine vllm --vllm-arg=--enforce-eager --vllm-arg=--max-model-len=4096 \
 	  --samples 4 --concurrency 4 --iterations $(DEMO_REAL_ITERATIONS) --out $(DEMO_REAL)/loop \
-	  --lora-r 16 --lr 2e-5 --groups-per-step 4 --max-length 1024
+	  --lora-r 16 --lr $(DEMO_REAL_LR) --groups-per-step 4 --max-length 1024
 
 bench: install model sandbox
 	$(BIN)/python bench/proxy_overhead.py
