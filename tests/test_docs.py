@@ -285,6 +285,20 @@ def glob_exists(path: str) -> bool:
     return bool(list(REPO.glob(path.split("::")[0])))
 
 
+def test_the_readme_harness_table_names_the_installed_versions() -> None:
+    """Each README row's version is the one ``make harnesses`` (npm) or ``harness-py/NAME.txt`` (PyPI) installs."""
+    makefile = (REPO / "Makefile").read_text()
+    pypi_pins = "\n".join(path.read_text() for path in (REPO / "harness-py").glob("*.txt"))
+    rows = re.findall(r"^\| `([\w-]+)`[^|]*\| ([\d.]+) \((npm|PyPI)", PAGES["README.md"], re.M)
+    assert len(rows) >= 11, rows
+    for name, version, registry in rows:
+        if registry == "npm":
+            pinned = re.search(rf"@{re.escape(version)}\s", makefile) is not None
+        else:
+            pinned = f"=={version}\n" in pypi_pins
+        assert pinned, f"README: {name} {version} ({registry}) is not the version the Makefile installs"
+
+
 def test_the_reference_lists_what_the_code_declares() -> None:
     """The generated pages name every command, option and mitmproxy option (spot checks of both generators)."""
     cli, options = REFERENCE.cli_markdown(), REFERENCE.options_markdown()
