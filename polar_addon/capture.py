@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from polar_addon.call_roles import DISCARDED, call_role
 from polar_addon.canonical import CanonicalRequest, Completion
 
 
@@ -79,6 +80,11 @@ class CaptureRecord:
     # that decoded them ("hermes", "qwen3_coder"), or the opt-in fallback "fenced_json" (a call the model wrote as
     # fenced JSON). None: the response holds no tool call, or the record predates the field.
     tool_call_parser: str | None = None
+    # What the call is for (polar_addon.call_roles): "agent", "auxiliary" (a harness's side job: title, classifier,
+    # compaction, ...) or "discarded" (failed); role_reason names the side job or why. None: the record predates
+    # the fields (readers decide it from the request then, polar_cli.build.roles).
+    role: str | None = None
+    role_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies every token list (~50 ms for an 8k-token record).
@@ -153,6 +159,7 @@ def record_ok(
     prompt_source: str | None = None,
     prompt_reason: str | None = None,
 ) -> CaptureRecord:
+    role = call_role(request.messages, request.tools)
     return CaptureRecord(
         record_id=new_record_id(),
         session_id=identity.session_id,
@@ -179,6 +186,8 @@ def record_ok(
         prompt_reason=prompt_reason,
         parse_failures=completion.parse_failures,
         tool_call_parser=completion.tool_call_parser,
+        role=role.role,
+        role_reason=role.reason,
         **_request_fields(request),
     )
 
@@ -211,5 +220,7 @@ def record_failed(
         finished_at=time.time(),
         error=error,
         engine=engine,
+        role=DISCARDED.role,
+        role_reason=DISCARDED.reason,
         **fields,
     )

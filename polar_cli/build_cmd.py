@@ -36,6 +36,22 @@ RETOKENIZED_HELP = (
     "re-tokenizations apart. With token continuity (polar_tito) a linear session has none to break."
 )
 
+ROLES_HELP = (
+    "Which calls to train, comma-separated: agent (the main loop and its sub-agents), auxiliary (a harness's side "
+    "jobs: titles, classifiers, quota probes, next-speaker checks, memory, compaction), discarded (answers the "
+    "harness threw away: retries). Traces of the others are built but not trainable; an auxiliary call inside an "
+    "agent chain keeps its context but not its tokens in the loss. `polar stats` counts every role."
+)
+
+
+def check_roles(roles: str, name: str = "roles") -> frozenset[str]:
+    from polar_addon.call_roles import parse_roles
+
+    try:
+        return parse_roles(roles)
+    except ValueError as exc:
+        raise SettingsError(str(exc), name) from exc
+
 
 def load_tokenizer(tokenizer: Path | None, shards: str) -> tuple[Any | None, str]:
     """A Hugging Face tokenizer and a line saying where it came from (or why there is none)."""
@@ -93,6 +109,7 @@ class BuildSettings:
         help="per_request only: give every call its session's outcome reward (the paper saw reward hacking "
         "from this). Without it per_request traces are not trainable.",
     )
+    roles: str = option("agent", help=ROLES_HELP)
     session: list[str] = option(default_factory=list, flags=("--session",), help="Only these sessions (repeatable).")
     overwrite: bool = option(False, help="Replace OUT if it exists.")
     rows_per_file: int = option(1024, help="Traces per Parquet file.")
@@ -102,9 +119,14 @@ class BuildSettings:
         """``--retokenized merge|break`` as the builder's ``merge_retokenized``."""
         return self.retokenized == "merge"
 
+    @property
+    def trained_roles(self) -> frozenset[str]:
+        return check_roles(self.roles)
+
     def validate(self) -> None:
         _check_strategy(self.strategy)
         _check_retokenized(self.retokenized)
+        check_roles(self.roles)
         if self.out.exists() and any(self.out.iterdir()) and not self.overwrite:
             raise SettingsError(f"{self.out} exists and is not empty (use --overwrite)", "out")
 
@@ -118,6 +140,7 @@ class StatsSettings:
     tokenizer: Path | None = reuse(BuildSettings, "tokenizer")
     eot_token_id: int | None = reuse(BuildSettings, "eot_token_id")
     retokenized: str = reuse(BuildSettings, "retokenized")
+    roles: str = reuse(BuildSettings, "roles", help=ROLES_HELP + " Here: which traces count as trainable.")
     as_json: bool = option(False, flags=("--json",), help="Print the stats as JSON instead of a table.")
 
     @property
@@ -127,6 +150,7 @@ class StatsSettings:
     def validate(self) -> None:
         _check_strategy(self.strategy)
         _check_retokenized(self.retokenized)
+        check_roles(self.roles)
 
 
 @dataclass
@@ -187,6 +211,7 @@ def build(settings: BuildSettings) -> None:
             broadcast_rewards=s.broadcast_rewards,
             fallback_eot_token_id=_tokenizer_eot(tok),
             merge_retokenized=s.merge_retokenized,
+            roles=s.trained_roles,
         ):
             writer.write(built.traces)
             report.add(built.harness, built.stats)
@@ -196,7 +221,8 @@ def build(settings: BuildSettings) -> None:
     writer.close(
         report,
         {"strategy": s.strategy, "eot_token_id": eot, "tokenizer": source, "shards": s.shards,
-         "broadcast_rewards": s.broadcast_rewards, "retokenized": s.retokenized, "seconds": round(elapsed, 3)},
+         "broadcast_rewards": s.broadcast_rewards, "retokenized": s.retokenized, "roles": sorted(s.trained_roles),
+         "seconds": round(elapsed, 3)},
     )  # fmt: skip
     console.print(report_table(report, title=f"polar build ({s.strategy})"))
     if not report.total.traces:
@@ -236,6 +262,7 @@ def stats(settings: StatsSettings) -> None:
         decode=_decode(tok),
         fallback_eot_token_id=_tokenizer_eot(tok),
         merge_retokenized=s.merge_retokenized,
+        roles=check_roles(s.roles),
     ):
         report.add(built.harness, built.stats)
     masks = group_masks(sessions.values())

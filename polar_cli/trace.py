@@ -36,6 +36,7 @@ TRACE_SCHEMA = pa.schema(
         ("weight_versions", pa.list_(pa.string())),
         ("harness", pa.string()),
         ("break_cause", pa.string()),
+        ("role", pa.string()),
     ]
 )
 
@@ -67,6 +68,9 @@ class Trace:
     harness: str | None = None
     # Why the chain this trace came from ended before the session did (None: it did not).
     break_cause: str | None = None
+    # What the calls it came from were for (polar_addon.call_roles): agent, auxiliary or discarded; None: a
+    # dataset built before roles.
+    role: str | None = "agent"
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -94,7 +98,7 @@ def traces_to_table(traces: list[Trace]) -> pa.Table:
 
 
 # Columns added after the first trace datasets were written; older datasets read them as null.
-LATER_TRACE_COLUMNS = ("top_p", "top_k", "min_p")
+LATER_TRACE_COLUMNS = ("top_p", "top_k", "min_p", "role")
 
 
 def table_to_traces(table: pa.Table) -> list[Trace]:

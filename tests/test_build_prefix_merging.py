@@ -291,18 +291,27 @@ def test_a_retokenized_previous_prompt_starts_a_chain_with_cause_retokenized() -
     assert blind[1].start is not None and blind[1].start.cause == BreakCause.TEMPLATE_RERENDER
 
 
-def test_repeated_prompt_branches_and_the_used_answer_continues() -> None:
+def test_a_retried_prompt_is_discarded_and_the_answer_used_continues_the_chain() -> None:
     sim = AgentSim()
     messages = [SYSTEM, TASK]
     sim.call(messages, Turn(tool_calls=[("bash", {"cmd": "ls"})]))
     retry = sim.call(messages, Turn(tool_calls=[("bash", {"cmd": "ls src"})]))
     tool_loop(sim, messages + [sim.sent_back(retry), tool_result(retry, "a.py")], coding_turns(2))
     result = build(sim.records)
-    checked(result, sim.records)
-    first, second = result.traces
+    [trace] = result.traces
+    # The harness threw the first answer away: it did not act on the task, so it is not credited with the outcome.
+    assert trace.calls_merged == 3 and sim.records[0].record_id not in trace.record_ids and trace.trainable
+    assert result.report.total.roles == {"agent": 3, "discarded: retried": 1}
+    assert result.report.total.breaks == {}
+
+    # Trained on purpose (--roles agent,discarded), the repeat branches off as before roles.
+    kept = build(sim.records, roles={"agent", "discarded"})
+    checked(kept, sim.records)
+    first, second = kept.traces
     assert first.calls_merged == 1 and second.calls_merged == 3
+    assert (first.role, second.role) == ("discarded", "agent") and first.trainable
     assert first.break_cause == "other"
-    assert result.report.total.breaks == {"other": 1}
+    assert kept.report.total.breaks == {"other": 1}
 
 
 def test_failed_calls_are_never_training_data() -> None:

@@ -65,6 +65,8 @@ PLAIN_FIELDS = (
     "prompt_reason",
     "parse_failures",
     "tool_call_parser",
+    "role",
+    "role_reason",
 )
 
 

@@ -25,7 +25,9 @@ QUARANTINE_DIR = "_quarantine"
 _TOKENS = pa.list_(pa.int32())
 
 # Columns added after the first release: older shards lack them, and readers see nulls there.
-LATER_COLUMNS = frozenset({"min_p", "prompt_source", "prompt_reason", "parse_failures", "tool_call_parser"})
+LATER_COLUMNS = frozenset(
+    {"min_p", "prompt_source", "prompt_reason", "parse_failures", "tool_call_parser", "role", "role_reason"}
+)
 
 CALLS_SCHEMA = pa.schema(
     [
@@ -76,6 +78,9 @@ CALLS_SCHEMA = pa.schema(
         pa.field("parse_failures", pa.int64()),
         # Who produced the tool calls: engine, a polar_tool_parser name, or fenced_json; null: no calls.
         pa.field("tool_call_parser", pa.string()),
+        # What the call is for: agent, auxiliary or discarded (polar_addon.call_roles), and which side job or why.
+        pa.field("role", pa.string()),
+        pa.field("role_reason", pa.string()),
     ]
 )
 

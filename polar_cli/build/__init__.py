@@ -11,15 +11,17 @@ tokenizer) is read by ``inputs.py``, for `polar build` and `polar train` alike.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import groupby
 
+from polar_addon.call_roles import DEFAULT_TRAINED_ROLES, CallRole
 from polar_addon.capture import CaptureRecord
 from polar_cli.build.breaks import Break, BreakCause, Decode
 from polar_cli.build.per_request import per_request_trace
 from polar_cli.build.prefix_merging import RecordChain, detect_eot, reconstruct_session, unusable_reason
-from polar_cli.build.rewards import RewardDecision, SessionInfo, decide_reward
+from polar_cli.build.rewards import RewardDecision, SessionInfo, decide_reward, untrained_role
+from polar_cli.build.roles import chain_role, role_kind, session_roles
 from polar_cli.build.stats import BuildReport, BuildStats, harness_name
 from polar_cli.build.traces import make_trace
 from polar_cli.trace import Trace
@@ -60,8 +62,21 @@ class BuildResult:
     eot_token_id: int | None
 
 
-def chain_trace(chain: RecordChain, session: SessionInfo | None, harness: str, decision: RewardDecision) -> Trace:
+def chain_trace(
+    chain: RecordChain,
+    session: SessionInfo | None,
+    harness: str,
+    decision: RewardDecision,
+    role: str,
+    untrained_calls: Collection[int] = (),
+) -> Trace:
+    """``untrained_calls``: indices in the chain of calls whose sampled tokens stay out of the loss (an auxiliary
+    call inside an agent chain, when auxiliary calls are not trained)."""
     merged = chain.merge()
+    if untrained_calls:
+        for segment in merged.segments:
+            if segment.kind == "sampled" and segment.call in untrained_calls:
+                merged.loss_mask[segment.start : segment.end] = [0] * (segment.end - segment.start)
     first = chain.records[0]
     return make_trace(
         trace_id=f"{first.session_id}:c{chain.index}",
@@ -75,6 +90,7 @@ def chain_trace(chain: RecordChain, session: SessionInfo | None, harness: str, d
         logprobs=merged.logprobs,
         decision=decision,
         break_cause=chain.end.cause.value if chain.end else None,
+        role=role,
     )
 
 
@@ -88,23 +104,53 @@ def build_session(
     decode: Decode | None = None,
     broadcast_rewards: bool = False,
     merge_retokenized: bool = True,
+    roles: Collection[str] = DEFAULT_TRAINED_ROLES,
 ) -> SessionBuild:
-    """One session's records (sorted by seq) -> its chains, traces and stats."""
+    """One session's records (sorted by seq) -> its chains, traces and stats.
+
+    ``roles``: which calls are trained (polar_addon.call_roles; `polar build --roles`). Traces of other roles are
+    built (inspection, SFT-style use) but not trainable; a discarded call is left out of reconstruction unless
+    trained, so the retry that replaced it continues its chain.
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+    call_roles = session_roles(records)
     unusable = Counter(reason for r in records if (reason := unusable_reason(r)) is not None)
-    usable = [r for r in records if unusable_reason(r) is None]
+    keep_discarded = CallRole.DISCARDED.value in roles
+    usable = [
+        r
+        for r, role in zip(records, call_roles)
+        if unusable_reason(r) is None and (keep_discarded or role.role != CallRole.DISCARDED.value)
+    ]
+    role_of = {r.record_id: role.role for r, role in zip(records, call_roles)}
     harness = harness_name(session.harness if session else None, next((r.harness for r in records if r.harness), None))
     chains = reconstruct_session(usable, eot=eot_token_id, decode=decode, merge_retokenized=merge_retokenized)
     if strategy == "prefix_merging":
-        decisions = [decide_reward(session, c.records, per_request=False, broadcast=False) for c in chains]
-        traces = [chain_trace(c, session, harness, d) for c, d in zip(chains, decisions)]
+        traces = []
+        decisions = []
+        for chain in chains:
+            of_calls = [role_of[r.record_id] for r in chain.records]
+            role = chain_role(of_calls)
+            decision = decide_reward(session, chain.records, per_request=False, broadcast=False)
+            decision = untrained_role(decision, role, roles)
+            # A trained chain keeps its untrained calls' context but not their tokens in the loss; an untrained
+            # chain keeps its mask (inspection and SFT-style use read it), and trainable says it is not trained.
+            untrained = [m for m, call in enumerate(of_calls) if call not in roles] if role in roles else []
+            traces.append(chain_trace(chain, session, harness, decision, role, untrained))
+            decisions.append(decision)
     else:
-        decisions = [decide_reward(session, [r], per_request=True, broadcast=broadcast_rewards) for r in usable]
-        traces = [per_request_trace(r, session, harness, d) for r, d in zip(usable, decisions)]
+        decisions = [
+            untrained_role(
+                decide_reward(session, [r], per_request=True, broadcast=broadcast_rewards), role_of[r.record_id], roles
+            )
+            for r in usable
+        ]
+        traces = [per_request_trace(r, session, harness, d, role_of[r.record_id]) for r, d in zip(usable, decisions)]
     stats = BuildStats(
         sessions=1,
         calls=len(usable),
+        roles=dict(Counter(role_kind(role) for role in call_roles)),
+        mixed_role_chains=sum(len({role_of[r.record_id] for r in c.records}) > 1 for c in chains),
         calls_unusable=dict(unusable),
         chains_total=len(chains),
         chains_full=sum(c.end is None for c in chains),
@@ -136,6 +182,7 @@ def iter_session_builds(
     broadcast_rewards: bool = False,
     fallback_eot_token_id: int | None = None,
     merge_retokenized: bool = True,
+    roles: Collection[str] = DEFAULT_TRAINED_ROLES,
 ) -> Iterator[SessionBuild]:
     """Build sessions from records sorted by (session_id, seq), one session in memory at a time.
 
@@ -157,6 +204,7 @@ def iter_session_builds(
             decode=decode,
             broadcast_rewards=broadcast_rewards,
             merge_retokenized=merge_retokenized,
+            roles=roles,
         )
 
     unconfirmed: int | None = None
@@ -187,6 +235,7 @@ def build_traces(
     decode: Decode | None = None,
     broadcast_rewards: bool = False,
     merge_retokenized: bool = True,
+    roles: Collection[str] = DEFAULT_TRAINED_ROLES,
 ) -> BuildResult:
     """Build every session's traces from records in any order. ``eot_token_id`` None: detected.
 
@@ -209,6 +258,7 @@ def build_traces(
         decode=decode,
         broadcast_rewards=broadcast_rewards,
         merge_retokenized=merge_retokenized,
+        roles=roles,
     ):
         traces.extend(built.traces)
         report.add(built.harness, built.stats)

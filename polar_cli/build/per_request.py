@@ -12,7 +12,7 @@ from polar_cli.trace import Trace
 
 
 def per_request_trace(
-    record: CaptureRecord, session: SessionInfo | None, harness: str, decision: RewardDecision
+    record: CaptureRecord, session: SessionInfo | None, harness: str, decision: RewardDecision, role: str
 ) -> Trace:
     n = len(record.response_ids)
     return make_trace(
@@ -27,4 +27,5 @@ def per_request_trace(
         logprobs=record.logprobs,
         decision=decision,
         break_cause=None,
+        role=role,
     )

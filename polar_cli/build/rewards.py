@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from polar_addon.capture import CaptureRecord
@@ -94,3 +95,10 @@ def decide_reward(
     if any(invalid_tool_call(r) for r in records):
         return RewardDecision(0.0, True, "parser-invalid tool call")
     return RewardDecision(float(session.reward), True, "outcome reward")
+
+
+def untrained_role(decision: RewardDecision, role: str, trained: Collection[str]) -> RewardDecision:
+    """A trace whose calls' role is not trained (`polar build --roles`) keeps its reward but leaves training."""
+    if role in trained or not decision.trainable:
+        return decision
+    return RewardDecision(decision.reward, False, f"{role} calls not trained (--roles)")

@@ -18,6 +18,10 @@
   under ``reward_reasons`` only.
 - ``tool_call_parsers``: calls with tool calls by who found them (``tool_call_parser``: ``engine``, a
   ``polar_tool_parser`` name, or the opt-in ``fenced_json`` fallback): how many turns relied on the fallback.
+- ``roles``: every call (failed ones too) by its role (polar_addon.call_roles): ``agent``, ``auxiliary: KIND``
+  (a harness's side job: ``claude-code title``, ``codex compaction``, ...) or ``discarded: failed|retried``;
+  ``mixed_role_chains``: chains holding calls of more than one role (an auxiliary call the harness continued
+  from; its sampled tokens stay out of the loss unless auxiliary calls are trained).
 - Token counts: what a trainer processes (prompt + completion per trace) and what it learns
   from (loss-mask-1 tokens of trainable traces).
 - Mask rate per group (:func:`group_masks`): sessions whose status keeps them out of training
@@ -33,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from polar_addon.call_roles import ROLES, CallRole
 from polar_addon.store.status import STORE_MASKED
 from polar_cli.build.breaks import BreakCause
 from polar_cli.build.rewards import SessionInfo
@@ -58,6 +63,8 @@ class BuildStats:
     fresh_reasons: dict[str, int] = field(default_factory=dict)  # why fresh -> calls
     parse_failed_calls: int = 0  # calls whose parse_failures > 0
     tool_call_parsers: dict[str, int] = field(default_factory=dict)  # who found a call's tool calls -> calls
+    roles: dict[str, int] = field(default_factory=dict)  # calls (failed ones too) by role and side job -> calls
+    mixed_role_chains: int = 0  # chains holding calls of more than one role
     prompt_tokens: int = 0
     completion_tokens: int = 0
     trainable_tokens: int = 0
@@ -132,6 +139,22 @@ def top_reasons(reasons: dict[str, int], n: int = 3) -> str:
     return ", ".join(f"{reason} {count}" for reason, count in ranked) or "-"
 
 
+def role_counts(roles: dict[str, int]) -> str:
+    """ "agent 12, auxiliary 3, discarded 1" from counts keyed ``role`` or ``role: kind``."""
+    by_role: Counter[str] = Counter()
+    for kind, count in roles.items():
+        by_role[kind.split(":", 1)[0]] += count
+    return ", ".join(f"{role} {by_role[role]}" for role in ROLES if by_role[role]) or "-"
+
+
+def side_jobs(roles: dict[str, int], n: int = 4) -> str:
+    """The most frequent auxiliary kinds ("claude-code title 2, qwen-code next_speaker 1")."""
+    prefix = f"{CallRole.AUXILIARY.value}: "
+    jobs = {kind[len(prefix) :]: count for kind, count in roles.items() if kind.startswith(prefix)}
+    ranked = sorted(jobs.items(), key=lambda item: (-item[1], item[0]))[:n]
+    return ", ".join(f"{job} {count}" for job, count in ranked) or "-"
+
+
 def report_table(report: BuildReport, title: str = "Reconstruction") -> Any:
     """A rich Table: one column per harness plus the total, one row per figure."""
     from rich.table import Table
@@ -164,6 +187,8 @@ def report_table(report: BuildReport, title: str = "Reconstruction") -> Any:
     row("  top fresh reasons", lambda s: markup_safe(top_reasons(s.fresh_reasons)))
     row("failed tool-call parses", lambda s: str(s.parse_failed_calls))
     row("  tool calls found by", lambda s: markup_safe(top_reasons(s.tool_call_parsers)))
+    row("calls by role", lambda s: markup_safe(role_counts(s.roles)))
+    row("  side jobs", lambda s: markup_safe(side_jobs(s.roles)))
     row("traces (trainable)", lambda s: f"{s.traces} ({s.traces_trainable})")
     row("tokens processed", lambda s: f"{s.processed_tokens:,}")
     row("tokens trained", lambda s: f"{s.trainable_tokens:,}")

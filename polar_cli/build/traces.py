@@ -20,6 +20,7 @@ def make_trace(
     logprobs: list[float],
     decision: RewardDecision,
     break_cause: str | None,
+    role: str,
 ) -> Trace:
     first = records[0]
     versions: list[str] = []
@@ -51,4 +52,5 @@ def make_trace(
         weight_versions=versions,
         harness=harness,
         break_cause=break_cause,
+        role=role,
     )

@@ -35,6 +35,11 @@ class TrainConfig:
         "--retokenized`. break keeps the first step exactly on-policy; merge is off-policy from the re-tokenized "
         "turn on (the later turns were sampled after other token ids).",
     )
+    roles: str = option(
+        "agent",
+        help="Raw shards: which calls to train, as `polar build --roles` (agent, auxiliary, discarded; "
+        "comma-separated).",
+    )
     learning_rate: float = option(1e-6, flags=("--lr", "--learning-rate"), help="Peak learning rate.")
     optim: str = option("adamw_torch", help="Optimizer (TrainingArguments name: adamw_torch, sgd, ...).")
     weight_decay: float = option(0.1)
@@ -151,6 +156,9 @@ class TrainConfig:
             raise ValueError(f"--clip-against must be step or start, not {self.clip_against!r}")
         if self.retokenized not in ("merge", "break"):
             raise ValueError(f"--retokenized must be merge or break, not {self.retokenized!r}")
+        from polar_addon.call_roles import parse_roles
+
+        parse_roles(self.roles)  # ValueError naming the unknown role
         if self.token_budget < 0:
             raise ValueError("--token-budget must be >= 0 (0: sized to the free memory)")
         for name in ("groups_per_step", "grad_accum", "num_iterations", "max_length", "logging_steps"):

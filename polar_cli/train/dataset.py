@@ -6,13 +6,14 @@ Everything here is plain Python over ``Trace`` records; the trainer only pads wh
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from polar_addon.call_roles import DEFAULT_TRAINED_ROLES
 from polar_cli.trace import LATER_TRACE_COLUMNS, TRACE_SCHEMA, Trace, table_to_traces
 from polar_cli.train.advantages import group_key, session_advantages
 
@@ -95,6 +96,16 @@ def explain_nothing_to_train(
     for t in traces:
         if not t.trainable:
             untrainable.setdefault(t.status, set()).add(t.session_id)
+    side_only = {t.session_id for t in traces if t.role not in (None, "agent")} - {
+        t.session_id for t in traces if t.role in (None, "agent")
+    }
+    side_only &= untrainable.get("completed", set())
+    if side_only:
+        untrainable["completed"] -= side_only
+        reasons.append(
+            f"{len(side_only)} sessions hold only auxiliary or discarded calls (titles, classifiers, retries), which "
+            "are not trained unless --roles names them (e.g. --roles agent,auxiliary)"
+        )
     running = len(untrainable.pop("running", ()))
     if running:
         reasons.append(
@@ -364,11 +375,12 @@ def load_traces(
     broadcast_rewards: bool = False,
     eot_token_id: int | None = None,
     merge_retokenized: bool = True,
+    roles: Collection[str] = DEFAULT_TRAINED_ROLES,
 ) -> list[Trace]:
     """Traces from a built dataset, or built on the fly from a raw trace store with `polar build`'s code.
 
     ``tokenizer`` (the model being trained) lets the build tell a re-tokenized turn from a
-    template re-render; ``broadcast_rewards``, ``eot_token_id`` and ``merge_retokenized`` are
+    template re-render; ``broadcast_rewards``, ``eot_token_id``, ``merge_retokenized`` and ``roles`` are
     `polar build`'s options.
     """
     if is_trace_dataset(paths):
@@ -395,6 +407,7 @@ def load_traces(
         decode=None if tok is None else tok.decode,
         broadcast_rewards=broadcast_rewards,
         merge_retokenized=merge_retokenized,
+        roles=roles,
         fallback_eot_token_id=tokenizer_eot(tok),  # closes turns when no captured call stopped by itself
     ):
         traces.extend(built.traces)

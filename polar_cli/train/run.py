@@ -100,6 +100,7 @@ def run_training(
     import os
     import time
 
+    from polar_addon.call_roles import parse_roles
     from polar_cli.train.dataset import NothingToTrain, explain_nothing_to_train, load_traces, prepare_rows
 
     cfg.validate()
@@ -113,6 +114,7 @@ def run_training(
             broadcast_rewards=cfg.broadcast_rewards,
             eot_token_id=cfg.eot_token_id,
             merge_retokenized=cfg.retokenized == "merge",
+            roles=parse_roles(cfg.roles),
         )
     unrewarded = cfg.strategy == "per_request" and not cfg.broadcast_rewards
     if not any(t.trainable for t in traces):
