@@ -294,3 +294,22 @@ def test_roles_in_the_cli(tmp_path: Path) -> None:
     assert built.exit_code == 0, built.output
     rows = pq.read_table(tmp_path / "out").to_pylist()
     assert sorted((r["role"], r["trainable"]) for r in rows) == [("agent", True), ("agent", True), ("auxiliary", True)]
+
+
+def test_atif_export_takes_the_agent_chain_as_the_trajectory_and_names_each_role() -> None:
+    from polar_cli.export.atif import session_trajectory
+
+    sim = AgentSim()
+    sim.call([SYSTEM, TASK], Turn(tool_calls=[("bash", {"cmd": "ls"})]))
+    # A longer side conversation (a summariser fed three times) than the one-call agent chain.
+    messages = [SYSTEM, {"role": "user", "content": CLAUDE_COMPACT}]
+    for i in range(3):
+        side = sim.call(messages, Turn(content=f"Summary {i}."), tools=[])
+        messages = messages + [sim.sent_back(side), {"role": "user", "content": CLAUDE_COMPACT}]
+    sim.call([SYSTEM, TASK], Turn(content="again"))  # retries the first call: left out like the build leaves it
+    trajectory = session_trajectory("s1", sim.records, SessionInfo("s1", reward=1.0))
+    assert trajectory is not None
+    assert trajectory["extra"]["polar"]["role"] == "agent" and trajectory["extra"]["polar"]["calls"] == 1
+    [side_trajectory] = trajectory["subagent_trajectories"]
+    assert side_trajectory["extra"]["polar"] == {**side_trajectory["extra"]["polar"], "role": "auxiliary", "calls": 3}
+    assert trajectory["extra"]["polar"]["calls_unusable"] == {"discarded: retried": 1}

@@ -165,7 +165,7 @@ def _agent(records: Sequence[CaptureRecord], session: SessionInfo | None) -> dic
     return agent
 
 
-def _chain_trajectory(session_id: str, chain: RecordChain, session: SessionInfo | None) -> dict[str, Any]:
+def _chain_trajectory(session_id: str, chain: RecordChain, session: SessionInfo | None, role: str) -> dict[str, Any]:
     steps = chain_steps(chain.records)
     trajectory: dict[str, Any] = {
         "schema_version": ATIF_VERSION,
@@ -179,7 +179,7 @@ def _chain_trajectory(session_id: str, chain: RecordChain, session: SessionInfo 
             "total_steps": len(steps),
         },
     }
-    chain_extra: dict[str, Any] = {"chain_index": chain.index, "calls": len(chain.records)}
+    chain_extra: dict[str, Any] = {"chain_index": chain.index, "calls": len(chain.records), "role": role}
     if chain.start is not None:
         chain_extra["start"] = chain.start.cause.value
     if chain.end is not None:
@@ -195,14 +195,15 @@ def session_trajectory(
 ) -> dict[str, Any] | None:
     """One session's records (seq order) as an ATIF trajectory, or None when no call of it is usable.
 
-    The main chain (the most calls) is the trajectory; every other chain is one of its ``subagent_trajectories``.
-    The session's outcome (reward, status, task and group) is in ``final_metrics.extra`` and ``extra``."""
+    The main chain (the agent chain with the most calls) is the trajectory; every other chain is one of its
+    ``subagent_trajectories``; each says its role in ``extra.polar.role``. The session's outcome (reward, status,
+    task and group) is in ``final_metrics.extra`` and ``extra``."""
     split = session_chains(session_id, records)
     main = split.main
     if main is None:
         return None
-    trajectory = _chain_trajectory(session_id, main, session)
-    others = [_chain_trajectory(session_id, c, session) for c in split.chains if c is not main]
+    trajectory = _chain_trajectory(session_id, main, session, split.roles[main.index])
+    others = [_chain_trajectory(session_id, c, session, split.roles[c.index]) for c in split.chains if c is not main]
     if others:
         trajectory["subagent_trajectories"] = others
     outcome = {

@@ -9,14 +9,16 @@ arguments.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from polar_addon.call_roles import CallRole
 from polar_addon.canonical import AssistantMessage
 from polar_addon.capture import CaptureRecord
 from polar_cli.build.prefix_merging import RecordChain, detect_eot, reconstruct_session, unusable_reason
+from polar_cli.build.roles import chain_role, role_kind, session_roles
 
 
 @dataclass
@@ -32,26 +34,38 @@ class Turn:
 class SessionChains:
     session_id: str
     chains: list[RecordChain]
-    unusable: dict[str, int]  # why calls were left out (failed, no tokens ...), counted
+    unusable: dict[str, int]  # why calls were left out (failed, no tokens, retried ...), counted
+    roles: list[str] = field(default_factory=list)  # each chain's role (polar_cli.build.roles.chain_role)
 
     @property
     def main(self) -> RecordChain | None:
-        """The chain that carries the session: the one with the most calls (the first of equals)."""
-        return max(self.chains, key=lambda c: (len(c.records), -c.index), default=None)
+        """The chain that carries the session: the agent chain with the most calls (the first of equals)."""
+        roles = self.roles or [CallRole.AGENT.value] * len(self.chains)
+        return max(
+            self.chains,
+            key=lambda c: (roles[c.index] == CallRole.AGENT.value, len(c.records), -c.index),
+            default=None,
+        )
 
 
 def session_chains(session_id: str, records: Sequence[CaptureRecord]) -> SessionChains:
-    """One session's records (seq order) split into the chains `polar build` reconstructs."""
+    """One session's records (seq order) split into the chains `polar build` reconstructs (a retried call, whose
+    answer the harness threw away, left out as the build leaves it out)."""
     unusable: dict[str, int] = {}
     usable = []
-    for record in records:
+    role_of: dict[str, str] = {}
+    for record, decision in zip(records, session_roles(records)):
         reason = unusable_reason(record)
+        if reason is None and decision.role == CallRole.DISCARDED.value:
+            reason = role_kind(decision)
         if reason is None:
             usable.append(record)
+            role_of[record.record_id] = decision.role
         else:
             unusable[reason] = unusable.get(reason, 0) + 1
     chains = reconstruct_session(usable, eot=detect_eot(usable))
-    return SessionChains(session_id, chains, unusable)
+    roles = [chain_role([role_of[r.record_id] for r in c.records]) for c in chains]
+    return SessionChains(session_id, chains, unusable, roles)
 
 
 def sampled_message(record: CaptureRecord) -> dict[str, Any]:
