@@ -18,6 +18,7 @@ from build_helpers import TOOLS, AgentSim, Turn, check_trace, coding_turns, tool
 
 from polar_addon.call_roles import (
     AUXILIARY_MARKERS,
+    CLAUDE_CODE_IDENTITY,
     COMPACTION_SYSTEM_PREFIX,
     call_role,
     parse_roles,
@@ -97,11 +98,12 @@ def test_auxiliary_markers_are_harness_text_at_a_start() -> None:
     """Each marker opens the system prompt or a block of the last user message; one placed anywhere else (by a tool
     result or a quoted file) is agent; and a marker without ``with_tools`` never fires on a call declaring tools."""
     for marker in AUXILIARY_MARKERS:
-        assert marker.where in ("system", "user") and len(marker.text) >= 24, marker
+        assert marker.where in ("system", "user") and (len(marker.text) >= 20 or marker.whole), marker
+        text = marker.text if marker.whole else marker.text + " rest"
         opened = (
-            [{"role": "system", "content": marker.text + " rest"}, {"role": "user", "content": "input"}]
+            [{"role": "system", "content": text}, {"role": "user", "content": "input"}]
             if marker.where == "system"
-            else [SYSTEM, {"role": "user", "content": marker.text + " rest"}]
+            else [SYSTEM, {"role": "user", "content": text}]
         )
         assert role(opened) == ("auxiliary", f"{marker.harness} {marker.kind}"), marker
         assert role(opened, TOOLS)[0] == ("auxiliary" if marker.with_tools else "agent"), marker
@@ -109,6 +111,22 @@ def test_auxiliary_markers_are_harness_text_at_a_start() -> None:
         assert role(buried) == ("agent", None), marker
         quoted = [SYSTEM, {"role": "user", "content": f"<file>{marker.text}</file>"}]
         assert role(quoted) == ("agent", None), marker
+        if marker.whole:
+            assert role([SYSTEM, {"role": "user", "content": marker.text + " exceeded: what now?"}]) == ("agent", None)
+
+
+@pytest.mark.parametrize("identity", sorted(CLAUDE_CODE_IDENTITY))
+def test_a_claude_code_side_job_opens_the_block_after_its_identity_line(identity: str) -> None:
+    title = "Generate a concise, sentence-case title (3-7 words) that captures the main topic or goal of this coding"
+    system = {"role": "system", "content": f"{identity}\n\n{title} session. Return JSON."}
+    assert role([system, {"role": "user", "content": "<session>\nfix the bug"}]) == ("auxiliary", "claude-code title")
+    # The main loop opens the same way; a title-like text further on (the user's CLAUDE.md, the environment) is not
+    # the side job's opening.
+    main = {"role": "system", "content": f"{identity}\n\nYou are an interactive CLI tool.\n\n{title}"}
+    assert role([main, TASK], TOOLS) == role([main, TASK]) == ("agent", None)
+    # Only Claude Code's identity lines move the opening: another harness's first block does not.
+    other = {"role": "system", "content": f"You are Pi.\n\n{title}"}
+    assert role([other, TASK]) == ("agent", None)
 
 
 def test_retried_finds_the_next_identical_call() -> None:
@@ -242,6 +260,18 @@ def test_failed_and_retried_calls_are_counted_discarded() -> None:
     assert result.report.total.roles == {"agent": 2, "discarded: failed": 1, "discarded: retried": 1}
     [trace] = result.traces
     assert trace.calls_merged == 2 and sim.records[1].record_id not in trace.record_ids
+
+
+def test_the_same_prompt_sent_in_parallel_is_not_a_retry() -> None:
+    """Pi summarises a history and a split turn's prefix at once; on vLLM the two prompts were the same tokens."""
+    sim = AgentSim()
+    first = sim.call([SYSTEM, TASK], Turn(content="a"))
+    second = sim.call([SYSTEM, TASK], Turn(content="b"))
+    first.started_at, first.finished_at = 10.0, 10.2
+    second.started_at, second.finished_at = 10.1, 10.3  # sent before the first was answered
+    assert build(sim.records).report.total.roles == {"agent": 2}
+    second.started_at = 10.2  # sent once the first answer was made: a retry
+    assert build(sim.records).report.total.roles == {"agent": 1, "discarded: retried": 1}
 
 
 def test_a_retry_under_other_sampling_is_not_a_retry() -> None:

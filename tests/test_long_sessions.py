@@ -59,6 +59,12 @@ def small_window_proxy(tiny_model_dir, tmp_path_factory):
         yield proxy
 
 
+def assert_side_jobs(records, side_jobs: dict[int, str]) -> None:
+    """The proxy tagged exactly these calls (seq -> role_reason) as the harness's side jobs; every other is agent."""
+    assert {r.seq: r.role_reason for r in records if r.role != "agent"} == side_jobs
+    assert all(r.role == "auxiliary" for r in records if r.seq in side_jobs)
+
+
 def _http(proxy, session: str) -> httpx.Client:
     return httpx.Client(
         proxy=proxy.proxy_url(session), verify=ssl.create_default_context(cafile=str(proxy.ca)), timeout=120
@@ -391,6 +397,7 @@ def test_codex_default_provider_compacts_remotely_through_polar(tiny_model_dir, 
     assert "Counting is done." in result.stdout
     assert all(r.status == "ok" for r in records), [r.error for r in records]
     asking = [r.seq for r in records if compaction_prompt(r.messages) == "polar"]
+    assert_side_jobs(records, {seq: "polar compaction" for seq in asking})
     summarised = [r.seq for r in records if summarised_history(r.messages) == "polar"]
     assert len(asking) == 1 and summarised and min(summarised) == asking[0] + 1
     assert all(r.seq < asking[0] for r in records if r.seq not in summarised and r.seq != asking[0])
@@ -476,6 +483,7 @@ def test_claude_code_auto_compacts_through_polar(tiny_model_dir, tmp_path):
     assert orjson.loads(result.stdout)["result"] == "There is one text file: notes.txt."
     assert all(r.status == "ok" for r in records), [r.error for r in records]
     asking = [r.seq for r in records if compaction_prompt(r.messages) == "claude-code"]
+    assert_side_jobs(records, {seq: "claude-code compaction" for seq in asking})
     summarised = [r.seq for r in records if summarised_history(r.messages) == "claude-code"]
     assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
     # The compaction call re-renders the earlier turns (Qwen's template drops their empty think blocks once
@@ -582,6 +590,7 @@ def test_qwen_code_compresses_through_polar(tiny_model_dir, tmp_path):
     assert "Counting is done." in result.stdout
     assert all(r.status == "ok" for r in records), [r.error for r in records]
     asking = [r.seq for r in records if compaction_prompt(r.messages) == "qwen-code"]
+    assert_side_jobs(records, {seq: "qwen-code compaction" for seq in asking})
     # The compression prompt itself shows the <state_snapshot> structure: only later calls carry a summary.
     summarised = [
         r.seq for r in records if summarised_history(r.messages) == "gemini-cli/qwen-code" and r.seq not in asking
@@ -670,6 +679,7 @@ def test_codex_custom_provider_compacts_through_polar(tiny_model_dir, tmp_path):
     assert all(r.status == "ok" for r in records), [r.error for r in records]
     assert {r.api for r in records} == {"openai_responses"}
     asking = [r.seq for r in records if compaction_prompt(r.messages) == "codex"]
+    assert_side_jobs(records, {seq: "codex compaction" for seq in asking})
     summarised = [r.seq for r in records if summarised_history(r.messages) == "codex" and r.seq not in asking]
     assert len(asking) == 1 and summarised == list(range(asking[0] + 1, len(records)))
     built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
@@ -708,6 +718,7 @@ def test_pi_compacts_after_its_answer_in_print_mode(tiny_model_dir, tmp_path):
     assert result.stdout.strip() == "Done counting."
     assert all(r.status == "ok" for r in records), [r.error for r in records]
     assert [compaction_prompt(r.messages) for r in records] == [None] * 4 + ["pi"]
+    assert_side_jobs(records, {4: "pi compaction"})
     built = build_traces(records, {}, "prefix_merging", decode=tiny_tokenizer().decode)
     assert built.report.total.breaks == {"compaction": 1}
 

@@ -139,12 +139,16 @@ def compacted_once(records, results, asks: str, summarises: str | None, side_cal
     summary is the tiny model's own text, which has no fixed marker: the build knows it as the compaction call's
     answer). The built traces break at the compaction, with cause compaction, and elsewhere only where the proxy's
     16-token cap cut an answer before its end-of-turn token (cause ``other``) or at ``side_calls`` side calls
-    (cause ``sub_agent``: Qwen Code's next-speaker check). Returns the compaction calls' seqs."""
+    (cause ``sub_agent``: Qwen Code's memory extractor). Returns the compaction calls' seqs."""
     for result in results:
         assert result.returncode == 0, result.stdout[-1500:] + result.stderr[-1500:]
     assert all(r.status == "ok" for r in records), [(r.seq, r.error) for r in records]
     asking = [r.seq for r in records if compaction_prompt(r.messages) == asks]
     assert asking and asking == list(range(asking[0], asking[-1] + 1)), asking
+    # The proxy tagged the compaction calls as the harness's side job, and nothing else but its side calls.
+    roles = [(r.seq, r.role, r.role_reason) for r in records]
+    assert all(role == "auxiliary" and reason.endswith(" compaction") for seq, role, reason in roles if seq in asking)
+    assert sum(role != "agent" for seq, role, _ in roles if seq not in asking) <= side_calls, roles
     after = records[asking[-1] + 1 :]
     assert after, "nothing was sent after the compaction"
     if summarises is not None:

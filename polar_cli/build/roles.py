@@ -1,8 +1,9 @@
 """Each call's role in its session (polar_addon.call_roles), as the build decides it, and a chain's role.
 
 The capture decided each call's role from its request; the build adds what only the later calls show: a
-call sent again unchanged (the same prompt ids under the same sampling parameters) was a retry, so its
-answer was **discarded**. A record from before roles were captured gets its role from its request here.
+call sent again unchanged (the same prompt ids under the same sampling parameters) once its answer was made
+was a retry, so that answer was **discarded**. A record from before roles were captured gets its role from
+its request here.
 
 A chain's role is ``agent`` when any of its calls is (an auxiliary call can only merge into an agent
 chain when the harness continued from it), else ``auxiliary``, else ``discarded``.
@@ -32,8 +33,11 @@ def session_roles(records: Sequence[CaptureRecord]) -> list[RoleDecision]:
     answered = [i for i, r in enumerate(records) if r.status == "ok"]
     keys = [(tuple(records[i].prompt_ids), *(getattr(records[i], n) for n in SAMPLING)) for i in answered]
     for k, again in retried(keys).items():
-        i = answered[k]
-        roles[i] = RoleDecision(CallRole.DISCARDED.value, f"retried: call {records[answered[again]].seq} sent it again")
+        first, repeat = records[answered[k]], records[answered[again]]
+        # Sent while the first was still being answered: a parallel sample (Pi summarises a history and a split
+        # turn's prefix at once, and the two prompts can be the same), not a retry; both answers are used.
+        if repeat.started_at >= first.finished_at:
+            roles[answered[k]] = RoleDecision(CallRole.DISCARDED.value, f"retried: call {repeat.seq} sent it again")
     return roles
 
 
