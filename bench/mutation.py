@@ -153,6 +153,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # (run with --only on the decision functions: the rest is the same code the rollouts run).
     "rollout.session": (["polar_cli/rollout/session.py"], ["tests/test_rollout_session_decisions.py"]),
     "rollout.tasks": (["polar_cli/rollout/tasks.py"], ["tests/test_rollout_tasks.py"]),
+    # What a call is for (agent, auxiliary side job, discarded): decides which calls a policy is trained on.
+    "call_roles": (["polar_addon/call_roles.py"], ["tests/test_call_roles.py"]),
+    "build.roles": (["polar_cli/build/roles.py"], ["tests/test_call_roles.py", "tests/test_build_prefix_merging.py"]),
 }
 
 

@@ -150,6 +150,9 @@ def test_every_harness_main_chain_is_one_on_policy_trace(tiny_model_dir, tmp_pat
         assert figures.main_calls >= (5 if short in RESUMED else 3), (short, figures)
         assert figures.main_continuity == figures.main_calls - 1, (short, figures.reasons)
         assert figures.main_traces == 1 and figures.exact, (short, figures)
+        # The main chain is the agent's; the only side calls are Qwen Code's memory extractor, tagged as its side job.
+        assert figures.main_roles == {"agent": figures.main_calls}, (short, figures)
+        assert set(figures.side_roles) <= ({"auxiliary: qwen-code memory"} if short == "qwen" else set()), figures
         # Every sampled token of the chain is trained, and (figures.exact) nothing else is.
         assert traces[0].calls_merged == figures.main_calls
         assert sum(traces[0].loss_mask) == sum(sampled[r] for r in traces[0].record_ids) > 0

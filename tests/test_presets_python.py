@@ -154,6 +154,7 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
     # One call per scripted turn, no more: the last action's COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT ended the run.
     assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
+    assert [(r.role, r.role_reason) for r in records] == [("agent", None)] * len(turns)
     assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
     assert {r.requested_model for r in records} == {model_name(harness)}
     assert {r.harness for r in records} == {HARNESSES[harness][2]}

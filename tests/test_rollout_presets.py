@@ -305,6 +305,8 @@ def assert_scripted_calls_stored(proxy: SharedProxy, session: dict, task_id: str
     """Every scripted turn is one ok call under (task, group = task, sample 0), calling the scripted tools."""
     records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
     assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
+    # The real harness's own prompts set off none of the side-job markers: every call is its agent's.
+    assert [(r.role, r.role_reason) for r in records] == [("agent", None)] * len(turns)
     assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
     called = [[c["name"] for c in (r.response_message or {}).get("tool_calls") or []] for r in records]
     assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from polar_addon.capture import CaptureRecord
+from polar_cli.build.roles import captured_role, role_kind
 from polar_cli.mitm import REPO
 from polar_cli.rollout.harnesses.base import SessionContext
 from polar_cli.trace import Trace
@@ -169,6 +171,8 @@ class HarnessFigures:
     off_policy_tokens: int
     exact: bool  # every main-chain trace's trainable tokens are exactly its calls' sampled ids
     reasons: dict[str, int]  # prompt_reason of main-chain calls after the first that were rendered fresh
+    main_roles: dict[str, int]  # the main chain's calls by role ("agent", "auxiliary: qwen-code memory", ...)
+    side_roles: dict[str, int]  # the other calls by role
 
 
 def harness_figures(out: Path, session: str, *, merge_retokenized: bool) -> tuple[HarnessFigures, list[Trace]]:
@@ -195,5 +199,7 @@ def harness_figures(out: Path, session: str, *, merge_retokenized: bool) -> tupl
         off_policy_tokens=sum(off_policy_tokens(t, by_id) for t in session_traces),
         exact=all(sampled_tokens_are_trained(t, by_id) for t in main_traces),
         reasons=reasons,
+        main_roles=dict(Counter(role_kind(captured_role(r)) for r in main)),
+        side_roles=dict(Counter(role_kind(captured_role(r)) for r in mine if r.record_id not in main_ids)),
     )
     return figures, main_traces
