@@ -33,13 +33,19 @@ HARNESSES = {
     "mini-swe-agent:toolcall": ("mini-swe-agent-toolcall", "mini-swe-agent", "mini-swe-agent/2.4.6 (toolcall)"),
     "mini-swe-agent:textbased": ("mini-swe-agent-textbased", "mini-swe-agent", "mini-swe-agent/2.4.6 (textbased)"),
     "aider": ("aider", "aider", "aider/0.86.2"),
+    "openai-agents": ("openai-agents", "openai-agents", "Agents/Python 0.24.0"),
+    "smolagents": ("smolagents", "smolagents", "smolagents/1.26.0"),
 }
+# The harnesses that call tools (the others write their actions as text).
+TOOL_CALLING = {"mini-swe-agent:toolcall", "openai-agents"}
 # What each scripted action prints, seen in the request after it (None: nothing to see): the action ran in the
 # workspace. Aider's one reply is its edit, which the verifier sees.
 SEEN_AFTER = {
     "mini-swe-agent:toolcall": ["def add(a, b):", None, "Ran 2 tests"],
     "mini-swe-agent:textbased": ["def shout(text):", None, "Ran 2 tests"],
     "aider": [],
+    "openai-agents": ["def shout(text):", "Ran 2 tests"],
+    "smolagents": ["def mean(values):", "Ran 2 tests"],
 }
 
 
@@ -130,6 +136,25 @@ def test_aider_config(tmp_path: Path) -> None:
         get_preset("aider:x")
 
 
+def test_openai_agents_config(tmp_path: Path) -> None:
+    """The bundled Agents SDK script is copied into HOME (the sandbox needs nothing of the checkout), the SDK's tracing
+    upload is off, and the served output cap reaches its model settings."""
+    preset = get_preset("openai-agents")
+    ctx = context(Path("/home/polar"), max_output_tokens=512)
+    preset.configure(tmp_path, ctx)
+    from polar_cli.rollout.harnesses._bundled import SCRIPTS
+
+    assert (tmp_path / preset.in_home).read_text() == (SCRIPTS / "openai_agents_coder.py").read_text()
+    env = preset.env(ctx)
+    assert env["OPENAI_API_KEY"] == "polar:psk-test" and env["OPENAI_BASE_URL"] == "http://127.0.0.1:2/v1"
+    assert env["OPENAI_AGENTS_DISABLE_TRACING"] == "1"
+    argv = preset.command("fix it", ctx)
+    assert argv[1:] == ["-P", f"/home/polar/{preset.in_home}", "--model", "m", "--max-tokens", "512", "fix it"]
+    assert "--max-tokens" not in preset.command("fix it", context(Path("/home/polar")))
+    with pytest.raises(ValueError, match="takes no argument"):
+        get_preset("openai-agents:x")
+
+
 def request_text(record) -> str:
     return json.dumps(json.loads(record.messages_json))
 
@@ -158,10 +183,13 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
     assert {r.requested_model for r in records} == {model_name(harness)}
     assert {r.harness for r in records} == {HARNESSES[harness][2]}
-    if harness.endswith("toolcall"):
+    if harness in TOOL_CALLING:
         assert all([t["function"]["name"] for t in json.loads(r.tools_json)] == ["bash"] for r in records)
-        called = [[(c["name"], json.loads(c["arguments"])) for c in r.response_message["tool_calls"]] for r in records]
-        assert called == [[("bash", c["function"]["arguments"]) for c in t["tool_calls"]] for t in turns]
+        called = [
+            [(c["name"], json.loads(c["arguments"])) for c in r.response_message.get("tool_calls") or []]
+            for r in records
+        ]
+        assert called == [[("bash", c["function"]["arguments"]) for c in t.get("tool_calls", [])] for t in turns]
     else:
         assert all(json.loads(r.tools_json) == [] for r in records)
         assert [r.response_message["content"] for r in records] == [t["content"] for t in turns]
@@ -176,6 +204,7 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     # telemetry or update check would be there, refused): every flow in its log is a chat completion or polar's
     # own control channel (the runner's boundary probe, refused, is its check that the proxy blocks other traffic).
     flows = re.findall(r"^\S+: (GET|POST|PUT|HEAD|CONNECT) (\S+)", proxy.logs(), re.MULTILINE)
-    assert any(url.endswith("/v1/chat/completions") for _, url in flows), proxy.logs()[-3000:]
-    ours = ("/v1/chat/completions", "/polar-boundary-probe")
+    model_calls = ("/v1/chat/completions", "/v1/responses")
+    assert any(url.endswith(model_calls) for _, url in flows), proxy.logs()[-3000:]
+    ours = (*model_calls, "/polar-boundary-probe")
     assert [f for f in flows if not f[1].endswith(ours) and not f[1].startswith("http://polar.local/")] == []
