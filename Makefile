@@ -43,7 +43,7 @@ $(HARNESS_DIR)/.installed: Makefile
 # The Python agent harnesses, each in a venv of its own (their LiteLLM/openai/pydantic pins clash with ours and
 # with each other's), at the versions harness-py/NAME.txt pins (pip freeze of a working install): the harness and
 # its LiteLLM pinned exactly. A few minutes each; ~0.7 GB each.
-PY_HARNESSES := mini-swe-agent aider openai-agents smolagents
+PY_HARNESSES := mini-swe-agent aider gptme openai-agents smolagents
 pyharnesses: $(foreach h,$(PY_HARNESSES),$(HARNESS_DIR)/py/$(h)/.installed)
 $(HARNESS_DIR)/py/%/.installed: harness-py/%.txt
 	test -x $(@D)/bin/python || $(PY) -m venv $(@D)

@@ -130,6 +130,8 @@ AUXILIARY_MARKERS: tuple[RoleMarker, ...] = (
     # Cline 3.0.65
     _m("cline", "compaction", "system", "Summarize the provided coding session into a concise continuation note "
        "with detailed next steps."),
+    # gptme 0.35.1 (it names every conversation, in a thread of its own)
+    _m("gptme", "title", "system", "Generate concise conversation titles."),
     # aider 0.86.2
     _m("aider", "summary", "system", "*Briefly* summarize this partial conversation about programming."),
     _m("aider", "commit_message", "system", "You are an expert software engineer that generates concise, one-line Git "

@@ -35,7 +35,10 @@ HARNESSES = {
     "aider": ("aider", "aider", "aider/0.86.2"),
     "openai-agents": ("openai-agents", "openai-agents", "Agents/Python 0.24.0"),
     "smolagents": ("smolagents", "smolagents", "smolagents/1.26.0"),
+    "gptme": ("gptme", "gptme", "gptme (OpenAI/Python 2.54.0)"),
 }
+# The calls each harness makes besides its loop (role_reason of each, sorted).
+SIDE_JOBS = {"gptme": ["gptme title"]}
 # The harnesses that call tools (the others write their actions as text).
 TOOL_CALLING = {"mini-swe-agent:toolcall", "openai-agents"}
 # What each scripted action prints, seen in the request after it (None: nothing to see): the action ran in the
@@ -46,6 +49,7 @@ SEEN_AFTER = {
     "aider": [],
     "openai-agents": ["def shout(text):", "Ran 2 tests"],
     "smolagents": ["def mean(values):", "Ran 2 tests"],
+    "gptme": ["def add(a, b):", "Ran 2 tests"],
 }
 
 
@@ -176,10 +180,15 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     seed = 200 + list(HARNESSES).index(harness)
     session, logs = rollout_through(proxy, tasks, harness, "bwrap", seed, tmp_path / "report")
 
-    records = sorted(session_records(proxy.out, session["session_id"], at_least=len(turns)), key=lambda r: r.started_at)
-    # One call per scripted turn, no more: the last action's COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT ended the run.
+    side_jobs = SIDE_JOBS.get(harness, [])
+    stored = session_records(proxy.out, session["session_id"], at_least=len(turns) + len(side_jobs))
+    stored = sorted(stored, key=lambda r: r.started_at)
+    # The harness's own side jobs, tagged so by the proxy (they run beside the loop, in any order).
+    assert sorted(r.role_reason for r in stored if r.role != "agent") == side_jobs
+    assert all(r.role == "auxiliary" for r in stored if r.role != "agent")
+    records = [r for r in stored if r.role == "agent"]
+    # One agent call per scripted turn, no more: the last action ended the run.
     assert [r.status for r in records] == ["ok"] * len(turns), [r.error for r in records]
-    assert [(r.role, r.role_reason) for r in records] == [("agent", None)] * len(turns)
     assert {(r.task_id, r.group_id, r.sample_index) for r in records} == {(task_id, task_id, 0)}
     assert {r.requested_model for r in records} == {model_name(harness)}
     assert {r.harness for r in records} == {HARNESSES[harness][2]}
