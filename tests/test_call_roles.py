@@ -136,8 +136,11 @@ def test_retried_finds_the_next_identical_call() -> None:
 
 def test_parse_roles() -> None:
     assert parse_roles("agent, auxiliary") == {"agent", "auxiliary"}
-    with pytest.raises(ValueError, match="unknown role.*bogus"):
-        parse_roles("agent,bogus")
+    with pytest.raises(ValueError) as bad:
+        parse_roles("agent,bogus,titles")
+    assert str(bad.value) == (
+        "unknown role(s) bogus, titles: use a comma-separated subset of agent, auxiliary, discarded"
+    )
     with pytest.raises(ValueError, match="none given"):
         parse_roles(" , ")
 
@@ -343,3 +346,42 @@ def test_atif_export_takes_the_agent_chain_as_the_trajectory_and_names_each_role
     [side_trajectory] = trajectory["subagent_trajectories"]
     assert side_trajectory["extra"]["polar"] == {**side_trajectory["extra"]["polar"], "role": "auxiliary", "calls": 3}
     assert trajectory["extra"]["polar"]["calls_unusable"] == {"discarded: retried": 1}
+
+
+def test_marker_openings_around_whitespace_and_blocks() -> None:
+    """The exact openings: a block led by blank lines, a whole-block marker with a trailing newline, a developer
+    system message, a Claude Code side job whose own text runs on over more blocks, and no messages at all."""
+    page = [SYSTEM, {"role": "user", "content": "\nWeb page content:\n---\n<html/>\n---\n\nSummarise it."}]
+    assert role(page) == ("auxiliary", "claude-code web_fetch")
+    reminded = [SYSTEM, {"role": "user", "content": "<system-reminder>x</system-reminder>\n\n\n" + CLAUDE_COMPACT}]
+    assert role(reminded) == ("auxiliary", "claude-code compaction")
+    assert role([{"role": "user", "content": "quota\n"}]) == ("auxiliary", "claude-code quota")
+    judge = [{"role": "developer", "content": "You are judging one planned coding-agent action. Verdict?"}, TASK]
+    assert role(judge) == ("auxiliary", "codex classifier")
+    identity = "You are a Claude agent, built on Anthropic's Claude Agent SDK."
+    bash = "Your task is to process Bash commands that an AI coding agent wants to run."
+    system = {"role": "system", "content": f"{identity}\n\n\n{bash}\n\n<policy_spec>\n...\n\nCommand: ls"}
+    assert role([system, {"role": "user", "content": "Command: ls"}]) == ("auxiliary", "claude-code classifier")
+    assert role([]) == ("agent", None)
+
+
+def test_the_captured_role_wins_and_older_records_get_theirs_from_the_request() -> None:
+    sim = AgentSim()
+    title = "Generate a concise, sentence-case title (3-7 words) that captures the main topic or goal of this coding"
+    tagged = sim.call([SYSTEM, TASK], Turn(content="Fix parse"), tools=[])
+    tagged.role, tagged.role_reason = "auxiliary", "claude-code title"  # as the proxy wrote it
+    legacy = sim.call([{"role": "system", "content": title + " session."}, TASK], Turn(content="Fix"), tools=[])
+    with_tools = sim.call([{"role": "system", "content": title + " session."}, TASK], Turn(content="x"))
+    assert (legacy.role, with_tools.role) == (None, None)  # captured before roles
+    result = build(sim.records)
+    assert result.report.total.roles == {"agent": 1, "auxiliary: claude-code title": 2}
+    assert [t.role for t in sorted(result.traces, key=lambda t: t.record_ids[0])] == ["auxiliary", "auxiliary", "agent"]
+
+
+def test_a_reason_is_counted_by_its_kind() -> None:
+    from polar_addon.call_roles import RoleDecision
+    from polar_cli.build.roles import role_kind
+
+    assert role_kind(RoleDecision("discarded", "retried: call 3: sent again")) == "discarded: retried"
+    assert role_kind(RoleDecision("auxiliary", "claude-code title")) == "auxiliary: claude-code title"
+    assert role_kind(RoleDecision("agent", None)) == "agent"
