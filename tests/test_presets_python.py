@@ -217,3 +217,14 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     assert any(url.endswith(model_calls) for _, url in flows), proxy.logs()[-3000:]
     ours = (*model_calls, "/polar-boundary-probe")
     assert [f for f in flows if not f[1].endswith(ours) and not f[1].startswith("http://polar.local/")] == []
+
+
+def test_the_help_names_every_preset() -> None:
+    """`--harness`'s help lists the preset modules without importing them: the same names `get_preset` takes."""
+    from polar_cli.rollout.config import RolloutSettings
+    from polar_cli.rollout.harnesses import available_presets, preset_names
+
+    assert preset_names() == available_presets()
+    assert {"gptme", "openai-agents", "smolagents"} <= set(preset_names())
+    help_text = RolloutSettings.__dataclass_fields__["harness"].metadata
+    assert all(name in str(help_text) for name in preset_names()), help_text

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polar_cli.rollout import workspace as ws
+from polar_cli.rollout.harnesses import preset_names
 from polar_cli.set_option import runtime_options, set_options
 from polar_cli.settings import SettingsError, option
 
@@ -93,7 +94,7 @@ class RolloutSettings:
     )
     harness: str = option(
         flags=("--harness", "-H"),
-        help="claude-code, codex, qwen-code, pi, gemini-cli, or "
+        help=f"A preset ({', '.join(preset_names())}), or "
         "cmd:'ANY COMMAND {instruction}' ({instruction} becomes one shell-quoted word).",
     )
     samples: int = option(1, flags=("--samples", "-n"), help="Sessions per task (one GRPO group per task).")

@@ -1,5 +1,6 @@
-"""Harness presets: one module each (``claude_code``, ``codex``, ``qwen_code``, ``pi``, ``gemini_cli``,
-``mini_swe_agent``, ``aider``, ``command``), all behind :class:`base.HarnessPreset`.
+"""Harness presets: one module each (``claude_code``, ``codex``, ``qwen_code``, ``pi``, ``gemini_cli``, ``opencode``,
+``kilocode``, ``continue_cli``, ``cline``, ``mini_swe_agent``, ``aider``, ``gptme``, ``openai_agents``, ``smolagents``,
+``command``), all behind :class:`base.HarnessPreset`.
 
 The convention: ``--harness NAME[:ARG]`` imports ``polar_cli.rollout.harnesses.<NAME with - as _>`` and calls its
 module-level ``make(arg: str | None = None) -> HarnessPreset``; ``cmd:ANY COMMAND {instruction}`` is the
@@ -12,6 +13,15 @@ from polar_cli.rollout.harnesses.base import HarnessPreset
 from polar_cli.rollout.registry import find_make, modules_with_make
 
 _NOT_PRESETS = {"base"}
+
+
+def preset_names() -> list[str]:
+    """The preset modules' names (``_`` spelled ``-``) without importing them: for help texts."""
+    import pkgutil
+
+    skip = _NOT_PRESETS | {"command"}
+    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(__path__) if m.name not in skip
+                  and not m.name.startswith("_"))  # fmt: skip
 
 
 def available_presets() -> list[str]:
