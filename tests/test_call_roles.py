@@ -141,8 +141,9 @@ def test_parse_roles() -> None:
     assert str(bad.value) == (
         "unknown role(s) bogus, titles: use a comma-separated subset of agent, auxiliary, discarded"
     )
-    with pytest.raises(ValueError, match="none given"):
+    with pytest.raises(ValueError) as empty:
         parse_roles(" , ")
+    assert str(empty.value).startswith("unknown role(s) (none given): use")
 
 
 def request(messages: list[dict], tools: list | None = None) -> CanonicalRequest:
@@ -363,6 +364,10 @@ def test_marker_openings_around_whitespace_and_blocks() -> None:
     system = {"role": "system", "content": f"{identity}\n\n\n{bash}\n\n<policy_spec>\n...\n\nCommand: ls"}
     assert role([system, {"role": "user", "content": "Command: ls"}]) == ("auxiliary", "claude-code classifier")
     assert role([]) == ("agent", None)
+    loop = (
+        "\nYou are a diagnostic agent that determines whether a conversational AI assistant is stuck in an unproductive"
+    )
+    assert role([{"role": "system", "content": loop + " loop."}, TASK]) == ("auxiliary", "gemini-cli loop_detection")
 
 
 def test_the_captured_role_wins_and_older_records_get_theirs_from_the_request() -> None:
