@@ -3,7 +3,9 @@
 Messages follow OpenAI Chat Completions conventions because that is what SGLang and vLLM
 apply their chat templates to:
 
-- ``{"role": "system", "content": str}`` (exactly one, first, when present)
+- ``{"role": "system", "content": str}``: the leading system prompt (one, first, when present: every system text
+  sent before the conversation starts, joined); Chat Completions clients may send more later, which stay in place
+  (gptme's tool outputs; chat templates such as Qwen's render them where they are)
 - ``{"role": "user", "content": str}``
 - ``{"role": "assistant", "content": str | None, "reasoning_content": str (optional),
   "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": str}}] (optional)}``

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from polar_addon.store.validate import validate_store
+from polar_cli.build import build_traces
 from polar_cli.rollout.harnesses import get_preset
 from polar_cli.rollout.harnesses._venv import venv_python
 from polar_cli.rollout.harnesses.base import SessionContext
@@ -39,6 +40,9 @@ HARNESSES = {
 }
 # The calls each harness makes besides its loop (role_reason of each, sorted).
 SIDE_JOBS = {"gptme": ["gptme title"]}
+# The harnesses whose agent calls merge into one trace (gptme sends each tool's output as a system message: it stays
+# in place, not folded into the leading system prompt, which would change every call's prompt).
+ONE_CHAIN = {"gptme"}
 # The harnesses that call tools (the others write their actions as text).
 TOOL_CALLING = {"mini-swe-agent:toolcall", "openai-agents"}
 # What each scripted action prints, seen in the request after it (None: nothing to see): the action ran in the
@@ -206,6 +210,9 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
         if seen is not None:
             assert seen in request_text(record), seen
     assert validate_store(str(proxy.out)) == []
+    if harness in ONE_CHAIN:
+        built = build_traces(records, {}, "prefix_merging")
+        assert [t.calls_merged for t in built.traces] == [len(records)], built.report.total.breaks
     assert_exports_to_atif(
         proxy, session["session_id"], [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
     )

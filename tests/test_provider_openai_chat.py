@@ -86,12 +86,12 @@ def test_route(method: str, path: str, expected: str | None) -> None:
 # ---------------------------------------------------------------- parse_request
 
 
-def test_system_and_developer_merge_into_one_leading_system_message() -> None:
+def test_system_and_developer_texts_before_the_conversation_make_one_leading_system_message() -> None:
     req = parse(
         messages=[
             {"role": "system", "content": "You are a coder."},
-            {"role": "user", "content": "hi"},
             {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "ok"},
         ]
     )
@@ -101,6 +101,26 @@ def test_system_and_developer_merge_into_one_leading_system_message() -> None:
         {"role": "assistant", "content": "ok"},
     ]
     assert req.api == "openai_chat" and req.model == "qwen-test"
+
+
+def test_a_system_message_inside_the_conversation_stays_where_it_was_sent() -> None:
+    """gptme sends each tool's output as a system message after the assistant turn that ran it."""
+    req = parse(
+        messages=[
+            {"role": "system", "content": "You are a coder."},
+            {"role": "user", "content": "hi"},
+            {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "assistant", "content": "```shell\nls\n```"},
+            {"role": "system", "content": "Ran command: `ls`"},
+        ]
+    )
+    assert req.messages == [
+        {"role": "system", "content": "You are a coder."},
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "```shell\nls\n```"},
+        {"role": "system", "content": "Ran command: `ls`"},
+    ]
 
 
 def test_no_system_message_when_none_given() -> None:

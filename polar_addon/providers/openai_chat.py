@@ -74,8 +74,13 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(msg, dict):
             raise invalid(f"{where} must be an object")
         role = msg.get("role")
-        if role in ("system", "developer"):
+        if role in ("system", "developer") and not out:
             system.append(_text(msg.get("content"), where))
+        elif role in ("system", "developer"):
+            # Once the conversation has started, a system message stays where the client put it (gptme sends each
+            # tool's output as one): moved into the leading prompt it would change every call's system prompt, the
+            # model would read the output out of its turn, and no two calls would share a prefix.
+            out.append({"role": "system", "content": _text(msg.get("content"), where)})
         elif role == "user":
             out.append({"role": "user", "content": _text(msg.get("content"), where)})
         elif role == "assistant":
