@@ -16,10 +16,12 @@ from typing import Any
 
 import orjson
 
+from polar_addon.call_roles import DEFAULT_TRAINED_ROLES
 from polar_addon.capture import CaptureRecord
 from polar_cli.build import SessionBuild
 from polar_cli.build.prefix_merging import RecordChain
-from polar_cli.build.rewards import SessionInfo, decide_reward
+from polar_cli.build.rewards import SessionInfo, decide_reward, untrained_role
+from polar_cli.build.roles import chain_role, session_roles
 
 _CSS = """
 :root { --mask: #d9d9d9; --ink: #1d1d1f; --muted: #6e6e73; --break: #c0392b; }
@@ -193,10 +195,13 @@ def _interstitial_messages(prev: CaptureRecord, nxt: CaptureRecord) -> str:
     return f'<div class="msg">{"".join(parts)}</div>' if parts else ""
 
 
-def _chain_section(chain: RecordChain, session: SessionInfo | None, pieces: _Pieces) -> str:
+def _chain_section(chain: RecordChain, session: SessionInfo | None, pieces: _Pieces, roles: dict[str, str]) -> str:
     records = chain.records
     merged = chain.merge()
-    decision = decide_reward(session, records, per_request=False, broadcast=False)
+    role = chain_role([roles[r.record_id] for r in records])
+    decision = untrained_role(
+        decide_reward(session, records, per_request=False, broadcast=False), role, DEFAULT_TRAINED_ROLES
+    )
     trainable = (
         "trainable"
         if decision.trainable
@@ -204,9 +209,10 @@ def _chain_section(chain: RecordChain, session: SessionInfo | None, pieces: _Pie
     )
     cut = f' data-break="{_esc(chain.end.cause.value)}"' if chain.end else ""
     out = [
-        f'<section class="chain" id="chain-{chain.index}" data-chain="{chain.index}" data-calls="{len(records)}"{cut}>',
+        f'<section class="chain" id="chain-{chain.index}" data-chain="{chain.index}" data-calls="{len(records)}"'
+        f' data-role="{_esc(role)}"{cut}>',
         (
-            f"<h2>Chain {chain.index} · {len(records)} call{'s' * (len(records) != 1)} merged "
+            f"<h2>Chain {chain.index} · {_esc(role)} · {len(records)} call{'s' * (len(records) != 1)} merged "
             f"(calls {', '.join(str(r.seq) for r in records)}) · reward {decision.reward:g} · {trainable}</h2>"
         ),
         '<div class="chain-summary"></div>',
@@ -293,7 +299,9 @@ def render_session(
         f'<div class="break" data-failed="{r.seq}">call {r.seq} failed and is not training data: {_esc(r.error)}</div>'
         for r in failed
     )
-    sections = "\n".join(_chain_section(chain, session, pieces) for chain in built.chains)
+    ordered = sorted(records, key=lambda r: r.seq)
+    roles = {r.record_id: decision.role for r, decision in zip(ordered, session_roles(ordered))}
+    sections = "\n".join(_chain_section(chain, session, pieces, roles) for chain in built.chains)
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>polar trace · {_esc(built.session_id)}</title><style>{_CSS}</style></head>\n<body>"

@@ -9,6 +9,7 @@ the system prompt), and there the call stays ``agent``.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import orjson
@@ -390,3 +391,16 @@ def test_a_reason_is_counted_by_its_kind() -> None:
     assert role_kind(RoleDecision("discarded", "retried: call 3: sent again")) == "discarded: retried"
     assert role_kind(RoleDecision("auxiliary", "claude-code title")) == "auxiliary: claude-code title"
     assert role_kind(RoleDecision("agent", None)) == "agent"
+
+
+def test_polar_view_names_each_chains_role_and_why_a_side_job_is_not_trained() -> None:
+    from polar_cli.build import build_session, detect_eot
+    from polar_cli.view import render_session
+
+    sim = compacted_session()
+    info = SessionInfo("s1", reward=1.0)
+    built = build_session("s1", sim.records, info, eot_token_id=detect_eot(sim.records))
+    page = render_session(built, sim.records, info)
+    roles = re.findall(r'<section class="chain"[^>]* data-role="(\w+)"', page)
+    assert sorted(roles) == ["agent", "agent", "auxiliary"]
+    assert "· auxiliary ·" in page and "not trainable (auxiliary calls not trained (--roles))" in page
