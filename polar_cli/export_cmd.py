@@ -31,13 +31,21 @@ class ExportSettings:
         flags=("--out", "-o"), help="Where to write: a directory (atif) or a .jsonl file (openai-jsonl)."
     )
     session: list[str] = option(default_factory=list, flags=("--session",), help="Only these sessions (repeatable).")
+    roles: str = option(
+        "agent,auxiliary",
+        help="openai-jsonl: the chains to write, by role (agent, auxiliary: a harness's side jobs such as titles and "
+        "compaction); e.g. --roles agent for the agent's own turns only. Retried calls are never written; ATIF "
+        "trajectories hold every chain and name its role.",
+    )
     overwrite: bool = option(False, help="Replace OUT if it exists.")
 
     def validate(self) -> None:
+        from polar_cli.build_cmd import check_roles
         from polar_cli.export import FORMATS
 
         if self.format not in FORMATS:
             raise SettingsError(f"use one of {', '.join(FORMATS)}", "format")
+        check_roles(self.roles)
         exists = self.out.exists() and (self.out.is_file() or any(self.out.iterdir()))
         if exists and not self.overwrite:
             raise SettingsError(f"{self.out} exists and is not empty (use --overwrite)", "out")
@@ -52,6 +60,7 @@ def export(settings: ExportSettings) -> None:
 
     from polar_addon.store import iter_records
     from polar_cli.build.inputs import session_infos
+    from polar_cli.build_cmd import check_roles
     from polar_cli.export import session_examples, session_trajectory
     from polar_cli.export.atif import trajectory_file_name
 
@@ -78,7 +87,7 @@ def export(settings: ExportSettings) -> None:
         s.out.parent.mkdir(parents=True, exist_ok=True)
         with s.out.open("wb") as f:
             for session_id, group in groupby(records, key=lambda r: r.session_id):
-                examples = session_examples(session_id, list(group))
+                examples = session_examples(session_id, list(group), roles=check_roles(s.roles))
                 skipped += not examples
                 for example in examples:
                     f.write(orjson.dumps(example) + b"\n")

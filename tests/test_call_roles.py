@@ -404,3 +404,30 @@ def test_polar_view_names_each_chains_role_and_why_a_side_job_is_not_trained() -
     roles = re.findall(r'<section class="chain"[^>]* data-role="(\w+)"', page)
     assert sorted(roles) == ["agent", "agent", "auxiliary"]
     assert "· auxiliary ·" in page and "not trainable (auxiliary calls not trained (--roles))" in page
+
+
+def test_openai_jsonl_export_writes_the_chains_of_the_roles_asked_for(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from polar_cli.app import app
+
+    async def main() -> None:
+        async with TraceStore(str(tmp_path / "store")) as store:
+            for record in compacted_session().records:
+                await store.append(record)
+
+    asyncio.run(main())
+    runner = CliRunner()
+    lines = {}
+    for roles in ("agent,auxiliary", "agent"):
+        out = tmp_path / f"{roles}.jsonl"
+        done = runner.invoke(app, ["export", str(tmp_path / "store"), "--format", "openai-jsonl", "-o", str(out),
+                                   "--roles", roles])  # fmt: skip
+        assert done.exit_code == 0, done.output
+        lines[roles] = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    assert len(lines["agent,auxiliary"]) == 3 and len(lines["agent"]) == 2
+    summary = [e for e in lines["agent,auxiliary"] if e not in lines["agent"]]
+    assert [m["content"] for m in summary[0]["messages"] if m["role"] == "user"][-1] == CLAUDE_COMPACT
+    bad = runner.invoke(app, ["export", str(tmp_path / "store"), "--format", "openai-jsonl", "-o",
+                              str(tmp_path / "x.jsonl"), "--roles", "titles"])  # fmt: skip
+    assert bad.exit_code != 0 and "unknown role(s) titles" in bad.output

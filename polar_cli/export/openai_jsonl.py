@@ -6,11 +6,12 @@ The messages are the chain's conversation with each sampled turn as the engine s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import orjson
 
+from polar_addon.call_roles import ROLES
 from polar_addon.capture import CaptureRecord
 from polar_cli.export.conversation import chain_turns, session_chains
 
@@ -23,6 +24,9 @@ def chain_example(records: Sequence[CaptureRecord]) -> dict[str, Any]:
     }
 
 
-def session_examples(session_id: str, records: Sequence[CaptureRecord]) -> list[dict[str, Any]]:
-    """Every chain of one session (seq order) as an example, in chain order."""
-    return [chain_example(chain.records) for chain in session_chains(session_id, records).chains]
+def session_examples(
+    session_id: str, records: Sequence[CaptureRecord], roles: Collection[str] = ROLES
+) -> list[dict[str, Any]]:
+    """Every chain of one session (seq order) whose role is in ``roles`` as an example, in chain order."""
+    split = session_chains(session_id, records)
+    return [chain_example(chain.records) for chain in split.chains if split.roles[chain.index] in roles]
