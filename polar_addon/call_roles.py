@@ -14,9 +14,10 @@ itself (:data:`AUXILIARY_MARKERS`, and the compaction prompts of :mod:`polar_add
 The policy being trained must not be able to make its own turns look auxiliary (that would take them out
 of training and let it escape a bad reward), and it controls tool outputs, files a harness quotes and
 its own earlier turns. So a marker counts only where a harness, not the model, writes the text: at the
-very start of the system prompt's text, or at the start of a block of the last user message (a harness
-wraps what it quotes in its own tags), never in a tool result or an assistant turn; and a call that
-declares tools is auxiliary only when its marker says such a call may (:attr:`RoleMarker.with_tools`).
+very start of the system prompt's text (for Claude Code, of the block after its identity line), or at the
+start of a block of the last user message (a harness wraps what it quotes in its own tags), never in a
+tool result or an assistant turn; and a call that declares tools is auxiliary only when its marker says
+such a call may (:attr:`RoleMarker.with_tools`).
 """
 
 from __future__ import annotations

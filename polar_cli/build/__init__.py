@@ -117,6 +117,7 @@ def build_session(
     call_roles = session_roles(records)
     unusable = Counter(reason for r in records if (reason := unusable_reason(r)) is not None)
     keep_discarded = CallRole.DISCARDED.value in roles
+    answered = [r for r in records if unusable_reason(r) is None]
     usable = [
         r
         for r, role in zip(records, call_roles)
@@ -161,10 +162,13 @@ def build_session(
         traces=len(traces),
         traces_trainable=sum(t.trainable for t in traces),
         reward_reasons=dict(Counter(d.reason for d in decisions)),
-        prompt_sources=dict(Counter(r.prompt_source for r in usable if r.prompt_source)),
-        fresh_reasons=dict(Counter(r.prompt_reason for r in usable if r.prompt_source == "fresh" and r.prompt_reason)),
-        parse_failed_calls=sum(bool(r.parse_failures) for r in usable),
-        tool_call_parsers=dict(Counter(r.tool_call_parser for r in usable if r.tool_call_parser)),
+        # How the proxy answered: every answered call, a retried one too (only reconstruction leaves it out).
+        prompt_sources=dict(Counter(r.prompt_source for r in answered if r.prompt_source)),
+        fresh_reasons=dict(
+            Counter(r.prompt_reason for r in answered if r.prompt_source == "fresh" and r.prompt_reason)
+        ),
+        parse_failed_calls=sum(bool(r.parse_failures) for r in answered),
+        tool_call_parsers=dict(Counter(r.tool_call_parser for r in answered if r.tool_call_parser)),
         prompt_tokens=sum(len(t.prompt_ids) for t in traces),
         completion_tokens=sum(len(t.completion_ids) for t in traces),
         trainable_tokens=sum(sum(t.loss_mask) for t in traces if t.trainable),
