@@ -21,7 +21,6 @@ from polar_addon.capture import CaptureRecord
 from polar_cli.build import SessionBuild
 from polar_cli.build.prefix_merging import RecordChain
 from polar_cli.build.rewards import SessionInfo, decide_reward, untrained_role
-from polar_cli.build.roles import chain_role, session_roles
 
 _CSS = """
 :root { --mask: #d9d9d9; --ink: #1d1d1f; --muted: #6e6e73; --break: #c0392b; }
@@ -195,10 +194,9 @@ def _interstitial_messages(prev: CaptureRecord, nxt: CaptureRecord) -> str:
     return f'<div class="msg">{"".join(parts)}</div>' if parts else ""
 
 
-def _chain_section(chain: RecordChain, session: SessionInfo | None, pieces: _Pieces, roles: dict[str, str]) -> str:
+def _chain_section(chain: RecordChain, session: SessionInfo | None, pieces: _Pieces, role: str) -> str:
     records = chain.records
     merged = chain.merge()
-    role = chain_role([roles[r.record_id] for r in records])
     decision = untrained_role(
         decide_reward(session, records, per_request=False, broadcast=False), role, DEFAULT_TRAINED_ROLES
     )
@@ -299,9 +297,11 @@ def render_session(
         f'<div class="break" data-failed="{r.seq}">call {r.seq} failed and is not training data: {_esc(r.error)}</div>'
         for r in failed
     )
-    ordered = sorted(records, key=lambda r: r.seq)
-    roles = {r.record_id: decision.role for r, decision in zip(ordered, session_roles(ordered))}
-    sections = "\n".join(_chain_section(chain, session, pieces, roles) for chain in built.chains)
+    # The build's traces are its chains', in order (prefix merging): each says its chain's role.
+    sections = "\n".join(
+        _chain_section(chain, session, pieces, trace.role or "agent")
+        for chain, trace in zip(built.chains, built.traces)
+    )
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>polar trace · {_esc(built.session_id)}</title><style>{_CSS}</style></head>\n<body>"

@@ -116,14 +116,10 @@ def build_session(
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     call_roles = session_roles(records)
     unusable = Counter(reason for r in records if (reason := unusable_reason(r)) is not None)
-    keep_discarded = CallRole.DISCARDED.value in roles
-    answered = [r for r in records if unusable_reason(r) is None]
-    usable = [
-        r
-        for r, role in zip(records, call_roles)
-        if unusable_reason(r) is None and (keep_discarded or role.role != CallRole.DISCARDED.value)
-    ]
     role_of = {r.record_id: role.role for r, role in zip(records, call_roles)}
+    answered = [r for r in records if unusable_reason(r) is None]
+    keep_discarded = CallRole.DISCARDED.value in roles
+    usable = [r for r in answered if keep_discarded or role_of[r.record_id] != CallRole.DISCARDED.value]
     harness = harness_name(session.harness if session else None, next((r.harness for r in records if r.harness), None))
     chains = reconstruct_session(usable, eot=eot_token_id, decode=decode, merge_retokenized=merge_retokenized)
     if strategy == "prefix_merging":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from polar_addon.call_roles import CallRole, RoleDecision, call_role, retried
+from polar_addon.call_roles import DISCARDED, CallRole, RoleDecision, call_role, retried
 from polar_addon.capture import CaptureRecord
 
 SAMPLING = ("temperature", "top_p", "top_k", "min_p")
@@ -23,7 +23,7 @@ def captured_role(record: CaptureRecord) -> RoleDecision:
     if record.role is not None:
         return RoleDecision(record.role, record.role_reason)
     if record.status != "ok":
-        return RoleDecision(CallRole.DISCARDED.value, "failed")
+        return DISCARDED
     return call_role(record.messages, record.tools)
 
 

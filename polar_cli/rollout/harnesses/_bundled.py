@@ -32,11 +32,7 @@ class BundledAgent(VenvHarness):
             "OPENAI_API_KEY": ctx.api_key(),
             "OPENAI_BASE_URL": ctx.reverse_url + "/v1",
             **self.extra_env,
-            # Anything else goes to the forward proxy, which refuses (and logs) it; the reverse proxy is direct.
-            "HTTPS_PROXY": ctx.forward_proxy_url(),
-            "https_proxy": ctx.forward_proxy_url(),
-            "NO_PROXY": "127.0.0.1,localhost",
-            "no_proxy": "127.0.0.1,localhost",
+            **self.forward_only_env(ctx),
         }
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:

@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 from polar_cli.rollout.harnesses._install import harness_dir
-from polar_cli.rollout.harnesses.base import HarnessPreset
+from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 from polar_cli.rollout.harnesses.command import named_host_paths
 
 
@@ -48,6 +48,18 @@ class VenvHarness(HarnessPreset):
         # The venv itself is under .harness; what it links to outside is its base installation.
         outside = [p for p in named_host_paths(venv_python(self.venv)) if harness_dir() not in (p, *p.parents)]
         return (harness_dir(), *outside)
+
+    @staticmethod
+    def forward_only_env(ctx: SessionContext) -> dict[str, str]:
+        """Anything the harness or a library fetches besides its model calls goes to the forward proxy, which refuses
+        (and logs) it, rather than failing unseen in the sandbox's empty network; the reverse proxy, on loopback, is
+        reached directly."""
+        return {
+            "HTTPS_PROXY": ctx.forward_proxy_url(),
+            "https_proxy": ctx.forward_proxy_url(),
+            "NO_PROXY": "127.0.0.1,localhost",
+            "no_proxy": "127.0.0.1,localhost",
+        }
 
     def python(self) -> str:
         return venv_python(self.venv)

@@ -54,11 +54,7 @@ class Aider(VenvHarness):
             "OPENAI_API_KEY": ctx.api_key(),
             "OPENAI_API_BASE": ctx.reverse_url + "/v1",
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # this LiteLLM (1.81) has no LITELLM_OFFLINE_MODE yet
-            # Anything else goes to the forward proxy, which refuses (and logs) it; the reverse proxy is direct.
-            "HTTPS_PROXY": ctx.forward_proxy_url(),
-            "https_proxy": ctx.forward_proxy_url(),
-            "NO_PROXY": "127.0.0.1,localhost",
-            "no_proxy": "127.0.0.1,localhost",
+            **self.forward_only_env(ctx),
         }
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:

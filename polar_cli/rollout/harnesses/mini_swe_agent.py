@@ -73,12 +73,7 @@ class MiniSweAgent(VenvHarness):
             "MSWEA_GLOBAL_CONFIG_DIR": f"{ctx.home}/.config/mini-swe-agent",
             "LITELLM_OFFLINE_MODE": "true",
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-            # Anything else LiteLLM or a library might fetch goes to the forward proxy, which refuses (and logs) it,
-            # rather than failing unseen in the sandbox's empty network; the reverse proxy is reached directly.
-            "HTTPS_PROXY": ctx.forward_proxy_url(),
-            "https_proxy": ctx.forward_proxy_url(),
-            "NO_PROXY": "127.0.0.1,localhost",
-            "no_proxy": "127.0.0.1,localhost",
+            **self.forward_only_env(ctx),
         }
 
     def command(self, instruction: str, ctx: SessionContext) -> list[str]:
