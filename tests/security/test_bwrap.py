@@ -338,7 +338,8 @@ def test_a_connection_flood_gets_a_bounded_number_of_host_processes(proxy: Start
         text=True,
         env=_env(proxy, TMPDIR=str(scratch)),
     )
-    # pid -> its cgroups when first seen (a dying socat may already show none)
+    # pid -> its cgroups, read while it was alive: an exiting task leaves its cgroups (the kernel's cgroup_exit)
+    # after its cmdline goes empty (exit_mm), so a reading followed by a non-empty cmdline is one of a live socat
     most, cgroups_seen, stop = 0, {}, threading.Event()
 
     def watch() -> None:
@@ -348,9 +349,12 @@ def test_a_connection_flood_gets_a_bounded_number_of_host_processes(proxy: Start
             most = max(most, len(pids))
             for pid in set(pids) - cgroups_seen.keys():
                 try:
-                    cgroups_seen[pid] = Path(f"/proc/{pid}/cgroup").read_text()
+                    text = Path(f"/proc/{pid}/cgroup").read_text()
+                    alive = Path(f"/proc/{pid}/cmdline").read_bytes() != b""
                 except OSError:
-                    pass
+                    continue
+                if alive:
+                    cgroups_seen[pid] = text
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch)
