@@ -40,6 +40,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--task-limit", type=int, default=None, help="the first K tasks only")
     p.add_argument("--harness", default=f"cmd:{sys.executable} {TOY / 'agent.py'} {{instruction}}")
     p.add_argument("--engine", default="local", help="local | vllm | sglang:URL (as polar loop --engine)")
+    p.add_argument("--vllm-arg", action="append", default=[], help="an extra vLLM flag (--engine vllm), repeatable")
+    p.add_argument("--ray", default=None, help="run each batch on this Ray cluster (as polar rollout --ray)")
     p.add_argument("--runtime", default="bwrap")
     p.add_argument("--samples", type=int, default=8, help="sessions per task: the GRPO group")
     p.add_argument("--concurrency", type=int, default=8)
@@ -69,7 +71,7 @@ def make_trainer(args: argparse.Namespace) -> tuple[Any, Any]:
     loop = LoopConfig(
         tasks=load_tasks(args.tasks, args.task_limit), harness=args.harness, model=args.model.resolve(), iterations=0,
         out=args.out.resolve(), samples=args.samples, engine=args.engine, runtime=args.runtime,
-        concurrency=args.concurrency,
+        concurrency=args.concurrency, vllm_args=args.vllm_arg, ray=args.ray,
     )  # fmt: skip
     options = PolarWorkerConfig(
         max_length=args.max_length, temperature=args.temperature, build_options={"eot_token_id": args.eot_token_id}

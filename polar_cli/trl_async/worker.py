@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from polar_cli.rollout.loop import LoopConfig, _Engine, rollout_config
+from polar_cli.rollout.loop import LoopConfig, _Engine, _ray_rollout, rollout_config
 from polar_cli.rollout.progress_file import progress_config
 from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.runner import RolloutResult, run_rollout
@@ -210,7 +210,8 @@ class PolarRolloutWorker:
         self._rollout_stop = asyncio.Event()
         if self._stopping.is_set():
             self._rollout_stop.set()
-        return await run_rollout(replace(rollout, stop=self._rollout_stop))
+        rollout = replace(rollout, stop=self._rollout_stop)
+        return await (run_rollout(rollout) if self.loop.ray is None else _ray_rollout(rollout, self.loop))
 
     def _emit(self, bdir: Path, policy: Path, version: int, result: RolloutResult) -> dict[str, Any]:
         from polar_cli.train.dataset import load_traces, prepare_rows
