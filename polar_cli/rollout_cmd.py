@@ -43,6 +43,7 @@ def rollout(settings: RolloutSettings) -> None:
     On a Ray cluster (--ray ADDRESS): the same stages on every node, the queue on this machine; a node that dies
     loses only the sessions it held (stored as error, metadata reason worker_lost); the others are run elsewhere.
     """
+    from polar_cli.rollout.progress_file import progress_file
     from polar_cli.rollout.proxy import ExternalProxy
     from polar_cli.rollout.runner import RolloutProgress, run_rollout
     from polar_cli.rollout.tasks import load_tasks, task_set_hash
@@ -112,7 +113,8 @@ def rollout(settings: RolloutSettings) -> None:
             job = run_rollout_ray(config, RayOptions(s.ray, s.ray_resource))
         else:
             job = run_rollout(config)
-        result = asyncio.run(_run_with_display(job, progress, s.progress))
+        with progress_file(report, progress, lambda: control_tokens(s.out, s.confdir, s.control_token)):
+            result = asyncio.run(_run_with_display(job, progress, s.progress))
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -66,6 +66,7 @@ from polar_cli.rollout.loop import (
     tracked_train_args,
     train_command,
 )
+from polar_cli.rollout.progress_file import progress_config
 from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.runner import RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import task_set_hash
@@ -336,7 +337,8 @@ class _AsyncLoop:
         rollout = rollout_config(config, bdir, spec, config.seed + index, f"b{index:03d}", stop)
         started = time.time()
         try:
-            result = await run_rollout(rollout)
+            with progress_config(bdir, rollout, lambda: control_tokens(rollout.out, rollout.confdir, None)) as rollout:
+                result = await run_rollout(rollout)
         finally:
             shutil.rmtree(bdir / "work", ignore_errors=True)
         write_json(bdir / "rollout-summary.json", result.summary(), control_tokens(rollout.out, rollout.confdir, None))

@@ -35,6 +35,7 @@ from typing import Any
 from polar_addon.engines.spec import EngineSpec
 from polar_addon.store.status import REWARDED, USABLE
 from polar_cli.rollout.loop_eval import EVAL_REPORT, eval_dir, eval_due, loop_entry, score
+from polar_cli.rollout.progress_file import progress_config
 from polar_cli.rollout.proxy import wait_writer_gone
 from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.runner import RolloutConfig, RolloutInterrupted, RolloutResult, run_rollout
@@ -467,7 +468,8 @@ def _evaluate(
     )
     started = time.monotonic()
     try:
-        result = asyncio.run(run_rollout(rollout) if config.ray is None else _ray_rollout(rollout, config))
+        with progress_config(edir, rollout, lambda: control_tokens(rollout.out, rollout.confdir, None)) as rollout:
+            result = asyncio.run(run_rollout(rollout) if config.ray is None else _ray_rollout(rollout, config))
     finally:
         shutil.rmtree(edir / "work", ignore_errors=True)
     summary = result.summary()
@@ -503,7 +505,8 @@ def _rollout(
     say(f"iteration {i}: rollout of {len(config.tasks)} tasks x {config.samples} samples on {policy}")
     rollout = rollout_config(config, idir, spec, config.seed + i, f"it{i:03d}")
     try:
-        result = asyncio.run(run_rollout(rollout) if config.ray is None else _ray_rollout(rollout, config))
+        with progress_config(idir, rollout, lambda: control_tokens(rollout.out, rollout.confdir, None)) as rollout:
+            result = asyncio.run(run_rollout(rollout) if config.ray is None else _ray_rollout(rollout, config))
     finally:
         shutil.rmtree(idir / "work", ignore_errors=True)
     write_json(idir / "rollout-summary.json", result.summary(), control_tokens(rollout.out, rollout.confdir, None))
