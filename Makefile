@@ -17,7 +17,7 @@ XDIST_ARGS = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist 
 install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,fleet,docs,tasks,trackers]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,fleet,docs,tasks,trackers,dashboard]'
 	# PyPI's torchvision/torchaudio break transformers next to torch 2.13 CPU (machine.md).
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

@@ -94,6 +94,9 @@ app.add_typer(model_app, name="model")
 from polar_cli.export_cmd import register as register_export  # noqa: E402  (export)
 
 register_export(app)
+from polar_cli.dashboard_cmd import register as register_dashboard  # noqa: E402  (dashboard)
+
+register_dashboard(app)
 
 
 def main() -> None:

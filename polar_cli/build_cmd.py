@@ -278,25 +278,38 @@ def stats(settings: StatsSettings) -> None:
 @command
 def view(settings: ViewSettings) -> None:
     """Write one session's merged traces as a self-contained HTML page (open it in any browser)."""
+
+    settings.validate()
+    s = settings
+    tok, source = load_tokenizer(s.tokenizer, s.shards)
+    page = session_page(s.shards, s.session, tok, eot_token_id=s.eot_token_id, merge_retokenized=s.merge_retokenized)
+    if page is None:
+        raise SettingsError(f"no calls captured for session {s.session!r}", "session")
+    markup, traces, calls = page
+    s.out.write_text(markup, encoding="utf-8")
+    typer.echo(f"{s.out}: {traces} traces from {calls} calls ({source})")
+
+
+def session_page(
+    shards: str, session: str, tok: Any | None, *, eot_token_id: int | None = None, merge_retokenized: bool = False
+) -> tuple[str, int, int] | None:
+    """`polar view`'s page of one session (also served by `polar dashboard`): (HTML, traces, calls), or None when
+    no call of the session is stored."""
     from polar_addon.store import read_records
     from polar_cli.build import build_session, detect_eot
     from polar_cli.view import render_session
 
-    settings.validate()
-    s = settings
-    records = read_records(s.shards, session_ids=[s.session])
+    records = read_records(shards, session_ids=[session])
     if not records:
-        raise SettingsError(f"no calls captured for session {s.session!r}", "session")
-    tok, source = load_tokenizer(s.tokenizer, s.shards)
-    eot = s.eot_token_id if s.eot_token_id is not None else detect_eot(records)
+        return None
+    eot = eot_token_id if eot_token_id is not None else detect_eot(records)
     if eot is None:
         eot = _tokenizer_eot(tok)
-    info = _sessions(s.shards).get(s.session)
+    info = _sessions(shards).get(session)
     built = build_session(
-        s.session, records, info, eot_token_id=eot, decode=_decode(tok), merge_retokenized=s.merge_retokenized
+        session, records, info, eot_token_id=eot, decode=_decode(tok), merge_retokenized=merge_retokenized
     )
-    s.out.write_text(render_session(built, records, info, tokenizer=tok), encoding="utf-8")
-    typer.echo(f"{s.out}: {len(built.traces)} traces from {len(records)} calls ({source})")
+    return render_session(built, records, info, tokenizer=tok), len(built.traces), len(records)
 
 
 def register(app: typer.Typer) -> None:
