@@ -85,7 +85,8 @@ def test_store_snapshot(store: Path) -> None:
     (run,) = got["runs"]
     assert run["name"] == "rollouts/r1" and not run["running"] and run["total"] == 4
     assert got["totals"] == {"stages": {"done": 2, "agent": 2}, "statuses": {"completed": 1, "error": 1}}
-    assert run["groups"]["t"] == {"mean": 0.5, "se": None, "n": 1} or run["groups"]["t"]["mean"] == 0.5
+    assert run["groups"]["t"]["mean"] == 0.5 and run["groups"]["t"]["n"] == 1
+    assert run["groups"][HOSTILE]["n"] == 0 and run["errors"] == [[HOSTILE, HOSTILE]]
     assert set(got["harnesses"]) == {"pi", HOSTILE.split()[0]}
     assert got["harnesses"]["pi"]["sessions"] == 1 and got["harnesses"]["pi"]["merge_rate"] > 0
     engine = got["engine"]
@@ -129,11 +130,16 @@ def test_loop_snapshot_aggregates_every_iteration(tmp_path: Path, store: Path) -
                        {"iteration": 1, "reward_mean": float("nan"), "reward_se": None}, "junk"],
         "evals": [{"iteration": 0, "overall": {"pass@1": {"mean": 0.5, "se": 0.2}, "pass@2": {"mean": 0.7}}}],
     }  # fmt: skip
+    with progress_file(loop / "iter-000", RolloutProgress(total=3)):
+        pass
+    # Before loop.json (written after the first iteration): a loop by its first rollout's progress file.
+    early = snap.snapshot(loop)
+    assert early["kind"] == "loop" and early["loop"] == {"iterations": [], "evals": []}
+    assert [r["total"] for r in early["runs"] if r["name"] == "iter-000"] == [3]
     (loop / "loop.json").write_text(json.dumps(state))
     got = snap.snapshot(loop)
     assert got["kind"] == "loop"
-    assert [r["name"] for r in got["runs"]] and {r["name"] for r in got["runs"]} == {
-        "iter-000", "iter-001", "eval/iter-000"}  # fmt: skip
+    assert sorted(r["name"] for r in got["runs"]) == ["eval/iter-000", "iter-000", "iter-001"]
     [it0, it1] = got["loop"]["iterations"]
     assert (it0["reward_mean"], it0["train"], it1["reward_mean"]) == (0.25, "ok", None)
     assert got["loop"]["evals"][0]["pass"]["pass@1"] == {"mean": 0.5, "se": 0.2}
@@ -163,6 +169,28 @@ def test_a_store_is_read_again_only_once_it_changed(store: Path, tmp_path: Path,
     asyncio.run(more())
     assert snap.fingerprint(copy) != before
     assert {s["session_id"]: s["reward"] for s in board.snapshot()["sessions"]}["plain-1"] == 1.0 and len(reads) == 2
+
+
+def test_progress_file_is_whole_current_and_redacted(tmp_path: Path, monkeypatch) -> None:
+    import polar_cli.rollout.progress_file as progress_module
+
+    monkeypatch.setattr(progress_module, "INTERVAL_S", 0.02)
+    token = "tok-" + "x" * 28
+    progress = RolloutProgress(total=2)
+    path = tmp_path / "r" / PROGRESS_FILE
+    with progress_file(tmp_path / "r", progress, lambda: [token]):
+        first = json.loads(path.read_text())
+        progress.stages["done"] += 1
+        progress.errors.append(("s1", f"the agent printed {token}"))
+        deadline = time.monotonic() + 10
+        while json.loads(path.read_text())["stages"] != {"done": 1} and time.monotonic() < deadline:
+            time.sleep(0.02)  # the writer thread's next write, while the block still runs
+        during = json.loads(path.read_text())
+    last = json.loads(path.read_text())
+    assert (first["total"], first["stages"], first["final"]) == (2, {}, False)
+    assert during["stages"] == {"done": 1} and not during["final"]
+    assert last["final"] and token not in path.read_text() and "the agent printed" in path.read_text()
+    assert [p.name for p in path.parent.iterdir()] == [PROGRESS_FILE]  # no temporary file left
 
 
 # -- the app ---------------------------------------------------------------------------------------------------------

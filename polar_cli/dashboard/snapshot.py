@@ -38,7 +38,12 @@ def is_store(path: Path) -> bool:
 
 def detect_kind(path: Path) -> str:
     """``loop``, ``run`` or ``store``; ValueError for a directory that is none of them."""
-    if (path / LOOP_FILE).is_file():
+    # A loop writes loop.json after its first iteration: until then its first rollout's progress file says it.
+    if (
+        (path / LOOP_FILE).is_file()
+        or any(path.glob(f"iter-*/{PROGRESS_FILE}"))
+        or any(path.glob(f"batch-*/{PROGRESS_FILE}"))
+    ):
         return "loop"
     if (path / MANIFEST_FILE).is_file() or (path / PROGRESS_FILE).is_file():
         return "run"
