@@ -65,6 +65,12 @@ class EngineServeSettings:
     )
     state_dir: Path | None = option(None, help=STATE_DIR_HELP)
     timeout: float = option(600.0, help="Seconds to wait until it answers.")
+    push: str = option(
+        "restart",
+        help="How `polar engine reload` gives it new weights: restart (a new server) or in-place (vLLM's "
+        "reload_weights; turns on vLLM's development endpoints on 127.0.0.1, which anything that reaches that "
+        "port can call: keep agents in a proxy-only sandbox).",
+    )
 
 
 @dataclass
@@ -100,7 +106,7 @@ def engine_serve(settings: EngineServeSettings) -> None:
                 s.model, port=s.port, served_model_name=s.served_model_name, state_dir=_state_dir(s.state_dir),
                 python=s.python, dtype=s.dtype, max_model_len=s.max_model_len, extra_args=s.vllm_arg,
                 ready_timeout_s=s.timeout, tool_call_parser=s.tool_call_parser, memory_fraction=s.memory_fraction,
-                kvcache_gib=s.kvcache_gib, progress=progress,
+                kvcache_gib=s.kvcache_gib, progress=progress, push=s.push,
             )  # fmt: skip
     except EngineError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -112,7 +118,8 @@ def engine_serve(settings: EngineServeSettings) -> None:
 @engine_app.command("reload")
 @command
 def engine_reload(settings: EngineReloadSettings) -> None:
-    """Point a running engine at new weights: SGLang loads them in place, vLLM is restarted."""
+    """Point a running engine at new weights: SGLang loads them in place; vLLM too when served with --push in-place
+    (else, or when that fails, it is restarted)."""
     from polar_addon.canonical import PolarError
     from polar_cli.serving import EngineError, reload_engine
 

@@ -124,6 +124,11 @@ class LoopSettings:
     vllm_arg: list[str] = option(
         default_factory=list, flags=("--vllm-arg",), help="Extra vLLM flag with --engine vllm (repeatable)."
     )
+    vllm_push: str = option(
+        "in-place",
+        help="How --engine vllm gets each checkpoint: in-place (vLLM's reload_weights through its development "
+        "endpoints on 127.0.0.1, a restart if that fails) or restart (a new server on it, ~30-50 s on CPU).",
+    )
     progress: bool = reuse(RolloutSettings, "progress", help="Status lines while a phase runs.")
     asynchronous: bool = option(
         False,
@@ -255,7 +260,8 @@ class LoopSettings:
             runtime_options=runtime_options(self.runtime_option),
             network=self.network, concurrency=self.concurrency, timeout_s=self.timeout_s, seed=self.seed,
             proxy_options=set_options(self.proxy_set), train_args=train_args,
-            served_model_name=self.served_model_name, vllm_args=self.vllm_arg, context_window=self.context_window,
+            served_model_name=self.served_model_name, vllm_args=self.vllm_arg, vllm_push=self.vllm_push,
+            context_window=self.context_window,
             max_output_tokens=self.max_output_tokens, max_patch_bytes=self.max_patch_mb * 1024 * 1024, ray=self.ray,
             ray_resource=self.ray_resource, eval_tasks=eval_tasks, eval_every=self.eval_every,
             eval_samples=self.eval_samples, eval_proxy_options=set_options(self.eval_set),

@@ -5,12 +5,12 @@ Two coroutines share one event loop:
 - the rollout side runs batch after batch (every task x ``samples``, as one ``polar rollout`` into
   ``OUT/batch-NNN/shards``), each on the newest policy pushed when it starts. Before a batch on a new version the
   engine is pushed the checkpoint (``loop._Engine``): the local engine lives in the proxy, so a push is a new proxy on
-  it (``local:CKPT?weight_version=V``); vLLM is restarted on it (``polar engine reload``; each batch's proxy then
-  tags its calls ``vllm:URL?weight_version=V``, vLLM reporting none); SGLang loads it in place with
-  ``update_weights_from_disk`` and ``weight_version`` V, which it reports in every later answer. Either way every
-  call records the ``weight_version`` that sampled it. At most ``AHEAD`` finished batches wait for the trainer; past
-  that the rollout side waits (a bounded window, as Polar's figure 5: rollout stalls when the trainer is the
-  bottleneck).
+  it (``local:CKPT?weight_version=V``); vLLM loads it in place or is restarted on it (``polar engine reload``,
+  ``--vllm-push``; each batch's proxy then tags its calls ``vllm:URL?weight_version=V``, vLLM reporting none);
+  SGLang loads it in place with ``update_weights_from_disk`` and ``weight_version`` V, which it reports in every
+  later answer. Either way every call records the ``weight_version`` that sampled it. At most ``AHEAD`` finished
+  batches wait for the trainer; past that the rollout side waits (a bounded window, as Polar's figure 5: rollout
+  stalls when the trainer is the bottleneck).
 - the trainer takes the oldest finished batch (one per step: ``polar train`` reads one trace store), keeps the
   groups whose calls were all sampled within ``max_staleness`` versions of the policy it trains
   (:func:`select_groups`; staler groups are dropped and counted), runs ``polar train`` on them (TIS against the

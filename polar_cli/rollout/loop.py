@@ -11,8 +11,9 @@ The last iteration is a rollout only: it measures the policy the previous traini
 would never be evaluated). Raising ``iterations`` later trains it first.
 
 Reload: the local engine lives in the proxy (``local:DIR``), so the next rollout's proxy simply starts on the new
-checkpoint; a vLLM engine is started once by this loop (``polar engine serve`` machinery) and restarted on each new
-checkpoint (``polar engine reload``), and stopped at the end.
+checkpoint; a vLLM engine is started once by this loop (``polar engine serve`` machinery), loads each new checkpoint
+in place (``polar engine reload``; ``vllm_push="restart"``, or a failed in-place load: restarted on it), and is
+stopped at the end.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class LoopConfig:
     max_output_tokens: int | None = None
     vllm_args: Sequence[str] = ()  # extra vLLM flags (--engine vllm)
     vllm_port: int | None = None  # None: a free port
+    vllm_push: str = "in-place"  # in-place (reload_weights, restart on failure) | restart (serving.py)
     env: Mapping[str, str] = field(default_factory=dict)  # extra harness environment
     read_only: Sequence[Path] = ()
     max_patch_bytes: int = MAX_PATCH_BYTES  # each rollout's (RolloutConfig.max_patch_bytes)
@@ -281,7 +283,7 @@ class _Engine:
         if self.kind == "local":
             self.serving = (policy, version)
             return f"local:{policy}{tag}"
-        from polar_cli.serving import reload_engine, serve_vllm
+        from polar_cli.serving import load_state, reload_engine, serve_vllm
 
         wanted = (policy, version)
         started = time.monotonic()
@@ -303,6 +305,7 @@ class _Engine:
                 str(policy), port=self.config.vllm_port or _free_port(),
                 served_model_name=self.config.served_model_name,
                 state_dir=self.state_dir, extra_args=list(self.config.vllm_args), dtype="auto", tie=True,
+                push=self.config.vllm_push,
             )  # fmt: skip
             self.serving = wanted
         elif self.serving != wanted:
@@ -315,8 +318,11 @@ class _Engine:
                 weight_version=None if version is None else str(version),
             )
             self._pushed(policy, version, started)
-        # vLLM reports no version: the tag in the spec is only true if this server serves ``policy`` now.
+        # vLLM reports no version: the tag in the spec is only true if this server serves ``policy`` now. Loaded in
+        # place, the server still names the model it started on; what it loaded since is in its state.
         root = served_root(self.server.url)
+        if self.server.push == "in-place":
+            root = load_state(self.state_dir, self.server.port).model
         if root is not None and Path(root).resolve() != policy.resolve():
             raise RuntimeError(
                 f"vLLM on {self.server.url} serves {root}, not {policy}: its calls cannot be tagged version {version}"
