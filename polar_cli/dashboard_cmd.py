@@ -74,8 +74,18 @@ def dashboard(settings: DashboardSettings) -> None:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     typer.echo(f"polar dashboard of {s.path} on http://{shown}:{port}/ (Ctrl-C stops it)")
-    config = uvicorn.Config(create_app(s.path.resolve()), log_level="warning", access_log=False)
-    uvicorn.Server(config).run(sockets=[sock])
+    app = create_app(s.path.resolve())
+    # An open page's event stream never ends by itself: on Ctrl-C the streams end at their next poll (a second),
+    # so uvicorn's graceful shutdown finishes; the timeout is for a stream stuck on a slow client.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    board = app.state.dashboard
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            board.close_streams()
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    Server(config).run(sockets=[sock])
 
 
 def register(app: typer.Typer) -> None:

@@ -69,6 +69,10 @@ class Dashboard:
         self.snapshots = Snapshotter(path)
         self._lock = asyncio.Lock()  # one snapshot at a time: the Snapshotter's cache is not shared across threads
         self._tokenizers: dict[str, tuple[Any, str]] = {}
+        self.closing = False  # set on shutdown: the event streams end, so the server need not cut them
+
+    def close_streams(self) -> None:
+        self.closing = True
 
     async def snapshot(self) -> dict[str, Any]:
         async with self._lock:
@@ -98,7 +102,7 @@ class Dashboard:
         sent = 0
         quiet = 0.0
         yield b"retry: 2000\n\n"
-        while self.max_events is None or sent < self.max_events:
+        while (self.max_events is None or sent < self.max_events) and not self.closing:
             now = await asyncio.to_thread(fingerprint, self.path)
             if now != seen:
                 seen = now
