@@ -297,6 +297,15 @@ class Page:
         return result["result"].get("value")
 
 
+async def until_page(page: Page, condition: str, limit: float = 60) -> bool:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if await page.value(f"!!({condition})"):
+            return True
+        await asyncio.sleep(0.25)
+    return False
+
+
 READ = """JSON.stringify({
   updates: Number(document.body.dataset.updates || 0),
   statuses: Object.fromEntries([...document.querySelectorAll('#statuses .chip')].map(
@@ -379,7 +388,19 @@ def test_live_page_during_a_rollout(tiny_model_dir: Path, tmp_path: Path) -> Non
                     second = await until(lambda r: total(r) > total(first), "more sessions finished")
                     last = await until(lambda r: total(r) == 8 and r["sessions"] == 8, "the rollout's end")
                     shot = await page.call("Page.captureScreenshot", format="png")
-                    return first, second | {"last": last}, base64.b64decode(shot["data"])
+                    # A session's link: polar view's page, its script allowed by the policy's hash (it marks ready).
+                    link = await page.value(
+                        "[...document.querySelectorAll('#sessions tbody tr')].find(tr => tr.cells[1].textContent"
+                        f" === {json.dumps(HOSTILE)}).querySelector('a').href"
+                    )
+                    await page.call("Page.navigate", url=link)
+                    trace = await until_page(page, "document.body && document.body.dataset.ready === '1'")
+                    sampled = await page.value("document.querySelectorAll('.t.s').length")
+                    return (
+                        first,
+                        second | {"last": last, "trace": trace, "sampled": sampled},
+                        base64.b64decode(shot["data"]),
+                    )
 
         first, second, png = asyncio.run(drive())
         rollout.wait(timeout=120)  # its summary and manifest, after the last session's counts
@@ -395,7 +416,8 @@ def test_live_page_during_a_rollout(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert rollout.returncode == 0, rollout.stdout.read() if rollout.stdout else ""
     said = dashboard.stdout.read() if dashboard.stdout else ""
     assert dashboard.returncode in (0, 130) and "Traceback" not in said, (dashboard.returncode, said)  # 130: SIGINT
-    last = second.pop("last")
+    last, trace, sampled = second.pop("last"), second.pop("trace"), second.pop("sampled")
+    assert trace and sampled > 0, (trace, sampled)
     # Updated in place: more counts, more pushed snapshots, the same document (the marker survived).
     assert second["updates"] > first["updates"] and last["marker"] == second["marker"] == "same page", (first, second)
     assert sum(second["statuses"].values()) > sum(first["statuses"].values())
