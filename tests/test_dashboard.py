@@ -243,6 +243,22 @@ def test_events_push_snapshots(client: TestClient) -> None:
     assert data["kind"] == "store" and "\n" not in events[0].split("data: ", 1)[1]
 
 
+def test_open_pages_share_one_snapshot_per_change(store: Path, tmp_path: Path) -> None:
+    from polar_cli.dashboard.server import Dashboard
+
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    board = Dashboard(copy)
+
+    async def twice() -> tuple[dict, dict, dict]:
+        first, again = await board.snapshot(), await board.snapshot()
+        (copy / "rollouts" / "r1" / PROGRESS_FILE).write_text(json.dumps({"total": 9}))
+        return first, again, await board.snapshot()
+
+    first, again, changed = asyncio.run(twice())
+    assert again is first and changed["runs"][0]["total"] == 9
+
+
 def test_session_page_is_polar_view(client: TestClient) -> None:
     from urllib.parse import quote
 

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from polar_cli.dashboard.snapshot import Snapshotter, fingerprint
+from polar_cli.dashboard.snapshot import Fingerprint, Snapshotter, fingerprint
 
 POLL_S = 1.0
 KEEPALIVE_S = 15.0
@@ -69,14 +69,23 @@ class Dashboard:
         self.snapshots = Snapshotter(path)
         self._lock = asyncio.Lock()  # one snapshot at a time: the Snapshotter's cache is not shared across threads
         self._tokenizers: dict[str, tuple[Any, str]] = {}
+        self._last: tuple[Fingerprint, dict[str, Any]] | None = None
         self.closing = False  # set on shutdown: the event streams end, so the server need not cut them
 
     def close_streams(self) -> None:
         self.closing = True
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self, now: Fingerprint | None = None) -> dict[str, Any]:
+        """The snapshot for the files as they are (``now``: their fingerprint, when the caller has it): the last one
+        again while nothing changed, so several open pages cost one snapshot per change."""
         async with self._lock:
-            return await asyncio.to_thread(self.snapshots.snapshot)
+            if now is None:
+                now = await asyncio.to_thread(fingerprint, self.path)
+            if self._last is not None and self._last[0] == now:
+                return self._last[1]
+            data = await asyncio.to_thread(self.snapshots.snapshot)
+            self._last = (now, data)
+            return data
 
     async def page(self, request: Request) -> Response:
         name = request.path_params.get("name", "dashboard.html")
@@ -108,7 +117,7 @@ class Dashboard:
                 seen = now
                 sent += 1
                 quiet = 0.0
-                yield b"event: snapshot\ndata: " + _json(await self.snapshot()) + b"\n\n"
+                yield b"event: snapshot\ndata: " + _json(await self.snapshot(now)) + b"\n\n"
                 continue
             if quiet >= KEEPALIVE_S:
                 quiet = 0.0
@@ -126,7 +135,7 @@ class Dashboard:
         session_id = request.path_params["session_id"]
         store = self.snapshots.session_stores.get(session_id)
         if store is None:
-            await self.snapshot()  # a session newer than the last snapshot
+            await self.snapshot()  # a session newer than the last snapshot (the Snapshotter keeps where each is)
             store = self.snapshots.session_stores.get(session_id)
         if store is None:
             # text/plain with nosniff: the id is shown as it came, never parsed as markup
