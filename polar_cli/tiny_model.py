@@ -171,3 +171,20 @@ def build_tiny_model(
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "polar_tiny_model.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab, "size": size}))
     return out
+
+
+def untie_embeddings(model: Path, dest: Path) -> Path:
+    """A copy of ``model`` with its own LM head (a copy of the input embedding): the same function, untied, as
+    Qwen3-8B and the imported Qwen2.5-Coder-0.5B are (vLLM loads those in place; see serving.in_place_refusal)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    weights = load_file(str(dest / "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest

@@ -6,7 +6,6 @@ leaves a tied LM head half loaded, see ``serving.in_place_refusal``)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from polar_cli.serving import in_place_refusal, load_state, serve_vllm, stop_engine
+from polar_cli.tiny_model import untie_embeddings
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,21 +36,9 @@ def _perturbed(model: Path, dest: Path) -> Path:
     return dest
 
 
-def _untied(model: Path, dest: Path) -> Path:
-    """``model`` with its own LM head (a copy of the embedding): the same function, untied."""
-    shutil.copytree(model, dest)
-    config = json.loads((dest / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    (dest / "config.json").write_text(json.dumps(config))
-    weights = load_file(str(dest / "model.safetensors"))
-    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
-    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest
-
-
 def test_tied_embeddings_are_not_loaded_in_place(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert "tied embeddings" in (in_place_refusal(tiny_model_dir) or "")
-    assert in_place_refusal(_untied(tiny_model_dir, tmp_path / "untied")) is None
+    assert in_place_refusal(untie_embeddings(tiny_model_dir, tmp_path / "untied")) is None
     (tmp_path / "bad").mkdir()
     assert in_place_refusal(tmp_path / "bad") is not None
 
@@ -94,7 +82,7 @@ def test_vllm_serves_the_checkpoint_after_an_in_place_reload(tiny_model_dir: Pat
         from tests.support.prereq import missing
 
         missing("vLLM CPU venv missing (.venv-vllm); run `make engine`")
-    base_model = _untied(tiny_model_dir, tmp_path / "base")
+    base_model = untie_embeddings(tiny_model_dir, tmp_path / "base")
     ckpt = _perturbed(base_model, tmp_path / "ckpt")
     state = tmp_path / "engines"
     server = serve_vllm(

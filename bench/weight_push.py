@@ -1,0 +1,111 @@
+"""Push latency of a checkpoint into a running vLLM, restart vs in place, side by side in one run.
+
+Latency = from the checkpoint being on disk to the first token served by its weights (``polar engine reload``'s code,
+then one completion that must carry the new weights' logprob). One vLLM server is started with ``--push in-place``;
+the pushes alternate between two checkpoints (the model and a perturbed copy), ``--rounds`` in place, then
+``--rounds`` by restart (``restart_vllm``: the same server restarted on the checkpoint), and every push is checked:
+the served logprob must be the pushed weights' (the value probed before from a server known to hold them).
+
+Default model: the tiny test model with untied embeddings (vLLM 0.32 loads a tied LM head only half in place, so
+polar restarts those: ``serving.in_place_refusal``). ``--model DIR`` takes any untied model (the imported
+Qwen2.5-Coder-0.5B: ``make real-model``). On a GPU, drop ``--enforce-eager`` from ``--vllm-arg`` to see what CUDA
+graph capture adds to a restart.
+
+    .venv/bin/python bench/weight_push.py [--model DIR] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from polar_cli.serving import reload_vllm_in_place, restart_vllm, serve_vllm, stop_engine  # noqa: E402
+from polar_cli.tiny_model import build_tiny_model, untie_embeddings  # noqa: E402
+
+PROMPT = [1, 17, 250, 31, 9, 77, 402, 5]
+
+
+def perturbed(model: Path, dest: Path) -> Path:
+    shutil.copytree(model, dest)
+    for file in dest.glob("*.safetensors"):
+        weights = load_file(str(file))
+        gen = torch.Generator().manual_seed(0)
+        for name, t in weights.items():
+            if t.is_floating_point() and t.dim() == 2:
+                weights[name] = (t.float() + 0.05 * t.float().std() * torch.randn(t.shape, generator=gen)).to(t.dtype)
+        save_file(weights, str(file), metadata={"format": "pt"})
+    return dest
+
+
+def first_token(url: str) -> float:
+    """The logprob of the greedy first token after PROMPT (one request: the 'first token served')."""
+    answer = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "policy", "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "logprobs": 0},
+        timeout=300,
+    ).json()
+    return float(answer["choices"][0]["logprobs"]["token_logprobs"][0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None, help="an untied model directory (default: the tiny one)")
+    p.add_argument("--rounds", type=int, default=3, help="pushes of each kind")
+    p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--vllm-arg", action="append", default=None, help="vLLM flags (default --enforce-eager)")
+    args = p.parse_args()
+    vllm_args = args.vllm_arg if args.vllm_arg is not None else ["--enforce-eager", "--max-model-len=1024"]
+    with tempfile.TemporaryDirectory(prefix="weight-push-") as tmp:
+        root = Path(tmp)
+        if args.model is None:
+            base = untie_embeddings(build_tiny_model(root / "tiny"), root / "base")
+        else:
+            base = args.model.resolve()
+        other = perturbed(base, root / "pushed")
+        state = root / "engines"
+        server = serve_vllm(
+            str(base), port=args.port, served_model_name="policy", state_dir=state, push="in-place",
+            extra_args=vllm_args, dtype="auto",
+        )  # fmt: skip
+        try:
+            expected = {base: first_token(server.url)}
+            reload_vllm_in_place(server.url, str(other), state_dir=state)
+            expected[other] = first_token(server.url)
+            assert abs(expected[base] - expected[other]) > 1e-3, "the perturbed copy serves the same logprob"
+            reload_vllm_in_place(server.url, str(base), state_dir=state)
+            times: dict[str, list[float]] = {"in-place": [], "restart": []}
+            for kind in ("in-place", "restart"):
+                for i in range(args.rounds):
+                    target = other if i % 2 == 0 else base
+                    started = time.monotonic()
+                    if kind == "in-place":
+                        reload_vllm_in_place(server.url, str(target), state_dir=state)
+                    else:
+                        restart_vllm(server.url, str(target), state_dir=state, tie=True)
+                    served = first_token(server.url)
+                    times[kind].append(time.monotonic() - started)
+                    assert abs(served - expected[target]) < 1e-3, (kind, i, served, expected[target])
+        finally:
+            stop_engine(server.url, state_dir=state)
+    inplace, restart = statistics.median(times["in-place"]), statistics.median(times["restart"])
+    print(f"model {base.name if args.model else 'tiny (untied)'}, vLLM flags {' '.join(vllm_args)}")
+    print(f"{'push':10s} {'median s':>9s} {'each (s)':s}")
+    for kind, values in times.items():
+        print(f"{kind:10s} {statistics.median(values):9.3f} {' '.join(f'{v:.3f}' for v in values)}")
+    print(f"in-place / restart = {inplace / restart:.4f} (goal <= 0.10); every push served the pushed weights")
+
+
+if __name__ == "__main__":
+    main()
