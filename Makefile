@@ -179,7 +179,7 @@ demo-real: install engine sandbox real-model
 	  --samples 4 --concurrency 4 --iterations $(DEMO_REAL_ITERATIONS) --out $(DEMO_REAL)/loop \
 	  --lora-r 16 --lr $(DEMO_REAL_LR) --groups-per-step 4 --max-length 1024
 
-bench: install model sandbox
+bench: install engine model sandbox
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/store.py
 	$(BIN)/python bench/build.py
@@ -187,6 +187,7 @@ bench: install model sandbox
 	$(BIN)/python bench/reliability.py
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/sandbox.py
+	$(BIN)/python bench/weight_push.py
 
 # Mutation score per core module (mutmut; tens of minutes; not part of `make test`). bench/mutation_report.md
 # explains the survivors.
