@@ -156,6 +156,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # What a call is for (agent, auxiliary side job, discarded): decides which calls a policy is trained on.
     "call_roles": (["polar_addon/call_roles.py"], ["tests/test_call_roles.py"]),
     "build.roles": (["polar_cli/build/roles.py"], ["tests/test_call_roles.py", "tests/test_build_prefix_merging.py"]),
+    # What TRL's async trainer is fed (issue 27): the sample layout and versions, the pushed checkpoints (the
+    # end-to-end training runs are left out: minutes per mutant).
+    "trl_async.samples": (["polar_cli/trl_async/samples.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
+    "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
 }
 
 

@@ -21,7 +21,7 @@ from polar_cli.trace import Trace
 from polar_cli.train.dataset import TrainRow
 from polar_cli.trl_async.cpu_attention import flash_attn_varlen_func
 from polar_cli.trl_async.samples import UntaggedCall, row_sample, rows_to_samples
-from polar_cli.trl_async.weights import write_checkpoint
+from polar_cli.trl_async.weights import PolarWeightTransfer, write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,6 +97,97 @@ def test_samples_take_the_oldest_version_their_calls_record_and_refuse_untagged_
     assert s2.group_id == 1  # group ids stay unique across batches
     with pytest.raises(UntaggedCall):
         rows_to_samples([_row()], {"t1": _trace("t1", ["4", None])}, ids)  # type: ignore[list-item]
+
+
+def test_samples_carry_trls_dtypes_the_decoded_text_and_when_they_were_queued() -> None:
+    s = row_sample(_row(), model_version=0, group_id=0, enqueued_at=12.5)
+    assert (s.input_ids.dtype, s.completion_mask.dtype, s.old_log_probs.dtype) == (np.int64, np.int64, np.float32)
+    assert (s.prompt, s.completion, s.enqueued_at) == ([], [], 12.5)
+    text = row_sample(_row(), model_version=0, group_id=0, decode=lambda ids: ",".join(map(str, ids)))
+    assert text.prompt == [{"role": "user", "content": "5,6,7"}]
+    assert text.completion == [{"role": "assistant", "content": "8,9,10,11"}]
+
+
+def test_rows_to_samples_keeps_a_groups_rows_together_and_stamps_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("polar_cli.trl_async.samples.time.time", lambda: 99.0)
+    rows = [_row(group_id="b", trace_id="t1"), _row(group_id="a", trace_id="t2"), _row(group_id="b", trace_id="t3")]
+    traces = {t: _trace(t, ["1"]) for t in ("t1", "t2", "t3")}
+    ids: dict[str, int] = {}
+    samples = rows_to_samples(rows, traces, ids, decode=lambda ids: "x")
+    assert [s.group_id for s in samples] == [0, 1, 1] and ids == {"a": 0, "b": 1}
+    assert all(s.enqueued_at == 99.0 and s.prompt[0]["content"] == "x" for s in samples)
+
+
+@pytest.mark.parametrize(
+    ("tags", "version"),
+    [(["3"], 3), (["-1", "2"], -1), (["10", "9"], 9), ([], None), (["v2"], None), (["2", "-"], None), (["X2"], None)],
+)
+def test_trace_version_reads_numeric_tags_only(tags: list[str], version: int | None) -> None:
+    from polar_cli.trl_async.samples import trace_version
+
+    if version is None:
+        with pytest.raises(UntaggedCall, match="without a numeric weight_version"):
+            trace_version(_trace("t", tags))
+    else:
+        assert trace_version(_trace("t", tags)) == version
+
+
+def test_weight_transfer_writes_each_sync_and_holds_it_until_trl_names_its_version(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"w": torch.zeros(2)}, str(base / "model.safetensors"))
+    (base / "config.json").write_text("{}")
+    (base / "pytorch_model.bin").write_text("stale")  # another weights format is never copied
+    transfer = PolarWeightTransfer(base, tmp_path / "out", keep=2)
+    transfer.init_weight_transfer()
+    assert (tmp_path / "out" / "weights").is_dir() and transfer.take_pending() is None
+    transfer.pause()
+    assert transfer.syncing.is_set()
+    for value in (1.0, 2.0, 3.0):
+        transfer.send_weights(iter([("w", torch.full((4,), value)[::2])]))  # a strided view is saved whole
+    pending = transfer.take_pending()
+    assert pending == tmp_path / "out" / "weights" / "sync-0003" and transfer.take_pending() is None
+    assert load_file(str(pending / "model.safetensors"))["w"].tolist() == [3.0, 3.0]
+    assert sorted(p.name for p in pending.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out" / "weights").iterdir()) == ["sync-0002", "sync-0003"]
+    transfer.in_use = {pending}
+    transfer.send_weights(iter([("w", torch.ones(2))]))
+    transfer.send_weights(iter([("w", torch.ones(2))]))
+    kept = sorted(p.name for p in (tmp_path / "out" / "weights").iterdir())
+    assert kept == ["sync-0003", "sync-0004", "sync-0005"]  # the one a batch serves stays; the older goes
+    transfer.resume()
+    assert transfer.syncing.is_set()  # released by update_model_version, not by resume
+    transfer.destroy()
+    assert not transfer.syncing.is_set()
+
+
+def test_a_checkpoint_is_written_whole_over_a_stale_attempt_and_an_older_copy(tmp_path: Path) -> None:
+    import os
+
+    from safetensors import safe_open
+
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"a": torch.zeros(2)}, str(base / "model.safetensors"))
+    dest = tmp_path / "deep" / "er" / "sync-0001"  # parents made as needed
+    stale = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    stale.mkdir(parents=True)
+    (stale / "junk").write_text("a killed write's leftovers")
+    write_checkpoint(base, dest, iter([("a", torch.ones(2))]))
+    write_checkpoint(base, dest, iter([("a", torch.full((2,), 2.0))]))  # over an existing copy
+    assert sorted(p.name for p in dest.iterdir()) == ["model.safetensors"]
+    with safe_open(str(dest / "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}  # transformers refuses a safetensors file without it
+        assert f.get_tensor("a").tolist() == [2.0, 2.0]
+    assert not stale.exists()
+
+
+def test_weight_transfer_defaults_and_a_repeated_init(tmp_path: Path) -> None:
+    transfer = PolarWeightTransfer(tmp_path, tmp_path / "out")
+    assert transfer.keep == 3 and transfer.sends == 0 and not transfer.syncing.is_set()
+    transfer.init_weight_transfer()
+    transfer.init_weight_transfer()  # TRL's resume calls it again
+    assert (tmp_path / "out" / "weights").is_dir()
 
 
 def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -183,7 +274,7 @@ def _batch_calls(out: Path) -> dict[str, list[Any]]:
 
 
 @pytest.mark.slow
-def test_trl_receives_the_captured_tokens_and_logprobs(trl_run: dict[str, Any]) -> None:
+def test_end_to_end_trl_receives_the_captured_tokens_and_logprobs(trl_run: dict[str, Any]) -> None:
     received, calls = trl_run["received"], _batch_calls(trl_run["out"])
     assert len(received) >= 8
     every_call = [c for session in calls.values() for c in session]
@@ -201,7 +292,7 @@ def test_trl_receives_the_captured_tokens_and_logprobs(trl_run: dict[str, Any]) 
 
 
 @pytest.mark.slow
-def test_trl_trains_on_the_served_policy_and_pushes_each_sync(trl_run: dict[str, Any]) -> None:
+def test_end_to_end_trl_trains_on_the_served_policy_and_pushes_each_sync(trl_run: dict[str, Any]) -> None:
     trainer, worker, out = trl_run["trainer"], trl_run["worker"], trl_run["out"]
     steps = [h for h in trainer.state.log_history if "loss" in h]
     assert len(steps) == 3 and trainer.state.global_step == 3
