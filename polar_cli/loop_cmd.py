@@ -124,11 +124,6 @@ class LoopSettings:
     vllm_arg: list[str] = option(
         default_factory=list, flags=("--vllm-arg",), help="Extra vLLM flag with --engine vllm (repeatable)."
     )
-    vllm_push: str = option(
-        "in-place",
-        help="How --engine vllm gets each checkpoint: in-place (vLLM's reload_weights through its development "
-        "endpoints on 127.0.0.1, a restart if that fails) or restart (a new server on it, ~30-50 s on CPU).",
-    )
     progress: bool = reuse(RolloutSettings, "progress", help="Status lines while a phase runs.")
     asynchronous: bool = option(
         False,
@@ -205,6 +200,19 @@ class LoopSettings:
         help="--report-to: where the trackers write (as polar train --logging-dir). Default: OUT/runs.",
     )
     project: str = reuse(TrainConfig, "project")
+    min_groups: int | None = option(
+        None,
+        help="Dynamic sampling with backfill (DAPO's): when an iteration's rollout leaves fewer than N informative "
+        "groups (rewards not all equal; the training drops the others), every task is rolled again as new groups "
+        "into the same shards, up to --max-backfill more rounds. loop.json records per iteration the groups "
+        "sampled, informative, dropped and backfilled. Synchronous loop only.",
+    )
+    max_backfill: int = option(2, help="--min-groups: at most this many extra rounds per iteration.")
+    vllm_push: str = option(
+        "in-place",
+        help="How --engine vllm gets each checkpoint: in-place (vLLM's reload_weights through its development "
+        "endpoints on 127.0.0.1, a restart if that fails) or restart (a new server on it, ~30-50 s on CPU).",
+    )
 
     def validate(self) -> None:
         from polar_cli.rollout.loop import engine_kind
@@ -222,6 +230,12 @@ class LoopSettings:
         check_network(self.network)
         if self.drain not in ("wait", "cut"):
             raise SettingsError("wait or cut", "drain")
+        if self.vllm_push not in ("in-place", "restart"):
+            raise SettingsError("in-place or restart", "vllm_push")
+        if self.min_groups is not None and (self.min_groups < 1 or self.asynchronous):
+            raise SettingsError("1 or more, and only without --async", "min_groups")
+        if self.max_backfill < 0:
+            raise SettingsError("0 or more", "max_backfill")
         if self.ray is not None and self.asynchronous:
             raise SettingsError("--ray runs the synchronous loop's rollouts; --async runs locally", "ray")
         if self.ray is not None and self.engine != "local":
@@ -265,7 +279,7 @@ class LoopSettings:
             max_output_tokens=self.max_output_tokens, max_patch_bytes=self.max_patch_mb * 1024 * 1024, ray=self.ray,
             ray_resource=self.ray_resource, eval_tasks=eval_tasks, eval_every=self.eval_every,
             eval_samples=self.eval_samples, eval_proxy_options=set_options(self.eval_set),
-            eval_pass_threshold=self.eval_pass_threshold,
+            eval_pass_threshold=self.eval_pass_threshold, min_groups=self.min_groups, max_backfill=self.max_backfill,
             trackers_run=self.tracker_run_name if self.trackers else None,
         )  # fmt: skip
 

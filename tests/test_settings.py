@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from polar_cli import settings
 from polar_cli.app import TinyModelSettings
 from polar_cli.build_cmd import BuildSettings, StatsSettings, ViewSettings
+from polar_cli.dashboard_cmd import DashboardSettings
 from polar_cli.engine_cmd import EngineReloadSettings, EngineServeSettings, EngineStopSettings
 from polar_cli.eval_cmd import EvalSettings
 from polar_cli.export_cmd import ExportSettings
@@ -157,6 +158,7 @@ SETTINGS_OF_COMMANDS = [
     ("tiny-model", TinyModelSettings),
     ("model import-gguf", ModelImportGgufSettings),
     ("export", ExportSettings),
+    ("dashboard", DashboardSettings),
 ]
 
 

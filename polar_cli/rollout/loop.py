@@ -88,6 +88,11 @@ class LoopConfig:
     eval_pass_threshold: float = 1.0
     # ``polar loop --report-to``: each training's tracker run is named RUN-iter-NNN (RUN-train-NNN with --async).
     trackers_run: str | None = None
+    # Dynamic sampling with backfill (``--min-groups``, DAPO's): an iteration whose rollout left fewer than
+    # ``min_groups`` informative groups (rewards not all equal) rolls every task again as new groups, up to
+    # ``max_backfill`` more rounds, into the same shards; the training drops the uninformative ones as always.
+    min_groups: int | None = None
+    max_backfill: int = 2
 
 
 @dataclass
@@ -103,6 +108,7 @@ class IterationStats:
     rollout_s: float
     train: dict[str, Any] | None = None  # {"status": "trained"|"nothing_to_train", "checkpoint", "seconds", ...}
     push_s: float | None = None  # the engine's load of this iteration's policy (vllm, sglang; local: none)
+    groups: dict[str, int] | None = None  # with min_groups: sampled, informative, dropped, backfilled, rounds
 
 
 def mean_se(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -400,7 +406,10 @@ def run_loop(
                         on_eval(evals[-1])
                 pushes = len(engine.pushes)
                 rollout = _rollout(config, i, policy, engine, say, version)
-                records.append(asdict(stats_of(i, policy, rollout)))
+                groups = None
+                if config.min_groups is not None:
+                    rollout, groups = _backfill(config, i, policy, engine, say, version, rollout)
+                records.append(asdict(replace(stats_of(i, policy, rollout), groups=groups)))
                 if len(engine.pushes) > pushes:  # the eval or the rollout loaded this policy into the engine
                     records[-1]["push_s"] = sum(p["reload_s"] for p in engine.pushes[pushes:])
                 save_state(out, state)
@@ -502,20 +511,76 @@ async def _ray_rollout(rollout: RolloutConfig, config: LoopConfig) -> RolloutRes
     return await run_rollout_ray(rollout, RayOptions(config.ray, config.ray_resource))
 
 
+def informative_groups(result: RolloutResult) -> list[str]:
+    """The groups a GRPO step can learn from: at least two rewarded sessions whose rewards are not all equal."""
+    return sorted(
+        g for g, rewards in result.group_rewards().items() if len(rewards) > 1 and min(rewards) < max(rewards)
+    )
+
+
+def merged(first: RolloutResult, later: Sequence[RolloutResult]) -> RolloutResult:
+    """One iteration's rollouts as one result (its sessions, from the first start to the last end)."""
+    if not later:
+        return first
+    sessions = [s for r in (first, *later) for s in r.sessions]
+    return replace(first, sessions=sessions, ended_at=later[-1].ended_at)
+
+
+def _backfill(
+    config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None], version: int | None,
+    first: RolloutResult,
+) -> tuple[RolloutResult, dict[str, int]]:  # fmt: skip
+    """More rounds of every task, as new groups (task id ``ID+bfK``), until ``min_groups`` groups are informative
+    or ``max_backfill`` rounds are spent; the merged result and the counts loop.json records."""
+    assert config.min_groups is not None
+    before = len(informative_groups(first))
+    rounds: list[RolloutResult] = []
+    while len(informative_groups(merged(first, rounds))) < config.min_groups and len(rounds) < config.max_backfill:
+        k = len(rounds) + 1
+        have = len(informative_groups(merged(first, rounds)))
+        say(f"iteration {i}: {have} informative groups < {config.min_groups}: backfill round {k}")
+        tasks = [replace(t, id=f"{t.id}+bf{k}") for t in config.tasks]
+        rounds.append(_rollout(config, i, policy, engine, say, version, tasks=tasks, part=f"bf{k}"))
+    result = merged(first, rounds)
+    informative = len(informative_groups(result))
+    sampled = len(result.group_rewards())
+    groups = {
+        "target": config.min_groups, "sampled": sampled, "informative": informative, "dropped": sampled - informative,
+        "backfilled": informative - before, "rounds": len(rounds),
+    }  # fmt: skip
+    if informative < config.min_groups:
+        say(f"iteration {i}: {informative} informative groups after {len(rounds)} backfill rounds, still short")
+    return result, groups
+
+
 def _rollout(
-    config: LoopConfig, i: int, policy: Path, engine: _Engine, say: Callable[[str], None], version: int | None = None
+    config: LoopConfig,
+    i: int,
+    policy: Path,
+    engine: _Engine,
+    say: Callable[[str], None],
+    version: int | None = None,
+    *,
+    tasks: Sequence[Task] | None = None,
+    part: str = "",
 ) -> RolloutResult:
+    """Iteration ``i``'s rollout into ``OUT/iter-NNN/shards``; ``part`` names a backfill round into the same shards
+    (its own run id, seed and summary file)."""
     idir = iteration_dir(config.out, i)
-    idir.mkdir(parents=True)
+    idir.mkdir(parents=True, exist_ok=bool(part))
     spec = engine.spec(policy, say, version)
-    say(f"iteration {i}: rollout of {len(config.tasks)} tasks x {config.samples} samples on {policy}")
-    rollout = rollout_config(config, idir, spec, config.seed + i, f"it{i:03d}")
+    tasks = config.tasks if tasks is None else tasks
+    what = f"rollout {part}" if part else "rollout"
+    say(f"iteration {i}: {what} of {len(tasks)} tasks x {config.samples} samples on {policy}")
+    seed = config.seed + i + (100_000 * int(part[2:]) if part else 0)
+    rollout = replace(rollout_config(config, idir, spec, seed, f"it{i:03d}{part}"), tasks=tasks)
     try:
         with progress_config(idir, rollout, lambda: control_tokens(rollout.out, rollout.confdir, None)) as rollout:
             result = asyncio.run(run_rollout(rollout) if config.ray is None else _ray_rollout(rollout, config))
     finally:
         shutil.rmtree(idir / "work", ignore_errors=True)
-    write_json(idir / "rollout-summary.json", result.summary(), control_tokens(rollout.out, rollout.confdir, None))
+    summary = idir / (f"rollout-summary-{part}.json" if part else "rollout-summary.json")
+    write_json(summary, result.summary(), control_tokens(rollout.out, rollout.confdir, None))
     if result.interrupted:
         # Not recorded: re-running the loop starts this iteration over.
         raise RolloutInterrupted(
