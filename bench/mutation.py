@@ -159,6 +159,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # What TRL's async trainer is fed (issue 27): the sample layout and versions, the pushed checkpoints (the
     # end-to-end training runs are left out: minutes per mutant).
     "trl_async.samples": (["polar_cli/trl_async/samples.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
+    # The loop's backfill decisions (run with --only '*informative_groups*' '*merged*': the rest runs loops).
+    "rollout.loop": (["polar_cli/rollout/loop.py"], ["tests/test_loop_backfill.py", "-k", "informs"]),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
 }
 

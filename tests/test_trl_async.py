@@ -180,6 +180,8 @@ def test_a_checkpoint_is_written_whole_over_a_stale_attempt_and_an_older_copy(tm
         assert f.metadata() == {"format": "pt"}  # transformers refuses a safetensors file without it
         assert f.get_tensor("a").tolist() == [2.0, 2.0]
     assert not stale.exists()
+    fresh = write_checkpoint(base, tmp_path / "new" / "parents" / "sync-0001", iter([("a", torch.ones(2))]))
+    assert fresh == ["a"] and (tmp_path / "new" / "parents" / "sync-0001" / "model.safetensors").is_file()
 
 
 def test_weight_transfer_defaults_and_a_repeated_init(tmp_path: Path) -> None:
