@@ -6,6 +6,7 @@ leaves a tied LM head half loaded, see ``serving.in_place_refusal``)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -107,3 +108,41 @@ def test_vllm_serves_the_checkpoint_after_an_in_place_reload(tiny_model_dir: Pat
         assert managed.history[-2:] == [str(ckpt.resolve()), str(base_model.resolve())]
     finally:
         stop_engine(server.url, state_dir=state)
+
+
+@pytest.mark.vllm
+def test_a_loop_loads_each_checkpoint_into_vllm_in_place_and_serves_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`polar loop --engine vllm` (``--vllm-push in-place``, the default) on the untied tiny model: iteration 1 runs on
+    the checkpoint loaded in place (the same server, no restart), and its calls' logprobs are the checkpoint's: the
+    first-step importance ratios of its traces against the checkpoint are within 1e-3 of 1, far from the start's."""
+    if not (REPO / ".venv-vllm" / "bin" / "python").exists():
+        from tests.support.prereq import missing
+
+        missing("vLLM CPU venv missing (.venv-vllm); run `make engine`")
+    model = untie_embeddings(tiny_model_dir, tmp_path / "untied")
+    toy = REPO / "examples" / "toy_task"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join((toy / "tasks.jsonl").read_text().splitlines(keepends=True)[1:3]))
+    out = tmp_path / "loop"
+    cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness",
+           f"cmd:{sys.executable} {toy / 'agent.py'} {{instruction}}", "--model", str(model), "--engine", "vllm",
+           "--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=4096", "--vllm-arg=--dtype=float32",
+           "--iterations", "2", "--out", str(out), "--samples", "4", "--concurrency", "8", "--no-progress",
+           "--lr", "5e-3", "--eot-token-id", "2", "--epsilon-high", "1.0"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    iterations = json.loads((out / "loop.json").read_text())["iterations"]
+    assert iterations[0]["train"]["status"] == "trained", iterations
+    checkpoint = Path(iterations[0]["train"]["checkpoint"])
+    assert iterations[1]["policy"] == str(checkpoint) and iterations[1]["push_s"] < 30, iterations[1]
+    log = "".join(p.read_text() for p in (out / ".engines").glob("engine-*.log"))
+    assert f"polar engine reload: {checkpoint.resolve()} (in place)" in log and log.count("Starting vLLM server") == 1
+    from tests.support.tito_sessions import build  # noqa: PLC0415 (torch-heavy helpers, this test only)
+    from tests.support.tito_vllm import first_step_ratios, trainer_logprobs  # noqa: PLC0415
+
+    _, traces = build(out / "iter-001" / "shards")
+    served = first_step_ratios(traces, trainer_logprobs(checkpoint))
+    before = first_step_ratios(traces, trainer_logprobs(model))
+    print(f"iteration 1 vs checkpoint: {served}; vs starting model: {before}")
+    assert served.tokens > 50 and served.max_abs_dev < 1e-3, served
+    assert before.max_abs_dev > 100 * max(served.max_abs_dev, 1e-6), (served, before)
