@@ -11,7 +11,10 @@ polar restarts those: ``serving.in_place_refusal``). ``--model DIR`` takes any u
 Qwen2.5-Coder-0.5B: ``make real-model``). On a GPU, drop ``--enforce-eager`` from ``--vllm-arg`` to see what CUDA
 graph capture adds to a restart.
 
-    .venv/bin/python bench/weight_push.py [--model DIR] [--rounds 3]
+    .venv/bin/python bench/weight_push.py [--model DIR | --size 0.5b] [--rounds 3]
+
+On a GPU (``bench/gpu_check.sh`` style, well within 15 minutes): ``--size 0.5b --vllm-arg=--max-model-len=4096``
+(CUDA graphs on: a restart then pays their capture).
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None, help="an untied model directory (default: the tiny one)")
     p.add_argument("--rounds", type=int, default=3, help="pushes of each kind")
+    p.add_argument(
+        "--size",
+        default="tiny",
+        help="without --model: the random model's shape (polar tiny-model --size: tiny, "
+        "small, 0.5b = Qwen3-0.6B's shape, stored in bf16), untied",
+    )
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--vllm-arg", action="append", default=None, help="vLLM flags (default --enforce-eager)")
     args = p.parse_args()
@@ -70,7 +79,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="weight-push-") as tmp:
         root = Path(tmp)
         if args.model is None:
-            base = untie_embeddings(build_tiny_model(root / "tiny"), root / "base")
+            dtype = "float32" if args.size == "tiny" else "bfloat16"
+            base = untie_embeddings(build_tiny_model(root / "tiny", size=args.size, dtype=dtype), root / "base")
         else:
             base = args.model.resolve()
         other = perturbed(base, root / "pushed")
@@ -100,7 +110,7 @@ def main() -> None:
         finally:
             stop_engine(server.url, state_dir=state)
     inplace, restart = statistics.median(times["in-place"]), statistics.median(times["restart"])
-    print(f"model {base.name if args.model else 'tiny (untied)'}, vLLM flags {' '.join(vllm_args)}")
+    print(f"model {args.model or f'random {args.size} (untied)'}, vLLM flags {' '.join(vllm_args)}")
     print(f"{'push':10s} {'median s':>9s} {'each (s)':s}")
     for kind, values in times.items():
         print(f"{kind:10s} {statistics.median(values):9.3f} {' '.join(f'{v:.3f}' for v in values)}")
