@@ -369,15 +369,20 @@ def restart_vllm(
         raise NotManaged(f"{exc}: {_restart_advice(url, checkpoint, state_dir)}") from None
     stop_process(server)
     server.command[server.model_arg] = checkpoint
-    server.model = checkpoint
-    server.weight_version = weight_version
-    server.history.append(checkpoint)
-    with open(server.log, "ab") as log:
-        log.write(f"\n--- polar engine reload: {checkpoint}\n".encode())
+    _loaded(server, checkpoint, weight_version, "")
     _launch(server, tie)
     save_state(server, state_dir)
     wait_ready(server, ready_timeout_s, progress)
     return server
+
+
+def _loaded(server: ManagedServer, checkpoint: str, weight_version: str | None, how: str) -> None:
+    """Record in ``server`` (and its log) that it now serves ``checkpoint``; the caller saves the state."""
+    server.model = checkpoint
+    server.weight_version = weight_version
+    server.history.append(checkpoint)
+    with open(server.log, "ab") as log:
+        log.write(f"\n--- polar engine reload: {checkpoint}{how}\n".encode())
 
 
 class InPlaceRefused(EngineError):
@@ -423,11 +428,7 @@ def reload_vllm_in_place(
     except httpx.HTTPError as exc:
         detail = getattr(getattr(exc, "response", None), "text", "")[:300]
         raise EngineError(f"vLLM on {server.url} could not reload {checkpoint} in place: {exc} {detail}") from exc
-    server.model = checkpoint
-    server.weight_version = weight_version
-    server.history.append(checkpoint)
-    with open(server.log, "ab") as log:
-        log.write(f"\n--- polar engine reload: {checkpoint} (in place)\n".encode())
+    _loaded(server, checkpoint, weight_version, " (in place)")
     save_state(server, state_dir)
     return server
 

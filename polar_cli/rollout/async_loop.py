@@ -83,6 +83,14 @@ class GroupSelection:
     untagged: list[str]  # dropped: a call without a weight version cannot be bounded
 
 
+def oldest_version(tags: Sequence[str | None]) -> int | None:
+    """The oldest of some calls' ``weight_version`` tags, or None when there are none or one is not a number (such
+    calls' staleness cannot be bounded)."""
+    if not tags or any(t is None or not str(t).lstrip("-").isdigit() for t in tags):
+        return None
+    return min(int(t) for t in tags)  # type: ignore[arg-type]
+
+
 def select_groups(versions: Mapping[str, Sequence[str | None]], current: int, max_staleness: int) -> GroupSelection:
     """Which groups the trainer of version ``current`` may learn from: a group is kept only if every one of its calls
     was sampled by a version in ``[current - max_staleness, current]``; groups are kept or dropped whole (GRPO's
@@ -91,10 +99,11 @@ def select_groups(versions: Mapping[str, Sequence[str | None]], current: int, ma
         raise ValueError("max staleness must be 0 or more")
     kept, stale, untagged = [], {}, []
     for group, tags in sorted(versions.items()):
-        if not tags or any(t is None or not str(t).lstrip("-").isdigit() for t in tags):
+        oldest = oldest_version(tags)
+        if oldest is None:
             untagged.append(group)
             continue
-        behind = current - min(int(t) for t in tags)  # type: ignore[arg-type]
+        behind = current - oldest
         if behind < 0:
             raise ValueError(f"group {group!r} was sampled by version {current - behind}, newer than {current}")
         if behind > max_staleness:

@@ -326,9 +326,10 @@ class _Engine:
             self._pushed(policy, version, started)
         # vLLM reports no version: the tag in the spec is only true if this server serves ``policy`` now. Loaded in
         # place, the server still names the model it started on; what it loaded since is in its state.
-        root = served_root(self.server.url)
         if self.server.push == "in-place":
-            root = load_state(self.state_dir, self.server.port).model
+            root: str | None = load_state(self.state_dir, self.server.port).model
+        else:
+            root = served_root(self.server.url)
         if root is not None and Path(root).resolve() != policy.resolve():
             raise RuntimeError(
                 f"vLLM on {self.server.url} serves {root}, not {policy}: its calls cannot be tagged version {version}"
@@ -533,16 +534,15 @@ def _backfill(
     """More rounds of every task, as new groups (task id ``ID+bfK``), until ``min_groups`` groups are informative
     or ``max_backfill`` rounds are spent; the merged result and the counts loop.json records."""
     assert config.min_groups is not None
-    before = len(informative_groups(first))
+    before = informative = len(informative_groups(first))
     rounds: list[RolloutResult] = []
-    while len(informative_groups(merged(first, rounds))) < config.min_groups and len(rounds) < config.max_backfill:
+    while informative < config.min_groups and len(rounds) < config.max_backfill:
         k = len(rounds) + 1
-        have = len(informative_groups(merged(first, rounds)))
-        say(f"iteration {i}: {have} informative groups < {config.min_groups}: backfill round {k}")
+        say(f"iteration {i}: {informative} informative groups < {config.min_groups}: backfill round {k}")
         tasks = [replace(t, id=f"{t.id}+bf{k}") for t in config.tasks]
-        rounds.append(_rollout(config, i, policy, engine, say, version, tasks=tasks, part=f"bf{k}"))
+        rounds.append(_rollout(config, i, policy, engine, say, version, tasks=tasks, backfill=k))
+        informative = len(informative_groups(merged(first, rounds)))
     result = merged(first, rounds)
-    informative = len(informative_groups(result))
     sampled = len(result.group_rewards())
     groups = {
         "target": config.min_groups, "sampled": sampled, "informative": informative, "dropped": sampled - informative,
@@ -562,17 +562,18 @@ def _rollout(
     version: int | None = None,
     *,
     tasks: Sequence[Task] | None = None,
-    part: str = "",
+    backfill: int = 0,
 ) -> RolloutResult:
-    """Iteration ``i``'s rollout into ``OUT/iter-NNN/shards``; ``part`` names a backfill round into the same shards
-    (its own run id, seed and summary file)."""
+    """Iteration ``i``'s rollout into ``OUT/iter-NNN/shards``; ``backfill`` K > 0: backfill round K into the same
+    shards (its own run id, seed and summary file)."""
+    part = f"bf{backfill}" if backfill else ""
     idir = iteration_dir(config.out, i)
-    idir.mkdir(parents=True, exist_ok=bool(part))
+    idir.mkdir(parents=True, exist_ok=bool(backfill))
     spec = engine.spec(policy, say, version)
     tasks = config.tasks if tasks is None else tasks
     what = f"rollout {part}" if part else "rollout"
     say(f"iteration {i}: {what} of {len(tasks)} tasks x {config.samples} samples on {policy}")
-    seed = config.seed + i + (100_000 * int(part[2:]) if part else 0)
+    seed = config.seed + i + 100_000 * backfill
     rollout = replace(rollout_config(config, idir, spec, seed, f"it{i:03d}{part}"), tasks=tasks)
     try:
         with progress_config(idir, rollout, lambda: control_tokens(rollout.out, rollout.confdir, None)) as rollout:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
+from polar_cli.rollout.async_loop import oldest_version
 from polar_cli.trace import Trace
 from polar_cli.train.dataset import TrainRow
 
@@ -29,13 +30,13 @@ class UntaggedCall(ValueError):
 
 def trace_version(trace: Trace) -> int:
     """The oldest weight version among the trace's calls."""
-    tags = trace.weight_versions
-    if not tags or any(t is None or not str(t).lstrip("-").isdigit() for t in tags):
+    oldest = oldest_version(trace.weight_versions)
+    if oldest is None:
         raise UntaggedCall(
             f"trace {trace.trace_id} (session {trace.session_id}) has calls without a numeric weight_version "
-            f"({tags!r}): serve the policy through a spec with ?weight_version=V"
+            f"({trace.weight_versions!r}): serve the policy through a spec with ?weight_version=V"
         )
-    return min(int(t) for t in tags)
+    return oldest
 
 
 def row_sample(
