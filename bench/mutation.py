@@ -162,6 +162,17 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # The loop's backfill decisions (run with --only '*informative_groups*' '*merged*': the rest runs loops).
     "rollout.loop": (["polar_cli/rollout/loop.py"], ["tests/test_loop_backfill.py", "-k", "informs"]),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
+    # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # The fenced-JSON fallback and the parser chain that runs it (which calls a small model's text becomes).
+    "tool_parsers.fenced_json": (
+        ["polar_addon/tool_parsers/fenced_json.py", "polar_addon/tool_parsers/__init__.py"],
+        ["tests/test_tool_parsers_fenced_json.py"],
+    ),
+    # The <think> split every Qwen format shares, and the call ids polar mints.
+    "tool_parsers.reasoning": (
+        ["polar_addon/tool_parsers/reasoning.py", "polar_addon/tool_parsers/calls.py"],
+        ["tests/test_tool_parsers_hermes.py", "tests/test_tool_parsers_qwen3_coder.py"],
+    ),
 }
 
 

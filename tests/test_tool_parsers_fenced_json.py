@@ -3,12 +3,14 @@ text, and the chain that records which parser found a turn's calls."""
 
 from __future__ import annotations
 
+import re
+
 import orjson
 import pytest
 
 from polar_addon.canonical import AssistantMessage, ToolCall
 from polar_addon.tool_parsers import ENGINE, ParserChain, ParserChoice
-from polar_addon.tool_parsers.fenced_json import extract
+from polar_addon.tool_parsers.fenced_json import extract, tool_names
 
 TOOLS = [
     {
@@ -155,3 +157,55 @@ def test_the_option_spelling() -> None:
         ParserChoice("hermes+yaml")
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         ParserChoice("nope+fenced_json")
+
+
+def test_the_names_a_request_offers() -> None:
+    tools = [
+        "junk",  # not an object: skipped, the tools after it still read
+        {"function": {"name": ""}},  # an empty name offers nothing
+        {"function": {"name": 5}},  # nor a name that is not text
+        {"name": "flat"},  # a flat tool (no ``function`` object) names itself
+        {"type": "function", "function": {"name": "bash"}},
+    ]
+    assert tool_names(tools) == {"flat", "bash"}
+    # A call to a flat tool converts; a call named "" never does, even when a tool says so.
+    assert calls_of(fenced('{"name": "flat", "arguments": {"a": 1}}'), tools) == (None, [("flat", {"a": 1})])
+    empty = fenced('{"name": "", "arguments": {}}')
+    assert calls_of(empty, [{"function": {"name": ""}}, *TOOLS]) == (empty, [])
+
+
+def test_a_call_object_with_its_own_name_is_not_unwrapped_and_blank_argument_text_is_no_arguments() -> None:
+    body = '{"name": "bash", "arguments": {"command": "ls"}, "function": {"name": "read_file", "arguments": {}}}'
+    assert calls_of(fenced(body)) == (None, [("bash", {"command": "ls"})])
+    assert calls_of(fenced('{"name": "read_file", "arguments": "  "}')) == (None, [("read_file", {})])
+
+
+def test_each_converted_call_gets_its_own_minted_id() -> None:
+    _, calls = extract(fenced('[{"name": "bash", "arguments": {}}, {"name": "bash", "arguments": {}}]'), TOOLS)
+    ids = [c.id for c in calls]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids) and len(set(ids)) == 2
+
+
+def test_the_primary_parser_is_given_the_requests_tools() -> None:
+    # qwen3_coder types a parameter by the tool's schema: "2" is the integer 2 only when the tools reach it.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"type": "integer"}}}}}]
+    text = "<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>"
+    turn = ParserChain("qwen3_coder").parse(text, tools)
+    assert [(c.name, orjson.loads(c.arguments)) for c in turn.message.tool_calls] == [("f", {"n": 2})]
+    by_model = ParserChoice("m=qwen3_coder").for_model("m")(text, tools)
+    assert [orjson.loads(c.arguments) for c in by_model.message.tool_calls] == [{"n": 2}]
+
+
+def test_the_default_choice_and_empty_parts() -> None:
+    assert ParserChoice().default == ParserChain("hermes") == ParserChoice("m=qwen3_coder").chain_for("other")
+    choice = ParserChoice(" , m=qwen3_coder,,n=hermes+fenced_json, ")
+    assert choice.by_model == {"m": ParserChain("qwen3_coder"), "n": ParserChain("hermes", ("fenced_json",))}
+
+
+def test_the_refusals_list_the_known_names() -> None:
+    with pytest.raises(ValueError) as parser:
+        ParserChoice("nope")
+    assert str(parser.value) == "unknown tool-call parser 'nope'; known: hermes, qwen25, qwen3_coder"
+    with pytest.raises(ValueError) as fallback:
+        ParserChain.from_spec("hermes+yaml")
+    assert str(fallback.value) == "unknown tool-call fallback 'yaml'; known: fenced_json"
