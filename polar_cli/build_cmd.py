@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from polar_cli.build.rewards import TOOL_CALL_REWARD_HELP, check_tool_call_reward
 from polar_cli.settings import SettingsError, command, option, reuse
 from polar_cli.store_arg import existing_store
 
@@ -110,6 +111,7 @@ class BuildSettings:
         "from this). Without it per_request traces are not trainable.",
     )
     roles: str = option("agent", help=ROLES_HELP)
+    tool_call_reward: float = option(0.0, help=TOOL_CALL_REWARD_HELP)
     session: list[str] = option(default_factory=list, flags=("--session",), help="Only these sessions (repeatable).")
     overwrite: bool = option(False, help="Replace OUT if it exists.")
     rows_per_file: int = option(1024, help="Traces per Parquet file.")
@@ -127,6 +129,10 @@ class BuildSettings:
         _check_strategy(self.strategy)
         _check_retokenized(self.retokenized)
         check_roles(self.roles)
+        try:
+            check_tool_call_reward(self.tool_call_reward)
+        except ValueError as exc:
+            raise SettingsError(str(exc), "tool_call_reward") from exc
         if self.out.exists() and any(self.out.iterdir()) and not self.overwrite:
             raise SettingsError(f"{self.out} exists and is not empty (use --overwrite)", "out")
 
@@ -212,6 +218,7 @@ def build(settings: BuildSettings) -> None:
             fallback_eot_token_id=_tokenizer_eot(tok),
             merge_retokenized=s.merge_retokenized,
             roles=s.trained_roles,
+            tool_call_reward=s.tool_call_reward,
         ):
             writer.write(built.traces)
             report.add(built.harness, built.stats)

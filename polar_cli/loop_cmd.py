@@ -515,14 +515,15 @@ def _table(stats: list[Any]) -> Any:
     from rich.table import Table
 
     table = Table(title="polar loop", title_justify="left")
-    for name in ("iter", "reward", "± se", "n", "statuses", "rollout s", "train", "train s"):
+    for name in ("iter", "reward", "± se", "n", "statuses", "tool calls", "rollout s", "train", "train s"):
         table.add_column(name, justify="right" if name not in ("statuses", "train") else "left")
     for s in stats:
         train = s.train or {}
         statuses = " ".join(f"{k} {v}" for k, v in s.statuses.items() if v)
         table.add_row(
             str(s.iteration), "-" if s.reward_mean is None else f"{s.reward_mean:.3f}",
-            "-" if s.reward_se is None else f"{s.reward_se:.3f}", str(s.rewarded), statuses, f"{s.rollout_s:.0f}",
+            "-" if s.reward_se is None else f"{s.reward_se:.3f}", str(s.rewarded), statuses,
+            f"{s.calls['tool_call_calls']} of {s.calls['answered_calls']}" if s.calls else "-", f"{s.rollout_s:.0f}",
             {"trained": "trained", "nothing_to_train": "nothing to train"}.get(train.get("status"), "-"),
             f"{train['seconds']:.0f}" if "seconds" in train else "-",
         )  # fmt: skip

@@ -11,7 +11,13 @@ from build_helpers import AgentSim, Turn, check_trace, coding_turns, decode, too
 from polar_addon.capture import CaptureRecord
 from polar_cli.build import SessionInfo, build_traces
 from polar_cli.build.output import TraceWriter, read_build_stats, read_traces
-from polar_cli.build.rewards import RewardDecision, decide_reward, invalid_tool_call
+from polar_cli.build.rewards import (
+    RewardDecision,
+    check_tool_call_reward,
+    decide_reward,
+    invalid_tool_call,
+    parsed_tool_call,
+)
 from polar_cli.build.stats import BuildReport
 from polar_cli.trace import Trace
 
@@ -97,6 +103,72 @@ def test_decide_reward_each_rule_in_precedence_order(
 ) -> None:
     decision = decide_reward(session, records, per_request=per_request, broadcast=broadcast)
     assert decision == expected and type(decision.reward) is float
+
+
+TOOL_CALL = _call(None, finish="tool_calls", calls=[{"name": "bash", "arguments": "{}"}])
+SHAPED = "outcome reward + tool-call reward"
+
+
+@pytest.mark.parametrize(
+    ("session", "records", "per_request", "expected"),
+    [
+        (Info("s", reward=0.0), [_call(), TOOL_CALL], False, RewardDecision(0.25, True, SHAPED)),
+        (Info("s", reward=1.0), [TOOL_CALL], False, RewardDecision(1.25, True, SHAPED)),
+        (Info("s", reward=1.0), [TOOL_CALL], True, RewardDecision(1.25, True, SHAPED)),  # with --broadcast-rewards
+        (Info("s", reward=0.5), [_call(), _call()], False, RewardDecision(0.5, True, "outcome reward")),
+        # Policy failures and unrewarded or unusable sessions earn no bonus for the calls they made.
+        (Info("s", status="timeout", reward=1.0), [TOOL_CALL], False, RewardDecision(0.0, True, "agent timeout")),
+        (Info("s", status="agent_error"), [TOOL_CALL], False, RewardDecision(0.0, True, "agent error")),
+        (Info("s", reward=1.0), [TOOL_CALL, BAD_CALL], False, RewardDecision(0.0, True, "parser-invalid tool call")),
+        (Info("s"), [TOOL_CALL], False, RewardDecision(0.0, False, "no outcome reward")),
+        (Info("s", status="error", reward=1), [TOOL_CALL], False, RewardDecision(0.0, False, "infrastructure failure")),
+        (Info("s", reward=math.nan), [TOOL_CALL], False, RewardDecision(0.0, False, "non-finite outcome reward")),
+        (None, [TOOL_CALL], False, RewardDecision(0.0, False, "no session row")),
+    ],
+)
+def test_tool_call_reward_is_added_only_to_rewarded_traces_with_a_parsed_call(
+    session: Info | None, records: list, per_request: bool, expected: RewardDecision
+) -> None:
+    decision = decide_reward(session, records, per_request=per_request, broadcast=True, tool_call_reward=0.25)
+    assert decision == expected and type(decision.reward) is float
+    # Off by default, and 0 is off: the plain outcome rules.
+    for off in ({}, {"tool_call_reward": 0.0}):
+        plain = decide_reward(session, records, per_request=per_request, broadcast=True, **off)
+        assert plain.reason != SHAPED
+        if expected.reason == SHAPED:
+            assert plain == RewardDecision(expected.reward - 0.25, True, "outcome reward")
+
+
+def test_parsed_tool_call_reads_the_parsers_answer_not_the_text() -> None:
+    assert parsed_tool_call(TOOL_CALL)
+    assert not parsed_tool_call(_call(None, finish="tool_calls", calls=[]))
+    # What the agent writes as text is never a parsed call, however it looks.
+    assert not parsed_tool_call(_call('{"name": "bash", "arguments": {"cmd": "ls"}}'))
+    assert not parsed_tool_call(_call("<tool_call>\n{}\n</tool_call>"))
+    assert not parsed_tool_call(CaptureRecord("r", "s1", 0, "openai_chat", "ok", finish_reason="stop"))
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf, -math.inf])
+def test_tool_call_reward_must_be_finite_and_not_negative(bad: float) -> None:
+    with pytest.raises(ValueError, match="--tool-call-reward"):
+        check_tool_call_reward(bad)
+    assert check_tool_call_reward(0.0) == 0.0 and check_tool_call_reward(0.2) == 0.2
+
+
+def test_tool_call_reward_through_the_build() -> None:
+    """A merged tool loop (parsed calls) gets outcome + B; a session that never called a tool gets its outcome."""
+    caller = _session("s1")
+    talker = AgentSim("s2")
+    tool_loop(talker, [SYSTEM, TASK], [Turn(content="I would run ls."), Turn(content="Done.")])
+    info = [SessionInfo("s1", reward=0.0), SessionInfo("s2", reward=0.0)]
+    result = build_traces(caller.records + talker.records, info, decode=decode, tool_call_reward=0.2)
+    rewards = {t.session_id: (t.reward, t.trainable) for t in result.traces}
+    assert rewards == {"s1": (0.2, True), "s2": (0.0, True)}
+    assert result.report.total.reward_reasons == {SHAPED: 1, "outcome reward": 1}
+    assert {t.session_id: t.reward for t in build_traces(caller.records + talker.records, info).traces} == {
+        "s1": 0.0,
+        "s2": 0.0,
+    }
 
 
 def test_invalid_tool_call_markers_and_empty_tool_calls_finish() -> None:

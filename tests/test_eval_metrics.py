@@ -8,7 +8,7 @@ import math
 import pytest
 
 from polar_cli.eval.metrics import Estimate, aggregate, mean_se, pass_at_k, score_task
-from polar_cli.eval.report import build_report, call_stats, cause_of
+from polar_cli.eval.report import build_report, call_stats, cause_of, tool_call_counts
 
 
 @pytest.mark.parametrize(
@@ -110,6 +110,9 @@ def test_call_statistics_and_format_causes() -> None:
     )
     assert report.format["failing_sessions_without_tool_call"] == 1
     assert report.format["failing_sessions_with_parse_failures"] == 1 and report.format["length_cut_calls"] == 1
+    # 3 answered calls (the failed one is not), 1 of them a tool call: the protocol's share of turns
+    assert (report.format["answered_calls"], report.format["tool_call_calls"]) == (3, 1)
+    assert tool_call_counts([]) == {"answered_calls": 0, "tool_call_calls": 0}
     assert report.turns == Estimate(2.0, pytest.approx(1.0), 2)  # 1 and 3 calls
     assert report.tokens is not None and report.tokens.mean == pytest.approx((57 + 235) / 2)
 

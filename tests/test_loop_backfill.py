@@ -72,6 +72,8 @@ def test_backfill_rolls_new_groups_until_enough_inform_and_the_training_sees_the
     # 2 tasks x 2 samples of distinct random rewards: 2 informative groups, so one round of 2 more is enough
     assert first["groups"] == {"target": 3, "sampled": 4, "informative": 4, "dropped": 0, "backfilled": 2, "rounds": 1}
     assert first["sessions"] == 8 and first["rewarded"] == 8
+    # every session's one call, the backfilled ones too; the toy agent is offered no tools
+    assert first["calls"] == {"answered_calls": 8, "tool_call_calls": 0}
     idir = out / "iter-000"
     assert (idir / "rollout-summary.json").is_file() and (idir / "rollout-summary-bf1.json").is_file()
     groups = set(read_table(str(idir / "shards"), columns=["group_id"]).column("group_id").to_pylist())
@@ -90,6 +92,7 @@ def test_backfill_stops_after_its_rounds_when_no_group_can_inform(tiny_model_dir
     (only,) = state["iterations"]
     assert only["groups"] == {"target": 1, "sampled": 6, "informative": 0, "dropped": 6, "backfilled": 0, "rounds": 2}
     assert only["sessions"] == 12 and only["reward_mean"] == 1.0
+    assert only["calls"] == {"answered_calls": 12, "tool_call_calls": 0}
 
 
 def test_min_groups_is_refused_with_the_async_loop(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -203,6 +203,8 @@ def test_every_command_takes_its_options_from_a_settings_class() -> None:
     [
         (["build", "{store}", "-o", "{tmp}/out", "--strategy", "x"], "Invalid value for --strategy: use one of"),
         (["build", "{store}", "-o", "{tmp}/full"], "Invalid value for --out:"),
+        (["build", "{store}", "-o", "{tmp}/out", "--tool-call-reward", "nan"], "--tool-call-reward must be a finite"),
+        (["build", "{store}", "-o", "{tmp}/out", "--tool-call-reward", "-0.5"], "finite number >= 0, not -0.5"),
         (["stats", "{store}", "--retokenized", "x"], "Invalid value for --retokenized: use one of merge, break"),
         (["view", "{store}", "--session", "s", "--retokenized", "x"], "Invalid value for --retokenized: use one"),
         (["view", "{tmp}/nothing", "--session", "s"], "Invalid value for 'shards': no trace store at"),

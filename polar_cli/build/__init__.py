@@ -105,12 +105,14 @@ def build_session(
     broadcast_rewards: bool = False,
     merge_retokenized: bool = True,
     roles: Collection[str] = DEFAULT_TRAINED_ROLES,
+    tool_call_reward: float = 0.0,
 ) -> SessionBuild:
     """One session's records (sorted by seq) -> its chains, traces and stats.
 
     ``roles``: which calls are trained (polar_addon.call_roles; `polar build --roles`). Traces of other roles are
     built (inspection, SFT-style use) but not trainable; a discarded call is left out of reconstruction unless
-    trained, so the retry that replaced it continues its chain.
+    trained, so the retry that replaced it continues its chain. ``tool_call_reward``: the shaped reward of
+    rewards.decide_reward (`--tool-call-reward`).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
@@ -128,7 +130,9 @@ def build_session(
         for chain in chains:
             of_calls = [role_of[r.record_id] for r in chain.records]
             role = chain_role(of_calls)
-            decision = decide_reward(session, chain.records, per_request=False, broadcast=False)
+            decision = decide_reward(
+                session, chain.records, per_request=False, broadcast=False, tool_call_reward=tool_call_reward
+            )
             decision = untrained_role(decision, role, roles)
             # A trained chain keeps its untrained calls' context but not their tokens in the loss; an untrained
             # chain keeps its mask (inspection and SFT-style use read it), and trainable says it is not trained.
@@ -138,7 +142,11 @@ def build_session(
     else:
         decisions = [
             untrained_role(
-                decide_reward(session, [r], per_request=True, broadcast=broadcast_rewards), role_of[r.record_id], roles
+                decide_reward(
+                    session, [r], per_request=True, broadcast=broadcast_rewards, tool_call_reward=tool_call_reward
+                ),
+                role_of[r.record_id],
+                roles,
             )
             for r in usable
         ]
@@ -183,6 +191,7 @@ def iter_session_builds(
     fallback_eot_token_id: int | None = None,
     merge_retokenized: bool = True,
     roles: Collection[str] = DEFAULT_TRAINED_ROLES,
+    tool_call_reward: float = 0.0,
 ) -> Iterator[SessionBuild]:
     """Build sessions from records sorted by (session_id, seq), one session in memory at a time.
 
@@ -205,6 +214,7 @@ def iter_session_builds(
             broadcast_rewards=broadcast_rewards,
             merge_retokenized=merge_retokenized,
             roles=roles,
+            tool_call_reward=tool_call_reward,
         )
 
     unconfirmed: int | None = None
@@ -236,6 +246,7 @@ def build_traces(
     broadcast_rewards: bool = False,
     merge_retokenized: bool = True,
     roles: Collection[str] = DEFAULT_TRAINED_ROLES,
+    tool_call_reward: float = 0.0,
 ) -> BuildResult:
     """Build every session's traces from records in any order. ``eot_token_id`` None: detected.
 
@@ -259,6 +270,7 @@ def build_traces(
         broadcast_rewards=broadcast_rewards,
         merge_retokenized=merge_retokenized,
         roles=roles,
+        tool_call_reward=tool_call_reward,
     ):
         traces.extend(built.traces)
         report.add(built.harness, built.stats)

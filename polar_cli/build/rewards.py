@@ -17,6 +17,13 @@
   the paper saw reward hacking when one outcome credits every request. Without it they carry
   reward 0.0 and ``trainable`` False: there is no per-call reward to give them, and NaN or a
   made-up value must never reach a trainer. Such builds serve inspection and SFT-style use.
+- ``tool_call_reward`` B > 0 (``--tool-call-reward``, a shaped reward, off by default): a completed session's trace
+  in which some call ended in a tool call that was parsed gets its outcome reward + B. A base model that never
+  speaks the harness's tool protocol scores 0 everywhere, so every group has zero advantage and GRPO learns
+  nothing; the bonus gives the few sampled tool calls an advantage. It is decided from the captured calls (what
+  the engine's parser returned), never from anything the agent writes, and it is not given where the outcome is a
+  policy failure (timeout, agent error, an unparsable call: those stay 0). Held-out pass@1 (`polar eval`) never
+  sees it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,13 @@ from polar_addon.capture import CaptureRecord
 
 # Literal tool-call markup left in content means the engine's parser did not recognize the call.
 _UNPARSED_MARKERS = ("<tool_call>", "<function=")
+
+TOOL_CALL_REWARD_HELP = (
+    "A shaped reward (default 0: off): a completed session's trace in which some call ended in a tool call the "
+    "parser returned gets outcome + this. For a base model that never speaks the harness's tool protocol (every "
+    "reward 0, nothing to learn from); decided from the captured calls, not given to timeouts, agent errors or "
+    "unparsable calls; held-out evals never see it."
+)
 
 AGENT_FAILURES = {"timeout": "agent timeout", "agent_error": "agent error"}
 
@@ -68,12 +82,25 @@ def invalid_tool_call(record: CaptureRecord) -> bool:
     return isinstance(content, str) and any(marker in content for marker in _UNPARSED_MARKERS)
 
 
+def check_tool_call_reward(value: float) -> float:
+    """``--tool-call-reward``: finite and >= 0 (a negative one would punish the very protocol being taught)."""
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"--tool-call-reward must be a finite number >= 0, not {value!r}")
+    return value
+
+
+def parsed_tool_call(record: CaptureRecord) -> bool:
+    """The call's answer carried at least one tool call the parser returned."""
+    return bool((record.response_message or {}).get("tool_calls"))
+
+
 def decide_reward(
     session: SessionInfo | None,
     records: list[CaptureRecord],
     *,
     per_request: bool,
     broadcast: bool,
+    tool_call_reward: float = 0.0,
 ) -> RewardDecision:
     """The reward and trainability of one trace built from ``records`` of ``session``."""
     if session is None:
@@ -94,6 +121,8 @@ def decide_reward(
         return RewardDecision(0.0, False, "non-finite outcome reward")
     if any(invalid_tool_call(r) for r in records):
         return RewardDecision(0.0, True, "parser-invalid tool call")
+    if tool_call_reward and any(parsed_tool_call(r) for r in records):
+        return RewardDecision(float(session.reward) + tool_call_reward, True, "outcome reward + tool-call reward")
     return RewardDecision(float(session.reward), True, "outcome reward")
 
 

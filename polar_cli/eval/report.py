@@ -124,6 +124,7 @@ def build_report(
         "failing_sessions_without_calls": sum(1 for s in failing if not s.calls),
         "length_cut_calls": sum(s.length_cuts for s in stats),
         "failed_calls": sum(s.failed_calls for s in stats),
+        **tool_call_counts(stats),
     }
     return EvalReport(
         ks=list(ks),
@@ -137,6 +138,16 @@ def build_report(
         sessions=outcomes,
         causes_by_task={t: dict(c) for t, c in causes_by_task.items()},
     )
+
+
+def tool_call_counts(stats: Iterable[CallStats]) -> dict[str, int]:
+    """The answered calls and how many of them ended in a tool call: the share of turns that speak the harness's
+    tool protocol (what a protocol-learning run watches)."""
+    stats = list(stats)
+    return {
+        "answered_calls": sum(s.calls - s.failed_calls for s in stats),
+        "tool_call_calls": sum(s.tool_call_turns for s in stats),
+    }
 
 
 def call_stats(rows: Iterable[Mapping[str, Any]]) -> dict[str, CallStats]:

@@ -35,6 +35,7 @@ from typing import Any
 
 from polar_addon.engines.spec import EngineSpec
 from polar_addon.store.status import REWARDED, USABLE
+from polar_cli.eval.report import read_call_stats, tool_call_counts
 from polar_cli.rollout.loop_eval import EVAL_REPORT, eval_dir, eval_due, loop_entry, score
 from polar_cli.rollout.progress_file import progress_config
 from polar_cli.rollout.proxy import wait_writer_gone
@@ -109,6 +110,7 @@ class IterationStats:
     train: dict[str, Any] | None = None  # {"status": "trained"|"nothing_to_train", "checkpoint", "seconds", ...}
     push_s: float | None = None  # the engine's load of this iteration's policy (vllm, sglang; local: none)
     groups: dict[str, int] | None = None  # with min_groups: sampled, informative, dropped, backfilled, rounds
+    calls: dict[str, int] | None = None  # the captured calls: answered_calls, tool_call_calls (eval.report)
 
 
 def mean_se(values: Sequence[float]) -> tuple[float | None, float | None]:
@@ -173,6 +175,12 @@ def stats_of(i: int, policy: Path, result: RolloutResult) -> IterationStats:
         usable=sum(counts.get(s, 0) for s in USABLE), rewarded=len(rewards), statuses=counts,
         reward_mean=mean, reward_se=se, rollout_s=result.ended_at - result.started_at,
     )  # fmt: skip
+
+
+def _calls(result: RolloutResult) -> dict[str, int] | None:
+    if result.store is None:
+        return None
+    return tool_call_counts(read_call_stats(result.store, [s.session_id for s in result.sessions]).values())
 
 
 def train_command(shards: Sequence[Path], policy: Path, output: Path, train_args: Sequence[str]) -> list[str]:
@@ -410,7 +418,7 @@ def run_loop(
                 groups = None
                 if config.min_groups is not None:
                     rollout, groups = _backfill(config, i, policy, engine, say, version, rollout)
-                records.append(asdict(replace(stats_of(i, policy, rollout), groups=groups)))
+                records.append(asdict(replace(stats_of(i, policy, rollout), groups=groups, calls=_calls(rollout))))
                 if len(engine.pushes) > pushes:  # the eval or the rollout loaded this policy into the engine
                     records[-1]["push_s"] = sum(p["reload_s"] for p in engine.pushes[pushes:])
                 save_state(out, state)

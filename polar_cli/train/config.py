@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from polar_cli.build.rewards import TOOL_CALL_REWARD_HELP, check_tool_call_reward
 from polar_cli.settings import option
 
 # Only losses normalised by the whole step's trainable-token count: a step's traces vary in number
@@ -40,6 +41,7 @@ class TrainConfig:
         help="Raw shards: which calls to train, as `polar build --roles` (agent, auxiliary, discarded; "
         "comma-separated).",
     )
+    tool_call_reward: float = option(0.0, help=TOOL_CALL_REWARD_HELP)
     learning_rate: float = option(1e-6, flags=("--lr", "--learning-rate"), help="Peak learning rate.")
     optim: str = option("adamw_torch", help="Optimizer (TrainingArguments name: adamw_torch, sgd, ...).")
     weight_decay: float = option(0.1)
@@ -159,6 +161,7 @@ class TrainConfig:
         from polar_addon.call_roles import parse_roles
 
         parse_roles(self.roles)  # ValueError naming the unknown role
+        check_tool_call_reward(self.tool_call_reward)
         if self.token_budget < 0:
             raise ValueError("--token-budget must be >= 0 (0: sized to the free memory)")
         for name in ("groups_per_step", "grad_accum", "num_iterations", "max_length", "logging_steps"):

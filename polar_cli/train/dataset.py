@@ -376,12 +376,13 @@ def load_traces(
     eot_token_id: int | None = None,
     merge_retokenized: bool = True,
     roles: Collection[str] = DEFAULT_TRAINED_ROLES,
+    tool_call_reward: float = 0.0,
 ) -> list[Trace]:
     """Traces from a built dataset, or built on the fly from a raw trace store with `polar build`'s code.
 
     ``tokenizer`` (the model being trained) lets the build tell a re-tokenized turn from a
-    template re-render; ``broadcast_rewards``, ``eot_token_id``, ``merge_retokenized`` and ``roles`` are
-    `polar build`'s options.
+    template re-render; ``broadcast_rewards``, ``eot_token_id``, ``merge_retokenized``, ``roles`` and
+    ``tool_call_reward`` are `polar build`'s options (a built dataset carries the rewards it was built with).
     """
     if is_trace_dataset(paths):
         return read_trace_dataset(paths)
@@ -408,6 +409,7 @@ def load_traces(
         broadcast_rewards=broadcast_rewards,
         merge_retokenized=merge_retokenized,
         roles=roles,
+        tool_call_reward=tool_call_reward,
         fallback_eot_token_id=tokenizer_eot(tok),  # closes turns when no captured call stopped by itself
     ):
         traces.extend(built.traces)

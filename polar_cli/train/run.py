@@ -115,6 +115,7 @@ def run_training(
             eot_token_id=cfg.eot_token_id,
             merge_retokenized=cfg.retokenized == "merge",
             roles=parse_roles(cfg.roles),
+            tool_call_reward=cfg.tool_call_reward,
         )
     unrewarded = cfg.strategy == "per_request" and not cfg.broadcast_rewards
     if not any(t.trainable for t in traces):
