@@ -20,7 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal
+
+from polar_addon import context_compaction
 
 # Engines sample greedily below this temperature (vLLM's _SAMPLING_EPS; SGLang's is 1e-6); polar records
 # such a call as the greedy call it is, so a denormal temperature never reaches a division.
@@ -105,6 +108,13 @@ class CanonicalRequest:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @cached_property
+    def compaction_prompt(self) -> str | None:
+        """Which harness's compaction call this is (context_compaction.compaction_prompt), found once: a session's
+        continuity check asks it of every chain's request and of the new one, whose messages are never edited in
+        place (a changed request is a new one), and a scan of a 32k-token message for each marker costs ~0.2 ms."""
+        return context_compaction.compaction_prompt(self.messages)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CanonicalRequest:

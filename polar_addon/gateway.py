@@ -39,9 +39,11 @@ from polar_addon.continuity.chains import (
     ChainTip,
     PromptPlan,
     TitoStore,
+    judge,
     plan_prompt,
     token_input_engine,
 )
+from polar_addon.continuity.check import Continues
 from polar_addon.engines import EnginePool, TokenInputEngine
 from polar_addon.harness_id import harness_name
 from polar_addon.providers import Provider, ResponseContext, Route, all_providers, encode_sse
@@ -444,8 +446,12 @@ class Gateway:
         if engine is None:
             return PromptPlan(None, FRESH, TITO_OFF if self.config.tito == "off" else NO_TOKEN_INPUT)
         chains = self.tito.chains(session)
+        verdicts = judge(chains, request, engine.name)
+        if not any(isinstance(v, Continues) for v in verdicts):
+            # Nothing to render: a hop to a worker thread and back would cost more than the plan (~0.3 ms).
+            return plan_prompt(chains, request, engine.name, engine.continuation, verdicts)
         # Rendering the delta runs the chat template twice: off the event loop.
-        return await asyncio.to_thread(plan_prompt, chains, request, engine.name, engine.continuation)
+        return await asyncio.to_thread(plan_prompt, chains, request, engine.name, engine.continuation, verdicts)
 
     @staticmethod
     def _as_client_sees(request: CanonicalRequest, completion: Completion) -> Completion:

@@ -14,7 +14,8 @@ import pytest
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
 from polar_addon.capture import Identity
-from polar_addon.continuity.chains import ChainTip, TitoStore, plan_prompt, tito_mode
+from polar_addon.continuity.chains import ChainTip, TitoStore, judge, plan_prompt, tito_mode
+from polar_addon.continuity.check import Continues, check_continuity
 from polar_addon.continuity.delta import DeltaPrompt
 from polar_addon.engines import EnginePool
 from polar_addon.engines.scripted import ScriptedEngine
@@ -203,6 +204,48 @@ def test_the_continuation_is_told_how_the_chains_turn_ended() -> None:
         plan = plan_prompt([chain], nxt, "e", continuation)
         assert (plan.prompt_ids, plan.source, plan.continued) == ([1, 2, 3, 4], "continuity", chain)
         assert seen[-1]["finish_reason"] == finish and seen[-1]["sampled_ids"] == [2]
+
+
+def test_judge_gives_each_chains_verdict_and_plan_prompt_uses_them() -> None:
+    """judge (what the gateway asks on the event loop) says per chain what check_continuity says; a plan made from
+    those verdicts is the plan made without them, and nothing to continue means no delta is computed at all."""
+    hi = CanonicalRequest("openai_chat", "m", [{"role": "user", "content": "hi"}])
+    other = CanonicalRequest("openai_chat", "m", [{"role": "user", "content": "a title please"}])
+    nxt = CanonicalRequest(
+        "openai_chat", "m", [*hi.messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}]
+    )
+    chains = [
+        ChainTip(other, AssistantMessage("t"), [5], [6], "stop", "e"),  # newest: a side call
+        ChainTip(hi, AssistantMessage("x"), [1], [2], "stop", "e2"),  # another engine
+        ChainTip(hi, AssistantMessage("x"), [1], [2], "stop", "e"),  # the one it continues
+    ]
+    verdicts = judge(chains, nxt, "e")
+    assert verdicts[0] == check_continuity(other, AssistantMessage("t"), nxt).reason.value == "edited_history"
+    assert verdicts[1] == "engine_changed" and isinstance(verdicts[2], Continues)
+    assert verdicts[2] == check_continuity(hi, AssistantMessage("x"), nxt)
+
+    def continuation(**kwargs: Any) -> DeltaPrompt:
+        assert kwargs["prompt_ids"] == [1] and kwargs["new_messages"] == [{"role": "user", "content": "more"}]
+        return DeltaPrompt([1, 2, 9], [9], closed_by_template=False)
+
+    plan = plan_prompt(chains, nxt, "e", continuation, verdicts)
+    assert plan == plan_prompt(chains, nxt, "e", continuation) and plan.continued is chains[2]
+    assert (plan.prompt_ids, plan.source) == ([1, 2, 9], "continuity")
+    fresh = plan_prompt(chains[:2], nxt, "e", lambda **_: pytest.fail("no delta"), judge(chains[:2], nxt, "e"))
+    assert (fresh.source, fresh.reason) == ("fresh", "edited_history")  # the newest chain's reason
+
+
+def test_a_requests_compaction_verdict_is_found_once_and_a_changed_request_finds_its_own() -> None:
+    from dataclasses import replace
+
+    from polar_addon.context_compaction import PROMPT_MARKERS
+
+    asking = {"role": "user", "content": f"Now: {PROMPT_MARKERS['codex'][0]}, please."}
+    request = CanonicalRequest("openai_chat", "m", [{"role": "user", "content": "hi"}, asking])
+    assert request.compaction_prompt == "codex" and request.__dict__["compaction_prompt"] == "codex"
+    plain = replace(request, messages=request.messages[:1])
+    assert plain.compaction_prompt is None and request.compaction_prompt == "codex"
+    assert "compaction_prompt" not in request.to_dict() and plain == CanonicalRequest.from_dict(plain.to_dict())
 
 
 def test_tito_mode_values() -> None:

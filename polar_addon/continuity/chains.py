@@ -61,40 +61,55 @@ def _has_assistant_turn(request: CanonicalRequest) -> bool:
     return any(isinstance(m, dict) and m.get("role") == "assistant" for m in request.messages)
 
 
+def judge(chains: Sequence[ChainTip], request: CanonicalRequest, engine: str) -> list[Continues | str]:
+    """Per chain (newest first): the :class:`Continues` verdict when ``request`` continues it, else why not.
+    Plain comparisons, cheap enough for the event loop; only a continuation needs the tokenizer."""
+    verdicts: list[Continues | str] = []
+    for chain in chains:
+        if chain.engine != engine:
+            verdicts.append("engine_changed")
+            continue
+        verdict = check_continuity(chain.request, chain.returned, request)
+        verdicts.append(verdict if isinstance(verdict, Continues) else verdict.reason.value)
+    return verdicts
+
+
 def plan_prompt(
-    chains: Sequence[ChainTip], request: CanonicalRequest, engine: str, continuation: Continuation
+    chains: Sequence[ChainTip],
+    request: CanonicalRequest,
+    engine: str,
+    continuation: Continuation,
+    verdicts: Sequence[Continues | str] | None = None,
 ) -> PromptPlan:
     """The prompt of ``request``: a continuation of the newest chain it continues, else a fresh render and why.
 
-    ``chains`` newest first. The reason of a fresh call is the newest chain's: that is the one a linear
-    session continues.
+    ``chains`` newest first; ``verdicts``: :func:`judge`'s of them, when the caller already has them. The reason of
+    a fresh call is the newest chain's: that is the one a linear session continues.
     """
     if not chains:
         return PromptPlan(None, FRESH, STATE_LOST if _has_assistant_turn(request) else FIRST_CALL)
+    if verdicts is None:
+        verdicts = judge(chains, request, engine)
     reason: str | None = None
-    for chain in chains:
-        if chain.engine != engine:
-            found = "engine_changed"
+    for chain, verdict in zip(chains, verdicts):
+        if isinstance(verdict, Continues):
+            at = len(chain.request.messages)
+            delta = continuation(
+                prompt_ids=chain.prompt_ids,
+                sampled_ids=chain.sampled_ids,
+                history=request.messages[: at + 1],
+                new_messages=verdict.new_messages,
+                tools=request.tools,
+                enable_thinking=request.enable_thinking,
+                # A turn cut by length or ended by another stop token continues, closed by the template.
+                finish_reason=chain.finish_reason,
+                matched_stop=chain.matched_stop,
+            )
+            if isinstance(delta, DeltaPrompt):
+                return PromptPlan(delta.prompt_ids, CONTINUITY, "continues", chain)
+            found = f"{NO_DELTA}: {delta.reason}"
         else:
-            verdict = check_continuity(chain.request, chain.returned, request)
-            if isinstance(verdict, Continues):
-                at = len(chain.request.messages)
-                delta = continuation(
-                    prompt_ids=chain.prompt_ids,
-                    sampled_ids=chain.sampled_ids,
-                    history=request.messages[: at + 1],
-                    new_messages=verdict.new_messages,
-                    tools=request.tools,
-                    enable_thinking=request.enable_thinking,
-                    # A turn cut by length or ended by another stop token continues, closed by the template.
-                    finish_reason=chain.finish_reason,
-                    matched_stop=chain.matched_stop,
-                )
-                if isinstance(delta, DeltaPrompt):
-                    return PromptPlan(delta.prompt_ids, CONTINUITY, "continues", chain)
-                found = f"{NO_DELTA}: {delta.reason}"
-            else:
-                found = verdict.reason.value
+            found = verdict
         reason = reason or found
     return PromptPlan(None, FRESH, reason or FIRST_CALL)
 

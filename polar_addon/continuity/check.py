@@ -38,7 +38,7 @@ from typing import Any
 import orjson
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
-from polar_addon.context_compaction import compaction_prompt, summarised_history
+from polar_addon.context_compaction import summarised_history
 from polar_addon.providers.common import arguments_object
 
 # Roles that may follow the replayed turn: what the harness adds between two model calls.
@@ -268,8 +268,8 @@ def check_continuity(previous: CanonicalRequest, returned: AssistantMessage, new
         return Diverged(DivergeReason.OTHER, "a message is not an object")
     if _system(old) != _system(messages):
         return Diverged(DivergeReason.NEW_SYSTEM_PROMPT, "the system prompt changed")
-    harness = compaction_prompt(messages)
-    if harness is not None and compaction_prompt(old) is None:
+    harness = new.compaction_prompt
+    if harness is not None and previous.compaction_prompt is None:
         return Diverged(DivergeReason.COMPACTION, f"{harness} asks for a summary of the conversation")
     for index, message in enumerate(old):
         if index >= len(messages) or not same_message(message, messages[index], new.tools):
