@@ -43,12 +43,43 @@ $(HARNESS_DIR)/.installed: Makefile
 # The Python agent harnesses, each in a venv of its own (their LiteLLM/openai/pydantic pins clash with ours and
 # with each other's), at the versions harness-py/NAME.txt pins (pip freeze of a working install): the harness and
 # its LiteLLM pinned exactly. A few minutes each; ~0.7 GB each.
-PY_HARNESSES := mini-swe-agent aider gptme openai-agents smolagents
+PY_HARNESSES := mini-swe-agent aider gptme openai-agents smolagents kimi-cli
 pyharnesses: $(foreach h,$(PY_HARNESSES),$(HARNESS_DIR)/py/$(h)/.installed)
 $(HARNESS_DIR)/py/%/.installed: harness-py/%.txt
 	test -x $(@D)/bin/python || $(PY) -m venv $(@D)
 	$(@D)/bin/pip install -q --no-deps -r $<
 	touch $@
+
+# CPython 3.13 for the harnesses that need it (the machines have 3.11 only), built from source once into
+# .harness/cpython-3.13.5: CPython's own release tarball as Debian's python3.13 source package ships it (the unpatched
+# .orig.tar.xz), fetched from the Debian mirror apt is set up with (DEBIAN_MIRROR=URL to choose another) and checked
+# against its sha256; configure + make -j2 + make install, no PGO (~15 min on two busy cores). A file target: a second
+# `make` does nothing (its inner `make` is not $(MAKE), so `make -n` never builds it). The build deps are Debian
+# packages (root, as CI is).
+PY313_VERSION := 3.13.5
+PY313_SHA256 := 93e583f243454e6e9e4588ca2c2662206ad961659863277afcdb96801647d640
+PY313_PREFIX := $(HARNESS_DIR)/cpython-$(PY313_VERSION)
+PY313 := $(PY313_PREFIX)/bin/python3.13
+PY313_DEPS := build-essential curl xz-utils libssl-dev libffi-dev zlib1g-dev libsqlite3-dev libbz2-dev liblzma-dev \
+	libreadline-dev
+PY313_BUILD := .cache/cpython-$(PY313_VERSION)
+DEBIAN_MIRROR ?= $(shell sed -n -e 's|^URIs: *\(https*://[^ ]*/debian\)/*$$|\1|p' \
+	-e 's|^deb  *\(https*://[^ ]*/debian\)/*  *.*|\1|p' /etc/apt/sources.list.d/* /etc/apt/sources.list 2>/dev/null | head -1)
+$(PY313):
+	dpkg -s $(PY313_DEPS) >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq --no-install-recommends $(PY313_DEPS))
+	rm -rf $(PY313_BUILD) && mkdir -p $(PY313_BUILD)
+	curl -sSfL -o $(PY313_BUILD)/src.tar.xz \
+	  $(or $(DEBIAN_MIRROR),$(error no Debian mirror in apt's sources: set DEBIAN_MIRROR))/pool/main/p/python3.13/python3.13_$(PY313_VERSION).orig.tar.xz
+	echo '$(PY313_SHA256)  $(PY313_BUILD)/src.tar.xz' | sha256sum -c --quiet
+	tar -xJf $(PY313_BUILD)/src.tar.xz -C $(PY313_BUILD)
+	cd $(PY313_BUILD)/Python-$(PY313_VERSION) && ./configure -q --prefix=$(abspath $(PY313_PREFIX)) \
+	  && nice -n 10 make -s -j2 && nice -n 10 make -s install
+	rm -rf $(PY313_BUILD)
+	test -x $@ && touch $@
+# kimi-cli 1.52.0 requires Python >= 3.12: its venv is made from that CPython (after PY313 is defined: a prerequisite
+# is expanded where it is read).
+$(HARNESS_DIR)/py/kimi-cli/.installed: PY = $(PY313)
+$(HARNESS_DIR)/py/kimi-cli/.installed: $(PY313)
 
 # A real S3-compatible server (moto) for the remote-store tests, in its own venv: installed next to
 # mitmproxy's pins, pip backtracks over botocore for many minutes.

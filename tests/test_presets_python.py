@@ -37,14 +37,19 @@ HARNESSES = {
     "openai-agents": ("openai-agents", "openai-agents", "Agents/Python 0.24.0"),
     "smolagents": ("smolagents", "smolagents", "smolagents/1.26.0"),
     "gptme": ("gptme", "gptme", "gptme (OpenAI/Python 2.54.0)"),
+    "kimi-cli": ("kimi-cli", "kimi-cli", "KimiCLI/1.52.0"),
 }
 # The calls each harness makes besides its loop (role_reason of each, sorted).
 SIDE_JOBS = {"gptme": ["gptme title"]}
 # The harnesses whose agent calls merge into one trace (gptme sends each tool's output as a system message: it stays
-# in place, not folded into the leading system prompt, which would change every call's prompt).
-ONE_CHAIN = {"gptme"}
-# The harnesses that call tools (the others write their actions as text).
-TOOL_CALLING = {"mini-swe-agent:toolcall", "openai-agents"}
+# in place, not folded into the leading system prompt, which would change every call's prompt; Kimi CLI only appends).
+ONE_CHAIN = {"gptme", "kimi-cli"}
+# Kimi CLI 1.52.0's default agent, as it declares it (SearchWeb needs Moonshot's search service, not configured;
+# ReadMediaFile a model that takes images).
+KIMI_TOOLS = ["Agent", "AskUserQuestion", "SetTodoList", "Shell", "TaskList", "TaskOutput", "TaskStop", "ReadFile",
+              "Glob", "Grep", "WriteFile", "StrReplaceFile", "FetchURL", "ExitPlanMode", "EnterPlanMode"]  # fmt: skip
+# The harnesses that call tools (the others write their actions as text), and the tools each declares.
+TOOL_CALLING = {"mini-swe-agent:toolcall": ["bash"], "openai-agents": ["bash"], "kimi-cli": KIMI_TOOLS}
 # What each scripted action prints, seen in the request after it (None: nothing to see): the action ran in the
 # workspace. Aider's one reply is its edit, which the verifier sees.
 SEEN_AFTER = {
@@ -54,6 +59,7 @@ SEEN_AFTER = {
     "openai-agents": ["def shout(text):", "Ran 2 tests"],
     "smolagents": ["def mean(values):", "Ran 2 tests"],
     "gptme": ["def add(a, b):", "Ran 2 tests"],
+    "kimi-cli": ["def mean(values):", None, "Ran 2 tests"],
 }
 
 
@@ -163,6 +169,38 @@ def test_openai_agents_config(tmp_path: Path) -> None:
         get_preset("openai-agents:x")
 
 
+def test_kimi_cli_config(tmp_path: Path) -> None:
+    """Kimi CLI runs its Typer app (not the 1.52 console script, which only prints a notice or runs an installer) on
+    a config file naming the reverse proxy and the served window, the key in the environment only; the output cap is
+    its completion-token cap and bounds the reserve it compacts at; telemetry and auto-update are off."""
+    preset = get_preset("kimi-cli")
+    ctx = context(Path("/home/polar"), context_window=8192, max_output_tokens=512)
+    preset.configure(tmp_path, ctx)
+    config = json.loads((tmp_path / ".kimi" / "polar.json").read_text())
+    assert config["providers"] == {"polar": {"type": "kimi", "base_url": "http://127.0.0.1:2/v1", "api_key": ""}}
+    assert config["models"] == {"polar": {"provider": "polar", "model": "m", "max_context_size": 8192}}
+    assert config["default_model"] == "polar" and config["telemetry"] is False
+    assert config["loop_control"] == {"reserved_context_size": 1000}  # 512, raised to kimi's floor
+    env = preset.env(ctx)
+    assert env["KIMI_API_KEY"] == "polar:psk-test" and env["KIMI_MODEL_MAX_COMPLETION_TOKENS"] == "512"
+    assert env["KIMI_SHARE_DIR"] == "/home/polar/.kimi" and env["KIMI_DISABLE_TELEMETRY"] == "1"
+    argv = preset.command("fix it", ctx)
+    assert argv[1:4] == ["-P", "-m", "kimi_cli.cli"] and argv[argv.index("--prompt") + 1] == "fix it"
+    assert argv[argv.index("--config-file") + 1] == "/home/polar/.kimi/polar.json"
+    assert argv[argv.index("--work-dir") + 1] == "/workspace" and {"--print", "--yolo"} <= set(argv)
+    # A window alone: a quarter of it is kept free; none: kimi's own defaults, and no cap.
+    wide = tmp_path / "wide"
+    preset.configure(wide, context(wide, context_window=131072))
+    assert json.loads((wide / ".kimi" / "polar.json").read_text())["loop_control"] == {"reserved_context_size": 32768}
+    bare = tmp_path / "bare"
+    preset.configure(bare, context(bare))
+    config = json.loads((bare / ".kimi" / "polar.json").read_text())
+    assert config["models"]["polar"]["max_context_size"] == 100_000 and "loop_control" not in config
+    assert "KIMI_MODEL_MAX_COMPLETION_TOKENS" not in preset.env(context(bare))
+    with pytest.raises(ValueError, match="takes no argument"):
+        get_preset("kimi-cli:x")
+
+
 def request_text(record) -> str:
     return json.dumps(json.loads(record.messages_json))
 
@@ -197,12 +235,16 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     assert {r.requested_model for r in records} == {model_name(harness)}
     assert {r.harness for r in records} == {HARNESSES[harness][2]}
     if harness in TOOL_CALLING:
-        assert all([t["function"]["name"] for t in json.loads(r.tools_json)] == ["bash"] for r in records)
+        declared = [[t["function"]["name"] for t in json.loads(r.tools_json)] for r in records]
+        assert declared == [TOOL_CALLING[harness]] * len(records)
         called = [
             [(c["name"], json.loads(c["arguments"])) for c in r.response_message.get("tool_calls") or []]
             for r in records
         ]
-        assert called == [[("bash", c["function"]["arguments"]) for c in t.get("tool_calls", [])] for t in turns]
+        workspace = json.loads(json.dumps(turns).replace("{workspace}", "/workspace"))
+        assert called == [
+            [(c["function"]["name"], c["function"]["arguments"]) for c in t.get("tool_calls", [])] for t in workspace
+        ]
     else:
         assert all(json.loads(r.tools_json) == [] for r in records)
         assert [r.response_message["content"] for r in records] == [t["content"] for t in turns]
@@ -219,11 +261,16 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     # Nothing but model calls reached the proxy (the harness's HTTPS_PROXY is the forward listener, so a price list,
     # telemetry or update check would be there, refused): every flow in its log is a chat completion or polar's
     # own control channel (the runner's boundary probe, refused, is its check that the proxy blocks other traffic).
+    # A streamed answer the engine took longer than a keep-alive to start (Kimi CLI's 48 kB prompts, on the tiny
+    # model) is parked at polar's loopback relay, and its flow logged under the relay's URL: only calls polar answers
+    # are parked there.
     flows = re.findall(r"^\S+: (GET|POST|PUT|HEAD|CONNECT) (\S+)", proxy.logs(), re.MULTILINE)
     model_calls = ("/v1/chat/completions", "/v1/responses")
-    assert any(url.endswith(model_calls) for _, url in flows), proxy.logs()[-3000:]
+    relayed = re.compile(r"http://127\.0\.0\.1:\d+/_polar/stream/")
+    assert any(url.endswith(model_calls) or relayed.match(url) for _, url in flows), proxy.logs()[-3000:]
     ours = (*model_calls, "/polar-boundary-probe")
-    assert [f for f in flows if not f[1].endswith(ours) and not f[1].startswith("http://polar.local/")] == []
+    others = [f for f in flows if not f[1].endswith(ours) and not relayed.match(f[1])]
+    assert [f for f in others if not f[1].startswith("http://polar.local/")] == []
 
 
 def test_the_help_names_every_preset() -> None:
