@@ -137,6 +137,8 @@ AUXILIARY_MARKERS: tuple[RoleMarker, ...] = (
     _m("aider", "summary", "system", "*Briefly* summarize this partial conversation about programming."),
     _m("aider", "commit_message", "system", "You are an expert software engineer that generates concise, one-line Git "
        "commit messages based on the provided diffs."),
+    # Kimi CLI 1.52.0 (soul/compaction.py: the history as one user message, no tools)
+    _m("kimi-cli", "compaction", "system", "You are a helpful assistant that compacts conversation context."),
 )  # fmt: skip
 
 # The first system block of every Claude Code call, its side jobs' included: the side job's own text opens the second.
