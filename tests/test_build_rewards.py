@@ -17,6 +17,7 @@ from polar_cli.build.rewards import (
     decide_reward,
     invalid_tool_call,
     parsed_tool_call,
+    untrained_role,
 )
 from polar_cli.build.stats import BuildReport
 from polar_cli.trace import Trace
@@ -169,6 +170,16 @@ def test_tool_call_reward_through_the_build() -> None:
         "s1": 0.0,
         "s2": 0.0,
     }
+
+
+def test_an_untrained_role_keeps_its_reward_but_leaves_training() -> None:
+    trained = RewardDecision(0.75, True, "outcome reward")
+    assert untrained_role(trained, "agent", {"agent"}) is trained
+    out = untrained_role(trained, "auxiliary", {"agent"})
+    assert out == RewardDecision(0.75, False, "auxiliary calls not trained (--roles)") and out.trainable is False
+    # Already untrained: its own reason stays (the first cause is the one reported).
+    masked = RewardDecision(0.0, False, "infrastructure failure")
+    assert untrained_role(masked, "auxiliary", {"agent"}) is masked
 
 
 def test_invalid_tool_call_markers_and_empty_tool_calls_finish() -> None:
