@@ -168,6 +168,17 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["polar_addon/tool_parsers/fenced_json.py", "polar_addon/tool_parsers/__init__.py"],
         ["tests/test_tool_parsers_fenced_json.py"],
     ),
+    # Which chain a call continues and the prompt it is sent with (run on the plain-function tests: the rest of
+    # the file drives a gateway, ~30 s a mutant).
+    "continuity.chains": (
+        ["polar_addon/continuity/chains.py"],
+        [
+            "tests/test_tito_gateway.py",
+            "-k",
+            "bounded or another_engine or told or judge or compaction_verdict or mode or without_chains"
+            " or continuation or newest_first or token_input",
+        ],
+    ),
     # The <think> split every Qwen format shares, and the call ids polar mints.
     "tool_parsers.reasoning": (
         ["polar_addon/tool_parsers/reasoning.py", "polar_addon/tool_parsers/calls.py"],

@@ -14,9 +14,9 @@ import pytest
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
 from polar_addon.capture import Identity
-from polar_addon.continuity.chains import ChainTip, TitoStore, judge, plan_prompt, tito_mode
+from polar_addon.continuity.chains import ChainTip, PromptPlan, TitoStore, judge, plan_prompt, tito_mode
 from polar_addon.continuity.check import Continues, check_continuity
-from polar_addon.continuity.delta import DeltaPrompt
+from polar_addon.continuity.delta import DeltaPrompt, NoDelta
 from polar_addon.engines import EnginePool
 from polar_addon.engines.scripted import ScriptedEngine
 from polar_addon.gateway import Gateway, GatewayConfig, IncomingCall
@@ -246,6 +246,67 @@ def test_a_requests_compaction_verdict_is_found_once_and_a_changed_request_finds
     plain = replace(request, messages=request.messages[:1])
     assert plain.compaction_prompt is None and request.compaction_prompt == "codex"
     assert "compaction_prompt" not in request.to_dict() and plain == CanonicalRequest.from_dict(plain.to_dict())
+
+
+def test_a_session_without_chains_is_a_first_call_or_lost_state() -> None:
+    first = CanonicalRequest("openai_chat", "m", ["not a message", {"role": "user", "content": "hi"}])  # type: ignore[list-item]
+    assert plan_prompt([], first, "e", lambda **_: pytest.fail("no delta")) == PromptPlan(None, "fresh", "first_call")
+    later = CanonicalRequest("openai_chat", "m", [*first.messages, {"role": "assistant", "content": "x"}])
+    assert plan_prompt([], later, "e", lambda **_: pytest.fail("no delta")) == PromptPlan(None, "fresh", "state_lost")
+
+
+def test_the_continuation_gets_exactly_the_chain_and_the_new_requests_parts() -> None:
+    tools = [{"type": "function", "function": {"name": "bash", "parameters": {}}}]
+    request = CanonicalRequest("openai_chat", "m", [{"role": "user", "content": "hi"}], tools=tools)
+    returned = {"role": "assistant", "content": "x"}
+    new = [{"role": "user", "content": "more"}]
+    nxt = CanonicalRequest("openai_chat", "m", [*request.messages, returned, *new], tools=tools, enable_thinking=False)
+    request.enable_thinking = False  # the thinking switch is part of the chain's identity
+    chain = ChainTip(request, AssistantMessage("x"), [1, 2], [3], "stop", "e", matched_stop="</answer>")
+    seen: list[dict[str, Any]] = []
+
+    def continuation(**kwargs: Any) -> DeltaPrompt:
+        seen.append(kwargs)
+        return DeltaPrompt([1, 2, 3, 4], [4])
+
+    assert plan_prompt([chain], nxt, "e", continuation) == PromptPlan([1, 2, 3, 4], "continuity", "continues", chain)
+    assert seen == [
+        {"prompt_ids": [1, 2], "sampled_ids": [3], "history": [*request.messages, returned], "new_messages": new,
+         "tools": tools, "enable_thinking": False, "finish_reason": "stop", "matched_stop": "</answer>"}
+    ]  # fmt: skip
+
+
+def test_a_continuation_the_template_cannot_render_is_fresh_and_says_why() -> None:
+    request = CanonicalRequest("openai_chat", "m", [{"role": "user", "content": "hi"}])
+    nxt = CanonicalRequest(
+        "openai_chat", "m", [*request.messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "+"}]
+    )
+    chains = [ChainTip(request, AssistantMessage("x"), [1], [2], "stop", "e") for _ in range(2)]
+    plan = plan_prompt(chains, nxt, "e", lambda **_: NoDelta("the template re-rendered the turn"))
+    assert plan == PromptPlan(None, "fresh", "no_delta: the template re-rendered the turn")
+
+
+def test_the_store_keeps_newest_first_and_forgets() -> None:
+    store = TitoStore(max_sessions=3, chains_per_session=3)
+    tips = [ChainTip(CanonicalRequest("openai_chat", "m", []), AssistantMessage(f"{i}"), [i], [i], "stop", "e")
+            for i in range(3)]  # fmt: skip
+    for tip in tips:
+        store.remember("a", tip)
+    assert store.chains("a") == tips[::-1]
+    store.remember("b", tips[0])
+    store.forget("a")
+    store.forget("never-seen")
+    assert store.chains("a") == [] and store.chains("b") == [tips[0]] and len(store) == 1
+
+
+def test_only_a_token_input_engine_with_tito_on_gets_chains(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from polar_addon.continuity.chains import token_input_engine
+    from polar_addon.engines.openai_compat import HTTPEngine
+
+    scripted = ScriptedEngine(str(write_script(tiny_model_dir, tmp_path / "s.json")))
+    assert token_input_engine(scripted, "auto") is scripted and token_input_engine(scripted, "on") is scripted
+    assert token_input_engine(scripted, "off") is None
+    assert token_input_engine(HTTPEngine("http://127.0.0.1:9"), "on") is None  # no token prompt on this wire
 
 
 def test_tito_mode_values() -> None:
