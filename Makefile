@@ -43,14 +43,14 @@ $(HARNESS_DIR)/.installed: Makefile
 # The Python agent harnesses, each in a venv of its own (their LiteLLM/openai/pydantic pins clash with ours and
 # with each other's), at the versions harness-py/NAME.txt pins (pip freeze of a working install): the harness and
 # its LiteLLM pinned exactly. A few minutes each; ~0.7 GB each.
-PY_HARNESSES := mini-swe-agent aider gptme openai-agents smolagents kimi-cli
+PY_HARNESSES := mini-swe-agent aider gptme openai-agents smolagents kimi-cli openhands
 pyharnesses: $(foreach h,$(PY_HARNESSES),$(HARNESS_DIR)/py/$(h)/.installed)
 $(HARNESS_DIR)/py/%/.installed: harness-py/%.txt
 	test -x $(@D)/bin/python || $(PY) -m venv $(@D)
 	$(@D)/bin/pip install -q --no-deps -r $<
 	touch $@
 
-# CPython 3.13 for the harnesses that need it (the machines have 3.11 only), built from source once into
+# CPython 3.13 for the harnesses that need it (kimi-cli, openhands; the machines have 3.11 only), built from source once into
 # .harness/cpython-3.13.5: CPython's own release tarball as Debian's python3.13 source package ships it (the unpatched
 # .orig.tar.xz), fetched from the Debian mirror apt is set up with (DEBIAN_MIRROR=URL to choose another) and checked
 # against its sha256; configure + make -j2 + make install, no PGO (~15 min on two busy cores). A file target: a second
@@ -76,10 +76,12 @@ $(PY313):
 	  && nice -n 10 make -s -j2 && nice -n 10 make -s install
 	rm -rf $(PY313_BUILD)
 	test -x $@ && touch $@
-# kimi-cli 1.52.0 requires Python >= 3.12: its venv is made from that CPython (after PY313 is defined: a prerequisite
-# is expanded where it is read).
-$(HARNESS_DIR)/py/kimi-cli/.installed: PY = $(PY313)
-$(HARNESS_DIR)/py/kimi-cli/.installed: $(PY313)
+# kimi-cli 1.52.0 and openhands-ai 0.62.0 require Python >= 3.12: their venvs are made from that CPython (after PY313
+# is defined: a prerequisite is expanded where it is read). openhands-ai 0.62.0 is an sdist, built by pip (~7.5 min
+# in all, 1.9 GB).
+PY313_HARNESSES := $(foreach h,kimi-cli openhands,$(HARNESS_DIR)/py/$(h)/.installed)
+$(PY313_HARNESSES): PY = $(PY313)
+$(PY313_HARNESSES): $(PY313)
 
 # A real S3-compatible server (moto) for the remote-store tests, in its own venv: installed next to
 # mitmproxy's pins, pip backtracks over botocore for many minutes.

@@ -3,9 +3,9 @@
 Most harness CLIs name themselves in their User-Agent (``claude-cli/…``, ``codex_exec/…``, ``QwenCode/…``,
 ``GeminiCLI/…``), and that is kept as is. Some speak through a provider SDK that sends only the SDK's own
 User-Agent: Pi 0.73 sends ``OpenAI/JS 6.26.0``, ``Anthropic/JS …`` or ``google-genai-sdk/…`` exactly like any
-program using those SDKs, and sets no header of its own; gptme 0.35 sends ``OpenAI/Python 2.54.0``. Those are told
-apart by their system prompt, which opens the same way on every call of the harness; the SDK's User-Agent stays in
-parentheses.
+program using those SDKs, and sets no header of its own; gptme 0.35 sends ``OpenAI/Python 2.54.0``, OpenHands 0.62
+``OpenAI/Python 1.99.9`` (LiteLLM's). Those are told apart by their system prompt, which opens the same way on every
+call of the harness; the SDK's User-Agent stays in parentheses.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from polar_addon.canonical import CanonicalRequest
 SYSTEM_MARKERS: tuple[tuple[str, str], ...] = (
     ("You are an expert coding assistant operating inside pi, a coding agent harness.", "pi"),
     ("You are gptme v", "gptme"),  # gptme 0.35 sends the openai SDK's User-Agent only
+    ("You are OpenHands agent, ", "openhands"),  # OpenHands 0.62 (LiteLLM's openai provider): the SDK's User-Agent only
 )
 SYSTEM_PREFIX = 512
 

@@ -38,18 +38,25 @@ HARNESSES = {
     "smolagents": ("smolagents", "smolagents", "smolagents/1.26.0"),
     "gptme": ("gptme", "gptme", "gptme (OpenAI/Python 2.54.0)"),
     "kimi-cli": ("kimi-cli", "kimi-cli", "KimiCLI/1.52.0"),
+    "openhands": ("openhands", "openhands", "openhands (OpenAI/Python 1.99.9)"),
 }
 # The calls each harness makes besides its loop (role_reason of each, sorted).
 SIDE_JOBS = {"gptme": ["gptme title"]}
 # The harnesses whose agent calls merge into one trace (gptme sends each tool's output as a system message: it stays
-# in place, not folded into the leading system prompt, which would change every call's prompt; Kimi CLI only appends).
-ONE_CHAIN = {"gptme", "kimi-cli"}
+# in place, not folded into the leading system prompt, which would change every call's prompt; Kimi CLI and OpenHands
+# only append).
+ONE_CHAIN = {"gptme", "kimi-cli", "openhands"}
 # Kimi CLI 1.52.0's default agent, as it declares it (SearchWeb needs Moonshot's search service, not configured;
 # ReadMediaFile a model that takes images).
 KIMI_TOOLS = ["Agent", "AskUserQuestion", "SetTodoList", "Shell", "TaskList", "TaskOutput", "TaskStop", "ReadFile",
               "Glob", "Grep", "WriteFile", "StrReplaceFile", "FetchURL", "ExitPlanMode", "EnterPlanMode"]  # fmt: skip
 # The harnesses that call tools (the others write their actions as text), and the tools each declares.
-TOOL_CALLING = {"mini-swe-agent:toolcall": ["bash"], "openai-agents": ["bash"], "kimi-cli": KIMI_TOOLS}
+TOOL_CALLING = {
+    "mini-swe-agent:toolcall": ["bash"],
+    "openai-agents": ["bash"],
+    "kimi-cli": KIMI_TOOLS,
+    "openhands": ["execute_bash", "think", "finish", "task_tracker", "str_replace_editor"],
+}
 # What each scripted action prints, seen in the request after it (None: nothing to see): the action ran in the
 # workspace. Aider's one reply is its edit, which the verifier sees.
 SEEN_AFTER = {
@@ -60,6 +67,7 @@ SEEN_AFTER = {
     "smolagents": ["def mean(values):", "Ran 2 tests"],
     "gptme": ["def add(a, b):", "Ran 2 tests"],
     "kimi-cli": ["def mean(values):", None, "Ran 2 tests"],
+    "openhands": ["def add(a, b):", None, "Ran 2 tests"],
 }
 
 
@@ -199,6 +207,34 @@ def test_kimi_cli_config(tmp_path: Path) -> None:
     assert "KIMI_MODEL_MAX_COMPLETION_TOKENS" not in preset.env(context(bare))
     with pytest.raises(ValueError, match="takes no argument"):
         get_preset("kimi-cli:x")
+
+
+def test_openhands_config(tmp_path: Path) -> None:
+    """OpenHands runs headless on the cli runtime in the workspace, its model at the reverse proxy with native tool
+    calls, the served window and output cap as its LLM limits, the key in the environment only; browsing, Jupyter and
+    MCP (which would fetch and start servers) are off."""
+    import tomllib
+
+    preset = get_preset("openhands")
+    ctx = context(Path("/home/polar"), context_window=8192, max_output_tokens=512)
+    preset.configure(tmp_path, ctx)
+    config = tomllib.loads((tmp_path / ".openhands" / "polar.toml").read_text())
+    assert config["core"] == {"runtime": "cli", "workspace_base": "/workspace", "file_store": "local",
+                              "file_store_path": "/home/polar/.openhands/file_store"}  # fmt: skip
+    assert config["llm"] == {"model": "openai/m", "base_url": "http://127.0.0.1:2/v1", "native_tool_calling": True,
+                             "max_input_tokens": 8192, "max_output_tokens": 512}  # fmt: skip
+    assert config["agent"] == {"enable_browsing": False, "enable_jupyter": False, "enable_mcp": False}
+    env = preset.env(ctx)
+    assert env["LLM_API_KEY"] == "polar:psk-test" and env["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
+    assert "psk-test" not in (tmp_path / ".openhands" / "polar.toml").read_text()
+    argv = preset.command("fix it", ctx)
+    assert argv[1:] == ["-P", "-m", "openhands.core.main", "--config-file", "/home/polar/.openhands/polar.toml",
+                        "-t", "fix it"]  # fmt: skip
+    bare = tmp_path / "bare"
+    preset.configure(bare, context(bare))
+    assert "max_" not in (bare / ".openhands" / "polar.toml").read_text()
+    with pytest.raises(ValueError, match="takes no argument"):
+        get_preset("openhands:x")
 
 
 def request_text(record) -> str:

@@ -1,6 +1,6 @@
 """Harness presets: one module each (``claude_code``, ``codex``, ``qwen_code``, ``pi``, ``gemini_cli``, ``opencode``,
 ``kilocode``, ``continue_cli``, ``cline``, ``mini_swe_agent``, ``aider``, ``gptme``, ``kimi_cli``, ``openai_agents``,
-``smolagents``, ``command``), all behind :class:`base.HarnessPreset`.
+``smolagents``, ``openhands``, ``command``), all behind :class:`base.HarnessPreset`.
 
 The convention: ``--harness NAME[:ARG]`` imports ``polar_cli.rollout.harnesses.<NAME with - as _>`` and calls its
 module-level ``make(arg: str | None = None) -> HarnessPreset``; ``cmd:ANY COMMAND {instruction}`` is the
