@@ -13,6 +13,7 @@ OPTIONS = {
     "polar_body_timeout": "60",
     "polar_client_inflight_mb": 256,
     "polar_control_token": "",
+    "polar_durability": "fsync",
     "polar_engine": "",
     "polar_engine_timeout": "900",
     "polar_hosts": [],
@@ -32,7 +33,11 @@ OPTIONS = {
     "polar_top_k": 0,
     "polar_top_p": "1.0",
 }
-CHOICES = {"polar_sampling": ["client", "fixed"], "polar_sessions": ["claimed", "registered"]}
+CHOICES = {
+    "polar_durability": ["fsync", "write"],
+    "polar_sampling": ["client", "fixed"],
+    "polar_sessions": ["claimed", "registered"],
+}
 
 
 def test_the_entry_points_addons_register_exactly_the_polar_options_with_their_defaults() -> None:

@@ -179,10 +179,10 @@ def test_an_unexpected_error_in_a_write_reaches_the_caller_inline_or_queued(
     append = journal.Segment.append
     bug = {"on": False}
 
-    def buggy_append(self, payloads):
+    def buggy_append(self, payloads, **kwargs):
         if bug["on"]:
             raise RuntimeError("a bug in the journal")
-        return append(self, payloads)
+        return append(self, payloads, **kwargs)
 
     monkeypatch.setattr(journal.Segment, "append", buggy_append)
 

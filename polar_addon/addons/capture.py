@@ -20,6 +20,7 @@ from polar_addon.gateway import FullReply, Gateway, GatewayConfig, IncomingCall
 from polar_addon.relay import STREAM_PREFIX, CountedBody
 from polar_addon.responses_websocket import is_responses_upgrade
 from polar_addon.store import TraceStore
+from polar_addon.store.trace_store import DURABILITY
 from polar_addon.tool_parsers import ParserChoice
 
 log = logging.getLogger("polar")
@@ -28,7 +29,14 @@ log = logging.getLogger("polar")
 SECRET_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "proxy-authorization", "cookie")
 # Options only read when the gateway is built: changing one while running needs a restart.
 BUILD_OPTIONS = frozenset(
-    {"polar_engine", "polar_out", "polar_shard_records", "polar_shard_seconds", "polar_engine_timeout"}
+    {
+        "polar_engine",
+        "polar_out",
+        "polar_shard_records",
+        "polar_shard_seconds",
+        "polar_engine_timeout",
+        "polar_durability",
+    }
 )
 # Every option the gateway is built from (its own, and the body limit it enforces on the bodies it parses).
 GATEWAY_OPTIONS = BUILD_OPTIONS | {
@@ -189,6 +197,15 @@ class Capture:
         )
         loader.add_option("polar_shard_records", int, 512, "Records per Parquet shard before it is sealed.")
         loader.add_option("polar_shard_seconds", str, "30", "Seconds before an open shard is sealed.")
+        loader.add_option(
+            "polar_durability",
+            str,
+            "fsync",
+            "When a call is answered: fsync (its record fdatasync'd first: survives a power cut) or write (written "
+            "to the journal first, fdatasync'd just behind: survives the proxy's death, not a power cut; takes the "
+            "fsync off every answer).",
+            choices=list(DURABILITY),
+        )
 
     @property
     def gateway(self) -> Gateway | None:
@@ -222,6 +239,7 @@ class Capture:
             opts.polar_out,
             shard_max_records=opts.polar_shard_records,
             shard_max_seconds=seconds("polar_shard_seconds"),
+            durability=opts.polar_durability,
         )
         gateway = Gateway(pool, store, gateway_config())
         if gateway.config.tito == "on":

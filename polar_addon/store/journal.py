@@ -7,8 +7,9 @@ Layout of a journal root (a local directory, never an object store: appends must
 
 A segment starts with MAGIC, then entries framed as ``<u32 length><u64 xxh3 of payload><payload>`` (xxh3,
 not crc32: ~20x faster, and a 32k-token call is ~300 KB to check on the latency path). A batch of entries
-is written with one writev() and made durable with one fdatasync() (group commit). Reading stops at the first
-entry that is incomplete or fails its checksum: a torn tail is an entry whose write never completed, hence
+is written with one writev() and made durable with one fdatasync() (group commit; with ``sync=False`` the
+fdatasync is left to :meth:`Segment.sync`, which another thread may run beside later appends). Reading stops at the
+first entry that is incomplete or fails its checksum: a torn tail is an entry whose write never completed, hence
 never acknowledged. After a failed write the segment is truncated back and closed, so nothing valid ever
 follows a torn entry.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -85,7 +87,10 @@ class Segment:
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
         self.size = 0
         self.count = 0
+        self.synced = 0  # bytes known durable; appends with sync=False leave size ahead of it until sync()
         self.opened_at = time.monotonic()
+        # Held by sync() and close(): a sync on another thread must never fdatasync a closed (or reused) fd.
+        self._fd_lock = threading.Lock()
         try:
             # The file's directory entry must be durable too, or a power cut could drop the whole segment.
             fsync_dir(directory)
@@ -93,8 +98,10 @@ class Segment:
             self.close()
             raise
 
-    def append(self, payloads: list[bytes]) -> None:
-        """Write and fdatasync a batch; on any error the file is cut back to its last good size."""
+    def append(self, payloads: list[bytes], *, sync: bool = True) -> None:
+        """Write and fdatasync a batch (``sync=False``: only write it; the kernel has it, so it survives this
+        process's death but not the machine's until :meth:`sync`); on any error the file is cut back to its last
+        good size."""
         # writev: a 32k-token call is ~300 KB, and joining frames would copy it twice on the latency path.
         parts = [MAGIC] if self.size == 0 else []
         for payload in payloads:
@@ -108,7 +115,8 @@ class Segment:
                     view = memoryview(b"".join(chunk))[written:]
                     while view:
                         view = view[os.write(self.fd, view) :]
-            os.fdatasync(self.fd)
+            if sync:
+                os.fdatasync(self.fd)
         except OSError:
             try:
                 os.ftruncate(self.fd, self.size)
@@ -117,11 +125,28 @@ class Segment:
             raise
         self.size += total
         self.count += len(payloads)
+        if sync:
+            self.synced = self.size
+
+    @property
+    def unsynced(self) -> bool:
+        return self.size > self.synced
+
+    def sync(self) -> None:
+        """fdatasync what was written so far, unless the segment is closed; safe beside appends on another
+        thread (an append racing it is made durable by the next sync)."""
+        with self._fd_lock:
+            target = self.size
+            if self.fd < 0 or target <= self.synced:
+                return
+            os.fdatasync(self.fd)
+            self.synced = max(self.synced, target)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        with self._fd_lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
 
 
 @dataclass
