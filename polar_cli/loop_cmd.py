@@ -204,8 +204,8 @@ class LoopSettings:
         None,
         help="Dynamic sampling with backfill (DAPO's): when an iteration's rollout leaves fewer than N informative "
         "groups (rewards not all equal; the training drops the others), every task is rolled again as new groups "
-        "into the same shards, up to --max-backfill more rounds. loop.json records per iteration the groups "
-        "sampled, informative, dropped and backfilled. Synchronous loop only.",
+        "into the same shards, up to --max-backfill more rounds. loop.json records per iteration (--async: per "
+        "batch) the groups sampled, informative, dropped and backfilled.",
     )
     max_backfill: int = option(2, help="--min-groups: at most this many extra rounds per iteration.")
     vllm_push: str = option(
@@ -232,8 +232,8 @@ class LoopSettings:
             raise SettingsError("wait or cut", "drain")
         if self.vllm_push not in ("in-place", "restart"):
             raise SettingsError("in-place or restart", "vllm_push")
-        if self.min_groups is not None and (self.min_groups < 1 or self.asynchronous):
-            raise SettingsError("1 or more, and only without --async", "min_groups")
+        if self.min_groups is not None and self.min_groups < 1:
+            raise SettingsError("1 or more", "min_groups")
         if self.max_backfill < 0:
             raise SettingsError("0 or more", "max_backfill")
         if self.ray is not None and self.asynchronous:

@@ -95,12 +95,21 @@ def test_backfill_stops_after_its_rounds_when_no_group_can_inform(tiny_model_dir
     assert only["calls"] == {"answered_calls": 12, "tool_call_calls": 0}
 
 
-def test_min_groups_is_refused_with_the_async_loop(tiny_model_dir: Path, tmp_path: Path) -> None:
-    tasks = tmp_path / "t.jsonl"
-    tasks.write_text(json.dumps({"id": "t", "instruction": "x", "verify": "true"}) + "\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness", "cmd:true", "--model",
-         str(tiny_model_dir), "--out", str(tmp_path / "o"), "--async", "--min-groups", "2", "--iterations", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+@pytest.mark.slow
+def test_the_async_loop_backfills_each_batch_before_the_trainer_takes_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "async"
+    state = _loop(
+        tmp_path, tiny_model_dir, out, "print(1.0)", "--async", "--iterations", "2", "--min-groups", "1",
+        "--max-backfill", "1",
     )  # fmt: skip
-    assert done.returncode == 2 and "only without --async" in done.stderr, done.stderr
+    batches = state["batches"]
+    assert len(batches) >= 2
+    for batch in batches:
+        # constant rewards: no group informs, so every batch spends its one round (2 tasks x 2 samples each)
+        assert batch["groups"] == {"target": 1, "sampled": 4, "informative": 0, "dropped": 4, "backfilled": 0,
+                                   "rounds": 1}, batch  # fmt: skip
+        assert batch["sessions"] == 8 and batch["reward_mean"] == 1.0
+        bdir = Path(batch["shards"]).parent
+        assert (bdir / "rollout-summary.json").is_file() and (bdir / "rollout-summary-bf1.json").is_file()
+        groups = set(read_table(batch["shards"], columns=["group_id"]).column("group_id").to_pylist())
+        assert groups == {"shout-0", "shout-1", "shout-0+bf1", "shout-1+bf1"}

@@ -46,7 +46,7 @@ import asyncio
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +56,9 @@ from polar_cli.rollout.loop import (
     LoopConfig,
     _check_same_run,
     _Engine,
+    backfill_counts,
+    backfill_short,
+    backfill_tasks,
     die_with_parent,
     engine_kind,
     load_state,
@@ -155,6 +158,7 @@ class Batch:
     final: bool = False  # the batch that measures the last policy: the run is complete once it is recorded
     step: int | None = None  # the training step that took it
     dropped_groups: dict[str, int] = field(default_factory=dict)  # group -> versions behind, when dropped
+    groups: dict[str, int] | None = None  # with min_groups: sampled, informative, dropped, backfilled, rounds
 
 
 @dataclass
@@ -343,22 +347,51 @@ class _AsyncLoop:
             bdir = config.out / f"batch-{index:03d}-attempt{attempt}"
         bdir.mkdir(parents=True)
         self.say(f"batch {index}: {len(config.tasks)} tasks x {config.samples} samples on version {version} ({policy})")
-        rollout = rollout_config(config, bdir, spec, config.seed + index, f"b{index:03d}", stop)
         started = time.time()
+        first = result = await self._round(bdir, index, spec, stop)
+        groups = None
+        if config.min_groups is not None:
+            # Dynamic sampling with backfill, as the synchronous loop does it: more groups into the same shards until
+            # enough are informative; a push that cuts the batch ends it.
+            rounds: list[RolloutResult] = []
+            while (
+                not any(r.interrupted for r in (first, *rounds))
+                and (short := backfill_short(config, first, rounds)) is not None
+            ):
+                k = len(rounds) + 1
+                self.say(f"batch {index}: {short} informative groups < {config.min_groups}: backfill round {k}")
+                rounds.append(await self._round(bdir, index, spec, stop, k))
+            result, groups = backfill_counts(config.min_groups, first, rounds)
+            cut_by = next((r.interrupted for r in (first, *rounds) if r.interrupted), None)
+        else:
+            cut_by = first.interrupted
+        batch = _batch_of(index, version, policy, bdir / "shards", started, time.time(), result, cut_by == "stop")
+        batch.groups = groups
+        return batch
+
+    async def _round(self, bdir: Path, index: int, spec: str, stop: asyncio.Event, backfill: int = 0) -> RolloutResult:
+        """One rollout of the batch into ``bdir/shards``: the batch's own, or backfill round ``backfill``'s."""
+        config = self.config
+        part = f"bf{backfill}" if backfill else ""
+        seed = config.seed + index + 100_000 * backfill
+        rollout = rollout_config(config, bdir, spec, seed, f"b{index:03d}{part}", stop)
+        if backfill:
+            rollout = replace(rollout, tasks=backfill_tasks(config, backfill))
         try:
             with progress_config(bdir, rollout, lambda: control_tokens(rollout.out, rollout.confdir, None)) as rollout:
                 result = await run_rollout(rollout)
         finally:
             shutil.rmtree(bdir / "work", ignore_errors=True)
-        write_json(bdir / "rollout-summary.json", result.summary(), control_tokens(rollout.out, rollout.confdir, None))
+        summary = bdir / (f"rollout-summary-{part}.json" if part else "rollout-summary.json")
+        write_json(summary, result.summary(), control_tokens(rollout.out, rollout.confdir, None))
         cut = result.interrupted == "stop"
         if result.interrupted and not cut:
             raise RolloutInterrupted(
                 f"batch {index}: interrupted by {result.interrupted} (summary in {bdir})", result.interrupted
             )
-        if result.all_failed and not cut:
+        if result.all_failed and not cut and not backfill:
             raise RuntimeError(f"batch {index}: no session was usable (logs in {bdir / 'logs'})")
-        return _batch_of(index, version, policy, bdir / "shards", started, time.time(), result, cut)
+        return result
 
     # -- the trainer ----------------------------------------------------------------------------------------------
 

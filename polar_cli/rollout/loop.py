@@ -542,22 +542,41 @@ def _backfill(
     """More rounds of every task, as new groups (task id ``ID+bfK``), until ``min_groups`` groups are informative
     or ``max_backfill`` rounds are spent; the merged result and the counts loop.json records."""
     assert config.min_groups is not None
-    before = informative = len(informative_groups(first))
     rounds: list[RolloutResult] = []
-    while informative < config.min_groups and len(rounds) < config.max_backfill:
+    while (short := backfill_short(config, first, rounds)) is not None:
         k = len(rounds) + 1
-        say(f"iteration {i}: {informative} informative groups < {config.min_groups}: backfill round {k}")
-        tasks = [replace(t, id=f"{t.id}+bf{k}") for t in config.tasks]
-        rounds.append(_rollout(config, i, policy, engine, say, version, tasks=tasks, backfill=k))
-        informative = len(informative_groups(merged(first, rounds)))
+        say(f"iteration {i}: {short} informative groups < {config.min_groups}: backfill round {k}")
+        rounds.append(_rollout(config, i, policy, engine, say, version, tasks=backfill_tasks(config, k), backfill=k))
+    result, groups = backfill_counts(config.min_groups, first, rounds)
+    if groups["informative"] < config.min_groups:
+        say(f"iteration {i}: {groups['informative']} informative groups after {len(rounds)} backfill rounds: short")
+    return result, groups
+
+
+def backfill_short(config: LoopConfig, first: RolloutResult, rounds: Sequence[RolloutResult]) -> int | None:
+    """The informative groups so far when another backfill round is due (fewer than ``min_groups``, rounds left),
+    else None."""
+    assert config.min_groups is not None
+    informative = len(informative_groups(merged(first, rounds)))
+    return informative if informative < config.min_groups and len(rounds) < config.max_backfill else None
+
+
+def backfill_tasks(config: LoopConfig, k: int) -> list[Task]:
+    """Backfill round ``k``'s tasks: every task again as a new group (task id ``ID+bfK``)."""
+    return [replace(t, id=f"{t.id}+bf{k}") for t in config.tasks]
+
+
+def backfill_counts(
+    target: int, first: RolloutResult, rounds: Sequence[RolloutResult]
+) -> tuple[RolloutResult, dict[str, int]]:
+    """The merged result of a rollout and its backfill rounds, and the counts loop.json records."""
     result = merged(first, rounds)
+    informative = len(informative_groups(result))
     sampled = len(result.group_rewards())
     groups = {
-        "target": config.min_groups, "sampled": sampled, "informative": informative, "dropped": sampled - informative,
-        "backfilled": informative - before, "rounds": len(rounds),
+        "target": target, "sampled": sampled, "informative": informative, "dropped": sampled - informative,
+        "backfilled": informative - len(informative_groups(first)), "rounds": len(rounds),
     }  # fmt: skip
-    if informative < config.min_groups:
-        say(f"iteration {i}: {informative} informative groups after {len(rounds)} backfill rounds, still short")
     return result, groups
 
 
