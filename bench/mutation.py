@@ -179,6 +179,18 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             " or continuation or newest_first or token_input",
         ],
     ),
+    # The canonical form every provider translates to: sampling defaults and their checks, the assistant message
+    # sent back, token counts, the errors providers answer with.
+    "canonical": (
+        ["polar_addon/canonical.py"],
+        [
+            "tests/test_canonical.py",
+            "tests/test_gateway_sampling.py",
+            "tests/test_continuity.py",
+            "tests/test_provider_openai_chat.py",
+            "tests/test_provider_common.py",
+        ],
+    ),
     # The <think> split every Qwen format shares, and the call ids polar mints.
     "tool_parsers.reasoning": (
         ["polar_addon/tool_parsers/reasoning.py", "polar_addon/tool_parsers/calls.py"],
