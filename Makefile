@@ -50,15 +50,16 @@ $(HARNESS_DIR)/py/%/.installed: harness-py/%.txt
 	$(@D)/bin/pip install -q --no-deps -r $<
 	touch $@
 
-# CPython 3.13 for the harnesses that need it (kimi-cli, openhands; the machines have 3.11 only), built from source once into
-# .harness/cpython-3.13.5: CPython's own release tarball as Debian's python3.13 source package ships it (the unpatched
-# .orig.tar.xz), fetched from the Debian mirror apt is set up with (DEBIAN_MIRROR=URL to choose another) and checked
-# against its sha256; configure + make -j2 + make install, no PGO (~15 min on two busy cores). A file target: a second
-# `make` does nothing (its inner `make` is not $(MAKE), so `make -n` never builds it). The build deps are Debian
-# packages (root, as CI is).
+# CPython 3.13 for the harnesses that need it (kimi-cli, openhands; the machines have 3.11 only), built from source
+# once into a cache outside the checkout, PY313_PREFIX (default ~/.cache/polar/cpython-3.13.5: a fresh clone, as CI's,
+# finds it built; the venvs link to it, and a sandbox shows it read-only): CPython's own release tarball as Debian's
+# python3.13 source package ships it (the unpatched .orig.tar.xz), fetched from the Debian mirror apt is set up with
+# (DEBIAN_MIRROR=URL to choose another) and checked against its sha256; configure + make -j2 + make install, no PGO
+# (~16 min on two busy cores, 0.4 GB). A file target: a second `make` does nothing (its inner `make` is not $(MAKE),
+# so `make -n` never builds it). The build deps are Debian packages (root, as CI is).
 PY313_VERSION := 3.13.5
 PY313_SHA256 := 93e583f243454e6e9e4588ca2c2662206ad961659863277afcdb96801647d640
-PY313_PREFIX := $(HARNESS_DIR)/cpython-$(PY313_VERSION)
+PY313_PREFIX ?= $(HOME)/.cache/polar/cpython-$(PY313_VERSION)
 PY313 := $(PY313_PREFIX)/bin/python3.13
 PY313_DEPS := build-essential curl xz-utils libssl-dev libffi-dev zlib1g-dev libsqlite3-dev libbz2-dev liblzma-dev \
 	libreadline-dev
