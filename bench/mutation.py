@@ -191,6 +191,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_provider_common.py",
         ],
     ),
+    # What an HTTP engine's answer becomes: the prompt and sampled token ids, the logprobs, the calls (run with --only
+    # on the parsing functions: the rest is the client, tested against real servers).
+    "engines.openai_compat": (
+        ["polar_addon/engines/openai_compat.py"],
+        ["tests/test_engine_sglang.py", "tests/test_engine_http_pool.py", "tests/test_engine_prompt_fast_path.py"],
+    ),
     # The <think> split every Qwen format shares, and the call ids polar mints.
     "tool_parsers.reasoning": (
         ["polar_addon/tool_parsers/reasoning.py", "polar_addon/tool_parsers/calls.py"],

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from transformers import AutoTokenizer
 
-from polar_addon.canonical import CanonicalRequest, PolarError, SamplingParams
+from polar_addon.canonical import AssistantMessage, CanonicalRequest, PolarError, SamplingParams
 from polar_addon.engines import make_engine
 from polar_addon.engines.local import LocalEngine
 from polar_addon.engines.openai_compat import engine_error, parse_chat_response, parse_completion_response
@@ -116,31 +116,143 @@ def _broken(mutate):
 
 
 @pytest.mark.parametrize(
-    "data",
+    ("data", "said"),
     [
         pytest.param(
-            _broken(lambda c, d: c["meta_info"].update(output_token_logprobs=TRIPLES[:-1])), id="triples_short"
+            _broken(lambda c, d: c["meta_info"].update(output_token_logprobs=TRIPLES[:-1])),
+            "meta_info.output_token_logprobs ids differ from the response token ids",
+            id="triples_short",
         ),
-        pytest.param(_broken(lambda c, d: c.update(response_token_ids=[300, 999, 2])), id="ids_disagree"),
-        pytest.param(_broken(lambda c, d: (c.pop("meta_info"), c["logprobs"]["content"].pop())), id="content_short"),
-        pytest.param(_broken(lambda c, d: (c.pop("meta_info"), c.pop("logprobs"))), id="no_logprobs"),
-        pytest.param(_broken(lambda c, d: c.pop("prompt_token_ids")), id="no_prompt_ids"),
-        pytest.param(_broken(lambda c, d: (c.pop("response_token_ids"), c.pop("meta_info"))), id="no_response_ids"),
         pytest.param(
-            _broken(lambda c, d: c["meta_info"]["output_token_logprobs"][0].__setitem__(0, None)), id="null_logprob"
+            _broken(lambda c, d: c.update(response_token_ids=[300, 999, 2])),
+            "meta_info.output_token_logprobs ids differ from the response token ids",
+            id="ids_disagree",
         ),
-        pytest.param(_broken(lambda c, d: c.update(response_token_ids=["a", "b", "c"])), id="ids_not_ints"),
-        pytest.param(_broken(lambda c, d: c.update(finish_reason="eos")), id="unknown_finish"),
-        pytest.param(_broken(lambda c, d: d.update(choices=[])), id="no_choices"),
-        pytest.param(_broken(lambda c, d: c.pop("message")), id="no_message"),
-        pytest.param(_broken(lambda c, d: c["message"].update(tool_calls=[{"function": {}}])), id="nameless_call"),
-        pytest.param([1, 2], id="not_an_object"),
+        pytest.param(
+            _broken(lambda c, d: (c.pop("meta_info"), c["logprobs"]["content"].pop())),
+            "2 logprobs for 3 response tokens",
+            id="content_short",
+        ),
+        pytest.param(
+            _broken(lambda c, d: (c.pop("meta_info"), c.pop("logprobs"))),
+            "no logprobs (was logprobs=true honoured?)",
+            id="no_logprobs",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c.pop("prompt_token_ids")),
+            "no prompt token ids (is the engine new enough to return them?)",
+            id="no_prompt_ids",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c.update(prompt_token_ids="1 87 512")),
+            "choices[0].prompt_token_ids is not a list of token ids",
+            id="prompt_ids_not_a_list",
+        ),
+        pytest.param(
+            _broken(lambda c, d: (c.pop("response_token_ids"), c.pop("meta_info"))),
+            "no response token ids",
+            id="no_response_ids",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c["meta_info"]["output_token_logprobs"][0].__setitem__(0, None)),
+            "meta_info.output_token_logprobs holds a non-number logprob None",
+            id="null_logprob",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c["meta_info"]["output_token_logprobs"][1].__setitem__(0, True)),
+            "meta_info.output_token_logprobs holds a non-number logprob True",
+            id="bool_logprob",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c["meta_info"].update(output_token_logprobs=[[-0.5]] * 3)),
+            "meta_info.output_token_logprobs is not a list of [logprob, id, text]",
+            id="triples_without_ids",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c["meta_info"].update(output_token_logprobs={"0": TRIPLES[0]})),
+            "meta_info.output_token_logprobs is not a list of [logprob, id, text]",
+            id="triples_not_a_list",
+        ),
+        pytest.param(
+            _broken(lambda c, d: (c.pop("meta_info"), c["logprobs"]["content"][1].pop("logprob"))),
+            "choices[0].logprobs.content entries without logprob",
+            id="content_entry_without_logprob",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c.update(response_token_ids=["a", "b", "c"])),
+            "choices[0].response_token_ids is not a list of token ids (choices[0].response_token_ids must hold",
+            id="ids_not_ints",
+        ),
+        pytest.param(
+            _broken(lambda c, d: (c.pop("response_token_ids"), c.update(token_ids=[300, -1, 2]))),
+            "choices[0].token_ids holds a negative token id",
+            id="negative_token_ids",
+        ),
+        pytest.param(
+            _broken(lambda c, d: (c.pop("response_token_ids"), d.update(sglext={"output_ids": [[300, -1, 2]]}))),
+            "sglext.output_ids holds a negative token id",
+            id="negative_sglext_ids",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c["meta_info"]["output_token_logprobs"][0].__setitem__(1, -300)),
+            "meta_info.output_token_logprobs ids holds a negative token id",
+            id="negative_triple_id",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c.update(finish_reason="eos")), "unknown finish_reason 'eos'", id="unknown_finish"
+        ),
+        pytest.param(_broken(lambda c, d: d.update(choices=[])), "no choices", id="no_choices"),
+        pytest.param(_broken(lambda c, d: d.update(choices=["x"])), "no choices", id="choice_not_an_object"),
+        pytest.param(_broken(lambda c, d: c.pop("message")), "choices[0].message missing", id="no_message"),
+        pytest.param(
+            _broken(lambda c, d: c["message"].update(tool_calls=[{"function": {}}])),
+            "tool call without a function name: {'function': {}}",
+            id="nameless_call",
+        ),
+        pytest.param(
+            _broken(lambda c, d: c["message"].update(tool_calls={"function": {"name": "ls"}})),
+            "message.tool_calls is not a list",
+            id="calls_not_a_list",
+        ),
+        pytest.param([1, 2], "not a JSON object", id="not_an_object"),
     ],
 )
-def test_misaligned_or_missing_fields_are_api_errors(data):
+def test_misaligned_or_missing_fields_are_api_errors(data, said):
+    """Each malformed answer is refused by the check meant for it, with what it found."""
     with pytest.raises(PolarError) as err:
         parse_chat_response(data)
     assert (err.value.status, err.value.kind) == (502, "api_error")
+    assert err.value.message.startswith(f"malformed engine answer: {said}"), err.value.message
+
+
+def test_a_call_without_arguments_is_an_empty_object_and_content_logprobs_serve_explicit_ids():
+    data = sglang_answer(prompt_token_ids=PROMPT, token_ids=IDS, finish_reason="tool_calls")
+    data["choices"][0]["message"]["tool_calls"] = [{"id": "c1", "function": {"name": "ls"}}]
+    data["choices"][0]["message"]["content"] = None
+    parsed = parse_chat_response(data)
+    [call] = parsed.message.tool_calls
+    assert (call.id, call.name, call.arguments) == ("c1", "ls", "{}") and parsed.message.content is None
+    assert parsed.logprobs == LPS and parsed.response_ids == IDS  # no meta_info: the content block's logprobs
+    assert type(parsed.logprobs[0]) is float
+    # The ids already cut out of the answer (cut_prompt_ids) are used as given, the answer's own not read.
+    cut = parse_chat_response(sglang_answer(response_token_ids=IDS), prompt_ids=[5, 6])
+    assert list(cut.prompt_ids) == [5, 6]
+    # An empty reasoning text is no reasoning; a vLLM-style "reasoning" field is read when reasoning_content is absent.
+    data["choices"][0]["message"].update(reasoning_content="", content="x")
+    assert parse_chat_response(data).message.reasoning is None
+    data["choices"][0]["message"].pop("reasoning_content")
+    data["choices"][0]["message"]["reasoning"] = "r"
+    assert parse_chat_response(data).message.reasoning == "r"
+
+
+def test_served_model_stop_string_and_cache_are_read_only_when_well_typed():
+    data = sglang_answer(prompt_token_ids=PROMPT, response_token_ids=IDS, matched_stop="</end>") | {"model": 7}
+    data["usage"]["prompt_tokens_details"] = {"cached_tokens": "3"}
+    parsed = parse_chat_response(data)
+    assert (parsed.served_model, parsed.matched_stop, parsed.cached_tokens) == (None, "</end>", None)
+    meta = META | {"finish_reason": {"type": "stop", "matched": "STOP"}, "cached_tokens": 1}
+    parsed = parse_chat_response(sglang_answer(prompt_token_ids=PROMPT, meta_info=meta, matched_stop=None))
+    assert (parsed.matched_stop, parsed.cached_tokens, parsed.weight_version) == ("STOP", 1, "v7")
 
 
 def completion_answer(**choice_extra) -> dict:
@@ -172,23 +284,55 @@ def test_completion_answer_parses():
 
 
 @pytest.mark.parametrize(
-    "data",
+    ("data", "said"),
     [
-        pytest.param(completion_answer(token_ids=[300, -1, 2]), id="negative_response_id"),
-        pytest.param(completion_answer(prompt_token_ids=[1, -87, 512, 201]), id="negative_prompt_id"),
-        pytest.param(completion_answer(token_ids=[300, 2**31, 2]), id="id_past_int32"),
-        pytest.param(completion_answer(token_ids=[300, 301]), id="misaligned"),
-        pytest.param(completion_answer(text=None), id="no_text"),
-        pytest.param(completion_answer(logprobs=None), id="no_logprobs"),
-        pytest.param(completion_answer(prompt_token_ids=[]), id="no_prompt_ids"),
-        pytest.param({"choices": "x"}, id="no_choices"),
+        pytest.param(
+            completion_answer(token_ids=[300, -1, 2]), "choices[0].token_ids holds a negative token id",
+            id="negative_response_id",
+        ),
+        pytest.param(
+            completion_answer(prompt_token_ids=[1, -87, 512, 201]),
+            "choices[0].prompt_token_ids holds a negative token id", id="negative_prompt_id",
+        ),
+        pytest.param(
+            completion_answer(token_ids=[300, 2**31, 2]),
+            "choices[0].token_ids is not a list of token ids (choices[0].token_ids holds a token id outside int32",
+            id="id_past_int32",
+        ),
+        pytest.param(completion_answer(token_ids=[300, 301]), "3 logprobs for 2 response tokens", id="misaligned"),
+        pytest.param(completion_answer(token_ids=None), "no response token ids", id="no_response_ids"),
+        pytest.param(completion_answer(text=None), "choices[0].text missing", id="no_text"),
+        pytest.param(completion_answer(logprobs=None), "no logprobs (was logprobs honoured?)", id="no_logprobs"),
+        pytest.param(
+            completion_answer(logprobs={"token_logprobs": [-0.5, "x", -0.1]}),
+            "choices[0].logprobs.token_logprobs holds a non-number logprob 'x'", id="text_logprob",
+        ),
+        pytest.param(
+            completion_answer(prompt_token_ids=[]), "no prompt token ids (is the engine new enough to return them?)",
+            id="no_prompt_ids",
+        ),
+        pytest.param(completion_answer(finish_reason="eos"), "unknown finish_reason 'eos'", id="unknown_finish"),
+        pytest.param({"choices": "x"}, "no choices", id="no_choices"),
     ],
-)
-def test_garbage_completion_answers_are_api_errors(data):
+)  # fmt: skip
+def test_garbage_completion_answers_are_api_errors(data, said):
     """An engine's garbage is a 502 for the caller, never a record whose ids a trainer cannot look up."""
     with pytest.raises(PolarError) as err:
         parse_completion_response(data)
     assert (err.value.status, err.value.kind) == (502, "api_error")
+    assert err.value.message.startswith(f"malformed engine answer: {said}"), err.value.message
+
+
+def test_a_completion_answer_in_vllms_shape():
+    """vLLM: the stop string in stop_reason, the cache in usage, no weight version, a float for every logprob."""
+    data = completion_answer(stop_reason="</s>", logprobs={"token_logprobs": [-1, -0.5, 0]}) | {"metadata": None}
+    del data["choices"][0]["matched_stop"]
+    data["usage"]["prompt_tokens_details"] = {"cached_tokens": 4}
+    text, parsed = parse_completion_response(data)
+    assert (text, parsed.matched_stop, parsed.cached_tokens, parsed.weight_version) == ("hi", "</s>", 4, None)
+    assert parsed.logprobs == [-1.0, -0.5, 0.0] and all(type(v) is float for v in parsed.logprobs)
+    assert (parsed.finish_reason, parsed.served_model, parsed.message) == ("stop", "tiny", AssistantMessage())
+    assert parse_completion_response(completion_answer(matched_stop=2))[1].matched_stop is None  # a stop token id
 
 
 def test_negative_ids_in_a_chat_answer_are_api_errors():
