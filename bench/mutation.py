@@ -195,7 +195,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # on the parsing functions: the rest is the client, tested against real servers).
     "engines.openai_compat": (
         ["polar_addon/engines/openai_compat.py"],
-        ["tests/test_engine_sglang.py", "tests/test_engine_http_pool.py", "tests/test_engine_prompt_fast_path.py"],
+        [
+            "tests/test_engine_sglang.py",
+            "tests/test_engine_http_pool.py",
+            "tests/test_engine_prompt_fast_path.py",
+            "tests/test_gateway_sampling.py",
+        ],
     ),
     # The <think> split every Qwen format shares, and the call ids polar mints.
     "tool_parsers.reasoning": (
