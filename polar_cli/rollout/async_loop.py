@@ -349,11 +349,11 @@ class _AsyncLoop:
         self.say(f"batch {index}: {len(config.tasks)} tasks x {config.samples} samples on version {version} ({policy})")
         started = time.time()
         first = result = await self._round(bdir, index, spec, stop)
+        rounds: list[RolloutResult] = []
         groups = None
         if config.min_groups is not None:
             # Dynamic sampling with backfill, as the synchronous loop does it: more groups into the same shards until
             # enough are informative; a push that cuts the batch ends it.
-            rounds: list[RolloutResult] = []
             while (
                 not any(r.interrupted for r in (first, *rounds))
                 and (short := backfill_short(config, first, rounds)) is not None
@@ -362,9 +362,7 @@ class _AsyncLoop:
                 self.say(f"batch {index}: {short} informative groups < {config.min_groups}: backfill round {k}")
                 rounds.append(await self._round(bdir, index, spec, stop, k))
             result, groups = backfill_counts(config.min_groups, first, rounds)
-            cut_by = next((r.interrupted for r in (first, *rounds) if r.interrupted), None)
-        else:
-            cut_by = first.interrupted
+        cut_by = next((r.interrupted for r in (first, *rounds) if r.interrupted), None)
         batch = _batch_of(index, version, policy, bdir / "shards", started, time.time(), result, cut_by == "stop")
         batch.groups = groups
         return batch
