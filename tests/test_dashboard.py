@@ -123,7 +123,7 @@ def test_loop_snapshot_aggregates_every_iteration(tmp_path: Path, store: Path) -
     shutil.copytree(store, loop / "iter-000" / "shards", ignore=shutil.ignore_patterns("rollouts"))
     shutil.copytree(store, loop / "iter-001" / "shards", ignore=shutil.ignore_patterns("rollouts"))
     (loop / "iter-001" / "rollout-summary.json").write_text(
-        json.dumps({"statuses": {"completed": 2}, "groups": {"g": {"rewards": [0.0, 1.0]}}})
+        json.dumps({"statuses": {"completed": 2, "failed": 0, "error": 0}, "groups": {"g": {"rewards": [0.0, 1.0]}}})
     )
     state = {
         "iterations": [{"iteration": 0, "reward_mean": 0.25, "reward_se": 0.1, "train": {"status": "ok"}},
@@ -310,6 +310,7 @@ class Page:
 
     async def value(self, expression: str) -> Any:
         result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        assert "exceptionDetails" not in result, result["exceptionDetails"]
         return result["result"].get("value")
 
 
@@ -385,6 +386,10 @@ def test_live_page_during_a_rollout(tiny_model_dir: Path, tmp_path: Path) -> Non
                     target = next(t for t in await listing.json() if t["type"] == "page")
                 async with http.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
                     page = Page(ws)
+                    # A loaded machine may still be fetching the page: READ needs its body.
+                    assert await until_page(
+                        page, "document.readyState === 'complete' && document.getElementById('statuses')"
+                    )
 
                     async def read() -> dict:
                         return json.loads(await page.value(READ))

@@ -167,7 +167,8 @@ def run_snapshot(report: Path, root: Path) -> dict[str, Any]:
         "name": str(report.relative_to(root)) if report != root else report.name,
         "total": progress.get("total"),
         "stages": progress.get("stages") or {},
-        "statuses": statuses,
+        # A summary counts every status, zeros included; the live file only those seen. Zeros are no sessions.
+        "statuses": {str(k): v for k, v in statuses.items() if v},
         "sessions_per_minute": _finite(progress.get("sessions_per_minute")),
         "errors": progress.get("errors") or [],
         "running": bool(progress) and not progress.get("final") and summary is None,
