@@ -11,7 +11,7 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -181,7 +181,7 @@ def record_ok(
         finish_reason=completion.finish_reason,
         matched_stop=completion.matched_stop,
         weight_version=completion.weight_version,
-        response_json=orjson.dumps(asdict(completion.message)).decode(),
+        response_json=orjson.dumps(completion.message).decode(),  # orjson writes dataclasses as asdict() would
         prompt_source=prompt_source,
         prompt_reason=prompt_reason,
         parse_failures=completion.parse_failures,

@@ -309,6 +309,21 @@ def test_only_a_token_input_engine_with_tito_on_gets_chains(tiny_model_dir: Path
     assert token_input_engine(HTTPEngine("http://127.0.0.1:9"), "on") is None  # no token prompt on this wire
 
 
+def test_takes_token_input_agrees_with_the_protocol(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The gate's cheap check says what ``isinstance(engine, TokenInputEngine)`` says, for every engine kind and for
+    an engine whose token-input method is switched off on the instance."""
+    from polar_addon.engines import TokenInputEngine, make_engine, takes_token_input
+    from polar_addon.engines.openai_compat import HTTPEngine
+
+    script = write_script(tiny_model_dir, tmp_path / "s.json")
+    engines = [make_engine(spec, timeout_s=5) for spec in ("vllm:http://127.0.0.1:9", "sglang:http://127.0.0.1:9")]
+    engines += [ScriptedEngine(str(script)), HTTPEngine("http://127.0.0.1:9")]
+    off = ScriptedEngine(str(script))
+    off.complete_tokens = None  # type: ignore[assignment,method-assign]
+    got = [takes_token_input(e) for e in [*engines, off]]
+    assert got == [isinstance(e, TokenInputEngine) for e in [*engines, off]] == [True, True, True, False, False]
+
+
 def test_tito_mode_values() -> None:
     assert [tito_mode(v) for v in ("auto", " ON ", "off")] == ["auto", "on", "off"]
     with pytest.raises(ValueError, match="auto, on or off"):

@@ -75,8 +75,13 @@ class TokenInputEngine(Engine, Protocol):
 
 
 def takes_token_input(engine: Engine) -> TypeGuard[TokenInputEngine]:
-    """Whether ``engine`` samples after token ids. Only the gate (continuity.chains.token_input_engine) asks."""
-    return isinstance(engine, TokenInputEngine)
+    """Whether ``engine`` samples after token ids. Only the gate (continuity.chains.token_input_engine) asks, on every
+    call: ``isinstance`` against the runtime-checkable protocol walks all its members (~30 us), and ``engine`` is an
+    Engine already, so its two token-input methods decide (as the protocol check does: present and not None)."""
+    return all(callable(getattr(engine, name, None)) for name in _TOKEN_INPUT_METHODS)
+
+
+_TOKEN_INPUT_METHODS = ("complete_tokens", "continuation")
 
 
 def make_engine(spec: str | EngineSpec, *, timeout_s: float) -> Engine:
