@@ -82,7 +82,7 @@ def test_causes_and_masking() -> None:
     assert report.tasks[0].pass_at == {1: pytest.approx(1 / 3), 2: pytest.approx(1 - 1 / 3)}
     assert report.overall[1].mean == pytest.approx(1 / 6)
     assert report.causes == {"passed": 1, "wrong": 1, "verifier_error": 1, "harness_failed": 1, "timeout": 1,
-                             "infrastructure": 2}  # fmt: skip
+                             "context_overflow": 0, "infrastructure": 2}  # fmt: skip
     assert report.turns is None  # no store given
     doc = report.to_json()
     assert doc["overall"]["pass@1"]["mean"] == pytest.approx(1 / 6) and doc["tasks"][1]["causes"] == {
@@ -115,6 +115,40 @@ def test_call_statistics_and_format_causes() -> None:
     assert tool_call_counts([]) == {"answered_calls": 0, "tool_call_calls": 0}
     assert report.turns == Estimate(2.0, pytest.approx(1.0), 2)  # 1 and 3 calls
     assert report.tokens is not None and report.tokens.mean == pytest.approx((57 + 235) / 2)
+
+
+def test_a_refused_context_window_is_the_cause_of_the_session_it_ended() -> None:
+    """A failed or timed-out session with a call refused for the context window failed by overflow; a session that
+    completed after one (the harness compacted) keeps its verifier's cause; other refusals are not overflows."""
+    overflow = "400 context_length_exceeded: prompt_tokens=33000 window=32768: the prompt is too long"
+
+    def calls(sid: str, *errors: str | None) -> list[dict]:
+        return [{"session_id": sid, "status": "ok" if e is None else "failed", "error": e, "finish_reason": "stop",
+                 "prompt_len": 10, "response_len": 2, "tools_json": None} for e in errors]  # fmt: skip
+
+    rows = [
+        *calls("s0", None, overflow),  # then the harness exited 1
+        *calls("s1", None, overflow, overflow),  # then it hung to the deadline
+        *calls("s2", None, overflow, None),  # compacted, finished, wrong
+        *calls("s3", None, "400 invalid_request: context_length_exceeded is not a field"),  # another refusal
+        *calls("s4", None),
+    ]
+    stats = call_stats(rows)
+    assert [stats[f"s{i}"].context_overflows for i in range(5)] == [1, 2, 1, 0, 0]
+    results = [
+        _result("s0", "a", "failed", 0.0, "exit 1"),
+        _result("s1", "a", "timeout", 0.0),
+        _result("s2", "a", "completed", 0.0),
+        _result("s3", "b", "failed", 0.0, "exit 1"),
+        _result("s4", "b", "timeout", 0.0),
+    ]
+    report = build_report(results, [1], calls=stats)
+    assert [o.cause for o in report.sessions] == ["context_overflow", "context_overflow", "wrong", "harness_failed",
+                                                  "timeout"]  # fmt: skip
+    assert report.causes["context_overflow"] == 2 and report.format["context_overflow_calls"] == 4
+    # Not masked: an overflow is the policy's session ending badly, a sample in n.
+    assert [(t.task_id, t.n, t.c) for t in report.tasks] == [("a", 3, 0), ("b", 2, 0)]
+    assert build_report(results, [1]).causes["context_overflow"] == 0  # no store: the rollout's causes only
 
 
 def test_polar_eval_refuses_a_k_above_the_samples_before_any_session(tmp_path) -> None:

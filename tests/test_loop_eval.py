@@ -62,7 +62,7 @@ def test_a_loop_entry_holds_pass_at_k_its_se_and_the_causes() -> None:
     assert entry["overall"]["pass@2"] == {"mean": 0.5, "se": 0.5, "tasks": 2}
     assert (entry["tasks"], entry["scored_tasks"], entry["sessions"], entry["scored_sessions"]) == (3, 3, 6, 5)
     assert entry["causes"] == {"passed": 3, "wrong": 1, "verifier_error": 0, "harness_failed": 0, "timeout": 1,
-                               "infrastructure": 1}  # fmt: skip
+                               "context_overflow": 0, "infrastructure": 1}  # fmt: skip
     assert (entry["iteration"], entry["policy"], entry["version"]) == (3, "ckpt", 2)
     points = loop_points([{"iteration": 0, "reward_mean": 0.25, "reward_se": 0.1}], [entry])
     assert points == {"train reward": [(0, 0.25, 0.1)], "held-out pass@1": [(3, 2 / 3, entry["pass@1_se"])],

@@ -4,9 +4,11 @@ overall (metrics.py), the calls each session made (from the trace store), as JSO
 Causes (one per session): ``passed`` (completed, reward >= the pass threshold), ``wrong`` (completed, the verifier
 said no), ``verifier_error`` (completed with a reason: the verifier left no readable reward, ran past its timeout,
 or a process outlived it; scored 0, as the rollout scores it), ``harness_failed`` (``failed``: exit non-zero, killed,
-or nothing produced), ``timeout``, ``infrastructure`` (``error`` / ``cancelled``: masked, left out of n). Format-level
-counts come from the captured calls: calls whose tool-call text failed to parse, sessions offered tools that never
-made a tool call, calls cut by the token limit.
+or nothing produced), ``timeout``, ``context_overflow`` (a failed or timed-out session one of whose calls the engine
+refused for the context window: what ended it, from the trace store), ``infrastructure`` (``error`` /
+``cancelled``: masked, left out of n). Format-level counts come from the captured calls: calls whose tool-call text
+failed to parse, sessions offered tools that never made a tool call, calls cut by the token limit, calls refused for
+the context window.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from typing import Any
 
 from polar_cli.eval.metrics import Estimate, TaskScore, aggregate, mean_se, score_task
 
-CAUSES = ("passed", "wrong", "verifier_error", "harness_failed", "timeout", "infrastructure")
+CAUSES = ("passed", "wrong", "verifier_error", "harness_failed", "timeout", "context_overflow", "infrastructure")
+# The causes an overflow explains: the harness gave up (exit non-zero) or hung after the refusal. A session that
+# completed went on past it (compaction) and keeps its verifier's cause.
+OVERFLOW_ENDS = frozenset({"harness_failed", "timeout"})
+# The error kind polar records for a call the engine refused for the context window (gateway._record_failure).
+OVERFLOW_KIND = "context_length_exceeded"
 MASKED_CAUSES = frozenset({"infrastructure"})
 
 
@@ -33,6 +40,7 @@ class CallStats:
     tool_call_turns: int = 0  # calls that ended in a tool call
     parse_failures: int = 0  # tool-call texts the engine's parser could not read
     length_cuts: int = 0  # calls cut by the token limit
+    context_overflows: int = 0  # calls refused for the context window
     offered_tools: bool = False  # some call carried tool definitions
 
 
@@ -94,6 +102,15 @@ def cause_of(result: Mapping[str, Any], threshold: float) -> str:
     return "infrastructure"
 
 
+def session_cause(result: Mapping[str, Any], threshold: float, calls: CallStats | None) -> str:
+    """:func:`cause_of`, with ``context_overflow`` where the session's calls (the trace store's) say a refused
+    context window ended it."""
+    cause = cause_of(result, threshold)
+    if cause in OVERFLOW_ENDS and calls is not None and calls.context_overflows:
+        return "context_overflow"
+    return cause
+
+
 def build_report(
     results: Iterable[Mapping[str, Any]],
     ks: Sequence[int],
@@ -103,7 +120,8 @@ def build_report(
     """The report of a rollout's session results; ``calls``: session id -> its call statistics (None: no store)."""
     outcomes = [
         SessionOutcome(r["session_id"], r["task_id"], int(r["sample"]), str(r["status"]), r.get("reward"),
-                       cause_of(r, threshold), r.get("reason"), (calls or {}).get(r["session_id"]))
+                       session_cause(r, threshold, (calls or {}).get(r["session_id"])), r.get("reason"),
+                       (calls or {}).get(r["session_id"]))
         for r in results
     ]  # fmt: skip
     by_task: dict[str, list[bool]] = {}
@@ -123,6 +141,7 @@ def build_report(
         "failing_sessions_without_tool_call": sum(1 for s in failing if s.offered_tools and not s.tool_call_turns),
         "failing_sessions_without_calls": sum(1 for s in failing if not s.calls),
         "length_cut_calls": sum(s.length_cuts for s in stats),
+        "context_overflow_calls": sum(s.context_overflows for s in stats),
         "failed_calls": sum(s.failed_calls for s in stats),
         **tool_call_counts(stats),
     }
@@ -151,14 +170,16 @@ def tool_call_counts(stats: Iterable[CallStats]) -> dict[str, int]:
 
 
 def call_stats(rows: Iterable[Mapping[str, Any]]) -> dict[str, CallStats]:
-    """Per session, from call rows (session_id, status, finish_reason, parse_failures, prompt_len, response_len,
-    tools_json)."""
+    """Per session, from call rows (session_id, status, error, finish_reason, parse_failures, prompt_len,
+    response_len, tools_json)."""
     acc: dict[str, dict[str, Any]] = {}
     for row in rows:
         a = acc.setdefault(row["session_id"], Counter())
         a["calls"] += 1
         if row.get("status") != "ok":
             a["failed_calls"] += 1
+            # "400 context_length_exceeded: prompt_tokens=N window=M: ..." (the kind is the error's second word)
+            a["context_overflows"] += OVERFLOW_KIND in str(row.get("error") or "").split(":", 1)[0].split()
             continue
         a["prompt_tokens"] += int(row.get("prompt_len") or 0)
         a["response_tokens"] += int(row.get("response_len") or 0)
@@ -176,7 +197,16 @@ def read_call_stats(store: str, session_ids: Iterable[str]) -> dict[str, CallSta
 
     from polar_addon.store.reader import read_table
 
-    columns = ["session_id", "status", "finish_reason", "parse_failures", "prompt_len", "response_ids", "tools_json"]
+    columns = [
+        "session_id",
+        "status",
+        "error",
+        "finish_reason",
+        "parse_failures",
+        "prompt_len",
+        "response_ids",
+        "tools_json",
+    ]
     table = read_table(store, columns=columns, session_ids=list(session_ids))
     table = table.append_column("response_len", pc.list_value_length(table.column("response_ids")))
     return call_stats(table.drop_columns(["response_ids"]).to_pylist())
