@@ -11,7 +11,6 @@ run (its output is in the next request), and the proxy must have seen nothing bu
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,14 @@ from polar_cli.rollout.harnesses.base import SessionContext
 from tests.support.prereq import missing
 from tests.support.proxy import SharedProxy
 from tests.support.shards import session_records
-from tests.test_rollout_presets import SWE_MINI, assert_exports_to_atif, jsonl_tasks, preset_proxy, rollout_through
+from tests.test_rollout_presets import (
+    SWE_MINI,
+    assert_exports_to_atif,
+    assert_only_polar_flows,
+    jsonl_tasks,
+    preset_proxy,
+    rollout_through,
+)
 
 SCRIPTS = SWE_MINI / "scripts"
 # harness spec -> (its script, the venv it needs, the User-Agent it sends)
@@ -89,11 +95,7 @@ def context(home: Path, **window: int | None) -> SessionContext:
 def proxy(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedProxy]:
     """One mitmdump for every Python harness."""
     scripts = {model_name(h): script(h) for h in HARNESSES}
-    # flow_detail=1: every flow the proxy sees is in its log, so anything but a model call shows.
-    log_every_flow = {"termlog_verbosity": "warn", "flow_detail": "1"}
-    with preset_proxy(
-        tiny_model_dir, tmp_path_factory.mktemp("pypresets-proxy"), scripts, log_every_flow, quiet=False
-    ) as started:
+    with preset_proxy(tiny_model_dir, tmp_path_factory.mktemp("pypresets-proxy"), scripts) as started:
         yield started
 
 
@@ -294,19 +296,9 @@ def test_polar_rollout_in_bwrap_proxy_only(harness: str, proxy: SharedProxy, tmp
     assert_exports_to_atif(
         proxy, session["session_id"], [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
     )
-    # Nothing but model calls reached the proxy (the harness's HTTPS_PROXY is the forward listener, so a price list,
-    # telemetry or update check would be there, refused): every flow in its log is a chat completion or polar's
-    # own control channel (the runner's boundary probe, refused, is its check that the proxy blocks other traffic).
     # A streamed answer the engine took longer than a keep-alive to start (Kimi CLI's 48 kB prompts, on the tiny
-    # model) is parked at polar's loopback relay, and its flow logged under the relay's URL: only calls polar answers
-    # are parked there.
-    flows = re.findall(r"^\S+: (GET|POST|PUT|HEAD|CONNECT) (\S+)", proxy.logs(), re.MULTILINE)
-    model_calls = ("/v1/chat/completions", "/v1/responses")
-    relayed = re.compile(r"http://127\.0\.0\.1:\d+/_polar/stream/")
-    assert any(url.endswith(model_calls) or relayed.match(url) for _, url in flows), proxy.logs()[-3000:]
-    ours = (*model_calls, "/polar-boundary-probe")
-    others = [f for f in flows if not f[1].endswith(ours) and not relayed.match(f[1])]
-    assert [f for f in others if not f[1].startswith("http://polar.local/")] == []
+    # model) is parked at polar's loopback relay: assert_only_polar_flows counts it as polar's.
+    assert_only_polar_flows(proxy)
 
 
 def test_the_help_names_every_preset() -> None:

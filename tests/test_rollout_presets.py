@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -56,18 +57,24 @@ def script(harness: str) -> dict:
 PROXY_OPTIONS = {"polar_sessions": "registered", "polar_block_other": "true", "polar_sampling": "fixed"}
 
 
+# flow_detail=1: every flow the proxy sees is in its log, so anything but what polar answers shows
+# (assert_only_polar_flows).
+LOG_EVERY_FLOW = {"termlog_verbosity": "warn", "flow_detail": "1"}
+
+
 @contextmanager
 def preset_proxy(
-    model_dir: Path, base: Path, scripts: dict[str, dict], options: dict[str, str] | None = None, quiet: bool = True
+    model_dir: Path, base: Path, scripts: dict[str, dict], options: dict[str, str] | None = None
 ) -> Iterator[SharedProxy]:
     """One mitmdump for several harnesses: its scripted engine picks each harness's turns by model name
-    (``scripts``: model name -> the harness's script)."""
+    (``scripts``: model name -> the harness's script); it logs every flow."""
     # The scripts name files under {workspace}: the session's workspace as the harness sees it (bwrap: /workspace).
     by_model = {
         name: json.loads(json.dumps(s["turns"]).replace("{workspace}", "/workspace")) for name, s in scripts.items()
     }
     (base / "script.json").write_text(json.dumps({"model_dir": str(model_dir), "cycle": False, "by_model": by_model}))
-    with shared_proxy(base / "script.json", base / "shards", {**PROXY_OPTIONS, **(options or {})}, quiet) as started:
+    options = {**PROXY_OPTIONS, **LOG_EVERY_FLOW, **(options or {})}
+    with shared_proxy(base / "script.json", base / "shards", options, quiet=False) as started:
         yield started
 
 
@@ -312,6 +319,7 @@ def assert_scripted_calls_stored(proxy: SharedProxy, session: dict, task_id: str
     assert called == [[c["function"]["name"] for c in t.get("tool_calls", [])] for t in turns]
     assert validate_store(str(proxy.out)) == []
     assert_exports_to_atif(proxy, session["session_id"], called)
+    assert_only_polar_flows(proxy)
 
 
 def assert_exports_to_atif(proxy: SharedProxy, session_id: str, called: list[list[str]]) -> None:
@@ -321,6 +329,48 @@ def assert_exports_to_atif(proxy: SharedProxy, session_id: str, called: list[lis
     parts = [trajectory, *(trajectory.subagent_trajectories or [])]
     exported = [c.function_name for part in parts for step in part.steps for c in step.tool_calls or []]
     assert sorted(exported) == sorted(name for names in called for name in names), exported
+
+
+# What a flow logged at polar's own loopback servers looks like: a streamed answer parked at the relay, a Responses
+# WebSocket handed to polar's WebSocket server (only calls polar answers go there).
+POLAR_LOOPBACK = re.compile(r"http://127\.0\.0\.1:\d+/_polar/")
+# A flow and the first line of its answer, as flow_detail=1 logs them.
+FLOW_LINE = re.compile(r"^\S+: (GET|POST|PUT|PATCH|DELETE|HEAD|OPTIONS|CONNECT) (\S+)\n\s*<< (\S+)", re.MULTILINE)
+# The requests a harness makes that are no model call, each refused by the proxy (polar_block_other: 403), never
+# forwarded: (method, path) -> who sends it.
+REFUSED_PROBES = {
+    ("GET", "/polar-boundary-probe"): "polar rollout's check that the proxy blocks other traffic",
+    ("HEAD", "/"): "Claude Code's reachability check of its base URL",
+}
+
+
+def assert_only_polar_flows(proxy: SharedProxy) -> None:
+    """Nothing but what polar answers reached the proxy, for every harness it served so far: each flow in its log
+    is a provider route of polar's gateway (a model call, or an account call polar answers locally), a flow parked
+    at polar's loopback servers, polar's control channel, or one of the known probes, refused (403). A harness's
+    HTTPS_PROXY is the forward listener and its sandbox reaches nothing else, so a price list, telemetry or update
+    check would be here."""
+    from urllib.parse import urlsplit
+
+    from polar_addon.providers import all_providers
+
+    providers = all_providers()
+
+    def polar_answers(method: str, url: str) -> bool:
+        parts = urlsplit(url)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        return any(p.route(method, path) is not None for p in providers)
+
+    flows = FLOW_LINE.findall(proxy.logs())
+    assert any(polar_answers(m, u) or POLAR_LOOPBACK.match(u) for m, u, _ in flows), proxy.logs()[-3000:]
+    others = [
+        (m, u, status)
+        for m, u, status in flows
+        if not polar_answers(m, u) and not POLAR_LOOPBACK.match(u) and not u.startswith("http://polar.local/")
+    ]
+    unknown = [(m, u, status) for m, u, status in others if (m, urlsplit(u).path) not in REFUSED_PROBES]
+    assert unknown == [], unknown
+    assert {status for _, _, status in others} <= {"403"}, others  # refused, never forwarded
 
 
 @pytest.mark.harness

@@ -1,5 +1,6 @@
 """Tests start mitmdump the way users' rollouts do; a third-party echo server for pass-through checks."""
 
+import os
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -81,7 +82,9 @@ def shared_proxy(
         quiet=quiet,
     )
     with open(log, "wb") as fh:
-        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        # A wide "terminal": with flow_detail=1 mitmdump cuts each logged URL to the terminal's width.
+        env = {**os.environ, "COLUMNS": "4000"}
+        process = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True, env=env)
     try:
         for port in (forward, reverse):
             wait_for_port(port, 120, process, log)
