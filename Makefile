@@ -164,8 +164,8 @@ lint: install
 test: install docs lint engine harnesses pyharnesses s3 browser sandbox model sglang-contract
 	$(BIN)/python -m pytest -q -rs $(XDIST_ARGS) --durations=40 -m "not real" $(PYTEST_ARGS)
 
-# The real 0.5B model through polar (tests/test_real_model.py: one session per API dialect, vLLM bf16), the model
-# imported first (cached in $(POLAR_MODELS_DIR)).
+# The real 0.5B model through polar (tests/test_real_model.py: one session per API dialect on the local engine and on
+# vLLM fp32 and bf16), the model imported first (cached in $(POLAR_MODELS_DIR)).
 test-real: install engine real-model
 	$(BIN)/python -m pytest -q -rs -m real $(PYTEST_ARGS)
 

@@ -155,6 +155,9 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "rollout.tasks": (["polar_cli/rollout/tasks.py"], ["tests/test_rollout_tasks.py"]),
     # What a call is for (agent, auxiliary side job, discarded): decides which calls a policy is trained on.
     "call_roles": (["polar_addon/call_roles.py"], ["tests/test_call_roles.py"]),
+    # What an evaluation reports (issue 24): pass@k and its SE, each session's cause, the per-call counts.
+    "eval.metrics": (["polar_cli/eval/metrics.py"], ["tests/test_eval_metrics.py"]),
+    "eval.report": (["polar_cli/eval/report.py"], ["tests/test_eval_metrics.py"]),
     "build.roles": (["polar_cli/build/roles.py"], ["tests/test_call_roles.py", "tests/test_build_prefix_merging.py"]),
     # What TRL's async trainer is fed (issue 27): the sample layout and versions, the pushed checkpoints (the
     # end-to-end training runs are left out: minutes per mutant).

@@ -148,17 +148,24 @@ def test_one_session_per_dialect_is_recorded_token_exact(dialect, local_proxy, r
 
 
 @pytest.mark.vllm
-def test_vllm_bf16_serves_the_real_model_token_exact(real_model_dir, reference, tmp_path) -> None:
-    """The production-like path: vLLM (bf16, its hermes parser, a generation config full of sampling defaults)
-    behind polar. Logprobs agree with a bf16-autocast recompute to bf16's precision, and nothing sampled came from
-    the folder's top_p / top_k / repetition penalty."""
+@pytest.mark.parametrize(
+    ("dtype", "reference_dtype", "tolerance"),
+    [("bfloat16", torch.bfloat16, 0.05), ("float32", torch.float32, 2e-3)],
+)
+def test_vllm_serves_the_real_model_token_exact(
+    dtype: str, reference_dtype: torch.dtype, tolerance: float, real_model_dir, reference, tmp_path
+) -> None:
+    """The production-like path: vLLM (its hermes parser, a generation config full of sampling defaults) behind
+    polar, one session per API dialect. Logprobs agree with a recompute in the engine's precision (bf16: to bf16's
+    precision, against bf16 autocast; fp32: far closer), and nothing sampled came from the folder's top_p / top_k /
+    repetition penalty."""
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
-    extra = ["--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager", "--generation-config", "auto"]
+    extra = ["--dtype", dtype, "--max-model-len", "4096", "--enforce-eager", "--generation-config", "auto"]
     with _vllm(real_model_dir, tmp_path, extra, kv_cache_gib=1) as url:
         out = tmp_path / "shards"
         options = {"polar_shard_seconds": "0.2", "polar_tokenizer": str(real_model_dir)}
         with run_mitmdump(f"vllm:{url}", out, options=options) as proxy:
-            texts = {dialect: DIALECTS[dialect](proxy, f"vllm-{dialect}") for dialect in ("openai_chat", "anthropic")}
+            texts = {dialect: ask(proxy, f"vllm-{dialect}") for dialect, ask in DIALECTS.items()}
     records = {r.session_id: r for r in read_records(str(out))}
     for dialect, text in texts.items():
-        check_exact(records[f"vllm-{dialect}"], text, tokenizer, reference, torch.bfloat16, tolerance=0.05)
+        check_exact(records[f"vllm-{dialect}"], text, tokenizer, reference, reference_dtype, tolerance=tolerance)
