@@ -4,11 +4,12 @@ tasks, causes and masking (report.py), call statistics from rows."""
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import pytest
 
 from polar_cli.eval.metrics import Estimate, aggregate, mean_se, pass_at_k, score_task
-from polar_cli.eval.report import build_report, call_stats, cause_of, tool_call_counts
+from polar_cli.eval.report import CallStats, EvalReport, build_report, call_stats, cause_of, tool_call_counts
 
 
 @pytest.mark.parametrize(
@@ -162,3 +163,177 @@ def test_polar_eval_refuses_a_k_above_the_samples_before_any_session(tmp_path) -
     result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "store")])
     assert result.exit_code == 2 and "--k" in result.output and "1 <= k <= --samples (2)" in result.output
     assert not (tmp_path / "store").exists()
+
+
+def test_pass_at_k_refusal_names_the_counts() -> None:
+    with pytest.raises(ValueError, match=r"^pass@k needs 0 <= c <= n and 1 <= k <= n \(n=3, c=4, k=1\)$"):
+        pass_at_k(3, 4, 1)
+
+
+def _stats(**fields: int | bool) -> CallStats:
+    return CallStats(**fields)  # type: ignore[arg-type]
+
+
+def _report() -> EvalReport:
+    results = [
+        _result("s0", "a", "completed", 1.0),
+        _result("s1", "a", "completed", 0.0),
+        _result("s2", "a", "completed", 0.0),
+        {**_result("s3", "b", "failed", 0.0, "exit 1"), "sample": "3"},  # a sample number as the JSON had it
+        _result("s4", "b", "error", None, "sandbox failed"),
+    ]
+    calls = {
+        # passed: offered tools, never called one; a parse failure (counted over all sessions, not only failing ones)
+        "s0": _stats(calls=2, prompt_tokens=30, response_tokens=5, parse_failures=1, offered_tools=True),
+        # wrong: offered tools, never called one
+        "s1": _stats(calls=1, prompt_tokens=10, response_tokens=2, offered_tools=True),
+        # wrong: no tools offered, no tool call (not a protocol failure); two failed calls
+        "s2": _stats(calls=3, failed_calls=2, prompt_tokens=8, response_tokens=1, length_cuts=1),
+        # failed without a single call
+        "s3": _stats(),
+        # masked: its calls count nowhere
+        "s4": _stats(calls=5, failed_calls=5, parse_failures=7, offered_tools=True),
+    }
+    return build_report(results, [1, 2], threshold=0.5, calls=calls)
+
+
+def test_the_report_document_is_exact() -> None:
+    """Every key and value of eval-report.json's body (the CLI adds settings, the rollout summary and the task
+    set's hash): a reader relies on these names."""
+    doc = _report().to_json()
+    s0, s1, s2, s3, s4 = doc["sessions"]
+    assert doc == {
+        "ks": [1, 2],
+        "pass_threshold": 0.5,
+        "overall": {"pass@1": {"mean": pytest.approx(1 / 6), "se": pytest.approx(1 / 6), "tasks": 2},
+                    "pass@2": {"mean": pytest.approx(2 / 3), "se": None, "tasks": 1}},  # b: one sample
+        "tasks": [
+            {"task_id": "a", "n": 3, "c": 1, "pass@1": pytest.approx(1 / 3), "pass@2": pytest.approx(2 / 3),
+             "causes": {"passed": 1, "wrong": 2}},
+            {"task_id": "b", "n": 1, "c": 0, "pass@1": 0.0, "pass@2": None,
+             "causes": {"harness_failed": 1, "infrastructure": 1}},
+        ],
+        "causes": {"passed": 1, "wrong": 2, "verifier_error": 0, "harness_failed": 1, "timeout": 0,
+                   "context_overflow": 0, "infrastructure": 1},
+        "format": {"parse_failures": 1, "failing_sessions_with_parse_failures": 0,
+                   "failing_sessions_without_tool_call": 1, "failing_sessions_without_calls": 1,
+                   "length_cut_calls": 1, "context_overflow_calls": 0, "failed_calls": 2, "answered_calls": 4,
+                   "tool_call_calls": 0},
+        # calls per session: 2, 1, 3, 0 (the masked session left out)
+        "turns_per_session": {"mean": 1.5, "se": pytest.approx(math.sqrt(5 / 3) / 2), "tasks": 4},
+        "tokens_per_session": {"mean": pytest.approx(56 / 4), "se": pytest.approx(mean_se([35, 12, 9, 0]).se),
+                               "tasks": 4},
+        "sessions": [s0, s1, s2, s3, s4],
+    }  # fmt: skip
+    assert s3 == {"session_id": "s3", "task_id": "b", "sample": 3, "status": "failed", "reward": 0.0,
+                  "cause": "harness_failed", "reason": "exit 1", "calls": asdict(_stats())}  # fmt: skip
+    assert (s0["sample"], s0["status"], s0["reward"], s0["reason"], s0["cause"]) == (
+        0,
+        "completed",
+        1.0,
+        None,
+        "passed",
+    )
+    assert (s4["status"], s4["reward"], s4["reason"], s4["cause"]) == (
+        "error",
+        None,
+        "sandbox failed",
+        "infrastructure",
+    )
+    assert [type(s["sample"]) for s in doc["sessions"]] == [int] * 5
+    # Without a store: no call statistics at all.
+    bare = build_report([_result("s0", "a", "completed", 1.0)], [1]).to_json()
+    assert (bare["turns_per_session"], bare["tokens_per_session"], bare["sessions"][0]["calls"]) == (None, None, None)
+
+
+def test_call_statistics_count_every_call() -> None:
+    """Counts add up over a session's calls (none is taken for the last one), missing lengths are 0, and a tools
+    list that is empty in any spelling offers none."""
+    rows = [
+        {"session_id": "s", "status": "ok", "finish_reason": "tool_calls", "prompt_len": None, "response_len": None,
+         "tools_json": '[{"type": "function"}]'},
+        {"session_id": "s", "status": "ok", "finish_reason": "tool_calls", "prompt_len": 7, "response_len": 3,
+         "tools_json": "[]"},
+        {"session_id": "s", "status": "ok", "finish_reason": "length", "prompt_len": 9, "response_len": 4},
+        {"session_id": "s", "status": "ok", "finish_reason": "length", "prompt_len": 1, "response_len": 1,
+         "tools_json": "null"},
+        {"session_id": "s", "status": "failed", "error": "502 api_error: engine error"},
+        {"session_id": "s", "status": "failed", "error": None},
+        *({"session_id": f"t{i}", "status": "ok", "finish_reason": "stop", "tools_json": tools}
+          for i, tools in enumerate([None, "", "null", "[]"])),
+    ]  # fmt: skip
+    stats = call_stats(rows)
+    expected = CallStats(calls=6, failed_calls=2, prompt_tokens=17, response_tokens=8, tool_call_turns=2,
+                         parse_failures=0, length_cuts=2, context_overflows=0, offered_tools=True)  # fmt: skip
+    assert stats["s"] == expected
+    assert stats["s"].offered_tools is True and type(stats["s"].calls) is int
+    assert [stats[f"t{i}"].offered_tools for i in range(4)] == [False] * 4
+    assert [stats[f"t{i}"].prompt_tokens for i in range(4)] == [0] * 4
+
+
+def test_read_call_stats_reads_the_store(tmp_path) -> None:
+    """The same statistics from a real trace store, for the sessions asked for only."""
+    import asyncio
+
+    from polar_addon.capture import CaptureRecord, new_record_id, record_failed
+    from polar_addon.identity import Identity
+    from polar_addon.store import TraceStore
+    from polar_cli.eval.report import read_call_stats
+
+    def ok(session: str, finish: str, prompt: int, response: int, tools: str, parse_failures: int | None = None):
+        return CaptureRecord(
+            record_id=new_record_id(), session_id=session, seq=-1, api="openai_chat", status="ok",
+            prompt_ids=list(range(prompt)), response_ids=list(range(response)), logprobs=[-0.5] * response,
+            finish_reason=finish, tools_json=tools, parse_failures=parse_failures,
+        )  # fmt: skip
+
+    def failed(session: str, error: str):
+        return record_failed(identity=Identity(session_id=session, source="header"), seq=-1, api="openai_chat",
+                             request=None, error=error, harness=None, started_at=0.0)  # fmt: skip
+
+    records = [
+        ok("a", "tool_calls", 12, 3, '[{"type": "function"}]', 1),
+        ok("a", "length", 20, 5, '[{"type": "function"}]'),
+        failed("a", "400 context_length_exceeded: prompt_tokens=40 window=32: the prompt is too long"),
+        ok("b", "stop", 4, 2, "[]"),
+        ok("other", "stop", 100, 100, "[]"),
+    ]
+
+    async def write() -> None:
+        store = TraceStore(str(tmp_path))
+        for record in records:
+            await store.append(record)
+        await store.aclose()
+
+    asyncio.run(write())
+    got = read_call_stats(str(tmp_path), ["a", "b"])
+    assert got == {
+        "a": CallStats(calls=3, failed_calls=1, prompt_tokens=32, response_tokens=8, tool_call_turns=1,
+                       parse_failures=1, length_cuts=1, context_overflows=1, offered_tools=True),
+        "b": CallStats(calls=1, prompt_tokens=4, response_tokens=2),
+    }  # fmt: skip
+
+
+def test_the_table_shows_each_task_and_the_overall_estimate() -> None:
+    from rich.console import Console
+
+    from polar_cli.eval.report import render
+
+    def text(report: EvalReport) -> list[str]:
+        console = Console(record=True, width=200, color_system=None)
+        console.print(render(report))
+        return [" ".join(line.translate(BOX).split()) for line in console.export_text().splitlines()]
+
+    lines = text(_report())
+    assert [c.justify for c in render(_report()).columns] == ["left", *["right"] * 4, "left"]  # numbers to the right
+    header = next(line for line in lines if line.startswith("task"))
+    assert header == "task n c pass@1 pass@2 causes"
+    assert "a 3 1 0.333 0.667 passed 1, wrong 2" in lines
+    assert "b 1 0 0.000 - harness_failed 1, infrastructure 1" in lines  # no pass@2 from one sample
+    # pass@2 over task a alone: a mean without an SE
+    assert "all (2 tasks) 4 1 0.167 ± 0.167 0.667 passed 1, wrong 2, harness_failed 1, infrastructure 1" in lines
+    assert lines[0] == "polar eval"
+    assert "all (1 tasks) 0 0 - infrastructure 1" in text(build_report([_result("s0", "a", "error", None)], [1]))
+
+
+BOX = str.maketrans(dict.fromkeys("│┃", " "))

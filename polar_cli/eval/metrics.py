@@ -11,7 +11,7 @@ tasks (sample standard deviation / sqrt(tasks)): the spread that matters when th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -65,11 +65,3 @@ def score_task(task_id: str, outcomes: Iterable[bool], ks: Sequence[int]) -> Tas
 def aggregate(scores: Sequence[TaskScore], ks: Sequence[int]) -> dict[int, Estimate]:
     """pass@k over tasks, per k: the mean of the tasks' pass@k (those with n >= k) and its standard error."""
     return {k: mean_se([v for s in scores if (v := s.pass_at.get(k)) is not None]) for k in ks}
-
-
-def group_outcomes(rows: Iterable[tuple[str, bool]]) -> Mapping[str, list[bool]]:
-    """(task id, correct) rows as task id -> outcomes, tasks in first-seen order."""
-    out: dict[str, list[bool]] = {}
-    for task_id, correct in rows:
-        out.setdefault(task_id, []).append(correct)
-    return out

@@ -67,7 +67,7 @@ class EvalReport:
     turns: Estimate | None
     tokens: Estimate | None
     sessions: list[SessionOutcome]
-    causes_by_task: dict[str, dict[str, int]] = field(default_factory=dict)
+    causes_by_task: dict[str, dict[str, int]] = field(default_factory=dict)  # every task's: build_report's
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -76,7 +76,7 @@ class EvalReport:
             "overall": {f"pass@{k}": asdict(e) for k, e in self.overall.items()},
             "tasks": [
                 {"task_id": t.task_id, "n": t.n, "c": t.c, **{f"pass@{k}": v for k, v in t.pass_at.items()},
-                 "causes": self.causes_by_task.get(t.task_id, {})}
+                 "causes": self.causes_by_task[t.task_id]}
                 for t in self.tasks
             ],
             "causes": self.causes,
@@ -224,7 +224,7 @@ def render(report: EvalReport) -> Any:
         table.add_column(f"pass@{k}", justify="right")
     table.add_column("causes")
     for t in report.tasks:
-        causes = ", ".join(f"{c} {n}" for c, n in sorted(report.causes_by_task.get(t.task_id, {}).items()))
+        causes = ", ".join(f"{c} {n}" for c, n in sorted(report.causes_by_task[t.task_id].items()))
         table.add_row(t.task_id, str(t.n), str(t.c), *(_num(t.pass_at.get(k)) for k in report.ks), causes)
     table.add_section()
     overall = [report.overall[k] for k in report.ks]
