@@ -44,8 +44,8 @@ def eval_tasks(settings: EvalSettings) -> None:
     """Evaluate a harness (and the model behind it) on a task set: SAMPLES sessions per task as `polar rollout`
     runs them, then pass@1 and pass@k (the unbiased estimator of the HumanEval paper, per task, averaged over tasks)
     with standard errors over tasks, the failure cause of every session (wrong, verifier error, harness failed,
-    timeout, context overflow; infrastructure errors are masked, left out of n), and, with --out (the trace store), calls, tokens and
-    tool-call parse failures per session. Writes eval-report.json and prints a table."""
+    timeout, context overflow; infrastructure errors are masked, left out of n), and, with --out (the trace store),
+    calls, tokens and tool-call parse failures per session. Writes eval-report.json and prints a table."""
     from rich.console import Console
 
     from polar_cli.eval.report import build_report, read_call_stats, render
