@@ -59,7 +59,8 @@ PROXY_OPTIONS = {"polar_sessions": "registered", "polar_block_other": "true", "p
 
 # flow_detail=1: every flow the proxy sees is in its log, so anything but what polar answers shows
 # (assert_only_polar_flows).
-LOG_EVERY_FLOW = {"termlog_verbosity": "warn", "flow_detail": "1"}
+# termlog_verbosity=info: polar's line for each CONNECT it refuses (mitmproxy logs no flow for those).
+LOG_EVERY_FLOW = {"termlog_verbosity": "info", "flow_detail": "1"}
 
 
 @contextmanager
@@ -336,11 +337,14 @@ def assert_exports_to_atif(proxy: SharedProxy, session_id: str, called: list[lis
 POLAR_LOOPBACK = re.compile(r"http://127\.0\.0\.1:\d+/_polar/")
 # A flow and the first line of its answer, as flow_detail=1 logs them.
 FLOW_LINE = re.compile(r"^\S+: (GET|POST|PUT|PATCH|DELETE|HEAD|OPTIONS|CONNECT) (\S+)\n\s*<< (\S+)", re.MULTILINE)
+REFUSED_CONNECT = re.compile(r"polar: refused CONNECT (\S+) \(polar_block_other\)")
 # The requests a harness makes that are no model call, each refused by the proxy (polar_block_other: 403), never
 # forwarded: (method, path) -> who sends it.
 REFUSED_PROBES = {
     ("GET", "/polar-boundary-probe"): "polar rollout's check that the proxy blocks other traffic",
     ("HEAD", "/"): "Claude Code's reachability check of its base URL",
+    # A CONNECT is known by its host: the probe's throwaway listener takes any free port.
+    ("CONNECT", "127.0.0.1"): "polar rollout's boundary probe, by CONNECT",
 }
 
 
@@ -361,14 +365,19 @@ def assert_only_polar_flows(proxy: SharedProxy) -> None:
         path = parts.path + (f"?{parts.query}" if parts.query else "")
         return any(p.route(method, path) is not None for p in providers)
 
-    flows = FLOW_LINE.findall(proxy.logs())
-    assert any(polar_answers(m, u) or POLAR_LOOPBACK.match(u) for m, u, _ in flows), proxy.logs()[-3000:]
+    logs = proxy.logs()
+    flows = FLOW_LINE.findall(logs) + [("CONNECT", target, "403") for target in REFUSED_CONNECT.findall(logs)]
+    assert any(polar_answers(m, u) or POLAR_LOOPBACK.match(u) for m, u, _ in flows), logs[-3000:]
     others = [
         (m, u, status)
         for m, u, status in flows
         if not polar_answers(m, u) and not POLAR_LOOPBACK.match(u) and not u.startswith("http://polar.local/")
     ]
-    unknown = [(m, u, status) for m, u, status in others if (m, urlsplit(u).path) not in REFUSED_PROBES]
+
+    def probe_key(method: str, url: str) -> tuple[str, str]:
+        return (method, url.rsplit(":", 1)[0]) if method == "CONNECT" else (method, urlsplit(url).path)
+
+    unknown = [(m, u, status) for m, u, status in others if probe_key(m, u) not in REFUSED_PROBES]
     assert unknown == [], unknown
     assert {status for _, _, status in others} <= {"403"}, others  # refused, never forwarded
 

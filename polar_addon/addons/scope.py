@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Sequence
 
@@ -14,6 +15,8 @@ from polar_addon.addons.shared import Shared
 from polar_addon.control import CONTROL_HOST, is_control_path
 from polar_addon.gateway import Gateway
 from polar_addon.responses_websocket import is_responses_upgrade
+
+log = logging.getLogger("polar")
 
 PROVIDER_HOSTS = frozenset({"api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com"})
 BLOCKED_BODY = b"polar: non-model traffic is blocked (polar_block_other)"
@@ -117,6 +120,8 @@ class InterceptionScope:
     def http_connect(self, flow: http.HTTPFlow) -> None:
         if ctx.options.polar_block_other and not is_model_host(flow.request.host, flow.request.port):
             blocked(flow)
+            # mitmproxy logs no flow for a CONNECT answered here: say which harness traffic was refused.
+            log.info("polar: refused CONNECT %s:%s (polar_block_other)", flow.request.host, flow.request.port)
 
     def request(self, flow: http.HTTPFlow) -> None:
         gateway = self.shared.gateway

@@ -47,6 +47,9 @@ class Codex(InstalledHarness):
         if self.custom_provider:
             lines.insert(1, 'model_provider = "polar"')
         lines += ["", "[analytics]", "enabled = false", "", "[feedback]", "enabled = false"]
+        # Plugins off: on every start Codex syncs its curated plugin catalogue from github.com, api.github.com and
+        # chatgpt.com (refused by a proxy-only sandbox, but a network attempt all the same).
+        lines += ["", "[features]", "plugins = false", "remote_plugin = false"]
         if self.custom_provider:
             lines += [
                 "",
