@@ -48,16 +48,24 @@ def assert_captured(sample: Any, calls: list[Any]) -> None:
     for a, b in _runs(mask):
         p = a
         while p < b:
-            found = [
-                c for c in calls if list(c.prompt_ids) == ids[:p] and c.response_ids and c.response_ids[0] == ids[p]
+            prompted = [c for c in calls if list(c.prompt_ids) == ids[:p] and c.response_ids]
+            assert prompted, f"no captured call was prompted with the {p} tokens before trained position {p}"
+            # Samples of one task share their prompt (and, on a tiny vocabulary, often a first token or more): the
+            # run is one of those calls' sampled tokens, with that call's logprobs.
+            sampled = [
+                c for c in prompted if ids[p : p + min(b - p, len(c.response_ids))] == list(c.response_ids[: b - p])
             ]
-            assert found, f"no captured call was prompted with the {p} tokens before trained position {p}"
-            call = found[0]
-            n = min(b - p, len(call.response_ids))
-            assert ids[p : p + n] == list(call.response_ids[:n]), f"trained tokens at {p} are not the sampled ones"
-            expected = np.asarray(call.logprobs[:n], dtype=np.float32)
-            assert np.array_equal(logprobs[p : p + n], expected), f"behaviour logprobs at {p} are not the captured"
-            p += n
+            assert sampled, f"trained tokens at {p} are not the sampled ones of any call with that prompt"
+            matched = [
+                c
+                for c in sampled
+                if np.array_equal(
+                    logprobs[p : p + min(b - p, len(c.response_ids))],
+                    np.asarray(c.logprobs[: b - p], dtype=np.float32),
+                )
+            ]
+            assert matched, f"behaviour logprobs at {p} are not the captured"
+            p += min(b - p, len(matched[0].response_ids))
 
 
 # -- pure parts --------------------------------------------------------------------------------------------------
