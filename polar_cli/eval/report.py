@@ -118,12 +118,12 @@ def build_report(
     calls: Mapping[str, CallStats] | None = None,
 ) -> EvalReport:
     """The report of a rollout's session results; ``calls``: session id -> its call statistics (None: no store)."""
-    outcomes = [
-        SessionOutcome(r["session_id"], r["task_id"], int(r["sample"]), str(r["status"]), r.get("reward"),
-                       session_cause(r, threshold, (calls or {}).get(r["session_id"])), r.get("reason"),
-                       (calls or {}).get(r["session_id"]))
-        for r in results
-    ]  # fmt: skip
+    outcomes = []
+    for r in results:
+        stats = (calls or {}).get(r["session_id"])
+        cause = session_cause(r, threshold, stats)
+        outcomes.append(SessionOutcome(r["session_id"], r["task_id"], int(r["sample"]), str(r["status"]),
+                                       r.get("reward"), cause, r.get("reason"), stats))  # fmt: skip
     by_task: dict[str, list[bool]] = {}
     causes_by_task: dict[str, Counter] = {}
     for o in outcomes:
