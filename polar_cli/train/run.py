@@ -223,10 +223,8 @@ def serving_dtype(model: str):
     import torch
     from transformers import AutoConfig
 
-    dtype = AutoConfig.from_pretrained(model).dtype
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return dtype or torch.float32
+    # transformers (>= 4.56, as pyproject requires) reads the config's dtype string as a torch.dtype itself.
+    return AutoConfig.from_pretrained(model).dtype or torch.float32
 
 
 class StaleTraces(ValueError):
