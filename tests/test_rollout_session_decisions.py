@@ -349,6 +349,22 @@ def _after_init(proxy: StartedProxy, config: RolloutConfig, work: Path, between:
     return asyncio.run(main())
 
 
+def test_a_workspace_the_agent_removed_is_its_failure_not_a_masked_error(proxy: StartedProxy, tmp_path: Path) -> None:
+    # As on a runtime that downloads the workspace (oci): the download finds none (extract_contained also drops a
+    # workspace the agent replaced by a link, tests/security/test_archive_attacks.py). An error would be masked:
+    # a policy could hide any bad outcome that way.
+    config = _config(proxy, tmp_path, [{"id": "gone", "instruction": 'rm -rf "$PWD"; echo done'}])
+
+    async def download_it(runner: SessionRunner, session: Any) -> None:
+        session.sandbox.host_workspace = None
+
+    result = _after_init(proxy, config, tmp_path / "work", download_it)
+    assert (result.status, result.reward, result.rewards) == (S.FAILED, 0.0, {"reward": 0.0})
+    assert result.reason is not None and result.reason.startswith("the workspace was gone after the run: ")
+    stored = _stored(proxy, {("gone", 0): result})[("gone", 0)]
+    assert stored.status == "agent_error" and stored.metadata["reason"] == "workspace_gone"
+
+
 def test_a_group_stopped_after_init_never_runs(proxy: StartedProxy, tmp_path: Path) -> None:
     config = _config(proxy, tmp_path, [{"id": "h", "instruction": "echo done"}], early_stop=1)
 

@@ -532,7 +532,15 @@ class SessionRunner:
 
     async def _verify(self, session: Session) -> tuple[SessionStatus, str | None, dict[str, float]]:
         assert session.dir is not None and session.base_tree is not None
-        view = await self._workspace_view(session, "final-view")
+        try:
+            view = await self._workspace_view(session, "final-view")
+        except FileNotFoundError as exc:
+            # The runtime answered and the workspace was not there (removed, or replaced by a link the download
+            # drops): the agent's doing, so the policy's failure; an error would mask the session, a way to hide
+            # a bad outcome from the trainer.
+            await self._teardown_sandbox(session)
+            session.failure = "workspace_gone"
+            return SessionStatus.FAILED, f"the workspace was gone after the run: {exc}", {"reward": 0.0}
         try:
             patch = await ws.diff(view, session.dir / "base.git", session.base_tree, self.config.max_patch_bytes)
         except ws.PatchTooLarge as exc:  # the agent's output, so the policy's failure (never read into memory)
