@@ -171,6 +171,8 @@ GIVE_ONE = r"give an engine \(the runner starts a proxy\) or a running proxy, no
         ({"tasks": []}, "no tasks$"),
         ({"samples": 0}, "samples must be at least 1$"),
         ({"concurrency": 0}, "concurrency must be at least 1$"),
+        ({"init_attempts": 0}, "init attempts must be at least 1$"),
+        ({"verify_attempts": 0}, "verify attempts must be at least 1$"),
         ({"ready": -1}, "ready must be 0 or more$"),
         ({"samples": 2, "early_stop": 0}, r"early_stop must be between 1 and samples \(2\)"),
         ({"samples": 2, "early_stop": 3}, r"early_stop must be between 1 and samples \(2\)"),
@@ -192,7 +194,8 @@ def test_check_config_refuses(change: dict, message: str) -> None:
 
 
 def test_check_config_accepts_the_boundaries() -> None:
-    check_config(_config(samples=2, early_stop=2, ready=0, concurrency=1, timeout_s=0.1))
+    check_config(_config(samples=2, early_stop=2, ready=0, concurrency=1, timeout_s=0.1, init_attempts=1))
+    check_config(_config(verify_attempts=1))
     check_config(_config(samples=2, early_stop=1, context_window=100, max_output_tokens=99))
     check_config(_config(context_window=1, max_output_tokens=None))
     check_config(_config(engine=None, out=None, proxy=ExternalProxy("http://127.0.0.1:1", "tok")))

@@ -242,6 +242,10 @@ def check_config(config: RolloutConfig) -> None:
         raise ValueError("samples must be at least 1")
     if config.concurrency < 1:
         raise ValueError("concurrency must be at least 1")
+    # Zero tries would end every session as an infrastructure error without running anything.
+    for name in ("init_attempts", "verify_attempts"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name.replace('_', ' ')} must be at least 1")
     if config.ready is not None and config.ready < 0:
         raise ValueError("ready must be 0 or more")
     if config.early_stop is not None and not 1 <= config.early_stop <= config.samples:
