@@ -183,12 +183,13 @@ def _jsonl_task(entry: dict[str, Any], base: Path, where: str) -> Task:
         raise TaskFileError(f"{where}: 'id' must be a printable string of 1-256 characters")
     instruction = _text(entry, "instruction", where, required=True)
     workspace = repo = None
+    # An empty path is refused, not read as the task file's own directory (its other tasks' tests, their answers).
     if entry.get("workspace") is not None:
-        ws = Path(_text(entry, "workspace", where) or "").expanduser()
+        ws = Path(_text(entry, "workspace", where, required=True) or "").expanduser()
         workspace = (ws if ws.is_absolute() else base / ws).resolve()
         if not workspace.is_dir():
             raise TaskFileError(f"{where}: workspace {workspace} is not a directory")
-    repo = _text(entry, "repo", where)
+    repo = _text(entry, "repo", where, required=entry.get("repo") is not None)
     if workspace is not None and repo is not None:
         raise TaskFileError(f"{where}: give 'workspace' or 'repo', not both")
     if repo is not None and not re.match(r"^[a-z][a-z0-9+.-]*://|^git@", repo):
@@ -220,7 +221,7 @@ def _jsonl_task(entry: dict[str, Any], base: Path, where: str) -> Task:
         raise TaskFileError(f"{where}: 'metadata' must be an object")
     tests_dir = None
     if entry.get("tests_dir") is not None:
-        tests_dir = (base / (_text(entry, "tests_dir", where) or "")).resolve()
+        tests_dir = (base / (_text(entry, "tests_dir", where, required=True) or "")).resolve()
         if not tests_dir.is_dir():
             raise TaskFileError(f"{where}: tests_dir {tests_dir} is not a directory")
     reward_file = _text(entry, "reward_file", where)

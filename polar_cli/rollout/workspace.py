@@ -19,7 +19,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from polar_cli.rollout.tasks import Task, image_free_copies
+from polar_cli.rollout.tasks import Task, TaskFileError, image_free_copies
 
 # Same commits on every host: no user config (the runner's own ~/.gitconfig could set diff.noprefix or
 # diff.external, which change the patch; only a task's clone reads it, for the user's credentials), no signing, a
@@ -132,7 +132,8 @@ async def prepare_template(task: Task, cache: Path) -> Path | None:
             cache.mkdir(parents=True, exist_ok=True)
             await git("clone", "--quiet", task.repo, str(tmp), user_config=True)
             if task.revision:
-                await git("checkout", "--quiet", "--detach", task.revision, cwd=tmp, user_config=True)
+                commit = await _commit_of(tmp, task.revision)
+                await git("checkout", "--quiet", "--detach", commit, cwd=tmp, user_config=True)
             tmp.rename(target)
         return target
     copies = image_free_copies(task)
@@ -144,6 +145,8 @@ async def prepare_template(task: Task, cache: Path) -> Path | None:
             tmp.mkdir(parents=True)
             for source, rel in copies:
                 dest = (tmp / rel).resolve()
+                if _escapes(tmp.resolve(), dest, source):
+                    raise TaskFileError(f"{task.dockerfile}: COPY to {rel!r} would leave the workspace through a link")
                 if source.is_dir():
                     shutil.copytree(source, dest, symlinks=True, dirs_exist_ok=True)
                 else:
@@ -152,6 +155,29 @@ async def prepare_template(task: Task, cache: Path) -> Path | None:
             tmp.rename(target)
         return target
     return None
+
+
+def _escapes(root: Path, dest: Path, source: Path) -> bool:
+    """Whether copying ``source`` to ``dest`` writes outside ``root``: through a link an earlier COPY put in the tree
+    (``COPY src/ .`` with ``src/out -> /home/user``, then ``COPY x out/``), which the host would follow."""
+    targets = [dest]
+    if source.is_dir():  # each directory and file it will write (a file onto a link to a host file included)
+        targets += [
+            dest / os.path.relpath(directory, source) / name
+            for directory, dirs, files in os.walk(source)
+            for name in (".", *dirs, *files)
+        ]
+    return any(not target.resolve().is_relative_to(root) for target in targets)
+
+
+async def _commit_of(clone: Path, revision: str) -> str:
+    """The commit ``revision`` names in a fresh clone. A branch other than the default one is only ``origin/NAME``
+    there, and ``git checkout --detach NAME`` refuses it (git guesses a new local branch, which --detach forbids)."""
+    for name in (revision, f"origin/{revision}"):
+        found = await git("rev-parse", "--verify", "--quiet", f"{name}^{{commit}}", cwd=clone, check=False)
+        if found.strip():
+            return found.decode().strip()
+    raise WorkspaceError(f"revision {revision!r} is not in the task's repository")
 
 
 async def copy_template(template: Path | None, dest: Path) -> None:
