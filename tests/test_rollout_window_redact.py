@@ -260,3 +260,19 @@ def test_control_tokens_are_the_given_one_and_the_started_proxys(tmp_path: Path)
     # A remote store: the started proxy kept its token in mitmproxy's confdir.
     (confdir / "polar-control-token").write_text("remote-tok")
     assert control_tokens("s3://bucket/run", confdir, None) == ["remote-tok"]
+
+
+@pytest.mark.parametrize(
+    "config", ["[1, 2]", '"text"', '{"text_config": [1]}', '{"text_config": "x", "max_position_embeddings": "9"}']
+)
+def test_a_malformed_model_config_says_unknown_instead_of_crashing(tmp_path: Path, config: str) -> None:
+    (tmp_path / "config.json").write_text(config)
+    assert engine_window(f"local:{tmp_path}") is None
+
+
+@pytest.mark.parametrize(("max_len", "window"), [('"1000"', 1000), ('"x"', 4096), ("[]", 4096), ("1000", 1000)])
+def test_a_scripts_max_len_is_read_as_the_scripted_engine_reads_it(tmp_path: Path, max_len: str, window: int) -> None:
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    script = tmp_path / "run.json"
+    script.write_text(f'{{"model_dir": "{tmp_path}", "max_len": {max_len}}}')
+    assert engine_window(f"scripted:{script}") == window

@@ -28,8 +28,10 @@ def model_window(model_dir: Path) -> int | None:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    for section in (config, config.get("text_config") or {}):
-        value = section.get("max_position_embeddings")
+    if not isinstance(config, dict):
+        return None
+    for section in (config, config.get("text_config")):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
         if isinstance(value, int) and value > 0:
             return value
     return None
@@ -74,9 +76,12 @@ def engine_window(spec: str) -> int | None:
             except (OSError, ValueError, KeyError, TypeError):
                 data, model_dir = {}, None
             if model_dir is not None:
+                try:  # read as the scripted engine reads it; one it cannot read says nothing here
+                    max_len = int(data.get("max_len") or 0)
+                except (TypeError, ValueError):
+                    max_len = 0
                 window = served_window_of(
-                    model_window(model_dir if model_dir.is_absolute() else script.parent / model_dir),
-                    int(data.get("max_len") or 0),
+                    model_window(model_dir if model_dir.is_absolute() else script.parent / model_dir), max_len
                 )
         elif parsed.kind in ("vllm", "sglang"):
             window = served_window(parsed.target)
