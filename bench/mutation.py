@@ -101,10 +101,20 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # The patch bound and the host-side git (no rollout: the runner's own functions on a planted workspace).
     "rollout.workspace": (
         ["polar_cli/rollout/workspace.py"],
-        ["tests/security/test_workspace_attacks.py", "-k", "not rollout"],
+        [
+            "tests/security/test_workspace_attacks.py",
+            "tests/test_rollout_workspace_template.py",  # prepare_template on tiny local clones and Dockerfiles
+            "-k",
+            "not rollout_scores",
+        ],
     ),
-    # The per-token policy loss (run with --only '*policy_loss*': the rest of the trainer needs training runs).
-    "train.trainer": (["polar_cli/train/trainer.py"], ["tests/test_train_loss_value.py"]),
+    # The policy loss, the chunked loss and its metrics, the step's sampling, split and chunks, the starting weights'
+    # table, resume and TRL's arguments, on a trainer made without TRL's set-up (run with --only on every function but
+    # TraceGRPOTrainer.__init__: the patterns are in bench/mutation_report.md).
+    "train.trainer": (
+        ["polar_cli/train/trainer.py"],
+        ["tests/test_train_loss_value.py", "tests/test_train_trainer_units.py"],
+    ),
     "gateway": (["polar_addon/gateway.py"], ["tests/test_gateway_units.py", "tests/test_gateway_core.py"]),
     "store.journal": (
         ["polar_addon/store/journal.py"],
@@ -142,7 +152,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "tool_parsers.hermes": (["polar_addon/tool_parsers/hermes.py"], ["tests/test_tool_parsers_hermes.py"]),
     "tool_parsers.qwen3_coder": (
         ["polar_addon/tool_parsers/qwen3_coder.py"],
-        ["tests/test_tool_parsers_qwen3_coder.py"],
+        ["tests/test_tool_parsers_qwen3_coder.py", "tests/test_tool_parsers_qwen3_coder_edges.py"],
     ),
     # Does a call continue its session's previous one, message for message (the token-continuity decision).
     "continuity.check": (
@@ -152,7 +162,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # The session's stage decisions (deadline, early stop, statuses, rewards) on the local runtime and a real proxy
     # (run with --only on the decision functions: the rest is the same code the rollouts run).
     "rollout.session": (["polar_cli/rollout/session.py"], ["tests/test_rollout_session_decisions.py"]),
-    "rollout.tasks": (["polar_cli/rollout/tasks.py"], ["tests/test_rollout_tasks.py"]),
+    "rollout.tasks": (
+        ["polar_cli/rollout/tasks.py"],
+        ["tests/test_rollout_tasks.py", "tests/test_rollout_tasks_units.py"],
+    ),
     # What a call is for (agent, auxiliary side job, discarded): decides which calls a policy is trained on.
     "call_roles": (["polar_addon/call_roles.py"], ["tests/test_call_roles.py"]),
     # What an evaluation reports (issue 24): pass@k and its SE, each session's cause, the per-call counts.
@@ -162,10 +175,152 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # What TRL's async trainer is fed (issue 27): the sample layout and versions, the pushed checkpoints (the
     # end-to-end training runs are left out: minutes per mutant).
     "trl_async.samples": (["polar_cli/trl_async/samples.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
-    # The loop's backfill decisions (run with --only '*informative_groups*' '*merged*': the rest runs loops).
-    "rollout.loop": (["polar_cli/rollout/loop.py"], ["tests/test_loop_backfill.py", "-k", "informs"]),
+    # The loop's decisions: rewards and their rise, the state file, the policy, the train command, backfill (run with
+    # --only on those: the rest runs loops).
+    "rollout.loop": (
+        ["polar_cli/rollout/loop.py"],
+        [
+            "tests/test_loop_units.py",
+            "tests/test_loop_backfill.py::test_a_group_informs_only_with_two_rewarded_sessions_that_differ",
+        ],
+    ),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
     # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # The trace row and the dataset on disk that training reads (parts, their order, the stats file).
+    "trace": (["polar_cli/trace.py"], ["tests/test_trace_output.py"]),
+    "build.output": (["polar_cli/build/output.py"], ["tests/test_trace_output.py"]),
+    # The sandbox runtimes' pure helpers, between the agent and the host: unpacking a tar a sandbox made, the disk
+    # bound and its sampling, the cap on a harness's output, and the bwrap confinement's arguments, accounts and
+    # ownership (run confine with --only on those: mount_tmpfs/unmount need root mounts).
+    "rollout.runtimes.archive": (["polar_cli/rollout/runtimes/archive.py"], ["tests/security/test_archive_attacks.py"]),
+    "rollout.runtimes.disk": (
+        ["polar_cli/rollout/runtimes/disk.py"],
+        [
+            "tests/test_runtimes_units.py",
+            "tests/security/test_runtime.py::test_the_disk_watchdog_samples_sooner_the_faster_the_directories_grow",
+        ],
+    ),
+    "rollout.runtimes.output": (
+        ["polar_cli/rollout/runtimes/output.py"],
+        [
+            "tests/test_runtimes_units.py",
+            "tests/security/test_runtime.py::test_bounded_output_keeps_a_head_and_a_tail_and_says_what_it_dropped",
+        ],
+    ),
+    "rollout.runtimes.confine": (
+        ["polar_cli/rollout/runtimes/confine.py"],
+        [
+            "tests/test_runtimes_units.py",
+            "tests/security/test_bwrap.py::test_every_parent_of_a_mount_point_is_made_0755_just_before_it",
+            "tests/security/test_bwrap.py::test_etc_shows_only_its_allowlist_and_keeps_links_into_usr",
+            "tests/security/test_bwrap.py::"
+            "test_setid_bits_are_stripped_and_ownership_handed_over_without_following_links",
+        ],
+    ),
+    # `polar train`'s staleness refusal and the LoRA merge an engine serves (run with --only on those: the rest trains).
+    "train.run": (["polar_cli/train/run.py"], ["tests/test_train_run_units.py"]),
+    # rollout.session's every stage (progress, INIT's retries, RUN's statuses, POSTRUN and each verification, status
+    # posts, interruption) on fakes of the proxy, runtime, harness and verifier: seconds a mutant, where
+    # rollout.session's own entry starts a real proxy (~40 s a mutant).
+    "rollout.session.units": (["polar_cli/rollout/session.py"], ["tests/test_rollout_session_units.py"]),
+    # The runner's plan, its refusals and its result's per-group rewards and masks (run with --only on those: the
+    # rest drives harnesses and a proxy).
+    "rollout.runner": (["polar_cli/rollout/runner.py"], ["tests/test_rollout_runner_units.py"]),
+    # The async loop's staleness rule, busy fractions and batch records (run with --only on those: the rest runs
+    # loops).
+    "rollout.async_loop": (
+        ["polar_cli/rollout/async_loop.py"],
+        [
+            "tests/test_async_loop_units.py",
+            "tests/test_async_loop.py::test_groups_within_the_bound_are_kept_and_staler_ones_dropped_whole",
+            "tests/test_async_loop.py::test_the_staleness_rule_refuses_nonsense",
+            "tests/test_async_loop.py::test_busy_fraction_counts_overlaps_once_and_clips_to_the_window",
+        ],
+    ),
+    # The build itself (pure: records and sessions in, traces and stats out), on the pure build tests.
+    "build.pipeline": (
+        ["polar_cli/build/__init__.py"],
+        [
+            "tests/test_build_traces.py",
+            "tests/test_build_rewards.py",
+            "tests/test_build_prefix_merging.py",
+            "tests/test_call_roles.py",
+            "-k",
+            "not cli and not round_trip and not export",
+        ],
+    ),
+    # The reconstruction health a build reports: stats summed per harness, the table, the mask rate per group.
+    "build.stats": (
+        ["polar_cli/build/stats.py"],
+        [
+            "tests/test_build_inputs_stats.py",
+            "tests/test_build_rewards.py",
+            "tests/test_build_prefix_merging.py",
+        ],
+    ),
+    # What a build reads besides records: session rows, the tokenizer (the CLI and tito tests that also reach it
+    # take a minute a mutant).
+    "build.inputs": (
+        ["polar_cli/build/inputs.py"],
+        ["tests/test_build_inputs_stats.py"],
+    ),
+    # The trace row built from a chain's or one call's records: versions, identities, sampling fields.
+    "build.traces": (
+        ["polar_cli/build/traces.py", "polar_cli/build/per_request.py"],
+        [
+            "tests/test_build_traces.py",
+            "tests/test_build_rewards.py",
+            "tests/test_build_prefix_merging.py",
+            "tests/test_call_roles.py::test_per_request_traces_carry_their_call_role",
+        ],
+    ),
+    # What every call's record holds (record_ok / record_failed) and the logprob check at capture.
+    "capture": (
+        ["polar_addon/capture.py"],
+        [
+            "tests/test_capture_records.py",
+            "tests/test_call_roles.py::test_records_carry_their_role",
+            "tests/test_call_roles.py::test_roles_round_trip_the_store_and_older_shards_read_them_as_null",
+            "tests/test_gateway_sampling.py::test_logprob_problems_are_named",
+            "tests/test_gateway_sampling.py::test_plausible_logprobs_pass",
+        ],
+    ),
+    # The token budget per forward, the checkpointing switch and the step plan (the pure tests: the rest train).
+    "train.budget": (
+        ["polar_cli/train/budget.py"],
+        [
+            "tests/test_train_budget_units.py",
+            "tests/test_train_budget.py",
+            "-k",
+            "not budgeted and not trained_positions and not run_says",
+        ],
+    ),
+    # The trained-positions head whose logprobs the loss uses, on a toy model with hand-chosen logits (the Qwen2-shaped
+    # check against a full log_softmax, test_train_budget.py's trained_positions, takes ~16 s a mutant).
+    "train.logprobs": (["polar_cli/train/logprobs.py"], ["tests/test_train_logprobs_units.py"]),
+    # The control channel: who may post rewards, statuses and registrations, and what they may say (its plain
+    # functions and ControlPlane driven in-process; the tests through a real mitmdump take seconds a mutant).
+    "control": (
+        ["polar_addon/control.py"],
+        [
+            "tests/test_control_units.py",
+            "tests/security/test_sessions.py::test_a_status_post_ends_the_registered_session",
+            "tests/test_gateway_core.py::test_a_session_that_ends_frees_its_engine_slot",
+        ],
+    ),
+    # The context window each session's harness budgets by, read from the engine spec (no engine runs).
+    "rollout.window": (
+        ["polar_cli/rollout/window.py"],
+        ["tests/test_rollout_window.py", "tests/test_rollout_window_redact.py"],
+    ),
+    # What is kept out of a rollout's manifest, summary and logs (the agent chooses what its harness prints).
+    "rollout.redact": (
+        ["polar_cli/rollout/redact.py"],
+        [
+            "tests/security/test_runtime.py::test_redact_hides_tokens_credentials_and_secret_options",
+            "tests/test_rollout_window_redact.py",
+        ],
+    ),
     # The fenced-JSON fallback and the parser chain that runs it (which calls a small model's text becomes).
     "tool_parsers.fenced_json": (
         ["polar_addon/tool_parsers/fenced_json.py", "polar_addon/tool_parsers/__init__.py"],
@@ -201,6 +356,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         [
             "tests/test_engine_sglang.py",
             "tests/test_engine_http_pool.py",
+            "tests/test_engine_http_client.py",
             "tests/test_engine_prompt_fast_path.py",
             "tests/test_gateway_sampling.py",
         ],
@@ -208,7 +364,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # The <think> split every Qwen format shares, and the call ids polar mints.
     "tool_parsers.reasoning": (
         ["polar_addon/tool_parsers/reasoning.py", "polar_addon/tool_parsers/calls.py"],
-        ["tests/test_tool_parsers_hermes.py", "tests/test_tool_parsers_qwen3_coder.py"],
+        [
+            "tests/test_tool_parsers_reasoning.py",
+            "tests/test_tool_parsers_hermes.py",
+            "tests/test_tool_parsers_qwen3_coder.py",
+        ],
     ),
 }
 
@@ -281,7 +441,11 @@ def _not_killed(work: Path) -> dict[str, str]:
         [str(MUTMUT), "results"], cwd=work, env=_env(), capture_output=True, text=True, check=False
     )
     (work / "survivors.txt").write_text(results.stdout)
-    rows = (line.strip().rsplit(": ", 1) for line in results.stdout.splitlines() if ": " in line)
+    return _listing(results.stdout)
+
+
+def _listing(text: str) -> dict[str, str]:
+    rows = (line.strip().rsplit(": ", 1) for line in text.splitlines() if ": " in line)
     return {name: status for name, status in rows}
 
 
@@ -355,7 +519,10 @@ def rerun_not_killed(module: str, lock: str | None, children: int, timeout_multi
     every verdict when the test selection changes, so the score is merged here: killed before, or now.
     """
     work = WORK / module
-    before = _not_killed(work)
+    # The last verdicts: survivors.txt, as the first run or the last re-run merged them. mutmut's own results hold
+    # only its last invocation's, so after a re-run they call every mutant it did not retry "not checked".
+    listed = work / "survivors.txt"
+    before = _listing(listed.read_text()) if listed.is_file() else _not_killed(work)
     stats_before = score(module)
     if stats_before is None:
         raise SystemExit(f"{module} has not been run yet")
