@@ -66,6 +66,16 @@ EMPTY_THINK_PROMPT_TEMPLATE = CHAT_TEMPLATE.replace(
 assert len({CHAT_TEMPLATE, QWEN3_STYLE_TEMPLATE, DROP_THINK_TEMPLATE, EMPTY_THINK_PROMPT_TEMPLATE}) == 4
 
 
+def ok_call(session: str, seq: int, prompt: list[int], response: list[int], **fields: Any) -> CaptureRecord:
+    """An answered call's record with token ids and nothing else to speak of (logprobs -0.5 unless given)."""
+    base: dict[str, Any] = dict(
+        record_id=f"{session}{seq}", session_id=session, seq=seq, api="openai_chat", status="ok", prompt_ids=prompt,
+        response_ids=response, logprobs=[-0.5] * len(response), finish_reason="stop", temperature=1.0,
+        started_at=float(seq), finished_at=seq + 0.5,
+    )  # fmt: skip
+    return CaptureRecord(**(base | fields))
+
+
 @functools.cache
 def tiny_tokenizer() -> Any:
     return build_tokenizer()

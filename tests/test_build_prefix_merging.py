@@ -15,6 +15,7 @@ from build_helpers import (
     coding_turns,
     decode,
     eot_id,
+    ok_call,
     tool_loop,
     tool_result,
 )
@@ -365,24 +366,9 @@ def test_rebuild_is_deterministic_and_order_independent() -> None:
 def test_eot_detection_skips_a_stop_token_the_template_never_writes() -> None:
     """A random model may stop on <|endoftext|> (never in a prompt) in the first session read;
     detection must still settle on the token that closes turns in prompts."""
-    from polar_addon.capture import CaptureRecord
     from polar_cli.build import iter_session_builds
 
-    def rec(session: str, seq: int, prompt: list[int], response: list[int]) -> CaptureRecord:
-        return CaptureRecord(
-            record_id=f"{session}{seq}",
-            session_id=session,
-            seq=seq,
-            api="openai_chat",
-            status="ok",
-            prompt_ids=prompt,
-            response_ids=response,
-            logprobs=[-1.0] * len(response),
-            finish_reason="stop",
-            temperature=1.0,
-        )
-
-    a = [rec("a", 0, [5, 6], [7, 0])]  # stopped on 0, which no prompt holds
-    b = [rec("b", 0, [5, 2, 6], [8, 2])]  # 2 closes a turn in the prompt
+    a = [ok_call("a", 0, [5, 6], [7, 0], logprobs=[-1.0, -1.0])]  # stopped on 0, which no prompt holds
+    b = [ok_call("b", 0, [5, 2, 6], [8, 2], logprobs=[-1.0, -1.0])]  # 2 closes a turn in the prompt
     built = list(iter_session_builds(a + b, {}))  # sessions in store order: a first
     assert {s.eot_token_id for s in built} == {2}

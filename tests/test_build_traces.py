@@ -7,6 +7,7 @@ Records here are written by hand with distinct values in every field, so a trace
 from __future__ import annotations
 
 import pytest
+from build_helpers import ok_call
 
 from polar_addon.capture import CaptureRecord
 from polar_cli.build import BuildStats, build_session, build_traces, iter_session_builds
@@ -186,25 +187,6 @@ def test_per_request_trace_is_the_call_itself_all_sampled() -> None:
 EOT = 2  # closes every turn below, in prompts and sampled ids alike
 
 
-def call(session: str, seq: int, prompt: list[int], response: list[int], **kw: object) -> CaptureRecord:
-    fields: dict = dict(
-        record_id=f"{session}{seq}",
-        session_id=session,
-        seq=seq,
-        api="openai_chat",
-        status="ok",
-        prompt_ids=prompt,
-        response_ids=response,
-        logprobs=[-0.5] * len(response),
-        finish_reason="stop",
-        temperature=1.0,
-        started_at=float(seq),
-        finished_at=seq + 0.5,
-    )
-    fields.update(kw)
-    return CaptureRecord(**fields)
-
-
 def tool_answer() -> str:
     return '{"content": null, "tool_calls": [{"id": "c1", "name": "bash", "arguments": "{}"}]}'
 
@@ -212,9 +194,9 @@ def tool_answer() -> str:
 def loop(session: str = "s", **first: object) -> list[CaptureRecord]:
     """Two calls that merge (the second prompt continues the first turn), then one with an unrelated prompt."""
     return [
-        call(session, 0, [5, 6], [7, EOT], **first),
-        call(session, 1, [5, 6, 7, EOT, 9], [10, 11, EOT]),
-        call(session, 2, [30, 31, 32], [33, EOT]),
+        ok_call(session, 0, [5, 6], [7, EOT], **first),
+        ok_call(session, 1, [5, 6, 7, EOT, 9], [10, 11, EOT]),
+        ok_call(session, 2, [30, 31, 32], [33, EOT]),
     ]
 
 
@@ -226,15 +208,15 @@ def test_an_unknown_strategy_is_refused_with_the_choices() -> None:
 
 def test_session_stats_count_every_call_chain_and_token() -> None:
     records = [
-        call("s", 0, [5, 6], [7, EOT], prompt_source="fresh", prompt_reason="first_call", tool_call_parser="hermes",
+        ok_call("s", 0, [5, 6], [7, EOT], prompt_source="fresh", prompt_reason="first_call", tool_call_parser="hermes",
              parse_failures=0),
-        call("s", 1, [5, 6, 7, EOT, 9], [10, 11, EOT], prompt_source="continuity", prompt_reason="kept",
+        ok_call("s", 1, [5, 6, 7, EOT, 9], [10, 11, EOT], prompt_source="continuity", prompt_reason="kept",
              harness="pi/0.3 (linux)", parse_failures=2, tool_call_parser="hermes"),
         CaptureRecord("s2", "s", 2, "openai_chat", "failed", error="engine down", role="discarded",
                       role_reason="failed"),
-        call("s", 3, [30, 31, 32], [33, EOT], prompt_source="fresh", prompt_reason="no_delta: tools changed",
+        ok_call("s", 3, [30, 31, 32], [33, EOT], prompt_source="fresh", prompt_reason="no_delta: tools changed",
              tool_call_parser="fenced_json", harness="codex"),
-        call("s", 4, [30, 31, 32, 33, EOT, 40], [41, EOT], prompt_source="fresh", prompt_reason=None),
+        ok_call("s", 4, [30, 31, 32, 33, EOT, 40], [41, EOT], prompt_source="fresh", prompt_reason=None),
     ]  # fmt: skip
     built = build_session("s", records, SessionInfo("s", reward=1.0), eot_token_id=EOT)
     assert (built.session_id, built.harness, built.eot_token_id) == ("s", "pi", EOT)
@@ -345,7 +327,7 @@ def test_a_given_end_of_turn_token_is_used_as_given() -> None:
 
 def unconfirmed(session: str, stop: int) -> list[CaptureRecord]:
     """A session whose only natural stop token is in no prompt: it cannot confirm an end-of-turn token."""
-    return [call(session, 0, [5, 6], [7, stop])]
+    return [ok_call(session, 0, [5, 6], [7, stop])]
 
 
 def test_sessions_wait_for_a_confirmed_end_of_turn_token_in_store_order() -> None:
@@ -364,7 +346,7 @@ def test_without_a_confirmed_token_the_fallback_then_the_first_unconfirmed_stop(
     zero = list(iter_session_builds(unconfirmed("c", 3), {}, fallback_eot_token_id=0))
     assert [b.eot_token_id for b in zero] == [0]
     # No stop at all: no token.
-    capped = [call("d", 0, [5], [6, 7], finish_reason="length")]
+    capped = [ok_call("d", 0, [5], [6, 7], finish_reason="length")]
     assert [b.eot_token_id for b in iter_session_builds(capped, {})] == [None]
     assert build_traces(records, {}).eot_token_id == 0
 
@@ -389,7 +371,7 @@ def pieces(ids: list[int]) -> str:
 
 def test_a_retokenized_turn_is_merged_by_default() -> None:
     # The second prompt holds the first turn's text "ab" as one token, where the model sampled "a" "b".
-    records = [call("s", 0, [5, 6], [10, 11, EOT]), call("s", 1, [5, 6, 12, EOT, 9], [13, EOT])]
+    records = [ok_call("s", 0, [5, 6], [10, 11, EOT]), ok_call("s", 1, [5, 6, 12, EOT, 9], [13, EOT])]
     session = SessionInfo("s", reward=1.0)
     merged = build_session("s", records, session, eot_token_id=EOT, decode=pieces)
     assert [len(c.records) for c in merged.chains] == [2] and merged.stats.retokenized_merges == 1
