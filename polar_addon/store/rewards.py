@@ -26,7 +26,7 @@ def check_reward(value: Any, name: Any = "reward") -> tuple[float, str]:
         raise ValueError(f"reward value must be within +-{REWARD_LIMIT:g}") from None
     if not math.isfinite(value) or abs(value) > REWARD_LIMIT:
         raise ValueError(f"reward value must be a finite number within +-{REWARD_LIMIT:g}")
-    if not isinstance(name, str) or not REWARD_NAME.match(name):
+    if not isinstance(name, str) or not REWARD_NAME.fullmatch(name):
         raise ValueError(f"reward name must match {REWARD_NAME.pattern}")
     return value, name
 

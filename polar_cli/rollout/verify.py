@@ -111,7 +111,7 @@ def outcome(rewards: dict[str, float], where: str) -> dict[str, float]:
     only names the store accepts."""
     if not rewards:
         raise NoReward(f"{where}: no numeric reward in it")
-    bad = [name for name in rewards if not REWARD_NAME.match(name)]
+    bad = [name for name in rewards if not REWARD_NAME.fullmatch(name)]
     if bad:
         raise NoReward(f"{where}: reward names {bad} do not match {REWARD_NAME.pattern}")
     if "reward" not in rewards:
