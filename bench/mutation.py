@@ -43,6 +43,12 @@ PROVIDER_TESTS = [
     f"tests/test_provider_{name}.py" for name in ("anthropic_messages", "openai_chat", "openai_responses", "gemini")
 ]
 
+REWARD_FLOW_UNITS = [
+    "tests/test_reward_flow.py::test_a_reward_completes_a_running_session_unless_a_status_said_otherwise",
+    "tests/test_reward_flow.py::test_an_error_status_is_never_overwritten_by_a_later_status",
+]
+STORE_REWARD_UNITS = ["tests/test_store_rewards_sessions_units.py", *REWARD_FLOW_UNITS]
+
 # module -> (files to mutate, pytest selection: its fast unit tests)
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     # One entry per provider: each is mutated against its own test file (and the fidelity round trips).
@@ -186,6 +192,44 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
     # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # The exact prompt tokens a continued call is sent with (the delta after the sampled turn), and the recognition
+    # of a harness's context compaction (which starts a new token chain).
+    "continuity.delta": (
+        ["polar_addon/continuity/delta.py"],
+        # test_continuity_delta.py reads models/tiny, which the scratch copy lacks; the units file reads the run's.
+        ["tests/test_continuity_delta_units.py"],
+    ),
+    "context_compaction": (
+        ["polar_addon/context_compaction.py"],
+        [
+            "tests/test_context_compaction_units.py",
+            "tests/test_call_roles.py::test_every_harness_compaction_prompt_makes_an_auxiliary_call",
+            "tests/test_long_sessions.py::"
+            "test_compaction_trigger_asks_the_engine_for_a_summary_and_answers_one_compaction_item",
+            "tests/test_long_sessions.py::test_compaction_breaks_the_chain_with_cause_compaction",
+            "tests/test_long_sessions.py::test_a_summary_without_its_marker_is_known_by_the_compaction_calls_answer",
+        ],
+    ),
+    # The rewards and statuses the trainer reads: a reward's checks, the sessions view's precedence (latest reward,
+    # error final), the status vocabulary and the store summary's counts.
+    "store.rewards": (["polar_addon/store/rewards.py"], STORE_REWARD_UNITS),
+    "store.sessions": (["polar_addon/store/sessions.py"], STORE_REWARD_UNITS),
+    "store.status": (["polar_addon/store/status.py"], STORE_REWARD_UNITS),
+    "store.summary": (["polar_addon/store/summary.py"], STORE_REWARD_UNITS),
+    # The engine spec (a polar_engine value), the sticky session -> engine assignment, and the token id forms
+    # every stored prompt goes through.
+    "engines.spec": (
+        ["polar_addon/engines/spec.py"],
+        ["tests/test_engine_spec.py", "tests/test_engine_spec_affinity_units.py"],
+    ),
+    "engines.affinity": (
+        ["polar_addon/engines/affinity.py"],
+        ["tests/test_engine_affinity.py", "tests/test_engine_spec_affinity_units.py"],
+    ),
+    "token_ids": (
+        ["polar_addon/token_ids.py"],
+        ["tests/test_engine_prompt_fast_path.py", "tests/test_token_ids_units.py"],
+    ),
     # The trace row and the dataset on disk that training reads (parts, their order, the stats file).
     "trace": (["polar_cli/trace.py"], ["tests/test_trace_output.py"]),
     "build.output": (["polar_cli/build/output.py"], ["tests/test_trace_output.py"]),
