@@ -156,6 +156,15 @@ class AssistantMessage:
         )
 
 
+@dataclass(frozen=True)
+class VersionSpan:
+    """Response tokens ``[start, end)`` were sampled by weight version ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
 @dataclass
 class Completion:
     """What an engine returns: the parsed message plus the exact tokens behind it."""
@@ -168,8 +177,11 @@ class Completion:
     served_model: str
     engine: str  # which engine answered (e.g. "vllm:http://127.0.0.1:8000")
     matched_stop: str | None = None  # the stop string that ended generation, when one did
-    weight_version: str | None = None
+    weight_version: str | None = None  # the oldest version that sampled any of its tokens
     cached_tokens: int | None = None
+    # Which version sampled which response tokens, where the engine says (vLLM's scale-out generate endpoint): more
+    # than one span when new weights were pushed while it ran (polar loop --drain keep). None: not reported.
+    weight_versions: list[VersionSpan] | None = None
     # Tool-call blocks polar's own parser (polar_tool_parser) could not read in this turn; None where the engine
     # parsed the text itself (SGLang's and vLLM's chat endpoints report no failures).
     parse_failures: int | None = None

@@ -85,6 +85,8 @@ class CaptureRecord:
     # the fields (readers decide it from the request then, polar_cli.build.roles).
     role: str | None = None
     role_reason: str | None = None
+    # The engine's per-token versions (canonical.Completion.weight_versions) as JSON text; None: it gave none.
+    weight_versions_json: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies every token list (~50 ms for an 8k-token record).
@@ -188,6 +190,9 @@ def record_ok(
         tool_call_parser=completion.tool_call_parser,
         role=role.role,
         role_reason=role.reason,
+        weight_versions_json=None
+        if completion.weight_versions is None
+        else orjson.dumps(completion.weight_versions).decode(),
         **_request_fields(request),
     )
 

@@ -180,8 +180,9 @@ class ResponsesWebSocket:
         if parked is None or gateway is None:
             raise web.HTTPNotFound(text="unknown or already used polar websocket token")
         # Messages get the HTTP path's body limit; one over it is answered with an error event (then the
-        # socket closes: aiohttp stops reading it) instead of a bare close 1009.
-        ws = _WebSocket(autoping=True, max_msg_size=gateway.config.max_body_bytes)
+        # socket closes: aiohttp stops reading it) instead of a bare close 1009. aiohttp refuses a frame of
+        # max_msg_size bytes itself: + 1, so that one of exactly the limit is read, as the HTTP path reads it.
+        ws = _WebSocket(autoping=True, max_msg_size=gateway.config.max_body_bytes + 1)
         await ws.prepare(request)
         async for message in ws:
             if message.type == WSMsgType.TEXT:

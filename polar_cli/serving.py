@@ -332,6 +332,10 @@ def serve_vllm(
         env["VLLM_CPU_KVCACHE_SPACE"] = kvcache_gib
     if push == "in-place":
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        # The scale-out endpoints report which weight version sampled each token (engines.vllm, versions=spans):
+        # what lets a push land while requests run (reload_vllm_in_place with keep).
+        if "--enable-scale-out" not in (extra_args or []):
+            extra_args = [*(extra_args or []), "--enable-scale-out"]
     command, model_arg = vllm_command(
         model, port, name, python=python, dtype=dtype, max_model_len=max_model_len, extra_args=extra_args,
         tool_call_parser=tool_call_parser, memory_fraction=memory_fraction,
@@ -411,9 +415,16 @@ def reload_vllm_in_place(
     state_dir: Path = DEFAULT_STATE_DIR,
     weight_version: str | None = None,
     timeout_s: float = READY_TIMEOUT_S,
+    keep: bool = False,
 ) -> ManagedServer:
-    """Load ``checkpoint`` into the running server's workers (``reload_weights`` with a weights path), then drop
-    its prefix cache. The caller makes sure no request is in flight: one that is would finish on mixed weights."""
+    """Load ``checkpoint`` into the running server's workers (``reload_weights`` with a weights path), drop its
+    prefix cache, and label what it samples from now on ``weight_version``.
+
+    Without ``keep`` the caller makes sure no request is in flight. With ``keep``, requests may be running: generation
+    is paused with ``mode=keep`` (requests stay queued), the weights reloaded, the running requests preempted by the
+    cache reset (``reset_running_requests``: their prompt and the tokens sampled so far are recomputed by the new
+    weights when they resume, so no token is sampled on KV of the old weights), the version set, and generation
+    resumed: every token after the push is the new version's, and the scale-out endpoints say which are."""
     server = load_state(state_dir, port_of(url))
     if server.push != "in-place":
         raise InPlaceRefused(f"{server.url} was started with --push {server.push}: it has no in-place reload")
@@ -421,16 +432,44 @@ def reload_vllm_in_place(
     if refusal is not None:
         raise InPlaceRefused(refusal)
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": checkpoint, "is_checkpoint_format": True}}
+    paused = False
     try:
-        answer = httpx.post(f"{server.url}/collective_rpc", json=rpc, timeout=timeout_s)
-        answer.raise_for_status()
-        httpx.post(f"{server.url}/reset_prefix_cache", timeout=timeout_s).raise_for_status()
+        if keep:
+            httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=timeout_s).raise_for_status()
+            paused = True
+        httpx.post(f"{server.url}/collective_rpc", json=rpc, timeout=timeout_s).raise_for_status()
+        reset = httpx.post(
+            f"{server.url}/reset_prefix_cache", params={"reset_running_requests": str(keep).lower()}, timeout=timeout_s
+        )
+        reset.raise_for_status()
+        if reset.json().get("success") is False:
+            raise EngineError(f"vLLM on {server.url} kept its prefix cache of the old weights (blocks still held)")
+        if weight_version is not None:
+            label_version(server.url, weight_version, timeout_s)
     except httpx.HTTPError as exc:
         detail = getattr(getattr(exc, "response", None), "text", "")[:300]
         raise EngineError(f"vLLM on {server.url} could not reload {checkpoint} in place: {exc} {detail}") from exc
-    _loaded(server, checkpoint, weight_version, " (in place)")
+    finally:
+        if paused:
+            _resume(server.url, timeout_s)
+    _loaded(server, checkpoint, weight_version, " (in place, requests kept)" if keep else " (in place)")
     save_state(server, state_dir)
     return server
+
+
+def _resume(url: str, timeout_s: float) -> None:
+    """Generation goes on whatever the reload did: a server left paused would hang every request it holds."""
+    try:
+        httpx.post(f"{url}/resume", timeout=timeout_s).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise EngineError(f"vLLM on {url} did not resume after the reload: {exc}") from exc
+
+
+def label_version(url: str, weight_version: str, timeout_s: float = 60.0) -> None:
+    """Tell a server with the development endpoints which weight version it holds: the scale-out endpoints report it
+    for every token sampled from now on (vLLM's own ``default`` before anyone says)."""
+    answer = httpx.post(f"{url}/update_weight_version", json={"new_version": weight_version}, timeout=timeout_s)
+    answer.raise_for_status()
 
 
 def _restart_advice(url: str, checkpoint: str, state_dir: Path) -> str:
@@ -479,8 +518,10 @@ def reload_engine(
     timeout_s: float = READY_TIMEOUT_S,
     progress: Callable[[float, str], None] | None = None,
     tie: bool = False,
+    keep: bool = False,
 ) -> str:
-    """Make the engine named by ``spec`` serve ``checkpoint``; returns a line saying what was done."""
+    """Make the engine named by ``spec`` serve ``checkpoint``; returns a line saying what was done. ``keep``: requests
+    may be running on a vLLM server and must survive (reload_vllm_in_place): no restart, which would drop them."""
     if not (checkpoint / "config.json").is_file():
         raise EngineError(f"{checkpoint} is not a model checkpoint (no config.json)")
     try:
@@ -507,17 +548,23 @@ def reload_engine(
             managed = load_state(state_dir, port_of(target))
         except NotManaged:
             managed = None
+        if keep and (managed is None or managed.push != "in-place" or not is_running(managed)):
+            raise InPlaceRefused(f"{target} is not a running vLLM server started with --push in-place")
         if managed is not None and managed.push == "in-place" and is_running(managed):
             try:
                 server = reload_vllm_in_place(
-                    target, ckpt, state_dir=state_dir, weight_version=weight_version, timeout_s=timeout_s
+                    target, ckpt, state_dir=state_dir, weight_version=weight_version, timeout_s=timeout_s, keep=keep
                 )
                 return f"vllm {server.url}: loaded {ckpt} in place as {server.served_model_name!r}" + _tag_hint(
                     server, weight_version
                 )
             except InPlaceRefused as exc:
+                if keep:
+                    raise
                 fallback = f" (not in place: {exc})"
             except EngineError as exc:
+                if keep:
+                    raise
                 fallback = f" (the in-place reload failed, so it was restarted: {exc})"
         server = restart_vllm(
             target,

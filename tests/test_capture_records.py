@@ -12,7 +12,14 @@ import time
 import orjson
 import pytest
 
-from polar_addon.canonical import AssistantMessage, CanonicalRequest, Completion, SamplingParams, ToolCall
+from polar_addon.canonical import (
+    AssistantMessage,
+    CanonicalRequest,
+    Completion,
+    SamplingParams,
+    ToolCall,
+    VersionSpan,
+)
 from polar_addon.capture import (
     LOGPROB_SLACK,
     MIN_SAMPLED_LOGPROB,
@@ -56,6 +63,7 @@ def completion() -> Completion:
         engine="sglang:http://127.0.0.1:30000",
         matched_stop="</tool_call>",
         weight_version="step-4",
+        weight_versions=[VersionSpan("step-4", 0, 1), VersionSpan("step-5", 1, 2)],
         parse_failures=1,
         tool_call_parser="hermes",
     )
@@ -116,6 +124,7 @@ def test_record_ok_holds_every_field_of_the_call() -> None:
         "tool_call_parser": "hermes",
         "role": "agent",
         "role_reason": None,
+        "weight_versions_json": '[{"version":"step-4","start":0,"end":1},{"version":"step-5","start":1,"end":2}]',
     }
     assert record.to_dict() == expected
     # The response is the message as the engine's parser gave it, reasoning and call ids included.
@@ -214,6 +223,7 @@ def test_record_failed_with_a_request_keeps_what_was_asked() -> None:
         "tool_call_parser": None,
         "role": "discarded",
         "role_reason": "failed",
+        "weight_versions_json": None,
     }
 
 
@@ -233,7 +243,7 @@ def test_to_dict_is_shallow_and_in_field_order() -> None:
     record = CaptureRecord("r", "s", 0, "openai_chat", "ok", prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.5])
     data = record.to_dict()
     assert list(data)[:5] == ["record_id", "session_id", "seq", "api", "status"]
-    assert list(data)[-2:] == ["role", "role_reason"] and len(data) == 37
+    assert list(data)[-3:] == ["role", "role_reason", "weight_versions_json"] and len(data) == 38
     # The token lists are the record's own (no copy of an 8k-token record per write).
     assert data["prompt_ids"] is record.prompt_ids and data["logprobs"] is record.logprobs
 

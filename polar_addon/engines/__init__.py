@@ -90,7 +90,11 @@ def make_engine(spec: str | EngineSpec, *, timeout_s: float) -> Engine:
         from polar_addon.engines.sglang import SGLangEngine
         from polar_addon.engines.vllm import VLLMEngine
 
-        engine = (SGLangEngine if parsed.kind == "sglang" else VLLMEngine)(parsed.target, timeout_s=timeout_s)
+        engine = (
+            SGLangEngine(parsed.target, timeout_s=timeout_s)
+            if parsed.kind == "sglang"
+            else VLLMEngine(parsed.target, timeout_s=timeout_s, token_versions=parsed.token_versions)
+        )
         # vLLM never reports a version, SGLang only once update_weights_from_disk was given one (its own tag wins
         # over all but its placeholder ``default``): a loop that restarts vLLM on each checkpoint starts each
         # rollout's proxy with the version that server now holds.

@@ -29,6 +29,7 @@ from polar_addon.canonical import (
     EngineFault,
     PolarError,
     ToolCall,
+    VersionSpan,
 )
 from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prompt
 from polar_addon.token_ids import IdText, pack_token_ids
@@ -114,6 +115,11 @@ def engine_error(status: int, content: bytes) -> PolarError:
             message, prompt_tokens=_first_int(_PROMPT_RES, message), window=_first_int(_WINDOW_RES, message)
         )
     return PolarError(400, "invalid_request", message)
+
+
+def at_least(err: ContextLengthExceeded) -> bool:
+    """The refusal does not say the prompt's real length (vLLM stops tokenizing one token past its window)."""
+    return err.prompt_tokens is None or bool(_AT_LEAST_RE.search(err.message))
 
 
 def _first_int(patterns: list[re.Pattern[str]], text: str) -> int | None:
@@ -316,7 +322,7 @@ class HTTPEngine:
         try:
             content = await self.request_bytes("POST", "/v1/chat/completions", body)
         except ContextLengthExceeded as err:
-            if err.prompt_tokens is None or _AT_LEAST_RE.search(err.message):
+            if at_least(err):
                 # vLLM stops tokenizing one token past its window and says "at least N"; its /tokenize (SGLang's
                 # too) counts the whole prompt, so the refused call is recorded, and answered, with its real length.
                 try:
@@ -330,6 +336,10 @@ class HTTPEngine:
         else:
             rest, prompt_ids = cut
             parsed = parse_chat_response(self._json(rest), prompt_ids=prompt_ids)
+        return self.chat_completion(request, parsed)
+
+    def chat_completion(self, request: CanonicalRequest, parsed: ParsedChat) -> Completion:
+        """The Completion of a chat answer the server parsed (its message, ids and logprobs)."""
         # The server parsed the text with its own --tool-call-parser; an opt-in fallback (polar_tool_parser
         # hermes+fenced_json) may still find calls in the content of a turn it found none in. Only the message
         # changes: the sampled ids and logprobs stay the engine's.
@@ -536,6 +546,82 @@ def parse_completion_response(data: Any) -> tuple[str, ParsedChat]:
         matched_stop=matched if isinstance(matched, str) else None,
         weight_version=str(weight_version) if weight_version is not None else None,
         cached_tokens=int(cached) if isinstance(cached, int) else None,
+    )
+
+
+def parse_version_spans(raw: Any, tokens: int, configured: str | None) -> list[VersionSpan]:
+    """vLLM's ``weight_versions`` (scale-out generate) over ``tokens`` response tokens, checked: contiguous spans from
+    0 to ``tokens``, each a non-empty range with a string version. ``default`` (vLLM's version before anyone set one)
+    reads as ``configured`` when there is one. A response of no tokens has no spans."""
+    if raw is None:
+        if tokens == 0:
+            return []
+        raise _bad("no weight_versions (is the server started with --enable-scale-out?)")
+    if not isinstance(raw, list):
+        raise _bad("weight_versions is not a list")
+    spans: list[VersionSpan] = []
+    reach = 0
+    for item in raw:
+        if not isinstance(item, dict):
+            raise _bad(f"weight_versions entry {item!r} is not an object")
+        version, start, end = item.get("version"), item.get("start"), item.get("end")
+        if not isinstance(version, str) or not version:
+            raise _bad(f"weight_versions entry {item!r} has no version")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
+            raise _bad(f"weight_versions entry {item!r} has non-integer bounds")
+        if start != reach or end <= start:
+            raise _bad(f"weight_versions do not cover the response tokens in order ({raw!r})")
+        if version == SGLANG_UNSET_VERSION and configured is not None:
+            version = configured
+        if spans and spans[-1].version == version:
+            spans[-1] = VersionSpan(version, spans[-1].start, end)
+        else:
+            spans.append(VersionSpan(version, start, end))
+        reach = end
+    if reach != tokens:
+        raise _bad(f"weight_versions cover {reach} of {tokens} response tokens")
+    return spans
+
+
+def parse_generate_response(data: Any) -> tuple[str | None, ParsedChat, Any]:
+    """A vLLM ``/inference/v1/generate`` answer (``return_token_ids``, logprobs 0): its text (``output_mode: text``;
+    None for ``tokens``), everything a chat answer gives (an empty message, for the caller's parser), and the
+    choice's raw ``weight_versions``."""
+    choice = _first_choice(data)
+    text = choice.get("text")
+    if text is not None and not isinstance(text, str):
+        raise _bad("choices[0].text is not text")
+    prompt_ids = _id_array(data.get("prompt_token_ids"), "prompt_token_ids")
+    if not prompt_ids:
+        raise _bad("no prompt token ids (was return_token_ids honoured?)")
+    response_ids = _int_list(choice.get("token_ids"), "choices[0].token_ids")
+    if response_ids is None:
+        raise _bad("no response token ids")
+    block = choice.get("logprobs")
+    entries = block.get("content") if isinstance(block, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and "logprob" in e for e in entries):
+        raise _bad("no logprobs (was logprobs honoured?)")
+    logprobs = _float_list([e["logprob"] for e in entries], "choices[0].logprobs.content")
+    if len(logprobs) != len(response_ids):
+        raise _bad(f"{len(logprobs)} logprobs for {len(response_ids)} response tokens")
+    finish = _FINISH_REASONS.get(str(choice.get("finish_reason")))
+    if finish is None:
+        raise _bad(f"unknown finish_reason {choice.get('finish_reason')!r}")
+    matched = choice.get("stop_reason")
+    return (
+        text,
+        ParsedChat(
+            message=AssistantMessage(),
+            finish_reason=finish,
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            logprobs=logprobs,
+            served_model=data.get("model") if isinstance(data.get("model"), str) else None,
+            matched_stop=matched if isinstance(matched, str) else None,
+            weight_version=None,
+            cached_tokens=None,
+        ),
+        choice.get("weight_versions"),
     )
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-# The options each kind takes. weight_version tags the calls whose answer carries none (vLLM never reports one;
-# SGLang does once given one); max_len shrinks a local model's window (long-session tests).
+# The options each kind takes. weight_version tags the calls whose answer carries none (vLLM never reports one on
+# its OpenAI endpoints; SGLang does once given one); versions=spans samples vLLM on its scale-out endpoints, which
+# report the version of every sampled token (engines.vllm); max_len shrinks a local model's window (long sessions).
 OPTIONS: dict[str, tuple[str, ...]] = {
     "sglang": ("weight_version",),
-    "vllm": ("weight_version",),
+    "vllm": ("weight_version", "versions"),
     "local": ("max_len", "weight_version"),
     "scripted": (),
 }
@@ -54,6 +55,8 @@ class EngineSpec:
         if unknown:
             takes = f"takes {', '.join(allowed)}" if allowed else "takes no options"
             raise ValueError(f"engine spec {spec!r}: unknown option(s) {sorted(unknown)} ({kind} {takes})")
+        if params.get("versions", "spans") != "spans":
+            raise ValueError(f"engine spec {spec!r}: versions can only be 'spans' (per-token weight versions)")
         max_len = params.get("max_len")
         if max_len is not None and not max_len.isdigit():
             raise ValueError(f"engine spec {spec!r}: max_len must be a whole number of tokens, not {max_len!r}")
@@ -68,6 +71,11 @@ class EngineSpec:
     def weight_version(self) -> str | None:
         """The policy version to tag the calls with when the engine reports none."""
         return self.params.get("weight_version")
+
+    @property
+    def token_versions(self) -> bool:
+        """Sample where the engine reports each token's weight version (``versions=spans``)."""
+        return self.params.get("versions") == "spans"
 
     @property
     def max_len(self) -> int:

@@ -12,26 +12,106 @@ tokens, unlike SGLang).
 Token input (continuity.chains): ``/v1/completions`` with the prompt as token ids; ``return_token_ids`` gives
 ``choices[0].prompt_token_ids`` (what the engine saw) and ``choices[0].token_ids``, ``logprobs: 1`` one
 ``token_logprobs`` entry per sampled token.
+
+Per-token weight versions (spec option ``versions=spans``, what ``polar loop --drain keep`` runs): new weights may be
+pushed while a call runs (``pause?mode=keep``, reload, ``resume``), so one version cannot describe it. vLLM says which
+version sampled which tokens only on its scale-out endpoints (server started with ``--enable-scale-out``): a chat call
+is rendered to its exact token prompt there (``/v1/chat/completions/render``), sampled by ``/inference/v1/generate``,
+whose answer carries ``weight_versions`` spans over the output tokens, and parsed back into a message by the server's
+own tool and reasoning parsers (``/v1/chat/completions/derender``); token input goes to ``generate`` directly. The
+call's ``weight_version`` is then its oldest span's (what the staleness bound needs) and ``weight_versions`` all of
+them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from polar_addon.canonical import CanonicalRequest, Completion, PolarError
-from polar_addon.engines.openai_compat import HTTPEngine
+from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError
+from polar_addon.engines.openai_compat import (
+    HTTPEngine,
+    ParsedChat,
+    at_least,
+    chat_body,
+    parse_chat_response,
+    parse_generate_response,
+    parse_version_spans,
+    sampling_body,
+)
+
+GENERATE = "/inference/v1/generate"
 
 
 class VLLMEngine(HTTPEngine):
     kind = "vllm"
 
+    def __init__(self, url: str, timeout_s: float = 900.0, token_versions: bool = False) -> None:
+        super().__init__(url, timeout_s)
+        self.token_versions = token_versions  # sample on the scale-out endpoints, which report per-token versions
+
     def extra_body(self) -> dict[str, Any]:
         return {"return_token_ids": True}
 
+    async def complete(self, request: CanonicalRequest) -> Completion:
+        if not self.token_versions:
+            return await super().complete(request)
+        body = chat_body(request, await self.served_model())
+        body.update(self.extra_body())
+        rendered = await self.request_json("POST", "/v1/chat/completions/render", body)
+        if not isinstance(rendered, dict) or not isinstance(rendered.get("token_ids"), list):
+            raise PolarError(502, "api_error", "malformed engine answer: the render endpoint gave no token_ids")
+        generated = await self._generate({**rendered, "return_token_ids": True})
+        _, sampled, raw_spans = parse_generate_response(generated)
+        derendered = await self.request_json(
+            "POST", "/v1/chat/completions/derender", {"generate_response": generated, "chat_request": body}
+        )
+        parsed = parse_chat_response(derendered, prompt_ids=sampled.prompt_ids)
+        if parsed.response_ids != sampled.response_ids or parsed.logprobs != sampled.logprobs:
+            raise PolarError(502, "api_error", "malformed engine answer: derender changed the sampled tokens")
+        return self._versioned(self.chat_completion(request, parsed), raw_spans)
+
     async def complete_tokens(self, request: CanonicalRequest, prompt_ids: list[int]) -> Completion:
         """Token input: ``/v1/completions`` with the prompt as token ids (HTTPEngine.complete_prompt_ids).
-        ``logprobs: 1``: the sampled token's logprob (plus one alternative, ignored)."""
-        return await self.complete_prompt_ids(request, prompt_ids, logprobs=1)
+        ``logprobs: 1``: the sampled token's logprob (plus one alternative, ignored). With per-token versions:
+        ``generate`` on the ids, its text parsed by polar's tool parser as on the completions path."""
+        if not self.token_versions:
+            return await self.complete_prompt_ids(request, prompt_ids, logprobs=1)
+        params = sampling_body(request)
+        if request.sampling.max_tokens is None:  # the rest of the window, as a chat call of the same request gets
+            params["max_tokens"] = max(1, await self.window() - len(prompt_ids))
+        generated = await self._generate({
+            "token_ids": list(prompt_ids), "sampling_params": {**params, "logprobs": 0},
+            "model": await self.served_model(), "return_token_ids": True, "output_mode": "text",
+        })  # fmt: skip
+        text, parsed, raw_spans = parse_generate_response(generated)
+        turn = self.parse_text(request, text or "")
+        parsed.message = turn.message
+        if parsed.message.tool_calls and parsed.finish_reason == "stop":
+            parsed.finish_reason = "tool_calls"
+        completion = self._versioned(self._plain(request, parsed), raw_spans)
+        completion.parse_failures = len(turn.failed)
+        completion.tool_call_parser = turn.parser
+        return completion
+
+    async def _generate(self, body: dict[str, Any]) -> Any:
+        try:
+            return await self.request_json("POST", GENERATE, body)
+        except ContextLengthExceeded as err:
+            if at_least(err):  # the rendered prompt is the whole prompt: its length is known here
+                err.prompt_tokens = len(body["token_ids"])
+            raise
+
+    def _plain(self, request: CanonicalRequest, parsed: ParsedChat) -> Completion:
+        return parsed.to_completion(
+            engine=self.name, default_model=self._model or request.model, default_weight_version=self.weight_version
+        )
+
+    def _versioned(self, completion: Completion, raw_spans: Any) -> Completion:
+        spans = parse_version_spans(raw_spans, len(completion.response_ids), self.weight_version)
+        completion.weight_versions = spans
+        if spans:
+            completion.weight_version = spans[0].version  # versions only move forward: the first is the oldest
+        return completion
 
     async def count_tokens(self, request: CanonicalRequest) -> int:
         """vLLM's ``POST /tokenize`` renders the chat template exactly as a completion would."""

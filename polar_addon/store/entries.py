@@ -67,6 +67,7 @@ PLAIN_FIELDS = (
     "tool_call_parser",
     "role",
     "role_reason",
+    "weight_versions_json",
 )
 
 

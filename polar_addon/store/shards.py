@@ -26,8 +26,11 @@ _TOKENS = pa.list_(pa.int32())
 
 # Columns added after the first release: older shards lack them, and readers see nulls there.
 LATER_COLUMNS = frozenset(
-    {"min_p", "prompt_source", "prompt_reason", "parse_failures", "tool_call_parser", "role", "role_reason"}
-)
+    {
+        "min_p", "prompt_source", "prompt_reason", "parse_failures", "tool_call_parser", "role", "role_reason",
+        "weight_versions_json",
+    }
+)  # fmt: skip
 
 CALLS_SCHEMA = pa.schema(
     [
@@ -81,6 +84,10 @@ CALLS_SCHEMA = pa.schema(
         # What the call is for: agent, auxiliary or discarded (polar_addon.call_roles), and which side job or why.
         pa.field("role", pa.string()),
         pa.field("role_reason", pa.string()),
+        # Which weight version sampled which response tokens, as the engine reported it (vLLM's scale-out
+        # generate: a push during the call, polar loop --drain keep): a JSON array of {"version", "start", "end"}
+        # over response token indexes. Null: the engine reported no per-token versions (weight_version holds all).
+        pa.field("weight_versions_json", pa.string()),
     ]
 )
 
