@@ -53,7 +53,11 @@ LOOP_HELP = (
     " the policy being trained (staler ones are dropped and counted). Each new checkpoint is pushed as "
     "the next version V with a drain: new sessions wait until the engine serves V, and the batch in "
     "flight either finishes on the old weights first (--drain wait) or is cancelled, its running sessions"
-    " masked as error (--drain cut). The push: local: a new proxy on the checkpoint; vllm: `polar engine "
+    " masked as error (--drain cut), or goes on across the push (--drain keep: vllm with --vllm-push "
+    "in-place only; the push lands as soon as the checkpoint is made: vLLM pauses, reloads, recomputes the"
+    " running requests on the new weights and resumes, and labels every sampled token with its version, "
+    "recorded per call in weight_versions_json; loop.json reports per batch the calls and tokens sampled "
+    "across a push). The push: local: a new proxy on the checkpoint; vllm: `polar engine "
     "reload` restarts vLLM on it (each batch's proxy tags its calls vllm:URL?weight_version=V, as vLLM "
     "reports no version); sglang:URL: update_weights_from_disk with weight_version V, which SGLang "
     "reports in every answer. polar train's truncated importance sampling against the captured logprobs "
@@ -142,7 +146,9 @@ class LoopSettings:
         flags=("--drain",),
         help="--async, when new weights are pushed (new sessions wait until "
         "the engine serves them): wait (the batch in flight finishes on the old weights first) "
-        "or cut (its running sessions are cancelled and masked as error).",
+        "or cut (its running sessions are cancelled and masked as error) "
+        "or keep (vllm in place: the running requests go on on the new weights, each token labelled with the "
+        "version that sampled it).",
     )
     ray: str | None = reuse(
         RolloutSettings,
@@ -228,8 +234,8 @@ class LoopSettings:
         except ValueError as exc:
             raise SettingsError("local, vllm or sglang:URL", "engine") from exc
         check_network(self.network)
-        if self.drain not in ("wait", "cut"):
-            raise SettingsError("wait or cut", "drain")
+        if self.drain not in ("wait", "cut", "keep"):
+            raise SettingsError("wait, cut or keep", "drain")
         if self.vllm_push not in ("in-place", "restart"):
             raise SettingsError("in-place or restart", "vllm_push")
         if self.min_groups is not None and self.min_groups < 1:
@@ -454,9 +460,16 @@ def _run_async(config: Any, max_staleness: int, drain: str, console: Any, say: A
         f"version {s['final_version']} reward {final}; loop.json in {config.out}"
     )
     for push in state.get("pushes", []):
+        where = "" if push.get("during_batch") is None else f" under batch {push['during_batch']}"
         console.print(
-            f"push of version {push['version']} to {push['engine']}: drain {push['drain_s']:.1f} s "
+            f"push of version {push['version']} to {push['engine']}{where}: drain {push['drain_s']:.1f} s "
             f"(checkpoint made -> engine serving it), of which reload {push['reload_s']:.1f} s"
+        )
+    mix = s.get("versions")
+    if mix:
+        console.print(
+            f"sampled across a push: {mix['calls_mixed']} of {mix['calls']} calls, {mix['tokens_after_push']} of "
+            f"{mix['tokens']} tokens after their call's first version"
         )
 
 

@@ -23,6 +23,26 @@ from tests.conftest import free_port
 from tests.test_vllm_inplace_push import REPO, _perturbed
 
 PROMPT = [1, 17, 250, 31, 9, 77, 402, 5, 66, 12, 300, 41]
+# The agent of the keep loop test: one call per session, except in batch 1, whose sessions call the model until
+# the engine log records the push (then once more), so the push lands while their calls run.
+KEEP_AGENT = """
+import os, sys
+from pathlib import Path
+from openai import OpenAI
+
+engines = Path(sys.argv[1])
+client = OpenAI(max_retries=0, timeout=600)
+pushed = lambda: any("requests kept" in p.read_text() for p in engines.glob("engine-*.log"))
+# The session's identity (its group of batch 1 is "b001-...") travels in the harness's API key.
+keep_going = any("b001-" in value for value in os.environ.values()) and not pushed()
+for _ in range(400):
+    client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "count"}], max_tokens=300, temperature=1.0
+    )
+    if not keep_going or pushed():
+        break
+Path("answer.txt").write_text("done")
+"""
 
 
 def _reference(model: Path, prompt: list[int], response: list[int]) -> list[float]:
@@ -113,3 +133,76 @@ def test_a_push_under_load_loses_no_call_and_labels_every_token_with_the_version
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # resumed, serving
     finally:
         stop_engine(server.url, state_dir=state)
+
+
+@pytest.mark.vllm
+def test_an_async_loop_with_drain_keep_pushes_under_the_running_batch_and_labels_every_token(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`polar loop --async --drain keep --engine vllm`: the checkpoint lands in the running vLLM while a batch's
+    sessions are sampling, no session of that batch is lost, its calls' tokens carry the version that sampled them
+    (checked against both models token by token), the batch reports how much of it was sampled across the push, and
+    the last batch is the checkpoint's alone. The agent of batch 1 keeps calling the model until the engine's log
+    says the push happened (so a push under the batch is certain, whatever the machine's speed); the other batches'
+    agents make one call."""
+    if not (REPO / ".venv-vllm" / "bin" / "python").exists():
+        from tests.support.prereq import missing
+
+        missing("vLLM CPU venv missing (.venv-vllm); run `make engine`")
+    import json
+    import subprocess
+    import sys
+
+    import orjson
+
+    from polar_addon.store.reader import read_records
+
+    model = untie_embeddings(tiny_model_dir, tmp_path / "untied")
+    tasks = tmp_path / "tasks.jsonl"
+    task = {"id": "t0", "instruction": "count", "reward_file": "reward.txt",
+            "verify": "python3 -c 'import random; print(random.random())' > reward.txt"}  # fmt: skip
+    tasks.write_text(json.dumps(task) + "\n")
+    out = tmp_path / "loop"
+    agent = tmp_path / "keep_agent.py"
+    agent.write_text(KEEP_AGENT)
+    cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness",
+           f"cmd:{sys.executable} {agent} {out / '.engines'}", "--model", str(model),
+           "--engine", "vllm", "--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=2048",
+           "--vllm-arg=--dtype=float32", "--iterations", "2", "--out", str(out), "--samples", "4", "--no-progress",
+           "--async", "--drain", "keep", "--lr", "5e-3", "--eot-token-id", "2", "--epsilon-high", "1.0"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    state = json.loads((out / "loop.json").read_text())
+    print(done.stdout[-1500:])
+    assert state["drain"] == "keep" and [s["status"] for s in state["steps"]] == ["trained"]
+    (push,) = state["pushes"]
+    checkpoint = Path(state["steps"][0]["checkpoint"])
+    assert push["version"] == 1 and push["checkpoint"] == str(checkpoint) and push["reload_s"] < 30
+    under = push["during_batch"]
+    assert under is not None, "the push did not land under a running batch"
+    batch = next(b for b in state["batches"] if b["index"] == under)
+    assert batch["version"] == 0 and batch["statuses"]["completed"] == 4, batch  # no session lost to the push
+    log = "".join(p.read_text() for p in (out / ".engines").glob("engine-*.log"))
+    assert "(in place, requests kept)" in log and log.count("Starting vLLM server") == 1
+
+    seen: dict[str, int] = {"0": 0, "1": 0}
+    mixed = 0
+    for record in read_records(batch["shards"]):
+        spans = orjson.loads(record.weight_versions_json or "null")
+        assert spans and spans[-1]["end"] == len(record.response_ids), record.weight_versions_json
+        assert record.weight_version == spans[0]["version"]
+        prompt = list(record.prompt_ids)
+        references = {"0": _reference(model, prompt, record.response_ids),
+                      "1": _reference(checkpoint, prompt, record.response_ids)}  # fmt: skip
+        for span in spans:
+            got = record.logprobs[span["start"] : span["end"]]
+            want = references[span["version"]][span["start"] : span["end"]]
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-3, (span, spans)
+            seen[span["version"]] += span["end"] - span["start"]
+        mixed += len(spans) > 1
+    assert seen["0"] > 0 and seen["1"] > 0 and mixed >= 1, seen  # the push landed inside running calls
+    assert batch["versions"]["calls_mixed"] == mixed and batch["versions"]["tokens"] == sum(seen.values())
+    final = state["batches"][-1]
+    assert final["final"] and final["version"] == 1
+    assert {r.weight_version for r in read_records(final["shards"])} == {"1"}
+    print(f"drain keep: push {push['reload_s']:.2f} s under batch {under}; {batch['versions']}")

@@ -21,10 +21,16 @@ Two coroutines share one event loop:
 Drain when new weights are pushed: new sessions wait (the next batch starts only once the engine serves the new
 version), and ``wait``: the batch in flight finishes on the old weights (its groups stay usable within the bound),
 then the push happens; ``cut``: the batch in flight is interrupted, its running sessions cancelled and posted as
-``error`` (masked; what it finished before the cut is kept), then the push happens. No push ever happens under a
-running batch, which is what makes a vLLM restart safe and its static tag true. ``loop.json``'s ``pushes`` records
-each push's drain: from the checkpoint's publication to the engine serving it (``drain_s``), of which the reload
-itself (``reload_s``).
+``error`` (masked; what it finished before the cut is kept), then the push happens. With ``wait`` and ``cut`` no push
+ever happens under a running batch, which is what makes a vLLM restart safe and its static tag true. ``keep`` (vLLM
+started with ``--push in-place``, untied embeddings): the checkpoint is pushed as soon as it is made, under the
+running batch, and its requests survive it (``serving.reload_vllm_in_place`` with ``keep``: paused, reloaded, their KV
+recomputed on the new weights, resumed); every call is sampled on vLLM's scale-out endpoints (``versions=spans``),
+which label each token with the version that sampled it (``weight_versions_json``), and its ``weight_version`` is its
+oldest token's, which the staleness rule reads. Each batch records how much of it was sampled across a push
+(``versions``: calls, calls with more than one version, tokens, tokens sampled after the call's first version).
+``loop.json``'s ``pushes`` records each push's drain: from the checkpoint's publication to the engine serving it
+(``drain_s``), of which the reload itself (``reload_s``), and with ``keep`` the batch it landed in (``during_batch``).
 
 ``iterations`` counts as in the synchronous loop: ``iterations - 1`` trainings, then a batch on the last policy
 measures it. ``OUT/loop.json`` records every batch and training step with wall-clock times, and per step (and for
@@ -74,8 +80,8 @@ from polar_cli.rollout.redact import control_tokens, write_json
 from polar_cli.rollout.runner import RolloutInterrupted, RolloutResult, run_rollout
 from polar_cli.rollout.tasks import task_set_hash
 
-Drain = Literal["wait", "cut"]
-DRAINS: tuple[str, ...] = ("wait", "cut")
+Drain = Literal["wait", "cut", "keep"]
+DRAINS: tuple[str, ...] = ("wait", "cut", "keep")
 AHEAD = 1  # finished batches that may wait for the trainer before the rollout side pauses
 
 
@@ -129,6 +135,22 @@ def busy_fraction(intervals: Sequence[tuple[float, float]], start: float, end: f
     return covered / (end - start)
 
 
+def version_mix(spans_json: Sequence[str | None]) -> dict[str, int]:
+    """How much of a batch was sampled across a push, from its calls' ``weight_versions_json``: calls, calls sampled
+    by more than one version, the tokens the spans cover, and those sampled after each call's first version (a
+    call without spans counts as a call only)."""
+    import orjson
+
+    mix = {"calls": len(spans_json), "calls_mixed": 0, "tokens": 0, "tokens_after_push": 0}
+    for text in spans_json:
+        spans = orjson.loads(text) if text else []
+        if spans:
+            mix["tokens"] += spans[-1]["end"]
+            mix["tokens_after_push"] += spans[-1]["end"] - spans[0]["end"]
+            mix["calls_mixed"] += len(spans) > 1
+    return mix
+
+
 def group_versions(store: str) -> dict[str, list[str | None]]:
     """Every group's calls' ``weight_version`` tags, from the trace store."""
     from polar_addon.store.reader import read_table
@@ -159,6 +181,7 @@ class Batch:
     step: int | None = None  # the training step that took it
     dropped_groups: dict[str, int] = field(default_factory=dict)  # group -> versions behind, when dropped
     groups: dict[str, int] | None = None  # with min_groups: sampled, informative, dropped, backfilled, rounds
+    versions: dict[str, int] | None = None  # drain "keep": version_mix of its calls
 
 
 @dataclass
@@ -186,7 +209,24 @@ class _Shared:
         self.changed = asyncio.Condition()
         self.training_done = training_done
         self.in_flight: asyncio.Event | None = None  # the running batch's stop (drain "cut")
+        self.batch: int | None = None  # the running batch's index
+        self.engine = asyncio.Lock()  # one push or spec at a time: the trainer pushes under a batch with "keep"
         self.published: dict[int, float] = {}  # version -> when its checkpoint was made (this run's pushes)
+
+
+def keep_refusal(kind: str, push: str, model: Path) -> None:
+    """Refuse ``--drain keep`` where running requests cannot survive a push, saying why."""
+    if kind != "vllm":
+        raise ValueError(
+            f"--drain keep needs --engine vllm (its pause/resume and per-token versions); {kind} has neither here"
+        )
+    if push != "in-place":
+        raise ValueError("--drain keep needs --vllm-push in-place: a restart drops every running request")
+    from polar_cli.serving import in_place_refusal
+
+    refusal = in_place_refusal(model)
+    if refusal is not None:
+        raise ValueError(f"--drain keep: {model} cannot be loaded in place ({refusal})")
 
 
 def run_async_loop(
@@ -203,7 +243,9 @@ def run_async_loop(
         raise ValueError("--max-staleness must be 0 or more")
     if drain not in DRAINS:
         raise ValueError(f"--drain must be one of {', '.join(DRAINS)}")
-    engine_kind(config.engine)
+    kind = engine_kind(config.engine)
+    if drain == "keep":
+        keep_refusal(kind, config.vllm_push, config.model)
     if not (config.model / "config.json").is_file():
         raise ValueError(f"{config.model} is not a model directory (no config.json)")
     config.out.mkdir(parents=True, exist_ok=True)
@@ -229,7 +271,7 @@ class _AsyncLoop:
         self.config, self.max_staleness, self.drain = config, max_staleness, drain
         self.on_event = on_event or (lambda _e: None)
         self.say = progress or (lambda _line: None)
-        self.engine = _Engine(config, config.out / ".engines")
+        self.engine = _Engine(config, config.out / ".engines", keep=drain == "keep")
         self.started_at = time.time()
         identity = {
             "tasks": task_set_hash(list(config.tasks)),
@@ -307,23 +349,13 @@ class _AsyncLoop:
             async with shared.changed:
                 await shared.changed.wait_for(lambda: shared.training_done or len(shared.waiting) < AHEAD)
             last = shared.training_done  # the policy is final: this batch measures it
-            version, policy = shared.version, shared.policy
             # The drain: no batch runs now (the one in flight finished or was cut), so new sessions wait here while
-            # the engine loads the new version.
-            loading = time.time()
-            spec = await asyncio.to_thread(self.engine.spec, policy, self.say, version)
-            if version in shared.published:
-                loaded = time.time()
-                push = {"version": version, "checkpoint": str(policy), "published_at": shared.published[version],
-                        "loaded_at": loaded, "drain_s": loaded - shared.published[version],
-                        "reload_s": loaded - loading, "engine": self.engine.kind}  # fmt: skip
-                del shared.published[version]
-                self.pushes.append(push)
-                self.say(f"pushed version {version}: drain {push['drain_s']:.1f} s (reload {push['reload_s']:.1f} s)")
+            # the engine loads the new version (with "keep" the trainer has pushed it already).
+            version, policy, spec = await self._serve(shared)
             stop = asyncio.Event()
-            shared.in_flight = stop
+            shared.in_flight, shared.batch = stop, index
             batch = await self._batch(index, version, policy, spec, stop)
-            shared.in_flight = None
+            shared.in_flight = shared.batch = None
             batch.final = last
             self.batches.append(batch)
             self._save()
@@ -335,6 +367,28 @@ class _AsyncLoop:
                     shared.waiting.append(batch)
                 shared.changed.notify_all()
             index += 1
+
+    async def _serve(self, shared: _Shared) -> tuple[int, Path, str]:
+        """Make the engine serve the newest policy (a push when it serves an older one); its version, checkpoint and
+        the spec a rollout's proxy uses. Read under the lock, so a push never goes back to an older version."""
+        async with shared.engine:
+            version, policy = shared.version, shared.policy
+            loading = time.time()
+            spec = await asyncio.to_thread(self.engine.spec, policy, self.say, version)
+            if version in shared.published:
+                loaded = time.time()
+                push = {"version": version, "checkpoint": str(policy), "published_at": shared.published[version],
+                        "loaded_at": loaded, "drain_s": loaded - shared.published[version],
+                        "reload_s": loaded - loading, "engine": self.engine.kind}  # fmt: skip
+                if self.drain == "keep":
+                    push["during_batch"] = shared.batch
+                del shared.published[version]
+                self.pushes.append(push)
+                where = "" if shared.batch is None else f" under batch {shared.batch}"
+                self.say(
+                    f"pushed version {version}{where}: drain {push['drain_s']:.1f} s (reload {push['reload_s']:.1f} s)"
+                )
+            return version, policy, spec
 
     async def _batch(self, index: int, version: int, policy: Path, spec: str, stop: asyncio.Event) -> Batch:
         config = self.config
@@ -365,6 +419,11 @@ class _AsyncLoop:
         cut_by = next((r.interrupted for r in (first, *rounds) if r.interrupted), None)
         batch = _batch_of(index, version, policy, bdir / "shards", started, time.time(), result, cut_by == "stop")
         batch.groups = groups
+        if self.drain == "keep":
+            from polar_addon.store.reader import read_table
+
+            spans = read_table(str(bdir / "shards"), columns=["weight_versions_json"]).column(0).to_pylist()
+            batch.versions = version_mix(spans)
         return batch
 
     async def _round(self, bdir: Path, index: int, spec: str, stop: asyncio.Event, backfill: int = 0) -> RolloutResult:
@@ -431,6 +490,8 @@ class _AsyncLoop:
                 if step == self.config.iterations - 2:
                     shared.training_done = True
                 shared.changed.notify_all()
+            if status == "trained" and self.drain == "keep":
+                await self._serve(shared)  # now, under the batch in flight: its requests go on on the new weights
             self._save()
             self.on_event({"kind": "step", "step": record})
 
@@ -512,6 +573,9 @@ class _AsyncLoop:
                 "final_reward_se": measured[-1].reward_se if measured else None,
                 "drain_s": [p["drain_s"] for p in self.pushes],
             }  # fmt: skip
+            if self.drain == "keep":
+                mixes = [b.versions for b in self.batches if b.versions]
+                self.state["summary"]["versions"] = {k: sum(m[k] for m in mixes) for k in version_mix([])}
         save_state(self.config.out, self.state)
 
 

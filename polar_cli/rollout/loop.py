@@ -285,9 +285,12 @@ class _Engine:
     (the local engine and vLLM through the spec's ``?weight_version=V``; SGLang reports the version it was given in
     its own answers, and the same tag is in its spec for the calls of an older build that reports none)."""
 
-    def __init__(self, config: LoopConfig, state_dir: Path) -> None:
+    def __init__(self, config: LoopConfig, state_dir: Path, keep: bool = False) -> None:
         self.config, self.state_dir = config, state_dir
         self.kind = engine_kind(config.engine)
+        # Pushes land under running requests (async loop, drain "keep"): vLLM keeps them across the reload and
+        # labels every token with its version, so rollouts' proxies sample where it says (versions=spans).
+        self.keep = keep
         self.server: Any = None
         self.serving: tuple[Path, int | None] | None = None
         self.pushes: list[dict[str, Any]] = []  # each load after the first: version, checkpoint, seconds
@@ -297,7 +300,7 @@ class _Engine:
         if self.kind == "local":
             self.serving = (policy, version)
             return f"local:{policy}{tag}"
-        from polar_cli.serving import load_state, reload_engine, serve_vllm
+        from polar_cli.serving import label_version, load_state, reload_engine, serve_vllm
 
         wanted = (policy, version)
         started = time.monotonic()
@@ -321,6 +324,8 @@ class _Engine:
                 state_dir=self.state_dir, extra_args=list(self.config.vllm_args), dtype="auto", tie=True,
                 push=self.config.vllm_push,
             )  # fmt: skip
+            if self.keep and version is not None:
+                label_version(self.server.url, str(version))
             self.serving = wanted
         elif self.serving != wanted:
             progress(f"reloading vLLM with {policy} as version {version}")
@@ -330,6 +335,7 @@ class _Engine:
                 state_dir=self.state_dir,
                 tie=True,
                 weight_version=None if version is None else str(version),
+                keep=self.keep,
             )
             self._pushed(policy, version, started)
         # vLLM reports no version: the tag in the spec is only true if this server serves ``policy`` now. Loaded in
@@ -342,6 +348,8 @@ class _Engine:
             raise RuntimeError(
                 f"vLLM on {self.server.url} serves {root}, not {policy}: its calls cannot be tagged version {version}"
             )
+        if self.keep:
+            tag = f"{tag}&versions=spans" if tag else "?versions=spans"
         return f"{self.server.spec}{tag}"
 
     def _pushed(self, policy: Path, version: int | None, started: float) -> None:
