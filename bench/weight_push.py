@@ -5,6 +5,9 @@ then one completion that must carry the new weights' logprob). One vLLM server i
 the pushes alternate between two checkpoints (the model and a perturbed copy), ``--rounds`` in place, then
 ``--rounds`` by restart (``restart_vllm``: the same server restarted on the checkpoint), and every push is checked:
 the served logprob must be the pushed weights' (the value probed before from a server known to hold them).
+A third kind, ``keep``, pushes in place under load (``polar loop --async --drain keep``): ``--load`` long requests are
+decoding when the push starts (paused with ``mode=keep``, reloaded, recomputed, resumed), its latency is measured
+the same way (the probe queues behind the running requests), and every one of those requests must finish whole.
 
 Default model: the tiny test model with untied embeddings (vLLM 0.32 loads a tied LM head only half in place, so
 polar restarts those: ``serving.in_place_refusal``). ``--model DIR`` takes any untied model (the imported
@@ -25,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,6 +66,37 @@ def first_token(url: str) -> float:
     return float(answer["choices"][0]["logprobs"]["token_logprobs"][0])
 
 
+def generated(url: str) -> float:
+    """Tokens the server has sampled so far (its Prometheus counter)."""
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:generation_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise RuntimeError("vLLM's /metrics has no vllm:generation_tokens_total")
+
+
+def under_load(url: str, requests: int, tokens: int, push: Callable[[], None]) -> None:
+    """Run ``push`` while ``requests`` long completions decode; each must still finish with all its tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def long_request(seed: int) -> int:
+        answer = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "policy", "prompt": PROMPT, "max_tokens": tokens, "temperature": 1.0, "seed": seed,
+                  "ignore_eos": True},
+            timeout=900,
+        ).json()  # fmt: skip
+        return int(answer["usage"]["completion_tokens"])
+
+    before = generated(url)
+    with ThreadPoolExecutor(requests) as pool:
+        running = [pool.submit(long_request, seed) for seed in range(requests)]
+        while generated(url) < before + 8 * requests and not any(r.done() for r in running):
+            time.sleep(0.02)
+        push()
+        lengths = [r.result() for r in running]
+    assert lengths == [tokens] * requests, f"a request lost tokens across the push: {lengths}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=None, help="an untied model directory (default: the tiny one)")
@@ -73,6 +108,8 @@ def main() -> None:
         "small, 0.5b = Qwen3-0.6B's shape, stored in bf16), untied",
     )
     p.add_argument("--port", type=int, default=8391)
+    p.add_argument("--load", type=int, default=4, help="keep: requests decoding during the push")
+    p.add_argument("--load-tokens", type=int, default=1500, help="keep: tokens each of those requests samples")
     p.add_argument("--vllm-arg", action="append", default=None, help="vLLM flags (default --enforce-eager)")
     args = p.parse_args()
     vllm_args = args.vllm_arg if args.vllm_arg is not None else ["--enforce-eager", "--max-model-len=1024"]
@@ -95,17 +132,26 @@ def main() -> None:
             expected[other] = first_token(server.url)
             assert abs(expected[base] - expected[other]) > 1e-3, "the perturbed copy serves the same logprob"
             reload_vllm_in_place(server.url, str(base), state_dir=state)
-            times: dict[str, list[float]] = {"in-place": [], "restart": []}
-            for kind in ("in-place", "restart"):
+            times: dict[str, list[float]] = {"in-place": [], "keep": [], "restart": []}
+            for kind in times:
                 for i in range(args.rounds):
                     target = other if i % 2 == 0 else base
-                    started = time.monotonic()
-                    if kind == "in-place":
-                        reload_vllm_in_place(server.url, str(target), state_dir=state)
+                    served = 0.0
+
+                    def push(kind: str = kind, target: Path = target) -> None:
+                        nonlocal served
+                        started = time.monotonic()
+                        if kind == "restart":
+                            restart_vllm(server.url, str(target), state_dir=state, tie=True)
+                        else:
+                            reload_vllm_in_place(server.url, str(target), state_dir=state, keep=kind == "keep")
+                        served = first_token(server.url)
+                        times[kind].append(time.monotonic() - started)
+
+                    if kind == "keep":
+                        under_load(server.url, args.load, args.load_tokens, push)
                     else:
-                        restart_vllm(server.url, str(target), state_dir=state, tie=True)
-                    served = first_token(server.url)
-                    times[kind].append(time.monotonic() - started)
+                        push()
                     assert abs(served - expected[target]) < 1e-3, (kind, i, served, expected[target])
         finally:
             stop_engine(server.url, state_dir=state)
@@ -114,7 +160,12 @@ def main() -> None:
     print(f"{'push':10s} {'median s':>9s} {'each (s)':s}")
     for kind, values in times.items():
         print(f"{kind:10s} {statistics.median(values):9.3f} {' '.join(f'{v:.3f}' for v in values)}")
+    keep = statistics.median(times["keep"])
     print(f"in-place / restart = {inplace / restart:.4f} (goal <= 0.10); every push served the pushed weights")
+    print(
+        f"keep (under {args.load} decoding requests) / restart = {keep / restart:.4f}; every request running "
+        f"during a keep push finished with all {args.load_tokens} tokens"
+    )
 
 
 if __name__ == "__main__":
