@@ -135,6 +135,13 @@ def test_weight_versions_are_each_version_once_in_the_order_first_seen() -> None
     assert trace_of([record(0, weight_version=None), record(1, weight_version="w9")], None).weight_versions == ["w9"]
 
 
+def test_a_call_sampled_across_a_push_adds_every_version_of_its_spans() -> None:
+    spans = '[{"version":"3","start":0,"end":2},{"version":"4","start":2,"end":5}]'
+    calls = [record(0, weight_version="3", weight_versions_json=spans), record(1, weight_version="4")]
+    assert trace_of(calls, None).weight_versions == ["3", "4"]
+    assert trace_of([record(0, weight_version="3", weight_versions_json=spans)], None).weight_versions == ["3", "4"]
+
+
 def test_temperature_is_the_first_calls_as_a_float_and_one_when_unrecorded() -> None:
     unrecorded = trace_of([record(0, temperature=None), record(1, temperature=0.2)], None)
     assert unrecorded.temperature == 1.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import orjson
+
 from polar_addon.capture import CaptureRecord
 from polar_cli.build.rewards import RewardDecision, SessionInfo
 from polar_cli.trace import Trace
@@ -25,8 +27,11 @@ def make_trace(
     first = records[0]
     versions: list[str] = []
     for record in records:
-        if record.weight_version is not None and record.weight_version not in versions:
-            versions.append(record.weight_version)
+        # A call sampled across a push (polar loop --drain keep) names every version in its spans, oldest first.
+        spans = orjson.loads(record.weight_versions_json) if record.weight_versions_json else []
+        for version in [record.weight_version, *(span["version"] for span in spans)]:
+            if version is not None and version not in versions:
+                versions.append(version)
     return Trace(
         trace_id=trace_id,
         session_id=session_id,
