@@ -192,6 +192,185 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
     # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # Which captured data reaches training: shard files and their schemas, journal entries, the reader (shards plus
+    # the journal's unsealed rows), the validator's findings (the store tests' subprocess kills and the train CLI
+    # test are left out: seconds each per mutant).
+    "store.shards": (
+        ["polar_addon/store/shards.py"],
+        [
+            "tests/test_store_shards_units.py",
+            "tests/test_store_basic.py",
+            "tests/test_store_trace_store.py",
+            "tests/test_store_quarantine.py",
+        ],
+    ),
+    "store.entries": (
+        ["polar_addon/store/entries.py"],
+        [
+            "tests/test_store_entries_units.py",
+            "tests/test_store_basic.py",
+            "tests/test_store_quarantine.py",
+            "tests/test_store_compaction.py",
+        ],
+    ),
+    "store.reader": (
+        ["polar_addon/store/reader.py"],
+        [
+            "tests/test_store_reader_units.py",
+            "tests/test_store_basic.py",
+            "tests/test_store_pending.py",
+            "tests/test_store_cli.py",
+            "-k",
+            "not train_on_a_path",
+        ],
+    ),
+    "store.validate": (
+        ["polar_addon/store/validate.py"],
+        [
+            "tests/test_store_validate_units.py",
+            "tests/test_store_cli.py",
+            "tests/test_store_hostile_rows.py",
+            "tests/test_store_quarantine.py",
+            "tests/test_store_pending.py",
+            "-k",
+            "not train_on_a_path",
+        ],
+    ),
+    "store.pending": (
+        ["polar_addon/store/pending.py"],
+        [
+            "tests/test_store_pending_units.py",
+            "tests/test_store_pending.py",
+            "tests/test_store_basic.py",
+            "tests/test_store_cli.py",
+            "-k",
+            "not train_on_a_path",
+        ],
+    ),
+    # One rollout's settings: `polar rollout`'s refusals before anything runs, and the runner's config made of them.
+    "rollout.config": (
+        ["polar_cli/rollout/config.py"],
+        ["tests/test_rollout_config_units.py", "tests/test_settings.py"],
+    ),
+    # The embedded CPU engine's sampling (the logprobs recorded, how a turn ends, top-k/top-p/min-p, the window, the
+    # request checks) on a scripted stand-in for the model: test_engine_local.py loads the tiny model (~5 s cold in
+    # each mutant's process, so most of its mutants time out). Run with --only on the logic; the rest is glue.
+    "engines.local": (
+        ["polar_addon/engines/local.py"],
+        ["tests/test_engines_local_units.py", "tests/test_rollout_window_redact.py"],
+    ),
+    # The exports other tools train on (ATIF trajectories, OpenAI chat JSONL): each message once, in order, with
+    # its role, tool calls and the sampled turn's exact tokens (test_export.py's store tests: seconds; its every-API
+    # test runs a gateway).
+    "export.atif": (
+        ["polar_cli/export/atif.py"],
+        [
+            "tests/test_export_units.py",
+            "tests/test_export.py",
+            "tests/test_call_roles.py",
+            "-k",
+            "export and not every_api_dialects",
+        ],
+    ),
+    "export.conversation": (
+        ["polar_cli/export/conversation.py", "polar_cli/export/openai_jsonl.py", "polar_cli/export/__init__.py"],
+        [
+            "tests/test_export_units.py",
+            "tests/test_export.py",
+            "tests/test_call_roles.py",
+            "-k",
+            "export and not every_api_dialects",
+        ],
+    ),
+    # `polar rollout --ray`'s driver decisions on a fake Ray and fake actors (the queue, the early stop counted over
+    # every node, a lost node's sessions, the stages display): run with --only on those (the rest starts proxies
+    # on a real cluster, minutes per mutant).
+    "rollout.ray_backend": (["polar_cli/rollout/ray_backend.py"], ["tests/test_ray_backend_units.py"]),
+    # The live counters file the dashboard reads, loop --eval's schedule and loop.json entry, the harness and
+    # runtime registries' lookup, and the rollout proxy's pure parts (endpoints, the fence, the session-mode
+    # check, the control client on a mock transport; start_proxy runs mitmdump and is left to its own tests).
+    "rollout.progress_file": (
+        ["polar_cli/rollout/progress_file.py"],
+        [
+            "tests/test_progress_file_units.py",
+            "tests/test_dashboard.py::test_progress_file_is_whole_current_and_redacted",
+        ],
+    ),
+    "rollout.loop_eval": (
+        ["polar_cli/rollout/loop_eval.py"],
+        [
+            "tests/test_loop_eval_units.py",
+            "tests/test_loop_eval.py::test_the_schedule_is_the_base_every_nth_and_the_last",
+            "tests/test_loop_eval.py::test_a_loop_entry_holds_pass_at_k_its_se_and_the_causes",
+        ],
+    ),
+    "rollout.registry": (
+        ["polar_cli/rollout/registry.py"],
+        [
+            "tests/test_registry_units.py",
+            "tests/test_rollout_tasks.py::test_registries_name_what_exists",
+            # (test_presets_python.py reads examples/, which the scratch copy lacks)
+        ],
+    ),
+    "rollout.proxy": (
+        ["polar_cli/rollout/proxy.py"],
+        [
+            "tests/test_rollout_proxy_units.py",
+            "tests/test_killed_runs.py::test_the_fence_refuses_a_directory_a_live_proxy_still_writes",
+        ],
+    ),
+    # The sandbox runtimes themselves, on fakes of the engines and processes (seconds a run, no sandbox started): the
+    # interface's shared state, local's environment and limits, the proxy bridge's socats, the cgroup files, and the
+    # exact bwrap / podman arguments (what is mounted, read-only or not, the network, the limits: the sandbox's
+    # boundary). bwrap and oci with --only on those: the rest spawns the sandbox.
+    "rollout.runtimes.base": (["polar_cli/rollout/runtimes/base.py"], ["tests/test_runtimes_base_units.py"]),
+    "rollout.runtimes.local": (["polar_cli/rollout/runtimes/local.py"], ["tests/test_runtimes_local_units.py"]),
+    "rollout.runtimes.bridge": (["polar_cli/rollout/runtimes/bridge.py"], ["tests/test_runtimes_bridge_units.py"]),
+    "rollout.runtimes.cgroups": (["polar_cli/rollout/runtimes/cgroups.py"], ["tests/test_runtimes_cgroups_units.py"]),
+    "rollout.runtimes.bwrap": (["polar_cli/rollout/runtimes/bwrap.py"], ["tests/test_runtimes_bwrap_units.py"]),
+    "rollout.runtimes.oci": (["polar_cli/rollout/runtimes/oci.py"], ["tests/test_runtimes_oci_units.py"]),
+    # The proxy's edges an agent writes to: the per-client body budget and the stream relay, the Responses
+    # WebSocket's message handling, and `polar rollout --proxy`'s boundary check (no mitmdump, no engine).
+    "relay": (
+        ["polar_addon/relay.py"],
+        [
+            "tests/security/test_proxy.py::"
+            "test_the_budget_is_per_client_across_connections_and_released_with_each_flow_or_connection",
+            "tests/security/test_proxy.py::test_a_counted_body_is_dropped_once_over_its_cap_or_its_budget",
+            "tests/test_relay_units.py",
+        ],
+    ),
+    "responses_websocket": (
+        ["polar_addon/responses_websocket.py"],
+        [
+            "tests/test_responses_websocket.py::test_sse_events_split_frames_and_skip_keepalives",
+            "tests/test_responses_websocket.py::test_upgrade_detection_and_error_event",
+            "tests/test_responses_websocket_units.py",
+        ],
+    ),
+    "rollout.proxy_check": (
+        ["polar_cli/rollout/proxy_check.py"],
+        ["tests/security/test_proxy.py::test_the_probe_verdict", "tests/test_proxy_check_units.py"],
+    ),
+    # The mitmproxy addons, the proxy's boundary with the agent: the body limits (size, time, per-client budget;
+    # with the parked replies and the shared refusal they answer through), which flows are intercepted or refused,
+    # the control plane's flows and token, and how a model call reaches the gateway.
+    "addons.body_limits": (
+        ["polar_addon/addons/body_limits.py", "polar_addon/addons/replies.py", "polar_addon/addons/shared.py"],
+        ["tests/test_addon_options.py", "tests/test_addons_body_limits_units.py"],
+    ),
+    "addons.scope": (
+        ["polar_addon/addons/scope.py"],
+        ["tests/test_addon_options.py", "tests/test_addons_scope_units.py"],
+    ),
+    "addons.control_plane": (
+        ["polar_addon/addons/control_plane.py"],
+        ["tests/test_addon_options.py", "tests/test_addons_control_plane_units.py"],
+    ),
+    "addons.capture": (
+        ["polar_addon/addons/capture.py"],
+        ["tests/test_addon_options.py", "tests/test_addons_capture_units.py"],
+    ),
     # The exact prompt tokens a continued call is sent with (the delta after the sampled turn), and the recognition
     # of a harness's context compaction (which starts a new token chain).
     "continuity.delta": (
@@ -276,6 +455,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["polar_cli/rollout/async_loop.py"],
         [
             "tests/test_async_loop_units.py",
+            "tests/test_async_loop_keep_units.py",
             "tests/test_async_loop.py::test_groups_within_the_bound_are_kept_and_staler_ones_dropped_whole",
             "tests/test_async_loop.py::test_the_staleness_rule_refuses_nonsense",
             "tests/test_async_loop.py::test_busy_fraction_counts_overlaps_once_and_clips_to_the_window",
@@ -403,6 +583,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_engine_http_client.py",
             "tests/test_engine_prompt_fast_path.py",
             "tests/test_gateway_sampling.py",
+            "tests/test_vllm_token_versions.py",
         ],
     ),
     # The <think> split every Qwen format shares, and the call ids polar mints.

@@ -85,6 +85,8 @@ def under_load(url: str, requests: int, tokens: int, push: Callable[[], None]) -
                   "ignore_eos": True},
             timeout=900,
         ).json()  # fmt: skip
+        if "usage" not in answer:
+            raise RuntimeError(f"a request under load failed: {answer}")
         return int(answer["usage"]["completion_tokens"])
 
     before = generated(url)
@@ -109,7 +111,9 @@ def main() -> None:
     )
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--load", type=int, default=4, help="keep: requests decoding during the push")
-    p.add_argument("--load-tokens", type=int, default=1500, help="keep: tokens each of those requests samples")
+    p.add_argument(
+        "--load-tokens", type=int, default=900, help="keep: tokens each of those requests samples (within the window)"
+    )
     p.add_argument("--vllm-arg", action="append", default=None, help="vLLM flags (default --enforce-eager)")
     args = p.parse_args()
     vllm_args = args.vllm_arg if args.vllm_arg is not None else ["--enforce-eager", "--max-model-len=1024"]

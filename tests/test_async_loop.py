@@ -101,7 +101,7 @@ def test_async_refuses_an_unknown_engine_and_drain(tiny_model_dir: Path, tmp_pat
         bad = subprocess.run([*base, "--engine", engine], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and "local, vllm or sglang:URL" in bad.stderr, bad.stderr
     drain = subprocess.run([*base, "--drain", "later"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert drain.returncode == 2 and "wait or cut" in drain.stderr
+    assert drain.returncode == 2 and "wait, cut or keep" in drain.stderr
     assert not (tmp_path / "o").exists()
 
 
