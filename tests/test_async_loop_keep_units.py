@@ -46,7 +46,9 @@ def test_keep_is_refused_where_running_requests_cannot_survive_a_push(tmp_path: 
     for kind in ("local", "sglang"):
         with pytest.raises(ValueError, match=f"--drain keep needs --engine vllm .*; {kind} has neither here"):
             keep_refusal(kind, "in-place", untied)
-    with pytest.raises(ValueError, match="needs --vllm-push in-place: a restart drops every running request"):
+    with pytest.raises(
+        ValueError, match="^--drain keep needs --vllm-push in-place: a restart drops every running request$"
+    ):
         keep_refusal("vllm", "restart", untied)
 
 

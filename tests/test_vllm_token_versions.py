@@ -35,28 +35,35 @@ def test_vllm_default_version_reads_as_the_configured_one_only_when_there_is_one
     assert parse_version_spans([_span("default", 0, 3), _span("1", 3, 5)], 5, "1") == [VersionSpan("1", 0, 5)]
 
 
+ENTRY = "weight_versions entry "
+BOUNDS = "has non-integer bounds"
+ORDER = "weight_versions do not cover the response tokens in order "
+
+
 @pytest.mark.parametrize(
     ("raw", "tokens", "why"),
     [
-        (None, 3, "no weight_versions"),
-        ({"version": "1"}, 3, "not a list"),
-        (["1"], 3, "is not an object"),
-        ([_span("", 0, 3)], 3, "has no version"),
-        ([{"version": 1, "start": 0, "end": 3}], 3, "has no version"),
-        ([{"version": "1", "start": 0.0, "end": 3}], 3, "non-integer bounds"),
-        ([{"version": "1", "start": False, "end": 3}], 3, "non-integer bounds"),
-        ([_span("1", 1, 3)], 3, "in order"),  # the first token unlabelled
+        (None, 3, "no weight_versions (is the server started with --enable-scale-out?)"),
+        ({"version": "1"}, 3, "weight_versions is not a list"),
+        (["1"], 3, "weight_versions entry '1' is not an object"),
+        ([_span("", 0, 3)], 3, ENTRY + "{'version': '', 'start': 0, 'end': 3} has no version"),
+        ([{"version": 1, "start": 0, "end": 3}], 3, ENTRY + "{'version': 1, 'start': 0, 'end': 3} has no version"),
+        ([{"version": "1", "start": 0.0, "end": 3}], 3, ENTRY + "{'version': '1', 'start': 0.0, 'end': 3} " + BOUNDS),
+        ([{"version": "1", "start": 0, "end": True}], 3, ENTRY + "{'version': '1', 'start': 0, 'end': True} " + BOUNDS),
+        ([_span("1", 1, 3)], 3, ORDER + "([{'version': '1', 'start': 1, 'end': 3}])"),
         ([_span("1", 0, 2), _span("2", 3, 4)], 4, "in order"),  # a gap
         ([_span("1", 0, 3), _span("2", 2, 4)], 4, "in order"),  # an overlap
         ([_span("1", 0, 0)], 0, "in order"),  # an empty span
-        ([_span("1", 0, 2)], 3, "cover 2 of 3"),  # short
-        ([_span("1", 0, 4)], 3, "cover 4 of 3"),  # past the end
+        ([_span("1", 0, 2)], 3, "weight_versions cover 2 of 3 response tokens"),  # short
+        ([_span("1", 0, 4)], 3, "weight_versions cover 4 of 3 response tokens"),  # past the end
     ],
-)
+)  # fmt: skip
 def test_spans_that_do_not_label_every_token_once_are_refused(raw: object, tokens: int, why: str) -> None:
     with pytest.raises(PolarError) as err:
         parse_version_spans(raw, tokens, "1")
-    assert err.value.status == 502 and why in err.value.message
+    assert err.value.status == 502
+    message = err.value.message.removeprefix("malformed engine answer: ")
+    assert message == why if why != "in order" else message.startswith("weight_versions do not cover"), message
 
 
 def _generated(**choice: object) -> dict:
@@ -81,20 +88,34 @@ def test_a_generate_answer_gives_ids_logprobs_finish_and_raw_spans() -> None:
     ("answer", "why"),
     [
         ({"choices": []}, "no choices"),
-        ({**_generated(), "prompt_token_ids": None}, "no prompt token ids"),
+        ({**_generated(), "prompt_token_ids": None}, "no prompt token ids (was return_token_ids honoured?)"),
+        ({**_generated(), "prompt_token_ids": [1, "x"]}, "prompt_token_ids is not a list of token ids"),
         (_generated(token_ids=None), "no response token ids"),
-        (_generated(logprobs=None), "no logprobs"),
-        (_generated(logprobs={"content": [{"token_id": 5}]}), "no logprobs"),
+        (_generated(token_ids=[5, "x"]), "choices[0].token_ids is not a list of token ids"),
+        (_generated(logprobs=None), "no logprobs (was logprobs honoured?)"),
+        (_generated(logprobs={"content": [{"token_id": 5}]}), "no logprobs (was logprobs honoured?)"),
         (_generated(logprobs={"content": [{"logprob": -1.0}]}), "1 logprobs for 2 response tokens"),
-        (_generated(finish_reason="weird"), "unknown finish_reason"),
-        (_generated(text=3), "not text"),
-        (_generated(token_ids=[5, -6]), "negative token id"),
+        (
+            _generated(logprobs={"content": [{"logprob": -1.0}, {"logprob": "x"}]}),
+            "choices[0].logprobs.content holds a non-number logprob 'x'",
+        ),
+        (_generated(finish_reason="weird"), "unknown finish_reason 'weird'"),
+        (_generated(text=3), "choices[0].text is not text"),
+        (_generated(token_ids=[5, -6]), "choices[0].token_ids holds a negative token id"),
     ],
 )
 def test_a_malformed_generate_answer_is_refused(answer: dict, why: str) -> None:
     with pytest.raises(PolarError) as err:
         parse_generate_response(answer)
-    assert err.value.status == 502 and why in err.value.message
+    assert err.value.status == 502
+    assert err.value.message.removeprefix("malformed engine answer: ").startswith(why), err.value.message
+
+
+def test_a_generate_answer_without_a_model_name_leaves_it_unset_and_the_message_empty() -> None:
+    answer = {**_generated(), "model": 7}
+    _, parsed, _ = parse_generate_response(answer)
+    assert parsed.served_model is None and parsed.message == AssistantMessage()
+    assert parse_generate_response({k: v for k, v in _generated().items() if k != "model"})[1].served_model is None
 
 
 def test_the_spec_option_turns_per_token_versions_on_for_vllm_only() -> None:
