@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -111,27 +111,43 @@ def check_blocks_other(url: str, forward_port: int, reverse_port: int, timeout_s
         for route, listener, request in probe_requests(target):
             port = forward_port if listener == "forward" else reverse_port
             probes.append(_send(route, port, request, timeout_s))
-        problem = verdict(url, probes, reached.is_set())
+        problem = verdict(url, probes, reached())
     if problem is not None:
         raise ProxyNotABoundary(problem)
 
 
 @contextmanager
-def _listener() -> Iterator[tuple[int, threading.Event]]:
-    """A loopback TCP listener that only notes whether anything connected to it."""
+def _listener() -> Iterator[tuple[int, Callable[[], bool]]]:
+    """A loopback TCP listener that only notes who connected to it; ``reached()``: whether anything but that check
+    itself has, by the time it is called."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)
-    reached = threading.Event()
+    peers: list[tuple[str, int]] = []
+    marks: set[tuple[str, int]] = set()  # the check's own connections
+    accepted = threading.Condition()
 
     def accept() -> None:
         while True:
             try:
-                conn, _ = server.accept()
+                conn, peer = server.accept()
             except OSError:
                 return  # closed: the check is over
-            reached.set()
             conn.close()
+            with accepted:
+                peers.append(peer)
+                accepted.notify_all()
+
+    def reached() -> bool:
+        # A proxy that connected and then answered 403 made its connection before its answer came, but the thread
+        # may not have taken it yet (a loaded machine): connections are accepted in order, so once one made now
+        # is, every earlier one has been.
+        with socket.create_connection(server.getsockname(), timeout=5) as own:
+            mark = own.getsockname()
+            marks.add(mark)
+            with accepted:
+                accepted.wait_for(lambda: mark in peers, timeout=5)
+                return any(peer not in marks for peer in peers)
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
