@@ -219,6 +219,13 @@ class LoopSettings:
         help="How --engine vllm gets each checkpoint: in-place (vLLM's reload_weights through its development "
         "endpoints on 127.0.0.1, a restart if that fails) or restart (a new server on it, ~30-50 s on CPU).",
     )
+    rollout_cpus: str | None = option(
+        None,
+        help="Run the loop and everything it starts (vLLM, proxies, harnesses) on these CPUs (a Linux CPU list: "
+        "0-7,16); with --train-cpus, rollouts and training get their own cores, which --async needs to overlap "
+        "them on one machine.",
+    )
+    train_cpus: str | None = option(None, help="Run each polar train on these CPUs (a Linux CPU list: 8-15).")
 
     def validate(self) -> None:
         from polar_cli.rollout.loop import engine_kind
@@ -238,6 +245,8 @@ class LoopSettings:
             raise SettingsError("wait, cut or keep", "drain")
         if self.vllm_push not in ("in-place", "restart"):
             raise SettingsError("in-place or restart", "vllm_push")
+        for name in ("rollout_cpus", "train_cpus"):
+            self._cpus(name)
         if self.min_groups is not None and self.min_groups < 1:
             raise SettingsError("1 or more", "min_groups")
         if self.max_backfill < 0:
@@ -267,6 +276,19 @@ class LoopSettings:
                 "eval_tasks",
             )
 
+    def _cpus(self, name: str) -> frozenset[int] | None:
+        from polar_cli.rollout.cpus import check_cpus, parse_cpus
+
+        text = getattr(self, name)
+        if text is None:
+            return None
+        try:
+            cpus = parse_cpus(text)
+            check_cpus(cpus, "CPUs")
+        except ValueError as exc:
+            raise SettingsError(str(exc), name) from exc
+        return cpus
+
     def to_config(
         self, tasks: Sequence[Task], train_args: Sequence[str], eval_tasks: Sequence[Task] = ()
     ) -> LoopConfig:
@@ -287,6 +309,7 @@ class LoopSettings:
             eval_samples=self.eval_samples, eval_proxy_options=set_options(self.eval_set),
             eval_pass_threshold=self.eval_pass_threshold, min_groups=self.min_groups, max_backfill=self.max_backfill,
             trackers_run=self.tracker_run_name if self.trackers else None,
+            rollout_cpus=self._cpus("rollout_cpus"), train_cpus=self._cpus("train_cpus"),
         )  # fmt: skip
 
     @property

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from polar_addon.store.status import REWARDED
+from polar_cli.rollout.cpus import pinned
 from polar_cli.rollout.loop import (
     EXIT_NOTHING_TO_TRAIN,
     LoopConfig,
@@ -65,7 +66,6 @@ from polar_cli.rollout.loop import (
     backfill_counts,
     backfill_short,
     backfill_tasks,
-    die_with_parent,
     engine_kind,
     load_state,
     mean_se,
@@ -74,6 +74,7 @@ from polar_cli.rollout.loop import (
     stop_stale_engines,
     tracked_train_args,
     train_command,
+    train_preexec,
 )
 from polar_cli.rollout.progress_file import progress_config
 from polar_cli.rollout.redact import control_tokens, write_json
@@ -256,7 +257,8 @@ def run_async_loop(
             # earlier run's. Nothing to redo; the summary is made now.
             loop._save(final=True)
         return loop.state
-    return asyncio.run(loop.run())
+    with pinned(config.rollout_cpus):  # what the loop starts (vLLM, proxies, harnesses) inherits the set
+        return asyncio.run(loop.run())
 
 
 class _AsyncLoop:
@@ -523,9 +525,9 @@ class _AsyncLoop:
             *tracked_train_args(self.config, idir), "--current-weight-version", str(version),
             "--max-staleness", str(self.max_staleness)])  # fmt: skip
         with log.open("w") as f:
-            # die_with_parent: a killed loop leaves no training running into the directory its resumed run trains in.
+            # train_preexec: a killed loop leaves no training running into the directory its resumed run trains in.
             proc = await asyncio.create_subprocess_exec(
-                *command, stdout=f, stderr=asyncio.subprocess.STDOUT, preexec_fn=die_with_parent
+                *command, stdout=f, stderr=asyncio.subprocess.STDOUT, preexec_fn=train_preexec(self.config.train_cpus)
             )
             try:
                 code = await proc.wait()

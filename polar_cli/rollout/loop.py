@@ -36,6 +36,7 @@ from typing import Any
 from polar_addon.engines.spec import EngineSpec
 from polar_addon.store.status import REWARDED, USABLE
 from polar_cli.eval.report import read_call_stats, tool_call_counts
+from polar_cli.rollout.cpus import pinned
 from polar_cli.rollout.loop_eval import EVAL_REPORT, eval_dir, eval_due, loop_entry, score
 from polar_cli.rollout.progress_file import progress_config
 from polar_cli.rollout.proxy import wait_writer_gone
@@ -94,6 +95,9 @@ class LoopConfig:
     # ``max_backfill`` more rounds, into the same shards; the training drops the uninformative ones as always.
     min_groups: int | None = None
     max_backfill: int = 2
+    # CPU sets (rollout/cpus.py): the loop and what it starts on rollout_cpus, each `polar train` on train_cpus.
+    rollout_cpus: frozenset[int] | None = None
+    train_cpus: frozenset[int] | None = None
 
 
 @dataclass
@@ -188,6 +192,17 @@ def train_command(shards: Sequence[Path], policy: Path, output: Path, train_args
             str(output), "--no-progress", *train_args]  # fmt: skip
 
 
+def train_preexec(cpus: frozenset[int] | None) -> Callable[[], None]:
+    """The ``preexec_fn`` of a `polar train`: dies with the loop, runs on the train CPU set."""
+    from polar_cli.rollout.cpus import pin_self
+
+    def preexec() -> None:
+        die_with_parent()
+        pin_self(cpus)
+
+    return preexec
+
+
 def die_with_parent() -> None:
     """``preexec_fn`` of a child that must not outlive the loop (Linux: SIGKILL when the loop's process dies, also by
     SIGKILL): a resumed loop trains into the same directory a leftover training would still write."""
@@ -224,7 +239,14 @@ def tracked_train_args(config: LoopConfig, directory: Path) -> list[str]:
     return [*config.train_args, "--run-name", f"{config.trackers_run}-{directory.name}"]
 
 
-def run_train(shards: Path, policy: Path, output: Path, train_args: Sequence[str], log: Path) -> dict[str, Any]:
+def run_train(
+    shards: Path,
+    policy: Path,
+    output: Path,
+    train_args: Sequence[str],
+    log: Path,
+    cpus: frozenset[int] | None = None,
+) -> dict[str, Any]:
     """``polar train`` in its own process (its memory is gone when it ends); the outcome for loop.json."""
     shutil.rmtree(output, ignore_errors=True)
     started = time.monotonic()
@@ -233,7 +255,7 @@ def run_train(shards: Path, policy: Path, output: Path, train_args: Sequence[str
             train_command([shards], policy, output, train_args),
             stdout=f,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
+            preexec_fn=train_preexec(cpus),
         )
     ran = {"seconds": time.monotonic() - started, "log": str(log), "shards": [str(shards)]}
     if done.returncode == EXIT_NOTHING_TO_TRAIN:
@@ -404,49 +426,50 @@ def run_loop(
     engine = _Engine(config, out / ".engines")
     stop_stale_engines(engine.state_dir)
     started = time.monotonic()
-    try:
-        for i in range(config.iterations):
-            idir = iteration_dir(out, i)
-            if i >= len(records):
-                # An interrupted attempt: start the iteration over whole, once its proxy is gone (a SIGKILLed run's
-                # lifeline kills it; a proxy still alive after that would write into the redone iteration).
-                wait_writer_gone(idir / "logs")
-                shutil.rmtree(idir, ignore_errors=True)
-                policy = _policy(records, config.model)
-                # The policy's version: the trainings that made it (its calls carry it as weight_version).
-                version = sum((r.get("train") or {}).get("status") == "trained" for r in records)
-                evaluated = {e["iteration"] for e in evals}
-                if config.eval_tasks and i not in evaluated and eval_due(i, config.iterations, config.eval_every):
-                    evals.append(_evaluate(config, i, policy, engine, say, version))
+    with pinned(config.rollout_cpus):  # what the loop starts (vLLM, proxies, harnesses) inherits the set
+        try:
+            for i in range(config.iterations):
+                idir = iteration_dir(out, i)
+                if i >= len(records):
+                    # An interrupted attempt: start the iteration over whole, once its proxy is gone (a SIGKILLed run's
+                    # lifeline kills it; a proxy still alive after that would write into the redone iteration).
+                    wait_writer_gone(idir / "logs")
+                    shutil.rmtree(idir, ignore_errors=True)
+                    policy = _policy(records, config.model)
+                    # The policy's version: the trainings that made it (its calls carry it as weight_version).
+                    version = sum((r.get("train") or {}).get("status") == "trained" for r in records)
+                    evaluated = {e["iteration"] for e in evals}
+                    if config.eval_tasks and i not in evaluated and eval_due(i, config.iterations, config.eval_every):
+                        evals.append(_evaluate(config, i, policy, engine, say, version))
+                        save_state(out, state)
+                        if on_eval:
+                            on_eval(evals[-1])
+                    pushes = len(engine.pushes)
+                    rollout = _rollout(config, i, policy, engine, say, version)
+                    groups = None
+                    if config.min_groups is not None:
+                        rollout, groups = _backfill(config, i, policy, engine, say, version, rollout)
+                    records.append(asdict(replace(stats_of(i, policy, rollout), groups=groups, calls=_calls(rollout))))
+                    if len(engine.pushes) > pushes:  # the eval or the rollout loaded this policy into the engine
+                        records[-1]["push_s"] = sum(p["reload_s"] for p in engine.pushes[pushes:])
                     save_state(out, state)
-                    if on_eval:
-                        on_eval(evals[-1])
-                pushes = len(engine.pushes)
-                rollout = _rollout(config, i, policy, engine, say, version)
-                groups = None
-                if config.min_groups is not None:
-                    rollout, groups = _backfill(config, i, policy, engine, say, version, rollout)
-                records.append(asdict(replace(stats_of(i, policy, rollout), groups=groups, calls=_calls(rollout))))
-                if len(engine.pushes) > pushes:  # the eval or the rollout loaded this policy into the engine
-                    records[-1]["push_s"] = sum(p["reload_s"] for p in engine.pushes[pushes:])
-                save_state(out, state)
-                if on_iteration:
-                    on_iteration([IterationStats(**r) for r in records])
-            record = records[i]
-            if i < config.iterations - 1 and record.get("train") is None:
-                say(f"iteration {i}: polar train")
-                record["train"] = run_train(
-                    idir / "shards",
-                    Path(record["policy"]),
-                    idir / "checkpoint",
-                    tracked_train_args(config, idir),
-                    idir / "train.log",
-                )
-                save_state(out, state)
-                if on_iteration:
-                    on_iteration([IterationStats(**r) for r in records])
-    finally:
-        engine.close()
+                    if on_iteration:
+                        on_iteration([IterationStats(**r) for r in records])
+                record = records[i]
+                if i < config.iterations - 1 and record.get("train") is None:
+                    say(f"iteration {i}: polar train")
+                    record["train"] = run_train(
+                        idir / "shards",
+                        Path(record["policy"]),
+                        idir / "checkpoint",
+                        tracked_train_args(config, idir),
+                        idir / "train.log",
+                    )
+                    save_state(out, state)
+                    if on_iteration:
+                        on_iteration([IterationStats(**r) for r in records])
+        finally:
+            engine.close()
     state["seconds_this_run"] = time.monotonic() - started
     from polar_cli.train.plots import plot_loop_curves
 
