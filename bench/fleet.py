@@ -17,6 +17,15 @@ cores, so this measures the backend's overhead and scaling on this box, not a fl
     .venv/bin/python bench/fleet.py                                # 4 tasks x 8 samples, 4 iterations
     .venv/bin/python bench/fleet.py --tasks 2 --samples 2 --iterations 3 --turns 1 --max-tokens 4   # small
     .venv/bin/python bench/fleet.py --no-loops --ray-samples 8     # only the Ray part
+
+``--engine vllm`` runs three loops on the vLLM CPU engine instead (an untied tiny model, so it loads in place):
+synchronous, async with each push a restart (``--vllm-push restart --drain wait``), and async with the push in
+place under the running batch (``--drain keep``), and reports per loop the trainings per hour, the busy fractions,
+the tokens sampled per second and the fraction of them that a training step took. ``--cpu-split 0:1`` gives the
+rollout side (the loop, vLLM, proxies, harnesses) and each `polar train` their own CPU sets (``polar loop
+--rollout-cpus/--train-cpus``): on shared cores the two sides cannot overlap.
+
+    .venv/bin/python bench/fleet.py --engine vllm --cpu-split 0:1 --no-ray --tasks 2 --samples 4 --iterations 4
 """
 
 from __future__ import annotations
@@ -106,6 +115,31 @@ def async_rows(state: dict[str, Any]) -> tuple[list[float], list[str], float, fl
     return walls, rewards, summary["wall_s"], summary["rollout_util"], summary["trainer_util"]
 
 
+def sampled_tokens(shards: str) -> int:
+    """Response tokens of every call in a store."""
+    import pyarrow.compute as pc
+
+    from polar_addon.store.reader import read_table
+
+    column = read_table(shards, columns=["response_ids"]).column(0)
+    return int(pc.sum(pc.list_value_length(column)).as_py() or 0) if len(column) else 0
+
+
+def token_use(state: dict[str, Any], out: Path) -> tuple[int, int]:
+    """(tokens sampled across the run, tokens in the stores a training step took)."""
+    from polar_cli.rollout.loop import iteration_dir
+
+    if state.get("mode") == "async":
+        stores = [(b["shards"], b["step"] is not None and not b["dropped_groups"]) for b in state["batches"]]
+    else:
+        stores = [
+            (str(iteration_dir(out, i) / "shards"), (r.get("train") or {}).get("status") == "trained")
+            for i, r in enumerate(state["iterations"])
+        ]
+    counts = [(sampled_tokens(shards), used) for shards, used in stores]
+    return sum(n for n, _ in counts), sum(n for n, used in counts if used)
+
+
 def _reward(mean: float | None, se: float | None) -> str:
     return "-" if mean is None else f"{mean:.3f} ± {se or 0.0:.3f}"
 
@@ -126,7 +160,11 @@ def main() -> None:
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray rollouts")
     parser.add_argument("--ray-samples", type=int, default=8, help="Ray rollouts: sessions per task")
     parser.add_argument("--ray-concurrency", type=int, default=4, help="Ray rollouts: harnesses at once per node")
+    parser.add_argument("--engine", default="local", help="local (default) or vllm: sync vs async restart vs keep")
+    parser.add_argument("--cpu-split", help="ROLLOUT:TRAIN CPU lists for polar loop, e.g. 0:1 or 0-7:8-15")
     args = parser.parse_args()
+    if args.engine == "vllm":
+        return vllm_loops(args)
 
     with tempfile.TemporaryDirectory(prefix="polar-fleet-") as tmp:
         root = Path(tmp)
@@ -169,6 +207,57 @@ def main() -> None:
             f"2 workers / 1 worker: {ray[1][1]['sessions_per_minute'] / ray[0][1]['sessions_per_minute']:.2f}x "
             "sessions/min (seconds: from the driver's start, the nodes' proxy starts included)"
         )
+
+
+VLLM_FLAGS = ["--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=4096", "--vllm-arg=--dtype=float32"]
+VLLM_LOOPS = {
+    "sync": ["--engine", "vllm"],
+    "async restart": ["--engine", "vllm", "--async", "--vllm-push", "restart", "--drain", "wait"],
+    "async keep": ["--engine", "vllm", "--async", "--drain", "keep"],
+}
+
+
+def vllm_loops(args: argparse.Namespace) -> None:
+    """The three vLLM loops side by side, in one run, from the same model and tasks."""
+    from polar_cli.tiny_model import build_tiny_model, untie_embeddings
+
+    split = []
+    if args.cpu_split:
+        rollout, _, train = args.cpu_split.partition(":")
+        split = ["--rollout-cpus", rollout, "--train-cpus", train]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="polar-fleet-") as tmp:
+        root = Path(tmp)
+        model = args.model or untie_embeddings(build_tiny_model(root / "tiny", generation_defaults="qwen3"), root / "m")
+        lines = [ln for ln in (TOY / "tasks.jsonl").read_text().splitlines() if ln.startswith("{")][: args.tasks]
+        tasks = root / "tasks.jsonl"
+        tasks.write_text("\n".join(lines) + "\n")
+        for name, extra in VLLM_LOOPS.items():
+            out = root / name.replace(" ", "-")
+            seconds = run_loop(out, args, model, tasks, [*extra, *VLLM_FLAGS, *split])
+            state = json.loads((out / "loop.json").read_text())
+            rows = async_rows(state) if state.get("mode") == "async" else sync_rows(state)
+            sampled, used = token_use(state, out)
+            trainings = (
+                sum(s["status"] == "trained" for s in state["steps"])
+                if state.get("mode") == "async"
+                else sum((r.get("train") or {}).get("status") == "trained" for r in state["iterations"])
+            )
+            results[name] = (seconds, rows, sampled, used, trainings, state.get("summary", {}).get("versions"))
+    print(
+        f"vLLM CPU loops, toy task: {len(lines)} tasks x {args.samples} samples, {args.iterations} iterations, "
+        f"--turns {args.turns} --max-tokens {args.max_tokens}, CPU split {args.cpu_split or 'none (shared cores)'}"
+    )
+    print(f"{'loop':14s} {'wall s':>7s} {'trainings/h':>11s} {'rollout busy':>12s} {'trainer busy':>12s} "
+          f"{'tokens/s':>8s} {'tokens used':>11s}")  # fmt: skip
+    for name, (seconds, rows, sampled, used, trainings, _) in results.items():
+        print(f"{name:14s} {seconds:7.0f} {trainings / seconds * 3600:11.1f} {rows[3]:12.0%} {rows[4]:12.0%} "
+              f"{sampled / seconds:8.1f} {used / max(sampled, 1):11.0%}")  # fmt: skip
+    sync_rate = results["sync"][4] / results["sync"][0]
+    for name in ("async restart", "async keep"):
+        print(f"{name} / sync trainings per hour: {results[name][4] / results[name][0] / sync_rate:.2f}x")
+    if results["async keep"][5]:
+        print(f"async keep, sampled across a push: {results['async keep'][5]}")
 
 
 def print_loops(args: argparse.Namespace, tasks: int, sync_s: float, async_s: float, sync: tuple, asyn: tuple) -> None:
