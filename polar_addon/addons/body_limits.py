@@ -16,7 +16,7 @@ from polar_addon.addons.shared import Shared, seconds
 from polar_addon.canonical import PolarError
 from polar_addon.control import CONTROL_HOST, MAX_CONTROL_BODY_BYTES, is_control_path
 from polar_addon.relay import OVER_BUDGET, STREAM_PREFIX, TOO_LARGE, CountedBody
-from polar_addon.responses_websocket import too_large_event
+from polar_addon.responses_websocket import is_responses_upgrade, too_large_event
 
 log = logging.getLogger("polar")
 
@@ -97,8 +97,12 @@ class BodyLimits:
         if host_name(flow.request.pretty_host) == CONTROL_HOST:
             self._count_body(flow, MAX_CONTROL_BODY_BYTES)
             return
+        # Codex's WebSocket upgrade is a model call too: streamed, its proxy credentials (its session, over plain
+        # HTTP) would be stripped before the capture addon reads them.
         if is_ours(flow) and (
-            gateway.owns(flow.request.method, flow.request.path) or is_control_path(flow.request.path)
+            gateway.owns(flow.request.method, flow.request.path)
+            or is_control_path(flow.request.path)
+            or is_responses_upgrade(flow.request.method, flow.request.path, flow.request.headers)
         ):
             self._count_body(flow, gateway.config.max_body_bytes)
             return
