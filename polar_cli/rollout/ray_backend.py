@@ -328,7 +328,6 @@ class _Driver:
             self.window, self.output_cap = info["context_window"], info["max_output_tokens"]
         if not self.workers:
             raise RuntimeError(f"no Ray node could start a worker: {infos[0]}")
-        self.worker_info = {node: info for node, info in zip(handles, infos) if node in self.workers}
         poller = asyncio.create_task(self._poll_stages())
         try:
             # Slots interleaved across nodes: the first sessions go one per node, not all to the first node.
