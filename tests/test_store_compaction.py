@@ -237,3 +237,14 @@ def test_expand_session_refuses_references_that_resolve_to_nothing() -> None:
     too_many = dict(rows[1], messages_prefix_len=4)
     with pytest.raises(ShardIntegrityError, match="^call r1: messages_prefix_len 4 exceeds call r0$"):
         list(expand_session([rows[0], too_many]))
+
+
+def test_expand_session_refuses_a_negative_prefix_length_instead_of_slicing_from_the_end() -> None:
+    """A forged or corrupted row with prompt_prefix_len -1 would otherwise train on its referenced call's tokens but
+    the last, a prompt the row never stated (the validator reports it too)."""
+    rows = _rows([record(0, [1, 2, 3]), record(1, [1, 2, 3, 7, 8, 4], [SYS, TASK, TASK])])
+    with pytest.raises(ShardIntegrityError, match="^call r1: prompt_prefix_len -1 is negative$"):
+        list(expand_session([rows[0], dict(rows[1], prompt_prefix_len=-1)]))
+    with pytest.raises(ShardIntegrityError, match="^call r1: messages_prefix_len -1 is negative$"):
+        list(expand_session([rows[0], dict(rows[1], messages_prefix_len=-1)]))
+    assert len(list(expand_session([rows[0], dict(rows[1], prompt_prefix_len=0, prompt_tail=[1, 2, 3, 7, 8, 4])])))

@@ -225,6 +225,8 @@ def expand_session(rows: Sequence[dict[str, Any]]) -> Iterator[CaptureRecord]:
             n = row["prompt_prefix_len"]
             if n > len(base_prompt) + len(base_response):
                 raise ShardIntegrityError(f"call {rid}: prompt_prefix_len {n} exceeds call {ref}")
+            if n < 0:  # a slice from the end: a prompt other than the one the row states
+                raise ShardIntegrityError(f"call {rid}: prompt_prefix_len {n} is negative")
             if n <= len(base_prompt):
                 prompt = base_prompt[:n] + tail
             else:
@@ -242,6 +244,8 @@ def expand_session(rows: Sequence[dict[str, Any]]) -> Iterator[CaptureRecord]:
             n = row["messages_prefix_len"]
             if n > len(base):
                 raise ShardIntegrityError(f"call {rid}: messages_prefix_len {n} exceeds call {mref}")
+            if n < 0:
+                raise ShardIntegrityError(f"call {rid}: messages_prefix_len {n} is negative")
             tail_parts = [orjson.dumps(m) for m in orjson.loads(row["messages_tail_json"])]
             messages_json = (b"[" + b",".join(base[:n] + tail_parts) + b"]").decode()
         messages[rid] = (messages_json, row["response_json"])

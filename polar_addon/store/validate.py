@@ -107,7 +107,13 @@ def _check_calls(rows: list[dict[str, Any]]) -> tuple[list[str], set[str]]:
                     and len(orjson.loads(record.messages_json)) != row["messages_count"]
                 ):
                     problems.append(f"call {record.record_id}: rebuilt messages count differs from messages_count")
-        except (ShardIntegrityError, orjson.JSONDecodeError, KeyError) as exc:
+                # The reader's prompt, not the row's arithmetic: a negative prefix length passes the latter.
+                if row["prompt_len"] is not None and len(record.prompt_ids) != row["prompt_len"]:
+                    problems.append(
+                        f"call {record.record_id}: rebuilt prompt length {len(record.prompt_ids)} differs from "
+                        f"prompt_len {row['prompt_len']}"
+                    )
+        except (ShardIntegrityError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
             problems.append(f"session {sid}: cannot rebuild records ({exc})")
     return problems, set(by_session)
 
@@ -126,11 +132,17 @@ def _check_references(sid: str, rows: list[dict[str, Any]]) -> list[str]:
                 problems.append(f"{where}: {ref_col} {ref} does not resolve to an earlier call of the session")
                 continue
             if ref_col == "prompt_ref":
-                limit = base["prompt_len"] + len(base["response_ids"] or [])
+                held = base["prompt_len"]
+                limit = None if held is None else held + len(base["response_ids"] or [])
             else:
                 limit = (base["messages_count"] or 0) + 1
-            if row[len_col] > limit:
-                problems.append(f"{where}: {len_col} {row[len_col]} exceeds what {ref} holds ({limit})")
+            length = row[len_col]
+            if length is None or limit is None:
+                continue  # a length missing here or in the referenced call is _check_call_row's finding
+            if length < 0:
+                problems.append(f"{where}: {len_col} {length} is negative")
+            elif length > limit:
+                problems.append(f"{where}: {len_col} {length} exceeds what {ref} holds ({limit})")
         seen[row["record_id"]] = row
     return problems
 
