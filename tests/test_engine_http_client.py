@@ -234,6 +234,12 @@ def test_a_client_error_keeps_the_engines_message(payload, message):
             2048,
         ),
         ("The input (9000 tokens) is longer than the model's context length (8192 tokens).", 9000, 8192),
+        (  # vLLM's scale-out generate endpoint (per-token versions)
+            "The decoder prompt (length 2101) is longer than the maximum model length of 2048. Make sure that "
+            "`max_model_len` is no smaller than the number of text tokens.",
+            2101,
+            2048,
+        ),
         ("max_tokens=200000 cannot be greater than max_model_len=100000.", None, None),
     ],
 )

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from polar_addon.canonical import CanonicalRequest, SamplingParams, VersionSpan
+from polar_addon.canonical import CanonicalRequest, ContextLengthExceeded, SamplingParams, VersionSpan
 from polar_addon.engines import make_engine
 from polar_cli.serving import label_version, load_state, reload_engine, serve_vllm, stop_engine
 from polar_cli.tiny_model import untie_embeddings
@@ -105,6 +105,18 @@ def test_a_push_under_load_loses_no_call_and_labels_every_token_with_the_version
             assert "in place" in line, line
             done = await asyncio.gather(*running)
             after = await engine.complete_tokens(calls[0], PROMPT)  # a call that starts after the push
+            # Past the window, on both paths: the refusal the harness gets carries the prompt's real length.
+            too_long = [1] + [17] * 2100
+            with pytest.raises(ContextLengthExceeded) as tokens_err:
+                await engine.complete_tokens(calls[0], too_long)
+            chat = CanonicalRequest(
+                api="openai_chat", model="policy", messages=[{"role": "user", "content": "hello " * 2100}],
+                sampling=SamplingParams(max_tokens=8),
+            )  # fmt: skip
+            with pytest.raises(ContextLengthExceeded) as chat_err:
+                await engine.complete(chat)
+            assert tokens_err.value.prompt_tokens == len(too_long) and (chat_err.value.prompt_tokens or 0) > 2048
+            assert tokens_err.value.window == 2048, tokens_err.value.message
             await engine.close()
             return [*done, after], push_s
 
@@ -202,6 +214,30 @@ def test_an_async_loop_with_drain_keep_pushes_under_the_running_batch_and_labels
         mixed += len(spans) > 1
     assert seen["0"] > 0 and seen["1"] > 0 and mixed >= 1, seen  # the push landed inside running calls
     assert batch["versions"]["calls_mixed"] == mixed and batch["versions"]["tokens"] == sum(seen.values())
+
+    # The trainer's view of the mixed calls: built into traces and scored as polar train's first step scores them,
+    # each token's behaviour logprob is the one of the model that sampled it (ratio 1 against that model, within
+    # 1e-3), so TIS corrects each token against its own sampler; a trace shifted by one token fails.
+    from tests.support.tito_sessions import build  # noqa: PLC0415 (torch-heavy helpers, this test only)
+    from tests.support.tito_vllm import trainer_logprobs  # noqa: PLC0415
+
+    records, traces = build(Path(batch["shards"]))
+    by_id = {r.record_id: r for r in records}
+    scorers = {"0": trainer_logprobs(model), "1": trainer_logprobs(checkpoint)}
+    checked = 0
+    for trace in traces:
+        record = by_id[trace.record_ids[0]]
+        spans = orjson.loads(record.weight_versions_json or "[]")
+        if len(trace.record_ids) != 1 or len(spans) < 2:
+            continue
+        assert trace.weight_versions == ["0", "1"] and list(trace.completion_ids) == record.response_ids
+        assert trace.behavior_logprobs == record.logprobs and all(trace.loss_mask)
+        scores = {version: scorer(trace) for version, scorer in scorers.items()}
+        for span in spans:
+            for i in range(span["start"], span["end"]):
+                assert abs(scores[span["version"]][i] - trace.behavior_logprobs[i]) < 1e-3, (i, span)
+        checked += 1
+    assert checked >= 1, "no trace of a call sampled across the push"
     final = state["batches"][-1]
     assert final["final"] and final["version"] == 1
     assert {r.weight_version for r in read_records(final["shards"])} == {"1"}

@@ -45,16 +45,19 @@ _CONTEXT_LENGTH_RE = re.compile(
     r"context length|context window|maximum model length|max_model_len|prompt is too long|too many tokens",
     re.IGNORECASE,
 )
-# vLLM: "This model's maximum context length is M tokens. However, your prompt contains N input tokens";
+# vLLM: "This model's maximum context length is M tokens. However, your prompt contains N input tokens"; its
+# scale-out generate endpoint: "The decoder prompt (length N) is longer than the maximum model length of M.";
 # SGLang: "The input (N tokens) is longer than the model's context length (M tokens)."
 _WINDOW_RES = [
     re.compile(r"maximum context length is (\d+)", re.I),
     re.compile(r"context length \((\d+) tokens\)", re.I),
+    re.compile(r"maximum model length of (\d+)", re.I),
 ]
 _AT_LEAST_RE = re.compile(r"at least \d+ input tokens", re.I)
 _PROMPT_RES = [
     re.compile(r"(?:contains|has) (?:at least )?(\d+) input tokens", re.I),
     re.compile(r"input \((\d+) tokens\)", re.I),
+    re.compile(r"prompt \(length (\d+)\)", re.I),
 ]
 _FINISH_REASONS = {
     "stop": "stop",
