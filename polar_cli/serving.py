@@ -435,14 +435,22 @@ def reload_vllm_in_place(
     paused = False
     try:
         if keep:
-            httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=timeout_s).raise_for_status()
+            # A pause that failed in the engine (500) or whose answer was lost (a timeout) may have paused it: resume
+            # then too (resuming a running engine does nothing). Only a refusal (4xx) is known to have done nothing.
             paused = True
+            pause = httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=timeout_s)
+            paused = not pause.is_client_error
+            pause.raise_for_status()
         httpx.post(f"{server.url}/collective_rpc", json=rpc, timeout=timeout_s).raise_for_status()
         reset = httpx.post(
             f"{server.url}/reset_prefix_cache", params={"reset_running_requests": str(keep).lower()}, timeout=timeout_s
         )
         reset.raise_for_status()
-        if reset.json().get("success") is False:
+        try:
+            success = reset.json().get("success")
+        except ValueError:  # an older vLLM answers 200 without a body: it says nothing either way
+            success = None
+        if success is False:
             raise EngineError(f"vLLM on {server.url} kept its prefix cache of the old weights (blocks still held)")
         if weight_version is not None:
             label_version(server.url, weight_version, timeout_s)
