@@ -10,7 +10,8 @@ Two coroutines share one event loop:
   SGLang loads it in place with ``update_weights_from_disk`` and ``weight_version`` V, which it reports in every
   later answer. Either way every call records the ``weight_version`` that sampled it. At most ``AHEAD`` finished
   batches wait for the trainer; past that the rollout side waits (a bounded window, as Polar's figure 5: rollout
-  stalls when the trainer is the bottleneck).
+  stalls when the trainer is the bottleneck). Nor does it sample a batch no training step would take: once every
+  remaining step has its batch, it waits for the last training and then measures that policy.
 - the trainer takes the oldest finished batch (one per step: ``polar train`` reads one trace store), keeps the
   groups whose calls were all sampled within ``max_staleness`` versions of the policy it trains
   (:func:`select_groups`; staler groups are dropped and counted), runs ``polar train`` on them (TIS against the
@@ -204,9 +205,12 @@ class Step:
 class _Shared:
     """What the two sides share (one event loop: no locks)."""
 
-    def __init__(self, model: Path, version: int, training_done: bool, waiting: list[Batch]) -> None:
+    def __init__(self, model: Path, version: int, training_done: bool, waiting: list[Batch], untaken: int) -> None:
         self.version, self.policy = version, model
         self.waiting = waiting
+        # Trainings still to run whose step has no batch yet: a batch beyond them would be trained by nobody (the
+        # last policy is measured by a batch of its own), so the rollout side waits instead of sampling it.
+        self.untaken = untaken
         self.changed = asyncio.Condition()
         self.training_done = training_done
         self.in_flight: asyncio.Event | None = None  # the running batch's stop (drain "cut")
@@ -320,7 +324,9 @@ class _AsyncLoop:
     async def run(self) -> dict[str, Any]:
         trainings = self.config.iterations - 1
         waiting = [b for b in self.batches if b.step is None and not b.final]
-        shared = _Shared(self.first_policy, self.first_version, len(self.steps) >= trainings, waiting)
+        shared = _Shared(
+            self.first_policy, self.first_version, len(self.steps) >= trainings, waiting, trainings - len(self.steps)
+        )
         if self.resumed:
             self.say(
                 f"resuming {self.config.out}: {len(self.steps)} step(s) and {len(self.batches)} batch(es) done, "
@@ -349,7 +355,9 @@ class _AsyncLoop:
         index = len(self.batches)
         while True:
             async with shared.changed:
-                await shared.changed.wait_for(lambda: shared.training_done or len(shared.waiting) < AHEAD)
+                await shared.changed.wait_for(
+                    lambda: shared.training_done or len(shared.waiting) < min(AHEAD, shared.untaken)
+                )
             last = shared.training_done  # the policy is final: this batch measures it
             # The drain: no batch runs now (the one in flight finished or was cut), so new sessions wait here while
             # the engine loads the new version (with "keep" the trainer has pushed it already).
@@ -468,6 +476,9 @@ class _AsyncLoop:
                 taken.append(batch)
                 if self._select(batch, shared.version, step):
                     kept.append(batch)
+            async with shared.changed:
+                shared.untaken -= 1  # this step has its batch
+                shared.changed.notify_all()
             self._save()  # loop.json shows what the running step trains (a resumed run gives it back to the trainer)
             started = time.time()
             idir = self.config.out / f"train-{step:03d}"
