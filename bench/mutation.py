@@ -192,6 +192,23 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
     # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # Children that die with polar however it dies: the lines sent to the guardian, and the guardian itself.
+    "lifeline": (["polar_cli/lifeline.py"], ["tests/test_lifeline_units.py"]),
+    # The loop's CPU sets: the list syntax, the refusal of CPUs this process may not use, the affinity given back.
+    "rollout.cpus": (["polar_cli/rollout/cpus.py"], ["tests/test_cpus_units.py", "tests/test_loop_cpus.py"]),
+    # The policy's engine servers: vLLM's argv, the state files, the root cause of a failed start, and how a push
+    # reaches a running server (in place, in place keeping requests, or restarted), against fake servers and fake
+    # processes (run with --only: vllm_python only finds the repo's vLLM venv).
+    "serving": (
+        ["polar_cli/serving.py"],
+        [
+            "tests/test_serving_units.py",
+            "tests/test_engine_cli.py::test_root_cause_is_the_first_real_error_not_the_tail",
+            "tests/test_engine_cli.py::test_serve_starts_vllm_with_the_flags_polar_needs",
+            "tests/test_engine_cli.py::test_reload_of_an_engine_polar_did_not_start_says_what_to_do",
+            "tests/test_engine_cli.py::test_stop_twice_says_it_is_already_stopped",
+        ],
+    ),
     # Which captured data reaches training: shard files and their schemas, journal entries, the reader (shards plus
     # the journal's unsealed rows), the validator's findings (the store tests' subprocess kills and the train CLI
     # test are left out: seconds each per mutant).

@@ -74,7 +74,34 @@ RUN_DIR = ISOLATED_RUN_DIR  # the bridge's Unix sockets and the CA, inside
 CA_INSIDE = ISOLATED_CA
 PATH = f"{TOOLS_DIR}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_UID = 1000
+# Variables that make a program load code or data from a path they name: the dynamic loader's (LD_*) and the rest of
+# glibc's list of those it ignores only in setuid programs. The processes before the sandbox (prlimit, bwrap, setpriv:
+# root with every capability when polar runs as root) must not see them, or a task's LD_LIBRARY_PATH into the
+# workspace would run a library the agent wrote as host root; the sandbox's bwrap sets them for the command alone.
+LOADER_ENV = frozenset(
+    {
+        "GCONV_PATH",
+        "GETCONF_DIR",
+        "GLIBC_TUNABLES",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "MALLOC_TRACE",
+        "NIS_PATH",
+        "NLSPATH",
+        "RESOLV_HOST_CONF",
+        "RES_OPTIONS",
+        "TZDIR",
+    }
+)
 log = logging.getLogger(__name__)
+
+
+def split_loader_env(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``env`` less the loader's variables (:data:`LOADER_ENV`, ``LD_*``), and those as bwrap ``--setenv``
+    arguments."""
+    moved = {k: v for k, v in env.items() if k in LOADER_ENV or k.startswith("LD_")}
+    return {k: v for k, v in env.items() if k not in moved}, [a for k, v in moved.items() for a in ("--setenv", k, v)]
 
 
 def find_bwrap() -> str | None:
@@ -105,7 +132,9 @@ class BwrapSandbox(IsolatedSandbox):
         self.scratch = scratch
         self.bridges = bridges
         self.tmp_mount: str | None = None  # lifeline key of the /tmp tmpfs's unmount (root only)
-        self.workspace = spec.workdir or WORKSPACE
+        # A relative workdir (a Dockerfile's first `WORKDIR app`) is under / as in an image: bwrap's mount points must
+        # be absolute (confine.with_parent_dirs never finished on a relative one).
+        self.workspace = posixpath.normpath(posixpath.join("/", spec.workdir)) if spec.workdir else WORKSPACE
         self.host_workspace = Path(spec.workspace)
         # Inside path -> host path of everything writable, for error messages and the tests' view of the layout.
         self.mounts: dict[str, Path] = {
@@ -190,7 +219,9 @@ class BwrapSandbox(IsolatedSandbox):
             uid = str(self.runtime.host_uid)
             args += [
                 "--",
-                "setpriv",
+                # By its host path: run by root with every capability, a PATH lookup would find a `setpriv` the agent
+                # wrote wherever an exec's PATH names a directory it can write (a task's venv in the workspace).
+                self.runtime.setpriv,
                 f"--reuid={uid}",
                 f"--regid={uid}",
                 "--clear-groups",
@@ -225,8 +256,9 @@ class BwrapSandbox(IsolatedSandbox):
     ) -> asyncio.subprocess.Process:
         """Start one bwrap (in the sandbox's cgroup), the writable directories handed over first."""
         await self.hand_over()
+        env, setenv = split_loader_env(env)
         full = [*disk.fsize_flags(self.runtime.prlimit, self.runtime.disk_mb), *self.bwrap_args(network, cwd)]
-        full += ["--", *command]
+        full += [*setenv, "--", *command]
         return await asyncio.create_subprocess_exec(
             *(self.cgroup.wrap(full) if self.cgroup else full),
             stdin=subprocess.PIPE if has_stdin else subprocess.DEVNULL,
@@ -440,6 +472,7 @@ class BwrapRuntime(Runtime):
         self.disk_mb = int(disk_mb)
         self.disk_files = int(disk_files)
         self.prlimit = shutil.which("prlimit")
+        self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
         self.etc_args: list[str] = []
         self.disable_userns = False
         self.checked = False
@@ -455,7 +488,7 @@ class BwrapRuntime(Runtime):
         self.disable_userns = "--disable-userns" in help_text
         # Root: the user namespace is made by host_uid (setpriv), which the kernel may refuse where root's is not.
         as_user = (
-            ["setpriv", f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups", "--"]
+            [self.setpriv, f"--reuid={self.host_uid}", f"--regid={self.host_uid}", "--clear-groups", "--"]
             if self.host_uid is not None
             else []
         )
