@@ -372,6 +372,13 @@ def test_an_unknown_operation_is_refused_by_name() -> None:
     assert str(raised.value) == "not a bwrap mount operation: --chdir"
 
 
+@pytest.mark.timeout(10)
+def test_a_relative_destination_is_refused_not_walked_forever() -> None:
+    with pytest.raises(ValueError) as raised:
+        confine.with_parent_dirs(["--bind", "/w", "app/src"])
+    assert str(raised.value) == "bwrap mount destination 'app/src' is not absolute"
+
+
 def test_the_sandbox_accounts_hold_root_its_user_and_nobody_only(tmp_path: Path) -> None:
     directory = tmp_path / "accounts"
     passwd, group = confine.write_accounts(directory, 2_000_000_000, "/home/polar")

@@ -169,6 +169,8 @@ def with_parent_dirs(mounts: list[str]) -> list[str]:
         if count is None:
             raise ValueError(f"not a bwrap mount operation: {op}")
         destination = posixpath.normpath(mounts[i + count])
+        if not destination.startswith("/"):  # its parents never reach "/": the walk below would not end
+            raise ValueError(f"bwrap mount destination {destination!r} is not absolute")
         missing = []
         parent = posixpath.dirname(destination)
         while parent not in made:
