@@ -527,26 +527,40 @@ def parse_completion_response(data: Any) -> tuple[str, ParsedChat]:
     if not isinstance(values, list):
         raise _bad("no logprobs (was logprobs honoured?)")
     logprobs = _float_list(values, "choices[0].logprobs.token_logprobs")
-    if len(logprobs) != len(response_ids):
-        raise _bad(f"{len(logprobs)} logprobs for {len(response_ids)} response tokens")
-    finish = _FINISH_REASONS.get(str(choice.get("finish_reason")))
-    if finish is None:
-        raise _bad(f"unknown finish_reason {choice.get('finish_reason')!r}")
-    # vLLM: stop_reason; SGLang: matched_stop. An int is a stop token id, not a stop string.
-    matched = choice.get("matched_stop", choice.get("stop_reason"))
     usage = data.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     metadata = data.get("metadata")  # SGLang: {"weight_version": ...}
     weight_version = metadata.get("weight_version") if isinstance(metadata, dict) else None
-    return text, ParsedChat(
+    # vLLM: stop_reason; SGLang: matched_stop.
+    matched = choice.get("matched_stop", choice.get("stop_reason"))
+    return text, _sampled(data, choice, prompt_ids, response_ids, logprobs, matched, weight_version, cached)
+
+
+def _sampled(
+    data: dict[str, Any],
+    choice: dict[str, Any],
+    prompt_ids: Sequence[int],
+    response_ids: list[int],
+    logprobs: list[float],
+    matched: Any,
+    weight_version: Any = None,
+    cached: Any = None,
+) -> ParsedChat:
+    """A token-level answer (completions, generate) as a ParsedChat with an empty message, its arrays checked."""
+    if len(logprobs) != len(response_ids):
+        raise _bad(f"{len(logprobs)} logprobs for {len(response_ids)} response tokens")
+    finish = _FINISH_REASONS.get(str(choice.get("finish_reason")))
+    if finish is None:
+        raise _bad(f"unknown finish_reason {choice.get('finish_reason')!r}")
+    return ParsedChat(
         message=AssistantMessage(),
         finish_reason=finish,
         prompt_ids=prompt_ids,
         response_ids=response_ids,
         logprobs=logprobs,
         served_model=data.get("model") if isinstance(data.get("model"), str) else None,
-        matched_stop=matched if isinstance(matched, str) else None,
+        matched_stop=matched if isinstance(matched, str) else None,  # an int is a stop token id, not a string
         weight_version=str(weight_version) if weight_version is not None else None,
         cached_tokens=int(cached) if isinstance(cached, int) else None,
     )
@@ -605,27 +619,8 @@ def parse_generate_response(data: Any) -> tuple[str | None, ParsedChat, Any]:
     if not isinstance(entries, list) or not all(isinstance(e, dict) and "logprob" in e for e in entries):
         raise _bad("no logprobs (was logprobs honoured?)")
     logprobs = _float_list([e["logprob"] for e in entries], "choices[0].logprobs.content")
-    if len(logprobs) != len(response_ids):
-        raise _bad(f"{len(logprobs)} logprobs for {len(response_ids)} response tokens")
-    finish = _FINISH_REASONS.get(str(choice.get("finish_reason")))
-    if finish is None:
-        raise _bad(f"unknown finish_reason {choice.get('finish_reason')!r}")
-    matched = choice.get("stop_reason")
-    return (
-        text,
-        ParsedChat(
-            message=AssistantMessage(),
-            finish_reason=finish,
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            logprobs=logprobs,
-            served_model=data.get("model") if isinstance(data.get("model"), str) else None,
-            matched_stop=matched if isinstance(matched, str) else None,
-            weight_version=None,
-            cached_tokens=None,
-        ),
-        choice.get("weight_versions"),
-    )
+    parsed = _sampled(data, choice, prompt_ids, response_ids, logprobs, choice.get("stop_reason"))
+    return text, parsed, choice.get("weight_versions")
 
 
 def parse_chat_response(data: Any, prompt_ids: Sequence[int] | None = None) -> ParsedChat:
