@@ -24,7 +24,8 @@ from tests.test_vllm_inplace_push import REPO, _perturbed
 
 PROMPT = [1, 17, 250, 31, 9, 77, 402, 5, 66, 12, 300, 41]
 # The agent of the keep loop test: one call per session, except in batch 1, whose sessions call the model until
-# the engine log records the push (then once more), so the push lands while their calls run.
+# the engine log records the push, so the push lands while their calls run: long calls (seconds each), so that the
+# pause, which comes a moment after the trainer publishes, finds them mid-answer rather than between calls.
 KEEP_AGENT = """
 import os, sys
 from pathlib import Path
@@ -37,7 +38,7 @@ pushed = lambda: any("requests kept" in p.read_text() for p in engines.glob("eng
 keep_going = any("b001-" in value for value in os.environ.values()) and not pushed()
 for _ in range(400):
     client.chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": "count"}], max_tokens=300, temperature=1.0
+        model="policy", messages=[{"role": "user", "content": "count"}], max_tokens=1500, temperature=1.0
     )
     if not keep_going or pushed():
         break
@@ -180,14 +181,15 @@ def test_an_async_loop_with_drain_keep_pushes_under_the_running_batch_and_labels
     cmd = [sys.executable, "-m", "polar_cli.app", "loop", str(tasks), "--harness",
            f"cmd:{sys.executable} {agent} {out / '.engines'}", "--model", str(model),
            "--engine", "vllm", "--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=2048",
-           "--vllm-arg=--dtype=float32", "--iterations", "2", "--out", str(out), "--samples", "4", "--no-progress",
+           "--vllm-arg=--dtype=float32", "--iterations", "3", "--out", str(out), "--samples", "4", "--no-progress",
            "--async", "--drain", "keep", "--lr", "5e-3", "--eot-token-id", "2", "--epsilon-high", "1.0"]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     state = json.loads((out / "loop.json").read_text())
     print(done.stdout[-1500:])
-    assert state["drain"] == "keep" and [s["status"] for s in state["steps"]] == ["trained"]
-    (push,) = state["pushes"]
+    # Two trainings: batch 1 is sampled while the first trains (the second step takes it), so version 1 lands under it.
+    assert state["drain"] == "keep" and [s["status"] for s in state["steps"]] == ["trained", "trained"]
+    push = state["pushes"][0]
     checkpoint = Path(state["steps"][0]["checkpoint"])
     assert push["version"] == 1 and push["checkpoint"] == str(checkpoint) and push["reload_s"] < 30
     under = push["during_batch"]
@@ -239,6 +241,6 @@ def test_an_async_loop_with_drain_keep_pushes_under_the_running_batch_and_labels
         checked += 1
     assert checked >= 1, "no trace of a call sampled across the push"
     final = state["batches"][-1]
-    assert final["final"] and final["version"] == 1
-    assert {r.weight_version for r in read_records(final["shards"])} == {"1"}
+    assert final["final"] and final["version"] == 2
+    assert {r.weight_version for r in read_records(final["shards"])} == {"2"}
     print(f"drain keep: push {push['reload_s']:.2f} s under batch {under}; {batch['versions']}")
