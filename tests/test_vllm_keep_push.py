@@ -154,8 +154,9 @@ def test_an_async_loop_with_drain_keep_pushes_under_the_running_batch_and_labels
 ) -> None:
     """`polar loop --async --drain keep --engine vllm`: the checkpoint lands in the running vLLM while a batch's
     sessions are sampling, no session of that batch is lost, its calls' tokens carry the version that sampled them
-    (checked against both models token by token), the batch reports how much of it was sampled across the push, and
-    the last batch is the checkpoint's alone. The agent of batch 1 keeps calling the model until the engine's log
+    (checked against both models token by token: calls before, after and, when the pause finds one mid-answer,
+    across the push), the batch reports how much of it was sampled across the push, and the last batch is the last
+    version's alone. The agent of batch 1 keeps calling the model until the engine's log
     says the push happened (so a push under the batch is certain, whatever the machine's speed); the other batches'
     agents make one call."""
     if not (REPO / ".venv-vllm" / "bin" / "python").exists():
@@ -214,10 +215,12 @@ def test_an_async_loop_with_drain_keep_pushes_under_the_running_batch_and_labels
             assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-3, (span, spans)
             seen[span["version"]] += span["end"] - span["start"]
         mixed += len(spans) > 1
-    assert seen["0"] > 0 and seen["1"] > 0 and mixed >= 1, seen  # the push landed inside running calls
+    # The push landed inside the batch: calls of both versions (and, unless the pause came between two calls, calls of
+    # both at once; the engine test above makes those certain).
+    assert seen["0"] > 0 and seen["1"] > 0, seen
     assert batch["versions"]["calls_mixed"] == mixed and batch["versions"]["tokens"] == sum(seen.values())
 
-    # The trainer's view of the mixed calls: built into traces and scored as polar train's first step scores them,
+    # The trainer's view of the batch's calls: built into traces and scored as polar train's first step scores them,
     # each token's behaviour logprob is the one of the model that sampled it (ratio 1 against that model, within
     # 1e-3), so TIS corrects each token against its own sampler; a trace shifted by one token fails.
     from tests.support.tito_sessions import build  # noqa: PLC0415 (torch-heavy helpers, this test only)
@@ -230,16 +233,17 @@ def test_an_async_loop_with_drain_keep_pushes_under_the_running_batch_and_labels
     for trace in traces:
         record = by_id[trace.record_ids[0]]
         spans = orjson.loads(record.weight_versions_json or "[]")
-        if len(trace.record_ids) != 1 or len(spans) < 2:
-            continue
-        assert trace.weight_versions == ["0", "1"] and list(trace.completion_ids) == record.response_ids
+        if len(trace.record_ids) != 1 or not spans or (checked >= 12 and len(spans) < 2):
+            continue  # every call sampled across the push, and a dozen others
+        assert trace.weight_versions == [span["version"] for span in spans]
+        assert list(trace.completion_ids) == record.response_ids
         assert trace.behavior_logprobs == record.logprobs and all(trace.loss_mask)
         scores = {version: scorer(trace) for version, scorer in scorers.items()}
         for span in spans:
             for i in range(span["start"], span["end"]):
                 assert abs(scores[span["version"]][i] - trace.behavior_logprobs[i]) < 1e-3, (i, span)
         checked += 1
-    assert checked >= 1, "no trace of a call sampled across the push"
+    assert checked >= 2, "no trace of the batch's calls to score"
     final = state["batches"][-1]
     assert final["final"] and final["version"] == 2
     assert {r.weight_version for r in read_records(final["shards"])} == {"2"}
