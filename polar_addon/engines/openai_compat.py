@@ -305,16 +305,24 @@ class HTTPEngine:
         body.update(logprobs=logprobs, return_token_ids=True, stream=False)
         data = await self.request_json("POST", "/v1/completions", body)
         text, parsed = parse_completion_response(data)
+        return self.text_completion(request, text, parsed)
+
+    def text_completion(self, request: CanonicalRequest, text: str, parsed: ParsedChat) -> Completion:
+        """The Completion of sampled text the engine parsed nothing of: polar's tool parser reads it, and counts the
+        blocks it could not read."""
         turn = self.parse_text(request, text)
         parsed.message = turn.message
         if parsed.message.tool_calls and parsed.finish_reason == "stop":
             parsed.finish_reason = "tool_calls"
-        completion = parsed.to_completion(
-            engine=self.name, default_model=self._model or request.model, default_weight_version=self.weight_version
-        )
+        completion = self._completion(request, parsed)
         completion.parse_failures = len(turn.failed)
         completion.tool_call_parser = turn.parser
         return completion
+
+    def _completion(self, request: CanonicalRequest, parsed: ParsedChat) -> Completion:
+        return parsed.to_completion(
+            engine=self.name, default_model=self._model or request.model, default_weight_version=self.weight_version
+        )
 
     async def count_tokens(self, request: CanonicalRequest) -> int:
         raise PolarError(501, "invalid_request", f"{self.kind} engines cannot count tokens")
@@ -350,9 +358,7 @@ class HTTPEngine:
         parsed.message, parser = chain.after_engine(parsed.message, request.tools)
         if parser != ENGINE and parsed.message.tool_calls and parsed.finish_reason == "stop":
             parsed.finish_reason = "tool_calls"
-        completion = parsed.to_completion(
-            engine=self.name, default_model=self._model or request.model, default_weight_version=self.weight_version
-        )
+        completion = self._completion(request, parsed)
         completion.tool_call_parser = parser
         return completion
 

@@ -30,7 +30,6 @@ from typing import Any
 from polar_addon.canonical import CanonicalRequest, Completion, ContextLengthExceeded, PolarError
 from polar_addon.engines.openai_compat import (
     HTTPEngine,
-    ParsedChat,
     at_least,
     chat_body,
     parse_chat_response,
@@ -84,14 +83,7 @@ class VLLMEngine(HTTPEngine):
             "model": await self.served_model(), "return_token_ids": True, "output_mode": "text",
         })  # fmt: skip
         text, parsed, raw_spans = parse_generate_response(generated)
-        turn = self.parse_text(request, text or "")
-        parsed.message = turn.message
-        if parsed.message.tool_calls and parsed.finish_reason == "stop":
-            parsed.finish_reason = "tool_calls"
-        completion = self._versioned(self._plain(request, parsed), raw_spans)
-        completion.parse_failures = len(turn.failed)
-        completion.tool_call_parser = turn.parser
-        return completion
+        return self._versioned(self.text_completion(request, text or "", parsed), raw_spans)
 
     async def _generate(self, body: dict[str, Any]) -> Any:
         try:
@@ -100,11 +92,6 @@ class VLLMEngine(HTTPEngine):
             if at_least(err):  # the rendered prompt is the whole prompt: its length is known here
                 err.prompt_tokens = len(body["token_ids"])
             raise
-
-    def _plain(self, request: CanonicalRequest, parsed: ParsedChat) -> Completion:
-        return parsed.to_completion(
-            engine=self.name, default_model=self._model or request.model, default_weight_version=self.weight_version
-        )
 
     def _versioned(self, completion: Completion, raw_spans: Any) -> Completion:
         spans = parse_version_spans(raw_spans, len(completion.response_ids), self.weight_version)
