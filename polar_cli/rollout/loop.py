@@ -396,6 +396,16 @@ def run_loop(
     """Run (or continue) the loop to ``config.iterations`` rollouts; returns every iteration's stats. With eval
     tasks, the policy of each due iteration (:func:`eval_due`) is evaluated on them before its rollout, each entry
     in loop.json's ``evals`` (and given to ``on_eval``)."""
+    with pinned(config.rollout_cpus):  # what the loop starts (vLLM, proxies, harnesses) inherits the set
+        return _run_loop(config, on_iteration, progress, on_eval)
+
+
+def _run_loop(
+    config: LoopConfig,
+    on_iteration: Callable[[list[IterationStats]], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
+) -> list[IterationStats]:
     if config.iterations < 1:
         raise ValueError("iterations must be at least 1")
     if not (config.model / "config.json").is_file():
@@ -426,50 +436,49 @@ def run_loop(
     engine = _Engine(config, out / ".engines")
     stop_stale_engines(engine.state_dir)
     started = time.monotonic()
-    with pinned(config.rollout_cpus):  # what the loop starts (vLLM, proxies, harnesses) inherits the set
-        try:
-            for i in range(config.iterations):
-                idir = iteration_dir(out, i)
-                if i >= len(records):
-                    # An interrupted attempt: start the iteration over whole, once its proxy is gone (a SIGKILLed run's
-                    # lifeline kills it; a proxy still alive after that would write into the redone iteration).
-                    wait_writer_gone(idir / "logs")
-                    shutil.rmtree(idir, ignore_errors=True)
-                    policy = _policy(records, config.model)
-                    # The policy's version: the trainings that made it (its calls carry it as weight_version).
-                    version = sum((r.get("train") or {}).get("status") == "trained" for r in records)
-                    evaluated = {e["iteration"] for e in evals}
-                    if config.eval_tasks and i not in evaluated and eval_due(i, config.iterations, config.eval_every):
-                        evals.append(_evaluate(config, i, policy, engine, say, version))
-                        save_state(out, state)
-                        if on_eval:
-                            on_eval(evals[-1])
-                    pushes = len(engine.pushes)
-                    rollout = _rollout(config, i, policy, engine, say, version)
-                    groups = None
-                    if config.min_groups is not None:
-                        rollout, groups = _backfill(config, i, policy, engine, say, version, rollout)
-                    records.append(asdict(replace(stats_of(i, policy, rollout), groups=groups, calls=_calls(rollout))))
-                    if len(engine.pushes) > pushes:  # the eval or the rollout loaded this policy into the engine
-                        records[-1]["push_s"] = sum(p["reload_s"] for p in engine.pushes[pushes:])
+    try:
+        for i in range(config.iterations):
+            idir = iteration_dir(out, i)
+            if i >= len(records):
+                # An interrupted attempt: start the iteration over whole, once its proxy is gone (a SIGKILLed run's
+                # lifeline kills it; a proxy still alive after that would write into the redone iteration).
+                wait_writer_gone(idir / "logs")
+                shutil.rmtree(idir, ignore_errors=True)
+                policy = _policy(records, config.model)
+                # The policy's version: the trainings that made it (its calls carry it as weight_version).
+                version = sum((r.get("train") or {}).get("status") == "trained" for r in records)
+                evaluated = {e["iteration"] for e in evals}
+                if config.eval_tasks and i not in evaluated and eval_due(i, config.iterations, config.eval_every):
+                    evals.append(_evaluate(config, i, policy, engine, say, version))
                     save_state(out, state)
-                    if on_iteration:
-                        on_iteration([IterationStats(**r) for r in records])
-                record = records[i]
-                if i < config.iterations - 1 and record.get("train") is None:
-                    say(f"iteration {i}: polar train")
-                    record["train"] = run_train(
-                        idir / "shards",
-                        Path(record["policy"]),
-                        idir / "checkpoint",
-                        tracked_train_args(config, idir),
-                        idir / "train.log",
-                    )
-                    save_state(out, state)
-                    if on_iteration:
-                        on_iteration([IterationStats(**r) for r in records])
-        finally:
-            engine.close()
+                    if on_eval:
+                        on_eval(evals[-1])
+                pushes = len(engine.pushes)
+                rollout = _rollout(config, i, policy, engine, say, version)
+                groups = None
+                if config.min_groups is not None:
+                    rollout, groups = _backfill(config, i, policy, engine, say, version, rollout)
+                records.append(asdict(replace(stats_of(i, policy, rollout), groups=groups, calls=_calls(rollout))))
+                if len(engine.pushes) > pushes:  # the eval or the rollout loaded this policy into the engine
+                    records[-1]["push_s"] = sum(p["reload_s"] for p in engine.pushes[pushes:])
+                save_state(out, state)
+                if on_iteration:
+                    on_iteration([IterationStats(**r) for r in records])
+            record = records[i]
+            if i < config.iterations - 1 and record.get("train") is None:
+                say(f"iteration {i}: polar train")
+                record["train"] = run_train(
+                    idir / "shards",
+                    Path(record["policy"]),
+                    idir / "checkpoint",
+                    tracked_train_args(config, idir),
+                    idir / "train.log",
+                )
+                save_state(out, state)
+                if on_iteration:
+                    on_iteration([IterationStats(**r) for r in records])
+    finally:
+        engine.close()
     state["seconds_this_run"] = time.monotonic() - started
     from polar_cli.train.plots import plot_loop_curves
 
