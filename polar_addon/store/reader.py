@@ -7,19 +7,23 @@ a record is visible as soon as the harness got its answer. Reading never takes t
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from polar_addon.capture import CaptureRecord
-from polar_addon.store.compaction import expand_session
+from polar_addon.store.compaction import ShardIntegrityError, expand_session
 from polar_addon.store.pending import default_journal_root, pending_table, read_pending
 from polar_addon.store.rewards import RewardRecord
 from polar_addon.store.sessions import SessionRecord, merge_sessions
 from polar_addon.store.shards import CALLS, KINDS, REWARDS, SCHEMAS, SESSIONS, Output
+
+log = logging.getLogger(__name__)
 
 
 class StoreNotFound(FileNotFoundError):
@@ -77,14 +81,34 @@ def iter_records(
         return
     table = table.sort_by([("session_id", "ascending"), ("seq", "ascending")])
     sids = table.column("session_id").to_pylist()
-    start = 0
+    start, copies = 0, 0
     for end in range(1, len(sids) + 1):
         if end < len(sids) and sids[end] == sids[start]:
             continue
-        for record in expand_session(table.slice(start, end - start).to_pylist()):
+        rows, dropped = once_each(table.slice(start, end - start).to_pylist())
+        copies += dropped
+        for record in expand_session(rows):
             if include_failed or record.status == "ok":
                 yield record
         start = end
+    if copies:
+        log.warning(
+            "%s: %d call rows are stored more than once (a shard copied under a second name?); each is read once",
+            uri,
+            copies,
+        )
+
+
+def once_each(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """One session's rows with each call once, and how many identical copies were dropped. A shard copied under a
+    second name would otherwise train on every call of its sessions twice; two different rows under one record id
+    cannot both be the call, so that is refused."""
+    kept: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        first = kept.setdefault(row["record_id"], row)
+        if first is not row and first != row:
+            raise ShardIntegrityError(f"call {row['record_id']} is stored twice with different contents")
+    return list(kept.values()), len(rows) - len(kept)
 
 
 def read_records(
@@ -96,7 +120,7 @@ def read_records(
 
 def read_rewards(uri: str) -> list[RewardRecord]:
     """Reward events, oldest first."""
-    rows = read_table(uri, REWARDS).to_pylist()
+    rows = list({r["reward_id"]: r for r in read_table(uri, REWARDS).to_pylist()}.values())  # a copied shard's once
     rows.sort(key=lambda r: r["created_at"] or 0.0)
     return [RewardRecord(**r) for r in rows]
 
@@ -109,6 +133,7 @@ def read_sessions(uri: str) -> list[SessionRecord]:
         uri,
         CALLS,
         columns=[
+            "record_id",
             "session_id",
             "seq",
             "status",
@@ -123,4 +148,5 @@ def read_sessions(uri: str) -> list[SessionRecord]:
     )
     calls = calls.append_column("response_len", pc.list_value_length(calls.column("response_ids")))
     calls = calls.drop_columns(["response_ids"])
-    return merge_sessions(updates, read_rewards(uri), calls.to_pylist())
+    once = {row.pop("record_id"): row for row in calls.to_pylist()}  # a copied shard's calls counted once
+    return merge_sessions(updates, read_rewards(uri), list(once.values()))
