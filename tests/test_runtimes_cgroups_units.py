@@ -280,3 +280,33 @@ def test_unwritable_cgroups_leave_nothing_and_say_why(tmp_path: Path, monkeypatc
     assert group is None and why.startswith("cgroups not writable here ([Errno 21] Is a directory")
     assert removed == [tmp_path / "cpu" / "polar-s"]
     assert not (tmp_path / "polar-t").exists()
+
+
+def test_the_memory_limit_covers_swap_where_the_kernel_accounts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v2 ``memory.swap.max`` 0, v1 ``memory.memsw.limit_in_bytes`` = the memory limit (written after it: v1 refuses a
+    memsw limit below the memory one). The kernel makes these files; where it has none there is no swap to bound."""
+    parent = _v2(tmp_path, monkeypatch)
+    (parent / "polar-s1").mkdir()
+    (parent / "polar-s1" / "memory.swap.max").write_text("max")
+    cgroups.create("s1", None, 64, None)
+    assert (parent / "polar-s1" / "memory.swap.max").read_text() == "0"
+    (parent / "polar-s2").mkdir()
+    (parent / "polar-s2" / "memory.swap.max").write_text("max")
+    cgroups.create("s2", 1, None, None)  # no memory limit asked: swap is left as it is
+    assert (parent / "polar-s2" / "memory.swap.max").read_text() == "max"
+
+    monkeypatch.setattr(cgroups, "ROOT", tmp_path / "v1")
+    monkeypatch.setattr(cgroups, "_own_paths", lambda: {})
+    d = tmp_path / "v1" / "memory" / "polar-s3"
+    d.mkdir(parents=True)
+    (d / "memory.memsw.limit_in_bytes").write_text("9223372036854771712")
+    order: list[str] = []
+    real_write = pathlib.Path.write_text
+    monkeypatch.setattr(
+        pathlib.Path, "write_text", lambda self, text: order.append(self.name) or real_write(self, text)
+    )
+    assert cgroups.create("s3", None, 3, None) == (Cgroup([d]), "")
+    assert (d / "memory.memsw.limit_in_bytes").read_text() == str(3 * 2**20)
+    assert order == ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]

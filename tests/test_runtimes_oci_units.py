@@ -367,6 +367,9 @@ def starting(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> dict:
 
     async def cli(self: OciSandbox, *args: str, **kwargs: object) -> tuple:
         asked["execs"].append((args, kwargs))
+        if "--env-file" in args:  # read while the exec runs: it is gone after
+            env_path = Path(args[args.index("--env-file") + 1])
+            asked.setdefault("env_files", []).append((env_path, env_path.stat().st_mode & 0o777, env_path.read_text()))
         return asked.get("exec", (0, b"", b"", False, False, None))
 
     async def stop(self: OciSandbox) -> None:
@@ -423,7 +426,7 @@ def test_a_root_podman_container_is_exactly_its_mounts_uid_map_and_limits(
         "-v", f"{tmp_path / 'new' / 'logs'}:/logs/verifier",
         # The verifier's tests: read-only, the code under test cannot rewrite them.
         "-v", f"{tmp_path / 'tests'}:/tests:ro",
-        "--cpus", "1.5", "--memory", "64m", "--pids-limit", "100",
+        "--cpus", "1.5", "--memory", "64m", "--memory-swap", "64m", "--pids-limit", "100",
         "--entrypoint", "/bin/sh", "img:1", "-c", oci.INIT,
     ]  # fmt: skip
     ((_, cwd),) = [(args, cwd) for args, cwd in engine.calls if args[0] == "run"]
@@ -450,7 +453,7 @@ def test_an_empty_workspace_keeps_the_images_directory_unbound(
     assert args[args.index("--network") + 1] == "none"
     assert args[args.index("-w") + 1] == "/"
     assert not any(a.endswith(":/app") for a in args) and "--uidmap" not in args
-    assert not {"--cpus", "--memory", "--pids-limit", "--runtime"} & set(args)
+    assert not {"--cpus", "--memory", "--memory-swap", "--pids-limit", "--runtime"} & set(args)
     assert sandbox.host_workspace is None and sandbox.owner is None and sandbox.workspace == "/app"
     # The image's own directory is made inside (a WORKDIR does not always exist).
     ((cli_args, kwargs),) = starting["execs"]
@@ -570,11 +573,13 @@ def test_exec_passes_cwd_env_and_stdin_and_reports_the_exit(
     starting["exec"] = (7, b"out\xff", b"err\xff", False, False, None)
     result = asyncio.run(sandbox.exec("echo hi", env={"A": "exec"}, stdin=b"in", timeout_s=3))
     ((args, kwargs),) = starting["execs"]
+    env_path = tmp_path / "scratch" / "env-0123456789abcdef"
     assert list(args) == [
-        "exec", "-w", "/workspace", "-i",
-        "-e", "HOME=/override", "-e", "TMPDIR=/tmp", "-e", "A=exec",
-        "ctr", "/bin/sh", "-c", "echo hi",
+        "exec", "-w", "/workspace", "-i", "--env-file", str(env_path), "ctr", "/bin/sh", "-c", "echo hi",
     ]  # fmt: skip
+    # The environment in a file only the runner reads (never on the engine client's command line), gone after.
+    assert starting["env_files"] == [(env_path, 0o600, "HOME=/override\nTMPDIR=/tmp\nA=exec\n")]
+    assert not env_path.exists()
     assert kwargs == {"stdin": b"in", "timeout_s": 3, "bounded": True, "since": 0}
     assert (result.exit_code, result.stdout, result.stderr, result.oom_killed, result.limit) == (
         7,
@@ -726,3 +731,14 @@ def test_owner_of_reads_the_real_ids_from_the_kernel() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_env_file_holds_each_variable_literally_and_what_it_cannot_hold_goes_inline() -> None:
+    text, inline = oci.env_file({"A": "x y  ", "B": '"q" #c', "C": "a=b", "D": "", "_E9": " lead"})
+    assert (text, inline) == ('A=x y  \nB="q" #c\nC=a=b\nD=\n_E9= lead\n', [])
+    # A line break in a value would start a variable of the value's choosing in the file (LD_PRELOAD=...).
+    text, inline = oci.env_file({"OK": "1", "M": "a\nLD_PRELOAD=/workspace/x.so", "R": "a\r", "#N": "v", "S P": "v"})
+    assert text == "OK=1\n"
+    assert inline == ["-e", "M=a\nLD_PRELOAD=/workspace/x.so", "-e", "R=a\r", "-e", "#N=v", "-e", "S P=v"]
+    assert oci.env_file({"9A": "v"}) == ("", ["-e", "9A=v"])
+    assert oci.env_file({}) == ("", [])

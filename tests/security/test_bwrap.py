@@ -395,6 +395,11 @@ def test_an_oom_kill_by_the_memory_limit_is_reported(tmp_path: Path) -> None:
         try:
             if box.cgroup is None:
                 missing("cgroups are not writable here: no memory limit to kill")
+            # Swap is bounded too (where the kernel accounts it): memory + swap within the same 64 MiB.
+            for d in box.cgroup.dirs:
+                for name, bound in (("memory.swap.max", "0"), ("memory.memsw.limit_in_bytes", str(64 * 2**20))):
+                    if (d / name).exists():
+                        assert (d / name).read_text().strip() == bound
             return await box.exec([PYTHON, "-c", "x = bytearray(200_000_000); print(len(x))"]), await box.exec("true")
         finally:
             await box.stop()

@@ -193,6 +193,10 @@ def test_an_oom_kill_by_the_containers_memory_limit_is_reported(image: str, tmp_
     async def main():
         box = await oci.make(image=image).start(spec)
         try:
+            code, out = await box.runtime._run(
+                "inspect", "--format", "{{.HostConfig.Memory}} {{.HostConfig.MemorySwap}}", box.container
+            )
+            assert (code, out.split()) == (0, [str(64 * 2**20)] * 2)  # memory + swap bounded by the same 64 MiB
             return (
                 await box.exec(["python3", "-c", "x = bytearray(200_000_000); print(len(x))"], timeout_s=60),
                 await box.exec("true", timeout_s=60),
@@ -299,3 +303,48 @@ def test_filling_the_bound_workspace_is_stopped_at_the_disk_limit(image: str, tm
 
 def _workspace_bytes(workspace: Path) -> int:
     return sum(p.stat().st_size for p in workspace.iterdir())
+
+
+def test_an_execs_environment_is_not_on_the_hosts_process_list(image: str, tmp_path: Path) -> None:
+    """The session's proxy credentials reach the exec's processes, but not the command line of the engine's client
+    (`podman exec`), which every process on the host can list; a value with a line break still arrives whole."""
+    (tmp_path / "ca.pem").write_text("not a real CA\n")
+    secret = "sess-3f1c:key-9b2e7d4a61c05f88"
+    spec = SandboxSpec(
+        name="envsecret",
+        workspace=tmp_path / "ws",
+        home=tmp_path / "home",
+        network="none",
+        proxy=ProxyEndpoints(1, 2, tmp_path / "ca.pem"),
+        env={"HTTPS_PROXY": f"http://{secret}@127.0.0.1:9"},
+    )
+
+    def host_cmdlines() -> list[str]:
+        lines = []
+        for proc in Path("/proc").iterdir():
+            try:
+                lines.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                continue
+        return lines
+
+    async def main():
+        box = await oci.make(image=image).start(spec)
+        try:
+            script = 'echo "$HTTPS_PROXY"; python3 -c "import os; print(repr(os.environ[\'MULTI\']), \'B\' in os.environ)"; sleep 3'
+            running = asyncio.ensure_future(box.exec(script, env={"MULTI": "a\nB=1"}, timeout_s=60))
+            seen: list[str] = []
+            while not running.done():
+                seen += [line for line in host_cmdlines() if "exec" in line and "envsecret" in line]
+                await asyncio.sleep(0.05)
+            return await running, seen, sorted(box.scratch.glob("env-*"))
+        finally:
+            await box.stop()
+
+    result, seen, left = asyncio.run(main())
+    assert result.exit_code == 0, result
+    assert result.stdout.splitlines()[0] == f"http://{secret}@127.0.0.1:9"
+    assert result.stdout.splitlines()[1] == "'a\\nB=1' False"  # the line break kept, no variable B made
+    assert seen, "the podman exec client was never seen on the host's process list"
+    assert not [line for line in seen if secret in line], seen
+    assert left == []  # each exec's env file is removed after it

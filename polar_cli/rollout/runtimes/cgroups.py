@@ -103,6 +103,14 @@ def memory_dir_of(pid: int) -> Path | None:
     return None
 
 
+def _no_swap(limit: Path, value: str) -> None:
+    """Memory and swap together within the memory limit: a sandbox swapping past it would still hold the host's
+    memory hostage (and run on, slowly, instead of being OOM-killed). Kernels without swap accounting have no such
+    file, and no swap to limit per cgroup."""
+    if limit.exists():
+        limit.write_text(value)
+
+
 def create(name: str, cpus: float | None, memory_mb: int | None, pids: int | None) -> tuple[Cgroup | None, str]:
     """A cgroup limiting what is given (None: no limit); (None, reason) when cgroups are not writable here."""
     if not (cpus or memory_mb or pids):
@@ -123,6 +131,7 @@ def create(name: str, cpus: float | None, memory_mb: int | None, pids: int | Non
                 (d / "cpu.max").write_text(f"{int(cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
             if memory_mb:
                 (d / "memory.max").write_text(str(memory_mb * 2**20))
+                _no_swap(d / "memory.swap.max", "0")
             if pids:
                 (d / "pids.max").write_text(str(pids))
         else:
@@ -137,6 +146,7 @@ def create(name: str, cpus: float | None, memory_mb: int | None, pids: int | Non
                     (d / "cpu.cfs_quota_us").write_text(str(int(cpus * CPU_PERIOD_US)))
                 elif controller == "memory":
                     (d / "memory.limit_in_bytes").write_text(str(memory_mb * 2**20))
+                    _no_swap(d / "memory.memsw.limit_in_bytes", str(memory_mb * 2**20))
                 else:
                     (d / "pids.max").write_text(str(pids))
     except OSError as exc:

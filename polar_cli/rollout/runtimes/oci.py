@@ -46,6 +46,7 @@ import io
 import json
 import os
 import posixpath
+import re
 import shutil
 import subprocess
 import tarfile
@@ -95,6 +96,22 @@ def from_images(dockerfile: str) -> list[str]:
             if names:
                 images.append(names[0])
     return images
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def env_file(env: Mapping[str, str]) -> tuple[str, list[str]]:
+    """``env`` as an engine ``--env-file`` (one ``NAME=value`` a line, taken literally by podman and docker) and the
+    ``-e`` arguments of what such a file cannot hold: a value with a line break would end its line and start another
+    variable of the value's choosing, and a name the file format would read differently (a ``#`` comment, spaces)."""
+    lines, inline = [], []
+    for key, value in env.items():
+        if ENV_NAME.fullmatch(key) and "\n" not in value and "\r" not in value:
+            lines.append(f"{key}={value}\n")
+        else:
+            inline += ["-e", f"{key}={value}"]
+    return "".join(lines), inline
 
 
 class OciSandbox(IsolatedSandbox):
@@ -232,11 +249,21 @@ class OciSandbox(IsolatedSandbox):
         args = ["exec", "-w", cwd or self.workspace]
         if stdin is not None:
             args.append("-i")
-        for key, value in {"HOME": HOME, "TMPDIR": "/tmp", **self.spec.env, **(env or {})}.items():
-            args += ["-e", f"{key}={value}"]
-        code, out, err, timed_out, cancelled, over = await self._cli(
-            *args, self.container, *argv, stdin=stdin, timeout_s=timeout_s, bounded=True, since=cancels
-        )
+        text, inline = env_file({"HOME": HOME, "TMPDIR": "/tmp", **self.spec.env, **(env or {})})
+        # The environment (the session's proxy credentials among it) in a file only this user reads, not on the
+        # engine client's command line, which every process on the host can list.
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        env_path = self.scratch / f"env-{uuid.uuid4().hex}"
+        fd = os.open(env_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        try:
+            code, out, err, timed_out, cancelled, over = await self._cli(
+                *args, "--env-file", str(env_path), *inline, self.container, *argv,
+                stdin=stdin, timeout_s=timeout_s, bounded=True, since=cancels,
+            )  # fmt: skip
+        finally:
+            env_path.unlink(missing_ok=True)
         return ExecResult(
             -1 if timed_out or cancelled else code,
             out.decode(errors="replace"),
@@ -510,8 +537,8 @@ class OciRuntime(Runtime):
                 args += ["-v", f"{host}:{posixpath.normpath(inside)}:ro"]
             if spec.cpus:
                 args += ["--cpus", str(spec.cpus)]
-            if spec.memory_mb:
-                args += ["--memory", f"{spec.memory_mb}m"]
+            if spec.memory_mb:  # swap included: the same bound for memory and memory + swap
+                args += ["--memory", f"{spec.memory_mb}m", "--memory-swap", f"{spec.memory_mb}m"]
             if spec.pids:
                 args += ["--pids-limit", str(spec.pids)]
             args += ["--entrypoint", "/bin/sh", image, "-c", INIT]
