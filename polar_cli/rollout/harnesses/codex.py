@@ -12,18 +12,14 @@ setting for the output cap.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from polar_cli.rollout.harnesses._files import toml_value
 from polar_cli.rollout.harnesses._install import InstalledHarness, executable
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 # Compact at this share of the window, leaving room for the summary turn and the next answer.
 AUTO_COMPACT_SHARE = 0.8
-
-
-def _toml(value: object) -> str:
-    return json.dumps(value)  # JSON strings, numbers and booleans are valid TOML
 
 
 class Codex(InstalledHarness):
@@ -43,7 +39,7 @@ class Codex(InstalledHarness):
         if ctx.context_window:
             settings["model_context_window"] = ctx.context_window
             settings["model_auto_compact_token_limit"] = int(ctx.context_window * AUTO_COMPACT_SHARE)
-        lines = [f"{key} = {_toml(value)}" for key, value in settings.items()]
+        lines = [f"{key} = {toml_value(value)}" for key, value in settings.items()]
         if self.custom_provider:
             lines.insert(1, 'model_provider = "polar"')
         lines += ["", "[analytics]", "enabled = false", "", "[feedback]", "enabled = false"]
@@ -55,7 +51,7 @@ class Codex(InstalledHarness):
                 "",
                 "[model_providers.polar]",
                 'name = "polar"',
-                f"base_url = {_toml(ctx.reverse_url + '/v1')}",
+                f"base_url = {toml_value(ctx.reverse_url + '/v1')}",
                 'env_key = "POLAR_API_KEY"',
                 'wire_api = "responses"',
                 "supports_websockets = false",
@@ -63,7 +59,7 @@ class Codex(InstalledHarness):
                 "stream_max_retries = 0",
             ]
         (home / ".codex").mkdir(parents=True, exist_ok=True)
-        (home / ".codex" / "config.toml").write_text("\n".join(lines) + "\n")
+        (home / ".codex" / "config.toml").write_text("\n".join(lines) + "\n", encoding="utf-8")  # TOML is UTF-8
 
     def env(self, ctx: SessionContext) -> dict[str, str]:
         env = {"CODEX_HOME": str(Path(ctx.home) / ".codex"), "RUST_LOG": "warn"}

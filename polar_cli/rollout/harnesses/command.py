@@ -14,12 +14,14 @@ is made visible read-only at the same path (a Python venv as a whole, with the i
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 PLACEHOLDERS = ("instruction", "model", "session", "task", "sample", "workspace")
+_PLACEHOLDER = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
 
 
 class CommandPreset(HarnessPreset):
@@ -59,9 +61,9 @@ class CommandPreset(HarnessPreset):
             "sample": str(ctx.sample),
             "workspace": ctx.workspace,
         }
-        line = self.template
-        for name in PLACEHOLDERS:
-            line = line.replace("{" + name + "}", shlex.quote(values[name]))
+        # One pass over the template: a value put in is never searched again, so an instruction that itself says
+        # "{workspace}" or "{model}" arrives unchanged and still as one word.
+        line = _PLACEHOLDER.sub(lambda match: shlex.quote(values[match.group(1)]), self.template)
         return ["sh", "-c", line]
 
 

@@ -23,19 +23,13 @@ no model call) when a request is refused for its length. Output cap: ``llm.max_o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from polar_cli.rollout.harnesses._files import no_arg
+from polar_cli.rollout.harnesses._files import no_arg, toml_value
 from polar_cli.rollout.harnesses._venv import VenvHarness
 from polar_cli.rollout.harnesses.base import HarnessPreset, SessionContext
 
 CONFIG = ".openhands/polar.toml"
-
-
-def _toml(value: object) -> str:
-    # A JSON string or number is a TOML basic string or number; booleans are spelled the same.
-    return json.dumps(value)
 
 
 class OpenHands(VenvHarness):
@@ -67,10 +61,10 @@ class OpenHands(VenvHarness):
     def configure(self, home: Path, ctx: SessionContext) -> None:
         lines = []
         for table, values in self.settings(ctx).items():
-            lines += [f"[{table}]", *(f"{key} = {_toml(value)}" for key, value in values.items()), ""]
+            lines += [f"[{table}]", *(f"{key} = {toml_value(value)}" for key, value in values.items()), ""]
         path = home / CONFIG
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(lines))
+        path.write_text("\n".join(lines), encoding="utf-8")  # TOML is UTF-8
 
     def env(self, ctx: SessionContext) -> dict[str, str]:
         return {
