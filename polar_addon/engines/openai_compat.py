@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -35,6 +35,7 @@ from polar_addon.continuity.delta import DeltaPrompt, NoDelta, continuation_prom
 from polar_addon.token_ids import IdText, pack_token_ids
 from polar_addon.tool_parsers import ENGINE, ParsedTurn, ParserChoice
 from polar_addon.tool_parsers.calls import new_call_id
+from polar_addon.tool_parsers.reasoning import split_reasoning
 
 if TYPE_CHECKING:
     from polar_addon.engines import EngineSettings
@@ -355,7 +356,7 @@ class HTTPEngine:
         # hermes+fenced_json) may still find calls in the content of a turn it found none in. Only the message
         # changes: the sampled ids and logprobs stay the engine's.
         chain = self.tool_parsers.chain_for(self._model or request.model)
-        parsed.message, parser = chain.after_engine(parsed.message, request.tools)
+        parsed.message, parser = chain.after_engine(split_think(parsed.message), request.tools)
         if parser != ENGINE and parsed.message.tool_calls and parsed.finish_reason == "stop":
             parsed.finish_reason = "tool_calls"
         completion = self._completion(request, parsed)
@@ -365,6 +366,18 @@ class HTTPEngine:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def split_think(message: AssistantMessage) -> AssistantMessage:
+    """A server started without a reasoning parser leaves a model's ``<think>`` block in the content. polar's own
+    parsers (the token input path, the local engine) split it off as reasoning, so the chat path does the same: a
+    session's calls have one message shape whichever path answered them. What the server split stays as it is."""
+    if message.reasoning is not None or not message.content:
+        return message
+    reasoning, content = split_reasoning(message.content)
+    if reasoning is None and content == message.content:
+        return message
+    return replace(message, reasoning=reasoning, content=content)
 
 
 @dataclass
