@@ -169,10 +169,11 @@ class ScriptedEngine:
             weight_version = local.weight_version
         parse_failures: int | None = None  # a scripted turn is given parsed; only a cut one is decoded and parsed
         # The configured fallbacks (polar_tool_parser hermes+fenced_json) read a scripted turn as they read a turn an
-        # engine's server parsed; a cut turn is decoded with hermes, as before, then the same fallbacks.
+        # engine's server parsed; a cut turn is decoded with hermes, as before, then the same fallbacks, given the
+        # request's tools (fenced_json only makes calls of those: without them it never found one).
         chain = local.tool_parsers.chain_for(local.served_model)
         if truncated:
-            parsed = ParserChain("hermes", chain.fallbacks).parse(text)
+            parsed = ParserChain("hermes", chain.fallbacks).parse(text, request.tools)
             message, finish, parse_failures = parsed.message, "length", len(parsed.failed)
             tool_call_parser = parsed.parser
         else:
