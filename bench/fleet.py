@@ -20,12 +20,14 @@ cores, so this measures the backend's overhead and scaling on this box, not a fl
 
 ``--engine vllm`` runs three loops on the vLLM CPU engine instead (an untied tiny model, so it loads in place):
 synchronous, async with each push a restart (``--vllm-push restart --drain wait``), and async with the push in
-place under the running batch (``--drain keep``), and reports per loop the trainings per hour, the busy fractions,
-the tokens sampled per second and the fraction of them that a training step took. ``--cpu-split 0:1`` gives the
+place under the running batch (``--drain keep``), and reports per loop the trainings per hour (end to end, the
+engine's start included), the seconds per training step in steady state, the busy fractions, the tokens sampled per
+second and the fraction of them that a training step took. ``--cpu-split 0:1`` gives the
 rollout side (the loop, vLLM, proxies, harnesses) and each `polar train` their own CPU sets (``polar loop
 --rollout-cpus/--train-cpus``): on shared cores the two sides cannot overlap.
 
-    .venv/bin/python bench/fleet.py --engine vllm --cpu-split 0:1 --no-ray --tasks 2 --samples 4 --iterations 4
+    .venv/bin/python bench/fleet.py --engine vllm --cpu-split 0:1 --no-ray --tasks 2 --samples 4 --iterations 6 \
+        --max-tokens 64   # a batch about as long as a training: what the overlap can win
 """
 
 from __future__ import annotations
