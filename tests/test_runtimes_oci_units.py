@@ -602,6 +602,19 @@ def test_exec_passes_cwd_env_and_stdin_and_reports_the_exit(
         asyncio.run(sandbox.exec("x"))
 
 
+def test_an_exec_value_the_env_file_cannot_hold_is_passed_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, starting: dict
+) -> None:
+    sandbox = _sandbox(_runtime(monkeypatch), _spec(tmp_path), tmp_path)
+    asyncio.run(sandbox.exec("true", env={"M": "a\nB=1", "OK": "1"}))
+    ((args, _),) = starting["execs"]
+    env_path = tmp_path / "scratch" / "env-0123456789abcdef"
+    assert list(args) == [
+        "exec", "-w", "/workspace", "--env-file", str(env_path), "-e", "M=a\nB=1", "ctr", "/bin/sh", "-c", "true",
+    ]  # fmt: skip
+    assert starting["env_files"][0][2] == "HOME=/home/polar\nTMPDIR=/tmp\nOK=1\n"
+
+
 def test_an_exec_during_which_the_memory_limit_killed_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, starting: dict
 ) -> None:
