@@ -432,34 +432,45 @@ def reload_vllm_in_place(
     if refusal is not None:
         raise InPlaceRefused(refusal)
     rpc = {"method": "reload_weights", "kwargs": {"weights_path": checkpoint, "is_checkpoint_format": True}}
-    paused = False
+    paused = loaded = False
     try:
-        if keep:
-            # A pause that failed in the engine (500) or whose answer was lost (a timeout) may have paused it: resume
-            # then too (resuming a running engine does nothing). Only a refusal (4xx) is known to have done nothing.
-            paused = True
-            pause = httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=timeout_s)
-            paused = not pause.is_client_error
-            pause.raise_for_status()
-        httpx.post(f"{server.url}/collective_rpc", json=rpc, timeout=timeout_s).raise_for_status()
-        reset = httpx.post(
-            f"{server.url}/reset_prefix_cache", params={"reset_running_requests": str(keep).lower()}, timeout=timeout_s
-        )
-        reset.raise_for_status()
         try:
-            success = reset.json().get("success")
-        except ValueError:  # an older vLLM answers 200 without a body: it says nothing either way
-            success = None
-        if success is False:
-            raise EngineError(f"vLLM on {server.url} kept its prefix cache of the old weights (blocks still held)")
-        if weight_version is not None:
-            label_version(server.url, weight_version, timeout_s)
-    except httpx.HTTPError as exc:
-        detail = getattr(getattr(exc, "response", None), "text", "")[:300]
-        raise EngineError(f"vLLM on {server.url} could not reload {checkpoint} in place: {exc} {detail}") from exc
-    finally:
-        if paused:
-            _resume(server.url, timeout_s)
+            if keep:
+                # A pause that failed in the engine (500) or whose answer was lost (a timeout) may have paused it:
+                # resume then too (resuming a running engine does nothing). Only a refusal (4xx) did nothing.
+                paused = True
+                pause = httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=timeout_s)
+                paused = not pause.is_client_error
+                pause.raise_for_status()
+            httpx.post(f"{server.url}/collective_rpc", json=rpc, timeout=timeout_s).raise_for_status()
+            loaded = True
+            reset = httpx.post(
+                f"{server.url}/reset_prefix_cache",
+                params={"reset_running_requests": str(keep).lower()},
+                timeout=timeout_s,
+            )
+            reset.raise_for_status()
+            try:
+                success = reset.json().get("success")
+            except ValueError:  # an older vLLM answers 200 without a body: it says nothing either way
+                success = None
+            if success is False:
+                raise EngineError(f"vLLM on {server.url} kept its prefix cache of the old weights (blocks still held)")
+            if weight_version is not None:
+                label_version(server.url, weight_version, timeout_s)
+        except httpx.HTTPError as exc:
+            detail = getattr(getattr(exc, "response", None), "text", "")[:300]
+            raise EngineError(f"vLLM on {server.url} could not reload {checkpoint} in place: {exc} {detail}") from exc
+        finally:
+            if paused:
+                _resume(server.url, timeout_s)
+    except EngineError:
+        if loaded:
+            # The workers hold the checkpoint whatever failed after the load: the state names it, with no version
+            # (the server's own label may still be the old version's, so what it samples has no known version).
+            _loaded(server, checkpoint, None, " (in place; the weights loaded, then the reload failed: no version)")
+            save_state(server, state_dir)
+        raise
     _loaded(server, checkpoint, weight_version, " (in place, requests kept)" if keep else " (in place)")
     save_state(server, state_dir)
     return server
