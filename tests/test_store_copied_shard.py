@@ -98,3 +98,24 @@ def test_once_each_keeps_the_first_of_equal_rows_in_order() -> None:
     assert once_each([]) == ([], 0)
     with pytest.raises(ShardIntegrityError, match="^call a is stored twice with different contents$"):
         once_each([*rows, {"record_id": "a", "x": 3}])
+
+
+def test_a_shard_with_nulls_in_a_key_column_is_reported_not_read(tmp_path: Path) -> None:
+    """A hand-made shard that declares seq nullable and holds a null: validate names the column and the count and
+    checks the rest of the store, instead of stopping with pyarrow's cast error."""
+    import pyarrow as pa
+
+    store, _ = _store(tmp_path)
+    shard = next(store.glob("calls/*.parquet"))
+    table = pq.read_table(shard)
+    index = table.schema.get_field_index("seq")
+    nullable = table.schema.set(index, pa.field("seq", pa.int64(), nullable=True))
+    seqs = table.column("seq").to_pylist()
+    forged = table.cast(nullable).set_column(index, nullable.field(index), pa.array([None, *seqs[1:]], pa.int64()))
+    forged_path = shard.with_name("9999-forged.parquet")
+    pq.write_table(forged, forged_path)
+    problems = validate_store(str(store))
+    assert f"calls/{forged_path.name}: column seq holds 1 null(s); it may hold none" in problems
+    # A nullable declaration with no null in it is the store's own column: nothing to report.
+    pq.write_table(table.cast(nullable), forged_path)
+    assert not [p for p in validate_store(str(store)) if "null" in p]

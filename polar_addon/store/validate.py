@@ -42,6 +42,13 @@ def _check_schemas(out: Output) -> tuple[list[str], dict[str, list[str]]]:
                 elif not schema.field(f.name).type.equals(f.type):
                     problems.append(f"{name}: column {f.name} is {schema.field(f.name).type}, expected {f.type}")
                     bad = True
+                elif not f.nullable and schema.field(f.name).nullable:
+                    # A hand-made (or foreign) shard may declare a key column nullable; a null there has no row to
+                    # be, and reading it under the store's schema would stop every reader with a cast error.
+                    nulls = pq.read_table(path, columns=[f.name], filesystem=out.fs).column(0).null_count
+                    if nulls:
+                        problems.append(f"{name}: column {f.name} holds {nulls} null(s); it may hold none")
+                        bad = True
             if not bad:
                 readable[kind].append(path)
     return problems, readable
