@@ -76,6 +76,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["polar_addon/identity.py"],
         [
             "tests/test_identity.py",
+            "tests/test_identity_audit_units.py",
             "tests/security/test_sessions.py::test_registry_lookup_revoke_end_and_forget",
             "tests/security/test_sessions.py::test_registered_resolution_takes_labels_from_the_registration_alone",
             "tests/security/test_sessions.py::test_claimed_mode_trusts_claims_but_never_takes_a_secret_for_a_session_id",
@@ -124,7 +125,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "gateway": (["polar_addon/gateway.py"], ["tests/test_gateway_units.py", "tests/test_gateway_core.py"]),
     "store.journal": (
         ["polar_addon/store/journal.py"],
-        ["tests/test_store_journal.py", "tests/test_store_crash.py", *NOT_SLOW],
+        [
+            "tests/test_store_journal.py",
+            "tests/test_store_journal_audit_units.py",
+            "tests/test_store_crash.py",
+            *NOT_SLOW,
+        ],
     ),
     "store.compaction": (
         ["polar_addon/store/compaction.py"],
@@ -148,12 +154,18 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "build.breaks": (
         ["polar_cli/build/breaks.py"],
-        ["tests/test_build_breaks.py", "tests/test_build_prefix_merging.py"],
+        ["tests/test_build_breaks.py", "tests/test_build_breaks_audit_units.py", "tests/test_build_prefix_merging.py"],
     ),
     "build.rewards": (["polar_cli/build/rewards.py"], ["tests/test_build_rewards.py"]),
     "train.advantages": (["polar_cli/train/advantages.py"], ["tests/test_train_advantages.py"]),
-    "train.dataset": (["polar_cli/train/dataset.py"], ["tests/test_train_dataset.py"]),
-    "train.config": (["polar_cli/train/config.py"], ["tests/test_train_config.py"]),
+    "train.dataset": (
+        ["polar_cli/train/dataset.py"],
+        ["tests/test_train_dataset.py", "tests/test_train_dataset_audit_units.py"],
+    ),
+    "train.config": (
+        ["polar_cli/train/config.py"],
+        ["tests/test_train_config.py", "tests/test_train_config_audit_units.py"],
+    ),
     # Tool-call parsing of the sampled text (what becomes a call, what stays content).
     "tool_parsers.hermes": (["polar_addon/tool_parsers/hermes.py"], ["tests/test_tool_parsers_hermes.py"]),
     "tool_parsers.qwen3_coder": (
@@ -192,6 +204,223 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
     # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # engines.openai_compat's answer builders since the tenth round (run with --only on split_think, _sampled,
+    # text_completion, _completion, chat_completion, parse_text): the entry's selection and the think-split tests.
+    "engines.openai_compat.answers": (
+        ["polar_addon/engines/openai_compat.py"],
+        [
+            "tests/test_engine_sglang.py",
+            "tests/test_engine_http_pool.py",
+            "tests/test_engine_http_client.py",
+            "tests/test_engine_prompt_fast_path.py",
+            "tests/test_gateway_sampling.py",
+            "tests/test_vllm_token_versions.py",
+            "tests/test_engine_chat_think_split.py",
+            "tests/test_engine_openai_compat_audit_units.py",
+        ],
+    ),
+    # store.reader's copied-shard rule (each call and reward read once; run with --only on iter_records, once_each,
+    # read_rewards, read_sessions): the eleventh round's selection and the tests that came with the rule.
+    "store.reader.copies": (
+        ["polar_addon/store/reader.py"],
+        [
+            "tests/test_store_reader_units.py",
+            "tests/test_store_basic.py",
+            "tests/test_store_pending.py",
+            "tests/test_store_cli.py",
+            "tests/test_store_copied_shard.py",
+            "tests/test_store_reader_audit_units.py",
+            "-k",
+            "not train_on_a_path",
+        ],
+    ),
+    # The whole of verifiers.py (the entry above runs only decide/rewards): each strategy's layout, what it clears
+    # before the verify command and brings out after, on a recording fake sandbox.
+    "rollout.verifiers.all": (
+        ["polar_cli/rollout/verifiers.py"],
+        ["tests/test_rollout_session.py", "tests/test_rollout_verifiers_audit_units.py", "-k", "not session_runner"],
+    ),
+    # The CLI's helpers: settings declared once (the generated parameters, the flag a refusal names, the redacted
+    # manifest), `--set` items, the STORE argument, terminal-safe text, mitmdump's command line and process handling
+    # (fake processes), the view page (stand-in records and chains), the tiny model's build (stand-in torch).
+    "settings": (
+        ["polar_cli/settings.py"],
+        [
+            "tests/test_cli_helpers_units.py",
+            "tests/test_settings.py::test_a_settings_dataclass_round_trips_through_its_command",
+            "tests/test_settings.py::test_types_bounds_and_validate_are_usage_errors_naming_the_flag",
+            "tests/test_settings.py::test_help_shows_each_option_once_with_its_default_and_help",
+            "tests/test_settings.py::test_a_reused_field_keeps_flags_and_help_unless_changed",
+        ],
+    ),
+    "set_option": (
+        ["polar_cli/set_option.py"],
+        ["tests/test_cli_helpers_units.py", "tests/test_rollout_config_units.py"],
+    ),
+    "store_arg": (["polar_cli/store_arg.py"], ["tests/test_cli_helpers_units.py"]),
+    "terminal": (
+        ["polar_cli/terminal.py"],
+        ["tests/test_cli_helpers_units.py", "tests/test_store_hostile_rows.py::test_printable_and_markup_safe"],
+    ),
+    "mitm": (["polar_cli/mitm.py"], ["tests/test_cli_helpers_units.py"]),
+    "view": (
+        ["polar_cli/view.py"],
+        ["tests/test_cli_helpers_units.py", "tests/test_view.py", "-k", "not chromium"],
+    ),
+    "tiny_model": (["polar_cli/tiny_model.py"], ["tests/test_cli_helpers_units.py"]),
+    # The entry mitmproxy loads (addon.py: module-level, no mutant of its own) and the addon set it is made of: which
+    # addons, in which hook order, sharing one object.
+    "addon": (
+        ["polar_addon/addon.py", "polar_addon/addons/__init__.py"],
+        # (test_addon_options.py reads the set addon.py made at import, which mutmut cannot see: it runs once)
+        ["tests/test_addon_entry_units.py", "tests/test_addon_options.py"],
+    ),
+    # `--runtime NAME`: which runtimes exist, the name's spelling, the refusals, and that make gives a Runtime.
+    "rollout.runtimes": (
+        ["polar_cli/rollout/runtimes/__init__.py"],
+        ["tests/test_package_inits_units.py", "tests/test_rollout_tasks.py::test_registries_name_what_exists"],
+    ),
+    # The other npm CLIs' presets (twelfth round, group B): opencode and its kilocode fork, cline, continue; where the
+    # CLIs are found and the config writer (test_presets_npm.py imports test_rollout_presets: examples/ at import).
+    "harnesses.npm_presets_b": (
+        [
+            "polar_cli/rollout/harnesses/opencode.py",
+            "polar_cli/rollout/harnesses/kilocode.py",
+            "polar_cli/rollout/harnesses/cline.py",
+            "polar_cli/rollout/harnesses/continue_cli.py",
+            "polar_cli/rollout/harnesses/_install.py",
+            "polar_cli/rollout/harnesses/_files.py",
+        ],
+        ["tests/test_harnesses_b_units.py"],
+    ),
+    # The Python harnesses' presets (twelfth round, group B): each venv harness's argv, env and config files, and the
+    # shared venv / bundled-script helpers. test_presets_python.py's unit tests import test_rollout_presets, which
+    # reads examples/ at import (the scratch copy has none).
+    "harnesses.python_presets": (
+        [
+            "polar_cli/rollout/harnesses/aider.py",
+            "polar_cli/rollout/harnesses/gptme.py",
+            "polar_cli/rollout/harnesses/kimi_cli.py",
+            "polar_cli/rollout/harnesses/mini_swe_agent.py",
+            "polar_cli/rollout/harnesses/openai_agents.py",
+            "polar_cli/rollout/harnesses/smolagents.py",
+            "polar_cli/rollout/harnesses/openhands.py",
+            "polar_cli/rollout/harnesses/_bundled.py",
+            "polar_cli/rollout/harnesses/_venv.py",
+        ],
+        ["tests/test_harnesses_b_units.py"],
+    ),
+    # vLLM's client: render -> generate -> derender with per-token weight versions, token input, /tokenize counts.
+    "engines.vllm": (
+        ["polar_addon/engines/vllm.py"],
+        ["tests/test_engines_vllm_units.py", "tests/test_vllm_token_versions.py", "tests/test_engine_http_client.py"],
+    ),
+    # SGLang's client: the token-id extras asked for, token input, /v1/tokenize counts and in-place weight loads.
+    "engines.sglang": (
+        ["polar_addon/engines/sglang.py"],
+        ["tests/test_engines_sglang_units.py", "tests/test_engine_sglang.py"],
+    ),
+    # The scripted test engine: which turn answers, its tokens scored after the prompt, a cut turn parsed, on a
+    # stand-in tokenizer and template (test_engine_scripted.py loads the tiny model: over 10 s a mutant, left out).
+    "engines.scripted": (["polar_addon/engines/scripted.py"], ["tests/test_engines_scripted_units.py"]),
+    # Engines built from specs (kind, target, version, per-token versions) and the pool's session routing and faults.
+    "engines.init": (
+        ["polar_addon/engines/__init__.py"],
+        [
+            "tests/test_engines_init_units.py",
+            "tests/test_engine_spec.py",
+            "tests/test_engine_affinity.py",
+            "tests/test_vllm_token_versions.py",
+        ],
+    ),
+    # Which harness a capture names: the User-Agent, or the system prompt's harness with the SDK's agent after it.
+    "harness_id": (["polar_addon/harness_id.py"], ["tests/test_harness_id_units.py", "tests/test_harness_id.py"]),
+    # Importing a GGUF checkpoint: the parts, their hashes and refusals, the conversion's calls (on a stand-in
+    # transformers), the provenance record, the all-or-nothing move (the real conversion test loads torch: left out).
+    "gguf_import": (
+        [
+            "polar_cli/gguf_import/parts.py",
+            "polar_cli/gguf_import/convert.py",
+            "polar_cli/gguf_import/importer.py",
+            "polar_cli/gguf_import/provenance.py",
+        ],
+        ["tests/test_gguf_import_units.py", "tests/test_gguf_import.py", "-k", "not real_gguf"],
+    ),
+    # polar-untrusted's Landlock shim (the verifier's confinement of the code under test, the agent's): its options,
+    # the denied directories made and resolved, the rules along their ancestors, the ruleset's syscalls, the refusals
+    # (its subprocess tests run the shim under the system python3, which cannot load mutmut's trampoline: left out).
+    "rollout.runtimes.untrusted_shim": (
+        ["polar_cli/rollout/runtimes/untrusted/polar_untrusted.py"],
+        [
+            "tests/security/test_untrusted_shim_units.py",
+            "tests/security/test_verifier.py::test_polar_untrusted_handles_every_right_of_the_abi",
+        ],
+    ),
+    # Twelfth round: TRL's rollout worker (a batch's records, the metrics it sends, the wait for a versioned
+    # checkpoint, health, backpressure: on fake rollouts, no engine) and the CPU stand-in for TRL's varlen kernel.
+    "trl_async.worker": (["polar_cli/trl_async/worker.py"], ["tests/test_trl_async_worker_units.py"]),
+    "trl_async.cpu_attention": (
+        ["polar_cli/trl_async/cpu_attention.py"],
+        ["tests/test_trl_async.py", "tests/test_trl_async_worker_units.py", "-k", "cpu_varlen or attention"],
+    ),
+    # The live dashboard: what it counts and shows of a loop, rollout or store, and what its server serves (the
+    # browser run and the CLI's host check are left out).
+    "dashboard.snapshot": (
+        ["polar_cli/dashboard/snapshot.py"],
+        ["tests/test_dashboard.py", "tests/test_dashboard_units.py", "-k", "not live_page and not loopback"],
+    ),
+    "dashboard.server": (
+        ["polar_cli/dashboard/server.py"],
+        ["tests/test_dashboard.py", "tests/test_dashboard_units.py", "-k", "not live_page and not loopback"],
+    ),
+    # The metrics sent to trackers (--report-to parsing, the loop's points), and the training and loop curves (the
+    # runs that log through real trackers are left out).
+    "trackers": (
+        ["polar_cli/trackers.py"],
+        [
+            "tests/test_trackers.py",
+            "tests/test_trackers_units.py",
+            "-k",
+            "not tensorboard_wandb and not async_loop and not refuses_an_unknown",
+        ],
+    ),
+    "train.plots": (
+        ["polar_cli/train/plots.py"],
+        [
+            "tests/test_train_plots_units.py",
+            "tests/test_loop_eval.py::test_a_loop_entry_holds_pass_at_k_its_se_and_the_causes",
+        ],
+    ),
+    # The presets' shared parts (twelfth round): the session's credential forms, config writing, where CLIs and venvs
+    # are found, the bundled agents' argv, and how --harness names a preset.
+    "harnesses.base": (
+        [
+            "polar_cli/rollout/harnesses/base.py",
+            "polar_cli/rollout/harnesses/_files.py",
+            "polar_cli/rollout/harnesses/_install.py",
+            "polar_cli/rollout/harnesses/_venv.py",
+            "polar_cli/rollout/harnesses/_bundled.py",
+            "polar_cli/rollout/harnesses/__init__.py",
+        ],
+        # tests/test_presets_python.py and test_rollout_presets.py read examples/ on import: not in the scratch copy.
+        ["tests/test_harnesses_a_units.py", "tests/test_rollout_command_preset.py", "tests/test_harness_toml_units.py"],
+    ),
+    # cmd: (twelfth round): the shell line's placeholders, the env that points any client at polar, the host paths.
+    "harnesses.command": (
+        ["polar_cli/rollout/harnesses/command.py"],
+        ["tests/test_harness_command_units.py", "tests/test_rollout_command_preset.py"],
+    ),
+    # The five npm CLIs' presets (twelfth round): the env names, config keys and argv each harness reads.
+    "harnesses.npm_presets": (
+        [
+            "polar_cli/rollout/harnesses/claude_code.py",
+            "polar_cli/rollout/harnesses/codex.py",
+            "polar_cli/rollout/harnesses/qwen_code.py",
+            "polar_cli/rollout/harnesses/pi.py",
+            "polar_cli/rollout/harnesses/gemini_cli.py",
+        ],
+        ["tests/test_harnesses_a_units.py"],
+    ),
     # Children that die with polar however it dies: the lines sent to the guardian, and the guardian itself.
     "lifeline": (["polar_cli/lifeline.py"], ["tests/test_lifeline_units.py"]),
     # The loop's CPU sets: the list syntax, the refusal of CPUs this process may not use, the affinity given back.
@@ -245,6 +474,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["polar_addon/store/validate.py"],
         [
             "tests/test_store_validate_units.py",
+            "tests/test_store_copied_shard.py",
             "tests/test_store_cli.py",
             "tests/test_store_hostile_rows.py",
             "tests/test_store_quarantine.py",

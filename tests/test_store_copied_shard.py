@@ -119,3 +119,33 @@ def test_a_shard_with_nulls_in_a_key_column_is_reported_not_read(tmp_path: Path)
     # A nullable declaration with no null in it is the store's own column: nothing to report.
     pq.write_table(table.cast(nullable), forged_path)
     assert not [p for p in validate_store(str(store)) if "null" in p]
+
+
+def test_the_null_check_reads_through_the_stores_own_filesystem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an object store a shard's path is the store's, not a local one: the column is read through the store's
+    filesystem (here a sub-tree filesystem, whose paths mean nothing to the local one)."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    from polar_addon.store import validate
+    from polar_addon.store.shards import Output
+
+    store, _ = _store(tmp_path / "base" / "store")
+    shard = next(store.glob("calls/*.parquet"))
+    table = pq.read_table(shard)
+    index = table.schema.get_field_index("record_id")
+    nullable = table.schema.set(index, pa.field("record_id", pa.string(), nullable=True))
+    ids = table.column("record_id").to_pylist()
+    pq.write_table(
+        table.cast(nullable).set_column(index, nullable.field(index), pa.array([*ids[:-1], None], pa.string())),
+        shard,
+    )
+    remote = Output(
+        "mem://store", pafs.SubTreeFileSystem(str(tmp_path / "base"), pafs.LocalFileSystem()), "store", False
+    )
+    monkeypatch.setattr(validate.Output, "from_uri", classmethod(lambda cls, uri: remote))
+    monkeypatch.chdir(tmp_path)  # "store/calls/..." is no local path from here
+    problems = validate.validate_store("mem://store")
+    assert f"calls/{shard.name}: column record_id holds 1 null(s); it may hold none" in problems
