@@ -57,7 +57,7 @@ def dashboard(settings: DashboardSettings) -> None:
     try:
         import uvicorn
 
-        from polar_cli.dashboard.server import create_app
+        from polar_cli.dashboard.server import LOOPBACK_HOSTS, create_app
     except ImportError as exc:  # the `dashboard` extra
         raise typer.BadParameter(f"{exc}: pip install 'polar[dashboard]'") from exc
 
@@ -74,7 +74,11 @@ def dashboard(settings: DashboardSettings) -> None:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     typer.echo(f"polar dashboard of {s.path} on http://{shown}:{port}/ (Ctrl-C stops it)")
-    app = create_app(s.path.resolve())
+    if s.allow_remote:
+        hosts = ["*"]  # reached by whatever name the network gives this machine; the user chose to expose it
+    else:
+        hosts = [*LOOPBACK_HOSTS, *([] if f"[{host}]" in LOOPBACK_HOSTS or host in LOOPBACK_HOSTS else [shown])]
+    app = create_app(s.path.resolve(), hosts=hosts)
     # An open page's event stream never ends by itself: on Ctrl-C the streams end at their next poll (a second),
     # so uvicorn's graceful shutdown finishes; the timeout is for a stream stuck on a slow client.
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)

@@ -198,7 +198,7 @@ def test_progress_file_is_whole_current_and_redacted(tmp_path: Path, monkeypatch
 
 @pytest.fixture(scope="module")
 def client(store: Path) -> Iterator[TestClient]:
-    with TestClient(create_app(store, poll_s=0.05, max_events=1)) as c:
+    with TestClient(create_app(store, poll_s=0.05, max_events=1), base_url="http://127.0.0.1:8321") as c:
         yield c
 
 
@@ -446,3 +446,32 @@ def test_live_page_during_a_rollout(tiny_model_dir: Path, tmp_path: Path) -> Non
     # The hostile task id (the group and task of two sessions) is text on the page, never an element.
     assert HOSTILE in last["cells"] and last["images"] == 0 and last["title"] == "polar dashboard", last
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("127.0.0.1:8321", 200),
+        ("localhost:8321", 200),
+        ("[::1]:8321", 200),
+        ("LOCALHOST", 200),
+        ("attacker.example:8321", 400),  # a page whose name was made to resolve to 127.0.0.1 (DNS rebinding)
+        ("127.0.0.1.attacker.example", 400),
+        ("[::2]:8321", 400),
+    ],
+)
+def test_a_loopback_dashboard_answers_only_its_loopback_names(store: Path, host: str, status: int) -> None:
+    """A browser page from elsewhere that rebinds its own name to 127.0.0.1 sends its own name as Host: refused, so
+    it cannot read the prompts and outputs the dashboard shows."""
+    with TestClient(create_app(store, max_events=1), base_url="http://127.0.0.1:8321") as c:
+        for path in ("/", "/api/snapshot", "/session/x"):
+            answer = c.get(path, headers={"host": host})
+            assert answer.status_code == (status if status == 400 else answer.status_code), (path, host)
+            if status == 400:
+                assert answer.text == "Invalid host header"
+        assert c.get("/api/snapshot", headers={"host": host}).status_code == status
+
+
+def test_a_dashboard_served_beyond_loopback_answers_any_name(store: Path) -> None:
+    with TestClient(create_app(store, max_events=1, hosts=["*"]), base_url="http://box.lan:8321") as c:
+        assert c.get("/api/snapshot").status_code == 200

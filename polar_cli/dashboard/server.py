@@ -13,13 +13,15 @@ import asyncio
 import base64
 import hashlib
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -156,8 +158,16 @@ class Dashboard:
         return HTMLResponse(markup, headers={**_COMMON, "Content-Security-Policy": _trace_csp(markup)})
 
 
-def create_app(path: Path, *, poll_s: float = POLL_S, max_events: int | None = None) -> Starlette:
-    """The dashboard of ``path`` (a loop, rollout report or store directory)."""
+# The names a browser on this machine gives a loopback dashboard: any other Host header is a page that made its own
+# name resolve to 127.0.0.1 (DNS rebinding), reading every prompt and output through the victim's browser.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def create_app(
+    path: Path, *, poll_s: float = POLL_S, max_events: int | None = None, hosts: Sequence[str] = LOOPBACK_HOSTS
+) -> Starlette:
+    """The dashboard of ``path`` (a loop, rollout report or store directory), answering only requests whose Host is
+    one of ``hosts`` (``*``: any, for a dashboard served beyond loopback on purpose); others get a 400."""
     board = Dashboard(path, poll_s=poll_s, max_events=max_events)
     routes = [
         Route("/", board.page, methods=["GET"]),
@@ -166,6 +176,6 @@ def create_app(path: Path, *, poll_s: float = POLL_S, max_events: int | None = N
         Route("/events", board.events, methods=["GET"]),
         Route("/session/{session_id:path}", board.session, methods=["GET"]),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(hosts))])
     app.state.dashboard = board
     return app
