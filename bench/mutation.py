@@ -122,7 +122,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["polar_cli/train/trainer.py"],
         ["tests/test_train_loss_value.py", "tests/test_train_trainer_units.py"],
     ),
-    "gateway": (["polar_addon/gateway.py"], ["tests/test_gateway_units.py", "tests/test_gateway_core.py"]),
+    "gateway": (
+        ["polar_addon/gateway.py"],
+        ["tests/test_gateway_units.py", "tests/test_gateway_audit_units.py", "tests/test_gateway_core.py"],
+    ),
     "store.journal": (
         ["polar_addon/store/journal.py"],
         [
@@ -204,6 +207,19 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
     # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # The trace store's durability=write (a sync thread behind the appends; run with --only on _sync_loop, _seal,
+    # close): store.trace_store's selection and its in-process tests (the SIGKILL test runs it in a child).
+    "store.trace_store.durability": (
+        ["polar_addon/store/trace_store.py"],
+        [
+            "tests/test_store_trace_store.py",
+            "tests/test_store_basic.py",
+            "tests/test_store_crash.py",
+            "tests/test_store_quarantine.py",
+            "tests/test_store_durability_audit_units.py",
+            *NOT_SLOW,
+        ],
+    ),
     # engines.openai_compat's answer builders since the tenth round (run with --only on split_think, _sampled,
     # text_completion, _completion, chat_completion, parse_text): the entry's selection and the think-split tests.
     "engines.openai_compat.answers": (
