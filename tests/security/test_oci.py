@@ -331,7 +331,8 @@ def test_an_execs_environment_is_not_on_the_hosts_process_list(image: str, tmp_p
     async def main():
         box = await oci.make(image=image).start(spec)
         try:
-            script = 'echo "$HTTPS_PROXY"; python3 -c "import os; print(repr(os.environ[\'MULTI\']), \'B\' in os.environ)"; sleep 3'
+            show = "import os; print(repr(os.environ['MULTI']), 'B' in os.environ)"
+            script = f'echo "$HTTPS_PROXY"; python3 -c "{show}"; sleep 3'
             running = asyncio.ensure_future(box.exec(script, env={"MULTI": "a\nB=1"}, timeout_s=60))
             seen: list[str] = []
             while not running.done():
