@@ -207,6 +207,17 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
     # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # The async loop's scheduler (_AsyncLoop: which batch each step trains, the staleness bound, AHEAD, the drains'
+    # pushes, the measuring batch, loop.json, resume) on fake rollouts, trainings and engine (run with --only
+    # '*_AsyncLoop*': _round and _train are the fakes' seams, exercised by test_async_loop.py).
+    "rollout.async_loop.scheduler": (
+        ["polar_cli/rollout/async_loop.py"],
+        [
+            "tests/test_async_loop_scheduler_units.py",
+            "tests/test_async_loop_units.py",
+            "tests/test_async_loop_keep_units.py",
+        ],
+    ),
     # The trace store's durability=write (a sync thread behind the appends; run with --only on _sync_loop, _seal,
     # close): store.trace_store's selection and its in-process tests (the SIGKILL test runs it in a child).
     "store.trace_store.durability": (

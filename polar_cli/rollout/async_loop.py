@@ -518,8 +518,8 @@ class _AsyncLoop:
                 f"batch {batch.index}: calls of group(s) {chosen.untagged[:3]} carry no numeric "
                 f"weight_version (engine {self.config.engine}): their staleness cannot be bounded"
             )
-        batch.dropped_groups = {**chosen.stale, **{g: -1 for g in chosen.untagged}}
-        if chosen.stale or chosen.untagged:
+        batch.dropped_groups = dict(chosen.stale)
+        if chosen.stale:
             self.say(
                 f"step {step}: batch {batch.index} (version {batch.version}): dropped "
                 f"{len(batch.dropped_groups)} group(s) beyond --max-staleness {self.max_staleness}"
