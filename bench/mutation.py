@@ -207,6 +207,18 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
     # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # The synchronous loop's orchestration (_run_loop: iteration order, which shards and policy each training gets,
+    # versions, pushes, nothing_to_train, backfill rounds, resume, refusals, loop.json) on fake rollouts, `polar
+    # train` and engine (run with --only on _run_loop, run_loop, _rollout, _backfill, run_train, _policy: _Engine and
+    # _evaluate are the fakes' seams, exercised by the slow loop tests).
+    "rollout.loop.orchestration": (
+        ["polar_cli/rollout/loop.py"],
+        [
+            "tests/test_loop_orchestration_units.py",
+            "tests/test_loop_units.py",
+            "tests/test_loop_backfill.py::test_a_group_informs_only_with_two_rewarded_sessions_that_differ",
+        ],
+    ),
     # The async loop's scheduler (_AsyncLoop: which batch each step trains, the staleness bound, AHEAD, the drains'
     # pushes, the measuring batch, loop.json, resume) on fake rollouts, trainings and engine (run with --only
     # '*_AsyncLoop*': _round and _train are the fakes' seams, exercised by test_async_loop.py).

@@ -447,13 +447,13 @@ def _run_loop(
                 policy = _policy(records, config.model)
                 # The policy's version: the trainings that made it (its calls carry it as weight_version).
                 version = sum((r.get("train") or {}).get("status") == "trained" for r in records)
+                pushes = len(engine.pushes)
                 evaluated = {e["iteration"] for e in evals}
                 if config.eval_tasks and i not in evaluated and eval_due(i, config.iterations, config.eval_every):
                     evals.append(_evaluate(config, i, policy, engine, say, version))
                     save_state(out, state)
                     if on_eval:
                         on_eval(evals[-1])
-                pushes = len(engine.pushes)
                 rollout = _rollout(config, i, policy, engine, say, version)
                 groups = None
                 if config.min_groups is not None:
@@ -473,6 +473,7 @@ def _run_loop(
                     idir / "checkpoint",
                     tracked_train_args(config, idir),
                     idir / "train.log",
+                    config.train_cpus,
                 )
                 save_state(out, state)
                 if on_iteration:
