@@ -8,6 +8,7 @@ label off by one token fails. The model is the tiny one, untied (vLLM reloads on
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -183,8 +184,14 @@ def test_an_async_loop_with_drain_keep_pushes_under_the_running_batch_and_labels
            f"cmd:{sys.executable} {agent} {out / '.engines'}", "--model", str(model),
            "--engine", "vllm", "--vllm-arg=--enforce-eager", "--vllm-arg=--max-model-len=2048",
            "--vllm-arg=--dtype=float32", "--iterations", "3", "--out", str(out), "--samples", "4", "--no-progress",
-           "--async", "--drain", "keep", "--lr", "5e-3", "--eot-token-id", "2", "--epsilon-high", "1.0"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200)
+           "--async", "--drain", "keep", "--lr", "5e-3", "--eot-token-id", "2", "--epsilon-high", "1.0",
+           # Batch 1's sessions call until the push, which waits for the first training: on a loaded machine that
+           # can outlast the tasks' 600 s agent timeout.
+           "--timeout", "1800"]  # fmt: skip
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:  # the trainer not starved by the decoding batch (vLLM takes every core it is given)
+        cmd += ["--rollout-cpus", str(cpus[0]), "--train-cpus", ",".join(map(str, cpus[1:]))]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=2400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     state = json.loads((out / "loop.json").read_text())
     print(done.stdout[-1500:])
