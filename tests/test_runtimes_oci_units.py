@@ -560,6 +560,7 @@ def test_the_container_pid_comes_from_inspect_or_the_start_fails(
 
 
 def _sandbox(runtime: OciRuntime, spec: SandboxSpec, tmp_path: Path) -> OciSandbox:
+    (tmp_path / "scratch").mkdir(exist_ok=True)  # start's mkdtemp
     return OciSandbox(runtime, spec, "ctr", tmp_path / "scratch", [])
 
 

@@ -251,8 +251,7 @@ class OciSandbox(IsolatedSandbox):
             args.append("-i")
         text, inline = env_file({"HOME": HOME, "TMPDIR": "/tmp", **self.spec.env, **(env or {})})
         # The environment (the session's proxy credentials among it) in a file only this user reads, not on the
-        # engine client's command line, which every process on the host can list.
-        self.scratch.mkdir(parents=True, exist_ok=True)
+        # engine client's command line, which every process on the host can list. (The scratch dir is start's.)
         env_path = self.scratch / f"env-{uuid.uuid4().hex}"
         fd = os.open(env_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
