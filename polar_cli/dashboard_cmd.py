@@ -74,10 +74,9 @@ def dashboard(settings: DashboardSettings) -> None:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     typer.echo(f"polar dashboard of {s.path} on http://{shown}:{port}/ (Ctrl-C stops it)")
-    if s.allow_remote:
-        hosts = ["*"]  # reached by whatever name the network gives this machine; the user chose to expose it
-    else:
-        hosts = [*LOOPBACK_HOSTS, *([] if f"[{host}]" in LOOPBACK_HOSTS or host in LOOPBACK_HOSTS else [shown])]
+    # Remote: reached by whatever name the network gives this machine (the user chose to expose it). Loopback: its
+    # usual names and the address it was given, as a browser writes it (`shown`; a repeat of a name is harmless).
+    hosts = ["*"] if s.allow_remote else [*LOOPBACK_HOSTS, shown]
     app = create_app(s.path.resolve(), hosts=hosts)
     # An open page's event stream never ends by itself: on Ctrl-C the streams end at their next poll (a second),
     # so uvicorn's graceful shutdown finishes; the timeout is for a stream stuck on a slow client.
