@@ -8,6 +8,9 @@ the served logprob must be the pushed weights' (the value probed before from a s
 A third kind, ``keep``, pushes in place under load (``polar loop --async --drain keep``): ``--load`` long requests are
 decoding when the push starts (paused with ``mode=keep``, reloaded, recomputed, resumed), its latency is measured
 the same way (the probe queues behind the running requests), and every one of those requests must finish whole.
+A fourth, ``adapter``, is a second server started with ``--push adapter`` on the same model: the pushes alternate
+between two LoRA adapters (rank 8, every linear layer, random weights; what ``polar train --lora-r`` saves in a
+checkpoint's ``adapter/``) loaded in place under ``policy-adapter``, each checked the same way.
 
 Default model: the tiny test model with untied embeddings (vLLM 0.32 loads a tied LM head only half in place, so
 polar restarts those: ``serving.in_place_refusal``). ``--model DIR`` takes any untied model (the imported
@@ -56,11 +59,29 @@ def perturbed(model: Path, dest: Path) -> Path:
     return dest
 
 
-def first_token(url: str) -> float:
+def adapter_checkpoint(base: Path, dest: Path, seed: int) -> Path:
+    """A checkpoint holding only a random rank-8 LoRA adapter over ``base``, as `polar train --lora-r 8` saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    net = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in net.named_parameters():
+        if "lora_B" in name:
+            param.data = 0.05 * torch.randn(param.shape, generator=gen)
+    net.peft_config["default"].base_model_name_or_path = str(base)
+    net.save_pretrained(dest / "adapter")
+    return dest
+
+
+def first_token(url: str, model: str = "policy") -> float:
     """The logprob of the greedy first token after PROMPT (one request: the 'first token served')."""
     answer = httpx.post(
         f"{url}/v1/completions",
-        json={"model": "policy", "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "logprobs": 0},
+        json={"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0, "logprobs": 0},
         timeout=300,
     ).json()
     return float(answer["choices"][0]["logprobs"]["token_logprobs"][0])
@@ -159,6 +180,26 @@ def main() -> None:
                     assert abs(served - expected[target]) < 1e-3, (kind, i, served, expected[target])
         finally:
             stop_engine(server.url, state_dir=state)
+        adapters = [adapter_checkpoint(base, root / f"adapter-{i}", seed=i) for i in range(2)]
+        server = serve_vllm(
+            str(base), port=args.port, served_model_name="policy", state_dir=state, push="adapter", lora_rank=8,
+            extra_args=vllm_args, dtype="auto",
+        )  # fmt: skip
+        try:
+            for target in adapters:
+                reload_vllm_in_place(server.url, str(target), state_dir=state)
+                expected[target] = first_token(server.url, "policy-adapter")
+            assert abs(expected[adapters[0]] - expected[adapters[1]]) > 1e-3, "the adapters serve the same logprob"
+            times["adapter"] = []
+            for i in range(args.rounds):
+                target = adapters[i % 2]
+                started = time.monotonic()
+                reload_vllm_in_place(server.url, str(target), state_dir=state)
+                served = first_token(server.url, "policy-adapter")
+                times["adapter"].append(time.monotonic() - started)
+                assert abs(served - expected[target]) < 1e-3, ("adapter", i, served, expected[target])
+        finally:
+            stop_engine(server.url, state_dir=state)
     inplace, restart = statistics.median(times["in-place"]), statistics.median(times["restart"])
     print(f"model {args.model or f'random {args.size} (untied)'}, vLLM flags {' '.join(vllm_args)}")
     print(f"{'push':10s} {'median s':>9s} {'each (s)':s}")
@@ -170,6 +211,9 @@ def main() -> None:
         f"keep (under {args.load} decoding requests) / restart = {keep / restart:.4f}; every request running "
         f"during a keep push finished with all {args.load_tokens} tokens"
     )
+    adapter = statistics.median(times["adapter"])
+    print(f"adapter (LoRA rank 8, every linear layer) / restart = {adapter / restart:.4f}; / in-place = "
+          f"{adapter / inplace:.2f}; every push served the pushed adapter")  # fmt: skip
 
 
 if __name__ == "__main__":

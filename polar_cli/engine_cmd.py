@@ -67,9 +67,14 @@ class EngineServeSettings:
     timeout: float = option(600.0, help="Seconds to wait until it answers.")
     push: str = option(
         "restart",
-        help="How `polar engine reload` gives it new weights: restart (a new server) or in-place (vLLM's "
+        help="How `polar engine reload` gives it new weights: restart (a new server), in-place (vLLM's "
         "reload_weights; turns on vLLM's development endpoints on 127.0.0.1, which anything that reaches that "
-        "port can call: keep agents in a proxy-only sandbox).",
+        "port can call: keep agents in a proxy-only sandbox) or adapter (MODEL stays loaded and each reload "
+        "loads the checkpoint's LoRA adapter, saved by `polar train --lora-r`, served as NAME-adapter: "
+        "the spec the command prints says so; the same endpoints plus vLLM's runtime LoRA loading).",
+    )
+    lora_rank: int = option(
+        0, help="--push adapter: the LoRA rank of the adapters it will load (polar train --lora-r)."
     )
 
 
@@ -106,7 +111,7 @@ def engine_serve(settings: EngineServeSettings) -> None:
                 s.model, port=s.port, served_model_name=s.served_model_name, state_dir=_state_dir(s.state_dir),
                 python=s.python, dtype=s.dtype, max_model_len=s.max_model_len, extra_args=s.vllm_arg,
                 ready_timeout_s=s.timeout, tool_call_parser=s.tool_call_parser, memory_fraction=s.memory_fraction,
-                kvcache_gib=s.kvcache_gib, progress=progress, push=s.push,
+                kvcache_gib=s.kvcache_gib, progress=progress, push=s.push, lora_rank=s.lora_rank,
             )  # fmt: skip
     except EngineError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -119,7 +124,8 @@ def engine_serve(settings: EngineServeSettings) -> None:
 @command
 def engine_reload(settings: EngineReloadSettings) -> None:
     """Point a running engine at new weights: SGLang loads them in place; vLLM too when served with --push in-place
-    (else, or when that fails, it is restarted)."""
+    (else, or when that fails, it is restarted); one served with --push adapter loads the checkpoint's LoRA adapter
+    (the line printed names the spec that samples it)."""
     from polar_addon.canonical import PolarError
     from polar_cli.serving import EngineError, reload_engine
 

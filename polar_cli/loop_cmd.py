@@ -54,7 +54,7 @@ LOOP_HELP = (
     "the next version V with a drain: new sessions wait until the engine serves V, and the batch in "
     "flight either finishes on the old weights first (--drain wait) or is cancelled, its running sessions"
     " masked as error (--drain cut), or goes on across the push (--drain keep: vllm with --vllm-push "
-    "in-place only; the push lands as soon as the checkpoint is made: vLLM pauses, reloads, recomputes the"
+    "in-place or adapter only; the push lands as soon as the checkpoint is made: vLLM pauses, reloads, recomputes the"
     " running requests on the new weights and resumes, and labels every sampled token with its version, "
     "recorded per call in weight_versions_json; loop.json reports per batch the calls and tokens sampled "
     "across a push). The push: local: a new proxy on the checkpoint; vllm: `polar engine "
@@ -217,7 +217,9 @@ class LoopSettings:
     vllm_push: str = option(
         "in-place",
         help="How --engine vllm gets each checkpoint: in-place (vLLM's reload_weights through its development "
-        "endpoints on 127.0.0.1, a restart if that fails) or restart (a new server on it, ~30-50 s on CPU).",
+        "endpoints on 127.0.0.1, a restart if that fails), restart (a new server on it, ~30-50 s on CPU) or "
+        "adapter (with polar train's --lora-r: vLLM serves the starting model for good plus one LoRA adapter, "
+        "trained across iterations and pushed alone, megabytes instead of the whole model; any embeddings).",
     )
     rollout_cpus: str | None = option(
         None,
@@ -243,8 +245,8 @@ class LoopSettings:
         check_network(self.network)
         if self.drain not in ("wait", "cut", "keep"):
             raise SettingsError("wait, cut or keep", "drain")
-        if self.vllm_push not in ("in-place", "restart"):
-            raise SettingsError("in-place or restart", "vllm_push")
+        if self.vllm_push not in ("in-place", "restart", "adapter"):
+            raise SettingsError("in-place, restart or adapter", "vllm_push")
         for name in ("rollout_cpus", "train_cpus"):
             self._cpus(name)
         if self.min_groups is not None and self.min_groups < 1:
@@ -350,6 +352,14 @@ def loop(ctx: typer.Context, settings: LoopSettings) -> None:
     if s.max_staleness is not None and not s.asynchronous:
         train_args += ["--max-staleness", str(s.max_staleness)]
     _check_train_args(train_args, s.asynchronous)
+    if s.engine == "vllm" and s.vllm_push == "adapter":
+        from polar_cli.rollout.loop import lora_rank
+
+        if lora_rank(train_args) <= 0:
+            raise typer.BadParameter(
+                "--vllm-push adapter pushes a LoRA adapter: pass polar train's --lora-r N after --",
+                param_hint="--vllm-push",
+            )
     train_args += s.tracker_train_args()
     try:
         get_preset(s.harness)
@@ -520,7 +530,8 @@ def _check_train_args(args: list[str], asynchronous: bool = False) -> None:
         command.make_context("polar train", ["SHARDS", "--model", "M", "--output", "O", *args])
     except click.UsageError as exc:
         raise typer.BadParameter(f"{' '.join(args)}: {exc.format_message()}", param_hint="polar train options") from exc
-    for flag in ("--model", "--output", "--resume", *(("--current-weight-version",) if asynchronous else ())):
+    loop_sets = ("--model", "--output", "--resume", "--lora-init")
+    for flag in (*loop_sets, *(("--current-weight-version",) if asynchronous else ())):
         if any(a == flag or a.startswith(flag + "=") for a in args):
             raise typer.BadParameter(f"polar loop sets {flag} of each training itself", param_hint=flag)
 

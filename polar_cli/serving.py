@@ -41,7 +41,11 @@ CPU_MEMORY_FRACTION = "0.2"
 CPU_KVCACHE_GIB = "2"
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
-PUSH_MODES = ("restart", "in-place")
+PUSH_MODES = ("restart", "in-place", "adapter")
+# `polar train --lora-r` saves the LoRA adapter here in its checkpoint, beside the merged weights.
+ADAPTER_DIR = "adapter"
+# The ranks vLLM 0.32 accepts as --max-lora-rank (config/lora.py MaxLoRARanks); an adapter of any rank up to it loads.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class EngineError(RuntimeError):
@@ -62,16 +66,25 @@ class ManagedServer:
     start_time: int = 0  # /proc/PID/stat field 22: tells our process from a recycled pid
     weight_version: str | None = None
     history: list[str] = field(default_factory=list)  # every model this port served, oldest first
-    # "in-place": started with vLLM's development endpoints (VLLM_SERVER_DEV_MODE), so reloads need no restart.
+    # "in-place": started with vLLM's development endpoints (VLLM_SERVER_DEV_MODE), so reloads need no restart;
+    # "adapter": the same, serving its base model plus one LoRA adapter that each push replaces.
     push: str = "restart"
+    lora_rank: int = 0  # push "adapter": the largest adapter rank it loads (its --max-lora-rank)
+    adapter: str | None = None  # push "adapter": the adapter directory it serves now (None: the base alone)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def adapter_name(self) -> str:
+        """The name the adapter is served under (vLLM refuses an adapter named as its base)."""
+        return f"{self.served_model_name}-adapter"
+
+    @property
     def spec(self) -> str:
-        return f"{self.kind}:{self.url}"
+        """The engine spec a proxy samples this server's policy with: its adapter once one is loaded."""
+        return f"{self.kind}:{self.url}" + (f"?model={self.adapter_name}" if self.adapter else "")
 
 
 # --- process bookkeeping --------------------------------------------------------------------------
@@ -307,12 +320,16 @@ def serve_vllm(
     progress: Callable[[float, str], None] | None = None,
     tie: bool = False,
     push: str = "restart",
+    lora_rank: int = 0,
 ) -> ManagedServer:
     """Start vLLM with the flags polar needs; on a machine without a GPU, sized for vLLM's CPU backend. ``tie``: the
     server dies with this process, also by SIGKILL and while it is still starting (a loop's engine). ``push``:
-    ``in-place`` turns on vLLM's development endpoints (bound to 127.0.0.1 like the server) for in-place reloads."""
+    ``in-place`` turns on vLLM's development endpoints (bound to 127.0.0.1 like the server) for in-place reloads;
+    ``adapter`` those and vLLM's runtime LoRA loading, for adapters of rank up to ``lora_rank`` over ``model``."""
     if push not in PUSH_MODES:
         raise EngineError(f"push must be one of {', '.join(PUSH_MODES)}, not {push!r}")
+    if push == "adapter" and lora_rank <= 0:
+        raise EngineError("--push adapter needs the rank of the LoRA adapters it will load (--lora-rank)")
     path = state_path(state_dir, port)
     if path.is_file() and is_running(load_state(state_dir, port)):
         raise EngineError(f"an engine started by polar already serves port {port} (stop it first)")
@@ -330,12 +347,17 @@ def serve_vllm(
         )
     elif kvcache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = kvcache_gib
-    if push == "in-place":
+    if push in ("in-place", "adapter"):
         env["VLLM_SERVER_DEV_MODE"] = "1"
         # The scale-out endpoints report which weight version sampled each token (engines.vllm, versions=spans):
         # what lets a push land while requests run (reload_vllm_in_place with keep).
         if "--enable-scale-out" not in (extra_args or []):
             extra_args = [*(extra_args or []), "--enable-scale-out"]
+    if push == "adapter":
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # POST /v1/load_lora_adapter, with load_inplace
+        lora_rank = max_lora_rank(lora_rank)
+        # Before the extra args, which win (argparse keeps the last).
+        extra_args = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1", *(extra_args or [])]
     command, model_arg = vllm_command(
         model, port, name, python=python, dtype=dtype, max_model_len=max_model_len, extra_args=extra_args,
         tool_call_parser=tool_call_parser, memory_fraction=memory_fraction,
@@ -344,6 +366,7 @@ def serve_vllm(
     server = ManagedServer(
         kind="vllm", port=port, model=model, served_model_name=name, command=command, model_arg=model_arg,
         env=env, log=str((state_dir / f"engine-{port}.log").resolve()), history=[model], push=push,
+        lora_rank=lora_rank if push == "adapter" else 0,
     )  # fmt: skip
     Path(server.log).unlink(missing_ok=True)  # the root cause is searched from the top: this start's only
     _launch(server, tie)
@@ -366,18 +389,65 @@ def restart_vllm(
     ready_timeout_s: float = READY_TIMEOUT_S,
     progress: Callable[[float, str], None] | None = None,
     tie: bool = False,
+    adapter: str | None = None,
 ) -> ManagedServer:
+    """Restart the server on ``checkpoint``; with ``adapter`` (a server started with --push adapter), on its base
+    model with that adapter loaded at start (``--lora-modules``) instead."""
     try:
         server = load_state(state_dir, port_of(url))
     except NotManaged as exc:
         raise NotManaged(f"{exc}: {_restart_advice(url, checkpoint, state_dir)}") from None
     stop_process(server)
-    server.command[server.model_arg] = checkpoint
-    _loaded(server, checkpoint, weight_version, "")
+    command = _without_lora_modules(server.command)
+    if adapter is None:
+        command[server.model_arg] = checkpoint
+    else:
+        command += ["--lora-modules", f"{server.adapter_name}={adapter}"]
+    server.command, server.adapter = command, adapter
+    _loaded(server, checkpoint, weight_version, "" if adapter is None else f" (restarted with its adapter {adapter})")
     _launch(server, tie)
     save_state(server, state_dir)
     wait_ready(server, ready_timeout_s, progress)
     return server
+
+
+def _without_lora_modules(command: list[str]) -> list[str]:
+    """``command`` less the adapter a restart with one loaded at start (``--lora-modules NAME=PATH``)."""
+    out: list[str] = []
+    skip = False
+    for arg in command:
+        if skip:
+            skip = False
+        elif arg == "--lora-modules":
+            skip = True
+        elif not arg.startswith("--lora-modules="):
+            out.append(arg)
+    return out
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that loads an adapter of ``rank``."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise EngineError(f"vLLM loads LoRA adapters of rank up to {VLLM_LORA_RANKS[-1]}, not {rank}")
+
+
+def adapter_refusal(checkpoint: Path, server: ManagedServer) -> str | None:
+    """Why ``server`` (started with --push adapter) cannot serve ``checkpoint``'s adapter in place, or None."""
+    adapter = checkpoint / ADAPTER_DIR
+    try:
+        config = orjson.loads((adapter / "adapter_config.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return f"it holds no LoRA adapter (`polar train --lora-r` saves one in {adapter})"
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank > server.lora_rank:
+        return f"its adapter's rank {rank} is above the server's --max-lora-rank {server.lora_rank}"
+    # An adapter is a difference from the weights it was trained on: over another base it is another policy.
+    trained_on, base = config.get("base_model_name_or_path"), server.command[server.model_arg]
+    if not isinstance(trained_on, str) or Path(trained_on).resolve() != Path(base).resolve():
+        return f"its adapter was trained on {trained_on}, but the server's base model is {base}"
+    return None
 
 
 def _loaded(server: ManagedServer, checkpoint: str, weight_version: str | None, how: str) -> None:
@@ -424,14 +494,26 @@ def reload_vllm_in_place(
     is paused with ``mode=keep`` (requests stay queued), the weights reloaded, the running requests preempted by the
     cache reset (``reset_running_requests``: their prompt and the tokens sampled so far are recomputed by the new
     weights when they resume, so no token is sampled on KV of the old weights), the version set, and generation
-    resumed: every token after the push is the new version's, and the scale-out endpoints say which are."""
+    resumed: every token after the push is the new version's, and the scale-out endpoints say which are.
+
+    A server started with --push adapter loads ``checkpoint``'s LoRA adapter instead (``/v1/load_lora_adapter`` with
+    ``load_inplace``: the running requests of the adapter go on with its new weights), the same steps around it."""
     server = load_state(state_dir, port_of(url))
-    if server.push != "in-place":
+    if server.push == "adapter":
+        refusal = adapter_refusal(Path(checkpoint), server)
+        adapter = str(Path(checkpoint) / ADAPTER_DIR)
+        load = (
+            f"{server.url}/v1/load_lora_adapter",
+            {"lora_name": server.adapter_name, "lora_path": adapter, "load_inplace": True},
+        )
+    elif server.push == "in-place":
+        refusal, adapter = in_place_refusal(Path(checkpoint)), None
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": checkpoint, "is_checkpoint_format": True}}
+        load = (f"{server.url}/collective_rpc", rpc)
+    else:
         raise InPlaceRefused(f"{server.url} was started with --push {server.push}: it has no in-place reload")
-    refusal = in_place_refusal(Path(checkpoint))
     if refusal is not None:
         raise InPlaceRefused(refusal)
-    rpc = {"method": "reload_weights", "kwargs": {"weights_path": checkpoint, "is_checkpoint_format": True}}
     paused = loaded = False
     try:
         try:
@@ -442,8 +524,9 @@ def reload_vllm_in_place(
                 pause = httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=timeout_s)
                 paused = not pause.is_client_error
                 pause.raise_for_status()
-            httpx.post(f"{server.url}/collective_rpc", json=rpc, timeout=timeout_s).raise_for_status()
+            httpx.post(load[0], json=load[1], timeout=timeout_s).raise_for_status()
             loaded = True
+            server.adapter = adapter or server.adapter
             reset = httpx.post(
                 f"{server.url}/reset_prefix_cache",
                 params={"reset_running_requests": str(keep).lower()},
@@ -471,7 +554,8 @@ def reload_vllm_in_place(
             _loaded(server, checkpoint, None, " (in place; the weights loaded, then the reload failed: no version)")
             save_state(server, state_dir)
         raise
-    _loaded(server, checkpoint, weight_version, " (in place, requests kept)" if keep else " (in place)")
+    how = " (in place, requests kept)" if keep else " (in place)"
+    _loaded(server, checkpoint, weight_version, how if adapter is None else f"{how[:-1]}: its adapter)")
     save_state(server, state_dir)
     return server
 
@@ -567,16 +651,17 @@ def reload_engine(
             managed = load_state(state_dir, port_of(target))
         except NotManaged:
             managed = None
-        if keep and (managed is None or managed.push != "in-place" or not is_running(managed)):
-            raise InPlaceRefused(f"{target} is not a running vLLM server started with --push in-place")
-        if managed is not None and managed.push == "in-place" and is_running(managed):
+        in_place = managed is not None and managed.push in ("in-place", "adapter") and is_running(managed)
+        if keep and not in_place:
+            raise InPlaceRefused(f"{target} is not a running vLLM server started with --push in-place or adapter")
+        if in_place:
             try:
                 server = reload_vllm_in_place(
                     target, ckpt, state_dir=state_dir, weight_version=weight_version, timeout_s=timeout_s, keep=keep
                 )
-                return f"vllm {server.url}: loaded {ckpt} in place as {server.served_model_name!r}" + _tag_hint(
-                    server, weight_version
-                )
+                what = f"{ckpt}'s adapter" if server.push == "adapter" else ckpt
+                name = server.adapter_name if server.push == "adapter" else server.served_model_name
+                return f"vllm {server.url}: loaded {what} in place as {name!r}" + _tag_hint(server, weight_version)
             except InPlaceRefused as exc:
                 if keep:
                     raise
@@ -585,6 +670,10 @@ def reload_engine(
                 if keep:
                     raise
                 fallback = f" (the in-place reload failed, so it was restarted: {exc})"
+        # A server of adapters keeps its base across a restart when the checkpoint's adapter fits it.
+        adapter = None
+        if managed is not None and managed.push == "adapter" and adapter_refusal(checkpoint, managed) is None:
+            adapter = str(checkpoint.resolve() / ADAPTER_DIR)
         server = restart_vllm(
             target,
             ckpt,
@@ -593,8 +682,10 @@ def reload_engine(
             ready_timeout_s=timeout_s,
             progress=progress,
             tie=tie,
+            adapter=adapter,
         )
-        line = f"vllm {server.url}: restarted as {server.served_model_name!r} with {ckpt} (pid {server.pid})"
+        what = f"{ckpt}'s adapter as {server.adapter_name!r}" if adapter else ckpt
+        line = f"vllm {server.url}: restarted as {server.served_model_name!r} with {what} (pid {server.pid})"
         return line + fallback + _tag_hint(server, weight_version)
     if kind == "local":
         raise EngineError(
@@ -605,7 +696,10 @@ def reload_engine(
 
 
 def _tag_hint(server: ManagedServer, weight_version: str | None) -> str:
-    # vLLM answers carry no version: a proxy tags them when its spec says which version the server holds.
-    if weight_version is None:
+    # vLLM answers carry no version: a proxy tags them when its spec says which version the server holds. An
+    # adapter is asked for by its name, which the spec says too.
+    if weight_version is None and not server.adapter:
         return ""
-    return f"; proxies tag its calls with --engine '{server.spec}?weight_version={weight_version}'"
+    spec = EngineSpec.parse(server.spec).with_params(weight_version=weight_version)
+    what = "tag its calls" if weight_version is not None else "sample its adapter"
+    return f"; proxies {what} with --engine '{spec}'"

@@ -231,6 +231,8 @@ def test_the_state_file_round_trips_indented_and_is_written_aside_then_renamed(t
             "weight_version": "3",
             "history": ["/a", "/m"],
             "push": "in-place",
+            "lora_rank": 0,
+            "adapter": None,
         },
         option=orjson.OPT_INDENT_2,
     )
@@ -658,7 +660,7 @@ def test_serve_refuses_before_starting_anything(
     model = _checkpoint(tmp_path, "m1")
     with pytest.raises(EngineError) as err:
         serving.serve_vllm(str(model), port=1, state_dir=tmp_path, push="keep")
-    assert str(err.value) == "push must be one of restart, in-place, not 'keep'"
+    assert str(err.value) == "push must be one of restart, in-place, adapter, not 'keep'"
     _managed(tmp_path, engine.port)
     with pytest.raises(EngineError) as err:
         serving.serve_vllm(str(model), port=engine.port, state_dir=tmp_path / "state")
@@ -1048,7 +1050,7 @@ def test_a_failed_in_place_reload_falls_back_to_a_restart_unless_requests_are_ke
             "http://127.0.0.1:8141",
             str(ckpt.resolve()),
             {"state_dir": tmp_path / "state", "weight_version": "2", "ready_timeout_s": 6, "progress": progress,
-             "tie": True},
+             "tie": True, "adapter": None},
         )
     ]  # fmt: skip
     # Requests kept: a restart would drop them, so the failure is the answer.
@@ -1068,7 +1070,7 @@ def test_keep_refuses_a_server_that_cannot_reload_in_place(tmp_path: Path, ways:
             _managed(tmp_path, 8142, running=False)
     with pytest.raises(InPlaceRefused) as err:
         reload_engine("vllm:http://127.0.0.1:8142", ckpt, state_dir=tmp_path / "state", keep=True)
-    assert str(err.value) == "http://127.0.0.1:8142 is not a running vLLM server started with --push in-place"
+    assert str(err.value) == "http://127.0.0.1:8142 is not a running vLLM server started with --push in-place or adapter"
     assert ways == {"in_place": [], "restart": [], "in_place_error": []}
 
 

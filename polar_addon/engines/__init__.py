@@ -93,7 +93,9 @@ def make_engine(spec: str | EngineSpec, *, timeout_s: float) -> Engine:
         engine = (
             SGLangEngine(parsed.target, timeout_s=timeout_s)
             if parsed.kind == "sglang"
-            else VLLMEngine(parsed.target, timeout_s=timeout_s, token_versions=parsed.token_versions)
+            else VLLMEngine(
+                parsed.target, timeout_s=timeout_s, token_versions=parsed.token_versions, model=parsed.model
+            )
         )
         # vLLM never reports a version, SGLang only once update_weights_from_disk was given one (its own tag wins
         # over all but its placeholder ``default``): a loop that restarts vLLM on each checkpoint starts each

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field, replace
 
 # The options each kind takes. weight_version tags the calls whose answer carries none (vLLM never reports one on
 # its OpenAI endpoints; SGLang does once given one); versions=spans samples vLLM on its scale-out endpoints, which
-# report the version of every sampled token (engines.vllm); max_len shrinks a local model's window (long sessions).
+# report the version of every sampled token (engines.vllm); model names the model vLLM is asked for (a LoRA adapter
+# it serves beside its base: ``polar engine serve --push adapter``), instead of the first its /v1/models lists;
+# max_len shrinks a local model's window (long sessions).
 OPTIONS: dict[str, tuple[str, ...]] = {
     "sglang": ("weight_version",),
-    "vllm": ("weight_version", "versions"),
+    "vllm": ("weight_version", "versions", "model"),
     "local": ("max_len", "weight_version"),
     "scripted": (),
 }
@@ -76,6 +78,11 @@ class EngineSpec:
     def token_versions(self) -> bool:
         """Sample where the engine reports each token's weight version (``versions=spans``)."""
         return self.params.get("versions") == "spans"
+
+    @property
+    def model(self) -> str | None:
+        """The served model (or adapter) name to request; None: the first the server lists."""
+        return self.params.get("model") or None
 
     @property
     def max_len(self) -> int:

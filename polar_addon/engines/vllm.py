@@ -44,9 +44,12 @@ GENERATE = "/inference/v1/generate"
 class VLLMEngine(HTTPEngine):
     kind = "vllm"
 
-    def __init__(self, url: str, timeout_s: float = 900.0, token_versions: bool = False) -> None:
+    def __init__(
+        self, url: str, timeout_s: float = 900.0, token_versions: bool = False, model: str | None = None
+    ) -> None:
         super().__init__(url, timeout_s)
         self.token_versions = token_versions  # sample on the scale-out endpoints, which report per-token versions
+        self._model = model  # a LoRA adapter's name (spec option model=): served_model() then asks no one
 
     def extra_body(self) -> dict[str, Any]:
         return {"return_token_ids": True}

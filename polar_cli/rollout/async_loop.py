@@ -76,6 +76,7 @@ from polar_cli.rollout.loop import (
     tracked_train_args,
     train_command,
     train_preexec,
+    train_start,
 )
 from polar_cli.rollout.progress_file import progress_config
 from polar_cli.rollout.redact import control_tokens, write_json
@@ -225,8 +226,10 @@ def keep_refusal(kind: str, push: str, model: Path) -> None:
         raise ValueError(
             f"--drain keep needs --engine vllm (its pause/resume and per-token versions); {kind} has neither here"
         )
+    if push == "adapter":
+        return  # the base never changes: only the adapter is loaded, whatever the model's embeddings
     if push != "in-place":
-        raise ValueError("--drain keep needs --vllm-push in-place: a restart drops every running request")
+        raise ValueError("--drain keep needs --vllm-push in-place or adapter: a restart drops every running request")
     from polar_cli.serving import in_place_refusal
 
     refusal = in_place_refusal(model)
@@ -532,8 +535,9 @@ class _AsyncLoop:
         """``polar train`` in its own process (killed when the loop is cancelled)."""
         output, log = idir / "checkpoint", idir / "train.log"
         shutil.rmtree(output, ignore_errors=True)
-        command = train_command(shards, policy, output, [
-            *tracked_train_args(self.config, idir), "--current-weight-version", str(version),
+        model, start_args = train_start(self.config, policy)
+        command = train_command(shards, model, output, [
+            *start_args, *tracked_train_args(self.config, idir), "--current-weight-version", str(version),
             "--max-staleness", str(self.max_staleness)])  # fmt: skip
         with log.open("w") as f:
             # train_preexec: a killed loop leaves no training running into the directory its resumed run trains in.

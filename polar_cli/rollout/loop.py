@@ -187,6 +187,32 @@ def _calls(result: RolloutResult) -> dict[str, int] | None:
     return tool_call_counts(read_call_stats(result.store, [s.session_id for s in result.sessions]).values())
 
 
+def lora_rank(train_args: Sequence[str]) -> int:
+    """The ``--lora-r`` among a loop's `polar train` options (0 when none)."""
+    rank = 0
+    for i, arg in enumerate(train_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--lora-r=") else None
+        if arg == "--lora-r" and i + 1 < len(train_args):
+            value = train_args[i + 1]
+        if value is not None:
+            try:
+                rank = int(value)
+            except ValueError:
+                raise ValueError(f"--train-arg --lora-r must be a whole number, not {value!r}") from None
+    return rank
+
+
+def train_start(config: LoopConfig, policy: Path) -> tuple[Path, list[str]]:
+    """The model a `polar train` starts from, and the options that say so. With --vllm-push adapter, one adapter is
+    trained across iterations over the starting model (what the engine keeps serving): the policy's adapter goes on
+    training; otherwise the policy itself is trained."""
+    if config.engine != "vllm" or config.vllm_push != "adapter" or policy.resolve() == config.model.resolve():
+        return policy, []
+    from polar_cli.serving import ADAPTER_DIR
+
+    return config.model, ["--lora-init", str(policy / ADAPTER_DIR)]
+
+
 def train_command(shards: Sequence[Path], policy: Path, output: Path, train_args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "polar_cli.app", "train", *map(str, shards), "--model", str(policy), "--output",
             str(output), "--no-progress", *train_args]  # fmt: skip
@@ -339,17 +365,21 @@ class _Engine:
                 self._pushed(policy, version, started)
             return f"sglang:{url}{tag}"
         if self.server is None:
-            progress(f"starting vLLM on {policy}")
+            # Adapters: the server holds the starting model for good, and each policy is an adapter over it.
+            adapter = self.config.vllm_push == "adapter"
+            start = self.config.model if adapter else policy
+            progress(f"starting vLLM on {start}")
             self.server = serve_vllm(
-                str(policy), port=self.config.vllm_port or _free_port(),
+                str(start), port=self.config.vllm_port or _free_port(),
                 served_model_name=self.config.served_model_name,
                 state_dir=self.state_dir, extra_args=list(self.config.vllm_args), dtype="auto", tie=True,
-                push=self.config.vllm_push,
+                push=self.config.vllm_push, lora_rank=lora_rank(self.config.train_args) if adapter else 0,
             )  # fmt: skip
-            if self.keep and version is not None:
-                label_version(self.server.url, str(version))
-            self.serving = wanted
-        elif self.serving != wanted:
+            if start == policy:
+                if self.keep and version is not None:
+                    label_version(self.server.url, str(version))
+                self.serving = wanted
+        if self.serving != wanted:
             progress(f"reloading vLLM with {policy} as version {version}")
             reload_engine(
                 self.server.spec,
@@ -362,17 +392,16 @@ class _Engine:
             self._pushed(policy, version, started)
         # vLLM reports no version: the tag in the spec is only true if this server serves ``policy`` now. Loaded in
         # place, the server still names the model it started on; what it loaded since is in its state.
-        if self.server.push == "in-place":
-            root: str | None = load_state(self.state_dir, self.server.port).model
-        else:
-            root = served_root(self.server.url)
+        server = self.server if self.server.push == "restart" else load_state(self.state_dir, self.server.port)
+        root = served_root(server.url) if server.push == "restart" else server.model
         if root is not None and Path(root).resolve() != policy.resolve():
             raise RuntimeError(
-                f"vLLM on {self.server.url} serves {root}, not {policy}: its calls cannot be tagged version {version}"
+                f"vLLM on {server.url} serves {root}, not {policy}: its calls cannot be tagged version {version}"
             )
-        if self.keep:
-            tag = f"{tag}&versions=spans" if tag else "?versions=spans"
-        return f"{self.server.spec}{tag}"
+        spec = EngineSpec.parse(server.spec).with_params(
+            weight_version=None if version is None else str(version), versions="spans" if self.keep else None
+        )
+        return str(spec)
 
     def _pushed(self, policy: Path, version: int | None, started: float) -> None:
         if self.serving is not None:  # the first load of a run is not a push of new weights
@@ -467,11 +496,12 @@ def _run_loop(
             record = records[i]
             if i < config.iterations - 1 and record.get("train") is None:
                 say(f"iteration {i}: polar train")
+                model, start_args = train_start(config, Path(record["policy"]))
                 record["train"] = run_train(
                     idir / "shards",
-                    Path(record["policy"]),
+                    model,
                     idir / "checkpoint",
-                    tracked_train_args(config, idir),
+                    [*start_args, *tracked_train_args(config, idir)],
                     idir / "train.log",
                     config.train_cpus,
                 )

@@ -89,7 +89,17 @@ class TrainConfig:
     )
     max_length: int = option(32768, help="Prompt + completion tokens; completions are clipped.")
     temperature: float | None = option(None, help="Must equal the capture temperature (read from traces).")
-    lora_r: int = option(0, help="LoRA rank; 0 trains every weight. Merged into the checkpoint.")
+    lora_r: int = option(
+        0,
+        help="LoRA rank; 0 trains every weight. Merged into the checkpoint, and also saved alone in its adapter/ "
+        "(what `polar engine serve --push adapter` loads in place).",
+    )
+    lora_init: Path | None = option(
+        None,
+        help="A saved LoRA adapter (a checkpoint's adapter/ directory) to go on training instead of a fresh one, "
+        "over the --model it was trained on; --lora-r and --lora-alpha must be its own (polar loop --vllm-push "
+        "adapter trains one adapter across iterations).",
+    )
     lora_alpha: int = option(0, help="LoRA alpha (0: 2 x rank).")
     lora_dropout: float = option(0.0)
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
@@ -181,3 +191,5 @@ class TrainConfig:
             raise ValueError("--temperature must be > 0")
         if self.lora_r < 0:
             raise ValueError("--lora-r must be >= 0")
+        if self.lora_init is not None and self.lora_r == 0:
+            raise ValueError("--lora-init needs --lora-r (the adapter's rank)")

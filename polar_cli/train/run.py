@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 from transformers import TrainerCallback
 
+from polar_cli.serving import ADAPTER_DIR
 from polar_cli.train.config import TrainConfig
 
 METRICS_FILE = "metrics.jsonl"
@@ -290,7 +291,37 @@ def build_trainer(cfg: TrainConfig, data, callbacks: list[TrainerCallback] | Non
     )
     # Logs go to metrics.jsonl and the progress bar, not to stdout as dicts.
     trainer.remove_callback(PrinterCallback)
+    if cfg.lora_init is not None:
+        load_adapter(trainer.model, cfg.lora_init)
     return trainer
+
+
+def load_adapter(model, adapter: Path) -> None:
+    """Go on training a saved adapter: its weights into the run's fresh one, whose shape must be the adapter's (a
+    different rank, alpha or set of target modules would train another adapter than the one being served)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    try:
+        saved = orjson.loads((adapter / "adapter_config.json").read_bytes())
+        weights = load_file(adapter / "adapter_model.safetensors")
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise ValueError(f"--lora-init {adapter}: not a saved LoRA adapter ({exc})") from exc
+    lora = model.peft_config["default"]
+    for key, flag in (("r", "--lora-r"), ("lora_alpha", "--lora-alpha"), ("use_rslora", None)):
+        if saved.get(key, False) != getattr(lora, key):
+            raise ValueError(
+                f"--lora-init {adapter}: its {key} is {saved.get(key)}, this run's {getattr(lora, key)}"
+                + (f" (pass {flag} {saved.get(key)})" if flag else "")
+            )
+    result = set_peft_model_state_dict(model, weights)
+    # peft reports every base weight as missing (an adapter holds none): only a missing LoRA weight matters.
+    missing = [k for k in result.missing_keys if ".lora_" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(
+            f"--lora-init {adapter}: its weights do not fit this run's adapter (targets "
+            f"{sorted(lora.target_modules)}): unexpected {list(result.unexpected_keys)[:3]}, missing {missing[:3]}"
+        )
 
 
 def _lora_config(cfg: TrainConfig):
@@ -325,6 +356,7 @@ def save_checkpoint(trainer, out_dir: Path, serving_dtype=None) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     if is_peft_model(model):
         lora = model.peft_config["default"]
+        save_adapter(model, state, out_dir / ADAPTER_DIR)
         scaling = lora.lora_alpha / (lora.r**0.5 if lora.use_rslora else lora.r)
         state = merge_lora_state_dict(state, scaling)
         model = model.get_base_model()
@@ -340,6 +372,27 @@ def save_checkpoint(trainer, out_dir: Path, serving_dtype=None) -> None:
     model.config.dtype = dtype
     model.config.save_pretrained(out_dir)
     trainer.processing_class.save_pretrained(out_dir)
+
+
+def save_adapter(model, state: dict, out_dir: Path) -> None:
+    """The LoRA adapter alone, in PEFT's format (fp32, as trained): what a server of the base model loads in place
+    (``polar engine serve --push adapter``). Its config names the base by absolute path, which that server checks:
+    an adapter is a difference from the weights it was trained on."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    weights = get_peft_model_state_dict(model, state_dict=state)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.detach().float().cpu().contiguous() for k, v in weights.items()}, out_dir / "adapter_model.safetensors"
+    )
+    config = copy.copy(model.peft_config["default"])
+    base = config.base_model_name_or_path
+    if base and Path(base).is_dir():
+        config.base_model_name_or_path = str(Path(base).resolve())
+    config.save_pretrained(out_dir)
 
 
 def merge_lora_state_dict(state: dict, scaling: float, adapter: str = "default") -> dict:
