@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from polar_cli.serving import reload_vllm_in_place, restart_vllm, serve_vllm, stop_engine  # noqa: E402
 from polar_cli.tiny_model import build_tiny_model, untie_embeddings  # noqa: E402
+from tests.support.lora import random_adapter  # noqa: E402
 
 PROMPT = [1, 17, 250, 31, 9, 77, 402, 5]
 
@@ -56,24 +57,6 @@ def perturbed(model: Path, dest: Path) -> Path:
             if t.is_floating_point() and t.dim() == 2:
                 weights[name] = (t.float() + 0.05 * t.float().std() * torch.randn(t.shape, generator=gen)).to(t.dtype)
         save_file(weights, str(file), metadata={"format": "pt"})
-    return dest
-
-
-def adapter_checkpoint(base: Path, dest: Path, seed: int) -> Path:
-    """A checkpoint holding only a random rank-8 LoRA adapter over ``base``, as `polar train --lora-r 8` saves it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    net = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-    )
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in net.named_parameters():
-        if "lora_B" in name:
-            param.data = 0.05 * torch.randn(param.shape, generator=gen)
-    net.peft_config["default"].base_model_name_or_path = str(base)
-    net.save_pretrained(dest / "adapter")
     return dest
 
 
@@ -180,7 +163,7 @@ def main() -> None:
                     assert abs(served - expected[target]) < 1e-3, (kind, i, served, expected[target])
         finally:
             stop_engine(server.url, state_dir=state)
-        adapters = [adapter_checkpoint(base, root / f"adapter-{i}", seed=i) for i in range(2)]
+        adapters = [random_adapter(base, root / f"adapter-{i}", seed=i) for i in range(2)]
         server = serve_vllm(
             str(base), port=args.port, served_model_name="policy", state_dir=state, push="adapter", lora_rank=8,
             extra_args=vllm_args, dtype="auto",

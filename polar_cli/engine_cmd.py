@@ -70,8 +70,8 @@ class EngineServeSettings:
         help="How `polar engine reload` gives it new weights: restart (a new server), in-place (vLLM's "
         "reload_weights; turns on vLLM's development endpoints on 127.0.0.1, which anything that reaches that "
         "port can call: keep agents in a proxy-only sandbox) or adapter (MODEL stays loaded and each reload "
-        "loads the checkpoint's LoRA adapter, saved by `polar train --lora-r`, served as NAME-adapter: "
-        "the spec the command prints says so; the same endpoints plus vLLM's runtime LoRA loading).",
+        "swaps in the checkpoint's LoRA adapter, saved by `polar train --lora-r`, served as NAME-adapter: "
+        "the spec the reload prints says so; the same endpoints plus vLLM's runtime LoRA loading).",
     )
     lora_rank: int = option(
         0, help="--push adapter: the LoRA rank of the adapters it will load (polar train --lora-r)."

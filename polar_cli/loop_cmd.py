@@ -54,7 +54,7 @@ LOOP_HELP = (
     "the next version V with a drain: new sessions wait until the engine serves V, and the batch in "
     "flight either finishes on the old weights first (--drain wait) or is cancelled, its running sessions"
     " masked as error (--drain cut), or goes on across the push (--drain keep: vllm with --vllm-push "
-    "in-place or adapter only; the push lands as soon as the checkpoint is made: vLLM pauses, reloads, recomputes the"
+    "in-place only; the push lands as soon as the checkpoint is made: vLLM pauses, reloads, recomputes the"
     " running requests on the new weights and resumes, and labels every sampled token with its version, "
     "recorded per call in weight_versions_json; loop.json reports per batch the calls and tokens sampled "
     "across a push). The push: local: a new proxy on the checkpoint; vllm: `polar engine "

@@ -47,7 +47,7 @@ def test_keep_is_refused_where_running_requests_cannot_survive_a_push(tmp_path: 
         with pytest.raises(ValueError, match=f"--drain keep needs --engine vllm .*; {kind} has neither here"):
             keep_refusal(kind, "in-place", untied)
     with pytest.raises(
-        ValueError, match="^--drain keep needs --vllm-push in-place or adapter: a restart drops every running request$"
+        ValueError, match="^--drain keep needs --vllm-push in-place: a restart drops every running request$"
     ):
         keep_refusal("vllm", "restart", untied)
 

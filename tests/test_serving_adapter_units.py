@@ -118,39 +118,61 @@ def test_an_adapter_is_refused_without_one_above_the_rank_or_over_another_base(t
     assert adapter_refusal(unnamed, server).startswith("it holds no LoRA adapter")
 
 
-def test_an_adapter_push_loads_it_in_place_resets_labels_and_resumes(
+def test_an_adapter_push_swaps_the_adapter_resets_and_labels(
     tmp_path: Path, engine: FakeEngine, timeouts: list
 ) -> None:
     base = _checkpoint(tmp_path, "base")
     _adapter_server(tmp_path, engine.port, base)
-    ckpt = _adapter_checkpoint(tmp_path, base)
-    engine.answers["/reset_prefix_cache"] = (200, {"success": True})
-    server = reload_vllm_in_place(
-        engine.url, str(ckpt), state_dir=tmp_path / "state", weight_version="3", timeout_s=9, keep=True
-    )
-    adapter = str(ckpt / ADAPTER_DIR)
+    first, second = _adapter_checkpoint(tmp_path, base, "first"), _adapter_checkpoint(tmp_path, base, "second")
+    server = reload_vllm_in_place(engine.url, str(first), state_dir=tmp_path / "state", weight_version="1", timeout_s=9)
+    load = {"lora_name": "pol-adapter", "lora_path": str(first / ADAPTER_DIR)}
+    # The first adapter: nothing to unload. Never load_inplace (vLLM would re-read it from disk at every step).
     assert engine.seen == [
-        ("POST", "/pause", {"mode": "keep"}, None),
-        ("POST", "/v1/load_lora_adapter", {}, {"lora_name": "pol-adapter", "lora_path": adapter, "load_inplace": True}),
-        ("POST", "/reset_prefix_cache", {"reset_running_requests": "true"}, None),
-        ("POST", "/update_weight_version", {}, {"new_version": "3"}),
-        ("POST", "/resume", {}, None),
+        ("POST", "/v1/load_lora_adapter", {}, load),
+        ("POST", "/reset_prefix_cache", {"reset_running_requests": "false"}, None),
+        ("POST", "/update_weight_version", {}, {"new_version": "1"}),
     ]
-    assert [t for _, t in timeouts] == [9] * 5
-    assert (server.adapter, server.model, server.weight_version) == (adapter, str(ckpt), "3")
+    assert [t for _, t in timeouts] == [9] * 3
+    assert (server.adapter, server.model, server.weight_version) == (str(first / ADAPTER_DIR), str(first), "1")
     assert server.command[server.model_arg] == str(base)  # the base stays
     assert server.spec == f"vllm:{engine.url}?model=pol-adapter"
     assert load_state(tmp_path / "state", engine.port) == server
-    assert Path(server.log).read_text() == f"\n--- polar engine reload: {ckpt} (in place, requests kept: its adapter)\n"
+    assert Path(server.log).read_text() == f"\n--- polar engine reload: {first} (in place: its adapter)\n"
+    engine.seen.clear()
+    server = reload_vllm_in_place(engine.url, str(second), state_dir=tmp_path / "state", weight_version="2")
+    assert engine.paths() == ["/v1/unload_lora_adapter", "/v1/load_lora_adapter", "/reset_prefix_cache",
+                              "/update_weight_version"]  # fmt: skip
+    assert engine.seen[0][3] == {"lora_name": "pol-adapter"}
+    assert engine.seen[1][3] == {"lora_name": "pol-adapter", "lora_path": str(second / ADAPTER_DIR)}
+    assert (server.adapter, server.weight_version) == (str(second / ADAPTER_DIR), "2")
+    # An adapter the server lost (404 on the unload) is simply loaded.
+    engine.seen.clear()
+    engine.answers["/v1/unload_lora_adapter"] = (404, {"error": {"message": "cannot be found"}})
+    reload_vllm_in_place(engine.url, str(first), state_dir=tmp_path / "state")
+    assert engine.paths() == ["/v1/unload_lora_adapter", "/v1/load_lora_adapter", "/reset_prefix_cache"]
+    assert load_state(tmp_path / "state", engine.port).adapter == str(first / ADAPTER_DIR)
 
 
-def test_a_refused_adapter_makes_no_request_and_a_failed_load_leaves_the_old_adapter(
+def test_an_adapter_push_with_requests_kept_is_refused_before_any_request(tmp_path: Path, engine: FakeEngine) -> None:
+    base = _checkpoint(tmp_path, "base")
+    _adapter_server(tmp_path, engine.port, base)
+    with pytest.raises(InPlaceRefused, match=r"^requests running on a LoRA adapter cannot go on with another"):
+        reload_vllm_in_place(
+            engine.url, str(_adapter_checkpoint(tmp_path, base)), state_dir=tmp_path / "state", keep=True
+        )
+    assert engine.seen == []
+    # An adapter that would be refused anyway says why it is refused first.
+    with pytest.raises(InPlaceRefused, match="holds no LoRA adapter"):
+        reload_vllm_in_place(engine.url, str(_checkpoint(tmp_path, "plain")), state_dir=tmp_path / "state", keep=True)
+
+
+def test_a_refused_adapter_makes_no_request_and_a_failed_swap_leaves_the_base_alone(
     tmp_path: Path, engine: FakeEngine
 ) -> None:
     base = _checkpoint(tmp_path, "base")
     _adapter_server(tmp_path, engine.port, base)
     first = _adapter_checkpoint(tmp_path, base, "first")
-    reload_vllm_in_place(engine.url, str(first), state_dir=tmp_path / "state")
+    reload_vllm_in_place(engine.url, str(first), state_dir=tmp_path / "state", weight_version="1")
     engine.seen.clear()
     with pytest.raises(InPlaceRefused, match="holds no LoRA adapter"):
         reload_vllm_in_place(engine.url, str(_checkpoint(tmp_path, "plain")), state_dir=tmp_path / "state")
@@ -158,8 +180,25 @@ def test_a_refused_adapter_makes_no_request_and_a_failed_load_leaves_the_old_ada
     engine.answers["/v1/load_lora_adapter"] = (400, {"error": {"message": "bad adapter"}})
     second = _adapter_checkpoint(tmp_path, base, "second")
     with pytest.raises(EngineError, match="(?s)could not reload .* in place: .*bad adapter"):
-        reload_vllm_in_place(engine.url, str(second), state_dir=tmp_path / "state", keep=True)
-    assert engine.paths() == ["/pause", "/v1/load_lora_adapter", "/resume"]
+        reload_vllm_in_place(engine.url, str(second), state_dir=tmp_path / "state", weight_version="2")
+    assert engine.paths() == ["/v1/unload_lora_adapter", "/v1/load_lora_adapter"]
+    state = load_state(tmp_path / "state", engine.port)
+    # The old adapter was unloaded: the base alone answers, under its own name, with no known version.
+    assert (state.adapter, state.model, state.weight_version) == (None, str(base), None)
+    assert state.spec == f"vllm:{engine.url}"
+    assert (
+        Path(state.log)
+        .read_text()
+        .endswith(f"--- polar engine reload: {base} (its adapter unloaded, the next one not loaded)\n")
+    )
+    # A failed unload (not a 404) leaves the old adapter as it was.
+    engine.answers["/v1/unload_lora_adapter"] = (500, {})
+    engine.answers.pop("/v1/load_lora_adapter")
+    reload_vllm_in_place(engine.url, str(first), state_dir=tmp_path / "state")  # no adapter: no unload
+    engine.seen.clear()
+    with pytest.raises(EngineError, match="500"):
+        reload_vllm_in_place(engine.url, str(second), state_dir=tmp_path / "state")
+    assert engine.paths() == ["/v1/unload_lora_adapter"]
     state = load_state(tmp_path / "state", engine.port)
     assert (state.adapter, state.model) == (str(first / ADAPTER_DIR), str(first))
 

@@ -227,9 +227,12 @@ def keep_refusal(kind: str, push: str, model: Path) -> None:
             f"--drain keep needs --engine vllm (its pause/resume and per-token versions); {kind} has neither here"
         )
     if push == "adapter":
-        return  # the base never changes: only the adapter is loaded, whatever the model's embeddings
+        raise ValueError(
+            "--drain keep needs --vllm-push in-place: requests running on a LoRA adapter cannot go on with another "
+            "(vLLM 0.32 reloads a replaced adapter from its old path at every step)"
+        )
     if push != "in-place":
-        raise ValueError("--drain keep needs --vllm-push in-place or adapter: a restart drops every running request")
+        raise ValueError("--drain keep needs --vllm-push in-place: a restart drops every running request")
     from polar_cli.serving import in_place_refusal
 
     refusal = in_place_refusal(model)

@@ -375,7 +375,7 @@ class _Engine:
                 state_dir=self.state_dir, extra_args=list(self.config.vllm_args), dtype="auto", tie=True,
                 push=self.config.vllm_push, lora_rank=lora_rank(self.config.train_args) if adapter else 0,
             )  # fmt: skip
-            if start == policy:
+            if start.resolve() == policy.resolve():
                 if self.keep and version is not None:
                     label_version(self.server.url, str(version))
                 self.serving = wanted
