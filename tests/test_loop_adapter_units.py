@@ -24,6 +24,8 @@ def test_the_rank_is_polar_trains_last_lora_r_in_either_spelling() -> None:
     assert lora_rank(["--lora-alpha", "8", "--lora-r"]) == 0  # a dangling flag: polar train refuses it itself
     with pytest.raises(ValueError, match=r"^--train-arg --lora-r must be a whole number, not 'x'$"):
         lora_rank(["--lora-r", "x"])
+    with pytest.raises(ValueError, match=r"^--train-arg --lora-r must be a whole number, not '8=9'$"):
+        lora_rank(["--lora-r=8=9"])  # the whole value after the first '=', as polar train's parser reads it
 
 
 def _config(tmp_path: Path, **kw: object) -> LoopConfig:
@@ -64,3 +66,27 @@ def test_the_command_line_refuses_an_adapter_push_without_an_adapter_and_a_lora_
     assert "polar loop sets --lora-init of each training itself" in said
     said = _refusal(tmp_path, "--engine", "vllm", "--vllm-push", "swap")
     assert "in-place, restart or adapter" in said
+
+
+def test_the_async_loops_trainings_go_on_from_the_policys_adapter_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from tests.test_async_loop_scheduler_units import _bare_loop, _fake_train
+
+    loop = _bare_loop(tmp_path, tasks=[], engine="vllm", vllm_push="adapter", train_args=("--lora-r", "8"))
+    calls = _fake_train(monkeypatch, "import sys, os; os.makedirs(sys.argv[1])")
+    policy = tmp_path / "out" / "train-000" / "checkpoint"
+    idir = tmp_path / "out" / "train-001"
+    idir.mkdir()
+    assert asyncio.run(loop._train([], policy, 1, idir)) == "trained"
+    assert calls == [
+        (
+            [],
+            tmp_path / "model",
+            idir / "checkpoint",
+            ["--lora-init", str(policy / "adapter"), "--lora-r", "8", "--current-weight-version", "1",
+             "--max-staleness", "2"],
+        )
+    ]  # fmt: skip

@@ -83,6 +83,10 @@ def test_serve_adapter_turns_on_runtime_lora_loading_and_the_in_place_endpoints(
     assert load_state(tmp_path / "s", port) == server
     with pytest.raises(EngineError, match=r"^--push adapter needs the rank of the LoRA adapters it will load"):
         serving.serve_vllm(str(model), port=port, state_dir=tmp_path / "t", python="py", push="adapter")
+    rank_one = serving.serve_vllm(
+        str(model), port=port, state_dir=tmp_path / "v", python="py", push="adapter", lora_rank=1
+    )
+    assert rank_one.lora_rank == 1 and "--max-lora-rank 1 " in " ".join(rank_one.command)
     # Other push modes record no rank (an in-place server loads whole checkpoints).
     server = serving.serve_vllm(
         str(model), port=port, state_dir=tmp_path / "u", python="py", push="in-place", lora_rank=8
@@ -252,11 +256,30 @@ def test_a_failed_adapter_push_restarts_on_the_base_with_the_adapter_or_on_a_che
 def test_a_restart_removes_any_adapter_given_at_start(tmp_path: Path, no_process: list) -> None:
     base = _checkpoint(tmp_path, "base")
     server = _adapter_server(tmp_path, 8201, base)
-    server.command += ["--lora-modules=x=/y", "--seed", "1", "--lora-modules", "a=/b"]
+    server.command += ["--lora-modules=x=/y", "--seed", "1", "--lora-modules", "a=/b", "--max-loras", "1"]
     save_state(server, tmp_path / "state")
     restarted = restart_vllm(server.url, "/c", state_dir=tmp_path / "state", adapter="/c/adapter")
     assert restarted.command == ["py", "-m", "vllm", "--model", str(base), "--enable-lora", "--seed", "1",
-                                 "--lora-modules", "pol-adapter=/c/adapter"]  # fmt: skip
+                                 "--max-loras", "1", "--lora-modules", "pol-adapter=/c/adapter"]  # fmt: skip
+    assert Path(restarted.log).read_text() == "\n--- polar engine reload: /c (restarted with its adapter /c/adapter)\n"
+    restarted = restart_vllm(server.url, "/d", state_dir=tmp_path / "state")
+    assert Path(restarted.log).read_text().endswith("\n--- polar engine reload: /d\n")
+
+
+def test_a_load_or_reload_answered_404_fails_the_push(tmp_path: Path, engine: FakeEngine) -> None:
+    base = _checkpoint(tmp_path, "base")
+    _adapter_server(tmp_path, engine.port, base)
+    engine.answers["/v1/load_lora_adapter"] = (404, {"error": {"message": "not found"}})
+    with pytest.raises(EngineError, match="404"):
+        reload_vllm_in_place(engine.url, str(_adapter_checkpoint(tmp_path, base)), state_dir=tmp_path / "state")
+    assert load_state(tmp_path / "state", engine.port).adapter is None
+    server = _adapter_server(tmp_path, engine.port, base)
+    server.push = "in-place"
+    save_state(server, tmp_path / "state")
+    engine.answers["/collective_rpc"] = (404, {})
+    with pytest.raises(EngineError, match="404"):
+        reload_vllm_in_place(engine.url, str(_checkpoint(tmp_path, "whole")), state_dir=tmp_path / "state")
+    assert load_state(tmp_path / "state", engine.port).model == str(base)  # nothing loaded
 
 
 def test_a_spec_naming_the_model_asks_the_server_for_it_and_no_one_which_it_serves() -> None:
@@ -280,3 +303,23 @@ def test_a_spec_naming_the_model_asks_the_server_for_it_and_no_one_which_it_serv
 
     # Port 1 answers nothing: the name comes from the spec, not from /v1/models.
     assert asyncio.run(name("vllm:http://127.0.0.1:1?model=pol-adapter")) == "pol-adapter"
+
+
+def test_a_server_that_never_answers_leaves_no_state_and_an_unknown_one_says_where_it_looked(
+    tmp_path: Path, no_process: list, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _checkpoint(tmp_path, "m1")
+    with socket_closed() as url:
+        port = port_of(url)
+
+    def never(server: ManagedServer, timeout: float, progress: object) -> None:
+        raise EngineError("not ready")
+
+    monkeypatch.setattr(serving, "wait_ready", never)
+    with pytest.raises(EngineError, match="^not ready$"):
+        serving.serve_vllm(str(model), port=port, state_dir=tmp_path / "s", python="py", push="adapter", lora_rank=8)
+    assert list((tmp_path / "s").iterdir()) == []  # the state of a server that never answered is gone
+    # A server polar did not start (the fake engine answers): the advice names the state directory looked in.
+    with pytest.raises(serving.NotManaged) as refused:
+        restart_vllm(engine.url, "/c", state_dir=tmp_path / "s")
+    assert str(refused.value).endswith(f"pass that directory's --state-dir, here {(tmp_path / 's').resolve()})")
