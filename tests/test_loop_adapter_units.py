@@ -90,3 +90,27 @@ def test_the_async_loops_trainings_go_on_from_the_policys_adapter_too(
              "--max-staleness", "2"],
         )
     ]  # fmt: skip
+
+
+def test_a_loop_whose_policy_checkpoint_is_gone_refuses_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from tests.test_loop_orchestration_units import Harness
+
+    h = Harness(tmp_path, monkeypatch)
+    h.kill.add("it002")
+    with pytest.raises(KeyboardInterrupt):
+        h.run(3)
+    checkpoint = h.it(1) / "checkpoint"
+    assert (checkpoint / "config.json").is_file()  # the policy iteration 2 samples
+    shutil.rmtree(checkpoint)
+    h.kill.clear()
+    h.log.clear()
+    with pytest.raises(ValueError) as refused:
+        h.run(3)
+    assert str(refused.value) == (
+        f"the policy's checkpoint {checkpoint} is gone: the loop in {h.out} cannot resume; use another --out"
+    )
+    assert [e[0] for e in h.log] == ["pinned"]  # refused before the engine or anything else started
