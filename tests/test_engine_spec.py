@@ -51,7 +51,10 @@ def test_str_gives_back_the_spec(text: str) -> None:
         ("vllm:?weight_version=3", "empty target"),
         ("local:/m?max_len=1&max_len=2", "'max_len' is given twice"),
         ("vllm:http://h:1?weight_version=1&weight_version=1", "'weight_version' is given twice"),
-        ("vllm:http://h:1?version=4", r"unknown option\(s\) \['version'\] \(vllm takes weight_version, versions, model\)"),
+        (
+            "vllm:http://h:1?version=4",
+            r"unknown option\(s\) \['version'\] \(vllm takes weight_version, versions, model\)",
+        ),
         ("vllm:http://h:1?max_len=4", r"unknown option\(s\) \['max_len'\]"),
         ("local:/m?version=3", r"local takes max_len, weight_version"),
         ("scripted:/s.json?weight_version=1", "scripted takes no options"),

@@ -1070,7 +1070,9 @@ def test_keep_refuses_a_server_that_cannot_reload_in_place(tmp_path: Path, ways:
             _managed(tmp_path, 8142, running=False)
     with pytest.raises(InPlaceRefused) as err:
         reload_engine("vllm:http://127.0.0.1:8142", ckpt, state_dir=tmp_path / "state", keep=True)
-    assert str(err.value) == "http://127.0.0.1:8142 is not a running vLLM server started with --push in-place or adapter"
+    assert (
+        str(err.value) == "http://127.0.0.1:8142 is not a running vLLM server started with --push in-place or adapter"
+    )
     assert ways == {"in_place": [], "restart": [], "in_place_error": []}
 
 

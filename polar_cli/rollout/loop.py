@@ -463,7 +463,9 @@ def _run_loop(
     records: list[dict[str, Any]] = state["iterations"]
     policy = _policy(records, config.model)
     if policy != config.model and not (policy / "config.json").is_file():
-        raise ValueError(f"the policy's checkpoint {policy} is gone: the loop in {out} cannot resume; use another --out")
+        raise ValueError(
+            f"the policy's checkpoint {policy} is gone: the loop in {out} cannot resume; use another --out"
+        )
     evals: list[dict[str, Any]] = state.setdefault("evals", [])
     engine = _Engine(config, out / ".engines")
     stop_stale_engines(engine.state_dir)
