@@ -124,7 +124,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "gateway": (
         ["polar_addon/gateway.py"],
-        ["tests/test_gateway_units.py", "tests/test_gateway_audit_units.py", "tests/test_gateway_core.py"],
+        [
+            "tests/test_gateway_units.py",
+            "tests/test_gateway_audit_units.py",
+            "tests/test_gateway_core.py",
+            "tests/test_gateway_rest_units.py",
+        ],
     ),
     "store.journal": (
         ["polar_addon/store/journal.py"],
@@ -146,6 +151,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_store_basic.py",
             "tests/test_store_crash.py",
             "tests/test_store_quarantine.py",
+            "tests/test_store_durability_audit_units.py",
+            "tests/test_store_trace_store_rest_units.py",
             # test_store_faults.py runs its stores in child processes, the read-only one as
             # `nobody`, who cannot load mutmut's trampoline: both are left out.
             *NOT_SLOW,
@@ -207,6 +214,47 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "trl_async.weights": (["polar_cli/trl_async/weights.py"], ["tests/test_trl_async.py", "-k", "not end_to_end"]),
     # Ninth round (issue 29): modules that decide data and rewards, never measured before.
+    # Issue 26's adapter push: which checkpoints a server of adapters loads, the requests of a push, the restart
+    # that keeps the base (run with --only on max_lora_rank, adapter_refusal, _without_lora_modules, the push
+    # functions and ManagedServer's spec), and what each loop training starts from (lora_rank, train_start).
+    "serving.adapter": (
+        ["polar_cli/serving.py"],
+        ["tests/test_serving_units.py", "tests/test_serving_adapter_units.py"],
+    ),
+    "rollout.loop.adapter": (
+        ["polar_cli/rollout/loop.py"],
+        ["tests/test_loop_adapter_units.py", "tests/test_loop_units.py"],
+    ),
+    # The adapter polar train saves beside the merged weights and the one --lora-init goes on from (run with --only
+    # on save_adapter and load_adapter: real short trainings on the tiny model, ~30 s a mutant).
+    "train.run.adapter": (
+        ["polar_cli/train/run.py"],
+        ["tests/test_train_lora_adapter.py", "tests/test_train_run_units.py"],
+    ),
+    # The loop's engine across iterations (_Engine: start, push, adapters, versions, the served-model check) and its
+    # held-out eval (_evaluate) on fake serving calls and rollouts (run with --only '*xǁ_Engineǁ*' '*x__evaluate__*'
+    # '*x_served_root__*': the rest is measured by rollout.loop and rollout.loop.orchestration).
+    "rollout.loop.engine_eval": (
+        ["polar_cli/rollout/loop.py"],
+        ["tests/test_loop_engine_eval_units.py", "tests/test_loop_units.py"],
+    ),
+    # engines.openai_compat's rest (run with --only on at_least, ParsedChat.to_completion, and what changed since the
+    # halves were run: HTTPEngine.complete, complete_prompt_ids, parse_completion_response, parse_generate_response).
+    "engines.openai_compat.rest": (
+        ["polar_addon/engines/openai_compat.py"],
+        [
+            "tests/test_engine_sglang.py",
+            "tests/test_engine_http_pool.py",
+            "tests/test_engine_http_client.py",
+            "tests/test_engine_prompt_fast_path.py",
+            "tests/test_gateway_sampling.py",
+            "tests/test_vllm_token_versions.py",
+            "tests/test_engine_chat_think_split.py",
+            "tests/test_engine_openai_compat_audit_units.py",
+            "tests/test_engines_vllm_units.py",
+            "tests/test_engine_openai_compat_rest_units.py",
+        ],
+    ),
     # The synchronous loop's orchestration (_run_loop: iteration order, which shards and policy each training gets,
     # versions, pushes, nothing_to_train, backfill rounds, resume, refusals, loop.json) on fake rollouts, `polar
     # train` and engine (run with --only on _run_loop, run_loop, _rollout, _backfill, run_train, _policy: _Engine and
@@ -240,6 +288,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/test_store_crash.py",
             "tests/test_store_quarantine.py",
             "tests/test_store_durability_audit_units.py",
+            "tests/test_store_trace_store_rest_units.py",
             *NOT_SLOW,
         ],
     ),
@@ -614,7 +663,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "rollout.runtimes.bridge": (["polar_cli/rollout/runtimes/bridge.py"], ["tests/test_runtimes_bridge_units.py"]),
     "rollout.runtimes.cgroups": (["polar_cli/rollout/runtimes/cgroups.py"], ["tests/test_runtimes_cgroups_units.py"]),
     "rollout.runtimes.bwrap": (["polar_cli/rollout/runtimes/bwrap.py"], ["tests/test_runtimes_bwrap_units.py"]),
-    "rollout.runtimes.oci": (["polar_cli/rollout/runtimes/oci.py"], ["tests/test_runtimes_oci_units.py"]),
+    "rollout.runtimes.oci": (
+        ["polar_cli/rollout/runtimes/oci.py"],
+        # the rest: one engine call, kill/cancel/stop, the runner's calls, the namespace holder (a fake engine script)
+        ["tests/test_runtimes_oci_units.py", "tests/test_runtimes_oci_rest_units.py"],
+    ),
     # The proxy's edges an agent writes to: the per-client body budget and the stream relay, the Responses
     # WebSocket's message handling, and `polar rollout --proxy`'s boundary check (no mitmdump, no engine).
     "relay": (
@@ -651,7 +704,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "addons.control_plane": (
         ["polar_addon/addons/control_plane.py"],
-        ["tests/test_addon_options.py", "tests/test_addons_control_plane_units.py"],
+        [
+            "tests/test_addon_options.py",
+            "tests/test_addons_control_plane_units.py",
+            "tests/test_addons_control_plane_rest_units.py",  # the facts its help texts state
+        ],
     ),
     "addons.capture": (
         ["polar_addon/addons/capture.py"],
