@@ -174,3 +174,17 @@ def test_a_store_left_open_never_keeps_its_process_from_exiting(tmp_path: Path) 
         pass  # replays the dead writer's segment
     assert [(r.record_id, r.seq) for r in read_records(out)] == [(record_id, 0)]
     assert list((Path(out) / "_journal").iterdir()) == []
+
+
+def test_a_writer_directory_left_with_a_probe_file_is_still_removed(tmp_path: Path) -> None:
+    from polar_addon.store import journal
+
+    _, writer = journal.create_writer_dir(str(tmp_path / "journal"))
+    Path(writer.path, journal.PROBE_FILE).write_bytes(b"\0" * 16)  # a writer killed inside its journal probe
+    writer.release(remove=True)
+    assert not Path(writer.path).exists()
+    _, kept = journal.create_writer_dir(str(tmp_path / "journal"))
+    Path(kept.path, "seg-1" + journal.SEGMENT_SUFFIX).write_bytes(b"data")
+    Path(kept.path, journal.PROBE_FILE).write_bytes(b"")
+    kept.release(remove=True)
+    assert sorted(p.name for p in Path(kept.path).iterdir()) == [journal.PROBE_FILE, "lock", "seg-1.wal"]

@@ -19,6 +19,7 @@ journal root adopts it and replays its segments.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import struct
@@ -35,6 +36,7 @@ MAGIC = b"PLRJ2\n"  # 2: xxh3 frames; calls are binary entries (entries.py), com
 _HEADER = struct.Struct("<IQ")
 _IOV_MAX = 1024  # Linux's limit on buffers per writev
 SEGMENT_SUFFIX = ".wal"
+PROBE_FILE = ".probe"  # written and removed by a store checking that its journal is writable again
 
 
 def frame_header(payload: bytes) -> bytes:
@@ -165,6 +167,10 @@ class WriterDir:
                 leftovers = [n for n in os.listdir(self.path) if n.endswith(SEGMENT_SUFFIX)]
                 if not leftovers:
                     os.unlink(os.path.join(self.path, "lock"))
+                    # A writer killed inside its journal probe (TraceStore._probe_journal) left its probe file: no
+                    # data, but it would keep the directory (lockless, so never adopted again) forever.
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.path, PROBE_FILE))
                     os.rmdir(self.path)
             except OSError:
                 pass

@@ -603,7 +603,7 @@ class TraceStore:
         self._output_error = None
 
     def _probe_journal(self) -> None:
-        path = os.path.join(self._own_dir.path, ".probe")
+        path = os.path.join(self._own_dir.path, journal.PROBE_FILE)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
