@@ -50,6 +50,18 @@ REWARD_FLOW_UNITS = [
 STORE_REWARD_UNITS = ["tests/test_store_rewards_sessions_units.py", *REWARD_FLOW_UNITS]
 
 # module -> (files to mutate, pytest selection: its fast unit tests)
+# engines.openai_compat's answer builders' selection: the entry's own files and the think-split tests.
+OPENAI_COMPAT_ANSWERS = [
+    "tests/test_engine_sglang.py",
+    "tests/test_engine_http_pool.py",
+    "tests/test_engine_http_client.py",
+    "tests/test_engine_prompt_fast_path.py",
+    "tests/test_gateway_sampling.py",
+    "tests/test_vllm_token_versions.py",
+    "tests/test_engine_chat_think_split.py",
+    "tests/test_engine_openai_compat_audit_units.py",
+]
+
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     # One entry per provider: each is mutated against its own test file (and the fidelity round trips).
     "providers.anthropic_messages": (
@@ -242,18 +254,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # halves were run: HTTPEngine.complete, complete_prompt_ids, parse_completion_response, parse_generate_response).
     "engines.openai_compat.rest": (
         ["polar_addon/engines/openai_compat.py"],
-        [
-            "tests/test_engine_sglang.py",
-            "tests/test_engine_http_pool.py",
-            "tests/test_engine_http_client.py",
-            "tests/test_engine_prompt_fast_path.py",
-            "tests/test_gateway_sampling.py",
-            "tests/test_vllm_token_versions.py",
-            "tests/test_engine_chat_think_split.py",
-            "tests/test_engine_openai_compat_audit_units.py",
-            "tests/test_engines_vllm_units.py",
-            "tests/test_engine_openai_compat_rest_units.py",
-        ],
+        [*OPENAI_COMPAT_ANSWERS, "tests/test_engines_vllm_units.py", "tests/test_engine_openai_compat_rest_units.py"],
     ),
     # The synchronous loop's orchestration (_run_loop: iteration order, which shards and policy each training gets,
     # versions, pushes, nothing_to_train, backfill rounds, resume, refusals, loop.json) on fake rollouts, `polar
@@ -294,19 +295,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     # engines.openai_compat's answer builders since the tenth round (run with --only on split_think, _sampled,
     # text_completion, _completion, chat_completion, parse_text): the entry's selection and the think-split tests.
-    "engines.openai_compat.answers": (
-        ["polar_addon/engines/openai_compat.py"],
-        [
-            "tests/test_engine_sglang.py",
-            "tests/test_engine_http_pool.py",
-            "tests/test_engine_http_client.py",
-            "tests/test_engine_prompt_fast_path.py",
-            "tests/test_gateway_sampling.py",
-            "tests/test_vllm_token_versions.py",
-            "tests/test_engine_chat_think_split.py",
-            "tests/test_engine_openai_compat_audit_units.py",
-        ],
-    ),
+    "engines.openai_compat.answers": (["polar_addon/engines/openai_compat.py"], OPENAI_COMPAT_ANSWERS),
     # store.reader's copied-shard rule (each call and reward read once; run with --only on iter_records, once_each,
     # read_rewards, read_sessions): the eleventh round's selection and the tests that came with the rule.
     "store.reader.copies": (
