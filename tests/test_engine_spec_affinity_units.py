@@ -66,7 +66,7 @@ def test_an_empty_value_is_a_value() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("vllm:u?max_len=3", "unknown option(s) ['max_len'] (vllm takes weight_version, versions)"),
+        ("vllm:u?max_len=3", "unknown option(s) ['max_len'] (vllm takes weight_version, versions, model)"),
         ("local:d?b=1&a=2", "unknown option(s) ['a', 'b'] (local takes max_len, weight_version)"),
         ("scripted:r.json?x=1", "unknown option(s) ['x'] (scripted takes no options)"),
     ],

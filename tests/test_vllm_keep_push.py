@@ -58,14 +58,6 @@ def _reference(model: Path, prompt: list[int], response: list[int]) -> list[floa
     return logprobs.gather(1, torch.tensor(response)[:, None])[:, 0].tolist()
 
 
-def _generated(url: str) -> float:
-    """Tokens the server has sampled so far (its Prometheus counter)."""
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:generation_tokens_total"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("vLLM's /metrics has no vllm:generation_tokens_total")
-
-
 @pytest.mark.vllm
 def test_a_push_under_load_loses_no_call_and_labels_every_token_with_the_version_that_sampled_it(
     tiny_model_dir: Path, tmp_path: Path
@@ -79,13 +71,19 @@ def test_a_push_under_load_loses_no_call_and_labels_every_token_with_the_version
     state = tmp_path / "engines"
     server = serve_vllm(
         str(base), port=free_port(), served_model_name="policy", state_dir=state, push="in-place",
-        extra_args=["--enforce-eager", "--dtype=float32", "--max-model-len=2048"],
+        # A budget that recomputes a running request whole after a push: vLLM 0.32's CPU backend dies on a seeded
+        # request whose recompute is chunked ("CPU Generator does not use offset", _bookkeeping_sync).
+        extra_args=["--enforce-eager", "--dtype=float32", "--max-model-len=2048", "--max-num-batched-tokens=4096",
+                    "--max-num-seqs=1"],  # fmt: skip
     )  # fmt: skip
     try:
         assert "--enable-scale-out" in server.command
         label_version(server.url, "0")
 
-        async def run() -> tuple[list, float]:
+        # What each version's weights are: the pushes alternate between the checkpoint and the starting model.
+        models = {"0": base, "1": ckpt, "2": base, "3": ckpt}
+
+        async def run() -> tuple[list, list[float]]:
             engine = make_engine(f"vllm:{server.url}?weight_version=0&versions=spans", timeout_s=300)
             calls = [
                 CanonicalRequest(
@@ -96,16 +94,26 @@ def test_a_push_under_load_loses_no_call_and_labels_every_token_with_the_version
                 )  # fmt: skip
                 for seed in range(6)
             ]
-            running = [asyncio.create_task(engine.complete_tokens(c, PROMPT)) for c in calls]
-            while _generated(server.url) < 300:  # the requests are decoding (a loaded machine prefills slowly)
-                await asyncio.sleep(0.05)
-            started = time.monotonic()
-            line = await asyncio.to_thread(
-                reload_engine, server.spec, ckpt, state_dir=state, weight_version="1", keep=True
-            )
-            push_s = time.monotonic() - started
-            assert "in place" in line, line
-            done = await asyncio.gather(*running)
+            completions: list = []
+            pushes: list[float] = []
+            # The push must land while a request decodes. vLLM's API server hands out tokens behind its engine by a
+            # varying lag (measured on the 2-core VM: the engine done with 700 tokens each while the clients had 40),
+            # so the engine decodes one request at a time (--max-num-seqs 1) and the push follows the first answer:
+            # the next request is decoding then and the others wait. A round whose push still found nothing running
+            # is followed by another (up to three), every round's labels checked all the same.
+            for version in ("1", "2", "3"):
+                running = [asyncio.create_task(engine.complete_tokens(c, PROMPT)) for c in calls]
+                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                started = time.monotonic()
+                line = await asyncio.to_thread(
+                    reload_engine, server.spec, models[version], state_dir=state, weight_version=version, keep=True
+                )
+                pushes.append(time.monotonic() - started)
+                assert "in place" in line, line
+                done = await asyncio.gather(*running)
+                completions += done
+                if any(len(c.weight_versions or []) == 2 for c in done):
+                    break
             after = await engine.complete_tokens(calls[0], PROMPT)  # a call that starts after the push
             # Past the window, on both paths: the refusal the harness gets carries the prompt's real length.
             too_long = [1] + [17] * 2100
@@ -120,30 +128,35 @@ def test_a_push_under_load_loses_no_call_and_labels_every_token_with_the_version
             assert tokens_err.value.prompt_tokens == len(too_long) and (chat_err.value.prompt_tokens or 0) > 2048
             assert tokens_err.value.window == 2048, tokens_err.value.message
             await engine.close()
-            return [*done, after], push_s
+            return [*completions, after], pushes
 
-        completions, push_s = asyncio.run(run())
-        print(f"push under load: {push_s:.2f} s; spans {[c.weight_versions for c in completions]}")
-        assert push_s < 30, push_s
+        completions, pushes = asyncio.run(run())
+        last = str(len(pushes))
+        print(f"pushes under load: {[f'{p:.2f} s' for p in pushes]}; spans {[c.weight_versions for c in completions]}")
+        assert max(pushes) < 30, pushes
         mixed = [c for c in completions if c.weight_versions and len(c.weight_versions) == 2]
-        assert mixed, "no request was running when the weights were pushed"
-        assert completions[-1].weight_versions == [VersionSpan("1", 0, len(completions[-1].response_ids))]
-        compared = {"0": 0, "1": 0}
+        assert mixed, "no request was running when the weights were pushed, in three rounds"
+        assert completions[-1].weight_versions == [VersionSpan(last, 0, len(completions[-1].response_ids))]
+        compared = {base: 0, ckpt: 0}
         for c in completions:
             assert c.finish_reason in ("length", "stop") and c.response_ids, c.finish_reason
-            assert [s.version for s in c.weight_versions or []] in (["0"], ["1"], ["0", "1"])
+            versions = [s.version for s in c.weight_versions or []]
+            assert len(versions) in (1, 2) and [int(v) for v in versions] == list(
+                range(int(versions[0]), int(versions[0]) + len(versions))
+            ), versions  # one version, or two consecutive ones
             assert c.weight_version == c.weight_versions[0].version  # the oldest: what the staleness bound reads
-            references = {"0": _reference(base, PROMPT, c.response_ids), "1": _reference(ckpt, PROMPT, c.response_ids)}
+            references = {m: _reference(m, PROMPT, c.response_ids) for m in (base, ckpt)}
             for span in c.weight_versions or []:
+                model = models[span.version]
                 got = c.logprobs[span.start : span.end]
-                want = references[span.version][span.start : span.end]
-                other = references["1" if span.version == "0" else "0"][span.start : span.end]
+                want = references[model][span.start : span.end]
+                other = references[ckpt if model == base else base][span.start : span.end]
                 assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-3, (span, c.weight_versions)
                 assert max(abs(a - b) for a, b in zip(got, other, strict=True)) > 1e-2  # the versions differ
-                compared[span.version] += span.end - span.start
-        assert compared["0"] >= 100 and compared["1"] >= 100, compared
+                compared[model] += span.end - span.start
+        assert compared[base] >= 100 and compared[ckpt] >= 100, compared
         managed = load_state(state, server.port)
-        assert managed.weight_version == "1" and managed.model == str(ckpt.resolve())
+        assert managed.weight_version == last and managed.model == str(models[last].resolve())
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # resumed, serving
     finally:
         stop_engine(server.url, state_dir=state)

@@ -582,8 +582,9 @@ class TraceStore:
                 try:
                     self._convert(path)
                 except Exception as exc:
-                    self._output_error = f"cannot write shards to {self.uri}: {exc}"
-                    log.error("%s", self._output_error)
+                    reason = f"cannot write shards to {self.uri}: {exc}"
+                    log.error("%s", reason)  # logged before the refusals begin: whoever is refused finds why
+                    self._output_error = reason
                     break
             else:
                 if self._output_error:
