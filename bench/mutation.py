@@ -49,18 +49,22 @@ REWARD_FLOW_UNITS = [
 ]
 STORE_REWARD_UNITS = ["tests/test_store_rewards_sessions_units.py", *REWARD_FLOW_UNITS]
 
-# module -> (files to mutate, pytest selection: its fast unit tests)
-# engines.openai_compat's answer builders' selection: the entry's own files and the think-split tests.
-OPENAI_COMPAT_ANSWERS = [
+# engines.openai_compat's selection, and its answer builders' (with the think-split tests).
+OPENAI_COMPAT_UNITS = [
     "tests/test_engine_sglang.py",
     "tests/test_engine_http_pool.py",
     "tests/test_engine_http_client.py",
     "tests/test_engine_prompt_fast_path.py",
     "tests/test_gateway_sampling.py",
     "tests/test_vllm_token_versions.py",
+]
+OPENAI_COMPAT_ANSWERS = [
+    *OPENAI_COMPAT_UNITS,
     "tests/test_engine_chat_think_split.py",
     "tests/test_engine_openai_compat_audit_units.py",
 ]
+
+# module -> (files to mutate, pytest selection: its fast unit tests)
 
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     # One entry per provider: each is mutated against its own test file (and the fidelity round trips).
@@ -907,17 +911,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     # What an HTTP engine's answer becomes: the prompt and sampled token ids, the logprobs, the calls (run with --only
     # on the parsing functions: the rest is the client, tested against real servers).
-    "engines.openai_compat": (
-        ["polar_addon/engines/openai_compat.py"],
-        [
-            "tests/test_engine_sglang.py",
-            "tests/test_engine_http_pool.py",
-            "tests/test_engine_http_client.py",
-            "tests/test_engine_prompt_fast_path.py",
-            "tests/test_gateway_sampling.py",
-            "tests/test_vllm_token_versions.py",
-        ],
-    ),
+    "engines.openai_compat": (["polar_addon/engines/openai_compat.py"], OPENAI_COMPAT_UNITS),
     # The <think> split every Qwen format shares, and the call ids polar mints.
     "tool_parsers.reasoning": (
         ["polar_addon/tool_parsers/reasoning.py", "polar_addon/tool_parsers/calls.py"],
