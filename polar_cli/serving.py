@@ -357,7 +357,7 @@ def serve_vllm(
         if "--enable-scale-out" not in (extra_args or []):
             extra_args = [*(extra_args or []), "--enable-scale-out"]
     if push == "adapter":
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # POST /v1/load_lora_adapter, with load_inplace
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
         lora_rank = max_lora_rank(lora_rank)
         # Before the extra args, which win (argparse keeps the last).
         extra_args = ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1", *(extra_args or [])]
@@ -506,9 +506,9 @@ def reload_vllm_in_place(
     adapter), and the requests running during such a load keep reloading the old adapter's path, so they would not
     go on with the new weights: a push of requests kept is refused for adapters."""
     server = load_state(state_dir, port_of(url))
-    names = {"lora_name": server.adapter_name}
     adapter = None
     if server.push == "adapter":
+        names = {"lora_name": server.adapter_name}
         refusal = adapter_refusal(Path(checkpoint), server)
         if refusal is None and keep:
             refusal = (

@@ -392,8 +392,11 @@ class _Engine:
             self._pushed(policy, version, started)
         # vLLM reports no version: the tag in the spec is only true if this server serves ``policy`` now. Loaded in
         # place, the server still names the model it started on; what it loaded since is in its state.
-        server = self.server if self.server.push == "restart" else load_state(self.state_dir, self.server.port)
-        root = served_root(server.url) if server.push == "restart" else server.model
+        if self.server.push == "restart":
+            server, root = self.server, served_root(self.server.url)
+        else:
+            server = load_state(self.state_dir, self.server.port)
+            root = server.model
         if root is not None and Path(root).resolve() != policy.resolve():
             raise RuntimeError(
                 f"vLLM on {server.url} serves {root}, not {policy}: its calls cannot be tagged version {version}"
