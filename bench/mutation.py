@@ -201,7 +201,12 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # Does a call continue its session's previous one, message for message (the token-continuity decision).
     "continuity.check": (
         ["polar_addon/continuity/check.py"],
-        ["tests/test_continuity.py", "tests/test_continuity_providers.py", "tests/test_continuity_check_edges.py"],
+        [
+            "tests/test_continuity.py",
+            "tests/test_continuity_providers.py",
+            "tests/test_continuity_check_edges.py",
+            "tests/test_continuity_fast_paths.py",
+        ],
     ),
     # The session's stage decisions (deadline, early stop, statuses, rewards) on the local runtime and a real proxy
     # (run with --only on the decision functions: the rest is the same code the rollouts run).

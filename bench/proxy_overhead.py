@@ -10,8 +10,10 @@
 Prints p50/p99 added latency over (a) at ~1k and ~32k-token contexts (plain and streaming), and the
 sustained completions/s with 16 concurrent clients. Each row is one session, as an agent's calls are;
 "32k new" rotates prompts that share no prefix with the previous call (a session's first call, or rewritten
-history), so nothing about the session's last call can be reused. Targets (issue 2): (c)'s added p50 within 1.5x
-of (b)'s, and >= 200 completions/s.
+history), so nothing about the session's last call can be reused; "harness" is an Anthropic call shaped like a
+coding harness's (17 tools with schemas, 20-27 tool rounds, ~32k tokens), whose structure the translation and the
+continuity check walk. Targets (issue 26): (c)'s added p50 within 1.2x of (b)'s, p99 within 2x, and >= 0.8x its
+completions/s.
 
     .venv/bin/python bench/proxy_overhead.py [--rounds 300] [--seconds 8]
 """
@@ -75,6 +77,7 @@ ENGINE = (
 
     app = web.Application(client_max_size=1 << 30)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/messages", chat)  # plain mitmdump relays a harness's Anthropic call here unread
     app.router.add_get("/v1/models", models)
     web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
     """
@@ -99,11 +102,35 @@ def request_body(tokens: int, stream: bool, other: int | None = None) -> bytes:
     )
 
 
+def harness_body(turns: int) -> bytes:
+    """An Anthropic Messages call shaped like a coding harness's (~32k tokens): a long system prompt, 17 tools with
+    JSON schemas, and ``turns`` tool-use rounds, each a tool call and its result: the structure, not only the size,
+    that each call's parse, translation and continuity check walk."""
+    schema = {
+        "type": "object",
+        "required": ["p0"],
+        "additionalProperties": False,
+        "properties": {f"p{j}": {"type": "string", "description": "A parameter. " * 8} for j in range(8)},
+    }
+    tools = [{"name": f"Tool{i}", "description": "Does a thing with files and the shell. " * 30, "input_schema": schema}
+             for i in range(17)]  # fmt: skip
+    messages: list[dict] = [{"role": "user", "content": [{"type": "text", "text": "Fix the failing test. " * 30}]}]
+    for t in range(turns):
+        call = {"type": "tool_use", "id": f"toolu_{t:04d}", "name": f"Tool{t % 17}", "input": {"p0": f"/repo/f{t}.py"}}
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": f"Step {t}."}, call]})
+        result = {"type": "tool_result", "tool_use_id": call["id"], "content": "line of output\n" * 266}
+        messages.append({"role": "user", "content": [result]})
+    return orjson.dumps(
+        {"model": "bench", "max_tokens": RESPONSE_TOKENS, "system": [{"type": "text", "text": "You are terse. " * 500}],
+         "tools": tools, "messages": messages}
+    )  # fmt: skip
+
+
 class Case:
     """One row of the table: a request (or a rotation of them) sent as one session."""
 
-    def __init__(self, name: str, bodies: list[bytes]) -> None:
-        self.name, self.bodies = name, bodies
+    def __init__(self, name: str, bodies: list[bytes], path: str = "/v1/chat/completions") -> None:
+        self.name, self.bodies, self.path = name, bodies, path
         self.stream = b'"stream":true' in bodies[0]
         self.headers = {
             "content-type": "application/json",
@@ -128,7 +155,7 @@ def latency_run(paths: dict[str, str], cases: list[Case], rounds: int) -> dict[t
                 if case.stream and not path.startswith(("c_", "d_")):
                     continue
                 t0 = time.perf_counter()
-                response = client.post("/v1/chat/completions", content=case.body(i), headers=case.headers)
+                response = client.post(case.path, content=case.body(i), headers=case.headers)
                 response.read()
                 elapsed = time.perf_counter() - t0
                 assert response.status_code == 200, (path, response.status_code, response.text[:300])
@@ -189,6 +216,9 @@ def main() -> None:
                     Case("1k", [request_body(1024, False)]),
                     Case("32k", [request_body(32768, False)]),
                     Case("32k new", [request_body(32768, False, other=i) for i in range(8)]),
+                    # Eight calls of a growing history: none continues the last (the instant engine answers
+                    # something else than the history says), so each is checked against the session's chains.
+                    Case("harness", [harness_body(20 + i) for i in range(8)], path="/v1/messages"),
                     Case("1k stream", [request_body(1024, True)]),
                     Case("32k stream", [request_body(32768, True)]),
                 ]

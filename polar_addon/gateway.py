@@ -119,18 +119,21 @@ def _canonical_arguments(text: str) -> str:
 
 
 def _json_depth(value: Any, limit: int) -> int:
-    """Nesting depth of a parsed JSON value, counted up to ``limit + 1`` (iterative: no recursion limit)."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > deepest:
-            deepest = depth
-            if deepest > limit:
-                return deepest
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
+    """Nesting depth of a parsed JSON value, counted up to ``limit + 1`` (level by level: no recursion limit, and
+    no per-node tuple, which made this ~40% of a harness-sized body's translation)."""
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        if depth > limit:
+            return depth
+        below: list[Any] = []
+        keep = below.append
+        for node in level:
+            for child in node.values() if type(node) is dict else node:
+                if type(child) is dict or type(child) is list:
+                    keep(child)
+        level = below
+    return depth
 
 
 def _printable_headers(headers: dict[str, str]) -> dict[str, str]:

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from polar_addon.canonical import AssistantMessage, CanonicalRequest
-from polar_addon.continuity.check import Continues, check_continuity
+from polar_addon.continuity.check import Continues, check_continuity, plain_history
 from polar_addon.continuity.delta import DeltaPrompt, NoDelta
 from polar_addon.engines import Engine, TokenInputEngine, takes_token_input
 
@@ -48,6 +49,11 @@ class ChainTip:
     engine: str
     matched_stop: str | None = None  # the stop string that ended the turn: its text never reached the harness
 
+    @cached_property
+    def history_plain(self) -> bool:
+        """check.plain_history of the request's messages, found once for every later call it is checked against."""
+        return plain_history(self.request.messages)
+
 
 @dataclass(frozen=True)
 class PromptPlan:
@@ -69,7 +75,7 @@ def judge(chains: Sequence[ChainTip], request: CanonicalRequest, engine: str) ->
         if chain.engine != engine:
             verdicts.append("engine_changed")
             continue
-        verdict = check_continuity(chain.request, chain.returned, request)
+        verdict = check_continuity(chain.request, chain.returned, request, previous_plain=chain.history_plain)
         verdicts.append(verdict if isinstance(verdict, Continues) else verdict.reason.value)
     return verdicts
 

@@ -125,19 +125,25 @@ def _arguments_value(arguments: Any) -> tuple[bool, Any]:
         return False, arguments
 
 
+def _tool_function(tool: Any) -> dict[str, Any] | None:
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    return fn if isinstance(fn, dict) else None
+
+
+def _declared_defaults(fn: dict[str, Any]) -> dict[str, Any]:
+    params = fn.get("parameters", fn.get("input_schema"))
+    properties = params.get("properties") if isinstance(params, dict) else None
+    if not isinstance(properties, dict):
+        return {}
+    return {key: prop["default"] for key, prop in properties.items() if isinstance(prop, dict) and "default" in prop}
+
+
 def schema_defaults(tools: Sequence[Any], name: Any) -> dict[str, Any]:
     """The top-level ``default`` values that tool ``name``'s parameter schema declares (none: {})."""
     for tool in tools if isinstance(tools, (list, tuple)) else ():
-        fn = tool.get("function", tool) if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or fn.get("name") != name:
-            continue
-        params = fn.get("parameters", fn.get("input_schema"))
-        properties = params.get("properties") if isinstance(params, dict) else None
-        if not isinstance(properties, dict):
-            return {}
-        return {
-            key: prop["default"] for key, prop in properties.items() if isinstance(prop, dict) and "default" in prop
-        }
+        fn = _tool_function(tool)
+        if fn is not None and fn.get("name") == name:
+            return _declared_defaults(fn)
     return {}
 
 
@@ -200,6 +206,29 @@ def same_message(a: Any, b: Any, tools: Sequence[Any] = ()) -> bool:
     """Two canonical messages say the same thing to the model, up to what harnesses do to a replay: ``a`` as polar
     holds it (the earlier request, the turn it returned), ``b`` as the client sends it back; ``tools`` (the
     request's) give the schema defaults a harness may fill into ``b``'s tool calls."""
+    return _same_message(a, b, _Defaults(tools))
+
+
+class _Defaults:
+    """schema_defaults by tool name for one tools list, read in one pass when first asked (a long history calls
+    the same tools many times)."""
+
+    def __init__(self, tools: Sequence[Any]) -> None:
+        self.tools = tools
+        self.by_name: dict[str, dict[str, Any]] | None = None
+
+    def of(self, name: str) -> dict[str, Any]:
+        if self.by_name is None:
+            self.by_name = {}
+            for tool in self.tools if isinstance(self.tools, (list, tuple)) else ():
+                fn = _tool_function(tool)
+                found = fn.get("name") if fn is not None else None
+                if isinstance(found, str) and found not in self.by_name:  # the first of a name, as schema_defaults
+                    self.by_name[found] = _declared_defaults(fn)  # type: ignore[arg-type]
+        return self.by_name.get(name, {})
+
+
+def _same_message(a: Any, b: Any, defaults: _Defaults) -> bool:
     if not isinstance(a, dict) or not isinstance(b, dict) or a.get("role") != b.get("role"):
         return False
     if not _same_text(a.get("content"), b.get("content")):
@@ -212,7 +241,7 @@ def same_message(a: Any, b: Any, tools: Sequence[Any] = ()) -> bool:
     if calls_a is None or calls_b is None or len(calls_a) != len(calls_b):
         return False
     return all(
-        isinstance(na, str) and na == nb and _same_arguments(aa, ab, schema_defaults(tools, na))
+        isinstance(na, str) and na == nb and _same_arguments(aa, ab, defaults.of(na))
         for (na, aa), (nb, ab) in zip(calls_a, calls_b)
     )
 
@@ -231,8 +260,26 @@ def _tool_key(tool: Any) -> Any:
     return {k: v for k, v in tool.items() if k != "cache_control"}
 
 
+def _json_text(value: Any) -> bytes | None:
+    """``value`` as JSON text with sorted keys; None where orjson cannot write it."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        return None
+
+
 def _same_tools(a: Sequence[Any], b: Sequence[Any]) -> bool:
-    return len(a) == len(b) and all(_json_equal(_tool_key(x), _tool_key(y)) for x, y in zip(a, b))
+    if len(a) != len(b):
+        return False
+    left, right = [_tool_key(x) for x in a], [_tool_key(y) for y in b]
+    # A harness sends the same tools on every call: tens of KiB of schemas, which _json_equal walks in Python (most
+    # of a continuation check). The same JSON text with sorted keys is the same JSON value, but for a NaN or an
+    # infinity, which orjson writes as null: == on the values tells those apart (a NaN equals only itself, the very
+    # same object, which two parsed requests never share).
+    text = _json_text(left)
+    if text is not None and text == _json_text(right) and left == right:
+        return True
+    return all(_json_equal(x, y) for x, y in zip(left, right))
 
 
 def _sampling_change(previous: CanonicalRequest, new: CanonicalRequest) -> str | None:
@@ -243,11 +290,30 @@ def _sampling_change(previous: CanonicalRequest, new: CanonicalRequest) -> str |
     return None
 
 
-def check_continuity(previous: CanonicalRequest, returned: AssistantMessage, new: CanonicalRequest) -> Continuity:
+def plain_history(messages: Sequence[Any]) -> bool:
+    """Whether same_message reads each of ``messages`` as text alone (text content and reasoning, calls by name and
+    argument text). A later history ``==`` to such a one is then the same to the model, message by message: the
+    shortcut check_continuity takes for a session's repeated history (tens of messages walked in Python per call)."""
+    for message in messages:
+        if not isinstance(message, dict) or _text(message.get("content")) is None:
+            return False
+        if message.get("role") == "assistant":
+            calls = _calls(message)
+            if _text(_reasoning(message)) is None or calls is None:
+                return False
+            if not all(isinstance(name, str) and isinstance(arguments, str) for name, arguments in calls):
+                return False
+    return True
+
+
+def check_continuity(
+    previous: CanonicalRequest, returned: AssistantMessage, new: CanonicalRequest, *, previous_plain: bool = False
+) -> Continuity:
     """Whether ``new`` continues ``previous`` after polar answered it with ``returned``.
 
     Pass both requests as the gateway sends them on (sampling defaults filled), so that a parameter the
-    client leaves out compares as the value the engine used.
+    client leaves out compares as the value the engine used. ``previous_plain``: :func:`plain_history` of
+    ``previous.messages``, where the caller keeps it (a chain is checked against every later call of its session).
     """
     if new.model != previous.model:
         return Diverged(DivergeReason.OTHER, f"model changed from {previous.model!r} to {new.model!r}")
@@ -271,8 +337,10 @@ def check_continuity(previous: CanonicalRequest, returned: AssistantMessage, new
     harness = new.compaction_prompt
     if harness is not None and previous.compaction_prompt is None:
         return Diverged(DivergeReason.COMPACTION, f"{harness} asks for a summary of the conversation")
-    for index, message in enumerate(old):
-        if index >= len(messages) or not same_message(message, messages[index], new.tools):
+    defaults = _Defaults(new.tools)
+    repeated = previous_plain and messages[: len(old)] == old  # == compares in C what the loop would in Python
+    for index, message in enumerate(() if repeated else old):
+        if index >= len(messages) or not _same_message(message, messages[index], defaults):
             summarised = summarised_history(messages)
             if summarised is not None and summarised_history(old) is None:
                 return Diverged(DivergeReason.COMPACTION, f"the history is a {summarised} summary")
@@ -284,7 +352,7 @@ def check_continuity(previous: CanonicalRequest, returned: AssistantMessage, new
     at = len(old)
     if at >= len(messages):
         return Diverged(DivergeReason.OTHER, "the previous request again (a retry or another sample)")
-    if not same_message(returned.to_openai(), messages[at], new.tools):
+    if not _same_message(returned.to_openai(), messages[at], defaults):
         return Diverged(DivergeReason.EDITED_HISTORY, f"message {at} is not the assistant turn polar returned")
     new_messages = messages[at + 1 :]
     if not new_messages:
