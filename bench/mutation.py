@@ -897,9 +897,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["polar_addon/continuity/chains.py"],
         [
             "tests/test_tito_gateway.py",
+            "tests/test_continuity_fast_paths.py",
             "-k",
             "bounded or another_engine or told or judge or compaction_verdict or mode or without_chains"
-            " or continuation or newest_first or token_input",
+            " or continuation or newest_first or token_input or walked",
         ],
     ),
     # The canonical form every provider translates to: sampling defaults and their checks, the assistant message

@@ -145,10 +145,25 @@ def test_tools_compare_as_json_values_on_the_fast_path_and_off_it() -> None:
     assert isinstance(_both_ways(HISTORY, _continued(HISTORY), tools=with_default(True)), Continues)
 
 
+def test_the_same_tools_in_any_key_order_are_never_walked_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    walked: list[Any] = []
+    real = check._json_equal
+    monkeypatch.setattr(check, "_json_equal", lambda a, b: walked.append(a) or real(a, b))
+    reordered = copy.deepcopy(TOOLS)
+    reordered[0] = {k: reordered[0][k] for k in reversed(list(reordered[0]))}
+    reordered[0]["input_schema"] = dict(reversed(list(reordered[0]["input_schema"].items())))
+    assert _same_tools(TOOLS, copy.deepcopy(TOOLS)) and _same_tools(TOOLS, reordered)
+    assert walked == []
+    other = copy.deepcopy(TOOLS)
+    other[1]["name"] = "write"
+    assert not _same_tools(TOOLS, other) and walked  # a real difference is walked, and found
+
+
 def test_schema_defaults_of_a_tools_list_are_read_once_first_tool_of_a_name_first() -> None:
     twice = [
         {"name": 5, "input_schema": SCHEMA},
         "junk",
+        {"function": "junk"},
         {"type": "function", "function": {"name": "bash", "parameters": {"properties": {"a": {"default": 1}}}}},
         {"name": "bash", "input_schema": SCHEMA},
         {"name": "bare"},
@@ -157,4 +172,6 @@ def test_schema_defaults_of_a_tools_list_are_read_once_first_tool_of_a_name_firs
     assert defaults.of("bash") == {"a": 1} == check.schema_defaults(twice, "bash")
     assert defaults.of("bare") == {} and defaults.of("missing") == {} and defaults.by_name is not None
     assert set(defaults.by_name) == {"bash", "bare"}  # a name that is not text is nobody's
+    assert check.schema_defaults(twice, "junk") == {}
     assert _Defaults("junk").of("bash") == {} and _Defaults(tuple(TOOLS)).of("bash") == {"login": False}
+    assert _Defaults(5).of("bash") == {} and check.schema_defaults(5, "bash") == {}  # not a list: no tools
