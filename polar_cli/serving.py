@@ -527,23 +527,26 @@ def reload_vllm_in_place(
     if refusal is not None:
         raise InPlaceRefused(refusal)
     paused = loaded = unloaded = False
+    # One client, one connection, for the whole push: a client per call builds an SSL context each time (~40 ms, more
+    # on a core the running batch keeps busy), inside the window in which a keep push holds the engine paused.
+    client = httpx.Client()
     try:
         try:
             if keep:
                 # A pause that failed in the engine (500) or whose answer was lost (a timeout) may have paused it:
                 # resume then too (resuming a running engine does nothing). Only a refusal (4xx) did nothing.
                 paused = True
-                pause = httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=timeout_s)
+                pause = client.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=timeout_s)
                 paused = not pause.is_client_error
                 pause.raise_for_status()
             for endpoint, body, missing_ok in steps:
-                answer = httpx.post(endpoint, json=body, timeout=timeout_s)
+                answer = client.post(endpoint, json=body, timeout=timeout_s)
                 if not (missing_ok and answer.status_code == 404):
                     answer.raise_for_status()
                 unloaded = unloaded or endpoint.endswith("/unload_lora_adapter")
             loaded = True
             server.adapter = adapter or server.adapter
-            reset = httpx.post(
+            reset = client.post(
                 f"{server.url}/reset_prefix_cache",
                 params={"reset_running_requests": str(keep).lower()},
                 timeout=timeout_s,
@@ -556,13 +559,16 @@ def reload_vllm_in_place(
             if success is False:
                 raise EngineError(f"vLLM on {server.url} kept its prefix cache of the old weights (blocks still held)")
             if weight_version is not None:
-                label_version(server.url, weight_version, timeout_s)
+                label_version(server.url, weight_version, timeout_s, client)
         except httpx.HTTPError as exc:
             detail = getattr(getattr(exc, "response", None), "text", "")[:300]
             raise EngineError(f"vLLM on {server.url} could not reload {checkpoint} in place: {exc} {detail}") from exc
         finally:
-            if paused:
-                _resume(server.url, timeout_s)
+            try:
+                if paused:
+                    _resume(server.url, timeout_s, client)
+            finally:
+                client.close()
     except EngineError:
         if loaded:
             # The workers hold the checkpoint whatever failed after the load: the state names it, with no version
@@ -581,18 +587,20 @@ def reload_vllm_in_place(
     return server
 
 
-def _resume(url: str, timeout_s: float) -> None:
+def _resume(url: str, timeout_s: float, client: httpx.Client) -> None:
     """Generation goes on whatever the reload did: a server left paused would hang every request it holds."""
     try:
-        httpx.post(f"{url}/resume", timeout=timeout_s).raise_for_status()
+        client.post(f"{url}/resume", timeout=timeout_s).raise_for_status()
     except httpx.HTTPError as exc:
         raise EngineError(f"vLLM on {url} did not resume after the reload: {exc}") from exc
 
 
-def label_version(url: str, weight_version: str, timeout_s: float = 60.0) -> None:
+def label_version(url: str, weight_version: str, timeout_s: float = 60.0, client: httpx.Client | None = None) -> None:
     """Tell a server with the development endpoints which weight version it holds: the scale-out endpoints report it
-    for every token sampled from now on (vLLM's own ``default`` before anyone says)."""
-    answer = httpx.post(f"{url}/update_weight_version", json={"new_version": weight_version}, timeout=timeout_s)
+    for every token sampled from now on (vLLM's own ``default`` before anyone says). ``client``: the caller's, in a
+    sequence of calls."""
+    post = httpx.post if client is None else client.post
+    answer = post(f"{url}/update_weight_version", json={"new_version": weight_version}, timeout=timeout_s)
     answer.raise_for_status()
 
 

@@ -793,13 +793,18 @@ def test_in_place_refusal_of_an_unreadable_config(tmp_path: Path) -> None:
 def timeouts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
     """The timeout of every POST (the real request still goes to the fake engine)."""
     seen: list[tuple[str, object]] = []
-    real = httpx.post
+    real, real_client = httpx.post, httpx.Client.post
 
     def post(url: str, **kwargs: object) -> httpx.Response:
         seen.append((urlparse(url).path, kwargs.get("timeout")))
         return real(url, **kwargs)
 
+    def client_post(client: httpx.Client, url: str, **kwargs: object) -> httpx.Response:
+        seen.append((urlparse(url).path, kwargs.get("timeout")))
+        return real_client(client, url, **kwargs)
+
     monkeypatch.setattr(serving.httpx, "post", post)
+    monkeypatch.setattr(serving.httpx.Client, "post", client_post)
     return seen
 
 
