@@ -853,6 +853,32 @@ def test_a_keep_reload_pauses_keeping_requests_preempts_them_and_always_resumes(
     assert load_state(tmp_path / "state", engine.port).weight_version == "6"
 
 
+@pytest.mark.parametrize("failing", [None, "/collective_rpc"])
+def test_a_push_makes_its_calls_through_one_client_and_closes_it(
+    tmp_path: Path, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, failing: str | None
+) -> None:
+    # A client per call built an SSL context each time, inside the window a keep push holds the engine paused.
+    made: list[httpx.Client] = []
+
+    class Recorded(httpx.Client):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(serving.httpx, "Client", Recorded)
+    monkeypatch.setattr(serving.httpx, "post", lambda *a, **k: pytest.fail("a call outside the push's client"))
+    ckpt = _checkpoint(tmp_path)
+    _managed(tmp_path, engine.port)
+    if failing:
+        engine.answers[failing] = (500, {"error": "boom"})
+    try:
+        reload_vllm_in_place(engine.url, str(ckpt), state_dir=tmp_path / "state", weight_version="6", keep=True)
+    except EngineError:
+        assert failing
+    assert len(engine.paths()) == (3 if failing else 5) and engine.paths()[-1] == "/resume"
+    assert len(made) == 1 and made[0].is_closed
+
+
 def test_without_a_version_the_server_keeps_its_label(tmp_path: Path, engine: FakeEngine) -> None:
     ckpt = _checkpoint(tmp_path)
     _managed(tmp_path, engine.port)
