@@ -173,5 +173,6 @@ def test_schema_defaults_of_a_tools_list_are_read_once_first_tool_of_a_name_firs
     assert defaults.of("bare") == {} and defaults.of("missing") == {} and defaults.by_name is not None
     assert set(defaults.by_name) == {"bash", "bare"}  # a name that is not text is nobody's
     assert check.schema_defaults(twice, "junk") == {}
+    assert check.schema_defaults(twice, 5) == {} and check.schema_defaults(twice, ["bash"]) == {}  # names are text
     assert _Defaults("junk").of("bash") == {} and _Defaults(tuple(TOOLS)).of("bash") == {"login": False}
     assert _Defaults(5).of("bash") == {} and check.schema_defaults(5, "bash") == {}  # not a list: no tools

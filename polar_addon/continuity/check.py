@@ -139,12 +139,9 @@ def _declared_defaults(fn: dict[str, Any]) -> dict[str, Any]:
 
 
 def schema_defaults(tools: Sequence[Any], name: Any) -> dict[str, Any]:
-    """The top-level ``default`` values that tool ``name``'s parameter schema declares (none: {})."""
-    for tool in tools if isinstance(tools, (list, tuple)) else ():
-        fn = _tool_function(tool)
-        if fn is not None and fn.get("name") == name:
-            return _declared_defaults(fn)
-    return {}
+    """The top-level ``default`` values that tool ``name``'s parameter schema declares (none: {}); the first tool of
+    that name counts. Tools are named by text: any other name has none."""
+    return _Defaults(tools).of(name) if isinstance(name, str) else {}
 
 
 def _without_filled_defaults(sampled: Any, sent: Any, defaults: dict[str, Any]) -> Any:
@@ -222,9 +219,9 @@ class _Defaults:
             self.by_name = {}
             for tool in self.tools if isinstance(self.tools, (list, tuple)) else ():
                 fn = _tool_function(tool)
-                found = fn.get("name") if fn is not None else None
-                if isinstance(found, str) and found not in self.by_name:  # the first of a name, as schema_defaults
-                    self.by_name[found] = _declared_defaults(fn)  # type: ignore[arg-type]
+                found = None if fn is None else fn.get("name")
+                if fn is not None and isinstance(found, str) and found not in self.by_name:  # the first of a name
+                    self.by_name[found] = _declared_defaults(fn)
         return self.by_name.get(name, {})
 
 
